@@ -1,0 +1,41 @@
+"""The coordinator's view of the federation: one small interface, several transports.
+
+A transport fans a request out to orgs and collects what comes back by a deadline. Per org the result is either
+the reply dataclass or an ``Exception`` (timeout, connection error, remote error): the round loop decides what a
+missing org means (skip it, check ``min_orgs``), never the transport.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Mapping, TypeVar
+
+from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
+
+R = TypeVar("R")
+Replies = dict[str, "R | Exception"]
+
+
+class TransportTimeout(TimeoutError):
+    """The org did not answer before the deadline."""
+
+
+class Transport(ABC):
+    @abstractmethod
+    def org_ids(self) -> list[str]:
+        """Org ids currently reachable (may change between rounds)."""
+
+    @abstractmethod
+    def generate(self, plans: Mapping[str, RoundPlan], timeout_s: float) -> dict[str, RolloutBatch | Exception]: ...
+
+    @abstractmethod
+    def train(self, requests: Mapping[str, TrainRequest], timeout_s: float) -> dict[str, TrainReport | Exception]: ...
+
+    @abstractmethod
+    def evaluate(self, requests: Mapping[str, EvalRequest], timeout_s: float) -> dict[str, EvalReport | Exception]: ...
+
+    @abstractmethod
+    def checkpoint(self, org_ids: list[str], round: int, timeout_s: float) -> dict[str, str | Exception]: ...
+
+    def close(self) -> None:
+        """Release connections / stop processes this transport started."""

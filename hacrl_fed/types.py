@@ -1,0 +1,124 @@
+"""Protocol dataclasses: what crosses between the coordinator and an organization's policy worker.
+
+These are the library-side shapes of the ``hacrl_fed.v1`` protobuf messages (``proto/``). Exactly one module,
+``hacrl_fed.wire.codec``, converts between them and protobuf. Nothing here imports torch, flwr or protobuf.
+
+Vocabulary: an *org* is one organization (one agent, one private model). ``org_id`` is its stable string id.
+Rollouts carry only text, reward and the source's sequence log-prob (sum and token count): never weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_STOP = "stop"  # the response ended with the source's EOS token (EOS counted in token_count)
+FINISH_LENGTH = "length"  # truncated at max_new_tokens
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH)
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task prompt as sent to every org: chat messages plus the reference answer for the verifier."""
+
+    prompt_id: int
+    messages: tuple[ChatMessage, ...]
+    reference: str
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 64
+    num_samples: int = 8  # G: responses per prompt
+    seed: int = 0  # per-round seed; each org mixes in its own id
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Coordinator → every live org at the start of a round (ARCHITECTURE.md step 1)."""
+
+    run_id: str
+    round: int
+    task: str  # task / verifier registry name
+    prompts: tuple[Prompt, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One response, as published by its source org (HACPO.md "What an agent publishes")."""
+
+    org_id: str
+    round: int
+    prompt_id: int
+    sample_index: int
+    response: str  # decoded, special tokens skipped, no trailing EOS
+    finish_reason: str  # FINISH_STOP | FINISH_LENGTH
+    reward: float  # verified, in [0, 1]
+    logprob_sum: float  # sum of the source's token log-probs (pre-update weights, temperature 1)
+    token_count: int  # tokens in that sum (EOS included iff finish_reason == "stop")
+
+    @property
+    def mean_log_prob(self) -> float:
+        """``lbar_j(y)`` = source log-prob sum / source token count."""
+        return self.logprob_sum / max(self.token_count, 1)
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """An org's reply to a RoundPlan (ARCHITECTURE.md step 2). ``signature`` is reserved for Ed25519 signing."""
+
+    run_id: str
+    round: int
+    org_id: str
+    rollouts: tuple[Rollout, ...]
+    accuracy: float  # mean reward of this org's rollouts this round (P_k(t))
+    metrics: dict[str, float] = field(default_factory=dict)
+    signature: bytes = b""
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """Coordinator → org: the other orgs' accepted rollouts of this round and the capability table."""
+
+    run_id: str
+    round: int
+    org_id: str  # the learner
+    prompts: tuple[Prompt, ...]  # the round's prompts (to re-tokenize foreign text with the learner's template)
+    foreign: tuple[Rollout, ...]
+    capability: dict[str, float]  # org_id -> Phat (effective: all 1.0 during warm-up)
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    run_id: str
+    round: int
+    org_id: str
+    metrics: dict[str, float] = field(default_factory=dict)  # namespaced: "hacpo/...", "train/...", "time/..."
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    run_id: str
+    round: int
+    task: str
+    prompts: tuple[Prompt, ...]
+    max_new_tokens: int = 64  # greedy decoding
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    run_id: str
+    round: int
+    org_id: str
+    accuracy: float
+    num_prompts: int
+    metrics: dict[str, float] = field(default_factory=dict)
