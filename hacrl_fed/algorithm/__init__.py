@@ -1,0 +1,30 @@
+"""HACPO and its baselines as pure tensor functions (no I/O, no flwr, no protobuf).
+
+See ``shared/design/HACPO.md``. Vocabulary: ``log_probs``/``old_log_probs``/``advantages`` per sequence [N]
+(or per token [B, T] with ``response_mask``), ``group_ids``/``source_ids`` [N].
+"""
+
+from hacrl_fed.algorithm.advantages import (
+    advantage_metrics, capability_ratios, cross_weights, group_advantages, hacpo_advantages,
+)
+from hacrl_fed.algorithm.batching import minibatch_schedule, order_rows
+from hacrl_fed.algorithm.capability import CapabilityTracker
+from hacrl_fed.algorithm.losses import (
+    HacpoLossConfig, cross_lower_bound, grpo_loss, gspo_loss, gspo_objective, hacpo_loss, kl_k3, masked_mean,
+    sequence_mean_log_prob,
+)
+from hacrl_fed.algorithm.registry import (
+    ADVANTAGE_ESTIMATORS, ALGORITHMS, POLICY_LOSSES, AlgorithmSpec, PolicyLossConfig, PolicyLossInputs,
+    get_advantage_estimator, get_algorithm, get_policy_loss, register_advantage_estimator, register_policy_loss,
+)
+
+naive_loss = POLICY_LOSSES["naive"]
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "POLICY_LOSSES", "AlgorithmSpec", "CapabilityTracker", "HacpoLossConfig",
+    "PolicyLossConfig", "PolicyLossInputs", "advantage_metrics", "capability_ratios", "cross_lower_bound",
+    "cross_weights", "get_advantage_estimator", "get_algorithm", "get_policy_loss", "group_advantages",
+    "grpo_loss", "gspo_loss", "gspo_objective", "hacpo_advantages", "hacpo_loss", "kl_k3", "masked_mean",
+    "minibatch_schedule", "naive_loss", "order_rows", "register_advantage_estimator", "register_policy_loss",
+    "sequence_mean_log_prob",
+]

@@ -1,0 +1,169 @@
+"""Advantage estimators (pure tensor functions; HACPO.md §2 "Capability-aware advantage").
+
+Shapes: ``N`` rows (sequences). ``group_ids[N]`` names each row's prompt group (any integers), ``source_ids[N]``
+the agent index that produced the row, ``capability[n_agents]`` the ``Phat`` values.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+def _as_tensor(x: Tensor | Sequence[float], dtype: torch.dtype, name: str) -> Tensor:
+    t = torch.as_tensor(x, dtype=dtype)
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_rows(rewards: Tensor, group_ids: Tensor, source_ids: Tensor | None = None) -> None:
+    n = rewards.shape[0]
+    if group_ids.shape[0] != n or (source_ids is not None and source_ids.shape[0] != n):
+        raise ValueError(
+            f"rewards, group_ids and source_ids must have the same length, got {n}, {group_ids.shape[0]}"
+            + (f", {source_ids.shape[0]}" if source_ids is not None else "")
+        )
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards must be finite")
+
+
+class _Groups:
+    """Per-group reductions via scatter: ``idx[N]`` dense group index, ``G`` groups."""
+
+    def __init__(self, group_ids: Tensor):
+        _, self.idx = torch.unique(group_ids, return_inverse=True)
+        self.num = int(self.idx.max().item()) + 1 if self.idx.numel() else 0
+
+    def sum(self, values: Tensor) -> Tensor:
+        return torch.zeros(self.num, dtype=values.dtype).index_add_(0, self.idx, values)
+
+    def count(self, mask: Tensor | None = None, dtype: torch.dtype = torch.float64) -> Tensor:
+        ones = torch.ones(self.idx.shape[0], dtype=dtype) if mask is None else mask.to(dtype)
+        return self.sum(ones)
+
+    def amax(self, values: Tensor) -> Tensor:
+        out = torch.full((self.num,), -torch.inf, dtype=values.dtype)
+        return out.scatter_reduce(0, self.idx, values, reduce="amax")
+
+    def amin(self, values: Tensor) -> Tensor:
+        out = torch.full((self.num,), torch.inf, dtype=values.dtype)
+        return out.scatter_reduce(0, self.idx, values, reduce="amin")
+
+    def std(self, values: Tensor, mean: Tensor) -> Tensor:
+        """Bessel-corrected std per group (NaN-free: groups of one get 0)."""
+        n = self.count(dtype=values.dtype)
+        sq = self.sum((values - mean[self.idx]) ** 2)
+        return torch.sqrt(sq / (n - 1).clamp(min=1))
+
+
+def capability_ratios(
+    capability: Tensor | Sequence[float], learner: int, source_ids: Tensor, ratio_min: float = 0.1,
+    ratio_max: float = 10.0,
+) -> Tensor:
+    """``w(k, src_i) = clamp(Phat_k / Phat_src_i, ratio_min, ratio_max)``, exactly 1 where ``src_i == k``. → [N]."""
+    cap = _as_tensor(capability, torch.float64, "capability")
+    src = torch.as_tensor(source_ids, dtype=torch.long)
+    if not 0 <= learner < cap.shape[0]:
+        raise ValueError(f"learner index {learner} out of range for {cap.shape[0]} agents")
+    if src.numel() and (src.min() < 0 or src.max() >= cap.shape[0]):
+        raise ValueError(f"source_ids must be agent indices in [0, {cap.shape[0]})")
+    if not torch.isfinite(cap).all() or (cap <= 0).any():
+        raise ValueError("capability values must be finite and > 0 (floored Phat)")
+    w = torch.clamp(cap[learner] / cap[src], ratio_min, ratio_max)  # w(k,j) = clamp(Phat_k / Phat_j)
+    return torch.where(src == learner, torch.ones_like(w), w)  # w(k,k) = 1
+
+
+def hacpo_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    source_ids: Tensor,
+    learner: int,
+    capability: Tensor | Sequence[float],
+    *,
+    reward_max: float = 1.0,
+    ratio_min: float = 0.1,
+    ratio_max: float = 10.0,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Capability-aware advantage of every row of the joint groups, for learner ``k`` (HACPO.md §2).
+
+    Per joint group ``g`` (all agents' responses to one prompt):
+      - all rewards equal → ``A = 0``;
+      - ``mu_k = mean_{y in g} w(k, src(y)) * R(y)``; if ``mu_k > reward_max`` use the mean of k's own rewards in
+        ``g`` (the plain group mean if k has none there);
+      - ``A(y) = (R(y) - mu_k) / (std_bessel(R over g) + eps)``.
+
+    Args: rewards [N], group_ids [N], source_ids [N] (agent indices), capability [n_agents] (Phat). Returns [N]
+    in the dtype of ``rewards`` (float32 for integer rewards).
+    """
+    r_in = torch.as_tensor(rewards)
+    out_dtype = r_in.dtype if r_in.is_floating_point() else torch.float32
+    r = _as_tensor(r_in, torch.float64, "rewards")
+    gid = _as_tensor(group_ids, torch.long, "group_ids")
+    src = _as_tensor(source_ids, torch.long, "source_ids")
+    _check_rows(r, gid, src)
+    if r.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype)
+    w = capability_ratios(capability, learner, src, ratio_min, ratio_max)
+    g = _Groups(gid)
+    n = g.count()
+    mean = g.sum(r) / n  # plain joint-group mean
+    mu_w = g.sum(w * r) / n  # mu_k = mean(w(k, src) * R)
+    own = src == learner
+    own_n = g.count(own)
+    own_mean = torch.where(own_n > 0, g.sum(torch.where(own, r, 0.0)) / own_n.clamp(min=1), mean)
+    mu = torch.where(mu_w > reward_max, own_mean, mu_w)  # baseline guard
+    std = g.std(r, mean)  # Bessel-corrected std of raw rewards over the group
+    adv = (r - mu[g.idx]) / (std[g.idx] + eps)  # A = (R - mu_k) / (std + eps)
+    uniform = g.amax(r) == g.amin(r)
+    adv = torch.where(uniform[g.idx], torch.zeros_like(adv), adv)  # uniform group → 0
+    return adv.to(out_dtype)
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6) -> Tensor:
+    """Plain group-normalised advantage (GRPO/GSPO; ``naive`` on the joint group). → [N].
+
+    ``A = (R - mean_g(R)) / (std_bessel_g(R) + eps)``; 0 for groups whose rewards are all equal (incl. size 1).
+    """
+    r_in = torch.as_tensor(rewards)
+    out_dtype = r_in.dtype if r_in.is_floating_point() else torch.float32
+    r = _as_tensor(r_in, torch.float64, "rewards")
+    gid = _as_tensor(group_ids, torch.long, "group_ids")
+    _check_rows(r, gid)
+    if r.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype)
+    g = _Groups(gid)
+    mean = g.sum(r) / g.count()
+    std = g.std(r, mean)
+    adv = (r - mean[g.idx]) / (std[g.idx] + eps)  # A = (R - mean) / (std + eps)
+    uniform = g.amax(r) == g.amin(r)
+    return torch.where(uniform[g.idx], torch.zeros_like(adv), adv).to(out_dtype)
+
+
+def cross_weights(
+    capability: Tensor | Sequence[float], learner: int, source_ids: Tensor, ratio_min: float = 0.1,
+    ratio_max: float = 10.0,
+) -> Tensor:
+    """Capability discrepancy coefficient ``v(j,k) = clamp(Phat_j / Phat_k, ratio_min, ratio_max)`` per row. → [N].
+
+    Rows from the learner itself get 1. (``v(j,k)`` is the reciprocal of ``w(k,j)`` before clamping.)
+    """
+    cap = _as_tensor(capability, torch.float64, "capability")
+    src = torch.as_tensor(source_ids, dtype=torch.long)
+    w = capability_ratios(cap, learner, src, ratio_min, ratio_max)  # validates
+    v = torch.clamp(cap[src] / cap[learner], ratio_min, ratio_max)  # v(j,k) = clamp(Phat_j / Phat_k)
+    return torch.where(src == learner, torch.ones_like(w), v).to(torch.float32)
+
+
+def advantage_metrics(advantages: Tensor, source_ids: Tensor, names: Sequence[str], prefix: str = "hacpo") -> dict:
+    """Mean advantage per source: ``{f"{prefix}/adv_mean/{name}": float}`` for sources present."""
+    out: dict[str, float] = {}
+    src = torch.as_tensor(source_ids, dtype=torch.long)
+    for j, name in enumerate(names):
+        sel = src == j
+        if sel.any():
+            out[f"{prefix}/adv_mean/{name}"] = float(advantages[sel].float().mean())
+    return out

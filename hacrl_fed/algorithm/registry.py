@@ -1,0 +1,151 @@
+"""Registries by name: advantage estimators, policy losses, and the algorithms that combine them.
+
+Advantage estimators share one signature::
+
+    fn(rewards[N], group_ids[N], source_ids[N], learner: int, capability[n_agents], *, reward_max, ratio_min,
+       ratio_max, eps) -> advantages[N]
+
+Policy losses share one signature: ``fn(inputs: PolicyLossInputs, minibatch_index: int, config) -> (loss, metrics)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import Tensor
+
+from hacrl_fed.algorithm.advantages import group_advantages, hacpo_advantages
+from hacrl_fed.algorithm.losses import (
+    HacpoLossConfig, grpo_loss, gspo_loss, hacpo_loss, sequence_mean_log_prob,
+)
+
+AdvantageFn = Callable[..., Tensor]
+LossFn = Callable[["PolicyLossInputs", int, "PolicyLossConfig"], tuple[Tensor, dict[str, float]]]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+POLICY_LOSSES: dict[str, LossFn] = {}
+
+
+def _register(table: dict, kind: str, name: str):
+    def deco(fn):
+        if name in table:
+            raise ValueError(f"{kind} {name!r} is already registered")
+        table[name] = fn
+        return fn
+    return deco
+
+
+def register_advantage_estimator(name: str):
+    return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+
+
+def register_policy_loss(name: str):
+    return _register(POLICY_LOSSES, "policy loss", name)
+
+
+def _get(table: dict, kind: str, name: str):
+    try:
+        return table[name]
+    except KeyError:
+        raise KeyError(f"unknown {kind} {name!r}; registered: {sorted(table)}") from None
+
+
+def get_advantage_estimator(name: str) -> AdvantageFn:
+    return _get(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+
+
+def get_policy_loss(name: str) -> LossFn:
+    return _get(POLICY_LOSSES, "policy loss", name)
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig(HacpoLossConfig):
+    """Every loss's knobs: HACPO's plus GRPO's token-level clip band."""
+
+    grpo_clip_low: float = 0.2
+    grpo_clip_high: float = 0.28
+    grpo_loss_agg_mode: str = "token-mean"
+
+
+@dataclass
+class PolicyLossInputs:
+    """One mini-batch. ``log_probs``/``response_mask``/``old_token_log_probs`` [B,T]; the rest [B].
+
+    ``old_log_probs`` is the sequence mean ``lbar_old``: the learner's pre-update value on self rows, the source's
+    published value on cross rows. ``old_token_log_probs`` is needed by token-level losses (``grpo``) only.
+    """
+
+    log_probs: Tensor
+    response_mask: Tensor
+    old_log_probs: Tensor
+    advantages: Tensor
+    is_self: Tensor
+    cross_weight: Tensor
+    old_token_log_probs: Tensor | None = None
+
+    def sequence_log_probs(self) -> Tensor:
+        return sequence_mean_log_prob(self.log_probs, self.response_mask)
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    advantage: str
+    loss: str
+    uses_cross: bool  # whether foreign rollouts enter the learner's batch
+
+
+ALGORITHMS: dict[str, AlgorithmSpec] = {
+    "hacpo": AlgorithmSpec("hacpo", "hacpo", True),
+    "gspo": AlgorithmSpec("group", "gspo", False),
+    "grpo": AlgorithmSpec("group", "grpo", False),
+    "naive": AlgorithmSpec("group", "naive", True),
+}
+
+
+def get_algorithm(name: str) -> AlgorithmSpec:
+    return _get(ALGORITHMS, "algorithm", name)
+
+
+@register_advantage_estimator("hacpo")
+def _adv_hacpo(rewards, group_ids, source_ids, learner, capability, **kw) -> Tensor:
+    return hacpo_advantages(rewards, group_ids, source_ids, learner, capability, **kw)
+
+
+@register_advantage_estimator("group")
+def _adv_group(rewards, group_ids, source_ids, learner, capability, *, eps: float = 1e-6, **_: object) -> Tensor:
+    """Plain (joint-)group mean/std: GRPO and GSPO on own rows, ``naive`` on the joint group."""
+    return group_advantages(rewards, group_ids, eps=eps)
+
+
+@register_policy_loss("hacpo")
+def _loss_hacpo(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLossConfig):
+    return hacpo_loss(inputs.sequence_log_probs(), inputs.old_log_probs, inputs.advantages, inputs.is_self,
+                      inputs.cross_weight, minibatch_index, config)
+
+
+@register_policy_loss("gspo")
+def _loss_gspo(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLossConfig):
+    if not bool(inputs.is_self.all()):
+        raise ValueError("gspo trains on the learner's own rows only; got cross rows")
+    return gspo_loss(inputs.sequence_log_probs(), inputs.old_log_probs, inputs.advantages,
+                     clip_low=config.self_clip_low, clip_high=config.self_clip_high,
+                     max_abs_log_ratio=config.max_abs_log_ratio, prefix="gspo")
+
+
+@register_policy_loss("naive")
+def _loss_naive(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLossConfig):
+    """Every row with GSPO's ratio and clip against its source's ``lbar`` (no weight, no stepwise band)."""
+    return gspo_loss(inputs.sequence_log_probs(), inputs.old_log_probs, inputs.advantages,
+                     clip_low=config.self_clip_low, clip_high=config.self_clip_high,
+                     max_abs_log_ratio=config.max_abs_log_ratio, prefix="naive")
+
+
+@register_policy_loss("grpo")
+def _loss_grpo(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLossConfig):
+    if inputs.old_token_log_probs is None:
+        raise ValueError("grpo is token-level: PolicyLossInputs.old_token_log_probs is required")
+    if not bool(inputs.is_self.all()):
+        raise ValueError("grpo trains on the learner's own rows only; got cross rows")
+    return grpo_loss(inputs.log_probs, inputs.old_token_log_probs, inputs.advantages, inputs.response_mask,
+                     clip_low=config.grpo_clip_low, clip_high=config.grpo_clip_high,
+                     max_abs_log_ratio=config.max_abs_log_ratio, loss_agg_mode=config.grpo_loss_agg_mode)

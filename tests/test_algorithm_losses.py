@@ -1,0 +1,216 @@
+"""Policy losses: hand-computed values, GSPO reduction, the cross band, alpha, loop references, GRPO, k3 KL."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from hacrl_fed.algorithm import (
+    HacpoLossConfig, PolicyLossConfig, PolicyLossInputs, cross_lower_bound, get_policy_loss, grpo_loss, gspo_loss,
+    hacpo_loss, kl_k3, sequence_mean_log_prob,
+)
+
+CFG = HacpoLossConfig()
+
+
+def ref_hacpo_objective(lp, old, a, is_self, v, m, cfg=CFG):
+    """Scalar reference of one row's objective value (HACPO.md)."""
+    s = math.exp(max(-cfg.max_abs_log_ratio, min(cfg.max_abs_log_ratio, lp - old)))
+    if is_self:
+        return min(s * a, min(max(s, 1 - cfg.self_clip_low), 1 + cfg.self_clip_high) * a)
+    lower = min(1.0, 1 - cfg.cross_clip_delta + m * cfg.cross_clip_step)
+    c = min(max(s, lower), 1.0)
+    return c * c ** cfg.alpha * v * a
+
+
+def ref_hacpo_grad(lp, old, a, is_self, v, m, cfg=CFG):
+    """d objective / d lp per row, written out by hand."""
+    raw = lp - old
+    if abs(raw) > cfg.max_abs_log_ratio:
+        return 0.0
+    s = math.exp(raw)
+    if is_self:
+        lo, hi = 1 - cfg.self_clip_low, 1 + cfg.self_clip_high
+        clipped = (a > 0 and s > hi) or (a < 0 and s < lo)
+        return 0.0 if clipped else s * a
+    lower = min(1.0, 1 - cfg.cross_clip_delta + m * cfg.cross_clip_step)
+    if s < lower or s > 1.0:
+        return 0.0
+    return s ** (cfg.alpha + 1) * v * a  # d/dlp [c * sg(c)^alpha] = c^(alpha+1)
+
+
+def _run(lp, old, a, is_self, v, m, cfg=CFG):
+    x = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
+    loss, metrics = hacpo_loss(x, torch.tensor(old, dtype=torch.float64), torch.tensor(a, dtype=torch.float64),
+                               torch.tensor(is_self), torch.tensor(v, dtype=torch.float64), m, cfg)
+    loss.backward()
+    return loss, x.grad, metrics
+
+
+def test_hand_computed_mixed_batch():
+    # self row: s = e^0.0001 inside the GSPO band; cross rows: s = 0.9 (in band at m=0) and 0.5 (below 0.8)
+    lp = [-1.0, math.log(0.9) - 2.0, math.log(0.5) - 2.0]
+    old = [-1.0001, -2.0, -2.0]
+    loss, grad, metrics = _run(lp, old, [2.0, 1.5, -1.0], [True, False, False], [1.0, 2.0, 0.5], 0)
+    s0 = math.exp(0.0001)
+    obj = [s0 * 2.0, 0.9 * 0.9 * 2.0 * 1.5, 0.8 * 0.8 * 0.5 * -1.0]
+    assert loss.item() == pytest.approx(-sum(obj) / 3, rel=1e-9)
+    assert grad.tolist() == pytest.approx([-s0 * 2.0 / 3, -0.81 * 3.0 / 3, 0.0], rel=1e-9)
+    assert metrics["hacpo/cross_clip_low_frac"] == 0.5
+    assert metrics["hacpo/cross_lower_bound"] == pytest.approx(0.8)
+    assert metrics["hacpo/num_self"] == 1 and metrics["hacpo/num_cross"] == 2
+
+
+def test_self_only_equals_gspo():
+    torch.manual_seed(0)
+    lp = (torch.randn(32, dtype=torch.float64) * 1e-3).requires_grad_()
+    old = torch.zeros(32, dtype=torch.float64)
+    adv = torch.randn(32, dtype=torch.float64)
+    l1, _ = hacpo_loss(lp, old, adv, torch.ones(32, dtype=torch.bool), torch.rand(32), 3, CFG)
+    (g1,) = torch.autograd.grad(l1, lp)
+    l2, _ = gspo_loss(lp, old, adv)
+    (g2,) = torch.autograd.grad(l2, lp)
+    assert torch.allclose(l1, l2) and torch.allclose(g1, g2)
+
+
+@pytest.mark.parametrize("m", [0, 1, 4, 8, 20])
+def test_cross_zero_gradient_outside_band_and_band_tightens(m):
+    lower = cross_lower_bound(m)
+    assert lower == pytest.approx(min(1.0, 0.8 + 0.025 * m))
+    ratios = torch.linspace(0.5, 1.3, 81, dtype=torch.float64)
+    lp = ratios.log().clone().requires_grad_()
+    n = ratios.numel()
+    loss, _ = hacpo_loss(lp, torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64),
+                         torch.zeros(n, dtype=torch.bool), torch.ones(n, dtype=torch.float64), m, CFG)
+    loss.backward()
+    inside = (ratios >= lower - 1e-12) & (ratios <= 1.0 + 1e-12)
+    assert torch.all(lp.grad[~inside] == 0)
+    assert torch.all(lp.grad[inside & (ratios > lower + 1e-9) & (ratios < 1 - 1e-9)] < 0)
+
+
+def test_lower_bound_monotone_and_capped():
+    bounds = [cross_lower_bound(m) for m in range(20)]
+    assert all(a <= b for a, b in zip(bounds, bounds[1:]))
+    assert bounds[-1] == 1.0 and bounds[0] == pytest.approx(0.8)
+    assert cross_lower_bound(3, delta=0.1, delta_step=0.05) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        cross_lower_bound(-1)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0, 3.0])
+def test_alpha_scales_gradient_as_c_power_alpha_plus_one(alpha):
+    cfg = HacpoLossConfig(alpha=alpha)
+    c = torch.tensor([0.85, 0.9, 0.95, 1.0], dtype=torch.float64)
+    lp = c.log().clone().requires_grad_()
+    adv = torch.tensor([1.0, -2.0, 0.5, 1.0], dtype=torch.float64)
+    v = torch.tensor([1.0, 0.5, 2.0, 10.0], dtype=torch.float64)
+    loss, _ = hacpo_loss(lp, torch.zeros(4, dtype=torch.float64), adv, torch.zeros(4, dtype=torch.bool), v, 0, cfg)
+    loss.backward()
+    assert torch.allclose(lp.grad, -(c ** (alpha + 1)) * v * adv / 4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_loss_and_grad_equal_loop_reference(seed):
+    rng = random.Random(seed)
+    cfg = HacpoLossConfig(alpha=rng.choice([1.0, 3.0]), cross_clip_delta=rng.choice([0.2, 0.3]))
+    n = rng.randint(1, 40)
+    old = [rng.uniform(-3, -0.1) for _ in range(n)]
+    lp = [o + rng.choice([rng.gauss(0, 0.2), rng.gauss(0, 1e-4), rng.uniform(-15, 15)]) for o in old]
+    a = [rng.gauss(0, 1) for _ in range(n)]
+    is_self = [rng.random() < 0.4 for _ in range(n)]
+    v = [rng.choice([0.1, 0.5, 1.0, 3.0, 10.0]) for _ in range(n)]
+    m = rng.randint(0, 10)
+    loss, grad, _ = _run(lp, old, a, is_self, v, m, cfg)
+    want = -sum(ref_hacpo_objective(*row, m, cfg) for row in zip(lp, old, a, is_self, v)) / n
+    assert loss.item() == pytest.approx(want, rel=1e-9, abs=1e-12)
+    want_grad = [-ref_hacpo_grad(*row, m, cfg) / n for row in zip(lp, old, a, is_self, v)]
+    assert grad.tolist() == pytest.approx(want_grad, rel=1e-8, abs=1e-12)
+
+
+def test_self_clip_band_metrics_and_zero_gradient():
+    s = torch.tensor([0.999, 1.0, 1.0001, 1.001], dtype=torch.float64)
+    lp = s.log().clone().requires_grad_()
+    loss, metrics = hacpo_loss(lp, torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64),
+                               torch.ones(4, dtype=torch.bool), torch.ones(4), 0, CFG)
+    loss.backward()
+    assert lp.grad[3] == 0 and lp.grad[0] != 0  # A > 0: clipped above 1 + 4e-4 only
+    assert metrics["hacpo/self_clip_low_frac"] == 0.25 and metrics["hacpo/self_clip_high_frac"] == 0.25
+    assert metrics["hacpo/self_ratio_max"] == pytest.approx(1.001)
+
+
+def test_bad_inputs():
+    z = torch.zeros(3)
+    with pytest.raises(ValueError, match="same N"):
+        hacpo_loss(z, torch.zeros(2), z, z.bool(), z, 0)
+    with pytest.raises(ValueError, match="empty"):
+        hacpo_loss(torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0).bool(), torch.zeros(0), 0)
+
+
+def test_sequence_mean_log_prob():
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    assert sequence_mean_log_prob(lp, mask).tolist() == [-2.0, -4.0, 0.0]
+    with pytest.raises(ValueError):
+        sequence_mean_log_prob(lp, mask[:, :2])
+
+
+def test_grpo_token_level_hand_computed():
+    lp = torch.tensor([[0.0, math.log(1.5)], [math.log(0.5), 0.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(2, 2, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    loss, metrics = grpo_loss(lp, old, adv, mask)
+    # row0: tokens r=1 -> 1; r=1.5 (A>0) clipped to 1.28; row1: r=0.5 (A<0) -> min(-0.5, -0.8) = -0.8
+    assert loss.item() == pytest.approx(-(1.0 + 1.28 - 0.8) / 3)
+    loss.backward()
+    assert lp.grad.flatten().tolist() == pytest.approx([-1 / 3, 0.0, 0.0, 0.0])
+    assert metrics["grpo/clip_high_frac"] == pytest.approx(1 / 3)
+    seq, _ = grpo_loss(lp.detach(), old, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    assert seq.item() == pytest.approx(-((1.0 + 1.28) / 2 - 0.8) / 2)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        grpo_loss(lp, old, adv, mask, loss_agg_mode="sum")
+
+
+def test_kl_k3():
+    lp = torch.tensor([-1.0, -2.0, -1.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.0, -1.0, -30.0], dtype=torch.float64)
+    kl = kl_k3(lp, ref)
+    assert kl[0].item() == 0.0
+    assert kl[1].item() == pytest.approx(math.e - 1 - 1)
+    assert kl[2].item() == pytest.approx(math.exp(-10) + 10 - 1)  # r clamped at -10
+    assert torch.all(kl >= 0)
+    kl.sum().backward()
+    assert lp.grad[1].item() == pytest.approx(1 - math.e)
+
+
+def _inputs(n=6, is_self=None, t=4):
+    torch.manual_seed(1)
+    mask = torch.ones(n, t)
+    mask[0, 2:] = 0
+    lp = (torch.randn(n, t) * 0.01 - 1).requires_grad_()
+    old_tok = lp.detach() + torch.randn(n, t) * 1e-4
+    return PolicyLossInputs(
+        log_probs=lp, response_mask=mask, old_log_probs=sequence_mean_log_prob(old_tok, mask),
+        advantages=torch.randn(n), is_self=torch.ones(n, dtype=torch.bool) if is_self is None else is_self,
+        cross_weight=torch.ones(n), old_token_log_probs=old_tok)
+
+
+def test_registry_losses_dispatch():
+    cfg = PolicyLossConfig()
+    inp = _inputs()
+    l_h, _ = get_policy_loss("hacpo")(inp, 0, cfg)
+    l_g, mg = get_policy_loss("gspo")(inp, 0, cfg)
+    l_n, mn = get_policy_loss("naive")(inp, 0, cfg)
+    assert torch.allclose(l_h, l_g) and torch.allclose(l_g, l_n)
+    assert "gspo/clip_low_frac" in mg and "naive/ratio_mean" in mn
+    l_r, mr = get_policy_loss("grpo")(inp, 0, cfg)
+    assert torch.isfinite(l_r) and "grpo/clip_high_frac" in mr
+    mixed = _inputs(is_self=torch.tensor([True, True, False, False, True, False]))
+    with pytest.raises(ValueError, match="own rows"):
+        get_policy_loss("gspo")(mixed, 0, cfg)
+    inp.old_token_log_probs = None
+    with pytest.raises(ValueError, match="old_token_log_probs"):
+        get_policy_loss("grpo")(inp, 0, cfg)
+    with pytest.raises(KeyError, match="registered"):
+        get_policy_loss("ppo")
