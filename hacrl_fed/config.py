@@ -5,6 +5,8 @@ Every section forbids unknown keys, so a typo fails loudly with the dotted field
 
 from __future__ import annotations
 
+import copy
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -154,13 +156,23 @@ class RunConfig(_Section):
         raise KeyError(f"no org {org_id!r} in config (orgs: {[o.id for o in self.orgs]})")
 
 
+def _deep_update(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` merged in recursively (nested dicts merge; other values replace)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_update(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def _merged(base: _Section, overrides: dict[str, Any], where: str) -> Any:
-    data = base.model_dump()
-    data.update(overrides)
+    data = _deep_update(base.model_dump(), overrides)
     try:
         return type(base).model_validate(data)
     except ValidationError as err:
-        raise ValueError(_format_errors(err, prefix=where)) from None
+        raise ConfigError(_format_errors(err, prefix=where, header="")) from None
 
 
 def org_trainer(cfg: RunConfig, org_id: str) -> TrainerConfig:
@@ -173,14 +185,16 @@ def org_generation(cfg: RunConfig, org_id: str) -> GenerationConfig:
     return _merged(cfg.generation, cfg.org(org_id).generation, f"orgs[{org_id}].generation")
 
 
-def _format_errors(err: ValidationError, prefix: str = "") -> str:
+def _format_errors(err: ValidationError, prefix: str = "", header: str = "invalid config: ") -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        loc = ".".join(str(p) for p in e["loc"])
         if prefix:
-            loc = f"{prefix}.{loc}" if loc != "<root>" else prefix
-        lines.append(f"{loc}: {e['msg']}")
-    return "invalid config: " + "; ".join(lines)
+            loc = f"{prefix}.{loc}" if loc else prefix
+        cause = (e.get("ctx") or {}).get("error")
+        msg = str(cause) if e["type"] == "value_error" and cause is not None else e["msg"]
+        lines.append(f"{loc}: {msg}" if loc else msg)  # cross-field checks name their fields themselves
+    return header + "; ".join(lines)
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -193,6 +207,9 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+_OVERRIDE_SPLIT = re.compile(r"[\s,]+(?=[A-Za-z_][\w.-]*=)")
+
+
 def parse_overrides(items: list[str] | str | None) -> dict[str, Any]:
     """``["federation.rounds=3", "trainer.lr=1e-5"]`` (or one space/comma-separated string) → dotted dict.
 
@@ -200,14 +217,18 @@ def parse_overrides(items: list[str] | str | None) -> dict[str, Any]:
     """
     if not items:
         return {}
-    if isinstance(items, str):
-        items = [p for p in items.replace(",", " ").split() if p]
+    if isinstance(items, str):  # split only before the next "key=", so values like [1, 2] stay whole
+        items = [p for p in _OVERRIDE_SPLIT.split(items.strip()) if p]
     out: dict[str, Any] = {}
     for item in items:
-        if "=" not in item:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.field=value")
-        key, raw = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(raw)
+        try:
+            out[key] = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {key!r}: value {raw!r} is not a YAML scalar or list: {err}") from None
     return out
 
 
@@ -218,7 +239,7 @@ def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] |
     Raises :class:`ConfigError` whose message names every bad field (``trainer.lr: ...``).
     """
     if isinstance(source, dict):
-        data = dict(source)
+        data = copy.deepcopy(source)  # overrides write into nested sections: never the caller's
     else:
         path = Path(source)
         if not path.is_file():

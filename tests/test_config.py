@@ -1,0 +1,361 @@
+"""Tests for hacrl_fed.config: YAML loading, defaults, dotted overrides, field-naming errors, per-org merges."""
+
+from __future__ import annotations
+
+import copy
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hacrl_fed.config import (
+    AlgorithmConfig,
+    ConfigError,
+    GenerationConfig,
+    RunConfig,
+    TrainerConfig,
+    load_config,
+    org_generation,
+    org_trainer,
+    parse_overrides,
+)
+
+TWO_ORGS_YAML = """
+name: demo
+seed: 7
+algorithm:
+  name: gspo
+trainer:
+  lr: 1.0e-4
+  lora:
+    r: 16
+generation:
+  num_samples: 4
+  max_new_tokens: 16
+task:
+  name: arithmetic
+  params: {digits: 2}
+orgs:
+  - id: acme
+    model: {zoo: tiny-a}
+  - id: globex
+    model: {path: /models/globex, dtype: float32}
+    seed: 3
+    trainer: {lr: 5.0e-5}
+    generation: {temperature: 0.7}
+federation:
+  rounds: 3
+  min_orgs: 2
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _minimal(**sections: Any) -> dict[str, Any]:
+    """A valid config dict with two zoo orgs, plus ``sections`` merged at the top level."""
+    data: dict[str, Any] = {"orgs": [{"id": "a", "model": {"zoo": "tiny"}}, {"id": "b", "model": {"zoo": "tiny"}}]}
+    data.update(sections)
+    return data
+
+
+def _error(data: dict[str, Any], overrides: Any = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(data, overrides)
+    return str(info.value)
+
+
+# --- loading -----------------------------------------------------------------------------------------------
+
+
+def test_load_yaml_file_reads_every_section(tmp_path):
+    cfg = load_config(_write(tmp_path, TWO_ORGS_YAML))
+    assert isinstance(cfg, RunConfig)
+    assert (cfg.name, cfg.seed) == ("demo", 7)
+    assert cfg.algorithm.name == "gspo"
+    assert cfg.trainer.lr == pytest.approx(1e-4)
+    assert cfg.trainer.lora.r == 16
+    assert (cfg.generation.num_samples, cfg.generation.max_new_tokens) == (4, 16)
+    assert cfg.task.params == {"digits": 2}
+    assert [o.id for o in cfg.orgs] == ["acme", "globex"]
+    assert cfg.orgs[0].model.zoo == "tiny-a" and cfg.orgs[0].model.path is None
+    assert cfg.orgs[1].model.path == "/models/globex" and cfg.orgs[1].model.dtype == "float32"
+    assert cfg.orgs[1].seed == 3 and cfg.orgs[0].seed is None
+    assert (cfg.federation.rounds, cfg.federation.min_orgs) == (3, 2)
+
+
+def test_load_accepts_str_path_and_dict(tmp_path):
+    path = _write(tmp_path, TWO_ORGS_YAML)
+    from_str = load_config(str(path))
+    from_dict = load_config(yaml.safe_load(path.read_text()))
+    assert from_str == from_dict == load_config(path)
+
+
+def test_defaults_when_sections_are_omitted():
+    cfg = load_config({"orgs": [{"id": "solo", "model": {"zoo": "tiny"}}]})
+    assert cfg.algorithm == AlgorithmConfig()
+    assert cfg.trainer == TrainerConfig()
+    assert cfg.generation == GenerationConfig()
+    assert cfg.algorithm.name == "hacpo"
+    assert cfg.algorithm.self_clip_low == pytest.approx(3e-4)
+    assert cfg.algorithm.cross_clip_delta == pytest.approx(0.2)
+    assert cfg.generation.engine == "hf" and cfg.generation.num_samples == 8
+    assert cfg.trainer.lora.enabled is False
+    assert cfg.federation.transport == "inprocess" and cfg.federation.min_orgs == 1
+    assert cfg.task.name == "arithmetic" and cfg.task.params == {}
+    assert cfg.orgs[0].trainer == {} and cfg.orgs[0].generation == {}
+    assert cfg.orgs[0].model.device == "auto" and cfg.orgs[0].model.trust_remote_code is False
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="config file not found") as info:
+        load_config(missing)
+    assert str(missing) in str(info.value)
+
+
+def test_directory_is_not_a_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
+def test_non_mapping_yaml_is_rejected(tmp_path, text):
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(_write(tmp_path, text))
+
+
+def test_invalid_yaml_syntax_is_a_config_error(tmp_path):
+    path = _write(tmp_path, "orgs: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML") as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_empty_yaml_file_reports_missing_orgs(tmp_path):
+    with pytest.raises(ConfigError, match="orgs: Field required"):
+        load_config(_write(tmp_path, ""))
+
+
+def test_empty_org_list_is_rejected():
+    assert "orgs:" in _error({"orgs": []})
+
+
+# --- dotted overrides --------------------------------------------------------------------------------------
+
+
+def test_parse_overrides_list_form_types_values_as_yaml():
+    got = parse_overrides(
+        ["federation.rounds=3", "trainer.lr=1.0e-5", "trainer.lora.enabled=true", "name=my-run", "model.path=null"]
+    )
+    assert got == {
+        "federation.rounds": 3,
+        "trainer.lr": 1e-5,
+        "trainer.lora.enabled": True,
+        "name": "my-run",
+        "model.path": None,
+    }
+    assert isinstance(got["federation.rounds"], int) and isinstance(got["trainer.lr"], float)
+
+
+def test_yaml11_exponent_without_dot_still_loads_as_float_field():
+    # PyYAML (YAML 1.1) reads "1e-5" as a string; typed fields coerce it, so the run config gets a float.
+    assert parse_overrides(["trainer.lr=1e-5"]) == {"trainer.lr": "1e-5"}
+    assert load_config(_minimal(), ["trainer.lr=1e-5"]).trainer.lr == pytest.approx(1e-5)
+
+
+def test_parse_overrides_string_form_splits_on_spaces_and_commas():
+    assert parse_overrides("federation.rounds=3 trainer.lr=0.5,seed=4") == {
+        "federation.rounds": 3,
+        "trainer.lr": 0.5,
+        "seed": 4,
+    }
+    assert parse_overrides("  a=1 ,  b=x  ") == {"a": 1, "b": "x"}
+
+
+def test_parse_overrides_string_form_keeps_list_values_whole():
+    got = parse_overrides("trainer.betas=[0.8, 0.9], trainer.lora.target_modules=[q_proj,v_proj] seed=1")
+    assert got == {"trainer.betas": [0.8, 0.9], "trainer.lora.target_modules": ["q_proj", "v_proj"], "seed": 1}
+
+
+def test_parse_overrides_value_may_contain_equals():
+    assert parse_overrides(["name=a=b"]) == {"name": "a=b"}
+
+
+@pytest.mark.parametrize("empty", [None, [], ""])
+def test_parse_overrides_empty(empty):
+    assert parse_overrides(empty) == {}
+
+
+@pytest.mark.parametrize("bad", [["federation.rounds"], ["=3"], "rounds"])
+def test_parse_overrides_needs_key_and_equals(bad):
+    with pytest.raises(ConfigError, match="section.field=value"):
+        parse_overrides(bad)
+
+
+def test_parse_overrides_bad_yaml_value_names_the_key():
+    with pytest.raises(ConfigError, match="trainer.betas"):
+        parse_overrides(["trainer.betas=[0.9"])
+
+
+def test_load_config_applies_dict_and_list_overrides(tmp_path):
+    path = _write(tmp_path, TWO_ORGS_YAML)
+    cfg = load_config(path, {"federation.rounds": 9, "trainer.lora.enabled": True, "task.params.digits": 4})
+    assert cfg.federation.rounds == 9 and cfg.trainer.lora.enabled is True
+    assert cfg.trainer.lora.r == 16  # siblings in the file are kept
+    assert cfg.task.params == {"digits": 4}
+    cfg = load_config(path, ["generation.engine=vllm", "algorithm.alpha=0.5", "seed=11"])
+    assert cfg.generation.engine == "vllm" and cfg.algorithm.alpha == 0.5 and cfg.seed == 11
+
+
+def test_overrides_create_missing_sections():
+    cfg = load_config(_minimal(), ["federation.eval_every=0", "algorithm.warmup_rounds=2"])
+    assert cfg.federation.eval_every == 0 and cfg.algorithm.warmup_rounds == 2
+
+
+def test_overrides_are_validated_and_name_the_field():
+    assert "federation.rounds" in _error(_minimal(), ["federation.rounds=0"])
+    assert "trainer.lr" in _error(_minimal(), {"trainer.lr": "fast"})
+    assert "trainer.lrr" in _error(_minimal(), ["trainer.lrr=1"])
+
+
+def test_override_through_a_non_section_fails():
+    with pytest.raises(ConfigError, match="'seed' is not a section"):
+        load_config(_minimal(seed=3), ["seed.value=1"])
+
+
+def test_load_config_does_not_mutate_the_callers_dict():
+    data = _minimal(trainer={"lr": 0.1})
+    before = copy.deepcopy(data)
+    cfg = load_config(data, {"trainer.lr": 0.2, "federation.rounds": 2})
+    assert cfg.trainer.lr == 0.2
+    assert data == before
+
+
+# --- errors name the field ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        (_minimal(trainer={"lrr": 1e-5}), "trainer.lrr"),
+        (_minimal(generation={"top_k": 1, "topk": 1}), "generation.topk"),
+        (_minimal(federation={"round": 1}), "federation.round"),
+        (_minimal(bogus=1), "bogus"),
+        ({"orgs": [{"id": "a", "model": {"zoo": "tiny", "zooo": "x"}}]}, "orgs.0.model.zooo"),
+        ({"orgs": [{"id": "a", "model": {"zoo": "t"}}, {"id": "b", "model": {"zoo": "t"}, "x": 1}]}, "orgs.1.x"),
+    ],
+)
+def test_unknown_keys_fail_naming_the_dotted_field(data, field):
+    msg = _error(data)
+    assert f"{field}: Extra inputs are not permitted" in msg
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value"),
+    [
+        ("trainer", "lr", -1),
+        ("trainer", "epochs", 0),
+        ("algorithm", "name", "foo"),
+        ("algorithm", "cross_clip_delta", 1.5),
+        ("generation", "engine", "tgi"),
+        ("generation", "top_p", 0),
+        ("federation", "transport", "carrier-pigeon"),
+        ("federation", "min_orgs", 0),
+        ("task", "eval_size", 0),
+    ],
+)
+def test_bad_values_name_the_field(section, field, value):
+    msg = _error(_minimal(**{section: {field: value}}))
+    assert msg.startswith("invalid config: ")
+    assert f"{section}.{field}:" in msg
+
+
+def test_every_bad_field_is_reported_at_once():
+    msg = _error(_minimal(trainer={"lr": -1}, algorithm={"name": "foo"}))
+    assert "trainer.lr:" in msg and "algorithm.name:" in msg
+
+
+def test_ratio_bounds_cross_check_names_the_section():
+    msg = _error(_minimal(algorithm={"ratio_min": 5.0, "ratio_max": 2.0}))
+    assert "algorithm:" in msg and "ratio_min must be <= ratio_max" in msg
+
+
+@pytest.mark.parametrize("model", [{}, {"zoo": "tiny", "path": "/m"}, {"device": "cpu"}])
+def test_model_needs_exactly_one_of_zoo_or_path(model):
+    msg = _error({"orgs": [{"id": "a", "model": model}]})
+    assert "orgs.0.model: set exactly one of 'zoo' or 'path'" in msg
+
+
+def test_org_needs_a_model_and_a_valid_id():
+    assert "orgs.0.model: Field required" in _error({"orgs": [{"id": "a"}]})
+    assert "orgs.0.id:" in _error({"orgs": [{"id": "has space", "model": {"zoo": "t"}}]})
+    assert "orgs.0.id:" in _error({"orgs": [{"id": "", "model": {"zoo": "t"}}]})
+
+
+def test_duplicate_org_ids_are_rejected():
+    org = {"id": "acme", "model": {"zoo": "tiny"}}
+    msg = _error({"orgs": [org, {"id": "b", "model": {"zoo": "tiny"}}, dict(org)]})
+    assert "duplicate org ids: ['acme']" in msg
+
+
+def test_min_orgs_cannot_exceed_org_count():
+    msg = _error(_minimal(federation={"min_orgs": 3}))
+    assert "federation.min_orgs=3 exceeds the 2 orgs" in msg
+    assert load_config(_minimal(federation={"min_orgs": 2})).federation.min_orgs == 2
+
+
+# --- per-org overrides -------------------------------------------------------------------------------------
+
+
+def test_org_overrides_merge_over_run_sections(tmp_path):
+    cfg = load_config(_write(tmp_path, TWO_ORGS_YAML))
+    acme, globex = org_trainer(cfg, "acme"), org_trainer(cfg, "globex")
+    assert acme == cfg.trainer
+    assert globex.lr == pytest.approx(5e-5)
+    assert globex.lora.r == 16 and globex.epochs == cfg.trainer.epochs
+    gen = org_generation(cfg, "globex")
+    assert gen.temperature == pytest.approx(0.7)
+    assert (gen.num_samples, gen.max_new_tokens) == (4, 16)
+    assert org_generation(cfg, "acme") == cfg.generation
+    assert cfg.trainer.lr == pytest.approx(1e-4)  # the run's own section is untouched
+
+
+def test_nested_org_override_keeps_run_level_siblings():
+    data = _minimal(trainer={"lora": {"r": 32, "alpha": 64.0}})
+    data["orgs"][1]["trainer"] = {"lora": {"enabled": True}}
+    lora = org_trainer(load_config(data), "b").lora
+    assert (lora.enabled, lora.r, lora.alpha) == (True, 32, 64.0)
+
+
+@pytest.mark.parametrize(
+    ("section", "override", "field"),
+    [
+        ("trainer", {"lr": -1}, "orgs[b].trainer.lr:"),
+        ("trainer", {"lrr": 1}, "orgs[b].trainer.lrr: Extra inputs"),
+        ("trainer", {"lora": {"rank": 4}}, "orgs[b].trainer.lora.rank: Extra inputs"),
+        ("generation", {"engine": "x"}, "orgs[b].generation.engine:"),
+        ("generation", {"num_samples": 0}, "orgs[b].generation.num_samples:"),
+    ],
+)
+def test_bad_org_override_names_the_org(section, override, field):
+    data = _minimal()
+    data["orgs"][1][section] = override
+    msg = _error(data)
+    assert msg.startswith("invalid config: ")
+    assert field in msg
+    assert msg.count("invalid config") == 1
+
+
+def test_org_lookup_and_unknown_org():
+    cfg = load_config(_minimal())
+    assert cfg.org("b").id == "b"
+    with pytest.raises(KeyError, match="no org 'zzz'"):
+        cfg.org("zzz")
+    with pytest.raises(KeyError):
+        org_trainer(cfg, "zzz")
