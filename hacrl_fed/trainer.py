@@ -1,0 +1,183 @@
+"""Local training: one round's policy update of one learner on its own and (for HACPO/naive) foreign rows.
+
+Rows are already tokenized with the learner's tokenizer. The update follows HACPO.md "Loss and update schedule":
+advantages over the joint groups, rows ordered self first then cross by source, no shuffle, one AdamW step per
+mini-batch (grad-norm clip), mini-batches split into micro-batches for memory with exact loss weighting.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from hacrl_fed.algorithm import (
+    PolicyLossConfig, PolicyLossInputs, cross_weights, get_advantage_estimator, get_algorithm, get_policy_loss,
+    kl_k3, minibatch_schedule, order_rows,
+)
+from hacrl_fed.config import AlgorithmConfig, TrainerConfig
+from hacrl_fed.scoring import build_scoring_batch_from_ids, token_log_probs
+
+
+@dataclass
+class TrainRow:
+    """One sequence in the learner's tokenization.
+
+    ``old_log_prob`` is ``lbar_old``: the learner's pre-update mean token log-prob for self rows, the source's
+    published mean for cross rows. ``old_token_log_probs`` (self rows) feeds token-level losses (GRPO).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    reward: float
+    group: int
+    source: int
+    is_self: bool
+    old_log_prob: float
+    old_token_log_probs: list[float] | None = None
+
+
+def loss_config(algo: AlgorithmConfig) -> PolicyLossConfig:
+    return PolicyLossConfig(
+        self_clip_low=algo.self_clip_low, self_clip_high=algo.self_clip_high, cross_clip_delta=algo.cross_clip_delta,
+        cross_clip_step=algo.cross_clip_step, alpha=algo.alpha, max_abs_log_ratio=algo.max_abs_log_ratio,
+        grpo_clip_low=algo.grpo_clip_low, grpo_clip_high=algo.grpo_clip_high,
+    )
+
+
+def _pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
+    return out
+
+
+class _MetricAccumulator:
+    """Averages metrics over steps; ``*_min``/``*_max`` keys keep the extreme, ``num_*`` keys sum."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, float], weight: float = 1.0) -> None:
+        for k, v in metrics.items():
+            v = float(v)
+            if k.endswith("_min"):
+                self.sums[k] = min(self.sums.get(k, math.inf), v)
+            elif k.endswith("_max"):
+                self.sums[k] = max(self.sums.get(k, -math.inf), v)
+            elif k.rsplit("/", 1)[-1].startswith("num_"):
+                self.sums[k] = self.sums.get(k, 0.0) + v
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v * weight
+                self.counts[k] = self.counts.get(k, 0.0) + weight
+
+    def result(self) -> dict[str, float]:
+        return {k: (v / self.counts[k] if k in self.counts else v) for k, v in self.sums.items()}
+
+
+class LocalTrainer:
+    """Owns the optimizer (and a frozen reference model when ``kl_beta > 0``) of one learner."""
+
+    def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, trainer: TrainerConfig, pad_id: int):
+        self.model, self.algo, self.cfg, self.pad_id = model, algo, trainer, int(pad_id)
+        self.spec = get_algorithm(algo.name)
+        self.loss_fn = get_policy_loss(self.spec.loss)
+        self.loss_cfg = loss_config(algo)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=trainer.lr, betas=tuple(trainer.betas),
+                                           weight_decay=trainer.weight_decay)
+        self.ref_model = None
+        if algo.kl_beta > 0:
+            self.ref_model = copy.deepcopy(model).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+
+    def advantages(self, rows: Sequence[TrainRow], learner: int, capability: Sequence[float]) -> Tensor:
+        """Advantages of ``rows`` (HACPO.md §2, or plain group normalisation for the baselines). → [N]."""
+        fn = get_advantage_estimator(self.spec.advantage)
+        return fn(torch.tensor([r.reward for r in rows], dtype=torch.float64), torch.tensor([r.group for r in rows]),
+                  torch.tensor([r.source for r in rows]), learner, capability, reward_max=self.algo.reward_max,
+                  ratio_min=self.algo.ratio_min, ratio_max=self.algo.ratio_max, eps=self.algo.adv_eps).float()
+
+    def update(self, rows: Sequence[TrainRow], learner: int, capability: Sequence[float]) -> dict[str, float]:
+        """One round's update. ``learner``: this agent's index into ``capability`` (``Phat`` per agent)."""
+        start = time.perf_counter()
+        rows = [r for r in rows if r.is_self or self.spec.uses_cross]
+        rows = [r for r in rows if r.response_ids]  # nothing to score in an empty response
+        if not rows:
+            return {"train/steps": 0.0, "train/num_rows": 0.0}
+        adv = self.advantages(rows, learner, capability)
+        sources = torch.tensor([r.source for r in rows])
+        if self.spec.advantage == "hacpo":
+            v = cross_weights(capability, learner, sources, self.algo.ratio_min, self.algo.ratio_max)
+        else:
+            v = torch.ones(len(rows))
+        is_self = torch.tensor([r.is_self for r in rows])
+        perm = order_rows(is_self, sources).tolist()
+        acc = _MetricAccumulator()
+        schedule = minibatch_schedule(len(rows), self.cfg.minibatch_size, self.cfg.epochs)
+        for m, idx in schedule:
+            picked = [perm[i] for i in idx.tolist()]
+            acc.add(self._step(m, [rows[i] for i in picked], adv[picked], is_self[picked], v[picked]))
+        out = acc.result()
+        out.update({"train/steps": float(len(schedule)), "train/num_rows": float(len(rows)),
+                    "train/num_self": float(is_self.sum()), "train/num_cross": float((~is_self).sum()),
+                    "train/adv_abs_mean": float(adv.abs().mean()), "time/update": time.perf_counter() - start})
+        return out
+
+    def _step(self, m: int, rows: list[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor) -> dict[str, float]:
+        """One optimizer step over one mini-batch, accumulated over micro-batches."""
+        self.optimizer.zero_grad(set_to_none=True)
+        token_level = self.spec.loss == "grpo" and self.loss_cfg.grpo_loss_agg_mode == "token-mean"
+        total_tokens = sum(len(r.response_ids) for r in rows)
+        self_tokens = sum(len(r.response_ids) for r in rows if r.is_self)
+        acc = _MetricAccumulator()
+        loss_total, kl_total = 0.0, 0.0
+        for s in range(0, len(rows), self.cfg.micro_batch_size):
+            sl = slice(s, s + self.cfg.micro_batch_size)
+            micro = rows[sl]
+            batch = build_scoring_batch_from_ids([r.prompt_ids for r in micro], [r.response_ids for r in micro],
+                                                 self.pad_id)
+            lp, mask = token_log_probs(self.model, batch)
+            old_tok = None
+            if all(r.old_token_log_probs is not None for r in micro):
+                old_tok = _pad([r.old_token_log_probs for r in micro], lp.shape[1]).to(lp.device)
+            inputs = PolicyLossInputs(
+                log_probs=lp, response_mask=mask, old_log_probs=torch.tensor([r.old_log_prob for r in micro]),
+                advantages=adv[sl], is_self=is_self[sl], cross_weight=v[sl], old_token_log_probs=old_tok)
+            loss, metrics = self.loss_fn(inputs, m, self.loss_cfg)
+            # exact mini-batch mean from micro-batch means: weight by rows (or tokens for token-mean GRPO)
+            weight = float(mask.sum()) / total_tokens if token_level else len(micro) / len(rows)
+            objective = loss * weight
+            if self.ref_model is not None and self_tokens > 0:
+                kl_term = self._kl_sum(batch, lp, mask, is_self[sl]) / self_tokens  # token mean over self tokens
+                objective = objective + self.algo.kl_beta * kl_term
+                kl_total += kl_term.item()
+            objective.backward()
+            loss_total += loss.item() * weight
+            acc.add(metrics, weight=len(micro))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.grad_clip)
+        self.optimizer.step()
+        out = acc.result()
+        out.update({"train/loss": loss_total, "train/grad_norm": float(grad_norm), "train/kl": kl_total})
+        return out
+
+    def _kl_sum(self, batch, lp: Tensor, mask: Tensor, is_self: Tensor) -> Tensor:
+        """Sum of k3 KL to the frozen reference over the self tokens of a micro-batch."""
+        with torch.no_grad():
+            ref_lp, _ = token_log_probs(self.ref_model, batch)
+        self_mask = mask * is_self.to(mask.dtype)[:, None]
+        return (kl_k3(lp, ref_lp.to(lp.device), self.algo.max_abs_log_ratio) * self_mask).sum()
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
