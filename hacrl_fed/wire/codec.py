@@ -1,0 +1,444 @@
+"""The one converter between the protocol dataclasses (:mod:`hacrl_fed.types`) and ``hacrl_fed.v1`` protobuf.
+
+Public API:
+
+* ``to_proto(obj) -> Message`` and ``from_proto(msg, limits=...) -> obj`` for every dataclass of
+  :mod:`hacrl_fed.types` (and ``from_proto`` for the Health / Checkpoint messages, which map to plain values:
+  ``HealthRequest -> None``, ``HealthReply -> dict[str, str]``, ``CheckpointRequest -> int`` (the round),
+  ``CheckpointReply -> str`` (the path)); build those four with the ``*_to_proto`` helpers below.
+* ``encode(obj) -> bytes``: deterministic serialization (map entries sorted), so equal objects give equal bytes.
+* ``decode(kind, data, limits=...)``: ``kind`` is a dataclass (``RolloutBatch``), a generated message class
+  (``pb.RolloutBatch``) or a message name (``"RolloutBatch"``).
+
+Encoding fails only on values protobuf cannot hold (wrong types, ints outside int64, unknown finish_reason).
+Decoding is the trust boundary, so every decoded field is checked (input hygiene) and the first problem raises
+:class:`WireError` naming the message path, e.g. ``RolloutBatch.rollouts[3].reward: 1.5 outside [0, 1]``:
+
+* top-level messages: ``1 <= schema_version <= SCHEMA_VERSION``;
+* floats finite; ``reward`` and ``accuracy`` in [0, 1]; ``capability`` values >= 0; ``0 < top_p <= 1``;
+  ``temperature >= 0``;
+* counts and indices (round, prompt_id, sample_index, token_count, top_k, num_prompts) >= 0;
+  ``max_new_tokens`` and ``num_samples`` >= 1;
+* ``finish_reason`` is stop or length; ``role`` is system, user or assistant; org ids are non-empty;
+* strings, repeated fields, maps, signatures and whole messages are capped by :class:`WireLimits`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from google.protobuf.message import DecodeError, Message
+
+from hacrl_fed import types as t
+from hacrl_fed.v1 import worker_pb2 as pb
+
+SCHEMA_VERSION = 1  # written into every top-level message; receivers accept 1..SCHEMA_VERSION
+ROLES = ("system", "user", "assistant")
+
+_FINISH_TO_PB = {t.FINISH_STOP: pb.FINISH_REASON_STOP, t.FINISH_LENGTH: pb.FINISH_REASON_LENGTH}
+_FINISH_FROM_PB = {code: name for name, code in _FINISH_TO_PB.items()}
+
+
+class WireError(ValueError):
+    """A message that cannot be encoded, or that fails a decode-time check; the text names message and field."""
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """Decode-time caps. Characters are counted on the decoded ``str``; bytes on the serialized message."""
+
+    max_message_bytes: int = 256 * 2**20  # one serialized message (matches the default gRPC limit we set)
+    max_text_chars: int = 2**20  # responses, chat contents, references, health values
+    max_name_chars: int = 256  # ids, roles, task names, metric / capability / health keys
+    max_items: int = 2**20  # elements of any one repeated or map field
+    max_signature_bytes: int = 1024
+    max_path_chars: int = 4096  # checkpoint paths
+
+
+DEFAULT_LIMITS = WireLimits()
+
+
+# ----------------------------------------------------------------------------------------------------- checks
+
+
+def _fail(where: str, problem: str) -> None:
+    raise WireError(f"{where}: {problem}")
+
+
+def _finite(x: float, where: str) -> float:
+    if not math.isfinite(x):
+        _fail(where, f"non-finite value {x!r}")
+    return x
+
+
+def _in_range(x: float, where: str, low: float, high: float) -> float:
+    if not low <= _finite(x, where) <= high:
+        _fail(where, f"{x!r} outside [{low:g}, {high:g}]")
+    return x
+
+
+def _at_least(n: int, where: str, minimum: int = 0) -> int:
+    if n < minimum:
+        _fail(where, f"{n} is below the minimum {minimum}")
+    return n
+
+
+def _string(s: str, where: str, cap: int, *, required: bool = False) -> str:
+    if len(s) > cap:
+        _fail(where, f"{len(s)} characters exceed the cap of {cap}")
+    if required and not s:
+        _fail(where, "must not be empty")
+    return s
+
+
+def _items(seq: Any, where: str, lim: WireLimits) -> Any:
+    if len(seq) > lim.max_items:
+        _fail(where, f"{len(seq)} entries exceed the cap of {lim.max_items}")
+    return seq
+
+
+def _float_map(m: Mapping[str, float], where: str, lim: WireLimits, low: float = -math.inf) -> dict[str, float]:
+    """Map with capped keys and finite values >= ``low``; returns a plain dict."""
+    _items(m, where, lim)
+    out = {}
+    for key, value in m.items():
+        _string(key, f"{where} key {key[:40]!r}", lim.max_name_chars, required=True)
+        out[key] = _in_range(value, f"{where}[{key!r}]", low, math.inf)
+    return out
+
+
+def _check_version(msg: Message, where: str) -> None:
+    v = msg.schema_version
+    if v == 0:
+        _fail(f"{where}.schema_version", "missing (0); the sender must set it")
+    if v > SCHEMA_VERSION:
+        _fail(f"{where}.schema_version", f"{v} is newer than the supported {SCHEMA_VERSION}")
+
+
+# ------------------------------------------------------------------------------------ dataclass -> protobuf
+
+
+def _chat_to(m: t.ChatMessage) -> pb.ChatMessage:
+    return pb.ChatMessage(role=m.role, content=m.content)
+
+
+def _prompt_to(p: t.Prompt) -> pb.Prompt:
+    return pb.Prompt(prompt_id=p.prompt_id, messages=[_chat_to(m) for m in p.messages], reference=p.reference)
+
+
+def _sampling_to(s: t.SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        max_new_tokens=s.max_new_tokens, num_samples=s.num_samples, seed=s.seed,
+    )
+
+
+def _plan_to(p: t.RoundPlan) -> pb.RoundPlan:
+    return pb.RoundPlan(
+        schema_version=SCHEMA_VERSION, run_id=p.run_id, round=p.round, task=p.task,
+        prompts=[_prompt_to(x) for x in p.prompts], sampling=_sampling_to(p.sampling),
+    )
+
+
+def _rollout_to(r: t.Rollout) -> pb.Rollout:
+    if r.finish_reason not in _FINISH_TO_PB:
+        raise WireError(f"Rollout.finish_reason: unknown value {r.finish_reason!r} (expected {t.FINISH_REASONS})")
+    return pb.Rollout(
+        org_id=r.org_id, round=r.round, prompt_id=r.prompt_id, sample_index=r.sample_index,
+        response=r.response, finish_reason=_FINISH_TO_PB[r.finish_reason], reward=r.reward,
+        logprob_sum=r.logprob_sum, token_count=r.token_count,
+    )
+
+
+def _batch_to(b: t.RolloutBatch) -> pb.RolloutBatch:
+    return pb.RolloutBatch(
+        schema_version=SCHEMA_VERSION, run_id=b.run_id, round=b.round, org_id=b.org_id,
+        rollouts=[_rollout_to(r) for r in b.rollouts], accuracy=b.accuracy, metrics=dict(b.metrics),
+        signature=bytes(b.signature),
+    )
+
+
+def _train_req_to(r: t.TrainRequest) -> pb.TrainRequest:
+    return pb.TrainRequest(
+        schema_version=SCHEMA_VERSION, run_id=r.run_id, round=r.round, org_id=r.org_id,
+        prompts=[_prompt_to(p) for p in r.prompts], foreign=[_rollout_to(x) for x in r.foreign],
+        capability=dict(r.capability),
+    )
+
+
+def _train_rep_to(r: t.TrainReport) -> pb.TrainReport:
+    return pb.TrainReport(
+        schema_version=SCHEMA_VERSION, run_id=r.run_id, round=r.round, org_id=r.org_id, metrics=dict(r.metrics)
+    )
+
+
+def _eval_req_to(r: t.EvalRequest) -> pb.EvalRequest:
+    return pb.EvalRequest(
+        schema_version=SCHEMA_VERSION, run_id=r.run_id, round=r.round, task=r.task,
+        prompts=[_prompt_to(p) for p in r.prompts], max_new_tokens=r.max_new_tokens,
+    )
+
+
+def _eval_rep_to(r: t.EvalReport) -> pb.EvalReport:
+    return pb.EvalReport(
+        schema_version=SCHEMA_VERSION, run_id=r.run_id, round=r.round, org_id=r.org_id,
+        accuracy=r.accuracy, num_prompts=r.num_prompts, metrics=dict(r.metrics),
+    )
+
+
+def health_request() -> pb.HealthRequest:
+    """An empty, versioned ``HealthRequest``."""
+    return pb.HealthRequest(schema_version=SCHEMA_VERSION)
+
+
+def health_reply_to_proto(info: Mapping[str, str]) -> pb.HealthReply:
+    """``worker.health()``'s dict -> ``HealthReply``."""
+    return _guarded("HealthReply", lambda: pb.HealthReply(schema_version=SCHEMA_VERSION, info=dict(info)))
+
+
+def checkpoint_request_to_proto(round: int) -> pb.CheckpointRequest:
+    return _guarded("CheckpointRequest", lambda: pb.CheckpointRequest(schema_version=SCHEMA_VERSION, round=round))
+
+
+def checkpoint_reply_to_proto(path: str) -> pb.CheckpointReply:
+    return _guarded("CheckpointReply", lambda: pb.CheckpointReply(schema_version=SCHEMA_VERSION, path=path))
+
+
+# ------------------------------------------------------------------------------------ protobuf -> dataclass
+
+
+def _chat_from(m: pb.ChatMessage, where: str, lim: WireLimits) -> t.ChatMessage:
+    if m.role not in ROLES:
+        _fail(f"{where}.role", f"unknown role {m.role[:40]!r} (expected one of {ROLES})")
+    return t.ChatMessage(role=m.role, content=_string(m.content, f"{where}.content", lim.max_text_chars))
+
+
+def _prompt_from(m: pb.Prompt, where: str, lim: WireLimits) -> t.Prompt:
+    _items(m.messages, f"{where}.messages", lim)
+    return t.Prompt(
+        prompt_id=_at_least(m.prompt_id, f"{where}.prompt_id"),
+        messages=tuple(_chat_from(x, f"{where}.messages[{i}]", lim) for i, x in enumerate(m.messages)),
+        reference=_string(m.reference, f"{where}.reference", lim.max_text_chars),
+    )
+
+
+def _prompts_from(seq: Any, where: str, lim: WireLimits) -> tuple[t.Prompt, ...]:
+    _items(seq, where, lim)
+    return tuple(_prompt_from(p, f"{where}[{i}]", lim) for i, p in enumerate(seq))
+
+
+def _top_p(x: float, where: str) -> float:
+    if not 0.0 < _finite(x, where) <= 1.0:
+        _fail(where, f"{x!r} outside (0, 1]")
+    return x
+
+
+def _sampling_from(m: pb.SamplingParams, where: str, lim: WireLimits) -> t.SamplingParams:
+    return t.SamplingParams(
+        temperature=_in_range(m.temperature, f"{where}.temperature", 0.0, math.inf),
+        top_p=_top_p(m.top_p, f"{where}.top_p"),
+        top_k=_at_least(m.top_k, f"{where}.top_k"),
+        max_new_tokens=_at_least(m.max_new_tokens, f"{where}.max_new_tokens", 1),
+        num_samples=_at_least(m.num_samples, f"{where}.num_samples", 1),
+        seed=m.seed,
+    )
+
+
+def _plan_from(m: pb.RoundPlan, where: str, lim: WireLimits) -> t.RoundPlan:
+    _check_version(m, where)
+    if not m.HasField("sampling"):
+        _fail(f"{where}.sampling", "missing")
+    return t.RoundPlan(
+        run_id=_string(m.run_id, f"{where}.run_id", lim.max_name_chars),
+        round=_at_least(m.round, f"{where}.round"),
+        task=_string(m.task, f"{where}.task", lim.max_name_chars),
+        prompts=_prompts_from(m.prompts, f"{where}.prompts", lim),
+        sampling=_sampling_from(m.sampling, f"{where}.sampling", lim),
+    )
+
+
+def _rollout_from(m: pb.Rollout, where: str, lim: WireLimits) -> t.Rollout:
+    if m.finish_reason not in _FINISH_FROM_PB:
+        _fail(f"{where}.finish_reason", f"unknown value {m.finish_reason} (expected stop={pb.FINISH_REASON_STOP} "
+              f"or length={pb.FINISH_REASON_LENGTH})")
+    return t.Rollout(
+        org_id=_string(m.org_id, f"{where}.org_id", lim.max_name_chars, required=True),
+        round=_at_least(m.round, f"{where}.round"),
+        prompt_id=_at_least(m.prompt_id, f"{where}.prompt_id"),
+        sample_index=_at_least(m.sample_index, f"{where}.sample_index"),
+        response=_string(m.response, f"{where}.response", lim.max_text_chars),
+        finish_reason=_FINISH_FROM_PB[m.finish_reason],
+        reward=_in_range(m.reward, f"{where}.reward", 0.0, 1.0),
+        logprob_sum=_finite(m.logprob_sum, f"{where}.logprob_sum"),
+        token_count=_at_least(m.token_count, f"{where}.token_count"),
+    )
+
+
+def _rollouts_from(seq: Any, where: str, lim: WireLimits) -> tuple[t.Rollout, ...]:
+    _items(seq, where, lim)
+    return tuple(_rollout_from(r, f"{where}[{i}]", lim) for i, r in enumerate(seq))
+
+
+def _batch_from(m: pb.RolloutBatch, where: str, lim: WireLimits) -> t.RolloutBatch:
+    _check_version(m, where)
+    if len(m.signature) > lim.max_signature_bytes:
+        _fail(f"{where}.signature", f"{len(m.signature)} bytes exceed the cap of {lim.max_signature_bytes}")
+    return t.RolloutBatch(
+        run_id=_string(m.run_id, f"{where}.run_id", lim.max_name_chars),
+        round=_at_least(m.round, f"{where}.round"),
+        org_id=_string(m.org_id, f"{where}.org_id", lim.max_name_chars, required=True),
+        rollouts=_rollouts_from(m.rollouts, f"{where}.rollouts", lim),
+        accuracy=_in_range(m.accuracy, f"{where}.accuracy", 0.0, 1.0),
+        metrics=_float_map(m.metrics, f"{where}.metrics", lim),
+        signature=bytes(m.signature),
+    )
+
+
+def _train_req_from(m: pb.TrainRequest, where: str, lim: WireLimits) -> t.TrainRequest:
+    _check_version(m, where)
+    return t.TrainRequest(
+        run_id=_string(m.run_id, f"{where}.run_id", lim.max_name_chars),
+        round=_at_least(m.round, f"{where}.round"),
+        org_id=_string(m.org_id, f"{where}.org_id", lim.max_name_chars, required=True),
+        prompts=_prompts_from(m.prompts, f"{where}.prompts", lim),
+        foreign=_rollouts_from(m.foreign, f"{where}.foreign", lim),
+        capability=_float_map(m.capability, f"{where}.capability", lim, low=0.0),
+    )
+
+
+def _train_rep_from(m: pb.TrainReport, where: str, lim: WireLimits) -> t.TrainReport:
+    _check_version(m, where)
+    return t.TrainReport(
+        run_id=_string(m.run_id, f"{where}.run_id", lim.max_name_chars),
+        round=_at_least(m.round, f"{where}.round"),
+        org_id=_string(m.org_id, f"{where}.org_id", lim.max_name_chars, required=True),
+        metrics=_float_map(m.metrics, f"{where}.metrics", lim),
+    )
+
+
+def _eval_req_from(m: pb.EvalRequest, where: str, lim: WireLimits) -> t.EvalRequest:
+    _check_version(m, where)
+    return t.EvalRequest(
+        run_id=_string(m.run_id, f"{where}.run_id", lim.max_name_chars),
+        round=_at_least(m.round, f"{where}.round"),
+        task=_string(m.task, f"{where}.task", lim.max_name_chars),
+        prompts=_prompts_from(m.prompts, f"{where}.prompts", lim),
+        max_new_tokens=_at_least(m.max_new_tokens, f"{where}.max_new_tokens", 1),
+    )
+
+
+def _eval_rep_from(m: pb.EvalReport, where: str, lim: WireLimits) -> t.EvalReport:
+    _check_version(m, where)
+    return t.EvalReport(
+        run_id=_string(m.run_id, f"{where}.run_id", lim.max_name_chars),
+        round=_at_least(m.round, f"{where}.round"),
+        org_id=_string(m.org_id, f"{where}.org_id", lim.max_name_chars, required=True),
+        accuracy=_in_range(m.accuracy, f"{where}.accuracy", 0.0, 1.0),
+        num_prompts=_at_least(m.num_prompts, f"{where}.num_prompts"),
+        metrics=_float_map(m.metrics, f"{where}.metrics", lim),
+    )
+
+
+def _health_req_from(m: pb.HealthRequest, where: str, lim: WireLimits) -> None:
+    _check_version(m, where)
+
+
+def _health_rep_from(m: pb.HealthReply, where: str, lim: WireLimits) -> dict[str, str]:
+    _check_version(m, where)
+    _items(m.info, f"{where}.info", lim)
+    out = {}
+    for key, value in m.info.items():
+        _string(key, f"{where}.info key {key[:40]!r}", lim.max_name_chars, required=True)
+        out[key] = _string(value, f"{where}.info[{key!r}]", lim.max_text_chars)
+    return out
+
+
+def _ckpt_req_from(m: pb.CheckpointRequest, where: str, lim: WireLimits) -> int:
+    _check_version(m, where)
+    return _at_least(m.round, f"{where}.round")
+
+
+def _ckpt_rep_from(m: pb.CheckpointReply, where: str, lim: WireLimits) -> str:
+    _check_version(m, where)
+    return _string(m.path, f"{where}.path", lim.max_path_chars, required=True)
+
+
+# ------------------------------------------------------------------------------------------------ registry
+
+_TO_PROTO: dict[type, Callable[[Any], Message]] = {
+    t.ChatMessage: _chat_to, t.Prompt: _prompt_to, t.SamplingParams: _sampling_to, t.RoundPlan: _plan_to,
+    t.Rollout: _rollout_to, t.RolloutBatch: _batch_to, t.TrainRequest: _train_req_to,
+    t.TrainReport: _train_rep_to, t.EvalRequest: _eval_req_to, t.EvalReport: _eval_rep_to,
+}
+_FROM_PROTO: dict[type[Message], Callable[[Any, str, WireLimits], Any]] = {
+    pb.ChatMessage: _chat_from, pb.Prompt: _prompt_from, pb.SamplingParams: _sampling_from,
+    pb.RoundPlan: _plan_from, pb.Rollout: _rollout_from, pb.RolloutBatch: _batch_from,
+    pb.TrainRequest: _train_req_from, pb.TrainReport: _train_rep_from, pb.EvalRequest: _eval_req_from,
+    pb.EvalReport: _eval_rep_from, pb.HealthRequest: _health_req_from, pb.HealthReply: _health_rep_from,
+    pb.CheckpointRequest: _ckpt_req_from, pb.CheckpointReply: _ckpt_rep_from,
+}
+_PROTO_BY_NAME: dict[str, type[Message]] = {cls.DESCRIPTOR.name: cls for cls in _FROM_PROTO}
+_PROTO_BY_DATACLASS: dict[type, type[Message]] = {dc: _PROTO_BY_NAME[dc.__name__] for dc in _TO_PROTO}
+
+
+def _guarded(name: str, build: Callable[[], Message]) -> Message:
+    """Run a protobuf constructor, turning its TypeError / ValueError (bad type, int64 overflow) into WireError."""
+    try:
+        return build()
+    except WireError:
+        raise
+    except (TypeError, ValueError, OverflowError) as err:
+        raise WireError(f"{name}: cannot encode: {err}") from None
+
+
+def proto_class(kind: type | str) -> type[Message]:
+    """The generated message class for a dataclass, message class or message name (``"RolloutBatch"``)."""
+    if isinstance(kind, str):
+        cls = _PROTO_BY_NAME.get(kind)
+    elif kind in _FROM_PROTO:
+        cls = kind
+    else:
+        cls = _PROTO_BY_DATACLASS.get(kind)
+    if cls is None:
+        raise WireError(f"unknown wire kind {kind!r}; expected one of {sorted(_PROTO_BY_NAME)}")
+    return cls
+
+
+def to_proto(obj: Any) -> Message:
+    """Dataclass of :mod:`hacrl_fed.types` -> its ``hacrl_fed.v1`` message (top-level ones stamped with the version)."""
+    convert = _TO_PROTO.get(type(obj))
+    if convert is None:
+        raise WireError(f"cannot encode {type(obj).__name__}: not a hacrl_fed.types dataclass")
+    return _guarded(type(obj).__name__, lambda: convert(obj))
+
+
+def from_proto(msg: Message, *, limits: WireLimits = DEFAULT_LIMITS) -> Any:
+    """``hacrl_fed.v1`` message -> dataclass (or plain value for Health / Checkpoint), checking every field."""
+    convert = _FROM_PROTO.get(type(msg))
+    if convert is None:
+        raise WireError(f"cannot decode {type(msg).__name__}: not a hacrl_fed.v1 message")
+    return convert(msg, type(msg).DESCRIPTOR.name, limits)
+
+
+def encode(obj: Any) -> bytes:
+    """Dataclass (or an already built ``hacrl_fed.v1`` message) -> deterministic protobuf bytes."""
+    msg = obj if type(obj) in _FROM_PROTO else to_proto(obj)
+    return msg.SerializeToString(deterministic=True)
+
+
+def decode(kind: type | str, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS) -> Any:
+    """Protobuf bytes of message ``kind`` -> checked dataclass / value (see :func:`from_proto`)."""
+    cls = proto_class(kind)
+    name = cls.DESCRIPTOR.name
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"{name}: expected bytes, got {type(data).__name__}")
+    if len(data) > limits.max_message_bytes:
+        raise WireError(f"{name}: {len(data)} bytes exceed the cap of {limits.max_message_bytes}")
+    msg = cls()
+    try:
+        msg.ParseFromString(bytes(data))
+    except (DecodeError, RuntimeError, ValueError) as err:
+        raise WireError(f"{name}: not a valid serialized message ({err})") from None
+    return from_proto(msg, limits=limits)
