@@ -1,0 +1,133 @@
+"""``GrpcWorkerClient``: a :class:`~hacrl_fed.worker.api.WorkerAPI` whose calls go to a ``hacrl-fed worker`` process.
+
+Every call has a deadline (the client's ``timeout_s`` unless overridden per call with ``timeout_s=``); a failed
+call raises :class:`WorkerCallError` carrying the gRPC status code and details (:class:`WorkerCallTimeout`, also a
+``TimeoutError``, when the deadline passed). Replies are decoded and checked by :mod:`hacrl_fed.wire.codec`, so a
+malformed reply raises :class:`~hacrl_fed.wire.codec.WireError` naming the bad field.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
+from hacrl_fed.v1 import worker_pb2_grpc
+from hacrl_fed.wire import codec
+from hacrl_fed.wire.grpc_server import message_size_options
+
+# Reconnect quickly after a worker (re)start instead of gRPC's default 1 s .. 120 s exponential backoff.
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+class WorkerCallError(Exception):
+    """A PolicyWorker RPC failed: ``code`` (grpc.StatusCode), ``details`` (the server's message), ``rpc``, ``address``."""
+
+    def __init__(self, rpc: str, code: grpc.StatusCode, details: str, address: str) -> None:
+        super().__init__(f"{rpc} on {address} failed: {code.name}: {details}")
+        self.rpc = rpc
+        self.code = code
+        self.details = details
+        self.address = address
+
+
+class WorkerCallTimeout(WorkerCallError, TimeoutError):
+    """The call's deadline passed (status DEADLINE_EXCEEDED)."""
+
+
+def _call_error(rpc: str, err: grpc.RpcError, address: str) -> WorkerCallError:
+    code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = (err.details() if callable(getattr(err, "details", None)) else None) or str(err)
+    cls = WorkerCallTimeout if code == grpc.StatusCode.DEADLINE_EXCEEDED else WorkerCallError
+    return cls(rpc, code, details, address)
+
+
+class GrpcWorkerClient:
+    """WorkerAPI over gRPC to ``address`` (``HOST:PORT`` or ``unix:/PATH``).
+
+    ``org_id`` is the org expected at that address ("" until learned from :meth:`health` / :meth:`wait_ready`,
+    which also check that a given ``org_id`` matches the worker's). ``timeout_s=None`` means no deadline.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        org_id: str | None = None,
+        timeout_s: float | None = 600.0,
+        max_message_mb: int = 256,
+        limits: codec.WireLimits = codec.DEFAULT_LIMITS,
+    ) -> None:
+        self.address = address
+        self.org_id = org_id or ""
+        self.timeout_s = timeout_s
+        self._limits = limits
+        self._channel = grpc.insecure_channel(address, options=message_size_options(max_message_mb) + _RECONNECT_OPTIONS)
+        self._stub = worker_pb2_grpc.PolicyWorkerStub(self._channel)
+        self._closed = False
+
+    # -- WorkerAPI ---------------------------------------------------------------------------------------------
+
+    def generate(self, plan: RoundPlan, *, timeout_s: float | None = None) -> RolloutBatch:
+        return self._call("Generate", codec.to_proto(plan), timeout_s)
+
+    def train(self, request: TrainRequest, *, timeout_s: float | None = None) -> TrainReport:
+        return self._call("Train", codec.to_proto(request), timeout_s)
+
+    def evaluate(self, request: EvalRequest, *, timeout_s: float | None = None) -> EvalReport:
+        return self._call("Evaluate", codec.to_proto(request), timeout_s)
+
+    def health(self, *, timeout_s: float | None = None) -> dict[str, str]:
+        return self._learn_org(self._call("Health", codec.health_request(), timeout_s))
+
+    def checkpoint(self, round: int, *, timeout_s: float | None = None) -> str:
+        return self._call("Checkpoint", codec.checkpoint_request_to_proto(round), timeout_s)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def wait_ready(self, timeout_s: float = 30.0) -> dict[str, str]:
+        """Block until the worker answers Health (waiting for it to start listening); return its health dict.
+
+        Raises :class:`WorkerCallTimeout` if it does not answer within ``timeout_s``.
+        """
+        info = self._call("Health", codec.health_request(), timeout_s, wait_for_ready=True)
+        return self._learn_org(info)
+
+    def close(self) -> None:
+        """Close the channel (idempotent); later calls raise WorkerCallError(CANCELLED)."""
+        if not self._closed:
+            self._closed = True
+            self._channel.close()
+
+    def __enter__(self) -> "GrpcWorkerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"GrpcWorkerClient({self.address!r}, org_id={self.org_id!r})"
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _call(self, rpc: str, request, timeout_s: float | None, *, wait_for_ready: bool = False):
+        if self._closed:
+            raise WorkerCallError(rpc, grpc.StatusCode.CANCELLED, "client is closed", self.address)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            reply = getattr(self._stub, rpc)(request, timeout=timeout, wait_for_ready=wait_for_ready)
+        except grpc.RpcError as err:
+            raise _call_error(rpc, err, self.address) from None
+        return codec.from_proto(reply, limits=self._limits)
+
+    def _learn_org(self, info: dict[str, str]) -> dict[str, str]:
+        reported = info.get("org_id", "")
+        if self.org_id and reported and reported != self.org_id:
+            raise WorkerCallError("Health", grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"worker serves org {reported!r}, expected {self.org_id!r}", self.address)
+        if not self.org_id:
+            self.org_id = reported
+        return info
