@@ -1,0 +1,68 @@
+"""``InProcessTransport``: the coordinator calls worker objects in this process, one org after another.
+
+No timeouts: a call runs to completion however long it takes (``timeout_s`` is accepted and ignored, since a
+Python call cannot be interrupted safely). Use it for unit tests, benchmarks and single-machine runs where a
+hung worker means a bug, not a network problem. Any ``Exception`` a worker raises becomes that org's result;
+``BaseException`` (KeyboardInterrupt, SystemExit) propagates.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping
+
+from hacrl_fed.coordinator.transport import Transport
+from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
+from hacrl_fed.worker.api import WorkerAPI
+
+
+class InProcessTransport(Transport):
+    """Sequential calls on ``workers`` (``{org_id: WorkerAPI}``).
+
+    After each fan-out ``last_call_seconds`` holds ``{org_id: seconds}`` of that call per org (no bytes: nothing
+    is serialized, so there is no ``last_call_bytes``).
+    """
+
+    def __init__(self, workers: Mapping[str, WorkerAPI]):
+        if not workers:
+            raise ValueError("InProcessTransport needs at least one worker")
+        self.workers = dict(workers)
+        self.last_call_seconds: dict[str, float] = {}
+
+    def org_ids(self) -> list[str]:
+        return list(self.workers)
+
+    def _fan_out(self, items: Mapping[str, Any], call: Callable[[WorkerAPI, Any], Any]) -> dict[str, Any]:
+        results: dict[str, Any] = {}
+        self.last_call_seconds = {}
+        for org, item in items.items():
+            start = time.perf_counter()
+            worker = self.workers.get(org)
+            if worker is None:
+                results[org] = KeyError(f"no in-process worker for org {org!r}")
+            else:
+                try:
+                    results[org] = call(worker, item)
+                except Exception as err:  # one org's failure must not stop the round
+                    results[org] = err
+            self.last_call_seconds[org] = time.perf_counter() - start
+        return results
+
+    def generate(self, plans: Mapping[str, RoundPlan], timeout_s: float) -> dict[str, RolloutBatch | Exception]:
+        return self._fan_out(plans, lambda w, plan: w.generate(plan))
+
+    def train(self, requests: Mapping[str, TrainRequest], timeout_s: float) -> dict[str, TrainReport | Exception]:
+        return self._fan_out(requests, lambda w, req: w.train(req))
+
+    def evaluate(self, requests: Mapping[str, EvalRequest], timeout_s: float) -> dict[str, EvalReport | Exception]:
+        return self._fan_out(requests, lambda w, req: w.evaluate(req))
+
+    def checkpoint(self, org_ids: list[str], round: int, timeout_s: float) -> dict[str, str | Exception]:
+        return self._fan_out({org: round for org in org_ids}, lambda w, r: w.checkpoint(r))
+
+    def close(self) -> None:
+        """Call ``close()`` on workers that have one (releases models / engines)."""
+        for worker in self.workers.values():
+            close = getattr(worker, "close", None)
+            if callable(close):
+                close()
