@@ -1,0 +1,148 @@
+"""Run outputs: per-round metrics (JSONL + TensorBoard), the held-out accuracy plot and the final table.
+
+Files under ``run_dir``:
+
+- ``metrics.jsonl``: one JSON object per :meth:`RunLogger.log` call, ``{"round": t, "wall_time": unix_s,
+  <name>: value, ...}``; non-finite values are written as ``null`` (strict JSON).
+- ``tb/``: TensorBoard event files, one scalar per metric name with ``step = round``.
+- ``accuracy.png``: ``eval/<org>/accuracy`` against round, one line per org (:func:`plot_accuracy`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from hacrl_fed.coordinator.loop import RunSummary
+
+EVAL_KEY = re.compile(r"^eval/(?P<org>[^/]+)/accuracy$")
+
+
+def _clean(value: Any) -> float | None:
+    """A metric value as a JSON-safe float (None for NaN/inf); raises TypeError for non-numbers."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"metric values must be numbers, got {type(value).__name__}")
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+class RunLogger:
+    """Appends metrics to ``run_dir/metrics.jsonl`` and TensorBoard scalars to ``run_dir/tb``.
+
+    ``tensorboard=False`` skips the event files (and the torch import they need).
+    """
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # heavy import: only when asked for
+
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+
+    def log(self, round: int, metrics: Mapping[str, float]) -> None:
+        """Record ``metrics`` for ``round``: one JSONL line and one TensorBoard scalar per finite value."""
+        clean = {}
+        for name, value in metrics.items():
+            try:
+                clean[str(name)] = _clean(value)
+            except TypeError as err:
+                raise TypeError(f"metric {name!r}: {err}") from None
+        record = {"round": int(round), "wall_time": time.time(), **clean}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, allow_nan=False) + "\n")
+        if self._writer is not None:
+            for name, value in clean.items():
+                if value is not None:
+                    self._writer.add_scalar(name, value, global_step=int(round))
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> "RunLogger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of ``run_dir/metrics.jsonl`` in file order (empty list when there is none)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def eval_curves(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """``{org: [(round, accuracy), ...]}`` from ``eval/<org>/accuracy`` entries, sorted by round.
+
+    A round logged twice (a resumed run re-evaluating) keeps the later value.
+    """
+    curves: dict[str, dict[int, float]] = {}
+    for rec in records:
+        for key, value in rec.items():
+            m = EVAL_KEY.match(key)
+            if m and value is not None:
+                curves.setdefault(m["org"], {})[int(rec["round"])] = float(value)
+    return {org: sorted(points.items()) for org, points in sorted(curves.items())}
+
+
+def plot_accuracy(run_dir: str | Path) -> Path:
+    """Write ``run_dir/accuracy.png``: held-out accuracy vs round per org (Agg backend); returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    curves = eval_curves(read_metrics(run_dir))
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for org, points in curves.items():
+        rounds, accs = zip(*points)
+        ax.plot(rounds, accs, marker="o", label=org)
+    ax.set_xlabel("round")
+    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no evaluations logged", ha="center", va="center", transform=ax.transAxes)
+    out = Path(run_dir) / "accuracy.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.3f}"
+
+
+def format_table(summary: "RunSummary") -> str:
+    """The final per-org table: accuracy before → after (held-out, greedy), delta, rollouts shared (accepted
+    from this org), rollouts received (foreign rollouts it trained on), worker time in seconds."""
+    header = ("org", "accuracy before -> after", "delta", "shared", "received", "time_s")
+    rows = [header]
+    for org, s in summary.orgs.items():
+        before, after = s.accuracy_before, s.accuracy_after
+        delta = None if before is None or after is None else after - before
+        rows.append((org, f"{_fmt(before)} -> {_fmt(after)}", "n/a" if delta is None else f"{delta:+.3f}",
+                     str(s.rollouts_shared), str(s.rollouts_received), f"{s.time_s:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    foot = (f"run {summary.run_id}: {summary.rounds_completed} rounds ({summary.skipped_rounds} skipped), "
+            f"{summary.wall_time_s:.1f} s")
+    return "\n".join(lines + [foot])
