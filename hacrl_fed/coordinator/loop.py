@@ -1,0 +1,421 @@
+"""The transport-agnostic round loop (ARCHITECTURE.md "One round").
+
+Per round ``t`` (1-based):
+
+1. ``B = federation.prompts_per_round`` train ids from :class:`PromptSampler` (a function of (seed, t)) become
+   one :class:`RoundPlan` per reachable configured org (sampling from the org's generation settings, seed
+   ``stable_seed("sampling", cfg.seed, t)``), sent with ``transport.generate``.
+2. Every reply is checked by :func:`validate_batch`; an org *replied* when at least one rollout was accepted.
+   Its ``P_k(t)`` is the mean reward of its accepted rollouts (the reported accuracy is only compared, as
+   ``round/<org>/accuracy_discrepancy``). Fewer than ``min_orgs`` replies: the round's training is skipped
+   (logged, counted); ``MAX_CONSECUTIVE_FAILURES`` such rounds in a row abort with :class:`FederationError`.
+3. The :class:`CapabilityTracker` records the replies; each replying org gets a :class:`TrainRequest` with the
+   accepted rollouts of every *other* replying org and ``{org: Phat}`` over all configured orgs (effective:
+   1.0 during warm-up).
+4. Held-out evaluation (greedy, first ``task.eval_size`` test prompts) before round 1 (logged as round 0), every
+   ``eval_every`` rounds and after the last round; worker checkpoints every ``checkpoint_every`` rounds and at the
+   end; ``coordinator_state.json`` (atomic) after every round, so ``resume=True`` continues at the next round
+   with the same prompts and capability history.
+
+Orgs that fail a call are skipped for that phase and simply receive the next round's plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from hacrl_fed.algorithm import CapabilityTracker
+from hacrl_fed.config import RunConfig, org_generation
+from hacrl_fed.coordinator.sampler import PromptSampler, eval_ids, stable_seed
+from hacrl_fed.coordinator.transport import Transport
+from hacrl_fed.coordinator.validation import accepted_accuracy, validate_batch
+from hacrl_fed.metrics import RunLogger
+from hacrl_fed.types import (
+    EvalReport, EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, SamplingParams, TrainReport, TrainRequest,
+)
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "coordinator_state.json"
+STATE_VERSION = 1
+MAX_CONSECUTIVE_FAILURES = 3
+MIN_RESPONSE_CHARS_CAP = 4096
+RESPONSE_CHARS_PER_TOKEN = 64  # response cap = max(4096, 64 * max_new_tokens) characters
+
+
+class FederationError(RuntimeError):
+    """The federation cannot make progress (too many consecutive rounds below ``min_orgs``)."""
+
+
+@dataclass
+class OrgSummary:
+    accuracy_before: float | None  # held-out accuracy at round 0
+    accuracy_after: float | None  # latest held-out accuracy
+    rollouts_shared: int  # this org's accepted rollouts (sent to the others)
+    rollouts_received: int  # foreign rollouts in this org's successful TrainRequests
+    time_s: float  # time spent in this org's calls (per transport timing)
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    run_dir: Path
+    rounds_completed: int
+    skipped_rounds: int
+    orgs: dict[str, OrgSummary]
+    eval_history: dict[int, dict[str, float]]
+    capability: dict[str, float]
+    wall_time_s: float
+
+
+@dataclass
+class RoundResult:
+    """What one round did (passed to ``on_round``)."""
+
+    round: int
+    skipped: bool
+    replied: list[str]  # orgs with at least one accepted rollout
+    accuracy: dict[str, float]  # P_k(t) of the replying orgs
+    trained: list[str]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """First 8 hex digits of SHA-256 over the config (``run_dir`` excluded: where a run lives is not what it is)."""
+    data = cfg.model_dump(mode="json", exclude={"run_dir"})
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def make_run_id(cfg: RunConfig) -> str:
+    return f"{cfg.name}-{config_hash(cfg)}"
+
+
+def sampling_params(cfg: RunConfig, org_id: str, round: int) -> SamplingParams:
+    """The org's generation settings as SamplingParams, seed derived from (cfg.seed, round) (same for every org;
+    workers mix in their own id)."""
+    gen = org_generation(cfg, org_id)
+    return SamplingParams(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+                          max_new_tokens=gen.max_new_tokens, num_samples=gen.num_samples,
+                          seed=stable_seed("sampling", cfg.seed, round) % 2**31)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` via a temp file + ``os.replace`` (readers never see a partial file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        json.dump(data, f, indent=1, sort_keys=True, allow_nan=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _numeric(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:
+    """``{prefix + name: float(value)}`` for the numeric entries of a reported metrics dict (others dropped)."""
+    return {f"{prefix}{k}": float(v) for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class Coordinator:
+    """Drives ``cfg.federation.rounds`` rounds over ``transport``; see the module docstring.
+
+    ``task`` defaults to ``get_task(cfg.task.name, cfg.task.params, seed=cfg.seed)``; ``on_round`` is called
+    with each :class:`RoundResult` (progress bars). ``logger=None`` logs no metrics (state is still saved).
+    """
+
+    def __init__(self, cfg: RunConfig, transport: Transport, run_dir: str | Path, *, logger: RunLogger | None = None,
+                 resume: bool = False, task: Any = None, on_round: Callable[[RoundResult], None] | None = None):
+        self.cfg, self.transport, self.logger, self.on_round = cfg, transport, logger, on_round
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.org_order = [o.id for o in cfg.orgs]
+        if task is None:
+            from hacrl_fed.tasks import get_task
+
+            task = get_task(cfg.task.name, cfg.task.params, seed=cfg.seed)
+        self.task = task
+        fed = cfg.federation
+        train_size = task.size("train")
+        if fed.prompts_per_round > train_size:
+            raise ValueError(f"federation.prompts_per_round={fed.prompts_per_round} exceeds the "
+                             f"{train_size} train prompts of task {cfg.task.name!r}")
+        self.sampler = PromptSampler(train_size, cfg.seed)
+        self.eval_prompts = tuple(task.prompts("test", eval_ids(task.size("test"), cfg.task.eval_size)))
+        a = cfg.algorithm
+        self.tracker = CapabilityTracker(a.capability_window, a.capability_floor, a.ratio_min, a.ratio_max,
+                                         a.warmup_rounds)
+        self.run_id = make_run_id(cfg)
+        self.round = 0
+        self.skipped_rounds = 0
+        self.consecutive_failures = 0
+        self.eval_history: dict[int, dict[str, float]] = {}
+        self.totals = {org: {"shared": 0, "received": 0, "time_s": 0.0} for org in self.org_order}
+        self.worker_checkpoint_round = 0
+        self.wall_time_s = 0.0
+        self.state_path = self.run_dir / STATE_FILE
+        if resume:
+            self._load_state()
+        elif self.state_path.exists():
+            raise FileExistsError(f"{self.run_dir} already holds a run ({STATE_FILE}); resume it or use another "
+                                  "run directory")
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION, "run_id": self.run_id, "round": self.round,
+            "tracker": self.tracker.state_dict(), "skipped_rounds": self.skipped_rounds,
+            "consecutive_failures": self.consecutive_failures,
+            "eval_history": {str(t): accs for t, accs in sorted(self.eval_history.items())},
+            "totals": self.totals, "worker_checkpoint_round": self.worker_checkpoint_round,
+            "wall_time_s": self.wall_time_s,
+        }
+
+    def _save_state(self) -> None:
+        write_json_atomic(self.state_path, self.state_dict())
+
+    def _load_state(self) -> None:
+        if not self.state_path.exists():
+            raise FileNotFoundError(f"nothing to resume: {self.state_path} does not exist")
+        state = json.loads(self.state_path.read_text())
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"{self.state_path}: unsupported state version {state.get('version')!r}")
+        if state["run_id"] != self.run_id:
+            log.warning("resuming run %s with a changed config (it would be %s); keeping the original run id",
+                        state["run_id"], self.run_id)
+        self.run_id = state["run_id"]
+        self.round = int(state["round"])
+        self.tracker.load_state_dict(state["tracker"])
+        self.skipped_rounds = int(state["skipped_rounds"])
+        self.consecutive_failures = int(state["consecutive_failures"])
+        self.eval_history = {int(t): {o: float(a) for o, a in accs.items()}
+                             for t, accs in state["eval_history"].items()}
+        for org, tot in state["totals"].items():
+            self.totals.setdefault(org, {"shared": 0, "received": 0, "time_s": 0.0}).update(tot)
+        self.worker_checkpoint_round = int(state["worker_checkpoint_round"])
+        self.wall_time_s = float(state["wall_time_s"])
+        if self.worker_checkpoint_round < self.round:
+            log.warning("resuming after round %d, but workers last checkpointed at round %d: their weights miss "
+                        "rounds %d..%d", self.round, self.worker_checkpoint_round,
+                        self.worker_checkpoint_round + 1, self.round)
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+
+    def live_orgs(self) -> list[str]:
+        """Configured orgs the transport can reach now, in config order."""
+        reachable = set(self.transport.org_ids())
+        return [o for o in self.org_order if o in reachable]
+
+    def plan_for(self, round: int, org_id: str, prompts: tuple[Prompt, ...]) -> RoundPlan:
+        return RoundPlan(run_id=self.run_id, round=round, task=self.cfg.task.name, prompts=prompts,
+                         sampling=sampling_params(self.cfg, org_id, round))
+
+    def round_prompts(self, round: int) -> tuple[Prompt, ...]:
+        ids = self.sampler.round_ids(round, self.cfg.federation.prompts_per_round)
+        return tuple(self.task.prompts("train", ids))
+
+    def _account(self, phase: str, metrics: dict[str, float]) -> None:
+        """Add the transport's per-org time of the last call to totals; log its bytes when it reports them."""
+        for org, secs in (getattr(self.transport, "last_call_seconds", None) or {}).items():
+            if org in self.totals:
+                self.totals[org]["time_s"] += float(secs)
+        sizes = getattr(self.transport, "last_call_bytes", None) or {}
+        for org, n in sizes.items():
+            metrics[f"bytes/{phase}/{org}"] = float(n)
+        if sizes:
+            metrics[f"bytes/{phase}/total"] = float(sum(sizes.values()))
+
+    def capability_table(self) -> dict[str, float]:
+        """``{org: Phat}`` over every configured org as the workers should use it (1.0 during warm-up)."""
+        return dict(zip(self.org_order, self.tracker.effective_capabilities(self.org_order)))
+
+    # -- phases ------------------------------------------------------------------------------------------------
+
+    def _generate(self, round: int, orgs: list[str], metrics: dict[str, float]):
+        """Send plans, validate replies; returns (plans, {org: accepted rollouts} of the replying orgs)."""
+        prompts = self.round_prompts(round)
+        plans = {org: self.plan_for(round, org, prompts) for org in orgs}
+        t0 = time.perf_counter()
+        replies = self.transport.generate(plans, self.cfg.federation.round_timeout_s)
+        metrics["time/generate"] = time.perf_counter() - t0
+        self._account("generate", metrics)
+        accepted: dict[str, list[Rollout]] = {}
+        for org in orgs:
+            reply = replies.get(org, TimeoutError(f"no reply from {org!r}"))
+            if isinstance(reply, Exception):
+                log.warning("round %d: org %s failed to generate: %s", round, org, reply)
+                metrics[f"round/{org}/failed"] = 1.0
+                continue
+            ok = self._check_batch(round, org, reply, plans[org], metrics)
+            if ok:
+                accepted[org] = ok
+        return plans, accepted
+
+    def _check_batch(self, round: int, org: str, batch: RolloutBatch, plan: RoundPlan,
+                     metrics: dict[str, float]) -> list[Rollout]:
+        cap = max(MIN_RESPONSE_CHARS_CAP, RESPONSE_CHARS_PER_TOKEN * plan.sampling.max_new_tokens)
+        ok, rejected = validate_batch(batch, plan, org, max_response_chars=cap)
+        received = len(ok) + sum(rejected.values())
+        metrics.update({f"round/{org}/rollouts_received": float(received),
+                        f"round/{org}/rollouts_accepted": float(len(ok)),
+                        f"round/{org}/rollouts_rejected": float(sum(rejected.values())),
+                        f"round/{org}/failed": 0.0 if ok else 1.0})
+        metrics.update({f"round/{org}/rejected/{reason}": float(n) for reason, n in rejected.items()})
+        if rejected:
+            log.warning("round %d: dropped %d rollouts of %s: %s", round, sum(rejected.values()), org,
+                        dict(rejected))
+        acc = accepted_accuracy(ok)
+        if acc is not None:
+            metrics[f"round/{org}/accuracy"] = acc
+            reported = getattr(batch, "accuracy", None)
+            if isinstance(reported, (int, float)) and math.isfinite(reported):
+                metrics[f"round/{org}/accuracy_discrepancy"] = float(reported) - acc
+            metrics.update(_numeric(getattr(batch, "metrics", {}) or {}, f"{org}/"))
+        return ok
+
+    def _train(self, round: int, prompts: tuple[Prompt, ...], accepted: Mapping[str, list[Rollout]],
+               metrics: dict[str, float]) -> list[str]:
+        """One TrainRequest per replying org (foreign = the others' accepted rollouts); returns who trained."""
+        table = self.capability_table()
+        requests = {
+            org: TrainRequest(run_id=self.run_id, round=round, org_id=org, prompts=prompts,
+                              foreign=tuple(r for other in accepted if other != org for r in accepted[other]),
+                              capability=dict(table))
+            for org in accepted
+        }
+        t0 = time.perf_counter()
+        replies = self.transport.train(requests, self.cfg.federation.round_timeout_s)
+        metrics["time/train"] = time.perf_counter() - t0
+        self._account("train", metrics)
+        trained = []
+        for org, req in requests.items():
+            reply = replies.get(org, TimeoutError(f"no reply from {org!r}"))
+            if not isinstance(reply, TrainReport):
+                log.warning("round %d: org %s failed to train: %s", round, org, reply)
+                metrics[f"round/{org}/train_failed"] = 1.0
+                continue
+            metrics[f"round/{org}/train_failed"] = 0.0
+            metrics.update(_numeric(reply.metrics, f"{org}/"))
+            self.totals[org]["received"] += len(req.foreign)
+            trained.append(org)
+        return trained
+
+    def evaluate(self, round: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Greedy held-out accuracy of every reachable org; recorded in ``eval_history[round]``."""
+        requests = {org: EvalRequest(run_id=self.run_id, round=round, task=self.cfg.task.name,
+                                     prompts=self.eval_prompts,
+                                     max_new_tokens=org_generation(self.cfg, org).eval_max_new_tokens)
+                    for org in self.live_orgs()}
+        t0 = time.perf_counter()
+        replies = self.transport.evaluate(requests, self.cfg.federation.round_timeout_s)
+        metrics["time/eval"] = time.perf_counter() - t0
+        self._account("eval", metrics)
+        accs: dict[str, float] = {}
+        for org in requests:
+            reply = replies.get(org)
+            ok = (isinstance(reply, EvalReport) and isinstance(reply.accuracy, (int, float))
+                  and math.isfinite(reply.accuracy) and 0.0 <= reply.accuracy <= 1.0)
+            if not ok:
+                log.warning("round %d: org %s failed to evaluate: %s", round, org, reply)
+                continue
+            accs[org] = float(reply.accuracy)
+            metrics[f"eval/{org}/accuracy"] = accs[org]
+            metrics.update(_numeric(reply.metrics, f"eval/{org}/"))
+        if accs:
+            metrics["eval/mean_accuracy"] = sum(accs.values()) / len(accs)
+        self.eval_history[round] = accs
+        return accs
+
+    def checkpoint_workers(self, round: int, metrics: dict[str, float]) -> None:
+        orgs = self.live_orgs()
+        replies = self.transport.checkpoint(orgs, round, self.cfg.federation.round_timeout_s)
+        self._account("checkpoint", metrics)
+        failed = [org for org in orgs if not isinstance(replies.get(org), str)]
+        for org in failed:
+            log.warning("round %d: org %s failed to checkpoint: %s", round, org, replies.get(org))
+        metrics["checkpoint/failed_orgs"] = float(len(failed))
+        if not failed and len(orgs) == len(self.org_order):
+            self.worker_checkpoint_round = round
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def run_round(self, round: int) -> RoundResult:
+        """Generate → validate → (capability, train) for ``round``; raises FederationError after too many gaps."""
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        orgs = self.live_orgs()
+        plans, accepted = self._generate(round, orgs, metrics) if orgs else ({}, {})
+        accuracy = {org: accepted_accuracy(rs) for org, rs in accepted.items()}
+        for org, rs in accepted.items():
+            self.totals[org]["shared"] += len(rs)
+        min_orgs = self.cfg.federation.min_orgs
+        skipped = len(accepted) < min_orgs
+        trained: list[str] = []
+        if skipped:
+            self.skipped_rounds += 1
+            self.consecutive_failures += 1
+            log.warning("round %d: only %d valid replies (%s), min_orgs=%d: skipping training", round,
+                        len(accepted), sorted(accepted), min_orgs)
+        else:
+            self.consecutive_failures = 0
+            self.tracker.update(accuracy)
+            prompts = next(iter(plans.values())).prompts
+            trained = self._train(round, prompts, accepted, metrics)
+        metrics.update({f"capability/{org}": v for org, v in self.capability_table().items()})
+        metrics.update({"round/orgs_replied": float(len(accepted)), "round/orgs_trained": float(len(trained)),
+                        "round/skipped": float(skipped), "time/round": time.perf_counter() - t0})
+        return RoundResult(round, skipped, list(accepted), accuracy, trained, metrics)  # type: ignore[arg-type]
+
+    def run(self) -> RunSummary:
+        """Run (or resume) until ``federation.rounds``; returns the summary."""
+        fed = self.cfg.federation
+        if self.round == 0 and 0 not in self.eval_history:
+            start, metrics = time.perf_counter(), {}
+            self.evaluate(0, metrics)
+            self.wall_time_s += time.perf_counter() - start
+            self._log(0, metrics)
+            self._save_state()
+        for t in range(self.round + 1, fed.rounds + 1):
+            start = time.perf_counter()
+            result = self.run_round(t)
+            if (fed.eval_every and t % fed.eval_every == 0) or t == fed.rounds:
+                self.evaluate(t, result.metrics)
+            if (fed.checkpoint_every and t % fed.checkpoint_every == 0) or t == fed.rounds:
+                self.checkpoint_workers(t, result.metrics)
+            self.round = t
+            self.wall_time_s += time.perf_counter() - start
+            self._log(t, result.metrics)
+            self._save_state()
+            if self.on_round is not None:
+                self.on_round(result)
+            if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+                raise FederationError(
+                    f"{self.consecutive_failures} consecutive rounds (up to round {t}) had fewer than "
+                    f"federation.min_orgs={fed.min_orgs} valid replies; last round: {result.replied or 'none'}")
+        return self.summary()
+
+    def _log(self, round: int, metrics: dict[str, float]) -> None:
+        if self.logger is not None:
+            self.logger.log(round, metrics)
+
+    def summary(self) -> RunSummary:
+        def acc_at(org: str, rounds: list[int]) -> float | None:
+            for t in rounds:
+                if org in self.eval_history.get(t, {}):
+                    return self.eval_history[t][org]
+            return None
+
+        latest = sorted(self.eval_history, reverse=True)
+        orgs = {org: OrgSummary(acc_at(org, [0]), acc_at(org, latest), int(tot["shared"]), int(tot["received"]),
+                                float(tot["time_s"]))
+                for org, tot in self.totals.items()}
+        return RunSummary(self.run_id, self.run_dir, self.round, self.skipped_rounds, orgs,
+                          dict(self.eval_history), self.capability_table(), self.wall_time_s)
+

@@ -1,0 +1,100 @@
+"""Deterministic fake task and policy workers for coordinator / CLI tests (no models, microseconds per call).
+
+:class:`FakeWorker` answers a plan with ``G`` rollouts per prompt whose rewards give batch accuracy exactly
+``skill`` (sample ``i`` scores 1 iff ``i < round(skill * G)``), records every request it gets, and can fail
+``generate`` in chosen rounds, add invalid rollouts, or lie about its accuracy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from hacrl_fed.config import load_config
+from hacrl_fed.types import (
+    ChatMessage, EvalReport, EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, TrainReport, TrainRequest,
+)
+
+
+class FakeTask:
+    """``train`` / ``test`` splits of ``n_train`` / ``n_test`` trivial prompts; reference = the prompt id."""
+
+    name = "fake"
+
+    def __init__(self, n_train: int = 1000, n_test: int = 50):
+        self.sizes = {"train": n_train, "test": n_test}
+
+    def size(self, split: str) -> int:
+        return self.sizes[split]
+
+    def prompts(self, split: str, ids) -> list[Prompt]:
+        offset = 0 if split == "train" else 10**6
+        return [Prompt(int(i), (ChatMessage("user", f"{split} question {i}"),), str(int(i) + offset)) for i in ids]
+
+    def verify(self, response: str, reference: str) -> float:
+        return float(response.strip() == reference)
+
+
+@dataclass
+class FakeWorker:
+    org_id: str
+    skill: float = 0.5
+    fail_generate_rounds: set[int] = field(default_factory=set)
+    invalid_per_batch: int = 0  # extra rollouts with reward 2.0 (must be dropped by the coordinator)
+    reported_accuracy: float | None = None  # None: report the truth
+    delay_s: float = 0.0
+    plans: list[RoundPlan] = field(default_factory=list)
+    train_requests: list[TrainRequest] = field(default_factory=list)
+    eval_requests: list[EvalRequest] = field(default_factory=list)
+    checkpoints: list[int] = field(default_factory=list)
+    trained_rounds: int = 0
+
+    def generate(self, plan: RoundPlan) -> RolloutBatch:
+        time.sleep(self.delay_s)
+        self.plans.append(plan)
+        if plan.round in self.fail_generate_rounds:
+            raise RuntimeError(f"{self.org_id} is down in round {plan.round}")
+        g = plan.sampling.num_samples
+        wins = round(self.skill * g)
+        rollouts = [
+            Rollout(self.org_id, plan.round, p.prompt_id, i, f"{self.org_id} says {i}", "stop",
+                    1.0 if i < wins else 0.0, -1.0 - i, 3)
+            for p in plan.prompts for i in range(g)
+        ]
+        bad = [Rollout(self.org_id, plan.round, plan.prompts[0].prompt_id, k % g, "bad", "stop", 2.0, -1.0, 3)
+               for k in range(self.invalid_per_batch)]
+        rollouts = bad + rollouts  # first: a dropped copy must not shadow the valid one with the same index
+        acc = self.skill if self.reported_accuracy is None else self.reported_accuracy
+        return RolloutBatch(plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, {"gen/responses": len(rollouts)})
+
+    def train(self, request: TrainRequest) -> TrainReport:
+        self.train_requests.append(request)
+        self.trained_rounds += 1
+        return TrainReport(request.run_id, request.round, self.org_id,
+                           {"hacpo/loss": 0.1 * request.round, "hacpo/foreign": float(len(request.foreign))})
+
+    def evaluate(self, request: EvalRequest) -> EvalReport:
+        self.eval_requests.append(request)
+        acc = min(1.0, self.skill + 0.01 * self.trained_rounds)
+        return EvalReport(request.run_id, request.round, self.org_id, acc, len(request.prompts))
+
+    def health(self) -> dict[str, str]:
+        return {"org_id": self.org_id, "status": "ok", "round": str(self.trained_rounds)}
+
+    def checkpoint(self, round: int) -> str:
+        self.checkpoints.append(round)
+        return f"/tmp/fake/{self.org_id}/round-{round}"
+
+
+def fake_config(orgs=("a", "b", "c"), **federation):
+    """A RunConfig with zoo-named orgs (never built here), G=4, B=3, tiny generation settings."""
+    fed = {"rounds": 4, "prompts_per_round": 3, "eval_every": 2, "checkpoint_every": 2, "min_orgs": 1}
+    fed.update(federation)
+    return load_config({
+        "name": "fake", "seed": 11,
+        "generation": {"num_samples": 4, "max_new_tokens": 8, "eval_max_new_tokens": 6},
+        "task": {"name": "fake", "eval_size": 5},
+        "algorithm": {"capability_window": 2},
+        "orgs": [{"id": o, "model": {"zoo": "tiny"}} for o in orgs],
+        "federation": fed,
+    })
