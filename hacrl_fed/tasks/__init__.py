@@ -1,0 +1,16 @@
+"""Tasks and verifiers: a registry of prompt sources with their reward functions.
+
+Built-in tasks: ``arithmetic`` (procedural, the default), ``jsonl`` (GSM8K/MATH-style local files,
+math-verify), ``reasoning-gym`` (optional package, imported only when built).
+
+    task = get_task("arithmetic", {"difficulty": 2}, seed=0)
+    prompts = task.prompts("train", range(16))
+    reward = task.verify(response_text, prompts[0].reference)
+"""
+
+from hacrl_fed.tasks.base import TASKS, Task, TaskParams, get_task, register_task
+from hacrl_fed.tasks import arithmetic as _arithmetic  # noqa: F401  (registers "arithmetic")
+from hacrl_fed.tasks import jsonl_math as _jsonl_math  # noqa: F401  (registers "jsonl")
+from hacrl_fed.tasks import reasoning_gym as _reasoning_gym  # noqa: F401  (registers "reasoning-gym")
+
+__all__ = ["TASKS", "Task", "TaskParams", "get_task", "register_task"]
