@@ -98,3 +98,48 @@ def fake_config(orgs=("a", "b", "c"), **federation):
         "orgs": [{"id": o, "model": {"zoo": "tiny"}} for o in orgs],
         "federation": fed,
     })
+
+
+SCRIPT_SKILLS = {"a": 0.25, "b": 0.5, "c": 0.75}
+
+
+def main(argv=None) -> int:
+    """A stand-in for ``hacrl-fed worker``: serve a FakeWorker, print the ready line, stop on SIGTERM.
+
+    Extra flags for launcher tests: ``--ignore-sigterm`` (needs SIGKILL), ``--exit-code N`` (die before ready),
+    ``--silent`` (never print the ready line).
+    """
+    import argparse
+    import signal
+    import threading
+
+    from hacrl_fed.wire.grpc_server import serve_worker
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--org", required=True)
+    p.add_argument("--listen", required=True)
+    p.add_argument("--run-dir")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--exit-code", type=int)
+    p.add_argument("--silent", action="store_true")
+    args = p.parse_args(argv)
+    load_config(args.config)  # fail like the real worker on a bad config
+    print(f"fake worker {args.org} starting (run_dir={args.run_dir}, resume={args.resume})", flush=True)
+    if args.exit_code is not None:
+        print("giving up on purpose", flush=True)
+        return args.exit_code
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_sigterm else (lambda *_: stop.set()))
+    server = serve_worker(FakeWorker(args.org, SCRIPT_SKILLS.get(args.org, 0.5)), args.listen)
+    if not args.silent:
+        print(f"hacrl-fed worker {args.org} listening on {server.address}", flush=True)
+    while not stop.wait(0.1):
+        pass
+    server.stop(0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

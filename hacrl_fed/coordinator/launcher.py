@@ -1,0 +1,174 @@
+"""Start and stop one ``hacrl-fed worker`` subprocess per org on this machine (for ``hacrl-fed run --transport grpc``).
+
+Each worker listens on ``unix:<run_dir>/sock/<org>.sock`` (``127.0.0.1:0``, a free TCP port, when that path is
+too long for a Unix socket), logs stdout+stderr to ``<run_dir>/logs/<org>.log``, and is ready once it prints
+``hacrl-fed worker <org> listening on <address>``; that printed address is the one to dial. Stopping sends
+SIGTERM to each PID, waits ``grace_s`` and SIGKILLs what is left; it runs on ``close()``, on context-manager exit
+and at interpreter exit.
+
+``main_worker`` takes no ``--set``: with overrides the launcher writes the resolved config to
+``<run_dir>/worker_config.yaml`` and starts the workers from it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+READY = re.compile(r"^hacrl-fed worker (?P<org>\S+) listening on (?P<address>\S+)\s*$")
+DEFAULT_WORKER_COMMAND = (sys.executable, "-m", "hacrl_fed.cli", "worker")
+MAX_UNIX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux (104 on macOS); keep a margin
+_TAIL_LINES = 20
+
+
+class WorkerStartError(RuntimeError):
+    """A worker process exited or stayed silent before it was ready; the message quotes its last log lines."""
+
+
+def listen_address(run_dir: Path, org_id: str) -> str:
+    """``unix:<run_dir>/sock/<org>.sock`` when the absolute path fits a Unix socket, else ``127.0.0.1:0``."""
+    path = (run_dir / "sock" / f"{org_id}.sock").absolute()
+    return f"unix:{path}" if len(str(path)) <= MAX_UNIX_SOCKET_PATH else "127.0.0.1:0"
+
+
+def write_resolved_config(config_path: str | Path, overrides: Mapping[str, Any] | Sequence[str], out: Path) -> Path:
+    """Load ``config_path`` with ``overrides`` (validated) and write the result as YAML to ``out``."""
+    from hacrl_fed.config import load_config
+
+    cfg = load_config(config_path, overrides=overrides if isinstance(overrides, list) else dict(overrides))
+    out.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return out
+
+
+class _Worker:
+    """One subprocess plus the thread that copies its output to the log file and spots the ready line."""
+
+    def __init__(self, org_id: str, argv: list[str], log_path: Path, env: dict[str, str]):
+        self.org_id = org_id
+        self.address: str | None = None
+        self.ready = threading.Event()
+        self.tail: deque[str] = deque(maxlen=_TAIL_LINES)
+        self.log_file = log_path.open("a", buffering=1)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     text=True, bufsize=1, env=env)
+        self.reader = threading.Thread(target=self._pump, name=f"worker-log-{org_id}", daemon=True)
+        self.reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log_file.write(line)
+            self.tail.append(line.rstrip("\n"))
+            m = READY.match(line)
+            if m and m["org"] == self.org_id and not self.ready.is_set():
+                self.address = m["address"]
+                self.ready.set()
+        self.log_file.close()
+
+    def describe_failure(self, why: str) -> str:
+        tail = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
+        return f"worker {self.org_id!r} (pid {self.proc.pid}) {why}; last log lines:\n{tail}"
+
+
+class WorkerProcesses:
+    """``with WorkerProcesses(cfg_path, ["a", "b"], run_dir=d) as addresses: ...`` → ``{org: address}``.
+
+    ``worker_args`` are appended to every worker's command line; ``command`` replaces ``hacrl-fed worker``
+    (``[python, -m, hacrl_fed.cli, worker]``), e.g. for a stand-in worker script in tests.
+    """
+
+    def __init__(self, config_path: str | Path, org_ids: Sequence[str], *, run_dir: str | Path,
+                 overrides: Mapping[str, Any] | Sequence[str] | None = None, ready_timeout_s: float = 600.0,
+                 grace_s: float = 10.0, worker_args: Sequence[str] = (),
+                 command: Sequence[str] | None = None):
+        if not org_ids:
+            raise ValueError("WorkerProcesses needs at least one org id")
+        self.config_path, self.org_ids = Path(config_path), list(org_ids)
+        self.run_dir = Path(run_dir)
+        self.overrides = overrides or {}
+        self.ready_timeout_s, self.grace_s = float(ready_timeout_s), float(grace_s)
+        self.worker_args = list(worker_args)
+        self.command = list(DEFAULT_WORKER_COMMAND if command is None else command)
+        self.workers: dict[str, _Worker] = {}
+        self.addresses: dict[str, str] = {}
+        self.exit_codes: dict[str, int | None] = {}  # filled by close()
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        root = str(Path(__file__).resolve().parents[2])  # so the child imports this very hacrl_fed
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        return env
+
+    def start(self) -> dict[str, str]:
+        """Start every worker, wait until all are ready; ``{org: address}``. On any failure stop all and raise."""
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "sock").mkdir(parents=True, exist_ok=True)
+        config = self.config_path
+        if self.overrides:
+            config = write_resolved_config(config, self.overrides, self.run_dir / "worker_config.yaml")
+        atexit.register(self.close)
+        env = self._env()
+        try:
+            for org in self.org_ids:
+                listen = listen_address(self.run_dir, org)
+                if listen.startswith("unix:"):
+                    Path(listen[5:]).unlink(missing_ok=True)  # a stale socket from a killed run
+                argv = self.command + ["--config", str(config), "--org", org, "--listen", listen] + self.worker_args
+                self.workers[org] = _Worker(org, argv, self.run_dir / "logs" / f"{org}.log", env)
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return dict(self.addresses)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        pending = dict(self.workers)
+        while pending:
+            for org, w in list(pending.items()):
+                if w.ready.is_set():
+                    self.addresses[org] = w.address  # type: ignore[assignment]
+                    del pending[org]
+                elif w.proc.poll() is not None:
+                    w.reader.join(timeout=1.0)  # collect its last words
+                    raise WorkerStartError(w.describe_failure(f"exited with code {w.proc.returncode} before it "
+                                                              "was ready"))
+            if pending and time.monotonic() > deadline:
+                org, w = next(iter(pending.items()))
+                raise WorkerStartError(w.describe_failure(f"was not ready after {self.ready_timeout_s:.0f} s"))
+            if pending:
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        """SIGTERM every live worker, SIGKILL those still alive after ``grace_s``; idempotent."""
+        atexit.unregister(self.close)
+        live = [w for w in self.workers.values() if w.proc.poll() is None]
+        for w in live:
+            w.proc.terminate()
+        deadline = time.monotonic() + self.grace_s
+        for w in live:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+        for org, w in self.workers.items():
+            w.reader.join(timeout=2.0)
+            self.exit_codes[org] = w.proc.returncode
+        self.workers.clear()
+
+    def __enter__(self) -> dict[str, str]:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

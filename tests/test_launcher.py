@@ -1,0 +1,82 @@
+"""WorkerProcesses: start stand-in worker processes, wait for the ready line, log, stop by PID (TERM, then KILL)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers_fake_workers import fake_config
+from hacrl_fed.coordinator.grpc_transport import GrpcTransport
+from hacrl_fed.coordinator.launcher import WorkerProcesses, WorkerStartError, listen_address
+
+FAKE_WORKER = [sys.executable, str(Path(__file__).with_name("helpers_fake_workers.py"))]
+
+
+@pytest.fixture
+def config_path(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(fake_config(orgs=("a", "b")).model_dump(mode="json")))
+    return path
+
+
+def test_start_serve_and_stop(tmp_path, config_path):
+    procs = WorkerProcesses(config_path, ["a", "b"], run_dir=tmp_path / "run", command=FAKE_WORKER,
+                            worker_args=["--run-dir", "X"], overrides=["federation.rounds=7"], ready_timeout_s=60)
+    with procs as addresses:
+        assert set(addresses) == {"a", "b"} and all(a.startswith("unix:") for a in addresses.values())
+        pids = {org: w.proc.pid for org, w in procs.workers.items()}
+        transport = GrpcTransport(addresses)
+        try:
+            health = transport.wait_ready(10.0)
+        finally:
+            transport.close()
+        assert {org: h["org_id"] for org, h in health.items()} == {"a": "a", "b": "b"}
+    assert procs.exit_codes == {"a": 0, "b": 0} and len(set(pids.values())) == 2
+    log_a = (tmp_path / "run" / "logs" / "a.log").read_text()
+    assert "fake worker a starting (run_dir=X" in log_a and "listening on unix:" in log_a
+    resolved = yaml.safe_load((tmp_path / "run" / "worker_config.yaml").read_text())
+    assert resolved["federation"]["rounds"] == 7
+
+
+def test_worker_ignoring_sigterm_is_killed(tmp_path, config_path):
+    procs = WorkerProcesses(config_path, ["a"], run_dir=tmp_path, command=FAKE_WORKER,
+                            worker_args=["--ignore-sigterm"], grace_s=0.5, ready_timeout_s=60)
+    procs.start()
+    procs.close()
+    assert procs.exit_codes == {"a": -9}
+    procs.close()  # idempotent
+
+
+def test_worker_dying_before_ready_is_reported_with_its_log(tmp_path, config_path):
+    procs = WorkerProcesses(config_path, ["a"], run_dir=tmp_path, command=FAKE_WORKER,
+                            worker_args=["--exit-code", "3"], ready_timeout_s=60)
+    with pytest.raises(WorkerStartError, match=r"(?s)worker 'a' .*exited with code 3.*giving up on purpose"):
+        procs.start()
+    assert procs.workers == {}
+
+
+def test_silent_worker_times_out_and_is_stopped(tmp_path, config_path):
+    procs = WorkerProcesses(config_path, ["a"], run_dir=tmp_path, command=FAKE_WORKER,
+                            worker_args=["--silent"], ready_timeout_s=2.0)
+    with pytest.raises(WorkerStartError, match="was not ready after 2 s"):
+        procs.start()
+    assert procs.exit_codes == {"a": 0}
+
+
+def test_long_run_dir_falls_back_to_a_free_tcp_port(tmp_path):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    assert listen_address(deep, "a") == "127.0.0.1:0"
+    assert listen_address(Path("/tmp/r"), "a") == "unix:/tmp/r/sock/a.sock"
+
+
+def test_bad_override_fails_before_any_process_starts(tmp_path, config_path):
+    from hacrl_fed.config import ConfigError
+
+    procs = WorkerProcesses(config_path, ["a"], run_dir=tmp_path, command=FAKE_WORKER,
+                            overrides=["trainer.lr=-1"])
+    with pytest.raises(ConfigError, match="trainer.lr"):
+        procs.start()
+    assert procs.workers == {}
