@@ -1,0 +1,28 @@
+"""Generation engines: ``build_engine("hf" | "vllm", model, tokenizer, **opts)`` → :class:`GenerationEngine`.
+
+Importing this package registers both engines; the vLLM one imports ``vllm`` only when it is built.
+"""
+
+from hacrl_fed.engines.base import (
+    Generation,
+    GenerationEngine,
+    build_engine,
+    decode_response,
+    register_engine,
+    split_response,
+    stop_token_ids,
+)
+from hacrl_fed.engines import hf as _hf  # noqa: F401  (registers "hf")
+from hacrl_fed.engines import vllm as _vllm  # noqa: F401  (registers "vllm")
+from hacrl_fed.engines.hf import HFEngine
+
+__all__ = [
+    "Generation",
+    "GenerationEngine",
+    "HFEngine",
+    "build_engine",
+    "decode_response",
+    "register_engine",
+    "split_response",
+    "stop_token_ids",
+]

@@ -1,0 +1,249 @@
+"""Sequence scoring: (prompt, response) pairs → token tensors → per-token log-probs under a causal LM.
+
+Layout of a :class:`ScoringBatch` (the same layout ``generate()`` produces)::
+
+    row i:  [pad ... pad | prompt_i ][ response_i | pad ... pad ]
+             <------- P columns ----><------- T columns ------->
+
+Prompts are left-padded to a common width ``P`` and responses right-padded to ``T``, so response token ``j`` of
+every row sits in column ``P + j`` and its log-prob is read from the logits at column ``P + j - 1``. Positions are
+left-padding-aware, ``position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)``, so a padded row scores
+exactly like the same row unpadded (STACK_NOTES.md: without this, log-probs drift by 4e-3 … 0.2).
+
+Log-probs are temperature-1 and dropout-free: the model is put in eval mode for the forward pass (and its previous
+mode restored), logits are upcast to float32 and ``log p(x_t) = logit[x_t] - logsumexp(logit)``.
+
+Re-tokenization of foreign text (:func:`build_scoring_batch`): the rendered prompt and the response are tokenized
+*separately* and their ids concatenated; the joined string is never re-tokenized. A BPE tokenizer may merge
+characters across the prompt/response boundary, which would move the boundary and shift which tokens count as the
+response; tokenizing separately keeps the response exactly the learner's tokenization of the published text
+(this is also how the learner's own sampler sees it: the prompt ids are fixed, the response follows).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hacrl_fed.types import FINISH_REASONS, FINISH_STOP
+
+
+@dataclass
+class ScoringBatch:
+    """Token tensors for scoring, all ``[B, L]`` with ``L = prompt_width + response_width`` (layout: module doc).
+
+    ``attention_mask`` is 1 on real prompt and response tokens; ``response_mask`` is 1 on the response tokens whose
+    log-probs are taken (a subset of ``attention_mask`` in columns ``>= prompt_width``). Both are ``torch.long``.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    response_mask: Tensor
+    prompt_width: int
+
+    def __post_init__(self) -> None:
+        shape = self.input_ids.shape
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, L], got shape {tuple(shape)}")
+        for name in ("attention_mask", "position_ids", "response_mask"):
+            if getattr(self, name).shape != shape:
+                raise ValueError(f"{name} shape {tuple(getattr(self, name).shape)} != input_ids shape {tuple(shape)}")
+        if not 0 <= self.prompt_width <= shape[1]:
+            raise ValueError(f"prompt_width {self.prompt_width} outside [0, {shape[1]}]")
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def response_width(self) -> int:
+        """``T``: columns after the prompt block (the longest response)."""
+        return int(self.input_ids.shape[1]) - self.prompt_width
+
+    @property
+    def response_lengths(self) -> Tensor:
+        """``[B]`` number of scored response tokens per row."""
+        return self.response_mask.sum(-1)
+
+    def to(self, device: torch.device | str) -> "ScoringBatch":
+        return ScoringBatch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.position_ids.to(device),
+            self.response_mask.to(device),
+            self.prompt_width,
+        )
+
+    def rows(self, index: slice | Sequence[int]) -> "ScoringBatch":
+        """The sub-batch of rows ``index``, with columns that are padding in every selected row trimmed off."""
+        ids, attn, resp = self.input_ids[index], self.attention_mask[index], self.response_mask[index]
+        p = self.prompt_width
+        prompt_len = int(attn[:, :p].sum(-1).max()) if ids.shape[0] else 0
+        resp_len = int(resp[:, p:].sum(-1).max()) if ids.shape[0] else 0
+        cols = slice(p - prompt_len, p + resp_len)
+        attn = attn[:, cols]
+        return ScoringBatch(ids[:, cols], attn, _positions(attn), resp[:, cols], prompt_len)
+
+
+def _positions(attention_mask: Tensor) -> Tensor:
+    """Left-padding-aware position ids: ``(cumsum(mask) - 1).clamp(min=0)``, shape of ``attention_mask``."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def build_scoring_batch_from_ids(
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int
+) -> ScoringBatch:
+    """Pack exact token ids (e.g. an agent's own rollouts) into a :class:`ScoringBatch`.
+
+    Every prompt needs at least one token (the first response token is predicted from the last prompt token).
+    Responses may be empty (then nothing is scored for that row). ``pad_id`` fills padding only; masks come from
+    the lengths, so a response may legitimately contain ``pad_id``.
+    """
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"prompt_ids has {len(prompt_ids)} rows but response_ids has {len(response_ids)}")
+    if pad_id is None:
+        raise ValueError("pad_id is None: the tokenizer needs a pad or EOS token")
+    for i, p in enumerate(prompt_ids):
+        if len(p) == 0:
+            raise ValueError(f"prompt_ids[{i}] is empty: a prompt needs at least one token")
+    b = len(prompt_ids)
+    p_width = max((len(p) for p in prompt_ids), default=0)
+    t_width = max((len(r) for r in response_ids), default=0)
+    ids = torch.full((b, p_width + t_width), int(pad_id), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    resp = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        ids[i, p_width - len(p) : p_width] = torch.as_tensor(list(p), dtype=torch.long)
+        ids[i, p_width : p_width + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        attn[i, p_width - len(p) : p_width + len(r)] = 1
+        resp[i, p_width : p_width + len(r)] = 1
+    return ScoringBatch(ids, attn, _positions(attn), resp, p_width)
+
+
+def build_scoring_batch(
+    tokenizer,
+    prompt_texts: Sequence[str],
+    responses: Sequence[str],
+    finish_reasons: Sequence[str],
+    *,
+    max_response_tokens: int | None = None,
+    eos_token_id: int | None = None,
+) -> ScoringBatch:
+    """Re-tokenize published (prompt, response, finish_reason) triples for a learner's tokenizer.
+
+    ``prompt_texts`` are already rendered with the learner's chat template (generation prompt included) and are
+    tokenized with ``add_special_tokens=False`` (the template carries any BOS). Each response is tokenized on its
+    own with ``add_special_tokens=False`` and ``split_special_tokens=True`` (published text cannot smuggle in
+    control tokens), then the learner's EOS (``eos_token_id`` or ``tokenizer.eos_token_id``) is appended iff
+    ``finish_reason == "stop"``. Prompt and response ids are concatenated, never the joined text (module doc).
+    ``max_response_tokens`` keeps only the first that many response tokens (EOS included in the count).
+    """
+    n = len(prompt_texts)
+    if len(responses) != n or len(finish_reasons) != n:
+        raise ValueError(
+            f"prompt_texts, responses, finish_reasons lengths differ: {n}, {len(responses)}, {len(finish_reasons)}"
+        )
+    for i, reason in enumerate(finish_reasons):
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reasons[{i}] = {reason!r}; expected one of {FINISH_REASONS}")
+    if max_response_tokens is not None and max_response_tokens < 0:
+        raise ValueError(f"max_response_tokens must be >= 0, got {max_response_tokens}")
+    eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+    if eos is None and FINISH_STOP in finish_reasons:
+        raise ValueError("the tokenizer has no eos_token_id; pass eos_token_id to score 'stop' responses")
+    prompt_ids = tokenizer(list(prompt_texts), add_special_tokens=False)["input_ids"] if n else []
+    response_ids = (
+        tokenizer(list(responses), add_special_tokens=False, split_special_tokens=True)["input_ids"] if n else []
+    )
+    full = []
+    for r, reason in zip(response_ids, finish_reasons):
+        r = list(r) + ([int(eos)] if reason == FINISH_STOP else [])
+        full.append(r if max_response_tokens is None else r[:max_response_tokens])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return build_scoring_batch_from_ids(prompt_ids, full, pad)
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def token_log_probs(model: torch.nn.Module, batch: ScoringBatch) -> tuple[Tensor, Tensor]:
+    """Per-token log-probs of the response tokens, in a left-aligned response view.
+
+    Returns ``(log_probs, mask)``, both float32 ``[B, T]`` with ``T = batch.response_width``: column ``j`` is
+    response token ``j`` (``log p(x_{P+j} | x_{<P+j})``, temperature 1), ``mask`` is 1 where row ``i`` has a
+    ``j``-th token and ``log_probs`` is exactly 0 elsewhere. Carries gradient when grad is enabled. Runs the
+    model in eval mode (no dropout) and restores its previous mode. Memory: logits only for the ``T + 1`` last
+    columns when the model supports ``logits_to_keep``; one float32 ``[B, T, V]`` copy for the log-softmax.
+    """
+    device = _model_device(model)
+    b, t = batch.batch_size, batch.response_width
+    mask = batch.response_mask[:, batch.prompt_width :].to(device=device, dtype=torch.float32)
+    if t == 0 or b == 0:
+        return torch.zeros(b, t, device=device), mask
+    batch = batch.to(device)
+    extra = {"logits_to_keep": t + 1} if _accepts_logits_to_keep(model) else {}
+    was_training = model.training
+    model.eval()
+    try:
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            **extra,
+        )
+    finally:
+        model.train(was_training)
+    logits = out.logits[:, -(t + 1) : -1].float()  # [B, T, V]: predictions for columns P .. P+T-1
+    targets = batch.input_ids[:, batch.prompt_width :].unsqueeze(-1)  # [B, T, 1]
+    lp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return torch.where(mask.bool(), lp, torch.zeros_like(lp)), mask
+
+
+def _micro_batches(model, batch: ScoringBatch, micro_batch_size: int) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """Yield ``(first_row, log_probs, mask)`` for consecutive no-grad micro-batches of at most ``micro_batch_size``."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    with torch.no_grad():
+        for start in range(0, batch.batch_size, micro_batch_size):
+            lp, mask = token_log_probs(model, batch.rows(slice(start, start + micro_batch_size)))
+            yield start, lp, mask
+
+
+def sequence_log_probs(model, batch: ScoringBatch, micro_batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """No-grad sequence log-probs in micro-batches (memory bounded by ``micro_batch_size`` rows at a time).
+
+    Returns CPU tensors ``(sum [B] float32, count [B] int64, mean [B] float32)`` with
+    ``sum = Σ_j log p(response token j)``, ``count`` = scored tokens, ``mean = sum / max(count, 1)``
+    (0 for an empty response). Sums accumulate in float64.
+    """
+    b = batch.batch_size
+    total = torch.zeros(b, dtype=torch.float64)
+    count = torch.zeros(b, dtype=torch.long)
+    for start, lp, mask in _micro_batches(model, batch, micro_batch_size):
+        rows = slice(start, start + lp.shape[0])
+        total[rows] = lp.double().sum(-1).cpu()
+        count[rows] = mask.sum(-1).long().cpu()
+    mean = total / count.clamp(min=1)
+    return total.float(), count, mean.float()
+
+
+def per_token_log_probs(model, batch: ScoringBatch, micro_batch_size: int) -> list[list[float]]:
+    """No-grad per-token log-probs as Python lists, one per row (length = that row's response length)."""
+    result: list[list[float]] = []
+    for _, lp, mask in _micro_batches(model, batch, micro_batch_size):
+        lengths = mask.sum(-1).long().tolist()
+        rows = lp.cpu().tolist()
+        result.extend(row[:n] for row, n in zip(rows, lengths))
+    return result
