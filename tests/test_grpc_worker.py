@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -30,13 +31,14 @@ class FakeWorker:
     """Deterministic stand-in for a policy worker: rollouts are a pure function of the plan and the org id.
 
     ``response_chars`` pads every response to at least that length (big-message tests); ``fail`` maps a method
-    name to an exception to raise; ``delay_s`` makes generate slow; ``active``/``max_active`` count overlap.
+    name to an exception to raise; with ``gate`` set, generate blocks until the gate opens; ``active`` /
+    ``max_active`` count overlapping generate calls.
     """
 
-    def __init__(self, org_id: str = "acme", *, response_chars: int = 0, delay_s: float = 0.0) -> None:
+    def __init__(self, org_id: str = "acme", *, response_chars: int = 0, gate: threading.Event | None = None) -> None:
         self.org_id = org_id
         self.response_chars = response_chars
-        self.delay_s = delay_s
+        self.gate = gate
         self.fail: dict[str, BaseException] = {}
         self.calls: list[str] = []
         self.last_round = -1
@@ -59,7 +61,8 @@ class FakeWorker:
             self.max_active = max(self.max_active, self.active)
         try:
             self._enter("generate")
-            time.sleep(self.delay_s)
+            if self.gate is not None:
+                assert self.gate.wait(20), "test never opened the gate"
             rollouts = tuple(
                 t.Rollout(
                     org_id=self.org_id, round=plan.round, prompt_id=p.prompt_id, sample_index=i,
@@ -242,8 +245,16 @@ def test_bad_replies_fail_clearly(served):
     assert info.value.code == grpc.StatusCode.INTERNAL and "unencodable Checkpoint reply" in info.value.details
 
 
+def _wait_until(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
 def test_calls_are_serialized_but_health_is_not_blocked(served):
-    fake = FakeWorker(delay_s=0.3)
+    gate = threading.Event()
+    fake = FakeWorker(gate=gate)
     _, client = served(fake)
     results, errors = [], []
 
@@ -256,26 +267,29 @@ def test_calls_are_serialized_but_health_is_not_blocked(served):
     threads = [threading.Thread(target=call) for _ in range(3)]
     for th in threads:
         th.start()
-    time.sleep(0.1)
-    t0 = time.monotonic()
-    assert client.health(timeout_s=0.25)["status"] == "ok"  # answered while a generate holds the lock
-    assert time.monotonic() - t0 < 0.25
+    _wait_until(lambda: fake.active == 1)
+    time.sleep(0.2)  # time for the other two to pile up on the lock (they would enter without it)
+    assert fake.active == 1
+    assert client.health(timeout_s=5)["status"] == "ok"  # answered while a generate holds the lock
+    gate.set()
     for th in threads:
-        th.join(10)
+        th.join(20)
     assert not errors and len(results) == 3 and fake.max_active == 1
 
 
 def test_call_abandoned_while_waiting_for_the_lock_is_not_run(served):
-    fake = FakeWorker(delay_s=0.5)
+    gate = threading.Event()
+    fake = FakeWorker(gate=gate)
     _, client = served(fake)
-    slow = threading.Thread(target=client.generate, args=(_plan(),))
-    slow.start()
-    time.sleep(0.1)
+    first = threading.Thread(target=client.generate, args=(_plan(),))
+    first.start()
+    _wait_until(lambda: fake.active == 1)
     with pytest.raises(WorkerCallTimeout) as info:
-        client.generate(_plan(), timeout_s=0.15)  # per-call deadline override
+        client.generate(_plan(), timeout_s=0.2)  # per-call deadline override; waits on the lock, then expires
     assert isinstance(info.value, TimeoutError) and info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    slow.join(5)
-    time.sleep(0.2)
+    gate.set()
+    first.join(20)
+    time.sleep(0.3)  # the abandoned handler now gets the lock and must drop the call
     assert fake.calls.count("generate") == 1
 
 
@@ -350,6 +364,8 @@ def test_main_worker_serves_until_sigterm(tmp_path):
            "--override", "federation.rounds=3", "--run-dir", "runs/x", "--resume"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "worker printed nothing within 60 s"
         line = proc.stdout.readline().strip()
         assert line.startswith("hacrl-fed worker beta listening on 127.0.0.1:"), (line, proc.stderr.read())
         address = line.rsplit(" ", 1)[1]
@@ -369,7 +385,8 @@ def test_main_worker_rejects_unknown_or_ambiguous_org(tmp_path, capsys):
     cfg.write_text(_RUN_YAML)
     with pytest.raises(SystemExit) as info:
         main_worker(["--config", str(cfg), "--org", "gamma", "--listen", "127.0.0.1:0"])
-    assert info.value.code == 2 and "--org 'gamma' is not in the config (orgs: ['acme', 'beta'])" in capsys.readouterr().err
+    assert info.value.code == 2
+    assert "--org 'gamma' is not in the config (orgs: ['acme', 'beta'])" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         main_worker(["--config", str(cfg), "--listen", "127.0.0.1:0"])
     assert info.value.code == 2 and "--org is required: the config lists 2 orgs" in capsys.readouterr().err

@@ -24,7 +24,7 @@ _RECONNECT_OPTIONS = [
 
 
 class WorkerCallError(Exception):
-    """A PolicyWorker RPC failed: ``code`` (grpc.StatusCode), ``details`` (the server's message), ``rpc``, ``address``."""
+    """A PolicyWorker RPC failed: ``code`` (grpc.StatusCode), ``details`` (server's message), ``rpc``, ``address``."""
 
     def __init__(self, rpc: str, code: grpc.StatusCode, details: str, address: str) -> None:
         super().__init__(f"{rpc} on {address} failed: {code.name}: {details}")
@@ -65,7 +65,8 @@ class GrpcWorkerClient:
         self.org_id = org_id or ""
         self.timeout_s = timeout_s
         self._limits = limits
-        self._channel = grpc.insecure_channel(address, options=message_size_options(max_message_mb) + _RECONNECT_OPTIONS)
+        options = message_size_options(max_message_mb) + _RECONNECT_OPTIONS
+        self._channel = grpc.insecure_channel(address, options=options)
         self._stub = worker_pb2_grpc.PolicyWorkerStub(self._channel)
         self._closed = False
 

@@ -1,0 +1,116 @@
+"""The committed hacrl_fed/v1 modules match proto/hacrl_fed/v1/worker.proto and the dataclasses they mirror.
+
+``test_generated_code_matches_proto`` runs ``scripts/gen_proto.sh --check``; the first run builds the pinned
+generator venv in ``.cache/protoc-venv`` with pip (needs the package index, ~10 s) and FAILS if it cannot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hacrl_fed import types as t
+from hacrl_fed.v1 import worker_pb2 as pb
+
+REPO = Path(__file__).resolve().parents[1]
+PROTO = REPO / "proto" / "hacrl_fed" / "v1" / "worker.proto"
+SCRIPT = REPO / "scripts" / "gen_proto.sh"
+GENERATED = ("worker_pb2.py", "worker_pb2.pyi", "worker_pb2_grpc.py")
+MIRRORED = (t.ChatMessage, t.Prompt, t.SamplingParams, t.RoundPlan, t.Rollout, t.RolloutBatch, t.TrainRequest,
+            t.TrainReport, t.EvalRequest, t.EvalReport)
+
+_FIELD = re.compile(r"^\s*(?:repeated\s+)?(?:map<[^>]+>|[\w.]+)\s+(\w+)\s*=\s*(\d+)\s*;", re.M)
+
+
+def _strip_comments(text: str) -> str:
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def _proto_blocks(kind: str) -> dict[str, str]:
+    """Top-level ``message`` / ``enum`` / ``service`` blocks of worker.proto: name -> body (no nesting used)."""
+    text = _strip_comments(PROTO.read_text())
+    return {m.group(1): m.group(2) for m in re.finditer(rf"^{kind}\s+(\w+)\s*\{{(.*?)^\}}", text, re.M | re.S)}
+
+
+def _run_check(root: Path, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, **(env_extra or {})}
+    return subprocess.run(["bash", str(root / "scripts" / "gen_proto.sh"), "--check"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_generated_code_matches_proto():
+    proc = _run_check(REPO)
+    assert proc.returncode == 0, f"gen_proto.sh --check exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    assert "generated code matches proto/" in proc.stdout
+
+
+def test_check_fails_on_drift(tmp_path):
+    """A copy of the tree whose .proto gained a field must fail the check (reusing the cached generator venv)."""
+    venv = REPO / ".cache" / "protoc-venv"
+    if not (venv / "bin" / "python").exists():
+        assert _run_check(REPO).returncode == 0  # builds the venv; fails the test if pip cannot
+    shutil.copytree(REPO / "proto", tmp_path / "proto")
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "scripts")
+    (tmp_path / "hacrl_fed" / "v1").mkdir(parents=True)
+    for name in GENERATED:
+        shutil.copy(REPO / "hacrl_fed" / "v1" / name, tmp_path / "hacrl_fed" / "v1")
+    proto = tmp_path / "proto" / "hacrl_fed" / "v1" / "worker.proto"
+    proto.write_text(proto.read_text().replace("  string path = 2;", "  string path = 2;\n  string note = 3;"))
+    proc = _run_check(tmp_path, {"HACRL_PROTOC_VENV": str(venv)})
+    assert proc.returncode == 1, proc.stderr
+    assert "out of date with proto/" in proc.stderr and "note" in proc.stderr
+
+
+def test_generated_modules_import_without_warnings():
+    code = "import hacrl_fed.v1.worker_pb2, hacrl_fed.v1.worker_pb2_grpc"
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_descriptors_match_the_proto_source():
+    messages = _proto_blocks("message")
+    assert set(pb.DESCRIPTOR.message_types_by_name) == set(messages)
+    for name, body in messages.items():
+        declared = {f: int(n) for f, n in _FIELD.findall(body)}
+        actual = {f.name: f.number for f in pb.DESCRIPTOR.message_types_by_name[name].fields}
+        assert actual == declared, name
+    enums = _proto_blocks("enum")
+    assert set(pb.DESCRIPTOR.enum_types_by_name) == set(enums) == {"FinishReason"}
+    assert {v.name for v in pb.FinishReason.DESCRIPTOR.values} == set(re.findall(r"(\w+)\s*=", enums["FinishReason"]))
+    service = pb.DESCRIPTOR.services_by_name["PolicyWorker"]
+    rpcs = re.findall(r"rpc\s+(\w+)\((\w+)\)\s+returns\s+\((\w+)\)", _proto_blocks("service")["PolicyWorker"])
+    assert [(m.name, m.input_type.name, m.output_type.name) for m in service.methods] == rpcs
+    assert [r[0] for r in rpcs] == ["Generate", "Train", "Evaluate", "Health", "Checkpoint"]
+
+
+@pytest.mark.parametrize("dc", MIRRORED, ids=lambda c: c.__name__)
+def test_every_dataclass_field_has_a_proto_field(dc):
+    desc = pb.DESCRIPTOR.message_types_by_name[dc.__name__]
+    wire = {f.name for f in desc.fields} - {"schema_version"}
+    assert wire == {f.name for f in dataclasses.fields(dc)}
+
+
+def test_top_level_messages_are_versioned_and_keep_room_to_grow():
+    for name in ("RoundPlan", "RolloutBatch", "TrainRequest", "TrainReport", "EvalRequest", "EvalReport",
+                 "HealthRequest", "HealthReply", "CheckpointRequest", "CheckpointReply"):
+        field = pb.DESCRIPTOR.message_types_by_name[name].fields_by_name["schema_version"]
+        assert field.number == 1, name
+    from google.protobuf import descriptor_pb2
+
+    def reserved(name: str) -> set[int]:
+        proto = descriptor_pb2.DescriptorProto()
+        pb.DESCRIPTOR.message_types_by_name[name].CopyToProto(proto)
+        return {n for r in proto.reserved_range for n in range(r.start, r.end)}
+
+    assert {9, 10, 11} <= reserved("RolloutBatch")  # key_id, encrypted payload, plan digest
+    assert {10, 11, 13, 14} <= reserved("Rollout")  # sealed text, text digest, verifier, extracted answer
+    assert 8 in reserved("TrainRequest")  # signed source batches forwarded verbatim
+    assert 4 in reserved("Prompt")  # verifier metadata for reward re-verification
