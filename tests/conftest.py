@@ -25,7 +25,7 @@ OFFLINE_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-TORCH_THREADS = 2
+TORCH_THREADS = 1
 
 _saved_env: dict[str, str | None] = {}
 _session_dir: Path | None = None
