@@ -1,0 +1,240 @@
+"""``hacrl-fed``: the command line.
+
+- ``hacrl-fed run CONFIG [--transport inprocess|grpc] [--set key=value ...] [--worker ORG=ADDRESS ...]
+  [--run-dir DIR] [--resume] [--no-progress]``: a federated run driven by the coordinator in this process.
+  ``inprocess`` builds every org's worker here; ``grpc`` starts one ``hacrl-fed worker`` subprocess per org (or
+  dials the already-running workers given with ``--worker``). Writes ``metrics.jsonl``, ``tb/``,
+  ``accuracy.png``, ``config.yaml`` and ``coordinator_state.json`` to the run dir (default
+  ``<run_dir>/<name>`` from the config) and prints the final per-org table.
+- ``hacrl-fed worker ...``: serve one org's policy worker over gRPC (:func:`hacrl_fed.wire.grpc_server.main_worker`).
+- ``hacrl-fed zoo ...``: build / list the tiny built-in models (:func:`hacrl_fed.models.zoo.main_zoo`).
+- ``hacrl-fed simulate CONFIG ...``: the Flower Simulation Engine (:func:`hacrl_fed.flower.simulation.main_simulate`).
+
+Exit codes: 0 success, 1 the run failed, 2 bad usage or configuration (one line naming the bad field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import traceback
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+log = logging.getLogger("hacrl_fed.cli")
+
+# subcommand -> (module, function, help); each gets the remaining argv and parses it itself
+DELEGATES = {
+    "worker": ("hacrl_fed.wire.grpc_server", "main_worker", "serve one org's policy worker over gRPC"),
+    "zoo": ("hacrl_fed.models.zoo", "main_zoo", "build or list the tiny built-in agent models"),
+    "simulate": ("hacrl_fed.flower.simulation", "main_simulate", "run on the Flower Simulation Engine"),
+}
+
+
+class UsageError(Exception):
+    """Bad arguments or configuration: exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hacrl-fed", description="Federated RL from verifiable rewards (HACPO).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = sub.add_parser("run", help="run a federation with the coordinator in this process")
+    run.add_argument("config", help="run config YAML")
+    run.add_argument("--transport", choices=("inprocess", "grpc"), default=None,
+                     help="default: federation.transport of the config (grpc when --worker is given)")
+    run.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
+                     help="override a config field, e.g. --set federation.rounds=3 trainer.lr=1e-5")
+    run.add_argument("--worker", dest="workers", action="append", default=[], metavar="ORG=ADDRESS",
+                     help="use an already-running worker (HOST:PORT or unix:/PATH) instead of starting one")
+    run.add_argument("--run-dir", default=None, help="default: <config run_dir>/<config name>")
+    run.add_argument("--resume", action="store_true", help="continue the run in --run-dir after its last round")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--ready-timeout-s", type=float, default=600.0, help="how long workers may take to start")
+    run.add_argument("--log-level", default="INFO")
+    for name, (_, _, help_text) in DELEGATES.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def _delegate(name: str, argv: list[str]) -> int:
+    module, func, _ = DELEGATES[name]
+    try:
+        entry: Callable[[list[str]], Any] = getattr(importlib.import_module(module), func)
+    except ImportError as err:
+        print(f"hacrl-fed {name}: unavailable ({err})", file=sys.stderr)
+        return 1
+    rc = entry(argv)
+    return int(rc or 0)
+
+
+def parse_worker_addresses(items: list[str], org_ids: list[str]) -> dict[str, str]:
+    """``["a=127.0.0.1:5001", "b=unix:/tmp/b.sock"]`` → ``{"a": ..., "b": ...}``; orgs must be configured."""
+    out: dict[str, str] = {}
+    for item in items:
+        org, sep, address = item.partition("=")
+        if not sep or not org or not address:
+            raise UsageError(f"--worker {item!r} must look like ORG=ADDRESS")
+        if org not in org_ids:
+            raise UsageError(f"--worker {item!r}: org {org!r} is not in the config (orgs: {org_ids})")
+        out[org] = address
+    return out
+
+
+def _worker_flags(run_dir: Path, resume: bool) -> list[str]:
+    """``--run-dir`` / ``--resume`` for ``hacrl-fed worker`` as far as its command line accepts them."""
+    from hacrl_fed.wire import grpc_server
+
+    known = set(grpc_server._parser()._option_string_actions)  # noqa: SLF001 (feature detection)
+    flags = ["--run-dir", str(run_dir)] if "--run-dir" in known else []
+    if resume and "--resume" in known:
+        flags.append("--resume")
+    elif resume:
+        log.warning("hacrl-fed worker has no --resume flag: gRPC workers start from their initial weights")
+    return flags
+
+
+def _grpc_transport(args: argparse.Namespace, cfg, run_dir: Path, stack: ExitStack):
+    from hacrl_fed.coordinator.grpc_transport import GrpcTransport
+    from hacrl_fed.coordinator.launcher import WorkerProcesses
+
+    org_ids = [o.id for o in cfg.orgs]
+    if args.workers:
+        addresses = parse_worker_addresses(args.workers, org_ids)
+    else:
+        procs = WorkerProcesses(args.config, org_ids, run_dir=run_dir, overrides=args.overrides,
+                                ready_timeout_s=args.ready_timeout_s,
+                                worker_args=_worker_flags(run_dir, args.resume))
+        stack.callback(procs.close)
+        addresses = procs.start()
+    transport = GrpcTransport(addresses, max_message_mb=cfg.federation.max_message_mb)
+    stack.callback(transport.close)
+    ready = transport.wait_ready(args.ready_timeout_s)
+    bad = {org: err for org, err in ready.items() if isinstance(err, Exception)}
+    for org, err in bad.items():
+        log.warning("worker %s at %s is not ready: %s", org, addresses[org], err)
+    if len(ready) - len(bad) < cfg.federation.min_orgs:
+        raise RuntimeError(f"only {len(ready) - len(bad)} of {len(ready)} workers are ready, "
+                           f"federation.min_orgs={cfg.federation.min_orgs}")
+    return transport
+
+
+def _inprocess_transport(cfg, run_dir: Path, resume: bool, stack: ExitStack):
+    from hacrl_fed.coordinator.inprocess import InProcessTransport
+    from hacrl_fed.worker import build_worker
+
+    transport = InProcessTransport({o.id: build_worker(cfg, o.id, run_dir=run_dir, resume=resume) for o in cfg.orgs})
+    stack.callback(transport.close)
+    return transport
+
+
+def _progress(args: argparse.Namespace, total: int):
+    """A tqdm bar over rounds and the ``on_round`` callback that advances it (postfix: batch accuracy per org)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="rounds", unit="round", disable=args.no_progress, dynamic_ncols=True)
+
+    def on_round(result) -> None:
+        if result.skipped:
+            bar.set_postfix_str(f"round {result.round} skipped ({len(result.replied)} replies)")
+        else:
+            bar.set_postfix({org: f"{acc:.2f}" for org, acc in result.accuracy.items()})
+        bar.update(1)
+
+    return bar, on_round
+
+
+def _resolve_run(args: argparse.Namespace):
+    from hacrl_fed.config import ConfigError, load_config
+    from hacrl_fed.coordinator.loop import STATE_FILE
+
+    args.overrides = [kv for group in args.overrides for kv in group]  # --set a=1 b=2 --set c=3
+    try:
+        cfg = load_config(args.config, overrides=args.overrides)
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
+    transport = args.transport or ("grpc" if args.workers else cfg.federation.transport)
+    if transport == "flower":
+        raise UsageError("federation.transport=flower: use `hacrl-fed simulate CONFIG` (or flwr run)")
+    if args.workers and transport != "grpc":
+        raise UsageError("--worker needs --transport grpc")
+    run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run_dir) / cfg.name
+    has_state = (run_dir / STATE_FILE).exists()
+    if args.resume and not has_state:
+        raise UsageError(f"--resume: no run to resume in {run_dir} ({STATE_FILE} missing)")
+    if not args.resume and has_state:
+        raise UsageError(f"{run_dir} already holds a run: pass --resume or another --run-dir")
+    return cfg, transport, run_dir
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from hacrl_fed.coordinator.loop import Coordinator, FederationError
+    from hacrl_fed.metrics import RunLogger, format_table, plot_accuracy
+
+    cfg, transport_name, run_dir = _resolve_run(args)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args.resolved_run_dir = run_dir
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    with ExitStack() as stack:
+        if transport_name == "grpc":
+            transport = _grpc_transport(args, cfg, run_dir, stack)
+        else:
+            transport = _inprocess_transport(cfg, run_dir, args.resume, stack)
+        logger = stack.enter_context(RunLogger(run_dir))
+        bar, on_round = _progress(args, cfg.federation.rounds)
+        stack.callback(bar.close)
+        coord = Coordinator(cfg, transport, run_dir, logger=logger, resume=args.resume, on_round=on_round)
+        bar.update(coord.round)
+        try:
+            summary = coord.run()
+        except FederationError as err:
+            print(f"hacrl-fed run: {err}", file=sys.stderr)
+            return 1
+    plot_accuracy(run_dir)
+    print(format_table(summary))
+    print(f"outputs in {run_dir}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``hacrl-fed`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATES:
+        return _delegate(argv[0], argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "run":
+        parser.print_help(sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return cmd_run(args)
+    except UsageError as err:
+        print(f"hacrl-fed run: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hacrl-fed run: interrupted (continue with --resume)", file=sys.stderr)
+        return 1
+    except Exception as err:  # the run failed: one line here, the traceback in the run dir's error.log
+        detail = _save_traceback(args)
+        print(f"hacrl-fed run: failed: {type(err).__name__}: {err}{detail}", file=sys.stderr)
+        return 1
+
+
+def _save_traceback(args: argparse.Namespace) -> str:
+    run_dir = getattr(args, "resolved_run_dir", None) or args.run_dir
+    if not run_dir or not Path(run_dir).is_dir():
+        traceback.print_exc()
+        return ""
+    path = Path(run_dir) / "error.log"
+    path.write_text(traceback.format_exc())
+    return f" (traceback in {path})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
