@@ -1,0 +1,79 @@
+"""Worker checkpoints: weights (safetensors), optimizer, RNG states (torch, python), round. One directory per round.
+
+Layout: ``<ckpt_root>/round-000012/{model.safetensors, trainer.pt, state.json}`` and ``<ckpt_root>/LATEST``
+(the directory name, replaced atomically). The last ``keep`` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(root: Path, round: int, model: torch.nn.Module, trainer_state: dict, extra: dict[str, Any],
+                    keep: int = 2) -> Path:
+    """Write a checkpoint for ``round`` and point ``LATEST`` at it; returns its directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / f"round-{round:06d}"
+    tmp = root / f".tmp-{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(_untie(weights), str(tmp / "model.safetensors"))
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    torch.save({"trainer": trainer_state, "rng": rng}, tmp / "trainer.pt")
+    (tmp / "state.json").write_text(json.dumps({"round": round, **extra}, indent=2, sort_keys=True))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    _write_atomic(root / "LATEST", out.name)
+    for old in sorted(root.glob("round-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared storage (tied embeddings): give every tensor its own copy."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in weights.items():
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    marker = root / "LATEST"
+    if not marker.is_file():
+        return None
+    path = root / marker.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module) -> tuple[dict, dict[str, Any]]:
+    """Load weights into ``model`` and restore RNG states; returns ``(trainer_state, state_json)``."""
+    weights = load_file(str(path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or [k for k in missing if k not in weights]:
+        real_missing = [k for k in missing if k not in weights]
+        if unexpected or any("lm_head" not in k for k in real_missing):
+            raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing} "
+                               f"unexpected={unexpected}")
+    blob = torch.load(path / "trainer.pt", weights_only=True)  # never unpickle arbitrary objects
+    rng = blob["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    return blob["trainer"], json.loads((path / "state.json").read_text())

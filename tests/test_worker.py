@@ -1,0 +1,134 @@
+"""PolicyWorker with real (micro) transformers agents: generate → train → evaluate, cross-tokenizer, resume."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hacrl_fed.config import load_config
+from hacrl_fed.trainer import LocalTrainer, TrainRow
+from hacrl_fed.types import EvalRequest, RoundPlan, SamplingParams, TrainRequest
+from hacrl_fed.worker import WorkerAPI, build_worker
+
+ORGS = [{"id": "char", "model": {"zoo": "micro-qwen-char"}}, {"id": "bpe", "model": {"zoo": "micro-gpt2-bpe"}}]
+
+
+def make_cfg(algorithm="hacpo", **extra):
+    data = {"name": "t", "seed": 3, "orgs": ORGS, "algorithm": {"name": algorithm},
+            "trainer": {"lr": 1e-3, "minibatch_size": 16, "micro_batch_size": 8},
+            "generation": {"num_samples": 4, "max_new_tokens": 12}, "task": {"name": "arithmetic", "eval_size": 8}}
+    data.update(extra)
+    return load_config(data)
+
+
+def plan_for(worker, round_, n=4, seed=11):
+    prompts = tuple(worker.task.prompts("train", list(range(round_ * 10, round_ * 10 + n))))
+    return RoundPlan("run", round_, "arithmetic", prompts, SamplingParams(max_new_tokens=12, num_samples=4, seed=seed))
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return make_cfg()
+
+
+def test_worker_satisfies_api_and_generates(cfg, tmp_path):
+    w = build_worker(cfg, "char", run_dir=tmp_path)
+    assert isinstance(w, WorkerAPI)
+    batch = w.generate(plan_for(w, 1))
+    assert len(batch.rollouts) == 16 and batch.org_id == "char" and batch.round == 1
+    assert {(r.prompt_id, r.sample_index) for r in batch.rollouts} == {(p, j) for p in range(10, 14) for j in range(4)}
+    for r in batch.rollouts:
+        assert 0.0 <= r.reward <= 1.0 and r.logprob_sum <= 0 and 1 <= r.token_count <= 13
+        assert r.finish_reason in ("stop", "length")
+    assert batch.accuracy == pytest.approx(sum(r.reward for r in batch.rollouts) / 16)
+
+
+def test_cross_tokenizer_train_changes_weights_and_reports_metrics(cfg, tmp_path):
+    a, b = build_worker(cfg, "char", run_dir=tmp_path), build_worker(cfg, "bpe", run_dir=tmp_path)
+    plan = plan_for(a, 1)
+    ra, rb = a.generate(plan), b.generate(plan)
+    before = params(a.model)
+    # give the learner a non-uniform joint group so advantages are non-zero
+    foreign = tuple(r.__class__(**{**r.__dict__, "reward": float(i % 2)}) for i, r in enumerate(rb.rollouts))
+    report = a.train(TrainRequest("run", 1, "char", plan.prompts, foreign, {"char": 0.5, "bpe": 0.25}))
+    assert report.metrics["train/num_cross"] == 16 and report.metrics["train/num_self"] == 16
+    assert "hacpo/cross_clip_low_frac" in report.metrics and report.metrics["train/steps"] == 2
+    assert any(not torch.equal(x, y) for x, y in zip(before, params(a.model)))
+    with pytest.raises(RuntimeError, match="generated nothing"):
+        a.train(TrainRequest("run", 1, "char", plan.prompts, foreign, {}))
+
+
+def test_gspo_ignores_foreign_rows(tmp_path):
+    cfg = make_cfg("gspo")
+    a, b = build_worker(cfg, "char", run_dir=tmp_path), build_worker(cfg, "bpe", run_dir=tmp_path)
+    plan = plan_for(a, 2)
+    a.generate(plan)
+    rep = a.train(TrainRequest("run", 2, "char", plan.prompts, b.generate(plan).rollouts, {}))
+    assert rep.metrics.get("train/num_cross", 0.0) == 0.0
+
+
+def test_bad_requests(cfg, tmp_path):
+    w = build_worker(cfg, "char", run_dir=tmp_path)
+    with pytest.raises(ValueError, match="task"):
+        w.generate(RoundPlan("run", 1, "jsonl", (), SamplingParams()))
+    plan = plan_for(w, 1)
+    w.generate(plan)
+    with pytest.raises(ValueError, match="org"):
+        w.train(TrainRequest("run", 1, "bpe", plan.prompts, (), {}))
+
+
+def test_evaluate_greedy_is_deterministic(cfg, tmp_path):
+    w = build_worker(cfg, "bpe", run_dir=tmp_path)
+    req = EvalRequest("run", 0, "arithmetic", tuple(w.task.prompts("test", range(8))), max_new_tokens=12)
+    r1, r2 = w.evaluate(req), w.evaluate(req)
+    assert r1.num_prompts == 8 and 0.0 <= r1.accuracy <= 1.0 and r1.accuracy == r2.accuracy
+
+
+def test_checkpoint_resume_gives_identical_next_round(cfg, tmp_path):
+    a, b = build_worker(cfg, "char", run_dir=tmp_path), build_worker(cfg, "bpe", run_dir=tmp_path)
+    p1, p2 = plan_for(a, 1), plan_for(a, 2)
+    a.generate(p1)
+    a.train(TrainRequest("run", 1, "char", p1.prompts, b.generate(p1).rollouts, {"char": 0.4, "bpe": 0.2}))
+    path = a.checkpoint(1)
+    assert (Path(path) / "model.safetensors").is_file()
+    foreign2 = b.generate(p2).rollouts
+    want = a.generate(p2)
+    a.train(TrainRequest("run", 2, "char", p2.prompts, foreign2, {"char": 0.4, "bpe": 0.2}))
+    resumed = build_worker(cfg, "char", run_dir=tmp_path, resume=True)
+    assert resumed.last_round == 1
+    got = resumed.generate(p2)
+    assert got.rollouts == want.rollouts and got.accuracy == want.accuracy
+    resumed.train(TrainRequest("run", 2, "char", p2.prompts, foreign2, {"char": 0.4, "bpe": 0.2}))
+    for x, y in zip(params(a.model), params(resumed.model)):
+        assert torch.allclose(x, y, atol=1e-6)
+
+
+def _fixed_rows(worker, n=8):
+    plan = plan_for(worker, 5, n=n // 4)
+    batch = worker.generate(plan)
+    rows = worker._own.rows
+    for i, r in enumerate(rows):
+        r.reward = float(i % 2)
+    worker._own = None
+    return rows, batch
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "hacpo"])
+def test_training_step_lowers_loss_on_fixed_batch(tmp_path, algorithm):
+    cfg = make_cfg(algorithm)
+    w = build_worker(cfg, "char", run_dir=tmp_path)
+    rows, _ = _fixed_rows(w)
+    trainer = LocalTrainer(w.model, cfg.algorithm.model_copy(update={"name": algorithm}),
+                           cfg.trainer.model_copy(update={"lr": 1e-2, "minibatch_size": 64}), w.tokenizer.pad_token_id)
+    losses = [trainer.update(rows, 0, [1.0])["train/loss"] for _ in range(4)]
+    assert losses[-1] < losses[0], losses
+
+
+def test_trainrow_rejects_nothing_silently_when_empty(cfg, tmp_path):
+    w = build_worker(cfg, "char", run_dir=tmp_path)
+    out = w.trainer.update([TrainRow([1, 2], [], 1.0, 0, 0, True, -1.0, [])], 0, [1.0])
+    assert out["train/steps"] == 0.0
