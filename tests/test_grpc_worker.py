@@ -361,7 +361,7 @@ def test_main_worker_serves_until_sigterm(tmp_path):
     cfg.write_text(_RUN_YAML)
     code = _LAUNCH.format(tests=str(REPO / "tests"))
     cmd = [sys.executable, "-c", code, "--config", str(cfg), "--org", "beta", "--listen", "127.0.0.1:0",
-           "--override", "federation.rounds=3", "--run-dir", "runs/x", "--resume"]
+           "--set", "federation.rounds=3", "--run-dir", "runs/x", "--resume"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 60)

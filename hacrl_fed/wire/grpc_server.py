@@ -1,7 +1,7 @@
 """The ``PolicyWorker`` gRPC service: serves any :class:`~hacrl_fed.worker.api.WorkerAPI` object over the network.
 
 ``serve_worker(worker, "127.0.0.1:50051")`` starts a server and returns it; ``main_worker(argv)`` is
-``hacrl-fed worker --config RUN.yaml --org ID --listen ADDRESS [--override K=V] [--run-dir DIR] [--resume]``,
+``hacrl-fed worker --config RUN.yaml --org ID --listen ADDRESS [--set K=V] [--run-dir DIR] [--resume]``,
 which builds the real worker with ``hacrl_fed.worker.build_worker`` and serves it until SIGTERM / SIGINT.
 
 Behaviour:
@@ -204,8 +204,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="run config YAML (or a one-org config) naming this org")
     p.add_argument("--org", default=None, help="org id in the config (optional when it lists exactly one org)")
     p.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT (port 0 = any free) or unix:/PATH")
-    p.add_argument("--override", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="config override, as for the coordinator (repeatable)")
+    p.add_argument("--set", "--override", dest="overrides", action="append", default=[],
+                   metavar="SECTION.FIELD=VALUE", help="config override, as for hacrl-fed run (repeatable)")
     p.add_argument("--run-dir", default=None, help="passed to build_worker (where checkpoints go)")
     p.add_argument("--resume", action="store_true", help="passed to build_worker: resume from the latest checkpoint")
     p.add_argument("--max-message-mb", type=int, default=None, help="default: federation.max_message_mb")
@@ -237,7 +237,7 @@ def main_worker(argv: list[str] | None = None) -> int:
     from hacrl_fed.config import ConfigError, load_config
 
     try:
-        cfg = load_config(args.config, overrides=args.override)
+        cfg = load_config(args.config, overrides=args.overrides)
         org_id = _pick_org(cfg, args.org)
     except (ConfigError, ValueError) as err:
         parser.exit(2, f"hacrl-fed worker: {err}\n")
