@@ -1,0 +1,1 @@
+"""hacrl-fed's Flower ClientApp (component ``client.app:app``): a thin adapter to the org's policy worker."""

@@ -1,0 +1,51 @@
+"""The ServerApp's logic: read the settings, find the orgs' nodes, run the coordinator over Flower.
+
+Kept out of ``server/app.py`` (which only wires Flower to :func:`run_federation`) so the sequence can be read
+and tested without a Flower runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+from hacrl_fed.flower.settings import (
+    discovery_timeout_of, load_run_config, read_settings, run_dir_of,
+)
+from hacrl_fed.flower.transport import FlowerTransport, discover_orgs
+
+log = logging.getLogger(__name__)
+
+
+def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path) -> Any:
+    """Run a whole hacrl-fed run over ``grid`` and return the coordinator's ``RunSummary``.
+
+    1. settings from ``run_config`` (and ``HACRL_FED_FLOWER_RUN_CONFIG``), then the YAML run config;
+    2. wait up to ``discovery-timeout`` for the configured orgs' nodes (``query.health`` tells each node's org;
+       at least ``federation.min_orgs`` must answer);
+    3. :class:`~hacrl_fed.coordinator.loop.Coordinator` over a :class:`FlowerTransport`, metrics to
+       ``<run dir>/metrics.jsonl`` and TensorBoard scalars in ``<run dir>/tb``.
+
+    Any failure raises: the Flower runtime then marks the run failed (``run_simulation`` re-raises it).
+    """
+    from hacrl_fed.coordinator.loop import Coordinator
+    from hacrl_fed.metrics import RunLogger
+
+    settings = read_settings(run_config)
+    cfg = load_run_config(settings, app_dir)
+    run_dir = run_dir_of(settings, cfg)
+    expected = [o.id for o in cfg.orgs]
+    timeout = discovery_timeout_of(settings, cfg)
+    log.info("hacrl-fed: waiting up to %g s for orgs %s", timeout, expected)
+    org_by_node = discover_orgs(grid, expected, timeout, min_orgs=cfg.federation.min_orgs)
+    log.info("hacrl-fed: nodes %s", org_by_node)
+    transport = FlowerTransport(grid, org_by_node, expected_orgs=expected)
+    logger = RunLogger(run_dir)
+    try:
+        summary = Coordinator(cfg, transport, run_dir, logger=logger, resume=settings.resume).run()
+    finally:
+        logger.close()
+        transport.close()
+    log.info("hacrl-fed: %d rounds done, run dir %s", summary.rounds_completed, run_dir)
+    return summary

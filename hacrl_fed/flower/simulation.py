@@ -1,0 +1,162 @@
+"""``hacrl-fed simulate CONFIG [--set k=v ...] [--run-dir DIR]``: the whole federation on Flower's Simulation Engine.
+
+One virtual SuperNode per org (partition ``i`` = ``orgs[i]``), the repository's ``server.app:app`` and
+``client.app:app``, Ray as the backend. How it is wired (flwr 1.42):
+
+* ``flwr.simulation.run_simulation`` takes no run config, so the app settings (absolute config path, overrides,
+  run dir, ...) travel in the environment variable ``HACRL_FED_FLOWER_RUN_CONFIG`` (see
+  :mod:`hacrl_fed.flower.settings`), set before Ray starts so its worker processes inherit it.
+* ``server`` / ``client`` are not installed packages: the app directory goes first on ``sys.path``; Flower copies
+  ``sys.path`` into the Ray workers' ``PYTHONPATH``.
+* Exactly one ClientApp actor (Ray ``num_cpus`` = the actor's ``num_cpus`` = the CPUs this process may use; all
+  GPUs too): in-process workers are cached per process, and Ray hands each message to whichever actor is idle.
+  Orgs therefore run one after another, each with all cores (Ray sets ``OMP_NUM_THREADS`` to the actor's CPUs).
+* A ServerApp exception is re-raised by ``run_simulation``; :func:`main_simulate` then returns 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from hacrl_fed.config import ConfigError, load_config, parse_overrides
+from hacrl_fed.flower.settings import ENV_VAR, AppSettings, SettingsError, run_dir_of, to_run_config
+
+log = logging.getLogger(__name__)
+
+
+def find_app_dir(explicit: str | Path | None = None) -> Path:
+    """The Flower app directory (holding ``server/app.py`` and ``client/app.py``).
+
+    Tried in order: ``explicit``, the current directory, the directory above the ``hacrl_fed`` package (a
+    source checkout). Raises ``FileNotFoundError`` naming the places looked at.
+    """
+    import hacrl_fed
+
+    candidates = [Path(explicit)] if explicit else [Path.cwd(), Path(hacrl_fed.__file__).resolve().parents[1]]
+    for cand in candidates:
+        if (cand / "server" / "app.py").is_file() and (cand / "client" / "app.py").is_file():
+            return cand.resolve()
+    raise FileNotFoundError(f"no Flower app (server/app.py and client/app.py) in {[str(c) for c in candidates]}; "
+                            "run from the repository root or pass --app-dir")
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS / Windows
+        return os.cpu_count() or 1
+
+
+def detect_gpus() -> int:
+    """Number of CUDA devices torch sees (0 without torch or CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def backend_config(num_cpus: int, num_gpus: int) -> dict[str, Any]:
+    """Ray backend config giving the single ClientApp actor every CPU and GPU of the (local) Ray cluster."""
+    if num_cpus < 1 or num_gpus < 0:
+        raise ValueError(f"need num_cpus >= 1 and num_gpus >= 0, got {num_cpus} and {num_gpus}")
+    return {"client_resources": {"num_cpus": num_cpus, "num_gpus": num_gpus},
+            "init_args": {"num_cpus": num_cpus, "num_gpus": num_gpus}}
+
+
+def load_apps(app_dir: Path) -> tuple[Any, Any]:
+    """Import ``server.app:app`` and ``client.app:app`` from ``app_dir`` (put first on ``sys.path``)."""
+    if str(app_dir) not in sys.path:
+        sys.path.insert(0, str(app_dir))
+    server = importlib.import_module("server.app")
+    client = importlib.import_module("client.app")
+    for mod in (server, client):
+        if Path(mod.__file__).resolve().parents[1] != app_dir:
+            raise ImportError(f"{mod.__name__} was imported from {mod.__file__}, not from {app_dir}")
+    return server.app, client.app
+
+
+def simulate(config_path: str | Path, overrides: Sequence[str] = (), *, run_dir: str | Path | None = None,
+             resume: bool = False, app_dir: str | Path | None = None, num_cpus: int | None = None,
+             num_gpus: int | None = None, worker_factory: str = "", discovery_timeout_s: float = 0.0,
+             verbose: bool = False) -> Path:
+    """Run the federation of ``config_path`` on the Simulation Engine; returns the run directory.
+
+    ``worker_factory`` (``module:callable``) replaces :func:`hacrl_fed.worker.build_worker` (tests use fakes).
+    Raises whatever the ServerApp raised (config errors, too few orgs, ``FederationError`` ...).
+    """
+    from flwr.simulation import run_simulation
+
+    config_path = Path(config_path).expanduser().resolve()
+    cfg = load_config(config_path, parse_overrides(list(overrides)))  # fail early, in this process
+    settings = AppSettings(config_path=str(config_path), overrides=" ".join(overrides), resume=resume,
+                           worker_factory=worker_factory, discovery_timeout_s=discovery_timeout_s,
+                           run_dir=str(run_dir or ""))
+    run_path = run_dir_of(settings, cfg).resolve()  # Ray workers need absolute paths: their cwd differs
+    settings = AppSettings(**{**settings.__dict__, "run_dir": str(run_path)})
+    apps = load_apps(find_app_dir(app_dir))
+    backend = backend_config(num_cpus or available_cpus(), detect_gpus() if num_gpus is None else num_gpus)
+    old_env = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = json.dumps(to_run_config(settings))
+    start = time.perf_counter()
+    try:
+        log.info("simulating %d orgs %s, backend %s, run dir %s", len(cfg.orgs), [o.id for o in cfg.orgs],
+                 backend, run_path)
+        run_simulation(server_app=apps[0], client_app=apps[1], num_supernodes=len(cfg.orgs),
+                       backend_config=backend, verbose_logging=verbose)
+    finally:
+        if old_env is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = old_env
+    log.info("simulation finished in %.1f s; run dir %s", time.perf_counter() - start, run_path)
+    return run_path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hacrl-fed simulate",
+                                description="Run a federation on Flower's Simulation Engine (one virtual node per org).")
+    p.add_argument("config", help="YAML run config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set federation.rounds=3 (repeatable)")
+    p.add_argument("--run-dir", help="run directory (default: <run_dir>/<name> of the config)")
+    p.add_argument("--resume", action="store_true", help="continue the run in the run directory")
+    p.add_argument("--num-cpus", type=int, help="CPUs for the simulation (default: all this process may use)")
+    p.add_argument("--num-gpus", type=int, help="GPUs for the simulation (default: all CUDA devices)")
+    p.add_argument("--app-dir", help="directory with server/ and client/ (default: cwd or the source checkout)")
+    p.add_argument("--worker-factory", default="", metavar="MODULE:CALLABLE",
+                   help="build in-process workers with this instead of hacrl_fed.worker:build_worker")
+    p.add_argument("--discovery-timeout", type=float, default=0.0,
+                   help="seconds to wait for every org's node (default: federation.round_timeout_s)")
+    p.add_argument("--verbose", action="store_true", help="Flower debug logging")
+    return p
+
+
+def main_simulate(argv: Sequence[str] | None = None) -> int:
+    """CLI entry: 0 on success, 2 on a bad config or argument, 1 when the run failed."""
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run_path = simulate(args.config, args.overrides, run_dir=args.run_dir, resume=args.resume,
+                            app_dir=args.app_dir, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+                            worker_factory=args.worker_factory, discovery_timeout_s=args.discovery_timeout,
+                            verbose=args.verbose)
+    except (ConfigError, SettingsError, FileNotFoundError, ValueError) as err:
+        print(f"hacrl-fed simulate: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        log.exception("simulation failed")
+        print(f"hacrl-fed simulate: the run failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    print(f"hacrl-fed simulate: done; metrics in {run_path / 'metrics.jsonl'}")
+    return 0

@@ -1,0 +1,1 @@
+"""hacrl-fed's Flower ServerApp (component ``server.app:app``): drives the coordinator over Flower."""

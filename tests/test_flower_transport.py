@@ -1,0 +1,255 @@
+"""FlowerTransport, node -> org discovery, the ClientApp's dispatch (simulation and deployment modes) and the
+ServerApp's run_federation, over an in-memory fake Grid that calls the real ``client.app:app``. No Ray: seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from uuid import uuid4
+
+import pytest
+import yaml
+from flwr.app import ConfigRecord, Context, RecordDict
+
+from client.app import app as client_app
+from hacrl_fed.coordinator.transport import TransportTimeout
+from hacrl_fed.flower import node, records
+from hacrl_fed.flower.federation import run_federation
+from hacrl_fed.flower.settings import ENV_VAR
+from hacrl_fed.flower.transport import (
+    DiscoveryError, FlowerRemoteError, FlowerTransport, OrgUnavailable, assign_orgs, discover_orgs,
+)
+from hacrl_fed.types import ChatMessage, EvalRequest, Prompt, RoundPlan, SamplingParams, TrainRequest
+from hacrl_fed.wire import codec
+from helpers_fake_workers import FakeWorker
+
+APP_DIR = Path(__file__).resolve().parents[1]
+SKILLS = {"a": 0.25, "b": 0.75, "c": 0.5}
+BUILT: list[str] = []
+
+
+def make_fake_worker(cfg, org_id, *, run_dir, resume=False):
+    """``worker-factory`` for these tests: a FakeWorker per org (records that it was built)."""
+    BUILT.append(org_id)
+    return FakeWorker(org_id, SKILLS[org_id], fail_generate_rounds={13})
+
+
+@pytest.fixture(autouse=True)
+def flower_identity():
+    """Let ``flwr.app.Message(...)`` be built outside a Flower runtime (it reads the process's task identity)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 4242, 0
+    node.release_simulation_workers()
+    BUILT.clear()
+    yield
+    node.release_simulation_workers()
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+class FakeGrid:
+    """A Grid whose nodes run ``client.app:app`` synchronously when their replies are pulled.
+
+    ``silent`` nodes never answer; pushes to ``refuse`` nodes are dropped like the SuperLink drops bad messages.
+    """
+
+    def __init__(self, contexts: dict[int, Context], *, silent=(), refuse=()):
+        self.contexts, self.silent, self.refuse = contexts, set(silent), set(refuse)
+        self.inbox: dict[str, object] = {}
+        self.pushed: list[object] = []
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid4().hex
+            self.pushed.append(msg)
+            if msg.metadata.dst_node_id not in self.refuse:
+                self.inbox[msg.metadata.message_id] = msg
+                ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        out = []
+        for mid in list(message_ids):
+            msg = self.inbox.get(mid)
+            if msg is None or msg.metadata.dst_node_id in self.silent:
+                continue
+            del self.inbox[mid]
+            reply = client_app(msg, self.contexts[msg.metadata.dst_node_id])
+            reply.metadata.__dict__["_message_id"] = uuid4().hex
+            out.append(reply)
+        return out
+
+
+def write_config(tmp_path: Path, orgs=("a", "b"), **federation) -> Path:
+    fed = {"rounds": 2, "prompts_per_round": 2, "eval_every": 1, "min_orgs": 1, "round_timeout_s": 10.0,
+           **federation}
+    data = {"name": "flower-test", "seed": 3, "run_dir": str(tmp_path / "runs"),
+            "generation": {"num_samples": 2, "max_new_tokens": 8, "eval_max_new_tokens": 8},
+            "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 3},
+            "orgs": [{"id": o, "model": {"zoo": "tiny"}} for o in orgs], "federation": fed}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def sim_contexts(config: Path, n: int, *, run_id: int = 7, **extra) -> dict[int, Context]:
+    """``n`` simulated nodes with random-looking ids, partition i, run config pointing at ``config``."""
+    run_config = {"config-path": str(config), "overrides": "",
+                  "worker-factory": "test_flower_transport:make_fake_worker", **extra}
+    return {9000 + 17 * i: Context(run_id=run_id, node_id=9000 + 17 * i,
+                                   node_config={"partition-id": i, "num-partitions": n},
+                                   state=RecordDict(), run_config=run_config) for i in range(n)}
+
+
+def _plan(round: int = 1) -> RoundPlan:
+    prompts = (Prompt(1, (ChatMessage("user", "1+1"),), "2"), Prompt(2, (ChatMessage("user", "2+2"),), "4"))
+    return RoundPlan("run-x", round, "arithmetic", prompts, SamplingParams(num_samples=2, max_new_tokens=8))
+
+
+def test_discovery_maps_partitions_to_config_orgs(tmp_path):
+    grid = FakeGrid(sim_contexts(write_config(tmp_path, ("a", "b", "c")), 3))
+    found = discover_orgs(grid, ["a", "b", "c"], timeout_s=5)
+    assert found == {9000: "a", 9017: "b", 9034: "c"}
+    assert sorted(BUILT) == ["a", "b", "c"]  # the health query built each in-process worker once
+    assert all(m.metadata.message_type == "query.health" for m in grid.pushed)
+
+
+def test_transport_round_trip_every_operation(tmp_path):
+    grid = FakeGrid(sim_contexts(write_config(tmp_path), 2))
+    transport = FlowerTransport(grid, discover_orgs(grid, ["a", "b"], 5), expected_orgs=["a", "b"])
+    assert transport.org_ids() == ["a", "b"]
+    plan = _plan()
+    batches = transport.generate({"a": plan, "b": plan}, timeout_s=5)
+    assert {org: (b.org_id, len(b.rollouts), b.accuracy) for org, b in batches.items()} == {
+        "a": ("a", 4, 0.25), "b": ("b", 4, 0.75)}
+    assert set(transport.last_call_bytes) == {"a", "b"}
+    assert transport.last_call_bytes["a"] == len(codec.encode(plan)) + len(codec.encode(batches["a"]))
+    assert all(0 <= s < 5 for s in transport.last_call_seconds.values())
+    assert grid.pushed[-1].metadata.message_type == "query.generate" and grid.pushed[-1].metadata.group_id == "1"
+    assert grid.pushed[-1].metadata.ttl == pytest.approx(5 + transport.ttl_grace_s)
+    req = TrainRequest("run-x", 1, "a", plan.prompts, batches["b"].rollouts, {"a": 0.25, "b": 0.75})
+    reports = transport.train({"a": req}, timeout_s=5)
+    assert reports["a"].metrics["hacpo/foreign"] == 4.0 and grid.pushed[-1].metadata.message_type == "train"
+    evals = transport.evaluate({"b": EvalRequest("run-x", 1, "arithmetic", plan.prompts, 8)}, timeout_s=5)
+    assert evals["b"].num_prompts == 2 and grid.pushed[-1].metadata.message_type == "evaluate"
+    assert transport.checkpoint(["a", "b"], 1, timeout_s=5) == {"a": "/tmp/fake/a/round-1",
+                                                                "b": "/tmp/fake/b/round-1"}
+    health = transport.health(["a"], timeout_s=5)["a"]  # a trained once
+    assert health["org_id"] == "a" and health["node_mode"] == "simulation" and health["round"] == "1"
+    assert BUILT == ["a", "b"]  # cached: built once per (run, org)
+
+
+def test_worker_failure_becomes_remote_error_for_that_org_only(tmp_path):
+    grid = FakeGrid(sim_contexts(write_config(tmp_path), 2))
+    transport = FlowerTransport(grid, discover_orgs(grid, ["a", "b"], 5))
+    out = transport.generate({"a": _plan(13), "b": _plan(13)}, timeout_s=5)  # FakeWorkers fail round 13
+    assert isinstance(out["a"], FlowerRemoteError) and out["a"].code == 2
+    assert "generate on org 'a'" in str(out["a"]) and "a is down in round 13" in str(out["a"])
+    assert transport.last_call_bytes == {}
+    bad_request = transport.generate({"a": TrainRequest("r", 1, "a", (), (), {})}, timeout_s=5)  # wrong kind
+    assert "expected 'RoundPlan', got 'TrainRequest'" in str(bad_request["a"])
+
+
+def test_silent_refused_and_missing_orgs(tmp_path):
+    contexts = sim_contexts(write_config(tmp_path, ("a", "b", "c")), 3)
+    grid = FakeGrid(contexts)
+    transport = FlowerTransport(grid, discover_orgs(grid, ["a", "b", "c"], 5))
+    grid.silent, grid.refuse = {9017}, {9034}
+    start = time.monotonic()
+    out = transport.generate({org: _plan() for org in ("a", "b", "c", "zeta")}, timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - start < 2.0
+    assert out["a"].org_id == "a"
+    assert isinstance(out["b"], TransportTimeout) and "within 0.5 s" in str(out["b"])
+    assert isinstance(out["c"], OrgUnavailable) and "refused" in str(out["c"])
+    assert isinstance(out["zeta"], OrgUnavailable) and "no connected Flower node" in str(out["zeta"])
+    assert set(transport.last_call_bytes) == {"a"}
+
+
+def test_refresh_drops_departed_nodes_and_discovers_new_ones(tmp_path):
+    contexts = sim_contexts(write_config(tmp_path, ("a", "b", "c")), 3)
+    grid = FakeGrid({n: c for n, c in contexts.items() if n != 9034})
+    transport = FlowerTransport(grid, discover_orgs(grid, ["a", "b", "c"], 0.2, min_orgs=2),
+                                expected_orgs=["a", "b", "c"])
+    assert transport.org_ids() == ["a", "b"]
+    del grid.contexts[9000]
+    grid.contexts[9034] = contexts[9034]
+    assert transport.org_ids() == ["b", "c"]
+    assert transport.org_by_node == {9017: "b", 9034: "c"}
+
+
+def test_discovery_errors(tmp_path):
+    grid = FakeGrid(sim_contexts(write_config(tmp_path, ("a", "b")), 2))
+    with pytest.raises(DiscoveryError, match=r"only 2 of 3 orgs .* missing \['c'\]"):
+        discover_orgs(grid, ["a", "b", "c"], timeout_s=0.3, poll_s=0.05)
+    assert discover_orgs(grid, ["a", "b", "c"], timeout_s=0.3, poll_s=0.05, min_orgs=2) == {9000: "a", 9017: "b"}
+    got = assign_orgs({1: {"org_id": "a"}, 2: {"org_id": "a"}, 3: {"org_id": "x"}, 4: RuntimeError("down")},
+                      ["a", "b"])
+    assert (got.new, list(got.duplicate), list(got.unknown), list(got.failed)) == ({1: "a"}, [2], [3], [4])
+    twins = sim_contexts(write_config(tmp_path, ("a", "b")), 2)
+    for ctx in twins.values():
+        ctx.node_config["partition-id"] = 0  # both nodes claim org "a"
+    with pytest.raises(DiscoveryError, match="two Flower nodes claim the same org"):
+        discover_orgs(FakeGrid(twins), ["a", "b"], timeout_s=1)
+
+
+def test_node_errors_are_replied_not_raised(tmp_path):
+    config = write_config(tmp_path)
+    contexts = sim_contexts(config, 2)
+    contexts[9017].node_config["partition-id"] = 5  # more partitions than orgs
+    contexts[1] = Context(run_id=7, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    out = FlowerTransport(FakeGrid(contexts), {9017: "b", 1: "c"}).generate({"b": _plan(), "c": _plan()}, 5)
+    assert "partition-id 5 but the config has 2 orgs" in str(out["b"])
+    assert "names no worker" in str(out["c"]) and "--node-config" in str(out["c"])
+
+
+def test_simulation_guard_detects_a_second_actor_process(tmp_path):
+    contexts = sim_contexts(write_config(tmp_path), 2)
+    contexts[9000].state.config_records[node.STATE_KEY] = ConfigRecord({"pid": os.getpid() + 1, "host": "elsewhere"})
+    out = FlowerTransport(FakeGrid(contexts), {9000: "a"}).generate({"a": _plan()}, 5)
+    assert isinstance(out["a"], FlowerRemoteError) and "exactly one ClientApp actor" in str(out["a"])
+
+
+def test_deployment_mode_forwards_to_a_grpc_worker(tmp_path):
+    from hacrl_fed.wire.grpc_server import serve_worker
+
+    servers = {org: serve_worker(FakeWorker(org, SKILLS[org]), "127.0.0.1:0") for org in ("a", "b")}
+    try:
+        contexts = {
+            50: Context(run_id=1, node_id=50, state=RecordDict(), run_config={},
+                        node_config={"org": "a", "worker": servers["a"].address}),
+            51: Context(run_id=1, node_id=51, state=RecordDict(), run_config={},  # points at b's worker
+                        node_config={"org": "c", "worker": servers["b"].address}),
+        }
+        grid = FakeGrid(contexts)
+        infos = discover_orgs(grid, ["a", "c"], timeout_s=0.5, min_orgs=1)
+        assert infos == {50: "a"}
+        out = FlowerTransport(grid, {50: "a", 51: "c"}).generate({"a": _plan(), "c": _plan()}, 5)
+        assert out["a"].org_id == "a" and out["a"].accuracy == 0.25
+        assert "the worker answered as org 'b'; this node serves 'c'" in str(out["c"])
+        assert BUILT == []  # no in-process worker in deployment mode
+    finally:
+        for server in servers.values():
+            server.stop(0)
+
+
+def test_run_federation_runs_the_coordinator(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    config = write_config(tmp_path, ("a", "b", "c"))
+    run_dir = tmp_path / "run"
+    grid = FakeGrid(sim_contexts(config, 3, **{"run-dir": str(run_dir)}))
+    run_config = {"config-path": str(config), "overrides": "federation.rounds=3", "run-dir": str(run_dir)}
+    summary = run_federation(grid, run_config, app_dir=APP_DIR)
+    assert summary.rounds_completed == 3 and summary.skipped_rounds == 0
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [rec["round"] for rec in lines] == [0, 1, 2, 3]
+    assert all(rec[f"bytes/generate/{org}"] > 0 for rec in lines[1:] for org in "abc")
+    types = [m.metadata.message_type for m in grid.pushed]
+    assert types.count("query.generate") == 9 and types.count("train") == 9 and types.count("evaluate") == 12
+    assert types.count("query.checkpoint") == 3 and types[:3] == ["query.health"] * 3
