@@ -1,0 +1,175 @@
+"""Load any causal LM + tokenizer (local dir, hub id, or a ``zoo:`` agent) for one organization's worker.
+
+Conventions every caller relies on:
+- the tokenizer pads on the **left** and always has a pad token (its own, else EOS, else a new ``<pad>``);
+- the model is returned in **eval mode** (dropout off). HACPO's log-prob ratios compare the same sequence under
+  two forward passes, so dropout would bias them: the trainer keeps eval mode for its updates too and only
+  calls ``model.train()`` if a recipe explicitly wants dropout (none of ours does);
+- ``for_training=False`` additionally freezes every parameter (``requires_grad=False``), e.g. for a frozen
+  KL reference copy.
+``HF_HUB_OFFLINE=1`` (set in tests) makes every load local-only; nothing here downloads unless the hub is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from hacrl_fed.config import ModelConfig
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    """``"auto"`` → ``cuda`` if available else ``cpu``; ``"cpu"``, ``"cuda"``, ``"cuda:N"`` are checked to exist."""
+    s = str(spec).strip().lower()
+    if s == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if s == "cpu":
+        return torch.device("cpu")
+    if s == "cuda" or s.startswith("cuda:"):
+        index = s.partition(":")[2]
+        if index and not index.isdigit():
+            raise ValueError(f"model.device={spec!r}: cuda index must be an integer (cuda:0)")
+        if not torch.cuda.is_available():
+            raise ValueError(f"model.device={spec!r} but CUDA is not available on this machine (use auto or cpu)")
+        if index and int(index) >= torch.cuda.device_count():
+            raise ValueError(f"model.device={spec!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+        return torch.device(s)
+    raise ValueError(f"model.device={spec!r} not understood; expected auto, cpu, cuda or cuda:N")
+
+
+def resolve_dtype(spec: str = "auto", device: torch.device | str = "cpu") -> torch.dtype:
+    """``"auto"`` → bfloat16 on a CUDA device that supports it, else float32; explicit names are honoured.
+
+    Accepted names: float32/fp32, bfloat16/bf16, float16/fp16/half.
+    """
+    s = str(spec).strip().lower()
+    if s == "auto":
+        dev = torch.device(device)
+        if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if s in _DTYPES:
+        return _DTYPES[s]
+    raise ValueError(f"model.dtype={spec!r} not understood; expected auto, float32, bfloat16 or float16")
+
+
+def hub_offline() -> bool:
+    """True when ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set to a truthy value."""
+    values = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return any(v.strip().lower() in ("1", "true", "yes", "on") for v in values)
+
+
+def _looks_local(source: str) -> bool:
+    return source.startswith(("/", ".", "~")) or source.count("/") > 1 or "\\" in source
+
+
+def _check_source(source: str, field: str) -> str:
+    """Expand ``~``; a path-looking source must exist. Hub ids (``org/name``) pass through."""
+    path = Path(source).expanduser()
+    if path.exists():
+        return str(path)
+    if _looks_local(source):
+        raise FileNotFoundError(f"{field}={source!r}: no such file or directory")
+    return source
+
+
+def model_sources(model_cfg: ModelConfig) -> tuple[str, str]:
+    """``(model_source, tokenizer_source)``; a zoo agent (``zoo: NAME`` or ``path: "zoo:NAME"``) resolves to a
+    local dir (built on first use if neither shipped nor cached)."""
+    zoo_name = model_cfg.zoo
+    if zoo_name is None and str(model_cfg.path).startswith("zoo:"):
+        zoo_name = str(model_cfg.path)
+    if zoo_name is not None:
+        from hacrl_fed.models.zoo import resolve_zoo
+
+        model_src = str(resolve_zoo(zoo_name))
+    else:
+        model_src = _check_source(str(model_cfg.path), "model.path")
+    if model_cfg.tokenizer is not None:
+        return model_src, _check_source(model_cfg.tokenizer, "model.tokenizer")
+    return model_src, model_src
+
+
+def ensure_pad_token(tokenizer) -> bool:
+    """Give the tokenizer a pad token (EOS if it has one, else a new ``<pad>``); returns True iff one was added."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is not None:
+        return False
+    if tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+        return False
+    tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    return True
+
+
+def load_tokenizer(source: str, *, trust_remote_code: bool = False):
+    """AutoTokenizer from ``source`` with left padding and a pad token (see :func:`ensure_pad_token`)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            source, trust_remote_code=trust_remote_code, local_files_only=hub_offline()
+        )
+    except (OSError, ValueError) as err:
+        raise OSError(f"could not load tokenizer from {source!r} (offline={hub_offline()}): {err}") from err
+    ensure_pad_token(tok)
+    return tok
+
+
+def _fit_embeddings(model, tokenizer, source: str) -> None:
+    """Grow the embeddings by one row when :func:`ensure_pad_token` appended ``<pad>``; other mismatches error."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) <= rows:
+        return
+    if len(tokenizer) == rows + 1 and tokenizer.pad_token_id == rows:
+        model.resize_token_embeddings(len(tokenizer))
+        return
+    raise ValueError(
+        f"tokenizer has {len(tokenizer)} tokens but the model at {source!r} embeds only {rows}: "
+        "model.tokenizer does not belong to this model"
+    )
+
+
+def load_model_and_tokenizer(model_cfg: ModelConfig, *, for_training: bool = True):
+    """Load ``(model, tokenizer)`` for ``model_cfg`` on its device and dtype, in eval mode.
+
+    Devices/dtypes follow :func:`resolve_device` / :func:`resolve_dtype` (so fp16-shipped zoo weights load as
+    float32 on CPU). Raises ``FileNotFoundError`` for a missing local path, ``ValueError`` for a bad
+    device/dtype string, ``OSError`` when transformers cannot load the source.
+    """
+    from transformers import AutoModelForCausalLM
+
+    device = resolve_device(model_cfg.device)
+    dtype = resolve_dtype(model_cfg.dtype, device)
+    model_src, tok_src = model_sources(model_cfg)
+    tokenizer = load_tokenizer(tok_src, trust_remote_code=model_cfg.trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_src,
+            dtype=dtype,
+            trust_remote_code=model_cfg.trust_remote_code,
+            local_files_only=hub_offline(),
+        )
+    except (OSError, ValueError) as err:
+        raise OSError(f"could not load model from {model_src!r} (offline={hub_offline()}): {err}") from err
+    _fit_embeddings(model, tokenizer, model_src)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if tokenizer.eos_token_id is not None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.to(device)
+    model.eval()
+    if not for_training:
+        model.requires_grad_(False)
+    return model, tokenizer
