@@ -86,16 +86,8 @@ def parse_worker_addresses(items: list[str], org_ids: list[str]) -> dict[str, st
 
 
 def _worker_flags(run_dir: Path, resume: bool) -> list[str]:
-    """``--run-dir`` / ``--resume`` for ``hacrl-fed worker`` as far as its command line accepts them."""
-    from hacrl_fed.wire import grpc_server
-
-    known = set(grpc_server._parser()._option_string_actions)  # noqa: SLF001 (feature detection)
-    flags = ["--run-dir", str(run_dir)] if "--run-dir" in known else []
-    if resume and "--resume" in known:
-        flags.append("--resume")
-    elif resume:
-        log.warning("hacrl-fed worker has no --resume flag: gRPC workers start from their initial weights")
-    return flags
+    """``hacrl-fed worker`` flags so each worker checkpoints under the run dir (and resumes with the run)."""
+    return ["--run-dir", str(run_dir)] + (["--resume"] if resume else [])
 
 
 def _grpc_transport(args: argparse.Namespace, cfg, run_dir: Path, stack: ExitStack):

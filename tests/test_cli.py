@@ -137,8 +137,14 @@ def test_run_grpc_launching_workers(tmp_path, config_path, monkeypatch, capsys):
     rc = cli.main(["run", str(config_path), "--transport", "grpc", "--run-dir", str(run_dir), "--no-progress",
                    "--ready-timeout-s", "60"])
     assert rc == 0, capsys.readouterr().err
-    assert "listening on" in (run_dir / "logs" / "a.log").read_text()
+    log_a = (run_dir / "logs" / "a.log").read_text()
+    assert f"run_dir={run_dir}, resume=False" in log_a and "listening on" in log_a
     assert json.loads((run_dir / "coordinator_state.json").read_text())["round"] == 2
+    rc = cli.main(["run", str(config_path), "--transport", "grpc", "--run-dir", str(run_dir), "--no-progress",
+                   "--resume", "--set", "federation.rounds=3"])
+    assert rc == 0, capsys.readouterr().err
+    assert f"run_dir={run_dir}, resume=True" in (run_dir / "logs" / "b.log").read_text()
+    assert yaml.safe_load((run_dir / "worker_config.yaml").read_text())["federation"]["rounds"] == 3
 
 
 def test_delegated_subcommands_get_their_argv(monkeypatch):
