@@ -1,0 +1,302 @@
+"""Key and certificate tooling for a Flower deployment: ``hacrl-fed keys --out DIR --orgs acme,globex``.
+
+What it writes (private keys mode 600, the rest 644; ``DIR`` and ``DIR/supernodes`` 700)::
+
+    DIR/ca.pem               CA certificate: every SuperNode and `flwr` gets it (--root-certificates)
+    DIR/ca.key               CA private key: keep it with the coordinator's operator, offline if possible
+    DIR/server.pem           SuperLink TLS certificate signed by the CA, SANs = --san values
+    DIR/server.key           SuperLink TLS private key
+    DIR/supernodes/ORG.key   ORG's SuperNode auth private key (OpenSSH, ECDSA P-384): only ORG gets it
+    DIR/supernodes/ORG.pub   its public key (OpenSSH): the coordinator registers it (`flwr supernode register`)
+
+Formats are those flwr 1.42 reads: ``flower-superlink --ssl-ca-certfile/--ssl-certfile/--ssl-keyfile`` take PEM;
+``flower-supernode --auth-supernode-private-key`` parses the file with ``load_ssh_private_key`` and requires an EC
+key; ``flwr supernode register`` parses the public key with ``load_ssh_public_key`` and requires a NIST curve.
+
+TLS keys are ECDSA P-256 (universally supported by TLS stacks); certificates use SHA-256 signatures. The server
+certificate carries ``subjectAltName`` (IP entries for IP literals, DNS entries otherwise), ``serverAuth`` extended
+key usage, ``digitalSignature`` key usage, and subject / authority key identifiers; the CA is ``CA:TRUE,
+pathlen:0`` with ``keyCertSign`` / ``cRLSign``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import ipaddress
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+DEFAULT_SANS = ("127.0.0.1", "localhost", "::1")
+CA_DAYS = 3650
+SERVER_DAYS = 825  # the longest validity browsers and many TLS stacks still accept for leaf certificates
+_CLOCK_SKEW = dt.timedelta(minutes=5)
+_ORG_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # same rule as OrgConfig.id
+_DNS_NAME = re.compile(r"^(?=.{1,253}$)(\*\.)?([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+
+class KeyToolError(ValueError):
+    """Bad input to the key tool (names the bad value) or a refused overwrite."""
+
+
+# ------------------------------------------------------------------------------------------------ primitives
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "hacrl-fed"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def parse_san(value: str) -> x509.GeneralName:
+    """``"127.0.0.1"`` / ``"::1"`` -> ``IPAddress``; ``"my.host"`` -> ``DNSName``; anything else -> KeyToolError."""
+    text = value.strip()
+    try:
+        return x509.IPAddress(ipaddress.ip_address(text))
+    except ValueError:
+        pass
+    if not _DNS_NAME.match(text):
+        raise KeyToolError(f"--san {value!r}: not an IP address nor a valid DNS name")
+    return x509.DNSName(text.lower())
+
+
+def make_ca(common_name: str = "hacrl-fed CA", days: int = CA_DAYS) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A fresh CA: ECDSA P-256 key and a self-signed ``CA:TRUE, pathlen:0`` certificate valid ``days`` days."""
+    if days < 1:
+        raise KeyToolError(f"days must be >= 1, got {days}")
+    key = ec.generate_private_key(ec.SECP256R1())
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name)).issuer_name(_name(common_name))
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(_now() - _CLOCK_SKEW).not_valid_after(_now() + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                     crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(ski, critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return key, cert
+
+
+def make_server_cert(
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    sans: list[str] | tuple[str, ...] = DEFAULT_SANS,
+    common_name: str = "hacrl-fed superlink",
+    days: int = SERVER_DAYS,
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A SuperLink TLS key (P-256) and certificate signed by the CA, valid for every name/IP in ``sans``.
+
+    Raises KeyToolError for an empty ``sans``, a malformed entry, or ``days`` < 1.
+    """
+    if not sans:
+        raise KeyToolError("at least one --san is needed (the host name or IP the SuperNodes dial)")
+    if days < 1:
+        raise KeyToolError(f"days must be >= 1, got {days}")
+    names = list(dict.fromkeys(parse_san(s) for s in sans))  # parsed (errors name the bad value), deduplicated
+    key = ec.generate_private_key(ec.SECP256R1())
+    not_after = min(_now() + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
+    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name)).issuer_name(ca_cert.subject)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(_now() - _CLOCK_SKEW).not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False, key_cert_sign=False,
+                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return key, cert
+
+
+def make_supernode_keypair(comment: str = "") -> tuple[bytes, bytes]:
+    """A SuperNode auth key pair, ECDSA P-384, as ``(OpenSSH private key bytes, OpenSSH public key line)``.
+
+    The public line is ``ecdsa-sha2-nistp384 <base64> [comment]\\n``; flwr 1.42 loads the private file with
+    ``load_ssh_private_key`` and the public one with ``load_ssh_public_key``.
+    """
+    key = ec.generate_private_key(ec.SECP384R1())
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                serialization.NoEncryption())
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    if comment:
+        public += b" " + comment.encode()
+    return private, public + b"\n"
+
+
+def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    """Unencrypted PKCS#8 PEM of a private key (what ``--ssl-keyfile`` reads)."""
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def cert_pem(cert: x509.Certificate) -> bytes:
+    """PEM of a certificate."""
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Where ``hacrl-fed keys`` puts each file under ``out``."""
+
+    out: Path
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.out / "ca.pem"
+
+    @property
+    def ca_key(self) -> Path:
+        return self.out / "ca.key"
+
+    @property
+    def server_cert(self) -> Path:
+        return self.out / "server.pem"
+
+    @property
+    def server_key(self) -> Path:
+        return self.out / "server.key"
+
+    def supernode_key(self, org: str) -> Path:
+        return self.out / "supernodes" / f"{org}.key"
+
+    def supernode_pub(self, org: str) -> Path:
+        return self.out / "supernodes" / f"{org}.pub"
+
+    def all_files(self, orgs: list[str]) -> list[Path]:
+        files = [self.ca_cert, self.ca_key, self.server_cert, self.server_key]
+        for org in orgs:
+            files += [self.supernode_key(org), self.supernode_pub(org)]
+        return files
+
+
+def parse_orgs(text: str) -> list[str]:
+    """``"acme,globex"`` -> ``["acme", "globex"]``; KeyToolError for an empty list, a bad id or a duplicate."""
+    orgs = [o.strip() for o in text.split(",") if o.strip()]
+    if not orgs:
+        raise KeyToolError(f"--orgs {text!r}: no org ids (expected e.g. acme,globex)")
+    for org in orgs:
+        if not _ORG_ID.match(org):
+            raise KeyToolError(f"--orgs: bad org id {org!r} (letters, digits, '_', '.', '-'; at most 64)")
+    dupes = sorted({o for o in orgs if orgs.count(o) > 1})
+    if dupes:
+        raise KeyToolError(f"--orgs: duplicate org ids {dupes}")
+    return orgs
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    """Write ``data`` to ``path`` created with ``mode`` (never briefly world-readable)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, mode)  # the umask may have cleared bits of a 644 file
+
+
+def write_keys(out: str | Path, orgs: list[str], sans: list[str] | tuple[str, ...] = DEFAULT_SANS,
+               *, force: bool = False) -> KeyLayout:
+    """Create the CA, the SuperLink certificate and one SuperNode key pair per org under ``out``.
+
+    Refuses (KeyToolError listing them) if any target file exists, unless ``force``. Everything is generated
+    before anything is written, so bad input leaves ``out`` untouched.
+    """
+    layout = KeyLayout(Path(out))
+    existing = [str(p) for p in layout.all_files(orgs) if p.exists()]
+    if existing and not force:
+        raise KeyToolError(f"refusing to overwrite existing key files {existing} (pass --force to replace them)")
+    ca_key, ca_cert = make_ca()
+    server_key, server_cert = make_server_cert(ca_key, ca_cert, sans)
+    node_keys = {org: make_supernode_keypair(comment=f"hacrl-fed-supernode-{org}") for org in orgs}
+    for directory in (layout.out, layout.out / "supernodes"):
+        directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+    _write(layout.ca_key, key_pem(ca_key), 0o600)
+    _write(layout.ca_cert, cert_pem(ca_cert), 0o644)
+    _write(layout.server_key, key_pem(server_key), 0o600)
+    _write(layout.server_cert, cert_pem(server_cert), 0o644)
+    for org, (private, public) in node_keys.items():
+        _write(layout.supernode_key(org), private, 0o600)
+        _write(layout.supernode_pub(org), public, 0o644)
+    return layout
+
+
+def summary(layout: KeyLayout, orgs: list[str], sans: list[str] | tuple[str, ...]) -> str:
+    """Human-readable list of the files written and the commands that use them."""
+    d = layout
+    lines = [
+        f"wrote keys to {d.out}/ (SANs: {', '.join(sans)})",
+        f"  {d.ca_cert}      CA certificate -> every organization and every `flwr` user",
+        f"  {d.ca_key}      CA private key -> keep it safe (mode 600), it is needed only to re-issue certificates",
+        f"  {d.server_cert}  SuperLink certificate",
+        f"  {d.server_key}  SuperLink private key (mode 600)",
+    ]
+    for org in orgs:
+        lines.append(f"  {d.supernode_key(org)}  {org}'s SuperNode auth key (mode 600) -> give only to {org}")
+        lines.append(f"  {d.supernode_pub(org)}  {org}'s public key -> register it on the SuperLink")
+    lines += [
+        "next (see docs/DEPLOYMENT.md):",
+        f"  coordinator: flower-superlink --ssl-ca-certfile {d.ca_cert} --ssl-certfile {d.server_cert} "
+        f"--ssl-keyfile {d.server_key} --enable-supernode-auth --port 9093",
+    ]
+    lines += [f"  coordinator: flwr supernode register {d.supernode_pub(org)} NAME" for org in orgs]
+    org = orgs[0]
+    lines.append(f"  org {org}:    flower-supernode --superlink HOST:9093 --root-certificates ca.pem "
+                 f"--auth-supernode-private-key {org}.key --node-config 'org=\"{org}\" worker=\"127.0.0.1:50051\"'")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hacrl-fed keys",
+                                description="Create a CA, a SuperLink TLS certificate and SuperNode auth keys.")
+    p.add_argument("--out", required=True, help="output directory (created, mode 700)")
+    p.add_argument("--orgs", required=True, help="comma-separated org ids: one SuperNode key pair each")
+    p.add_argument("--san", action="append", default=[], metavar="NAME_OR_IP",
+                   help="host name or IP the SuperNodes dial (repeatable); default: " + " ".join(DEFAULT_SANS))
+    p.add_argument("--force", action="store_true", help="replace existing key files")
+    return p
+
+
+def main_keys(argv: list[str] | None = None) -> int:
+    """``hacrl-fed keys``: write the keys (see module docstring) and print what was written; 2 on bad input."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    sans = args.san or list(DEFAULT_SANS)
+    try:
+        orgs = parse_orgs(args.orgs)
+        for s in sans:
+            parse_san(s)
+        layout = write_keys(args.out, orgs, sans, force=args.force)
+    except KeyToolError as err:
+        print(f"hacrl-fed keys: {err}", file=sys.stderr)
+        return 2
+    print(summary(layout, orgs, sans))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_keys())
