@@ -40,7 +40,8 @@ CA_DAYS = 3650
 SERVER_DAYS = 825  # the longest validity browsers and many TLS stacks still accept for leaf certificates
 _CLOCK_SKEW = dt.timedelta(minutes=5)
 _ORG_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # same rule as OrgConfig.id
-_DNS_NAME = re.compile(r"^(?=.{1,253}$)(\*\.)?([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = re.compile(rf"^(?=.{{1,253}}$)(\*\.)?{_LABEL}(\.{_LABEL})*$")  # optional leading wildcard label
 
 
 class KeyToolError(ValueError):
@@ -71,7 +72,8 @@ def parse_san(value: str) -> x509.GeneralName:
     return x509.DNSName(text.lower())
 
 
-def make_ca(common_name: str = "hacrl-fed CA", days: int = CA_DAYS) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+def make_ca(common_name: str = "hacrl-fed CA",
+            days: int = CA_DAYS) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """A fresh CA: ECDSA P-256 key and a self-signed ``CA:TRUE, pathlen:0`` certificate valid ``days`` days."""
     if days < 1:
         raise KeyToolError(f"days must be >= 1, got {days}")
