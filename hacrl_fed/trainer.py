@@ -109,10 +109,14 @@ class LocalTrainer:
         """One round's update. ``learner``: this agent's index into ``capability`` (``Phat`` per agent)."""
         start = time.perf_counter()
         rows = [r for r in rows if r.is_self or self.spec.uses_cross]
-        rows = [r for r in rows if r.response_ids]  # nothing to score in an empty response
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
-        adv = self.advantages(rows, learner, capability)
+        # every response counts in its joint group's baseline and std, even one that cannot be scored
+        adv_all = self.advantages(rows, learner, capability)
+        keep = [i for i, r in enumerate(rows) if r.response_ids]  # nothing to score in an empty response
+        rows, adv = [rows[i] for i in keep], adv_all[keep]
+        if not rows:
+            return {"train/steps": 0.0, "train/num_rows": 0.0}
         sources = torch.tensor([r.source for r in rows])
         if self.spec.advantage == "hacpo":
             v = cross_weights(capability, learner, sources, self.algo.ratio_min, self.algo.ratio_max)

@@ -62,3 +62,12 @@ def test_baselines_drop_cross_rows():
     assert met["train/num_cross"] == 0 and met["train/num_self"] == sum(r.is_self for r in rows)
     _, met = _train("naive", 4, rows)
     assert met["train/num_cross"] == sum(not r.is_self for r in rows)
+
+
+def test_unscoreable_rows_still_count_in_the_group_baseline():
+    rows = _rows(cross=False)
+    extra = TrainRow([5, 6], [], 1.0, rows[0].group, 0, True, -1.0, [])  # a response with no learner tokens
+    m_without, met_without = _train("gspo", 64, rows, lr=1.0, sgd=True)
+    m_with, met_with = _train("gspo", 64, rows + [extra], lr=1.0, sgd=True)
+    assert met_with["train/num_rows"] == met_without["train/num_rows"]  # not trained on
+    assert any(not torch.allclose(a, b) for a, b in zip(m_without.parameters(), m_with.parameters()))

@@ -30,7 +30,7 @@ from hacrl_fed.worker.checkpoint import latest_checkpoint, load_checkpoint, save
 
 log = logging.getLogger(__name__)
 
-FOREIGN_LENGTH_FACTOR = 8  # foreign responses longer than this × max_new_tokens (learner tokens) are dropped
+FOREIGN_LENGTH_FACTOR = 8  # foreign responses longer than this × max_new_tokens (learner tokens) are not trained on
 
 
 @dataclass
@@ -132,7 +132,7 @@ class PolicyWorker:
         self.last_round = request.round
         metrics.update({"time/score": t1 - t0, "time/train": time.perf_counter() - t1,
                         "train/foreign_received": float(len(request.foreign)),
-                        "train/foreign_dropped": float(dropped)})
+                        "train/foreign_unscored": float(dropped)})
         return TrainReport(request.run_id, request.round, self.org_id, metrics)
 
     def _foreign_rows(self, request: TrainRequest, own: _OwnRound, agents: list[str]) -> tuple[list[TrainRow], int]:
@@ -151,9 +151,9 @@ class PolicyWorker:
         rows = []
         for i, r in enumerate(usable):
             resp = batch.input_ids[i][batch.response_mask[i].bool()].tolist()
-            if not resp or len(resp) > cap:
+            if not resp or len(resp) > cap:  # kept with no tokens: counts in the group's baseline, not trained on
                 dropped += 1
-                continue
+                resp = []
             rows.append(TrainRow(own.prompt_ids[r.prompt_id], resp, float(r.reward), r.prompt_id,
                                  agents.index(r.org_id), False, r.mean_log_prob))
         return rows, dropped
