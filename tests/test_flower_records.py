@@ -17,7 +17,8 @@ from hacrl_fed.wire.codec import WireError, WireLimits
 
 
 def _prompt(pid: int) -> t.Prompt:
-    return t.Prompt(pid, (t.ChatMessage("system", "Be brief."), t.ChatMessage("user", f"{pid} + 1 = ? ✓ 数学")), str(pid + 1))
+    messages = (t.ChatMessage("system", "Be brief."), t.ChatMessage("user", f"{pid} + 1 = ? ✓ 数学"))
+    return t.Prompt(pid, messages, str(pid + 1))
 
 
 def _rollout(i: int, org: str = "acme") -> t.Rollout:

@@ -15,9 +15,9 @@ from flwr.app import ConfigRecord, Context, RecordDict
 
 from client.app import app as client_app
 from hacrl_fed.coordinator.transport import TransportTimeout
-from hacrl_fed.flower import node, records
+from hacrl_fed.flower import node
 from hacrl_fed.flower.federation import run_federation
-from hacrl_fed.flower.settings import ENV_VAR
+from hacrl_fed.flower.settings import ENV_VAR, SettingsError
 from hacrl_fed.flower.transport import (
     DiscoveryError, FlowerRemoteError, FlowerTransport, OrgUnavailable, assign_orgs, discover_orgs,
 )
@@ -184,6 +184,19 @@ def test_refresh_drops_departed_nodes_and_discovers_new_ones(tmp_path):
     assert transport.org_by_node == {9017: "b", 9034: "c"}
 
 
+def test_failed_nodes_are_asked_again_only_after_retry_failed_s(tmp_path):
+    contexts = sim_contexts(write_config(tmp_path), 2)
+    grid = FakeGrid(contexts)
+    transport = FlowerTransport(grid, discover_orgs(grid, ["a", "b"], 5), retry_failed_s=60)
+    grid.contexts[5] = Context(run_id=7, node_id=5, node_config={"partition-id": 9, "num-partitions": 3},
+                               state=RecordDict(), run_config=contexts[9000].run_config)  # serves no org
+    health_to_5 = lambda: sum(m.metadata.dst_node_id == 5 for m in grid.pushed)  # noqa: E731
+    assert transport.org_ids() == ["a", "b"] and health_to_5() == 1
+    assert transport.org_ids() == ["a", "b"] and health_to_5() == 1  # not asked again within 60 s
+    transport.retry_failed_s = 0
+    assert transport.org_ids() == ["a", "b"] and health_to_5() == 2
+
+
 def test_discovery_errors(tmp_path):
     grid = FakeGrid(sim_contexts(write_config(tmp_path, ("a", "b")), 2))
     with pytest.raises(DiscoveryError, match=r"only 2 of 3 orgs .* missing \['c'\]"):
@@ -253,3 +266,20 @@ def test_run_federation_runs_the_coordinator(tmp_path, monkeypatch):
     types = [m.metadata.message_type for m in grid.pushed]
     assert types.count("query.generate") == 9 and types.count("train") == 9 and types.count("evaluate") == 12
     assert types.count("query.checkpoint") == 3 and types[:3] == ["query.health"] * 3
+
+
+def test_run_federation_resumes(tmp_path):
+    config = write_config(tmp_path)
+    run_dir = tmp_path / "run"
+    base = {"config-path": str(config), "run-dir": str(run_dir)}
+    first = run_federation(FakeGrid(sim_contexts(config, 2, run_id=1, **base)), base, app_dir=APP_DIR)
+    assert first.rounds_completed == 2
+    more = {**base, "overrides": "federation.rounds=3", "resume": True}
+    second = run_federation(FakeGrid(sim_contexts(config, 2, run_id=2, **more)), more, app_dir=APP_DIR)
+    assert second.rounds_completed == 3
+    rounds = [json.loads(line)["round"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == [0, 1, 2, 3]
+    (run_dir / "config.yaml").write_text("kept")
+    with pytest.raises(SettingsError, match="already holds a run"):
+        run_federation(FakeGrid(sim_contexts(config, 2, run_id=3, **base)), base, app_dir=APP_DIR)
+    assert (run_dir / "config.yaml").read_text() == "kept"

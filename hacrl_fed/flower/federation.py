@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hacrl_fed.flower.settings import (
-    discovery_timeout_of, load_run_config, read_settings, run_dir_of,
+    check_run_dir, discovery_timeout_of, load_run_config, read_settings, run_dir_of,
 )
 from hacrl_fed.flower.transport import FlowerTransport, discover_orgs
 
@@ -24,17 +24,21 @@ def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path) -
     1. settings from ``run_config`` (and ``HACRL_FED_FLOWER_RUN_CONFIG``), then the YAML run config;
     2. wait up to ``discovery-timeout`` for the configured orgs' nodes (``query.health`` tells each node's org;
        at least ``federation.min_orgs`` must answer);
-    3. :class:`~hacrl_fed.coordinator.loop.Coordinator` over a :class:`FlowerTransport`, metrics to
-       ``<run dir>/metrics.jsonl`` and TensorBoard scalars in ``<run dir>/tb``.
+    3. :class:`~hacrl_fed.coordinator.loop.Coordinator` over a :class:`FlowerTransport`; the run dir gets what
+       ``hacrl-fed run`` writes: ``config.yaml``, ``metrics.jsonl``, ``tb/``, ``coordinator_state.json``,
+       ``accuracy.png``; the final per-org table is logged.
 
     Any failure raises: the Flower runtime then marks the run failed (``run_simulation`` re-raises it).
     """
+    import yaml
+
     from hacrl_fed.coordinator.loop import Coordinator
-    from hacrl_fed.metrics import RunLogger
+    from hacrl_fed.metrics import RunLogger, format_table, plot_accuracy
 
     settings = read_settings(run_config)
     cfg = load_run_config(settings, app_dir)
     run_dir = run_dir_of(settings, cfg)
+    check_run_dir(run_dir, settings.resume)
     expected = [o.id for o in cfg.orgs]
     timeout = discovery_timeout_of(settings, cfg)
     log.info("hacrl-fed: waiting up to %g s for orgs %s", timeout, expected)
@@ -43,9 +47,12 @@ def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path) -
     transport = FlowerTransport(grid, org_by_node, expected_orgs=expected)
     logger = RunLogger(run_dir)
     try:
-        summary = Coordinator(cfg, transport, run_dir, logger=logger, resume=settings.resume).run()
+        coordinator = Coordinator(cfg, transport, run_dir, logger=logger, resume=settings.resume)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        summary = coordinator.run()
     finally:
         logger.close()
         transport.close()
-    log.info("hacrl-fed: %d rounds done, run dir %s", summary.rounds_completed, run_dir)
+    plot_accuracy(run_dir)
+    log.info("hacrl-fed: run finished, outputs in %s\n%s", run_dir, format_table(summary))
     return summary

@@ -146,27 +146,23 @@ def _deployment_worker(node_config: Mapping[str, Any], deadline_s: float | None)
     return org, client
 
 
-def _call(op: Operation, worker: Any, request: Any) -> Any:
-    """Run ``op`` on ``worker``; returns something :func:`records.pack` accepts."""
+def _call(op: Operation, worker: Any, request: Any, org: str, mode: str) -> Any:
+    """Run ``op`` on ``worker``; returns what :func:`records.pack` accepts. A reply naming another org fails."""
     if op is records.HEALTH:
-        return codec.health_reply_to_proto(worker.health())
+        info = dict(worker.health())
+        if info.get("org_id", org) != org:
+            raise NodeError(f"the worker reports org {info['org_id']!r}; this node serves {org!r}")
+        return codec.health_reply_to_proto({**info, "org_id": org, "node_mode": mode})
     if op is records.CHECKPOINT:
         return codec.checkpoint_reply_to_proto(worker.checkpoint(request))
-    return getattr(worker, op.name)(request)
+    reply = getattr(worker, op.name)(request)
+    if getattr(reply, "org_id", org) != org:  # RolloutBatch / TrainReport / EvalReport name their org
+        raise NodeError(f"the worker answered as org {reply.org_id!r}; this node serves {org!r}")
+    return reply
 
 
 def _serve(op: Operation, content: RecordDict, org: str, mode: str, worker: Any) -> RecordDict:
-    request = records.unpack(content, op.request_kind)
-    reply = _call(op, worker, request)
-    reply_org = getattr(reply, "org_id", org)  # RolloutBatch / TrainReport / EvalReport name their org
-    if reply_org != org:
-        raise NodeError(f"the worker answered as org {reply_org!r}; this node serves {org!r}")
-    if op is records.HEALTH:
-        info = dict(codec.from_proto(reply))
-        if info.get("org_id", org) != org:
-            raise NodeError(f"worker reports org {info['org_id']!r}, this node serves {org!r}")
-        reply = codec.health_reply_to_proto({**info, "org_id": org, "node_mode": mode})
-    return records.pack(reply)
+    return records.pack(_call(op, worker, records.unpack(content, op.request_kind), org, mode))
 
 
 def handle(op: Operation, content: RecordDict, context: Context, *, app_dir: Path,

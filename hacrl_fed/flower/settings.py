@@ -118,3 +118,14 @@ def run_dir_of(settings: AppSettings, cfg: RunConfig) -> Path:
 def discovery_timeout_of(settings: AppSettings, cfg: RunConfig) -> float:
     """Seconds the ServerApp waits for every org's node: ``discovery-timeout`` or the round timeout."""
     return settings.discovery_timeout_s or cfg.federation.round_timeout_s
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """As ``hacrl-fed run``: ``resume`` needs a run in ``run_dir``, a fresh run needs none (``SettingsError``)."""
+    from hacrl_fed.coordinator.loop import STATE_FILE
+
+    has_state = (run_dir / STATE_FILE).exists()
+    if resume and not has_state:
+        raise SettingsError(f"--resume: no run to resume in {run_dir} ({STATE_FILE} missing)")
+    if not resume and has_state:
+        raise SettingsError(f"{run_dir} already holds a run: pass --resume or another --run-dir")

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hacrl_fed.config import ConfigError, load_config, parse_overrides
-from hacrl_fed.flower.settings import ENV_VAR, AppSettings, SettingsError, run_dir_of, to_run_config
+from hacrl_fed.flower.settings import (
+    ENV_VAR, AppSettings, SettingsError, check_run_dir, run_dir_of, to_run_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,7 @@ def simulate(config_path: str | Path, overrides: Sequence[str] = (), *, run_dir:
                            worker_factory=worker_factory, discovery_timeout_s=discovery_timeout_s,
                            run_dir=str(run_dir or ""))
     run_path = run_dir_of(settings, cfg).resolve()  # Ray workers need absolute paths: their cwd differs
+    check_run_dir(run_path, resume)
     settings = AppSettings(**{**settings.__dict__, "run_dir": str(run_path)})
     apps = load_apps(find_app_dir(app_dir))
     backend = backend_config(num_cpus or available_cpus(), detect_gpus() if num_gpus is None else num_gpus)
@@ -123,11 +126,11 @@ def simulate(config_path: str | Path, overrides: Sequence[str] = (), *, run_dir:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hacrl-fed simulate",
-                                description="Run a federation on Flower's Simulation Engine (one virtual node per org).")
+    p = argparse.ArgumentParser(
+        prog="hacrl-fed simulate", description="Run a federation on Flower's Simulation Engine (one node per org).")
     p.add_argument("config", help="YAML run config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set federation.rounds=3 (repeatable)")
+    p.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set federation.rounds=3 trainer.lr=1e-5")
     p.add_argument("--run-dir", help="run directory (default: <run_dir>/<name> of the config)")
     p.add_argument("--resume", action="store_true", help="continue the run in the run directory")
     p.add_argument("--num-cpus", type=int, help="CPUs for the simulation (default: all this process may use)")
@@ -138,14 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--discovery-timeout", type=float, default=0.0,
                    help="seconds to wait for every org's node (default: federation.round_timeout_s)")
     p.add_argument("--verbose", action="store_true", help="Flower debug logging")
+    p.add_argument("--log-level", default="INFO")
     return p
 
 
 def main_simulate(argv: Sequence[str] | None = None) -> int:
     """CLI entry: 0 on success, 2 on a bad config or argument, 1 when the run failed."""
     args = build_parser().parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.overrides = [kv for group in args.overrides for kv in group]  # --set a=1 b=2 --set c=3
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run_path = simulate(args.config, args.overrides, run_dir=args.run_dir, resume=args.resume,
                             app_dir=args.app_dir, num_cpus=args.num_cpus, num_gpus=args.num_gpus,

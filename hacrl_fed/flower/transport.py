@@ -2,8 +2,9 @@
 
 One Flower message per org and call (types and record layout in :mod:`hacrl_fed.flower.records`), pushed with
 ``grid.push_messages`` and collected with ``grid.pull_messages`` until every reply arrived or ``timeout_s``
-passed. Polling starts at 50 ms and backs off to ``max_poll_s``: ``grid.send_and_receive`` polls the deployment
-SuperLink only every 3 s, which would add up to 3 s to every phase of every round. Per org the result is
+passed. Polling starts at 50 ms and backs off to ``max_poll_s`` (0.2 s): ``grid.send_and_receive`` polls the
+deployment SuperLink only every 3 s, which would add up to 3 s to every phase of every round (with a 1 s cap,
+simulated phases ended on the backoff schedule, up to ~0.9 s late). Per org the result is
 
 * the decoded reply (checked field by field by :mod:`hacrl_fed.wire.codec`);
 * :class:`~hacrl_fed.coordinator.transport.TransportTimeout` when no reply came by the deadline;
@@ -14,7 +15,8 @@ SuperLink only every 3 s, which would add up to 3 s to every phase of every roun
 
 Every message carries ``ttl = timeout_s + ttl_grace_s``, so a node that comes back late does not run stale
 work. ``last_call_bytes`` (``{org: request + reply payload bytes}``, successful calls only) and
-``last_call_seconds`` (``{org: seconds until its reply was pulled}``) describe the latest call.
+``last_call_seconds`` (``{org: seconds until its reply was pulled}``; this includes queueing: in simulation the
+orgs share one ClientApp actor and run one after another) describe the latest call.
 
 Node -> org: :func:`discover_orgs` sends ``query.health`` to every connected node and reads the org id from the
 reply (the ClientApp answers with its own org, see :mod:`hacrl_fed.flower.node`). :meth:`FlowerTransport.org_ids`
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 FIRST_POLL_S = 0.05
 POLL_BACKOFF = 1.5
+MAX_POLL_S = 0.2  # a reply waits at most this long to be noticed; one cheap pull per 0.2 s in steady state
 
 
 class FlowerRemoteError(RuntimeError):
@@ -59,7 +62,7 @@ class DiscoveryError(RuntimeError):
 
 
 def exchange(grid: Any, op: Operation, contents: Mapping[int, Any], timeout_s: float, *, group_id: str = "",
-             ttl_grace_s: float = 30.0, max_poll_s: float = 1.0,
+             ttl_grace_s: float = 30.0, max_poll_s: float = MAX_POLL_S,
              done: Callable[[dict[int, tuple[Any, float]]], bool] | None = None) -> dict[int, tuple[Any, float]]:
     """Send one ``op`` message per node (``{node_id: RecordDict}``) and collect replies until ``timeout_s``.
 
@@ -106,7 +109,8 @@ def decode_reply(op: Operation, source: str, reply: Any, limits: codec.WireLimit
         return err
 
 
-def query_health(grid: Any, node_ids: Iterable[int], timeout_s: float, **kw: Any) -> dict[int, dict[str, str] | Exception]:
+def query_health(grid: Any, node_ids: Iterable[int], timeout_s: float,
+                 **kw: Any) -> dict[int, dict[str, str] | Exception]:
     """``query.health`` to every node: ``{node_id: health info (with "org_id") | Exception}``."""
     contents = {node: records.pack(codec.health_request()) for node in node_ids}
     replies = exchange(grid, records.HEALTH, contents, timeout_s, group_id="health", **kw)
@@ -154,7 +158,8 @@ def _orgs_answered(replies: Mapping[int, tuple[Any, float]]) -> set[str]:
 
 
 def discover_orgs(grid: Any, expected: list[str], timeout_s: float, *, min_orgs: int | None = None,
-                  poll_s: float = 1.0, query_timeout_s: float = 120.0, max_poll_s: float = 1.0) -> dict[int, str]:
+                  poll_s: float = 1.0, query_timeout_s: float = 120.0,
+                  max_poll_s: float = MAX_POLL_S) -> dict[int, str]:
     """Wait (at most ``timeout_s``) until every ``expected`` org has a connected node; return ``{node: org}``.
 
     New nodes are asked for their org with ``query.health`` (waiting at most ``query_timeout_s``, less once every
@@ -200,18 +205,21 @@ class FlowerTransport(Transport):
     """Transport over a Flower ``grid`` whose nodes serve the orgs in ``org_by_node`` (``{node_id: org_id}``).
 
     ``expected_orgs`` (default: the orgs of ``org_by_node``) fixes which orgs may join later and the order of
-    :meth:`org_ids`; ``rejoin_timeout_s`` bounds the health query sent to nodes that connect mid-run.
+    :meth:`org_ids`; ``rejoin_timeout_s`` bounds the health query sent to nodes that connect mid-run, and a node
+    whose query failed is asked again only after ``retry_failed_s``.
     """
 
     def __init__(self, grid: Any, org_by_node: Mapping[int, str], *, expected_orgs: Iterable[str] | None = None,
-                 ttl_grace_s: float = 30.0, max_poll_s: float = 1.0, rejoin_timeout_s: float = 30.0,
-                 limits: codec.WireLimits = codec.DEFAULT_LIMITS) -> None:
+                 ttl_grace_s: float = 30.0, max_poll_s: float = MAX_POLL_S, rejoin_timeout_s: float = 30.0,
+                 retry_failed_s: float = 60.0, limits: codec.WireLimits = codec.DEFAULT_LIMITS) -> None:
         self.grid = grid
         self._org_by_node = dict(org_by_node)
         self.expected_orgs = list(expected_orgs) if expected_orgs is not None else list(self._org_by_node.values())
         self._unknown: dict[int, str] = {}  # nodes serving an org that is not configured: not asked again
         self._duplicate: dict[int, str] = {}  # nodes claiming an org already served: asked again when one leaves
+        self._failed: dict[int, float] = {}  # node -> time.monotonic() of its last failed health query
         self.ttl_grace_s, self.max_poll_s, self.rejoin_timeout_s = ttl_grace_s, max_poll_s, rejoin_timeout_s
+        self.retry_failed_s = retry_failed_s
         self.limits = limits
         self.last_call_bytes: dict[str, int] = {}
         self.last_call_seconds: dict[str, float] = {}
@@ -228,7 +236,10 @@ class FlowerTransport(Transport):
             self._duplicate.clear()  # a spare node of that org may take over
         self._unknown = {n: why for n, why in self._unknown.items() if n in connected}
         self._duplicate = {n: why for n, why in self._duplicate.items() if n in connected}
-        fresh = sorted(connected - set(self._org_by_node) - set(self._unknown) - set(self._duplicate))
+        now = time.monotonic()
+        self._failed = {n: t for n, t in self._failed.items() if n in connected and now - t < self.retry_failed_s}
+        fresh = sorted(connected - set(self._org_by_node) - set(self._unknown) - set(self._duplicate)
+                       - set(self._failed))
         if not fresh:
             return
         infos = query_health(self.grid, fresh, self.rejoin_timeout_s, max_poll_s=self.max_poll_s)
@@ -238,8 +249,9 @@ class FlowerTransport(Transport):
         self._org_by_node.update(got.new)
         self._unknown.update(got.unknown)
         self._duplicate.update(got.duplicate)
+        self._failed.update({node: time.monotonic() for node in got.failed})
         for node, why in {**got.unknown, **got.duplicate, **got.failed}.items():
-            log.warning("Flower node %s: %s", node, why)  # failed queries are retried on the next refresh
+            log.warning("Flower node %s: %s", node, why)
 
     def org_ids(self) -> list[str]:
         self.refresh()

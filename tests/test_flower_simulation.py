@@ -1,0 +1,105 @@
+"""``hacrl-fed simulate`` end to end on Flower's Simulation Engine (Ray), with fake workers (no models).
+
+Ray's start dominates (~15-25 s on 2 cores), so these are marked slow. The fake workers are built inside the
+Ray actor through ``--worker-factory`` (this module is importable there: Flower copies ``sys.path``, which holds
+``tests/``, into the Ray workers' ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hacrl_fed.flower.settings import ENV_VAR
+from hacrl_fed.flower.simulation import backend_config, find_app_dir, main_simulate
+from helpers_fake_workers import FakeWorker
+
+SKILLS = {"a": 0.25, "b": 0.75}
+
+
+def make_fake_worker(cfg, org_id, *, run_dir, resume=False):
+    """``worker-factory`` for the simulation: a FakeWorker that also records its process id in the run dir."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    Path(run_dir, f"built-{org_id}-{os.getpid()}").touch()
+    return FakeWorker(org_id, SKILLS[org_id])
+
+
+def _config(tmp_path: Path, **federation) -> Path:
+    fed = {"rounds": 2, "prompts_per_round": 2, "eval_every": 1, "min_orgs": 2, "round_timeout_s": 60.0,
+           **federation}
+    data = {"name": "sim", "seed": 5, "run_dir": str(tmp_path / "runs"),
+            "generation": {"num_samples": 2, "max_new_tokens": 8, "eval_max_new_tokens": 8},
+            "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 3},
+            "orgs": [{"id": o, "model": {"zoo": "tiny"}} for o in SKILLS], "federation": fed}
+    path = tmp_path / "sim.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_backend_config_gives_one_actor_everything():
+    assert backend_config(4, 1) == {"client_resources": {"num_cpus": 4, "num_gpus": 1},
+                                    "init_args": {"num_cpus": 4, "num_gpus": 1}}
+    with pytest.raises(ValueError, match="num_cpus >= 1"):
+        backend_config(0, 0)
+
+
+def test_find_app_dir(tmp_path):
+    assert (find_app_dir() / "server" / "app.py").is_file()
+    with pytest.raises(FileNotFoundError, match="no Flower app"):
+        find_app_dir(tmp_path)
+
+
+def test_bad_config_exits_2_before_starting_ray(tmp_path, capsys):
+    assert main_simulate([str(_config(tmp_path)), "--set", "federation.rounds=0"]) == 2
+    assert "federation.rounds" in capsys.readouterr().err
+    assert ENV_VAR not in os.environ
+
+
+def test_run_dir_checks_exit_2_before_starting_ray(tmp_path, capsys):
+    config = str(_config(tmp_path))
+    assert main_simulate([config, "--run-dir", str(tmp_path / "fresh"), "--resume"]) == 2
+    assert "no run to resume" in capsys.readouterr().err
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "coordinator_state.json").write_text("{}")
+    assert main_simulate([config, "--run-dir", str(tmp_path / "used")]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_rounds_over_the_simulation_engine(tmp_path):
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    rc = main_simulate([str(_config(tmp_path)), "--run-dir", str(run_dir), "--num-cpus", "1",
+                        "--worker-factory", "test_flower_simulation:make_fake_worker", "--set", "seed=9"])
+    elapsed = time.monotonic() - start
+    assert rc == 0
+    assert elapsed < 120, f"simulation took {elapsed:.0f} s"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1, 2]
+    for rec in records[1:]:
+        for org in SKILLS:
+            assert rec[f"bytes/generate/{org}"] > 0 and rec[f"bytes/train/{org}"] > 0
+            assert rec[f"round/{org}/failed"] == 0.0 and rec[f"round/{org}/rollouts_accepted"] == 4.0
+    state = json.loads((run_dir / "coordinator_state.json").read_text())
+    assert state["round"] == 2
+    built = sorted(p.name for p in run_dir.glob("built-*"))
+    assert [name.split("-")[1] for name in built] == ["a", "b"]  # one worker per org ...
+    assert len({name.split("-")[2] for name in built}) == 1  # ... both in the single ClientApp actor
+    assert ENV_VAR not in os.environ
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_server_app_failure_exits_nonzero(tmp_path, capsys):
+    # Both orgs' workers fail to build: no node can tell its org, discovery gives up after 3 s.
+    rc = main_simulate([str(_config(tmp_path)), "--run-dir", str(tmp_path / "run"), "--num-cpus", "1",
+                        "--worker-factory", "test_flower_simulation:no_such_factory", "--discovery-timeout", "3"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "DiscoveryError" in err and "only 0 of 2 orgs" in err
