@@ -18,6 +18,18 @@ from hacrl_fed.flower.transport import FlowerTransport, discover_orgs
 log = logging.getLogger(__name__)
 
 
+def ensure_logging(level: int = logging.INFO) -> None:
+    """Show hacrl-fed's INFO logs on stderr when nobody configured logging (``flwr run`` streams the ServerApp's
+    stderr, but its process has no root handler, so only warnings would appear)."""
+    ours = logging.getLogger("hacrl_fed")
+    if logging.getLogger().handlers or ours.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ours.addHandler(handler)
+    ours.setLevel(level)
+
+
 def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path) -> Any:
     """Run a whole hacrl-fed run over ``grid`` and return the coordinator's ``RunSummary``.
 
@@ -35,6 +47,7 @@ def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path) -
     from hacrl_fed.coordinator.loop import Coordinator
     from hacrl_fed.metrics import RunLogger, format_table, plot_accuracy
 
+    ensure_logging()
     settings = read_settings(run_config)
     cfg = load_run_config(settings, app_dir)
     run_dir = run_dir_of(settings, cfg)
