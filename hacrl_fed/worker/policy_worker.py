@@ -2,6 +2,12 @@
 
 Implements :class:`hacrl_fed.worker.api.WorkerAPI`. Each round: :meth:`generate` (pre-update weights) then
 :meth:`train` (own rollouts of that round + foreign ones). Only text, rewards and sequence log-probs leave it.
+
+Rounds of a run are trained at most once: after ``train`` of round ``t`` of run ``R`` (remembered in checkpoints),
+``generate`` refuses every plan of run ``R`` with round ``<= t`` with :class:`StaleRoundError`. That happens when
+a coordinator restarts from a state older than the worker's (killed between a train and its state write, with the
+worker kept running or resumed from a newer checkpoint); the coordinator counts it as this org's gap for that
+round (``stale_round``) and the org rejoins at round ``t + 1``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ from hacrl_fed.types import (
 from hacrl_fed.worker.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 log = logging.getLogger(__name__)
+
+
+class StaleRoundError(RuntimeError):
+    """A plan for a round this worker already trained in the same run (see the module docstring)."""
+
 
 FOREIGN_LENGTH_FACTOR = 8  # foreign responses longer than this × max_new_tokens (learner tokens) are not trained on
 
@@ -63,6 +74,7 @@ class PolicyWorker:
         self.trainer = LocalTrainer(self.model, cfg.algorithm, self.trainer_cfg, pad if pad is not None else self.eos_id)
         self.ckpt_root = Path(run_dir) / "orgs" / org_id / "checkpoints"
         self.last_round = 0
+        self.last_run_id: str | None = None  # run of last_round (None: nothing trained, or an older checkpoint)
         self._own: _OwnRound | None = None
         self._prompt_cache: dict[tuple[int, tuple], str] = {}
         if resume:
@@ -85,6 +97,9 @@ class PolicyWorker:
     def generate(self, plan: RoundPlan) -> RolloutBatch:
         """Sample ``G`` responses per prompt with the pre-update weights, verify, and publish them."""
         self._check_task(plan.task)
+        if plan.run_id == self.last_run_id and plan.round <= self.last_round:
+            raise StaleRoundError(f"worker {self.org_id!r} already trained round {self.last_round} of run "
+                                  f"{plan.run_id!r}; refusing a plan for round {plan.round}")
         t0 = time.perf_counter()
         sp = plan.sampling
         texts = [self._render(p) for p in plan.prompts]
@@ -129,7 +144,7 @@ class PolicyWorker:
         metrics = self.trainer.update(own.rows + foreign_rows, learner, capability)
         self.engine.sync_weights(self.model)
         self._own = None
-        self.last_round = request.round
+        self.last_round, self.last_run_id = request.round, request.run_id
         metrics.update({"time/score": t1 - t0, "time/train": time.perf_counter() - t1,
                         "train/foreign_received": float(len(request.foreign)),
                         "train/foreign_unscored": float(dropped)})
@@ -174,7 +189,7 @@ class PolicyWorker:
 
     def checkpoint(self, round: int) -> str:
         path = save_checkpoint(self.ckpt_root, round, self.model, self.trainer.state_dict(),
-                               {"org_id": self.org_id, "last_round": self.last_round})
+                               {"org_id": self.org_id, "last_round": self.last_round, "run_id": self.last_run_id})
         return str(path)
 
     def restore(self) -> int:
@@ -186,6 +201,7 @@ class PolicyWorker:
         self.trainer.load_state_dict(trainer_state)
         self.engine.sync_weights(self.model)
         self.last_round = int(state["last_round"])
+        self.last_run_id = state.get("run_id")
         log.info("worker %s resumed from %s (round %d)", self.org_id, path, self.last_round)
         return self.last_round
 
