@@ -17,7 +17,12 @@ Per round ``t`` (1-based):
    end; ``coordinator_state.json`` (atomic) after every round, so ``resume=True`` continues at the next round
    with the same prompts and capability history.
 
-Orgs that fail a call are skipped for that phase and simply receive the next round's plan.
+Orgs that fail a call are skipped for that phase and simply receive the next round's plan. Every gap is in the
+round's metrics: ``round/<org>/failed`` (1 when the org contributed no rollouts) with
+``round/<org>/failure/<why>``, and ``round/<org>/train_failure/<why>`` for a failed train; ``<why>`` is
+:func:`failure_reason` (``timeout``, ``unreachable``, ``stale_round``, ``error``) or ``invalid`` (a reply without a
+single valid rollout). A worker refuses a round it already trained (``stale_round``: this coordinator restarted
+from a state older than the worker's), so no round is ever trained twice by one worker.
 """
 
 from __future__ import annotations
@@ -86,6 +91,30 @@ class RoundResult:
     accuracy: dict[str, float]  # P_k(t) of the replying orgs
     trained: list[str]
     metrics: dict[str, float] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # org -> why it contributed nothing (failure_reason)
+
+
+def _new_totals() -> dict[str, float]:
+    return {"shared": 0, "received": 0, "time_s": 0.0, "trained_round": 0, "checkpoint_round": 0}
+
+
+def failure_reason(err: BaseException) -> str:
+    """A metrics-friendly category of an org's failed call, whatever the transport raised.
+
+    ``stale_round``: the worker already trained that round (``StaleRoundError``, also when it arrives as a gRPC
+    or Flower error text); ``timeout``: no reply by the deadline (``TimeoutError``, gRPC DEADLINE_EXCEEDED);
+    ``unreachable``: no connection / no worker for the org (``ConnectionError``, ``KeyError``, gRPC UNAVAILABLE);
+    ``error``: anything else (the worker raised, a malformed reply, ...).
+    """
+    text = f"{type(err).__name__}: {err}"
+    if "StaleRoundError" in text:
+        return "stale_round"
+    if isinstance(err, TimeoutError) or "DEADLINE_EXCEEDED" in text:
+        return "timeout"
+    code = getattr(getattr(err, "code", None), "name", None)  # grpc.StatusCode of a WorkerCallError
+    if isinstance(err, (ConnectionError, KeyError)) or code == "UNAVAILABLE":
+        return "unreachable"
+    return "error"
 
 
 def config_hash(cfg: RunConfig) -> str:
@@ -156,8 +185,9 @@ class Coordinator:
         self.skipped_rounds = 0
         self.consecutive_failures = 0
         self.eval_history: dict[int, dict[str, float]] = {}
-        self.totals = {org: {"shared": 0, "received": 0, "time_s": 0.0} for org in self.org_order}
-        self.worker_checkpoint_round = 0
+        # per org: rollouts shared / received, call time, last round it trained, round of its last checkpoint
+        self.totals = {org: _new_totals() for org in self.org_order}
+        self.worker_checkpoint_round = 0  # last round at which every configured org checkpointed
         self.wall_time_s = 0.0
         self.state_path = self.run_dir / STATE_FILE
         if resume:
@@ -198,13 +228,15 @@ class Coordinator:
         self.eval_history = {int(t): {o: float(a) for o, a in accs.items()}
                              for t, accs in state["eval_history"].items()}
         for org, tot in state["totals"].items():
-            self.totals.setdefault(org, {"shared": 0, "received": 0, "time_s": 0.0}).update(tot)
+            self.totals.setdefault(org, _new_totals()).update(tot)
         self.worker_checkpoint_round = int(state["worker_checkpoint_round"])
         self.wall_time_s = float(state["wall_time_s"])
-        if self.worker_checkpoint_round < self.round:
-            log.warning("resuming after round %d, but workers last checkpointed at round %d: their weights miss "
-                        "rounds %d..%d", self.round, self.worker_checkpoint_round,
-                        self.worker_checkpoint_round + 1, self.round)
+        for org, tot in self.totals.items():
+            trained, ckpt = int(tot.get("trained_round", 0)), int(tot.get("checkpoint_round", 0))
+            if ckpt < trained:
+                log.warning("resuming after round %d: org %s trained through round %d but last checkpointed at "
+                            "round %d; a worker resumed from that checkpoint misses rounds %d..%d", self.round,
+                            org, trained, ckpt, ckpt + 1, trained)
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
@@ -238,8 +270,11 @@ class Coordinator:
 
     # -- phases ------------------------------------------------------------------------------------------------
 
-    def _generate(self, round: int, orgs: list[str], metrics: dict[str, float]):
-        """Send plans, validate replies; returns (plans, {org: accepted rollouts} of the replying orgs)."""
+    def _generate(self, round: int, orgs: list[str], metrics: dict[str, float], failed: dict[str, str]):
+        """Send plans, validate replies; returns (plans, {org: accepted rollouts} of the replying orgs).
+
+        Orgs without accepted rollouts are added to ``failed`` (org -> why).
+        """
         prompts = self.round_prompts(round)
         plans = {org: self.plan_for(round, org, prompts) for org in orgs}
         t0 = time.perf_counter()
@@ -250,12 +285,14 @@ class Coordinator:
         for org in orgs:
             reply = replies.get(org, TimeoutError(f"no reply from {org!r}"))
             if isinstance(reply, Exception):
-                log.warning("round %d: org %s failed to generate: %s", round, org, reply)
-                metrics[f"round/{org}/failed"] = 1.0
+                failed[org] = failure_reason(reply)
+                log.warning("round %d: org %s skipped (%s): %s", round, org, failed[org], reply)
                 continue
             ok = self._check_batch(round, org, reply, plans[org], metrics)
             if ok:
                 accepted[org] = ok
+            else:
+                failed[org] = "invalid"
         return plans, accepted
 
     def _check_batch(self, round: int, org: str, batch: RolloutBatch, plan: RoundPlan,
@@ -298,12 +335,15 @@ class Coordinator:
         for org, req in requests.items():
             reply = replies.get(org, TimeoutError(f"no reply from {org!r}"))
             if not isinstance(reply, TrainReport):
-                log.warning("round %d: org %s failed to train: %s", round, org, reply)
+                why = failure_reason(reply) if isinstance(reply, BaseException) else "error"
+                log.warning("round %d: org %s failed to train (%s): %s", round, org, why, reply)
                 metrics[f"round/{org}/train_failed"] = 1.0
+                metrics[f"round/{org}/train_failure/{why}"] = 1.0
                 continue
             metrics[f"round/{org}/train_failed"] = 0.0
             metrics.update(_numeric(reply.metrics, f"{org}/"))
             self.totals[org]["received"] += len(req.foreign)
+            self.totals[org]["trained_round"] = round
             trained.append(org)
         return trained
 
@@ -338,6 +378,9 @@ class Coordinator:
         replies = self.transport.checkpoint(orgs, round, self.cfg.federation.round_timeout_s)
         self._account("checkpoint", metrics)
         failed = [org for org in orgs if not isinstance(replies.get(org), str)]
+        for org in orgs:
+            if org not in failed:
+                self.totals[org]["checkpoint_round"] = round
         for org in failed:
             log.warning("round %d: org %s failed to checkpoint: %s", round, org, replies.get(org))
         metrics["checkpoint/failed_orgs"] = float(len(failed))
@@ -351,7 +394,13 @@ class Coordinator:
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         orgs = self.live_orgs()
-        plans, accepted = self._generate(round, orgs, metrics) if orgs else ({}, {})
+        failed = {org: "unreachable" for org in self.org_order if org not in orgs}  # no connection right now
+        if failed:
+            log.warning("round %d: orgs %s are not reachable", round, sorted(failed))
+        plans, accepted = self._generate(round, orgs, metrics, failed) if orgs else ({}, {})
+        for org, why in failed.items():
+            metrics[f"round/{org}/failed"] = 1.0
+            metrics[f"round/{org}/failure/{why}"] = 1.0
         accuracy = {org: accepted_accuracy(rs) for org, rs in accepted.items()}
         for org, rs in accepted.items():
             self.totals[org]["shared"] += len(rs)
@@ -371,7 +420,8 @@ class Coordinator:
         metrics.update({f"capability/{org}": v for org, v in self.capability_table().items()})
         metrics.update({"round/orgs_replied": float(len(accepted)), "round/orgs_trained": float(len(trained)),
                         "round/skipped": float(skipped), "time/round": time.perf_counter() - t0})
-        return RoundResult(round, skipped, list(accepted), accuracy, trained, metrics)  # type: ignore[arg-type]
+        return RoundResult(round, skipped, list(accepted), accuracy, trained, metrics,  # type: ignore[arg-type]
+                           {org: failed[org] for org in self.org_order if org in failed})
 
     def run(self) -> RunSummary:
         """Run (or resume) until ``federation.rounds``; returns the summary."""
