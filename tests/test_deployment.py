@@ -1,5 +1,8 @@
 """Real Flower deployment on loopback: flower-superlink, flower-supernode per org, policy-worker processes, flwr run.
 
+Fast checks of the harness itself (process-tree teardown, readiness failures, the files it writes for flwr) come
+first; the two end-to-end tests are marked slow:
+
 (a) insecure, real ``hacrl-fed worker`` processes with the micro zoo agents of ``configs/smoke.yaml``;
 (b) TLS + SuperNode authentication with keys from ``hacrl-fed keys`` and fake workers (no models), plus an
 unregistered SuperNode that must be refused.
@@ -11,19 +14,22 @@ nothing it started is left running. Timings go to ``<tmp>/timings.json`` (and st
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import ssl
 import sys
+import textwrap
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from hacrl_fed.config import load_config
-from hacrl_fed.deploy.harness import HOST, Deployment, start_local
-from hacrl_fed.security.keys import write_keys
-
-pytestmark = pytest.mark.slow
+from hacrl_fed.deploy.harness import (
+    HOST, Deployment, HarnessError, descendants, process_table, start_local, toml_table,
+)
+from hacrl_fed.security.keys import KeyLayout, write_keys
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "smoke.yaml"
@@ -33,8 +39,8 @@ ROUNDS = 2
 
 
 def _metrics(run_dir: Path) -> dict[int, dict]:
-    """``{round: merged record}`` of the coordinator's ``metrics.jsonl`` (one run dir per config name)."""
-    path = run_dir / load_config(SMOKE).name / "metrics.jsonl"
+    """``{round: merged record}`` of the coordinator's ``metrics.jsonl`` in the ServerApp's ``run-dir``."""
+    path = run_dir / "metrics.jsonl"
     merged: dict[int, dict] = {}
     for line in path.read_text().splitlines():
         record = json.loads(line)
@@ -44,11 +50,12 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
 
 def _submit_and_wait(dep: Deployment, run_dir: Path, timeout_s: float = 240) -> tuple[int, dict, float]:
     t0 = time.monotonic()
-    overrides = f"federation.rounds={ROUNDS} run_dir={run_dir}"
-    run_id = dep.submit(REPO, {"config-path": str(SMOKE), "overrides": overrides})
+    run_config = {"config-path": str(SMOKE), "overrides": f"federation.rounds={ROUNDS}", "run-dir": str(run_dir)}
+    run_id = dep.submit(REPO, run_config)
     info = dep.wait_run(run_id, timeout_s=timeout_s)
     elapsed = time.monotonic() - t0
-    assert info["status"] == "finished:completed", f"run {info['status']}:\n{dep.run_log(run_id)[-4000:]}"
+    assert info["status"] == "finished:completed", (
+        f"run {info['status']} ({info.get('status-details')}):\n{dep.run_log(run_id)[-4000:]}")
     return run_id, info, elapsed
 
 
@@ -67,6 +74,81 @@ def _assert_per_org_metrics(metrics: dict[int, dict], orgs: tuple[str, ...]) -> 
             assert metrics[t][f"round/{org}/rollouts_accepted"] > 0, (t, org)
 
 
+# ------------------------------------------------------------------------------------------ the harness itself
+
+# A parent that ignores SIGTERM and starts a child in its own session (as flower-superlink does with
+# flower-superexec), then prints the child's pid and sleeps.
+_STUBBORN_TREE = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    print("child", child.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_stop_kills_a_stubborn_process_and_its_detached_child(tmp_path):
+    dep = Deployment(tmp_path, grace_s=0.5)
+    proc = dep.spawn("superlink", [sys.executable, "-c", _STUBBORN_TREE])
+    child = int(dep.wait_log(proc, re.compile(r"child (\d+)"), "the child line", timeout_s=30)[1])
+    assert child in descendants(proc.pid)
+    dep.stop_all()
+    assert proc.popen.returncode == -9  # SIGTERM ignored -> SIGKILL after the grace period
+    assert child in proc.seen_descendants
+    assert child not in process_table() or "<defunct>" in process_table()[child][1]
+    assert dep.leftovers() == {}
+    assert dep.timings()["superlink"]["stop_s"] >= 0.5
+
+
+def test_readiness_fails_fast_with_the_log_tail(tmp_path):
+    dep = Deployment(tmp_path, startup_timeout_s=30)
+    proc = dep.spawn("worker-acme", [sys.executable, "-c", "print('no model for you'); raise SystemExit(3)"])
+    t0 = time.monotonic()
+    with pytest.raises(HarnessError, match=r"(?s)worker-acme exited with code 3 .*no model for you"):
+        dep.wait_log(proc, re.compile("listening on"), "the 'listening on' line")
+    assert time.monotonic() - t0 < 20
+    slow = dep.spawn("worker-slow", [sys.executable, "-c", "import time; time.sleep(60)"])
+    with pytest.raises(HarnessError, match=r"worker-slow: no the 'listening on' line within 0.5 s"):
+        dep.wait_log(slow, re.compile("listening on"), "the 'listening on' line", timeout_s=0.5)
+    dep.stop_all()
+    assert dep.leftovers() == {}
+
+
+def test_federation_file_is_what_flwr_reads(tmp_path, monkeypatch):
+    from flwr.cli.flower_config import read_superlink_connection
+
+    keys = KeyLayout(tmp_path / "keys")
+    for tls, expect_insecure in ((None, True), (keys, False)):
+        dep = Deployment(tmp_path / ("tls" if tls else "plain"), tls=tls)
+        dep.superlink_port = 4242
+        path = dep.write_federation("fed")
+        monkeypatch.setenv("FLWR_HOME", str(path.parent))
+        conn = read_superlink_connection()  # the default connection
+        assert (conn.name, conn.address, conn.insecure) == ("fed", f"{HOST}:4242", expect_insecure)
+        assert conn.root_certificates == (None if tls is None else str(keys.ca_cert))
+
+
+def test_toml_table_round_trips_and_rejects_what_toml_cannot_say():
+    values = {"config-path": '/a "b"/c.yaml', "overrides": "x.y=1 z=[1, 2]", "resume": True, "n": 3, "f": 0.5}
+    assert tomllib.loads(toml_table(values)) == values
+    with pytest.raises(HarnessError, match="run-config key 'a.b'"):
+        toml_table({"a.b": 1})
+    with pytest.raises(HarnessError, match="'x': list values"):
+        toml_table({"x": [1]})
+
+
+def test_every_process_gets_a_private_flwr_home_and_the_quiet_env(tmp_path):
+    env = Deployment(tmp_path).env("supernode-acme")
+    assert env["FLWR_HOME"] == str(tmp_path.absolute() / "homes" / "supernode-acme")
+    assert env["FLWR_TELEMETRY_ENABLED"] == "0" and env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] == "1"
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)  # flower-superexec is found
+
+
+# ------------------------------------------------------------------------------------------ real deployments
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_insecure_deployment_with_real_workers(tmp_path):
     run_dir = tmp_path / "run"
@@ -107,6 +189,7 @@ def _peer_sans(ca_cert: Path, port: int) -> list[tuple[str, str]]:
             return list(tls.getpeercert()["subjectAltName"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_tls_and_supernode_auth_refuse_an_unregistered_node(tmp_path):
     keys = write_keys(tmp_path / "keys", [*ORGS, "mallory"])  # mallory's key is made but never registered

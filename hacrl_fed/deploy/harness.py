@@ -543,10 +543,10 @@ def main_local(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hacrl-fed-deploy-")).absolute()
     tls = write_keys(workdir / "keys", orgs, force=True) if args.tls else None
     run_dir = workdir / "run"
-    overrides = " ".join([*args.overrides, f"run_dir={run_dir}"])
     with Deployment(workdir, tls=tls) as dep:
         start_local(dep, config, orgs, overrides=args.overrides)
-        run_id = dep.submit(args.app, {"config-path": str(config), "overrides": overrides})
+        run_id = dep.submit(args.app, {"config-path": str(config), "overrides": " ".join(args.overrides),
+                                       "run-dir": str(run_dir)})
         print(f"run {run_id} submitted; logs in {workdir / 'logs'}", flush=True)
         info = dep.wait_run(run_id, args.timeout_s)
     print(json.dumps({"run": {k: info.get(k) for k in ("status", "running-at", "finished-at")},
