@@ -78,19 +78,25 @@ _MICRO_QWEN = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, nu
                    num_key_value_heads=1, head_dim=16)
 _MICRO_GPT2 = dict(n_embd=32, n_layer=1, n_head=2)
 
+# Demo agents: SFT stops at the first check whose greedy accuracy on 200 held-out *train* prompts reaches
+# ``stop_at_accuracy`` (different per agent, so the federation starts heterogeneous in skill too).
+_DEMO_SFT = dict(steps=6000, batch_size=32, warmup_steps=100, check_every=100, val_size=200)
+_MICRO_SFT = dict(steps=60, lr=1e-2, batch_size=8, warmup_steps=10)
+
 ZOO: dict[str, ZooEntry] = {
     e.name: e
     for e in (
-        ZooEntry("qwen-char", "qwen3", _QWEN, "char", SFTRecipe(steps=2400, lr=3e-3, batch_size=32, seed=1),
-                 target_accuracy=(0.2, 0.5)),
-        ZooEntry("gpt2-bpe", "gpt2", _GPT2, "bpe", SFTRecipe(steps=2400, lr=2e-3, batch_size=32, seed=2),
-                 target_accuracy=(0.2, 0.5)),
-        ZooEntry("llama-bpe", "llama", _LLAMA, "bpe", SFTRecipe(steps=2400, lr=2e-3, batch_size=32, seed=3),
-                 target_accuracy=(0.2, 0.5)),
-        ZooEntry("micro-qwen-char", "qwen3", _MICRO_QWEN, "char", SFTRecipe(steps=20, lr=1e-2, batch_size=8),
-                 bpe_corpus_size=200, eval_size=8, eval_max_new_tokens=8),
-        ZooEntry("micro-gpt2-bpe", "gpt2", _MICRO_GPT2, "bpe", SFTRecipe(steps=20, lr=1e-2, batch_size=8),
-                 bpe_vocab_size=300, bpe_corpus_size=200, eval_size=8, eval_max_new_tokens=8),
+        ZooEntry("qwen-char", "qwen3", _QWEN, "char",
+                 SFTRecipe(lr=3e-3, seed=1, stop_at_accuracy=0.40, **_DEMO_SFT), target_accuracy=(0.2, 0.5)),
+        ZooEntry("gpt2-bpe", "gpt2", _GPT2, "bpe",
+                 SFTRecipe(lr=2e-3, seed=2, stop_at_accuracy=0.30, **_DEMO_SFT), target_accuracy=(0.2, 0.5)),
+        ZooEntry("llama-bpe", "llama", _LLAMA, "bpe",
+                 SFTRecipe(lr=2e-3, seed=3, stop_at_accuracy=0.25, **_DEMO_SFT), target_accuracy=(0.2, 0.5)),
+        # Micro agents for tests: build in a few seconds, emit a mix of stopped and truncated responses.
+        ZooEntry("micro-qwen-char", "qwen3", _MICRO_QWEN, "char", SFTRecipe(**_MICRO_SFT),
+                 bpe_corpus_size=200, eval_size=16),
+        ZooEntry("micro-gpt2-bpe", "gpt2", _MICRO_GPT2, "bpe", SFTRecipe(**_MICRO_SFT),
+                 bpe_vocab_size=300, bpe_corpus_size=200, eval_size=16),
     )
 }
 
@@ -147,8 +153,11 @@ def _num_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_agent(name: str, out_dir: str | Path, *, dtype: str = "float32") -> Path:
-    """Build, warm-start and save zoo agent ``name`` into ``out_dir`` (replaced atomically); returns it.
+def build_agent(name: str, out_dir: str | Path, *, dtype: str = "float32", replace: bool = True) -> Path:
+    """Build, warm-start and save zoo agent ``name`` into ``out_dir`` (renamed into place); returns it.
+
+    An existing ``out_dir`` is replaced, or with ``replace=False`` kept (a concurrent build of the same
+    recipe finished first: both are equivalent, and a process may already be loading that one).
 
     Saves weights in ``dtype`` (``float32`` or ``float16``), then reloads them through
     :func:`load_model_and_tokenizer` on CPU (float32) to measure greedy accuracy on ``entry.eval_size``
@@ -160,12 +169,12 @@ def build_agent(name: str, out_dir: str | Path, *, dtype: str = "float32") -> Pa
     threads = torch.get_num_threads()
     torch.set_num_threads(BUILD_THREADS)  # reproducible reductions; tiny matmuls gain nothing from more
     try:
-        return _build(entry, out, dtype)
+        return _build(entry, out, dtype, replace)
     finally:
         torch.set_num_threads(threads)
 
 
-def _build(entry: ZooEntry, out: Path, dtype: str) -> Path:
+def _build(entry: ZooEntry, out: Path, dtype: str, replace: bool) -> Path:
     from transformers import AutoModelForCausalLM
 
     from hacrl_fed.config import ModelConfig
@@ -179,7 +188,8 @@ def _build(entry: ZooEntry, out: Path, dtype: str) -> Path:
     model = AutoModelForCausalLM.from_config(build_config(entry, tokenizer), dtype=torch.float32)
     log.info("zoo %s: %s + %s tokenizer, %d params, SFT %d steps", name, entry.arch, entry.tokenizer,
              _num_params(model), entry.sft.steps)
-    sft_stats = run_sft(model, tokenizer, task, entry.sft, log=lambda msg: log.info("zoo %s: %s", name, msg))
+    sft_stats = run_sft(model, tokenizer, task, entry.sft, max_new_tokens=entry.eval_max_new_tokens,
+                        log=lambda msg: log.info("zoo %s: %s", name, msg))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tmp.chmod(0o755)
@@ -192,15 +202,25 @@ def _build(entry: ZooEntry, out: Path, dtype: str) -> Path:
         acc = greedy_accuracy(reloaded, tok, task, entry.eval_split, ids, entry.eval_max_new_tokens)
         record = _record(entry, reloaded, dtype, acc, sft_stats, time.perf_counter() - start)
         (tmp / RECIPE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _move_into_place(tmp, out, replace)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _check_target(entry, acc["accuracy"])
     log.info("zoo %s: accuracy %.3f (stop rate %.2f) in %.0fs -> %s", name, acc["accuracy"], acc["stop_rate"],
              record["build_seconds"], out)
     return out
+
+
+def _move_into_place(tmp: Path, out: Path, replace: bool) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` is removed if ``replace`` or if it is not a built agent."""
+    if out.exists() and (replace or read_recipe(out) is None):
+        shutil.rmtree(out)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if read_recipe(out) is None:
+            raise
+        log.info("zoo: %s was built concurrently; keeping that copy", out)
 
 
 def _record(entry: ZooEntry, model, dtype: str, acc: dict, sft_stats: dict, seconds: float) -> dict[str, Any]:
@@ -253,7 +273,7 @@ def resolve_zoo(name: str) -> Path:
     cached = cached_dir(name)
     if read_recipe(cached) is None:
         log.warning("zoo %s: not shipped or cached; building it into %s", entry.name, cached)
-        build_agent(entry.name, cached)
+        build_agent(entry.name, cached, replace=False)
     return cached
 
 
