@@ -6,6 +6,13 @@ too long for a Unix socket), logs stdout+stderr to ``<run_dir>/logs/<org>.log``,
 SIGTERM to each PID, waits ``grace_s`` and SIGKILLs what is left; it runs on ``close()``, on context-manager exit
 and at interpreter exit.
 
+A launcher that is killed (SIGKILL, OOM killer) runs none of that. On Linux each worker is therefore started
+through a tiny shim that asks the kernel to SIGTERM it when the launching thread dies (``PR_SET_PDEATHSIG``)
+and then execs the worker command, so a killed coordinator leaves no orphan workers holding models or GPU memory
+(a restart with ``--resume`` starts fresh ones on the same sockets). The signal follows the *thread* that
+called :meth:`WorkerProcesses.start`: start workers from a thread that lives as long as they should, or pass
+``die_with_parent=False``.
+
 ``main_worker`` takes no ``--set``: with overrides the launcher writes the resolved config to
 ``<run_dir>/worker_config.yaml`` and starts the workers from it.
 """
@@ -29,6 +36,21 @@ READY = re.compile(r"^hacrl-fed worker (?P<org>\S+) listening on (?P<address>\S+
 DEFAULT_WORKER_COMMAND = (sys.executable, "-m", "hacrl_fed.cli", "worker")
 MAX_UNIX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux (104 on macOS); keep a margin
 _TAIL_LINES = 20
+# argv: [python, -c, _DIE_WITH_PARENT, <launcher pid>, worker command...]; prctl option 1 = PR_SET_PDEATHSIG
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('hacrl-fed launcher: the launcher exited before this worker started')\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def die_with_parent_argv(argv: list[str]) -> list[str]:
+    """``argv`` wrapped in the parent-death shim (see the module docstring); unchanged outside Linux."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 class WorkerStartError(RuntimeError):
@@ -84,13 +106,14 @@ class WorkerProcesses:
     """``with WorkerProcesses(cfg_path, ["a", "b"], run_dir=d) as addresses: ...`` → ``{org: address}``.
 
     ``worker_args`` are appended to every worker's command line; ``command`` replaces ``hacrl-fed worker``
-    (``[python, -m, hacrl_fed.cli, worker]``), e.g. for a stand-in worker script in tests.
+    (``[python, -m, hacrl_fed.cli, worker]``), e.g. for a stand-in worker script in tests. ``die_with_parent``
+    (Linux): the workers get SIGTERM when the thread that called :meth:`start` dies.
     """
 
     def __init__(self, config_path: str | Path, org_ids: Sequence[str], *, run_dir: str | Path,
                  overrides: Mapping[str, Any] | Sequence[str] | None = None, ready_timeout_s: float = 600.0,
                  grace_s: float = 10.0, worker_args: Sequence[str] = (),
-                 command: Sequence[str] | None = None):
+                 command: Sequence[str] | None = None, die_with_parent: bool = True):
         if not org_ids:
             raise ValueError("WorkerProcesses needs at least one org id")
         self.config_path, self.org_ids = Path(config_path), list(org_ids)
@@ -99,6 +122,7 @@ class WorkerProcesses:
         self.ready_timeout_s, self.grace_s = float(ready_timeout_s), float(grace_s)
         self.worker_args = list(worker_args)
         self.command = list(DEFAULT_WORKER_COMMAND if command is None else command)
+        self.die_with_parent = die_with_parent
         self.workers: dict[str, _Worker] = {}
         self.addresses: dict[str, str] = {}
         self.exit_codes: dict[str, int | None] = {}  # filled by close()
@@ -124,6 +148,8 @@ class WorkerProcesses:
                 if listen.startswith("unix:"):
                     Path(listen[5:]).unlink(missing_ok=True)  # a stale socket from a killed run
                 argv = self.command + ["--config", str(config), "--org", org, "--listen", listen] + self.worker_args
+                if self.die_with_parent:
+                    argv = die_with_parent_argv(argv)
                 self.workers[org] = _Worker(org, argv, self.run_dir / "logs" / f"{org}.log", env)
             self._wait_ready()
         except BaseException:
