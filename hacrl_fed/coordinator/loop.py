@@ -103,7 +103,8 @@ def failure_reason(err: BaseException) -> str:
 
     ``stale_round``: the worker already trained that round (``StaleRoundError``, also when it arrives as a gRPC
     or Flower error text); ``timeout``: no reply by the deadline (``TimeoutError``, gRPC DEADLINE_EXCEEDED);
-    ``unreachable``: no connection / no worker for the org (``ConnectionError``, ``KeyError``, gRPC UNAVAILABLE);
+    ``unreachable``: no connection / no worker for the org (``ConnectionError``, ``KeyError``, gRPC UNAVAILABLE,
+    also relayed as text by a Flower node);
     ``error``: anything else (the worker raised, a malformed reply, ...).
     """
     text = f"{type(err).__name__}: {err}"
@@ -112,8 +113,8 @@ def failure_reason(err: BaseException) -> str:
     if isinstance(err, TimeoutError) or "DEADLINE_EXCEEDED" in text:
         return "timeout"
     code = getattr(getattr(err, "code", None), "name", None)  # grpc.StatusCode of a WorkerCallError
-    if isinstance(err, (ConnectionError, KeyError)) or code == "UNAVAILABLE":
-        return "unreachable"
+    if isinstance(err, (ConnectionError, KeyError)) or code == "UNAVAILABLE" or "UNAVAILABLE:" in text:
+        return "unreachable"  # the text test: a Flower node relaying its worker's gRPC status
     return "error"
 
 
