@@ -1,0 +1,572 @@
+"""Fault tolerance: late and stuck orgs, killed worker processes, coordinator restarts, Flower-path failures.
+
+What is checked (ARCHITECTURE.md "One round", step 6 and the last paragraph):
+
+* an org that misses the round deadline is skipped for that round (``round/<org>/failure/<why>`` in metrics)
+  and rejoins; its late reply never reaches a later round, and a worker stuck in a timed-out call never wedges
+  the run (calls that gave up while it was busy are dropped, not run);
+* a SIGKILLed ``hacrl-fed worker``: the run goes on while ``>= federation.min_orgs`` orgs reply, otherwise it
+  stops with one clear line and exit code 1 after ``MAX_CONSECUTIVE_FAILURES`` failed rounds;
+* a restarted coordinator (``resume``) replays the same prompts, capability history and (workers resumed from
+  per-round checkpoints) the same rollouts as an uninterrupted run; a coordinator killed between a worker's
+  train and its own state write never makes a worker train a round twice (``stale_round`` gap instead);
+* the Flower simulation path skips an org whose worker raised and takes it back next round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers_fake_workers import FakeTask, FakeWorker, fake_config
+from hacrl_fed.config import load_config
+from hacrl_fed.coordinator.grpc_transport import GrpcTransport
+from hacrl_fed.coordinator.inprocess import InProcessTransport
+from hacrl_fed.coordinator.loop import MAX_CONSECUTIVE_FAILURES, STATE_FILE, Coordinator
+from hacrl_fed.metrics import RunLogger, read_metrics
+from hacrl_fed.wire.grpc_server import serve_worker
+
+REPO = Path(__file__).resolve().parents[1]
+MICRO = {"a": "micro-qwen-char", "b": "micro-gpt2-bpe", "c": "micro-qwen-char"}
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+class StallingWorker(FakeWorker):
+    """A FakeWorker whose ``generate`` of the rounds in ``stall`` blocks until ``release`` is set (at most 30 s).
+
+    ``finished`` records ``(round, time.monotonic())`` of every generate that returned (late ones included).
+    """
+
+    def __init__(self, org_id, skill, *, stall, release):
+        super().__init__(org_id, skill)
+        self.stall, self.release = set(stall), release
+        self.finished: list[tuple[int, float]] = []
+
+    def generate(self, plan):
+        if plan.round in self.stall:
+            self.release.wait(30)
+        batch = super().generate(plan)
+        self.finished.append((plan.round, time.monotonic()))
+        return batch
+
+
+@pytest.fixture
+def grpc_fakes():
+    """``start({org: worker})`` serves each worker on a loopback port; every server is stopped at teardown."""
+    servers = []
+
+    def start(workers):
+        for w in workers.values():
+            servers.append(serve_worker(w, "127.0.0.1:0"))
+        return GrpcTransport({org: s.address for org, s in zip(workers, servers[-len(workers):])})
+
+    yield start
+    for s in servers:
+        s.stop(0)
+
+
+def by_round(run_dir) -> dict[int, dict]:
+    """metrics.jsonl as ``{round: record}`` (the last record of a round wins)."""
+    return {rec["round"]: rec for rec in read_metrics(run_dir)}
+
+
+def micro_config(tmp_path: Path, orgs=("a", "b", "c"), **federation) -> Path:
+    """A YAML run config of micro agents (3 orgs by default) on easy arithmetic (some rewards are 1)."""
+    fed = {"rounds": 4, "prompts_per_round": 4, "eval_every": 2, "min_orgs": 2, "round_timeout_s": 60.0,
+           "checkpoint_every": 1, **federation}
+    data = {"name": "faults", "seed": 0, "run_dir": str(tmp_path / "runs"),
+            "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32},
+            "generation": {"num_samples": 4, "max_new_tokens": 8, "eval_max_new_tokens": 8},
+            "task": {"name": "arithmetic", "params": {"difficulty": 1, "max_operand": 9}, "eval_size": 4},
+            "orgs": [{"id": o, "model": {"zoo": MICRO[o]}} for o in orgs], "federation": fed}
+    path = tmp_path / "micro.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def child_pids(pid: int) -> dict[int, list[str]]:
+    """``{child pid: argv}`` of the live direct children of ``pid`` (Linux ``/proc``)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # gone meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out[int(entry.name)] = argv
+    return out
+
+
+def worker_pid(cli_pid: int, org: str, timeout_s: float = 60.0) -> int:
+    """PID of the ``hacrl-fed worker --org ORG`` child of the CLI process ``cli_pid`` (waits for it to appear)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pid, argv in child_pids(cli_pid).items():
+            if "worker" in argv and "--org" in argv and argv[argv.index("--org") + 1] == org:
+                return pid
+        time.sleep(0.1)
+    raise AssertionError(f"no worker process for org {org!r} under pid {cli_pid}")
+
+
+def wait_for_round(run_dir: Path, round: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Wait until metrics.jsonl holds ``round`` (fails early if ``proc`` exits first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and round in by_round(run_dir):
+            return
+        assert proc.poll() is None, f"the run exited with {proc.returncode} before round {round}"
+        time.sleep(0.05)
+    raise AssertionError(f"round {round} not logged within {timeout_s} s")
+
+
+def stop_by_pid(pids) -> None:
+    """SIGKILL every pid that is still alive (teardown)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_cli(args: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "hacrl_fed.cli", "run", *args, "--no-progress"], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def micro_cfg(tmp_path: Path, **federation):
+    """Two micro orgs (a: char-level Qwen, b: BPE GPT-2), min_orgs=1, as a RunConfig."""
+    return load_config(micro_config(tmp_path, orgs=("a", "b"), min_orgs=1, **federation))
+
+
+# ------------------------------------------------------------------------------------ why an org is missing
+
+
+def test_failure_reason_names_the_cause_whatever_the_transport():
+    import grpc
+
+    from hacrl_fed.coordinator.loop import failure_reason
+    from hacrl_fed.coordinator.transport import TransportTimeout
+    from hacrl_fed.flower.transport import FlowerRemoteError, OrgUnavailable
+    from hacrl_fed.wire.grpc_client import WorkerCallError, WorkerCallTimeout
+
+    stale = "StaleRoundError: worker 'a' already trained round 3 of run 'r'; refusing a plan for round 3"
+    cases = {
+        "timeout": [TransportTimeout("no reply"), WorkerCallTimeout("Generate", grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                                    "Deadline Exceeded", "x:1")],
+        "unreachable": [WorkerCallError("Generate", grpc.StatusCode.UNAVAILABLE, "connection refused", "x:1"),
+                        OrgUnavailable("no node"), KeyError("no worker"),
+                        FlowerRemoteError("org 'a'", 0, "generate on org 'a': Generate on x:1 failed: UNAVAILABLE: "
+                                                        "failed to connect")],
+        "stale_round": [WorkerCallError("Generate", grpc.StatusCode.FAILED_PRECONDITION, stale, "x:1"),
+                        FlowerRemoteError("org 'a'", 0, f"generate on org 'a': {stale}")],
+        "error": [RuntimeError("a is down"), FlowerRemoteError("org 'a'", 0, "ValueError: bad task"),
+                  WorkerCallError("Generate", grpc.StatusCode.INTERNAL, "boom", "x:1")],
+    }
+    for why, errors in cases.items():
+        assert [failure_reason(e) for e in errors] == [why] * len(errors)
+
+
+@pytest.mark.timeout(60)
+def test_policy_worker_refuses_a_round_it_already_trained_also_after_a_restore(tmp_path):
+    from hacrl_fed.types import RoundPlan, SamplingParams, TrainRequest
+    from hacrl_fed.worker import build_worker
+    from hacrl_fed.worker.policy_worker import StaleRoundError
+
+    cfg = micro_cfg(tmp_path)
+    worker = build_worker(cfg, "a", run_dir=tmp_path)
+
+    def plan(round, run_id="run-1"):
+        prompts = tuple(worker.task.prompts("train", [round, round + 100]))
+        return RoundPlan(run_id, round, "arithmetic", prompts, SamplingParams(num_samples=2, max_new_tokens=8))
+
+    for t in (1, 2):
+        worker.generate(plan(t))
+        worker.train(TrainRequest("run-1", t, "a", plan(t).prompts, (), {"a": 1.0}))
+    worker.checkpoint(2)
+    for w in (worker, build_worker(cfg, "a", run_dir=tmp_path, resume=True)):
+        for t in (1, 2):
+            with pytest.raises(StaleRoundError, match=f"already trained round 2 of run 'run-1'.*round {t}"):
+                w.generate(plan(t))
+        assert w.generate(plan(3)).round == 3  # the next round is fine
+        assert w.generate(plan(1, run_id="run-2")).round == 1  # another run's round 1 too
+
+
+# ------------------------------------------------------------------------------- late and stuck orgs (gRPC)
+
+
+@pytest.mark.timeout(60)
+def test_late_org_is_skipped_and_its_late_reply_never_reaches_the_next_round(tmp_path, grpc_fakes):
+    release = threading.Event()
+    workers = {"a": FakeWorker("a", 0.25), "b": FakeWorker("b", 0.5),
+               "c": StallingWorker("c", 0.75, stall={2}, release=release)}
+    transport = grpc_fakes(workers)
+    done: dict[int, float] = {}
+
+    def on_round(result):
+        done[result.round] = time.monotonic()
+        if result.round == 2:  # c's round-2 reply is produced while round 3's plan waits for c
+            threading.Timer(0.3, release.set).start()
+
+    cfg = fake_config(rounds=3, eval_every=0, checkpoint_every=0, round_timeout_s=1.5)
+    with RunLogger(tmp_path, tensorboard=False) as logger:
+        coord = Coordinator(cfg, transport, tmp_path, logger=logger, task=FakeTask(), on_round=on_round)
+        summary = coord.run()
+    transport.close()
+
+    rec = by_round(tmp_path)
+    assert rec[2]["round/c/failed"] == 1.0 and rec[2]["round/c/failure/timeout"] == 1.0
+    assert rec[2]["round/orgs_replied"] == 2.0 and rec[2]["round/skipped"] == 0.0
+    assert rec[3]["round/c/failed"] == 0.0 and rec[3]["round/c/rollouts_accepted"] == 12.0
+    assert rec[3]["round/c/rollouts_rejected"] == 0.0
+    late = dict(workers["c"].finished)
+    assert late[2] > done[2], "c's round-2 generate should have finished after round 2 was over"
+    # the late round-2 batch was never used: not in round 2, and round 3 used c's round-3 batch only
+    assert {r.org_id for r in workers["a"].train_requests[1].foreign} == {"b"}
+    round3 = workers["a"].train_requests[2]
+    assert {r.org_id for r in round3.foreign} == {"b", "c"} and {r.round for r in round3.foreign} == {3}
+    assert [req.round for req in workers["c"].train_requests] == [1, 3]
+    assert coord.tracker.history("c") == [0.75, 0.75]  # rounds 1 and 3 only
+    assert summary.rounds_completed == 3 and summary.skipped_rounds == 0
+
+
+@pytest.mark.timeout(60)
+def test_worker_stuck_for_several_rounds_does_not_wedge_the_run(tmp_path, grpc_fakes):
+    release = threading.Event()
+    workers = {"a": FakeWorker("a", 0.25), "c": StallingWorker("c", 0.75, stall={2}, release=release)}
+    transport = grpc_fakes(workers)
+
+    def on_round(result):
+        if result.round == 4:
+            release.set()
+
+    cfg = fake_config(orgs=("a", "c"), rounds=5, eval_every=0, checkpoint_every=0, round_timeout_s=0.8)
+    start = time.monotonic()
+    with RunLogger(tmp_path, tensorboard=False) as logger:
+        summary = Coordinator(cfg, transport, tmp_path, logger=logger, task=FakeTask(), on_round=on_round).run()
+    transport.close()
+    assert time.monotonic() - start < 20
+
+    rec = by_round(tmp_path)
+    assert [rec[t]["round/c/failed"] for t in range(1, 6)] == [0.0, 1.0, 1.0, 1.0, 0.0]
+    assert all(rec[t]["round/c/failure/timeout"] == 1.0 for t in (2, 3, 4))
+    # plans 3 and 4 reached c while it was stuck; their callers gave up, so c never ran them (no stale work)
+    assert [p.round for p in workers["c"].plans] == [1, 2, 5]
+    assert [req.round for req in workers["c"].train_requests] == [1, 5]
+    assert [req.round for req in workers["a"].train_requests] == [1, 2, 3, 4, 5]
+    assert summary.rounds_completed == 5
+
+
+# ------------------------------------------------------------------------ killed worker processes (real)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_killed_worker_process_run_goes_on_with_min_orgs(tmp_path, monkeypatch, capsys):
+    """``hacrl-fed run --transport grpc`` (in this process), 3 real workers, min_orgs=2: org c's worker is
+    SIGKILLed once round 1 is complete; the run finishes all rounds with a and b and exits 0."""
+    from hacrl_fed import cli
+    from hacrl_fed.coordinator import loop
+
+    config, run_dir = micro_config(tmp_path, rounds=4, min_orgs=2), tmp_path / "run"
+    killed: list[int] = []
+
+    class KillAfterRound1(loop.Coordinator):
+        def run_round(self, round):
+            if round == 2:
+                killed.append(worker_pid(os.getpid(), "c"))
+                os.kill(killed[0], signal.SIGKILL)
+            return super().run_round(round)
+
+    monkeypatch.setattr(loop, "Coordinator", KillAfterRound1)
+    try:
+        rc = cli.main(["run", str(config), "--transport", "grpc", "--run-dir", str(run_dir), "--no-progress"])
+    finally:
+        stop_by_pid(pid for pid, argv in child_pids(os.getpid()).items() if str(config) in argv)
+    assert rc == 0 and len(killed) == 1
+    assert f"outputs in {run_dir}" in capsys.readouterr().out
+
+    rec = by_round(run_dir)
+    assert sorted(rec) == [0, 1, 2, 3, 4]
+    assert rec[1]["round/c/failed"] == 0.0 and rec[1]["round/orgs_trained"] == 3.0
+    for t in (2, 3, 4):
+        assert rec[t]["round/c/failed"] == 1.0 and rec[t]["round/c/failure/unreachable"] == 1.0
+        assert rec[t]["round/a/failed"] == 0.0 and rec[t]["round/b/failed"] == 0.0
+        assert rec[t]["round/orgs_trained"] == 2.0 and rec[t]["round/skipped"] == 0.0
+    assert "eval/c/accuracy" not in rec[4] and "eval/a/accuracy" in rec[4]
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    assert state["round"] == 4 and state["skipped_rounds"] == 0
+    assert state["worker_checkpoint_round"] == 1  # the last round at which all three orgs checkpointed
+    assert state["totals"]["c"]["trained_round"] == state["totals"]["c"]["checkpoint_round"] == 1
+    assert state["totals"]["a"]["trained_round"] == state["totals"]["a"]["checkpoint_round"] == 4
+    assert state["totals"]["c"]["shared"] == 16 and state["totals"]["a"]["shared"] == 64
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_killed_worker_below_min_orgs_stops_the_cli_with_one_clear_line(tmp_path):
+    run_dir = tmp_path / "run"
+    config = micro_config(tmp_path, rounds=40, min_orgs=3, eval_every=0, checkpoint_every=0)
+    proc = run_cli([str(config), "--transport", "grpc", "--run-dir", str(run_dir)])
+    pids = [proc.pid]
+    try:
+        victim = worker_pid(proc.pid, "c")
+        pids += list(child_pids(proc.pid))
+        wait_for_round(run_dir, 1, proc)
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        stop_by_pid(pids)
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err
+    message = [line for line in err.splitlines() if line.startswith("hacrl-fed run:")]
+    assert len(message) == 1 and f"{MAX_CONSECUTIVE_FAILURES} consecutive rounds" in message[0]
+    assert "federation.min_orgs=3" in message[0]
+    rec = by_round(run_dir)
+    last = max(rec)
+    first_gap = min(t for t in rec if t > 0 and rec[t]["round/c/failed"] == 1.0)
+    assert last == first_gap + MAX_CONSECUTIVE_FAILURES - 1 < 40
+    for t in range(first_gap, last + 1):
+        assert rec[t]["round/skipped"] == 1.0 and rec[t]["round/c/failure/unreachable"] == 1.0
+        assert rec[t]["round/orgs_replied"] == 2.0
+    assert json.loads((run_dir / STATE_FILE).read_text())["round"] == last
+    for pid in pids[1:]:  # the CLI stopped its workers on the way out
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+# ------------------------------------------------------------------------------ coordinator restarts (resume)
+
+
+class Recorder(InProcessTransport):
+    """In-process transport that records prompts, rollouts and trainings into ``log`` (shared across restarts) and
+    raises KeyboardInterrupt, as a killed coordinator stops, at ``crash = (round, "before" | "after")`` the workers'
+    checkpoint call, i.e. after they trained that round but before the coordinator wrote its state."""
+
+    def __init__(self, workers, log, crash=None):
+        super().__init__(workers)
+        self.log, self.crash = log, crash
+
+    def generate(self, plans, timeout_s):
+        out = super().generate(plans, timeout_s)
+        for org, plan in plans.items():
+            self.log.setdefault("prompts", {})[plan.round] = [p.prompt_id for p in plan.prompts]
+            reply = out[org]
+            self.log.setdefault("rollouts", {})[plan.round, org] = (
+                type(reply).__name__ if isinstance(reply, Exception) else reply.rollouts)
+        return out
+
+    def train(self, requests, timeout_s):
+        out = super().train(requests, timeout_s)
+        self.log.setdefault("trained", []).extend((req.round, org) for org, req in requests.items()
+                                                  if not isinstance(out[org], Exception))
+        return out
+
+    def checkpoint(self, org_ids, round, timeout_s):
+        if self.crash == (round, "before"):
+            raise KeyboardInterrupt(f"coordinator killed before the round-{round} checkpoint")
+        out = super().checkpoint(org_ids, round, timeout_s)
+        if self.crash == (round, "after"):
+            raise KeyboardInterrupt(f"coordinator killed after the round-{round} checkpoint")
+        return out
+
+
+def run_micro(cfg, run_dir: Path, log: dict, *, resume=False, workers=None, crash=None):
+    """Run ``cfg`` in-process with micro workers (built from their checkpoints when ``resume``); returns
+    (coordinator, workers). A simulated kill (KeyboardInterrupt) is swallowed: the caller checks the state file."""
+    if workers is None:
+        from hacrl_fed.worker import build_worker
+
+        workers = {o.id: build_worker(cfg, o.id, run_dir=run_dir, resume=resume) for o in cfg.orgs}
+    with RunLogger(run_dir, tensorboard=False) as logger:
+        coord = Coordinator(cfg, Recorder(workers, log, crash), run_dir, logger=logger, resume=resume)
+        try:
+            coord.run()
+        except KeyboardInterrupt:
+            pass
+    return coord, workers
+
+
+def learning_metrics(run_dir: Path) -> dict[int, dict]:
+    """Per round: the metrics that depend on weights and data (no timings, sizes or reported wall clocks)."""
+    return {t: {k: v for k, v in rec.items() if not k.startswith(("time", "bytes", "wall_time")) and "/time/" not in k}
+            for t, rec in by_round(run_dir).items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: 4 rounds of two micro orgs, workers checkpointing every round."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    log: dict = {}
+    coord, _ = run_micro(micro_cfg(tmp), tmp / "run", log)
+    return {"log": log, "state": json.loads((tmp / "run" / STATE_FILE).read_text()),
+            "metrics": learning_metrics(tmp / "run")}
+
+
+@pytest.mark.timeout(120)
+def test_stop_and_resume_replays_the_uninterrupted_run(tmp_path, uninterrupted):
+    log: dict = {}
+    run_micro(micro_cfg(tmp_path, rounds=2), tmp_path / "run", log)  # stopped after round 2 (process gone)
+    assert json.loads((tmp_path / "run" / STATE_FILE).read_text())["round"] == 2
+    run_micro(micro_cfg(tmp_path, rounds=4), tmp_path / "run", log, resume=True)  # a new process: from checkpoints
+
+    ref = uninterrupted["log"]
+    assert log["prompts"] == ref["prompts"] and sorted(log["prompts"]) == [1, 2, 3, 4]
+    assert log["rollouts"] == ref["rollouts"]  # same weights before every round, hence the same samples
+    assert any(r.reward > 0 for rs in ref["rollouts"].values() for r in rs), "no reward at all: nothing trains"
+    for org in ("a", "b"):  # the weights did move, so equal rollouts in rounds 2-4 mean equal weights
+        assert any(uninterrupted["metrics"][t][f"{org}/train/grad_norm"] > 0 for t in (1, 2, 3))
+    assert log["trained"] == ref["trained"]
+    state = json.loads((tmp_path / "run" / STATE_FILE).read_text())
+    assert state["tracker"] == uninterrupted["state"]["tracker"]  # the same capability history
+    assert state["eval_history"] == uninterrupted["state"]["eval_history"]
+    assert learning_metrics(tmp_path / "run") == uninterrupted["metrics"]  # losses, rewards, capabilities
+
+
+@pytest.mark.timeout(120)
+def test_killed_after_train_before_checkpoint_redoes_the_round_exactly(tmp_path, uninterrupted):
+    cfg, log = micro_cfg(tmp_path), {}
+    run_micro(cfg, tmp_path / "run", log, crash=(3, "before"))
+    assert json.loads((tmp_path / "run" / STATE_FILE).read_text())["round"] == 2
+    run_micro(cfg, tmp_path / "run", log, resume=True)  # workers come back from their round-2 checkpoints
+
+    ref = uninterrupted["log"]
+    assert log["rollouts"] == ref["rollouts"]
+    assert log["trained"].count((3, "a")) == 2  # the lost round-3 update is redone, from round-2 weights
+    state = json.loads((tmp_path / "run" / STATE_FILE).read_text())
+    assert state["tracker"] == uninterrupted["state"]["tracker"]
+    assert learning_metrics(tmp_path / "run") == uninterrupted["metrics"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers_survive", [True, False], ids=["workers-kept-running", "workers-from-checkpoint"])
+def test_workers_ahead_of_the_coordinator_refuse_the_round_they_already_trained(tmp_path, uninterrupted,
+                                                                                workers_survive):
+    cfg, log = micro_cfg(tmp_path), {}
+    # killed after the workers trained (and, resumed from checkpoints, also checkpointed) round 3, before the state
+    _, workers = run_micro(cfg, tmp_path / "run", log, crash=(3, "before" if workers_survive else "after"))
+    assert json.loads((tmp_path / "run" / STATE_FILE).read_text())["round"] == 2
+    coord, _ = run_micro(cfg, tmp_path / "run", log, resume=True, workers=workers if workers_survive else None)
+
+    assert sorted(log["trained"]) == sorted(uninterrupted["log"]["trained"])  # round 3 trained exactly once
+    assert log["rollouts"][3, "a"] == "StaleRoundError" and log["rollouts"][3, "b"] == "StaleRoundError"
+    assert log["rollouts"][4, "a"] == uninterrupted["log"]["rollouts"][4, "a"]  # same weights as never stopped
+    rec = by_round(tmp_path / "run")
+    assert rec[3]["round/skipped"] == 1.0
+    assert rec[3]["round/a/failure/stale_round"] == 1.0 and rec[3]["round/b/failure/stale_round"] == 1.0
+    assert rec[4]["round/skipped"] == 0.0 and rec[4]["round/orgs_trained"] == 2.0
+    assert coord.round == 4 and coord.skipped_rounds == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_grpc_stop_and_resume_matches_the_uninterrupted_run(tmp_path, uninterrupted):
+    """Coordinator process stopped after round 2, restarted with --resume: the workers it launches resume from
+    their checkpoints, and rounds 3-4 are those of the in-process run that was never stopped."""
+    config, run_dir = micro_config(tmp_path, orgs=("a", "b"), min_orgs=1), tmp_path / "run"
+    for extra in (["--set", "federation.rounds=2"], ["--resume"]):
+        proc = run_cli([str(config), "--transport", "grpc", "--run-dir", str(run_dir), *extra])
+        try:
+            out, err = proc.communicate(timeout=150)
+        finally:
+            stop_by_pid([proc.pid])
+        assert proc.returncode == 0, err
+    for org in ("a", "b"):
+        assert "resumed from" in (run_dir / "logs" / f"{org}.log").read_text()
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    assert state["round"] == 4 and state["tracker"] == uninterrupted["state"]["tracker"]
+    assert learning_metrics(run_dir) == uninterrupted["metrics"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_killed_mid_run_leaves_no_orphan_workers_and_resumes_consistently(tmp_path):
+    """SIGKILL the coordinator (CLI, gRPC workers it launched) after round 2: its workers go too (no orphans), and
+    the resumed run never trains a round twice: an org whose checkpoint is ahead of the coordinator's state
+    refuses that round (``stale_round``), the others redo it from their checkpoint."""
+    import re
+
+    config, run_dir = micro_config(tmp_path, orgs=("a", "b"), min_orgs=1, rounds=6), tmp_path / "run"
+    proc = run_cli([str(config), "--transport", "grpc", "--run-dir", str(run_dir)])
+    pids = [proc.pid]
+    try:
+        pids += [worker_pid(proc.pid, org) for org in ("a", "b")]
+        wait_for_round(run_dir, 2, proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 60
+        while any(Path(f"/proc/{pid}").exists() for pid in pids[1:]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        orphans = [pid for pid in pids[1:] if Path(f"/proc/{pid}").exists()]
+        assert not orphans, f"workers {orphans} outlived their killed coordinator"
+        stopped_at = json.loads((run_dir / STATE_FILE).read_text())["round"]
+        assert 2 <= stopped_at < 6
+
+        resumed = run_cli([str(config), "--transport", "grpc", "--run-dir", str(run_dir), "--resume"])
+        pids.append(resumed.pid)
+        out, err = resumed.communicate(timeout=150)
+    finally:
+        stop_by_pid(pids)
+    assert resumed.returncode == 0, err
+    rec = by_round(run_dir)
+    assert sorted(rec) == list(range(7)) and json.loads((run_dir / STATE_FILE).read_text())["round"] == 6
+    first = stopped_at + 1  # the first round of the resumed coordinator
+    for org in ("a", "b"):
+        restored = [int(m) for m in re.findall(r"resumed from .* \(round (\d+)\)", (run_dir / "logs" / f"{org}.log")
+                                               .read_text())]
+        assert len(restored) == 1 and restored[0] in (stopped_at, first)
+        if restored[0] >= first:  # it had trained (and checkpointed) round `first` before the kill
+            assert rec[first][f"round/{org}/failure/stale_round"] == 1.0
+        else:
+            assert rec[first][f"round/{org}/failed"] == 0.0 and rec[first][f"round/{org}/train_failed"] == 0.0
+        assert all(rec[t][f"round/{org}/failed"] == 0.0 for t in range(first + 1, 7))
+
+
+# -------------------------------------------------------------------------------- Flower simulation path
+
+
+def make_flaky_worker(cfg, org_id, *, run_dir, resume=False):
+    """``worker-factory`` for the simulation: org ``b``'s worker raises in generate in round 2 only."""
+    return FakeWorker(org_id, {"a": 0.25, "b": 0.75}[org_id], fail_generate_rounds={2} if org_id == "b" else set())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_flower_simulation_skips_an_org_whose_worker_raised_and_takes_it_back(tmp_path):
+    from hacrl_fed.flower.simulation import main_simulate
+
+    fed = {"rounds": 3, "prompts_per_round": 2, "eval_every": 0, "min_orgs": 1, "round_timeout_s": 60.0}
+    data = {"name": "sim-faults", "seed": 5, "run_dir": str(tmp_path / "runs"),
+            "generation": {"num_samples": 2, "max_new_tokens": 8, "eval_max_new_tokens": 8},
+            "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 3},
+            "orgs": [{"id": o, "model": {"zoo": "tiny"}} for o in ("a", "b")], "federation": fed}
+    config = tmp_path / "sim.yaml"
+    config.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    rc = main_simulate([str(config), "--run-dir", str(run_dir), "--num-cpus", "1",
+                        "--worker-factory", "test_faults:make_flaky_worker"])
+    assert rc == 0
+    rec = by_round(run_dir)
+    assert sorted(rec) == [0, 1, 2, 3]
+    assert rec[2]["round/b/failed"] == 1.0 and rec[2]["round/b/failure/error"] == 1.0
+    assert rec[2]["round/orgs_trained"] == 1.0 and "b/hacpo/loss" not in rec[2]
+    assert rec[2]["a/hacpo/foreign"] == 0.0  # a trained alone: nothing of b's failed round reached it
+    for t in (1, 3):
+        assert rec[t]["round/b/failed"] == 0.0 and rec[t]["round/orgs_trained"] == 2.0
+        assert rec[t]["a/hacpo/foreign"] == 4.0 and rec[t]["b/hacpo/foreign"] == 4.0
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    assert state["round"] == 3 and state["skipped_rounds"] == 0
+    assert state["totals"]["b"]["trained_round"] == 3 and state["totals"]["b"]["shared"] == 8
