@@ -274,46 +274,65 @@ def test_worker_stuck_for_several_rounds_does_not_wedge_the_run(tmp_path, grpc_f
 # ------------------------------------------------------------------------ killed worker processes (real)
 
 
+def start_worker(config: Path, org: str, address: str, run_dir: Path, log_path: Path) -> subprocess.Popen:
+    """``hacrl-fed worker --resume`` for ``org`` on ``address`` (a stale unix socket file is removed first)."""
+    if address.startswith("unix:"):
+        Path(address[5:]).unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "hacrl_fed.cli", "worker", "--config", str(config), "--org", org, "--listen",
+            address, "--run-dir", str(run_dir), "--resume"]
+    with log_path.open("w") as log:
+        return subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_killed_worker_process_run_goes_on_with_min_orgs(tmp_path, monkeypatch, capsys):
-    """``hacrl-fed run --transport grpc`` (in this process), 3 real workers, min_orgs=2: org c's worker is
-    SIGKILLed once round 1 is complete; the run finishes all rounds with a and b and exits 0."""
+def test_killed_worker_process_run_goes_on_with_min_orgs_and_a_restarted_worker_rejoins(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """``hacrl-fed run --transport grpc`` (in this process), 3 real workers, min_orgs=2, 6 rounds: org c's worker
+    is SIGKILLed once round 1 is complete, so c is a logged gap in rounds 2-4 while a and b go on; a new
+    ``hacrl-fed worker --resume`` for c (from its round-1 checkpoint) is up before round 5, and c is back."""
     from hacrl_fed import cli
     from hacrl_fed.coordinator import loop
 
-    config, run_dir = micro_config(tmp_path, rounds=4, min_orgs=2), tmp_path / "run"
+    config, run_dir = micro_config(tmp_path, rounds=6, min_orgs=2), tmp_path / "run"
     killed: list[int] = []
+    restarted: list[subprocess.Popen] = []
 
-    class KillAfterRound1(loop.Coordinator):
+    class KillAndRestartC(loop.Coordinator):
         def run_round(self, round):
             if round == 2:
                 killed.append(worker_pid(os.getpid(), "c"))
                 os.kill(killed[0], signal.SIGKILL)
+            if round == 5:
+                restarted.append(start_worker(config, "c", self.transport.addresses["c"], run_dir,
+                                              tmp_path / "c-restarted.log"))
+                self.transport.clients["c"].wait_ready(120)
             return super().run_round(round)
 
-    monkeypatch.setattr(loop, "Coordinator", KillAfterRound1)
+    monkeypatch.setattr(loop, "Coordinator", KillAndRestartC)
     try:
         rc = cli.main(["run", str(config), "--transport", "grpc", "--run-dir", str(run_dir), "--no-progress"])
     finally:
-        stop_by_pid(pid for pid, argv in child_pids(os.getpid()).items() if str(config) in argv)
-    assert rc == 0 and len(killed) == 1
+        stop_by_pid([pid for pid, argv in child_pids(os.getpid()).items() if str(config) in argv])
+        for proc in restarted:
+            proc.wait(30)
+    assert rc == 0 and len(killed) == 1 and len(restarted) == 1
     assert f"outputs in {run_dir}" in capsys.readouterr().out
 
     rec = by_round(run_dir)
-    assert sorted(rec) == [0, 1, 2, 3, 4]
-    assert rec[1]["round/c/failed"] == 0.0 and rec[1]["round/orgs_trained"] == 3.0
+    assert sorted(rec) == list(range(7))
+    assert [rec[t]["round/c/failed"] for t in range(1, 7)] == [0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
     for t in (2, 3, 4):
-        assert rec[t]["round/c/failed"] == 1.0 and rec[t]["round/c/failure/unreachable"] == 1.0
+        assert rec[t]["round/c/failure/unreachable"] == 1.0 and rec[t]["round/orgs_trained"] == 2.0
         assert rec[t]["round/a/failed"] == 0.0 and rec[t]["round/b/failed"] == 0.0
-        assert rec[t]["round/orgs_trained"] == 2.0 and rec[t]["round/skipped"] == 0.0
-    assert "eval/c/accuracy" not in rec[4] and "eval/a/accuracy" in rec[4]
+    assert all(rec[t]["round/orgs_trained"] == 3.0 for t in (1, 5, 6))
+    assert "eval/c/accuracy" not in rec[4] and "eval/c/accuracy" in rec[6]
+    assert "resumed from" in (tmp_path / "c-restarted.log").read_text()  # c's round-1 weights, optimizer, RNG
     state = json.loads((run_dir / STATE_FILE).read_text())
-    assert state["round"] == 4 and state["skipped_rounds"] == 0
-    assert state["worker_checkpoint_round"] == 1  # the last round at which all three orgs checkpointed
-    assert state["totals"]["c"]["trained_round"] == state["totals"]["c"]["checkpoint_round"] == 1
-    assert state["totals"]["a"]["trained_round"] == state["totals"]["a"]["checkpoint_round"] == 4
-    assert state["totals"]["c"]["shared"] == 16 and state["totals"]["a"]["shared"] == 64
+    assert state["round"] == 6 and state["skipped_rounds"] == 0 and state["worker_checkpoint_round"] == 6
+    assert state["totals"]["c"]["shared"] == 3 * 16 and state["totals"]["a"]["shared"] == 6 * 16
+    assert len(state["tracker"]["history"]["c"]) == 3  # capability measured in rounds 1, 5 and 6 only
 
 
 @pytest.mark.slow
