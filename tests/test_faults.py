@@ -490,6 +490,47 @@ def test_workers_ahead_of_the_coordinator_refuse_the_round_they_already_trained(
     assert coord.round == 4 and coord.skipped_rounds == 1
 
 
+class CrashingGrpcTransport(GrpcTransport):
+    """GrpcTransport that raises KeyboardInterrupt (a killed coordinator) instead of the round-``crash_round``
+    checkpoint call, i.e. after the workers trained that round and before the coordinator wrote its state."""
+
+    crash_round = 3
+
+    def checkpoint(self, org_ids, round, timeout_s):
+        if round == self.crash_round:
+            raise KeyboardInterrupt(f"coordinator killed before the round-{round} checkpoint")
+        return super().checkpoint(org_ids, round, timeout_s)
+
+
+@pytest.mark.timeout(120)
+def test_grpc_workers_kept_running_refuse_the_round_a_restarted_coordinator_repeats(tmp_path):
+    from hacrl_fed.worker import build_worker
+
+    cfg, run_dir = micro_cfg(tmp_path), tmp_path / "run"
+    workers = {o.id: build_worker(cfg, o.id, run_dir=run_dir) for o in cfg.orgs}
+    servers = {org: serve_worker(w, "127.0.0.1:0") for org, w in workers.items()}
+    addresses = {org: srv.address for org, srv in servers.items()}
+    transports = [CrashingGrpcTransport(addresses), GrpcTransport(addresses)]
+    try:
+        with RunLogger(run_dir, tensorboard=False) as logger:
+            with pytest.raises(KeyboardInterrupt):
+                Coordinator(cfg, transports[0], run_dir, logger=logger).run()
+            assert json.loads((run_dir / STATE_FILE).read_text())["round"] == 2
+            assert {w.last_round for w in workers.values()} == {3}  # trained round 3, then the coordinator died
+            resumed = Coordinator(cfg, transports[1], run_dir, logger=logger, resume=True)
+            resumed.run()
+    finally:
+        for t in transports:
+            t.close()
+        for srv in servers.values():
+            srv.stop(0)
+    rec = by_round(run_dir)
+    assert rec[3]["round/skipped"] == 1.0  # both refused over gRPC (FAILED_PRECONDITION: StaleRoundError ...)
+    assert rec[3]["round/a/failure/stale_round"] == 1.0 and rec[3]["round/b/failure/stale_round"] == 1.0
+    assert rec[4]["round/orgs_trained"] == 2.0 and {w.last_round for w in workers.values()} == {4}
+    assert resumed.round == 4 and resumed.consecutive_failures == 0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cli_grpc_stop_and_resume_matches_the_uninterrupted_run(tmp_path, uninterrupted):
