@@ -5,11 +5,13 @@ What is checked (ARCHITECTURE.md "One round", step 6 and the last paragraph):
 * an org that misses the round deadline is skipped for that round (``round/<org>/failure/<why>`` in metrics)
   and rejoins; its late reply never reaches a later round, and a worker stuck in a timed-out call never wedges
   the run (calls that gave up while it was busy are dropped, not run);
-* a SIGKILLed ``hacrl-fed worker``: the run goes on while ``>= federation.min_orgs`` orgs reply, otherwise it
-  stops with one clear line and exit code 1 after ``MAX_CONSECUTIVE_FAILURES`` failed rounds;
+* a SIGKILLed ``hacrl-fed worker``: the run goes on while ``>= federation.min_orgs`` orgs reply (a worker
+  restarted with ``--resume`` rejoins), otherwise it stops with one clear line and exit code 1 after
+  ``MAX_CONSECUTIVE_FAILURES`` failed rounds;
 * a restarted coordinator (``resume``) replays the same prompts, capability history and (workers resumed from
   per-round checkpoints) the same rollouts as an uninterrupted run; a coordinator killed between a worker's
-  train and its own state write never makes a worker train a round twice (``stale_round`` gap instead);
+  train and its own state write never makes a worker train a round twice (``stale_round`` gap instead); a
+  SIGKILLed ``hacrl-fed run`` leaves no orphan worker processes;
 * the Flower simulation path skips an org whose worker raised and takes it back next round.
 """
 
