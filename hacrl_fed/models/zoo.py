@@ -72,7 +72,7 @@ class ZooEntry:
 _QWEN = dict(hidden_size=128, intermediate_size=320, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32)
 _GPT2 = dict(n_embd=112, n_layer=5, n_head=4)
-_LLAMA = dict(hidden_size=160, intermediate_size=432, num_hidden_layers=5, num_attention_heads=5,
+_LLAMA = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=4, num_attention_heads=3,
               num_key_value_heads=1, head_dim=32)
 _MICRO_QWEN = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=16)
