@@ -122,6 +122,7 @@ class FederationConfig(_Section):
     round_timeout_s: float = Field(600.0, gt=0)
     transport: Literal["inprocess", "grpc", "flower"] = "inprocess"
     checkpoint_every: int = Field(0, ge=0)  # 0 = only at the end
+    max_failed_rounds: int = Field(3, ge=1)  # consecutive rounds below min_orgs before the run aborts
     max_message_mb: int = Field(256, ge=1)
 
 

@@ -122,6 +122,13 @@ def test_consecutive_gaps_abort_with_clear_error(tmp_path):
     assert json.loads((tmp_path / STATE_FILE).read_text())["round"] == 4
 
 
+def test_failed_round_limit_is_configurable(tmp_path):
+    down = {"fail_generate_rounds": {2, 3, 4}}
+    workers = make_workers(a=down, b=down, c=down)
+    with pytest.raises(FederationError, match=r"1 consecutive rounds \(up to round 2\)"):
+        run(fake_config(rounds=6, max_failed_rounds=1), workers, tmp_path)
+
+
 def test_orgs_without_valid_rollouts_do_not_count_as_replies(tmp_path):
     class Liar(FakeWorker):
         def generate(self, plan):

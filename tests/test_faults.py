@@ -7,7 +7,7 @@ What is checked (ARCHITECTURE.md "One round", step 6 and the last paragraph):
   the run (calls that gave up while it was busy are dropped, not run);
 * a SIGKILLed ``hacrl-fed worker``: the run goes on while ``>= federation.min_orgs`` orgs reply (a worker
   restarted with ``--resume`` rejoins), otherwise it stops with one clear line and exit code 1 after
-  ``MAX_CONSECUTIVE_FAILURES`` failed rounds;
+  ``federation.max_failed_rounds`` failed rounds;
 * a restarted coordinator (``resume``) replays the same prompts, capability history and (workers resumed from
   per-round checkpoints) the same rollouts as an uninterrupted run; a coordinator killed between a worker's
   train and its own state write never makes a worker train a round twice (``stale_round`` gap instead); a
@@ -33,7 +33,9 @@ from helpers_fake_workers import FakeTask, FakeWorker, fake_config
 from hacrl_fed.config import load_config
 from hacrl_fed.coordinator.grpc_transport import GrpcTransport
 from hacrl_fed.coordinator.inprocess import InProcessTransport
-from hacrl_fed.coordinator.loop import MAX_CONSECUTIVE_FAILURES, STATE_FILE, Coordinator
+from hacrl_fed.coordinator.loop import STATE_FILE, Coordinator
+
+MAX_FAILED_ROUNDS = 3  # federation.max_failed_rounds default
 from hacrl_fed.metrics import RunLogger, read_metrics
 from hacrl_fed.wire.grpc_server import serve_worker
 
@@ -355,12 +357,12 @@ def test_killed_worker_below_min_orgs_stops_the_cli_with_one_clear_line(tmp_path
     assert proc.returncode == 1, err
     assert "Traceback" not in err
     message = [line for line in err.splitlines() if line.startswith("hacrl-fed run:")]
-    assert len(message) == 1 and f"{MAX_CONSECUTIVE_FAILURES} consecutive rounds" in message[0]
+    assert len(message) == 1 and f"{MAX_FAILED_ROUNDS} consecutive rounds" in message[0]
     assert "federation.min_orgs=3" in message[0]
     rec = by_round(run_dir)
     last = max(rec)
     first_gap = min(t for t in rec if t > 0 and rec[t]["round/c/failed"] == 1.0)
-    assert last == first_gap + MAX_CONSECUTIVE_FAILURES - 1 < 40
+    assert last == first_gap + MAX_FAILED_ROUNDS - 1 < 40
     for t in range(first_gap, last + 1):
         assert rec[t]["round/skipped"] == 1.0 and rec[t]["round/c/failure/unreachable"] == 1.0
         assert rec[t]["round/orgs_replied"] == 2.0

@@ -8,7 +8,7 @@ Per round ``t`` (1-based):
 2. Every reply is checked by :func:`validate_batch`; an org *replied* when at least one rollout was accepted.
    Its ``P_k(t)`` is the mean reward of its accepted rollouts (the reported accuracy is only compared, as
    ``round/<org>/accuracy_discrepancy``). Fewer than ``min_orgs`` replies: the round's training is skipped
-   (logged, counted); ``MAX_CONSECUTIVE_FAILURES`` such rounds in a row abort with :class:`FederationError`.
+   (logged, counted); ``federation.max_failed_rounds`` such rounds in a row abort with :class:`FederationError`.
 3. The :class:`CapabilityTracker` records the replies; each replying org gets a :class:`TrainRequest` with the
    accepted rollouts of every *other* replying org and ``{org: Phat}`` over all configured orgs (effective:
    1.0 during warm-up).
@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "coordinator_state.json"
 STATE_VERSION = 1
-MAX_CONSECUTIVE_FAILURES = 3
 MIN_RESPONSE_CHARS_CAP = 4096
 RESPONSE_CHARS_PER_TOKEN = 64  # response cap = max(4096, 64 * max_new_tokens) characters
 
@@ -446,7 +445,7 @@ class Coordinator:
             self._save_state()
             if self.on_round is not None:
                 self.on_round(result)
-            if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            if self.consecutive_failures >= fed.max_failed_rounds:
                 raise FederationError(
                     f"{self.consecutive_failures} consecutive rounds (up to round {t}) had fewer than "
                     f"federation.min_orgs={fed.min_orgs} valid replies; last round: {result.replied or 'none'}")

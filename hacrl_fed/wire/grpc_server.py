@@ -65,6 +65,10 @@ def _details(err: BaseException) -> str:
 class _Abandoned(Exception):
     """The client's deadline passed (or it cancelled) while the call waited for the worker lock."""
 
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.CANCELLED):
+        super().__init__(message)
+        self.code = code
+
 
 class _BadReply(Exception):
     """The worker returned something the codec cannot encode."""
@@ -104,7 +108,7 @@ class PolicyWorkerServicer(worker_pb2_grpc.PolicyWorkerServicer):
             except Exception as err:
                 raise _BadReply(f"worker returned an unencodable {rpc} reply: {err}") from err
         except _Abandoned as err:
-            code, details = grpc.StatusCode.CANCELLED, str(err)
+            code, details = err.code, str(err)
             log.warning("%s dropped: %s", rpc, details)
         except _BadReply as err:
             code, details = grpc.StatusCode.INTERNAL, str(err)
@@ -115,10 +119,19 @@ class PolicyWorkerServicer(worker_pb2_grpc.PolicyWorkerServicer):
         context.abort(code, details)
 
     def _locked_call(self, call: Callable, arg: Any, context) -> Any:
-        with self._lock:
+        # wait for the worker no longer than the caller's deadline: a worker stuck for many rounds must not tie
+        # up every server thread (then even Health would go unanswered)
+        remaining = context.time_remaining()
+        timeout = -1 if remaining is None else max(0.0, remaining)
+        if not self._lock.acquire(timeout=timeout):
+            raise _Abandoned("the caller's deadline passed while the worker was busy with another call",
+                             grpc.StatusCode.DEADLINE_EXCEEDED)
+        try:
             if not context.is_active():
                 raise _Abandoned("the client gave up while the worker was busy with another call")
             return call(arg)
+        finally:
+            self._lock.release()
 
 
 class WorkerServer(grpc.Server):
