@@ -127,19 +127,9 @@ def _inprocess_transport(cfg, run_dir: Path, resume: bool, stack: ExitStack):
 
 
 def _progress(args: argparse.Namespace, total: int):
-    """A tqdm bar over rounds and the ``on_round`` callback that advances it (postfix: batch accuracy per org)."""
-    from tqdm import tqdm
+    from hacrl_fed.metrics import round_progress
 
-    bar = tqdm(total=total, desc="rounds", unit="round", disable=args.no_progress, dynamic_ncols=True)
-
-    def on_round(result) -> None:
-        if result.skipped:
-            bar.set_postfix_str(f"round {result.round} skipped ({len(result.replied)} replies)")
-        else:
-            bar.set_postfix({org: f"{acc:.2f}" for org, acc in result.accuracy.items()})
-        bar.update(1)
-
-    return bar, on_round
+    return round_progress(total, enabled=not args.no_progress)
 
 
 def _resolve_run(args: argparse.Namespace):

@@ -146,3 +146,20 @@ def format_table(summary: "RunSummary") -> str:
     foot = (f"run {summary.run_id}: {summary.rounds_completed} rounds ({summary.skipped_rounds} skipped), "
             f"{summary.wall_time_s:.1f} s")
     return "\n".join(lines + [foot])
+
+
+def round_progress(total: int, *, enabled: bool = True):
+    """A tqdm bar over rounds and the Coordinator ``on_round`` callback that advances it (postfix: per-org
+    batch accuracy, or why the round was skipped)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="rounds", unit="round", disable=not enabled, dynamic_ncols=True)
+
+    def on_round(result) -> None:
+        if result.skipped:
+            bar.set_postfix_str(f"round {result.round} skipped ({len(result.replied)} replies)")
+        else:
+            bar.set_postfix({org: f"{acc:.2f}" for org, acc in result.accuracy.items()})
+        bar.update(1)
+
+    return bar, on_round

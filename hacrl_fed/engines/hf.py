@@ -18,6 +18,8 @@ in bf16).
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -35,6 +37,18 @@ from hacrl_fed.engines.base import (
 )
 from hacrl_fed.scoring import build_scoring_batch_from_ids, per_token_log_probs
 
+
+
+class _PaddedStepWarningFilter(logging.Filter):
+    """Drops transformers' "pass an attention_mask" warning: GPT-2 generation raises it on pad tokens appended
+    after EOS in finished rows. We always pass the mask, and the published log-probs are checked against an
+    explicit left-padding-aware recompute (tests), so the warning is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "passing in an `attention_mask`" not in record.getMessage()
+
+
+logging.getLogger("transformers.modeling_utils").addFilter(_PaddedStepWarningFilter())
 
 @contextmanager
 def _seeded(seed: int, device: torch.device) -> Iterator[None]:

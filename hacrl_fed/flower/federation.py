@@ -7,6 +7,7 @@ and tested without a Flower runtime.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -16,6 +17,9 @@ from hacrl_fed.flower.settings import (
 from hacrl_fed.flower.transport import FlowerTransport, discover_orgs
 
 log = logging.getLogger(__name__)
+
+PROGRESS_ENV = "HACRL_FED_PROGRESS"  # "1": the ServerApp shares a terminal with the user (hacrl-fed simulate)
+SUMMARY_FILE = "summary.txt"  # the final per-org table
 
 
 def ensure_logging(level: int = logging.INFO) -> None:
@@ -45,7 +49,7 @@ def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path) -
     import yaml
 
     from hacrl_fed.coordinator.loop import Coordinator
-    from hacrl_fed.metrics import RunLogger, format_table, plot_accuracy
+    from hacrl_fed.metrics import RunLogger, format_table, plot_accuracy, round_progress
 
     ensure_logging()
     settings = read_settings(run_config)
@@ -59,13 +63,21 @@ def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path) -
     log.info("hacrl-fed: nodes %s", org_by_node)
     transport = FlowerTransport(grid, org_by_node, expected_orgs=expected)
     logger = RunLogger(run_dir)
+    bar, on_round = round_progress(cfg.federation.rounds, enabled=os.environ.get(PROGRESS_ENV) == "1")
     try:
-        coordinator = Coordinator(cfg, transport, run_dir, logger=logger, resume=settings.resume)
+        coordinator = Coordinator(cfg, transport, run_dir, logger=logger, resume=settings.resume, on_round=on_round)
+        bar.update(coordinator.round)  # rounds already done when resuming
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         summary = coordinator.run()
     finally:
+        bar.close()
         logger.close()
         transport.close()
     plot_accuracy(run_dir)
-    log.info("hacrl-fed: run finished, outputs in %s\n%s", run_dir, format_table(summary))
+    table = format_table(summary)
+    (run_dir / SUMMARY_FILE).write_text(table + "\n")
+    if os.environ.get(PROGRESS_ENV) == "1":  # hacrl-fed simulate prints the table itself, last
+        log.info("hacrl-fed: run finished, outputs in %s", run_dir)
+    else:
+        log.info("hacrl-fed: run finished, outputs in %s\n%s", run_dir, table)
     return summary

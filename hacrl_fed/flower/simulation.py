@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hacrl_fed.config import ConfigError, load_config, parse_overrides
+from hacrl_fed.flower.federation import PROGRESS_ENV, SUMMARY_FILE
 from hacrl_fed.flower.settings import (
     ENV_VAR, AppSettings, SettingsError, check_run_dir, run_dir_of, to_run_config,
 )
@@ -90,8 +91,10 @@ def load_apps(app_dir: Path) -> tuple[Any, Any]:
 def simulate(config_path: str | Path, overrides: Sequence[str] = (), *, run_dir: str | Path | None = None,
              resume: bool = False, app_dir: str | Path | None = None, num_cpus: int | None = None,
              num_gpus: int | None = None, worker_factory: str = "", discovery_timeout_s: float = 0.0,
-             verbose: bool = False) -> Path:
+             verbose: bool = False, progress: bool = False) -> Path:
     """Run the federation of ``config_path`` on the Simulation Engine; returns the run directory.
+
+    ``progress`` shows a per-round progress bar on stderr (the ServerApp runs in this process).
 
     ``worker_factory`` (``module:callable``) replaces :func:`hacrl_fed.worker.build_worker` (tests use fakes).
     Raises whatever the ServerApp raised (config errors, too few orgs, ``FederationError`` ...).
@@ -108,8 +111,9 @@ def simulate(config_path: str | Path, overrides: Sequence[str] = (), *, run_dir:
     settings = AppSettings(**{**settings.__dict__, "run_dir": str(run_path)})
     apps = load_apps(find_app_dir(app_dir))
     backend = backend_config(num_cpus or available_cpus(), detect_gpus() if num_gpus is None else num_gpus)
-    old_env = os.environ.get(ENV_VAR)
-    os.environ[ENV_VAR] = json.dumps(to_run_config(settings))
+    env = {ENV_VAR: json.dumps(to_run_config(settings)), PROGRESS_ENV: "1" if progress else "0"}
+    old_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     start = time.perf_counter()
     try:
         log.info("simulating %d orgs %s, backend %s, run dir %s", len(cfg.orgs), [o.id for o in cfg.orgs],
@@ -117,10 +121,11 @@ def simulate(config_path: str | Path, overrides: Sequence[str] = (), *, run_dir:
         run_simulation(server_app=apps[0], client_app=apps[1], num_supernodes=len(cfg.orgs),
                        backend_config=backend, verbose_logging=verbose)
     finally:
-        if old_env is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = old_env
+        for key, value in old_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     log.info("simulation finished in %.1f s; run dir %s", time.perf_counter() - start, run_path)
     return run_path
 
@@ -141,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--discovery-timeout", type=float, default=0.0,
                    help="seconds to wait for every org's node (default: federation.round_timeout_s)")
     p.add_argument("--verbose", action="store_true", help="Flower debug logging")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="hacrl-fed's log level (other libraries log warnings only)")
+    p.add_argument("--no-progress", action="store_true", help="no per-round progress bar")
     return p
 
 
@@ -149,13 +155,12 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     """CLI entry: 0 on success, 2 on a bad config or argument, 1 when the run failed."""
     args = build_parser().parse_args(argv)
     args.overrides = [kv for group in args.overrides for kv in group]  # --set a=1 b=2 --set c=3
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_logging(args.log_level, verbose=args.verbose)
     try:
         run_path = simulate(args.config, args.overrides, run_dir=args.run_dir, resume=args.resume,
                             app_dir=args.app_dir, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                             worker_factory=args.worker_factory, discovery_timeout_s=args.discovery_timeout,
-                            verbose=args.verbose)
+                            verbose=args.verbose, progress=not args.no_progress)
     except (ConfigError, SettingsError, FileNotFoundError, ValueError) as err:
         print(f"hacrl-fed simulate: error: {err}", file=sys.stderr)
         return 2
@@ -163,5 +168,28 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         log.exception("simulation failed")
         print(f"hacrl-fed simulate: the run failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
-    print(f"hacrl-fed simulate: done; metrics in {run_path / 'metrics.jsonl'}")
+    summary = run_path / SUMMARY_FILE
+    if summary.is_file():
+        print(summary.read_text().rstrip())
+    print(f"hacrl-fed simulate: done; outputs in {run_path} (metrics.jsonl, tb/, accuracy.png)")
     return 0
+
+
+def quiet_logging(level: str, *, verbose: bool = False) -> None:
+    """hacrl-fed logs at ``level``; Flower, Ray, alembic and the rest only warnings (unless ``verbose``)."""
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ours = logging.getLogger("hacrl_fed")
+    ours.setLevel(level.upper())
+    if not ours.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(fmt)
+        ours.addHandler(handler)
+        ours.propagate = False
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(fmt)
+        handler.setLevel(logging.DEBUG if verbose else logging.WARNING)
+        root.addHandler(handler)
+    for name in ("flwr", "alembic", "ray"):
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)

@@ -150,6 +150,9 @@ def load_model_and_tokenizer(model_cfg: ModelConfig, *, for_training: bool = Tru
     device/dtype string, ``OSError`` when transformers cannot load the source.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per weight file load is noise in a long-lived worker
 
     device = resolve_device(model_cfg.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
