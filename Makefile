@@ -55,8 +55,10 @@ test: .venv
 test-quick: .venv
 	@$(call hermetic,$(VPY) -m pytest -m "not slow" $(PYTEST_ARGS))
 
+# each demo gets a fresh run dir (runs/demo-YYYYmmdd-HHMMSS), so `make demo` can be repeated
+DEMO_RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 demo: .venv
-	@$(call hermetic,$(VENV)/bin/hacrl-fed simulate $(DEMO_CONFIG) $(DEMO_ARGS))
+	@$(call hermetic,$(VENV)/bin/hacrl-fed simulate $(DEMO_CONFIG) --run-dir $(DEMO_RUN_DIR) $(DEMO_ARGS))
 
 proto:
 	bash scripts/gen_proto.sh
