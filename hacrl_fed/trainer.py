@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from hacrl_fed.algorithm import (
-    PolicyLossConfig, PolicyLossInputs, cross_weights, get_advantage_estimator, get_algorithm, get_policy_loss,
+    PolicyLossConfig, advantage_metrics, PolicyLossInputs, cross_weights, get_advantage_estimator, get_algorithm, get_policy_loss,
     kl_k3, minibatch_schedule, order_rows,
 )
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
@@ -105,14 +105,17 @@ class LocalTrainer:
                   torch.tensor([r.source for r in rows]), learner, capability, reward_max=self.algo.reward_max,
                   ratio_min=self.algo.ratio_min, ratio_max=self.algo.ratio_max, eps=self.algo.adv_eps).float()
 
-    def update(self, rows: Sequence[TrainRow], learner: int, capability: Sequence[float]) -> dict[str, float]:
-        """One round's update. ``learner``: this agent's index into ``capability`` (``Phat`` per agent)."""
+    def update(self, rows: Sequence[TrainRow], learner: int, capability: Sequence[float],
+               names: Sequence[str] | None = None) -> dict[str, float]:
+        """One round's update. ``learner``: this agent's index into ``capability`` (``Phat`` per agent);
+        ``names``: agent names for the per-source advantage metrics (``hacpo/adv_mean/<name>``)."""
         start = time.perf_counter()
         rows = [r for r in rows if r.is_self or self.spec.uses_cross]
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
         # every response counts in its joint group's baseline and std, even one that cannot be scored
         adv_all = self.advantages(rows, learner, capability)
+        all_rows = rows
         keep = [i for i, r in enumerate(rows) if r.response_ids]  # nothing to score in an empty response
         rows, adv = [rows[i] for i in keep], adv_all[keep]
         if not rows:
@@ -130,6 +133,9 @@ class LocalTrainer:
             picked = [perm[i] for i in idx.tolist()]
             acc.add(self._step(m, [rows[i] for i in picked], adv[picked], is_self[picked], v[picked]))
         out = acc.result()
+        if names is not None:
+            out.update(advantage_metrics(adv_all, torch.tensor([r.source for r in all_rows]), names,
+                                         prefix=self.algo.name))
         out.update({"train/steps": float(len(schedule)), "train/num_rows": float(len(rows)),
                     "train/num_self": float(is_self.sum()), "train/num_cross": float((~is_self).sum()),
                     "train/adv_abs_mean": float(adv.abs().mean()), "time/update": time.perf_counter() - start})

@@ -264,3 +264,15 @@ def test_grpc_transport_timeout_and_dead_worker_are_values(grpc_workers):
     assert isinstance(out["b"], TimeoutError)
     assert isinstance(out["dead"], WorkerCallError) and not isinstance(out["dead"], TimeoutError)
     assert set(transport.last_call_bytes) == {"a"}
+
+
+def test_phase_timings_include_exchange_overhead(tmp_path):
+    workers = make_workers()
+    with RunLogger(tmp_path, tensorboard=False) as logger:
+        run(fake_config(rounds=1), workers, tmp_path, logger=logger)
+    rec = read_metrics(tmp_path)[1]
+    for phase in ("generate", "train"):
+        assert rec["time/" + phase] >= 0
+        for org in "abc":
+            call, exchange = rec[f"time/call/{phase}/{org}"], rec[f"time/exchange/{phase}/{org}"]
+            assert 0 <= exchange <= call

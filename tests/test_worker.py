@@ -136,3 +136,26 @@ def test_trainrow_rejects_nothing_silently_when_empty(cfg, tmp_path):
     w = build_worker(cfg, "char", run_dir=tmp_path)
     out = w.trainer.update([TrainRow([1, 2], [], 1.0, 0, 0, True, -1.0, [])], 0, [1.0])
     assert out["train/steps"] == 0.0
+
+
+def test_report_has_mean_advantage_per_source(cfg, tmp_path):
+    a, b = build_worker(cfg, "char", run_dir=tmp_path), build_worker(cfg, "bpe", run_dir=tmp_path)
+    plan = plan_for(a, 1)
+    a.generate(plan)
+    foreign = tuple(r.__class__(**{**r.__dict__, "reward": float(i % 2)}) for i, r in enumerate(b.generate(plan).rollouts))
+    rep = a.train(TrainRequest("run", 1, "char", plan.prompts, foreign, {"char": 0.5, "bpe": 0.25}))
+    assert {"hacpo/adv_mean/char", "hacpo/adv_mean/bpe"} <= set(rep.metrics)
+
+
+def test_lora_trains_only_adapters(tmp_path):
+    cfg = make_cfg("hacpo", trainer={"lr": 1e-2, "minibatch_size": 16, "micro_batch_size": 8,
+                                      "lora": {"enabled": True, "r": 4, "target_modules": "all-linear"}})
+    a, b = build_worker(cfg, "char", run_dir=tmp_path), build_worker(cfg, "bpe", run_dir=tmp_path)
+    named = {n: p.detach().clone() for n, p in a.model.named_parameters()}
+    plan = plan_for(a, 1)
+    a.generate(plan)
+    foreign = tuple(r.__class__(**{**r.__dict__, "reward": float(i % 2)}) for i, r in enumerate(b.generate(plan).rollouts))
+    a.train(TrainRequest("run", 1, "char", plan.prompts, foreign, {"char": 0.5, "bpe": 0.5}))
+    changed = {n for n, p in a.model.named_parameters() if not torch.equal(p, named[n])}
+    assert changed and all("lora_" in n for n in changed)
+    assert a.generate(plan_for(a, 2)).rollouts  # the wrapped model still generates

@@ -258,6 +258,7 @@ class Coordinator:
         for org, secs in (getattr(self.transport, "last_call_seconds", None) or {}).items():
             if org in self.totals:
                 self.totals[org]["time_s"] += float(secs)
+                metrics[f"time/call/{phase}/{org}"] = float(secs)
         sizes = getattr(self.transport, "last_call_bytes", None) or {}
         for org, n in sizes.items():
             metrics[f"bytes/{phase}/{org}"] = float(n)
@@ -315,6 +316,7 @@ class Coordinator:
             if isinstance(reported, (int, float)) and math.isfinite(reported):
                 metrics[f"round/{org}/accuracy_discrepancy"] = float(reported) - acc
             metrics.update(_numeric(getattr(batch, "metrics", {}) or {}, f"{org}/"))
+            _exchange_time("generate", org, getattr(batch, "metrics", {}) or {}, metrics)
         return ok
 
     def _train(self, round: int, prompts: tuple[Prompt, ...], accepted: Mapping[str, list[Rollout]],
@@ -342,6 +344,7 @@ class Coordinator:
                 continue
             metrics[f"round/{org}/train_failed"] = 0.0
             metrics.update(_numeric(reply.metrics, f"{org}/"))
+            _exchange_time("train", org, reply.metrics, metrics)
             self.totals[org]["received"] += len(req.foreign)
             self.totals[org]["trained_round"] = round
             trained.append(org)
@@ -469,3 +472,14 @@ class Coordinator:
         return RunSummary(self.run_id, self.run_dir, self.round, self.skipped_rounds, orgs,
                           dict(self.eval_history), self.capability_table(), self.wall_time_s)
 
+
+def _exchange_time(phase: str, org: str, worker_metrics: Mapping[str, Any], metrics: dict[str, float]) -> None:
+    """``time/exchange/<phase>/<org>``: the transport's call time minus the worker's own reported compute
+    (its ``time/*`` metrics, top-level phases only) = serialization, transport and queueing overhead."""
+    call = metrics.get(f"time/call/{phase}/{org}")
+    if call is None:
+        return
+    compute = sum(float(v) for k, v in worker_metrics.items()
+                  if k.startswith("time/") and k.count("/") == 1 and k != "time/update"
+                  and isinstance(v, (int, float)) and math.isfinite(v))
+    metrics[f"time/exchange/{phase}/{org}"] = max(0.0, call - compute)

@@ -141,7 +141,7 @@ class PolicyWorker:
             row.source = learner
         foreign_rows, dropped = self._foreign_rows(request, own, agents)
         t1 = time.perf_counter()
-        metrics = self.trainer.update(own.rows + foreign_rows, learner, capability)
+        metrics = self.trainer.update(own.rows + foreign_rows, learner, capability, names=agents)
         self.engine.sync_weights(self.model)
         self._own = None
         self.last_round, self.last_run_id = request.round, request.run_id
