@@ -214,3 +214,14 @@ def test_registry_losses_dispatch():
         get_policy_loss("grpo")(inp, 0, cfg)
     with pytest.raises(KeyError, match="registered"):
         get_policy_loss("ppo")
+
+
+def test_naive_is_gspo_on_every_row_against_the_source():
+    from hacrl_fed.algorithm import naive_loss
+
+    lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    old = torch.tensor([-1.0, -1.5, -0.9])  # e.g. a foreign row far from its source's lbar
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    l_n, m = naive_loss(lp, old, adv)
+    l_g, _ = gspo_loss(lp, old, adv)
+    assert torch.equal(l_n, l_g) and "naive/clip_low_frac" in m

@@ -11,14 +11,13 @@ from hacrl_fed.algorithm.batching import minibatch_schedule, order_rows
 from hacrl_fed.algorithm.capability import CapabilityTracker
 from hacrl_fed.algorithm.losses import (
     HacpoLossConfig, cross_lower_bound, grpo_loss, gspo_loss, gspo_objective, hacpo_loss, kl_k3, masked_mean,
-    sequence_mean_log_prob,
+    naive_loss, sequence_mean_log_prob,
 )
 from hacrl_fed.algorithm.registry import (
     ADVANTAGE_ESTIMATORS, ALGORITHMS, POLICY_LOSSES, AlgorithmSpec, PolicyLossConfig, PolicyLossInputs,
     get_advantage_estimator, get_algorithm, get_policy_loss, register_advantage_estimator, register_policy_loss,
 )
 
-naive_loss = POLICY_LOSSES["naive"]
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "POLICY_LOSSES", "AlgorithmSpec", "CapabilityTracker", "HacpoLossConfig",

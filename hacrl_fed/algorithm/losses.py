@@ -159,6 +159,21 @@ def gspo_loss(
     return loss, metrics
 
 
+def naive_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    max_abs_log_ratio: float = 10.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """``naive`` sharing: GSPO's ratio and clip on every row (own and foreign) against its source's ``lbar``,
+    with none of HACPO's mechanisms (no capability weight, no stepwise band). Inputs [N]; metrics ``naive/...``."""
+    return gspo_loss(log_probs, old_log_probs, advantages, clip_low=clip_low, clip_high=clip_high,
+                     max_abs_log_ratio=max_abs_log_ratio, prefix="naive")
+
+
 def grpo_loss(
     log_probs: Tensor,
     old_log_probs: Tensor,

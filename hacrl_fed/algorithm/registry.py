@@ -17,7 +17,7 @@ from torch import Tensor
 
 from hacrl_fed.algorithm.advantages import group_advantages, hacpo_advantages
 from hacrl_fed.algorithm.losses import (
-    HacpoLossConfig, grpo_loss, gspo_loss, hacpo_loss, sequence_mean_log_prob,
+    HacpoLossConfig, grpo_loss, gspo_loss, hacpo_loss, naive_loss, sequence_mean_log_prob,
 )
 
 AdvantageFn = Callable[..., Tensor]
@@ -135,9 +135,9 @@ def _loss_gspo(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLos
 @register_policy_loss("naive")
 def _loss_naive(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLossConfig):
     """Every row with GSPO's ratio and clip against its source's ``lbar`` (no weight, no stepwise band)."""
-    return gspo_loss(inputs.sequence_log_probs(), inputs.old_log_probs, inputs.advantages,
-                     clip_low=config.self_clip_low, clip_high=config.self_clip_high,
-                     max_abs_log_ratio=config.max_abs_log_ratio, prefix="naive")
+    return naive_loss(inputs.sequence_log_probs(), inputs.old_log_probs, inputs.advantages,
+                      clip_low=config.self_clip_low, clip_high=config.self_clip_high,
+                      max_abs_log_ratio=config.max_abs_log_ratio)
 
 
 @register_policy_loss("grpo")
