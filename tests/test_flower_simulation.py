@@ -58,9 +58,6 @@ def test_bad_config_exits_2_before_starting_ray(tmp_path, capsys):
     assert main_simulate([str(_config(tmp_path)), "--set", "federation.rounds=0"]) == 2
     assert "federation.rounds" in capsys.readouterr().err
     assert ENV_VAR not in os.environ
-    out = capsys.readouterr().out  # the final per-org table is the last thing printed
-    assert out.splitlines()[0].startswith("org ") and "outputs in" in out.splitlines()[-1]
-    assert (run_dir / "summary.txt").read_text().splitlines()[0].startswith("org ")
 
 
 def test_run_dir_checks_exit_2_before_starting_ray(tmp_path, capsys):
@@ -95,6 +92,9 @@ def test_two_rounds_over_the_simulation_engine(tmp_path, capsys):
     assert [name.split("-")[1] for name in built] == ["a", "b"]  # one worker per org ...
     assert len({name.split("-")[2] for name in built}) == 1  # ... both in the single ClientApp actor
     assert ENV_VAR not in os.environ
+    out = capsys.readouterr().out  # the final per-org table is the last thing printed
+    assert out.splitlines()[0].startswith("org ") and "outputs in" in out.splitlines()[-1]
+    assert (run_dir / "summary.txt").read_text().splitlines()[0].startswith("org ")
 
 
 @pytest.mark.slow
