@@ -157,15 +157,31 @@ def build_scoring_batch(
     if eos is None and FINISH_STOP in finish_reasons:
         raise ValueError("the tokenizer has no eos_token_id; pass eos_token_id to score 'stop' responses")
     prompt_ids = tokenizer(list(prompt_texts), add_special_tokens=False)["input_ids"] if n else []
-    response_ids = (
-        tokenizer(list(responses), add_special_tokens=False, split_special_tokens=True)["input_ids"] if n else []
-    )
-    full = []
-    for r, reason in zip(response_ids, finish_reasons):
-        r = list(r) + ([int(eos)] if reason == FINISH_STOP else [])
-        full.append(r if max_response_tokens is None else r[:max_response_tokens])
+    full = response_token_ids(tokenizer, responses, finish_reasons, eos_token_id=eos,
+                              max_response_tokens=max_response_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     return build_scoring_batch_from_ids(prompt_ids, full, pad)
+
+
+def response_token_ids(
+    tokenizer,
+    responses: Sequence[str],
+    finish_reasons: Sequence[str],
+    *,
+    eos_token_id: int | None,
+    max_response_tokens: int | None = None,
+) -> list[list[int]]:
+    """The learner's token ids of published responses: ``tokenizer(text, add_special_tokens=False,
+    split_special_tokens=True)`` plus ``eos_token_id`` iff ``finish_reason == "stop"``, cut to
+    ``max_response_tokens`` (EOS included in the count). The rules of :func:`build_scoring_batch`."""
+    if not responses:
+        return []
+    ids = tokenizer(list(responses), add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    out = []
+    for r, reason in zip(ids, finish_reasons):
+        r = list(r) + ([int(eos_token_id)] if reason == FINISH_STOP else [])
+        out.append(r if max_response_tokens is None else r[:max_response_tokens])
+    return out
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:

@@ -25,7 +25,7 @@ from hacrl_fed.engines import build_engine
 from hacrl_fed.models.chat import eos_token_id, render_prompt
 from hacrl_fed.models.loading import load_model_and_tokenizer
 
-from hacrl_fed.scoring import build_scoring_batch
+from hacrl_fed.scoring import response_token_ids
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.tasks import get_task
 from hacrl_fed.trainer import LocalTrainer, TrainRow
@@ -152,20 +152,19 @@ class PolicyWorker:
 
     def _foreign_rows(self, request: TrainRequest, own: _OwnRound, agents: list[str]) -> tuple[list[TrainRow], int]:
         """Re-tokenize foreign responses with this learner's template and tokenizer (EOS iff the source stopped)."""
-        prompts = {p.prompt_id: p for p in request.prompts}
+        prompts = {p.prompt_id for p in request.prompts}
         usable = [r for r in request.foreign
                   if r.org_id != self.org_id and r.prompt_id in prompts and r.prompt_id in own.prompt_ids
                   and r.token_count > 0 and math.isfinite(r.logprob_sum)]
         dropped = len(request.foreign) - len(usable)
         if not usable:
             return [], dropped
-        batch = build_scoring_batch(self.tokenizer, [self._render(prompts[r.prompt_id]) for r in usable],
-                                    [r.response for r in usable], [r.finish_reason for r in usable],
-                                    eos_token_id=self.eos_id)
+        # prompts: this round's rendered-and-tokenized ids from generate(); responses: the learner's tokens
+        responses = response_token_ids(self.tokenizer, [r.response for r in usable],
+                                       [r.finish_reason for r in usable], eos_token_id=self.eos_id)
         cap = FOREIGN_LENGTH_FACTOR * own.max_new_tokens
         rows = []
-        for i, r in enumerate(usable):
-            resp = batch.input_ids[i][batch.response_mask[i].bool()].tolist()
+        for r, resp in zip(usable, responses):
             if not resp or len(resp) > cap:  # kept with no tokens: counts in the group's baseline, not trained on
                 dropped += 1
                 resp = []
