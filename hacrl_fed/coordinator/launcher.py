@@ -36,6 +36,8 @@ READY = re.compile(r"^hacrl-fed worker (?P<org>\S+) listening on (?P<address>\S+
 DEFAULT_WORKER_COMMAND = (sys.executable, "-m", "hacrl_fed.cli", "worker")
 MAX_UNIX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux (104 on macOS); keep a margin
 _TAIL_LINES = 20
+PARENT_PID_ENV = "HACRL_FED_PARENT_PID"  # hacrl-fed worker stops when its parent is no longer this pid
+
 # argv: [python, -c, _DIE_WITH_PARENT, <launcher pid>, worker command...]; prctl option 1 = PR_SET_PDEATHSIG
 _DIE_WITH_PARENT = (
     "import ctypes, os, signal, sys\n"
@@ -129,6 +131,8 @@ class WorkerProcesses:
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.die_with_parent:  # the worker also polls for its parent (PDEATHSIG alone proved unreliable)
+            env[PARENT_PID_ENV] = str(os.getpid())
         root = str(Path(__file__).resolve().parents[2])  # so the child imports this very hacrl_fed
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         return env

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -266,8 +267,11 @@ def main_worker(argv: list[str] | None = None) -> int:
     max_mb = args.max_message_mb or cfg.federation.max_message_mb
     server = serve_worker(worker, args.listen, max_message_mb=max_mb)
     print(f"hacrl-fed worker {org_id} listening on {server.address}", flush=True)
+    parent = os.environ.get("HACRL_FED_PARENT_PID")  # set by the launcher: stop when it is gone
     while not stop.wait(0.5):
-        pass
+        if parent and os.getppid() != int(parent):
+            log.warning("launcher (pid %s) is gone: stopping", parent)
+            break
     log.info("stopping (grace %.1f s)", args.grace_s)
     server.stop(args.grace_s).wait()
     close = getattr(worker, "close", None)
