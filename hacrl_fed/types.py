@@ -65,6 +65,8 @@ class Rollout:
     reward: float  # verified, in [0, 1]
     logprob_sum: float  # sum of the source's token log-probs (pre-update weights, temperature 1)
     token_count: int  # tokens in that sum (EOS included iff finish_reason == "stop")
+    # End-to-end encrypted ``response`` (hacrl_fed.security.sealing); ``response`` is then "". Never both set.
+    sealed_response: bytes = b""
 
     @property
     def mean_log_prob(self) -> float:
@@ -73,8 +75,21 @@ class Rollout:
 
 
 @dataclass(frozen=True)
+class WrappedKey:
+    """A batch's content key wrapped for one recipient org (hacrl_fed.security.sealing)."""
+
+    recipient: str  # the recipient's org id
+    ephemeral_public: bytes  # raw X25519 public key, 32 bytes
+    wrapped: bytes  # AEAD ciphertext + tag of the 32-byte content key
+
+
+@dataclass(frozen=True)
 class RolloutBatch:
-    """An org's reply to a RoundPlan (ARCHITECTURE.md step 2). ``signature`` is reserved for Ed25519 signing."""
+    """An org's reply to a RoundPlan (ARCHITECTURE.md step 2).
+
+    ``signature`` is the source org's Ed25519 signature (hacrl_fed.security.envelope; empty when unsigned).
+    ``wrapped_keys`` is non-empty when the rollouts' text is sealed (``Rollout.sealed_response``) to recipients.
+    """
 
     run_id: str
     round: int
@@ -83,6 +98,7 @@ class RolloutBatch:
     accuracy: float  # mean reward of this org's rollouts this round (P_k(t))
     metrics: dict[str, float] = field(default_factory=dict)
     signature: bytes = b""
+    wrapped_keys: tuple[WrappedKey, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,8 @@ class TrainRequest:
     prompts: tuple[Prompt, ...]  # the round's prompts (to re-tokenize foreign text with the learner's template)
     foreign: tuple[Rollout, ...]
     capability: dict[str, float]  # org_id -> Phat (effective: all 1.0 during warm-up)
+    # The other orgs' batches verbatim (signed, possibly sealed), so the learner can verify end to end.
+    source_batches: tuple[RolloutBatch, ...] = ()
 
 
 @dataclass(frozen=True)

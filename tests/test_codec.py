@@ -33,6 +33,18 @@ def _rollout(i: int = 0, org: str = "acme") -> t.Rollout:
     )
 
 
+def _sealed_batch() -> t.RolloutBatch:
+    """A batch shaped like a sealed one (the codec checks shapes only; the bytes need not decrypt)."""
+    rollouts = tuple(replace(_rollout(i), response="", sealed_response=bytes([i]) * (20 + i)) for i in range(3))
+    keys = (
+        t.WrappedKey("beta", bytes(range(32)), b"\x01" * 48),
+        t.WrappedKey("gamma", b"\xff" * 32, b""),
+        t.WrappedKey("ünï", bytes(32), b"\x02" * 128),
+    )
+    return t.RolloutBatch(run_id="run-1", round=3, org_id="acme", rollouts=rollouts, accuracy=0.5,
+                          signature=b"\x07" * 64, wrapped_keys=keys)
+
+
 def _samples() -> list[object]:
     """One instance of every dataclass, including empty collections and awkward floats."""
     sampling = t.SamplingParams(temperature=0.7, top_p=0.95, top_k=50, max_new_tokens=128, num_samples=4, seed=2**62)
@@ -62,6 +74,14 @@ def _samples() -> list[object]:
         t.EvalRequest(run_id="run-1", round=3, task="arithmetic", prompts=(_prompt(),), max_new_tokens=32),
         t.EvalReport(run_id="run-1", round=3, org_id="acme", accuracy=1.0, num_prompts=200, metrics={"eval/x": 0.5}),
         t.EvalReport(run_id="run-1", round=0, org_id="acme", accuracy=0.0, num_prompts=0),
+        # end-to-end encryption fields (shapes only; hacrl_fed.security makes real ones)
+        _sealed_batch(),
+        t.WrappedKey("beta", bytes(range(32)), b"\x00" * 48),
+        replace(_rollout(2), response="", sealed_response=b"\x00\xff" * 40),
+        t.TrainRequest(
+            run_id="run-1", round=3, org_id="beta", prompts=(_prompt(),), foreign=(), capability={"acme": 0.5},
+            source_batches=(_sealed_batch(), t.RolloutBatch("run-1", 3, "gamma", (_rollout(0, "gamma"),), 1.0)),
+        ),
     ]
 
 
@@ -175,6 +195,71 @@ def test_decode_rejects_bad_batch_fields(mutate, pattern):
         codec.decode(t.RolloutBatch, data)
 
 
+def _sealed_msg() -> pb.RolloutBatch:
+    return codec.to_proto(_sealed_batch())
+
+
+SEALED_CASES = [
+    (_set("rollouts[1].response", "leak"), r"RolloutBatch\.rollouts\[1\]: both response and sealed_response"),
+    (_set("wrapped_keys[1].ephemeral_public", b"x" * 31),
+     r"RolloutBatch\.wrapped_keys\[1\]\.ephemeral_public: 31 bytes, expected 32"),
+    (_set("wrapped_keys[0].ephemeral_public", b""), r"wrapped_keys\[0\]\.ephemeral_public: 0 bytes, expected 32"),
+    (_set("wrapped_keys[0].ephemeral_public", b"x" * 33), r"wrapped_keys\[0\]\.ephemeral_public: 33 bytes"),
+    (_set("wrapped_keys[2].wrapped", b"x" * 129), r"wrapped_keys\[2\]\.wrapped: 129 bytes exceed the cap of 128"),
+    (_set("wrapped_keys[0].recipient", ""), r"wrapped_keys\[0\]\.recipient: must not be empty"),
+    (_set("wrapped_keys[2].recipient", "beta"), r"wrapped_keys\[2\]\.recipient: duplicate recipient 'beta'"),
+    (_set("wrapped_keys[0].recipient", "x" * 257), r"wrapped_keys\[0\]\.recipient: 257 characters exceed"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "pattern"), SEALED_CASES)
+def test_decode_rejects_bad_sealed_fields(mutate, pattern):
+    msg = _sealed_msg()
+    mutate(msg)
+    with pytest.raises(WireError, match=pattern):
+        codec.decode(t.RolloutBatch, msg.SerializeToString())
+
+
+def test_sealed_caps_are_configurable():
+    data = codec.encode(_sealed_batch())
+    with pytest.raises(WireError, match=r"RolloutBatch\.wrapped_keys: 3 entries exceed the cap of 2"):
+        codec.decode(t.RolloutBatch, data, limits=WireLimits(max_recipients=2))
+    assert codec.decode(t.RolloutBatch, data, limits=WireLimits(max_recipients=3)) == _sealed_batch()
+    # sealed text may exceed max_text_chars by 64 bytes (the AEAD tag and room to spare), no more
+    rollout = replace(_rollout(), response="", sealed_response=b"\x00" * 75)
+    with pytest.raises(WireError, match=r"Rollout\.sealed_response: 75 bytes exceed the cap of 74"):
+        codec.decode(t.Rollout, codec.encode(rollout), limits=WireLimits(max_text_chars=10))
+    assert codec.decode(t.Rollout, codec.encode(rollout), limits=WireLimits(max_text_chars=11)) == rollout
+
+
+def test_source_batches_are_checked_like_batches():
+    req = codec.to_proto(_first(t.TrainRequest))
+    req.source_batches.append(_sealed_msg())
+    req.source_batches[0].rollouts[1].reward = 2.0
+    with pytest.raises(WireError, match=r"TrainRequest\.source_batches\[0\]\.rollouts\[1\]\.reward: 2\.0 outside"):
+        codec.from_proto(req)
+    req = codec.to_proto(_first(t.TrainRequest))
+    req.source_batches.append(_sealed_msg())
+    req.source_batches[0].wrapped_keys[0].ephemeral_public = b""
+    with pytest.raises(WireError, match=r"TrainRequest\.source_batches\[0\]\.wrapped_keys\[0\]\.ephemeral_public"):
+        codec.from_proto(req)
+    req = codec.to_proto(_first(t.TrainRequest))
+    req.source_batches.append(_sealed_msg())
+    req.source_batches[0].schema_version = 0
+    with pytest.raises(WireError, match=r"TrainRequest\.source_batches\[0\]\.schema_version: missing"):
+        codec.from_proto(req)
+    data = codec.encode(t.TrainRequest("r", 1, "a", (), (), {}, source_batches=(_sealed_batch(),) * 3))
+    with pytest.raises(WireError, match=r"TrainRequest\.source_batches: 3 entries exceed the cap of 2"):
+        codec.decode(t.TrainRequest, data, limits=WireLimits(max_items=2))
+
+
+def test_source_batches_keep_their_bytes_verbatim():
+    """A forwarded batch re-encodes to exactly the bytes its source produced (so its signature still checks)."""
+    batch = _sealed_batch()
+    req = codec.decode(t.TrainRequest, codec.encode(t.TrainRequest("r", 1, "beta", (), (), {}, (batch, batch))))
+    assert [codec.encode(b) for b in req.source_batches] == [codec.encode(batch)] * 2
+
+
 def _plan_msg() -> pb.RoundPlan:
     return codec.to_proto(_first(t.RoundPlan))
 
@@ -271,3 +356,9 @@ def test_encode_errors_are_wire_errors():
         codec.encode(replace(_rollout(), token_count=2**63))
     with pytest.raises(WireError, match=r"ChatMessage: cannot encode"):
         codec.encode(t.ChatMessage(role=123, content="x"))
+    with pytest.raises(WireError, match=r"Rollout: both response and sealed_response are set"):
+        codec.encode(replace(_rollout(), sealed_response=b"\x00" * 20))
+    with pytest.raises(WireError, match=r"Rollout: cannot encode"):
+        codec.encode(replace(_rollout(), response="", sealed_response="text, not bytes"))
+    with pytest.raises(WireError, match=r"RolloutBatch: cannot encode"):
+        codec.encode(replace(_sealed_batch(), wrapped_keys=(t.WrappedKey("beta", "not bytes", b""),)))

@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 PROTO = REPO / "proto" / "hacrl_fed" / "v1" / "worker.proto"
 SCRIPT = REPO / "scripts" / "gen_proto.sh"
 GENERATED = ("worker_pb2.py", "worker_pb2.pyi", "worker_pb2_grpc.py")
-MIRRORED = (t.ChatMessage, t.Prompt, t.SamplingParams, t.RoundPlan, t.Rollout, t.RolloutBatch, t.TrainRequest,
-            t.TrainReport, t.EvalRequest, t.EvalReport)
+MIRRORED = (t.ChatMessage, t.Prompt, t.SamplingParams, t.RoundPlan, t.Rollout, t.WrappedKey, t.RolloutBatch,
+            t.TrainRequest, t.TrainReport, t.EvalRequest, t.EvalReport)
 
 _FIELD = re.compile(r"^\s*(?:repeated\s+)?(?:map<[^>]+>|[\w.]+)\s+(\w+)\s*=\s*(\d+)\s*;", re.M)
 
@@ -110,7 +110,21 @@ def test_top_level_messages_are_versioned_and_keep_room_to_grow():
         pb.DESCRIPTOR.message_types_by_name[name].CopyToProto(proto)
         return {n for r in proto.reserved_range for n in range(r.start, r.end)}
 
-    assert {9, 10, 11} <= reserved("RolloutBatch")  # key_id, encrypted payload, plan digest
-    assert {10, 11, 13, 14} <= reserved("Rollout")  # sealed text, text digest, verifier, extracted answer
-    assert 8 in reserved("TrainRequest")  # signed source batches forwarded verbatim
+    assert {9, 11} <= reserved("RolloutBatch")  # key_id, plan digest
+    assert {11, 13, 14} <= reserved("Rollout")  # text digest, verifier, extracted answer
+    assert 9 in reserved("TrainRequest")  # reverify_rewards
     assert 4 in reserved("Prompt")  # verifier metadata for reward re-verification
+    assert 4 in reserved("WrappedKey")  # recipient key id
+
+
+def test_planned_numbers_taken_by_the_security_fields():
+    """The numbers worker.proto reserved for signed / sealed rollouts are now these fields, nothing else."""
+    fields = {name: desc.fields_by_name for name, desc in pb.DESCRIPTOR.message_types_by_name.items()}
+    assert fields["Rollout"]["sealed_response"].number == 10
+    assert fields["RolloutBatch"]["signature"].number == 8
+    assert fields["RolloutBatch"]["wrapped_keys"].number == 10
+    assert fields["RolloutBatch"]["wrapped_keys"].message_type.name == "WrappedKey"
+    assert fields["TrainRequest"]["source_batches"].number == 8
+    assert fields["TrainRequest"]["source_batches"].message_type.name == "RolloutBatch"
+    wrapped_key = {f: d.number for f, d in fields["WrappedKey"].items()}
+    assert wrapped_key == {"recipient": 1, "ephemeral_public": 2, "wrapped": 3}

@@ -66,7 +66,7 @@ class RoundPlan(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., task: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("org_id", "round", "prompt_id", "sample_index", "response", "finish_reason", "reward", "logprob_sum", "token_count")
+    __slots__ = ("org_id", "round", "prompt_id", "sample_index", "response", "finish_reason", "reward", "logprob_sum", "token_count", "sealed_response")
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class Rollout(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_SUM_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SEALED_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     org_id: str
     round: int
     prompt_id: int
@@ -85,10 +86,21 @@ class Rollout(_message.Message):
     reward: float
     logprob_sum: float
     token_count: int
-    def __init__(self, org_id: _Optional[str] = ..., round: _Optional[int] = ..., prompt_id: _Optional[int] = ..., sample_index: _Optional[int] = ..., response: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., reward: _Optional[float] = ..., logprob_sum: _Optional[float] = ..., token_count: _Optional[int] = ...) -> None: ...
+    sealed_response: bytes
+    def __init__(self, org_id: _Optional[str] = ..., round: _Optional[int] = ..., prompt_id: _Optional[int] = ..., sample_index: _Optional[int] = ..., response: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., reward: _Optional[float] = ..., logprob_sum: _Optional[float] = ..., token_count: _Optional[int] = ..., sealed_response: _Optional[bytes] = ...) -> None: ...
+
+class WrappedKey(_message.Message):
+    __slots__ = ("recipient", "ephemeral_public", "wrapped")
+    RECIPIENT_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    WRAPPED_FIELD_NUMBER: _ClassVar[int]
+    recipient: str
+    ephemeral_public: bytes
+    wrapped: bytes
+    def __init__(self, recipient: _Optional[str] = ..., ephemeral_public: _Optional[bytes] = ..., wrapped: _Optional[bytes] = ...) -> None: ...
 
 class RolloutBatch(_message.Message):
-    __slots__ = ("schema_version", "run_id", "round", "org_id", "rollouts", "accuracy", "metrics", "signature")
+    __slots__ = ("schema_version", "run_id", "round", "org_id", "rollouts", "accuracy", "metrics", "signature", "wrapped_keys")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +116,7 @@ class RolloutBatch(_message.Message):
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    WRAPPED_KEYS_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     run_id: str
     round: int
@@ -112,10 +125,11 @@ class RolloutBatch(_message.Message):
     accuracy: float
     metrics: _containers.ScalarMap[str, float]
     signature: bytes
-    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., accuracy: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    wrapped_keys: _containers.RepeatedCompositeFieldContainer[WrappedKey]
+    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., accuracy: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., signature: _Optional[bytes] = ..., wrapped_keys: _Optional[_Iterable[_Union[WrappedKey, _Mapping]]] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
-    __slots__ = ("schema_version", "run_id", "round", "org_id", "prompts", "foreign", "capability")
+    __slots__ = ("schema_version", "run_id", "round", "org_id", "prompts", "foreign", "capability", "source_batches")
     class CapabilityEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +144,7 @@ class TrainRequest(_message.Message):
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     FOREIGN_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BATCHES_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     run_id: str
     round: int
@@ -137,7 +152,8 @@ class TrainRequest(_message.Message):
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     foreign: _containers.RepeatedCompositeFieldContainer[Rollout]
     capability: _containers.ScalarMap[str, float]
-    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., foreign: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., capability: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    source_batches: _containers.RepeatedCompositeFieldContainer[RolloutBatch]
+    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., foreign: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., capability: _Optional[_Mapping[str, float]] = ..., source_batches: _Optional[_Iterable[_Union[RolloutBatch, _Mapping]]] = ...) -> None: ...
 
 class TrainReport(_message.Message):
     __slots__ = ("schema_version", "run_id", "round", "org_id", "metrics")

@@ -20,7 +20,14 @@ Decoding is the trust boundary, so every decoded field is checked (input hygiene
 * counts and indices (round, prompt_id, sample_index, token_count, top_k, num_prompts) >= 0;
   ``max_new_tokens`` and ``num_samples`` >= 1;
 * ``finish_reason`` is stop or length; ``role`` is system, user or assistant; org ids are non-empty;
-* strings, repeated fields, maps, signatures and whole messages are capped by :class:`WireLimits`.
+* strings, repeated fields, maps, signatures and whole messages are capped by :class:`WireLimits`;
+* sealed text (``Rollout.sealed_response``) is capped at ``max_text_chars + 64`` bytes, and a rollout never
+  carries both a non-empty ``response`` and a non-empty ``sealed_response`` (also refused when encoding);
+* wrapped keys (``RolloutBatch.wrapped_keys``): at most ``max_recipients``, recipients non-empty and distinct
+  names, ``ephemeral_public`` exactly 32 bytes, ``wrapped`` at most 128 bytes;
+* ``TrainRequest.source_batches`` are checked like any ``RolloutBatch``.
+
+The codec checks shapes only; signatures and sealed text are checked by :mod:`hacrl_fed.security`.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ from hacrl_fed.v1 import worker_pb2 as pb
 
 SCHEMA_VERSION = 1  # written into every top-level message; receivers accept 1..SCHEMA_VERSION
 ROLES = ("system", "user", "assistant")
+EPHEMERAL_PUBLIC_BYTES = 32  # a raw X25519 public key
+MAX_WRAPPED_BYTES = 128  # a wrapped content key (32-byte key + 16-byte tag today; room for a longer scheme)
+SEALED_OVERHEAD_BYTES = 64  # sealed_response may exceed max_text_chars by this much (AEAD tag, future nonce)
 
 _FINISH_TO_PB = {t.FINISH_STOP: pb.FINISH_REASON_STOP, t.FINISH_LENGTH: pb.FINISH_REASON_LENGTH}
 _FINISH_FROM_PB = {code: name for name, code in _FINISH_TO_PB.items()}
@@ -55,6 +65,7 @@ class WireLimits:
     max_items: int = 2**20  # elements of any one repeated or map field
     max_signature_bytes: int = 1024
     max_path_chars: int = 4096  # checkpoint paths
+    max_recipients: int = 1024  # wrapped keys of one batch
 
 
 DEFAULT_LIMITS = WireLimits()
@@ -91,6 +102,12 @@ def _string(s: str, where: str, cap: int, *, required: bool = False) -> str:
     if required and not s:
         _fail(where, "must not be empty")
     return s
+
+
+def _bytes(b: bytes, where: str, cap: int) -> bytes:
+    if len(b) > cap:
+        _fail(where, f"{len(b)} bytes exceed the cap of {cap}")
+    return bytes(b)
 
 
 def _items(seq: Any, where: str, lim: WireLimits) -> Any:
@@ -145,18 +162,24 @@ def _plan_to(p: t.RoundPlan) -> pb.RoundPlan:
 def _rollout_to(r: t.Rollout) -> pb.Rollout:
     if r.finish_reason not in _FINISH_TO_PB:
         raise WireError(f"Rollout.finish_reason: unknown value {r.finish_reason!r} (expected {t.FINISH_REASONS})")
+    if r.response and r.sealed_response:
+        raise WireError("Rollout: both response and sealed_response are set (sealed text must clear response)")
     return pb.Rollout(
         org_id=r.org_id, round=r.round, prompt_id=r.prompt_id, sample_index=r.sample_index,
         response=r.response, finish_reason=_FINISH_TO_PB[r.finish_reason], reward=r.reward,
-        logprob_sum=r.logprob_sum, token_count=r.token_count,
+        logprob_sum=r.logprob_sum, token_count=r.token_count, sealed_response=bytes(r.sealed_response),
     )
+
+
+def _wrapped_to(w: t.WrappedKey) -> pb.WrappedKey:
+    return pb.WrappedKey(recipient=w.recipient, ephemeral_public=bytes(w.ephemeral_public), wrapped=bytes(w.wrapped))
 
 
 def _batch_to(b: t.RolloutBatch) -> pb.RolloutBatch:
     return pb.RolloutBatch(
         schema_version=SCHEMA_VERSION, run_id=b.run_id, round=b.round, org_id=b.org_id,
         rollouts=[_rollout_to(r) for r in b.rollouts], accuracy=b.accuracy, metrics=dict(b.metrics),
-        signature=bytes(b.signature),
+        signature=bytes(b.signature), wrapped_keys=[_wrapped_to(w) for w in b.wrapped_keys],
     )
 
 
@@ -164,7 +187,7 @@ def _train_req_to(r: t.TrainRequest) -> pb.TrainRequest:
     return pb.TrainRequest(
         schema_version=SCHEMA_VERSION, run_id=r.run_id, round=r.round, org_id=r.org_id,
         prompts=[_prompt_to(p) for p in r.prompts], foreign=[_rollout_to(x) for x in r.foreign],
-        capability=dict(r.capability),
+        capability=dict(r.capability), source_batches=[_batch_to(b) for b in r.source_batches],
     )
 
 
@@ -263,6 +286,8 @@ def _rollout_from(m: pb.Rollout, where: str, lim: WireLimits) -> t.Rollout:
     if m.finish_reason not in _FINISH_FROM_PB:
         _fail(f"{where}.finish_reason", f"unknown value {m.finish_reason} (expected stop={pb.FINISH_REASON_STOP} "
               f"or length={pb.FINISH_REASON_LENGTH})")
+    if m.response and m.sealed_response:
+        _fail(where, "both response and sealed_response are set (sealed text must clear response)")
     return t.Rollout(
         org_id=_string(m.org_id, f"{where}.org_id", lim.max_name_chars, required=True),
         round=_at_least(m.round, f"{where}.round"),
@@ -273,6 +298,8 @@ def _rollout_from(m: pb.Rollout, where: str, lim: WireLimits) -> t.Rollout:
         reward=_in_range(m.reward, f"{where}.reward", 0.0, 1.0),
         logprob_sum=_finite(m.logprob_sum, f"{where}.logprob_sum"),
         token_count=_at_least(m.token_count, f"{where}.token_count"),
+        sealed_response=_bytes(m.sealed_response, f"{where}.sealed_response",
+                               lim.max_text_chars + SEALED_OVERHEAD_BYTES),
     )
 
 
@@ -281,10 +308,31 @@ def _rollouts_from(seq: Any, where: str, lim: WireLimits) -> tuple[t.Rollout, ..
     return tuple(_rollout_from(r, f"{where}[{i}]", lim) for i, r in enumerate(seq))
 
 
+def _wrapped_from(m: pb.WrappedKey, where: str, lim: WireLimits) -> t.WrappedKey:
+    if len(m.ephemeral_public) != EPHEMERAL_PUBLIC_BYTES:
+        _fail(f"{where}.ephemeral_public", f"{len(m.ephemeral_public)} bytes, expected {EPHEMERAL_PUBLIC_BYTES}")
+    return t.WrappedKey(
+        recipient=_string(m.recipient, f"{where}.recipient", lim.max_name_chars, required=True),
+        ephemeral_public=bytes(m.ephemeral_public),
+        wrapped=_bytes(m.wrapped, f"{where}.wrapped", MAX_WRAPPED_BYTES),
+    )
+
+
+def _wrapped_keys_from(seq: Any, where: str, lim: WireLimits) -> tuple[t.WrappedKey, ...]:
+    if len(seq) > lim.max_recipients:
+        _fail(where, f"{len(seq)} entries exceed the cap of {lim.max_recipients}")
+    keys = tuple(_wrapped_from(w, f"{where}[{i}]", lim) for i, w in enumerate(seq))
+    seen: set[str] = set()
+    for i, w in enumerate(keys):
+        if w.recipient in seen:
+            _fail(f"{where}[{i}].recipient", f"duplicate recipient {w.recipient[:40]!r}")
+        seen.add(w.recipient)
+    return keys
+
+
 def _batch_from(m: pb.RolloutBatch, where: str, lim: WireLimits) -> t.RolloutBatch:
     _check_version(m, where)
-    if len(m.signature) > lim.max_signature_bytes:
-        _fail(f"{where}.signature", f"{len(m.signature)} bytes exceed the cap of {lim.max_signature_bytes}")
+    _bytes(m.signature, f"{where}.signature", lim.max_signature_bytes)
     return t.RolloutBatch(
         run_id=_string(m.run_id, f"{where}.run_id", lim.max_name_chars),
         round=_at_least(m.round, f"{where}.round"),
@@ -293,7 +341,13 @@ def _batch_from(m: pb.RolloutBatch, where: str, lim: WireLimits) -> t.RolloutBat
         accuracy=_in_range(m.accuracy, f"{where}.accuracy", 0.0, 1.0),
         metrics=_float_map(m.metrics, f"{where}.metrics", lim),
         signature=bytes(m.signature),
+        wrapped_keys=_wrapped_keys_from(m.wrapped_keys, f"{where}.wrapped_keys", lim),
     )
+
+
+def _batches_from(seq: Any, where: str, lim: WireLimits) -> tuple[t.RolloutBatch, ...]:
+    _items(seq, where, lim)
+    return tuple(_batch_from(b, f"{where}[{i}]", lim) for i, b in enumerate(seq))
 
 
 def _train_req_from(m: pb.TrainRequest, where: str, lim: WireLimits) -> t.TrainRequest:
@@ -305,6 +359,7 @@ def _train_req_from(m: pb.TrainRequest, where: str, lim: WireLimits) -> t.TrainR
         prompts=_prompts_from(m.prompts, f"{where}.prompts", lim),
         foreign=_rollouts_from(m.foreign, f"{where}.foreign", lim),
         capability=_float_map(m.capability, f"{where}.capability", lim, low=0.0),
+        source_batches=_batches_from(m.source_batches, f"{where}.source_batches", lim),
     )
 
 
@@ -369,12 +424,12 @@ def _ckpt_rep_from(m: pb.CheckpointReply, where: str, lim: WireLimits) -> str:
 
 _TO_PROTO: dict[type, Callable[[Any], Message]] = {
     t.ChatMessage: _chat_to, t.Prompt: _prompt_to, t.SamplingParams: _sampling_to, t.RoundPlan: _plan_to,
-    t.Rollout: _rollout_to, t.RolloutBatch: _batch_to, t.TrainRequest: _train_req_to,
+    t.Rollout: _rollout_to, t.WrappedKey: _wrapped_to, t.RolloutBatch: _batch_to, t.TrainRequest: _train_req_to,
     t.TrainReport: _train_rep_to, t.EvalRequest: _eval_req_to, t.EvalReport: _eval_rep_to,
 }
 _FROM_PROTO: dict[type[Message], Callable[[Any, str, WireLimits], Any]] = {
     pb.ChatMessage: _chat_from, pb.Prompt: _prompt_from, pb.SamplingParams: _sampling_from,
-    pb.RoundPlan: _plan_from, pb.Rollout: _rollout_from, pb.RolloutBatch: _batch_from,
+    pb.RoundPlan: _plan_from, pb.Rollout: _rollout_from, pb.WrappedKey: _wrapped_from, pb.RolloutBatch: _batch_from,
     pb.TrainRequest: _train_req_from, pb.TrainReport: _train_rep_from, pb.EvalRequest: _eval_req_from,
     pb.EvalReport: _eval_rep_from, pb.HealthRequest: _health_req_from, pb.HealthReply: _health_rep_from,
     pb.CheckpointRequest: _ckpt_req_from, pb.CheckpointReply: _ckpt_rep_from,
