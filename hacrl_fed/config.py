@@ -126,6 +126,43 @@ class FederationConfig(_Section):
     max_message_mb: int = Field(256, ge=1)
 
 
+class SecurityConfig(_Section):
+    """Trust between organizations (SECURITY.md).
+
+    ``signing``: every RolloutBatch is signed by its org (Ed25519) and verified by the coordinator and by every
+    receiving worker against the pinned roster. ``roster_file`` / ``roster`` pin ``org id -> public identity``
+    (``hacrl-fed keys`` writes both the roster and each org's private identity file); ``identity_file`` is where
+    a worker finds its own private identity (``{org}`` is replaced by the org id). With neither roster set, a
+    run on one machine provisions a fresh key set under ``<run dir>/keys/`` (every key on one machine: it proves
+    the plumbing, not trust between separate organizations).
+    ``encrypt``: coordinator-blind mode; rollout text is sealed end to end for the other orgs.
+    ``max_mismatch_rate``: an org whose share of rollouts with a claimed reward that re-verification contradicts
+    exceeds this in one round is excluded from the pool for the rest of the run.
+    ``max_round_step``: how far ahead of its last trained round a worker accepts a plan.
+    ``max_bytes_per_token``: response text may hold at most ``max_new_tokens`` times this many UTF-8 bytes.
+    """
+
+    signing: bool = True
+    encrypt: bool = False
+    roster_file: str | None = None
+    roster: dict[str, str] = Field(default_factory=dict)  # org id -> "ed25519:<b64> x25519:<b64>"
+    identity_file: str | None = None  # e.g. keys/identity/{org}.key
+    reverify_rewards: bool = True
+    max_mismatch_rate: float = Field(0.1, ge=0, le=1)
+    max_round_step: int = Field(1000, ge=1)
+    max_bytes_per_token: int = Field(32, ge=4)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SecurityConfig":
+        if self.roster and self.roster_file:
+            raise ValueError("set at most one of 'roster' and 'roster_file'")
+        if self.encrypt and not self.signing:
+            raise ValueError("encrypt needs signing (encrypt-then-sign)")
+        if self.encrypt and not self.reverify_rewards:
+            raise ValueError("encrypt needs reverify_rewards (capability comes from receivers' verification)")
+        return self
+
+
 class RunConfig(_Section):
     name: str = "run"
     seed: int = 0
@@ -136,6 +173,7 @@ class RunConfig(_Section):
     task: TaskConfig = Field(default_factory=TaskConfig)
     orgs: list[OrgConfig] = Field(min_length=1)
     federation: FederationConfig = Field(default_factory=FederationConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @model_validator(mode="after")
     def _unique_orgs(self) -> "RunConfig":

@@ -131,7 +131,8 @@ def _fmt(x: float | None) -> str:
 
 def format_table(summary: "RunSummary") -> str:
     """The final per-org table: accuracy before → after (held-out, greedy), delta, rollouts shared (accepted
-    from this org), rollouts received (foreign rollouts it trained on), worker time in seconds."""
+    from this org), rollouts received (foreign rollouts it trained on), worker time in seconds; then one line per
+    org excluded from the pool, with why."""
     header = ("org", "accuracy before -> after", "delta", "shared", "received", "time_s")
     rows = [header]
     for org, s in summary.orgs.items():
@@ -145,7 +146,9 @@ def format_table(summary: "RunSummary") -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     foot = (f"run {summary.run_id}: {summary.rounds_completed} rounds ({summary.skipped_rounds} skipped), "
             f"{summary.wall_time_s:.1f} s")
-    return "\n".join(lines + [foot])
+    excluded = [f"{org} EXCLUDED from the pool: {s.excluded}" for org, s in summary.orgs.items()
+                if getattr(s, "excluded", None)]
+    return "\n".join(lines + [foot] + excluded)
 
 
 def round_progress(total: int, *, enabled: bool = True):

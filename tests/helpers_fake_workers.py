@@ -56,9 +56,9 @@ class FakeWorker:
             raise RuntimeError(f"{self.org_id} is down in round {plan.round}")
         g = plan.sampling.num_samples
         wins = round(self.skill * g)
-        rollouts = [
-            Rollout(self.org_id, plan.round, p.prompt_id, i, f"{self.org_id} says {i}", "stop",
-                    1.0 if i < wins else 0.0, -1.0 - i, 3)
+        rollouts = [  # a winning sample answers the reference (FakeTask.verify agrees with its reward)
+            Rollout(self.org_id, plan.round, p.prompt_id, i, p.reference if i < wins else f"{self.org_id} says {i}",
+                    "stop", 1.0 if i < wins else 0.0, -1.0 - i, 3)
             for p in plan.prompts for i in range(g)
         ]
         bad = [Rollout(self.org_id, plan.round, plan.prompts[0].prompt_id, k % g, "bad", "stop", 2.0, -1.0, 3)
@@ -86,8 +86,9 @@ class FakeWorker:
         return f"/tmp/fake/{self.org_id}/round-{round}"
 
 
-def fake_config(orgs=("a", "b", "c"), **federation):
-    """A RunConfig with zoo-named orgs (never built here), G=4, B=3, tiny generation settings."""
+def fake_config(orgs=("a", "b", "c"), *, security=None, **federation):
+    """A RunConfig with zoo-named orgs (never built here), G=4, B=3, tiny generation settings; fake workers do not
+    sign, so signing is off unless ``security`` says otherwise."""
     fed = {"rounds": 4, "prompts_per_round": 3, "eval_every": 2, "checkpoint_every": 2, "min_orgs": 1}
     fed.update(federation)
     return load_config({
@@ -97,6 +98,7 @@ def fake_config(orgs=("a", "b", "c"), **federation):
         "algorithm": {"capability_window": 2},
         "orgs": [{"id": o, "model": {"zoo": "tiny"}} for o in orgs],
         "federation": fed,
+        "security": {"signing": False, **(security or {})},
     })
 
 

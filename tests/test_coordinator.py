@@ -46,7 +46,8 @@ def test_end_to_end_pooling_capability_schedule_and_outputs(tmp_path):
             assert p.sampling.num_samples == 4 and p.sampling.max_new_tokens == 8
         assert [p.sampling.seed for p in w.plans] == [p.sampling.seed for p in workers["a"].plans]
 
-    # TrainRequests carry exactly the other orgs' accepted rollouts (c's reward-2.0 extras dropped).
+    # TrainRequests carry exactly the other orgs' accepted rollouts: c's reward-2.0 extras claim slots of its first
+    # prompt, so that whole group is dropped (exactly G per prompt or nothing) and c pools 2 of its 3 prompts.
     ref = CapabilityTracker(window=2)
     for t in range(1, 5):
         ref.update(SKILLS)
@@ -57,7 +58,7 @@ def test_end_to_end_pooling_capability_schedule_and_outputs(tmp_path):
             sources = {r.org_id for r in req.foreign}
             assert sources == set(SKILLS) - {org}
             assert all(0.0 <= r.reward <= 1.0 for r in req.foreign)
-            assert len(req.foreign) == 2 * 3 * 4  # two other orgs x B prompts x G samples
+            assert len(req.foreign) == sum(2 * 4 if o == "c" else 3 * 4 for o in SKILLS if o != org)
             assert req.capability == pytest.approx({o: ref.capability(o) for o in SKILLS})
     assert summary.capability == pytest.approx(SKILLS)
 
@@ -69,20 +70,22 @@ def test_end_to_end_pooling_capability_schedule_and_outputs(tmp_path):
     assert sorted(summary.eval_history) == [0, 2, 4]
     assert summary.orgs["a"].accuracy_before == pytest.approx(0.25)
     assert summary.orgs["a"].accuracy_after == pytest.approx(0.25 + 0.04)
-    assert summary.orgs["c"].rollouts_shared == 4 * 12
-    assert summary.orgs["a"].rollouts_received == 4 * 24
+    assert summary.orgs["c"].rollouts_shared == 4 * 8
+    assert summary.orgs["a"].rollouts_received == 4 * 20
     assert summary.rounds_completed == 4 and summary.skipped_rounds == 0
     assert [r.round for r in results] == [1, 2, 3, 4]
 
     records = read_metrics(tmp_path)
     assert [r["round"] for r in records] == [0, 1, 2, 3, 4]
     r1 = records[1]
-    assert r1["round/c/rollouts_received"] == 14 and r1["round/c/rollouts_accepted"] == 12
-    assert r1["round/c/rollouts_rejected"] == 2 and r1["round/c/rejected/bad_reward"] == 2
+    assert r1["round/c/rollouts_received"] == 14 and r1["round/c/rollouts_accepted"] == 8
+    assert r1["round/c/rollouts_rejected"] == 6 and r1["round/c/rejected/bad_reward"] == 2
+    assert r1["round/c/rejected/incomplete_group"] == 4 and r1["round/c/shortfall"] == 4
+    assert r1["round/a/shortfall"] == 0 and r1["round/a/mismatch_rate"] == 0.0
     assert r1["round/c/accuracy"] == pytest.approx(0.75)
     assert r1["round/c/accuracy_discrepancy"] == pytest.approx(0.2)
     assert r1["capability/b"] == pytest.approx(0.5)
-    assert r1["a/hacpo/loss"] == pytest.approx(0.1) and r1["a/hacpo/foreign"] == 24
+    assert r1["a/hacpo/loss"] == pytest.approx(0.1) and r1["a/hacpo/foreign"] == 20
     assert {"time/generate", "time/train", "time/round"} <= set(r1)
     assert "eval/a/accuracy" in records[0] and "eval/a/accuracy" not in r1 and "eval/b/accuracy" in records[2]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))

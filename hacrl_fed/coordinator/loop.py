@@ -5,9 +5,11 @@ Per round ``t`` (1-based):
 1. ``B = federation.prompts_per_round`` train ids from :class:`PromptSampler` (a function of (seed, t)) become
    one :class:`RoundPlan` per reachable configured org (sampling from the org's generation settings, seed
    ``stable_seed("sampling", cfg.seed, t)``), sent with ``transport.generate``.
-2. Every reply is checked by :func:`validate_batch`; an org *replied* when at least one rollout was accepted.
-   Its ``P_k(t)`` is the mean reward of its accepted rollouts (the reported accuracy is only compared, as
-   ``round/<org>/accuracy_discrepancy``). Fewer than ``min_orgs`` replies: the round's training is skipped
+2. Every reply is verified and screened by :class:`~hacrl_fed.coordinator.trust.PoolGuard` (signature against
+   the pinned roster, plan bounds, exactly G samples per prompt, rewards re-verified; an org caught lying is
+   excluded for the rest of the run); an org *replied* when at least one rollout was accepted. Its ``P_k(t)``
+   is the mean verified reward of its accepted rollouts (the reported accuracy is only compared, as
+   ``round/<org>/accuracy_discrepancy``); in coordinator-blind mode it is what the receivers verified. Fewer than ``min_orgs`` replies: the round's training is skipped
    (logged, counted); ``federation.max_failed_rounds`` such rounds in a row abort with :class:`FederationError`.
 3. The :class:`CapabilityTracker` records the replies; each replying org gets a :class:`TrainRequest` with the
    accepted rollouts of every *other* replying org and ``{org: Phat}`` over all configured orgs (effective:
@@ -41,7 +43,8 @@ from hacrl_fed.algorithm import CapabilityTracker
 from hacrl_fed.config import RunConfig, org_generation
 from hacrl_fed.coordinator.sampler import PromptSampler, eval_ids, stable_seed
 from hacrl_fed.coordinator.transport import Transport
-from hacrl_fed.coordinator.validation import accepted_accuracy, validate_batch
+from hacrl_fed.coordinator.trust import PoolGuard
+from hacrl_fed.coordinator.validation import accepted_accuracy
 from hacrl_fed.metrics import RunLogger
 from hacrl_fed.types import (
     EvalReport, EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, SamplingParams, TrainReport, TrainRequest,
@@ -51,8 +54,6 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "coordinator_state.json"
 STATE_VERSION = 1
-MIN_RESPONSE_CHARS_CAP = 4096
-RESPONSE_CHARS_PER_TOKEN = 64  # response cap = max(4096, 64 * max_new_tokens) characters
 
 
 class FederationError(RuntimeError):
@@ -66,6 +67,7 @@ class OrgSummary:
     rollouts_shared: int  # this org's accepted rollouts (sent to the others)
     rollouts_received: int  # foreign rollouts in this org's successful TrainRequests
     time_s: float  # time spent in this org's calls (per transport timing)
+    excluded: str | None = None  # why the org was excluded from the pool (None: it was not)
 
 
 @dataclass
@@ -190,6 +192,9 @@ class Coordinator:
         self.worker_checkpoint_round = 0  # last round at which every configured org checkpointed
         self.wall_time_s = 0.0
         self.state_path = self.run_dir / STATE_FILE
+        from hacrl_fed.security.keyring import load_run_roster
+
+        self.guard = PoolGuard(cfg, load_run_roster(cfg, self.run_dir), task.verify)
         if resume:
             self._load_state()
         elif self.state_path.exists():
@@ -205,7 +210,7 @@ class Coordinator:
             "consecutive_failures": self.consecutive_failures,
             "eval_history": {str(t): accs for t, accs in sorted(self.eval_history.items())},
             "totals": self.totals, "worker_checkpoint_round": self.worker_checkpoint_round,
-            "wall_time_s": self.wall_time_s,
+            "wall_time_s": self.wall_time_s, "trust": self.guard.state_dict(),
         }
 
     def _save_state(self) -> None:
@@ -230,6 +235,7 @@ class Coordinator:
         for org, tot in state["totals"].items():
             self.totals.setdefault(org, _new_totals()).update(tot)
         self.worker_checkpoint_round = int(state["worker_checkpoint_round"])
+        self.guard.load_state_dict(state.get("trust") or {})
         self.wall_time_s = float(state["wall_time_s"])
         for org, tot in self.totals.items():
             trained, ckpt = int(tot.get("trained_round", 0)), int(tot.get("checkpoint_round", 0))
@@ -241,9 +247,9 @@ class Coordinator:
     # -- helpers -----------------------------------------------------------------------------------------------
 
     def live_orgs(self) -> list[str]:
-        """Configured orgs the transport can reach now, in config order."""
+        """Configured orgs the transport can reach now and not excluded from the pool, in config order."""
         reachable = set(self.transport.org_ids())
-        return [o for o in self.org_order if o in reachable]
+        return [o for o in self.org_order if o in reachable and o not in self.guard.excluded]
 
     def plan_for(self, round: int, org_id: str, prompts: tuple[Prompt, ...]) -> RoundPlan:
         return RoundPlan(run_id=self.run_id, round=round, task=self.cfg.task.name, prompts=prompts,
@@ -293,13 +299,15 @@ class Coordinator:
             if ok:
                 accepted[org] = ok
             else:
-                failed[org] = "invalid"
+                failed[org] = "excluded" if org in self.guard.excluded else "invalid"
         return plans, accepted
 
     def _check_batch(self, round: int, org: str, batch: RolloutBatch, plan: RoundPlan,
                      metrics: dict[str, float]) -> list[Rollout]:
-        cap = max(MIN_RESPONSE_CHARS_CAP, RESPONSE_CHARS_PER_TOKEN * plan.sampling.max_new_tokens)
-        ok, rejected = validate_batch(batch, plan, org, max_response_chars=cap)
+        t0 = time.perf_counter()
+        screened = self.guard.check(round, org, batch, plan, metrics)
+        metrics[f"time/trust/{org}"] = time.perf_counter() - t0
+        ok, rejected = screened.accepted, screened.rejected
         received = len(ok) + sum(rejected.values())
         metrics.update({f"round/{org}/rollouts_received": float(received),
                         f"round/{org}/rollouts_accepted": float(len(ok)),
@@ -323,17 +331,16 @@ class Coordinator:
                metrics: dict[str, float]) -> list[str]:
         """One TrainRequest per replying org (foreign = the others' accepted rollouts); returns who trained."""
         table = self.capability_table()
-        requests = {
-            org: TrainRequest(run_id=self.run_id, round=round, org_id=org, prompts=prompts,
-                              foreign=tuple(r for other in accepted if other != org for r in accepted[other]),
-                              capability=dict(table))
-            for org in accepted
-        }
+        requests = {}
+        for org in accepted:
+            foreign, sources = self.guard.pool_for(org, accepted)
+            requests[org] = TrainRequest(run_id=self.run_id, round=round, org_id=org, prompts=prompts,
+                                         foreign=foreign, capability=dict(table), source_batches=sources)
         t0 = time.perf_counter()
         replies = self.transport.train(requests, self.cfg.federation.round_timeout_s)
         metrics["time/train"] = time.perf_counter() - t0
         self._account("train", metrics)
-        trained = []
+        trained, reports = [], {}
         for org, req in requests.items():
             reply = replies.get(org, TimeoutError(f"no reply from {org!r}"))
             if not isinstance(reply, TrainReport):
@@ -345,9 +352,14 @@ class Coordinator:
             metrics[f"round/{org}/train_failed"] = 0.0
             metrics.update(_numeric(reply.metrics, f"{org}/"))
             _exchange_time("train", org, reply.metrics, metrics)
-            self.totals[org]["received"] += len(req.foreign)
+            self.totals[org]["received"] += len(req.foreign) + sum(len(b.rollouts) for b in req.source_batches)
             self.totals[org]["trained_round"] = round
             trained.append(org)
+            reports[org] = reply
+        if self.guard.blind:  # capability from what the receivers verified (the coordinator cannot read text)
+            verified = self.guard.receiver_verified(round, reports, list(accepted), metrics)
+            if verified:
+                self.tracker.update(verified)
         return trained
 
     def evaluate(self, round: int, metrics: dict[str, float]) -> dict[str, float]:
@@ -397,7 +409,9 @@ class Coordinator:
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         orgs = self.live_orgs()
-        failed = {org: "unreachable" for org in self.org_order if org not in orgs}  # no connection right now
+        self.guard.new_round()
+        failed = {org: ("excluded" if org in self.guard.excluded else "unreachable")
+                  for org in self.org_order if org not in orgs}  # excluded, or no connection right now
         if failed:
             log.warning("round %d: orgs %s are not reachable", round, sorted(failed))
         plans, accepted = self._generate(round, orgs, metrics, failed) if orgs else ({}, {})
@@ -417,10 +431,12 @@ class Coordinator:
                         len(accepted), sorted(accepted), min_orgs)
         else:
             self.consecutive_failures = 0
-            self.tracker.update(accuracy)
+            if not self.guard.blind:
+                self.tracker.update(accuracy)
             prompts = next(iter(plans.values())).prompts
             trained = self._train(round, prompts, accepted, metrics)
         metrics.update({f"capability/{org}": v for org, v in self.capability_table().items()})
+        metrics.update(self.guard.metrics(self.org_order))
         metrics.update({"round/orgs_replied": float(len(accepted)), "round/orgs_trained": float(len(trained)),
                         "round/skipped": float(skipped), "time/round": time.perf_counter() - t0})
         return RoundResult(round, skipped, list(accepted), accuracy, trained, metrics,  # type: ignore[arg-type]
@@ -467,7 +483,7 @@ class Coordinator:
 
         latest = sorted(self.eval_history, reverse=True)
         orgs = {org: OrgSummary(acc_at(org, [0]), acc_at(org, latest), int(tot["shared"]), int(tot["received"]),
-                                float(tot["time_s"]))
+                                float(tot["time_s"]), self.guard.excluded.get(org))
                 for org, tot in self.totals.items()}
         return RunSummary(self.run_id, self.run_dir, self.round, self.skipped_rounds, orgs,
                           dict(self.eval_history), self.capability_table(), self.wall_time_s)

@@ -1,29 +1,60 @@
-"""Coordinator-side checks of an org's :class:`RolloutBatch` against the round's :class:`RoundPlan`.
+"""Checks of an org's :class:`RolloutBatch` against the round's :class:`RoundPlan`: the trust boundary's core.
 
-``validate_batch`` never raises on bad data: every problem becomes a reason in a ``Counter`` and the offending
-rollouts are dropped. The wire codec already checks types and ranges of what came over gRPC; this module also
-guards in-process workers (no codec) and checks what the codec cannot know: that the batch answers *this* plan.
+The same code screens a batch at the coordinator (as it arrives) and at every receiving worker (before it trains
+on foreign rollouts): nothing an org, the coordinator or the network sends is trusted until it passed here.
+:func:`screen_batch` never raises on bad data: every problem becomes a reason in a ``Counter`` and the offending
+rollouts are dropped.
 
 Reasons (Counter keys). Header problems reject the whole batch, counted once per rollout (at least 1, so an
 empty forged batch stays visible): ``malformed_batch``, ``run_id_mismatch``, ``round_mismatch``,
 ``org_id_mismatch``. Per rollout, first failing check wins: ``malformed``, ``rollout_org_id_mismatch``,
 ``rollout_round_mismatch``, ``unknown_prompt``, ``bad_sample_index``, ``duplicate``, ``bad_reward``,
-``bad_logprob``, ``bad_token_count``, ``bad_finish_reason``, ``response_too_long``.
+``bad_logprob``, ``bad_token_count``, ``bad_finish_reason``, ``response_too_long``, ``reward_mismatch`` (the
+receiver's own verifier contradicts the claimed reward). Per group: ``incomplete_group`` — a prompt's group is
+pooled only when all ``G`` planned samples of that org passed every check, so an org cannot cherry-pick which of
+its samples count (the other members of a group with a failing or missing sample are dropped with this reason).
 
-Per-prompt counts ``<= G`` follow from ``0 <= sample_index < G`` plus the duplicate check on
-``(prompt_id, sample_index)``.
+Text is bounded before anything reads it: ``len(response.encode()) <= max_new_tokens * max_bytes_per_token``
+(sealed text: its ciphertext length, less the AEAD overhead).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from hacrl_fed.types import FINISH_REASONS, Rollout, RolloutBatch, RoundPlan
 
 LOGPROB_SLACK = 1e-4  # a sum of log-probs is <= 0; allow float noise from fused kernels
-DEFAULT_MAX_RESPONSE_CHARS = 2**20  # the wire codec's text cap
+DEFAULT_MAX_BYTES_PER_TOKEN = 32  # no tokenizer in use here has a token longer than this in UTF-8
+SEALED_OVERHEAD_BYTES = 64  # AEAD tag (and nonce) around sealed text
+REWARD_TOLERANCE = 1e-6  # |claimed - verified| above this is a mismatch
+
+Verifier = Callable[[str, str], float]  # (response text, reference answer) -> reward in [0, 1]
+
+
+@dataclass
+class Screened:
+    """What :func:`screen_batch` kept and why it dropped the rest.
+
+    ``checked`` rollouts were re-verified (text readable, verifier given), ``mismatches`` of them disagreed with
+    the claimed reward and ``verified_reward_sum`` sums the verifier's rewards over ``checked``; ``shortfall``
+    counts planned samples (prompts × G) that are not pooled.
+    """
+
+    accepted: list[Rollout] = field(default_factory=list)
+    rejected: Counter = field(default_factory=Counter)
+    checked: int = 0
+    mismatches: int = 0
+    verified_reward_sum: float = 0.0
+    shortfall: int = 0
+
+    @property
+    def mismatch_rate(self) -> float:
+        """``mismatches / checked`` (0 when nothing was checked)."""
+        return self.mismatches / self.checked if self.checked else 0.0
 
 
 def _is_int(x: Any) -> bool:
@@ -36,6 +67,11 @@ def _finite(x: Any) -> float | None:
         return None
     x = float(x)
     return x if math.isfinite(x) else None
+
+
+def max_response_bytes(plan: RoundPlan, max_bytes_per_token: int = DEFAULT_MAX_BYTES_PER_TOKEN) -> int:
+    """The text bound a plan allows: ``max_new_tokens * max_bytes_per_token`` UTF-8 bytes."""
+    return plan.sampling.max_new_tokens * max_bytes_per_token
 
 
 def header_problem(batch: Any, plan: RoundPlan, org_id: str) -> str | None:
@@ -51,11 +87,23 @@ def header_problem(batch: Any, plan: RoundPlan, org_id: str) -> str | None:
     return None
 
 
-def rollout_problem(r: Any, plan: RoundPlan, org_id: str, prompt_ids: set[int], max_response_chars: int) -> str | None:
-    """The first per-rollout reason (duplicates excluded: they need the batch), or None when ``r`` is sound.
+def _text_too_long(r: Rollout, max_bytes: int) -> bool | None:
+    """True when the (possibly sealed) text exceeds ``max_bytes``; None when the fields are malformed."""
+    sealed = getattr(r, "sealed_response", b"")
+    if not isinstance(r.response, str) or not isinstance(sealed, (bytes, bytearray)):
+        return None
+    if sealed:
+        return bool(r.response) or len(sealed) > max_bytes + SEALED_OVERHEAD_BYTES
+    if len(r.response) > max_bytes:  # chars <= bytes: a cheap bound before encoding
+        return True
+    return len(r.response.encode("utf-8", "surrogatepass")) > max_bytes
+
+
+def rollout_problem(r: Any, plan: RoundPlan, org_id: str, prompt_ids: set[int], max_bytes: int) -> str | None:
+    """The first per-rollout reason (duplicates and rewards excluded: they need more context), or None.
 
     Bounds: reward finite in [0, 1]; logprob_sum finite and <= LOGPROB_SLACK; 1 <= token_count <=
-    max_new_tokens + 1; 0 <= sample_index < G (``plan.sampling.num_samples``); len(response) <= max_response_chars.
+    max_new_tokens + 1; 0 <= sample_index < G (``plan.sampling.num_samples``); text <= ``max_bytes``.
     """
     if not isinstance(r, Rollout):
         return "malformed"
@@ -77,38 +125,81 @@ def rollout_problem(r: Any, plan: RoundPlan, org_id: str, prompt_ids: set[int], 
         return "bad_token_count"
     if r.finish_reason not in FINISH_REASONS:
         return "bad_finish_reason"
-    if not isinstance(r.response, str):
+    too_long = _text_too_long(r, max_bytes)
+    if too_long is None:
         return "malformed"
-    if len(r.response) > max_response_chars:
-        return "response_too_long"
+    return "response_too_long" if too_long else None
+
+
+def _reverify(r: Rollout, reference: str, verify: Verifier, out: Screened) -> str | None:
+    """Re-run the verifier on readable text; ``reward_mismatch`` when it contradicts the claim."""
+    if getattr(r, "sealed_response", b""):
+        return None  # sealed: only the recipients can read (and verify) it
+    try:
+        verified = float(verify(r.response, reference))
+    except Exception:  # a verifier crash on hostile text is that text's problem, not the round's
+        verified = 0.0
+    out.checked += 1
+    out.verified_reward_sum += verified
+    if not abs(verified - float(r.reward)) <= REWARD_TOLERANCE:
+        out.mismatches += 1
+        return "reward_mismatch"
     return None
 
 
-def validate_batch(batch: RolloutBatch, plan: RoundPlan, org_id: str, *,
-                   max_response_chars: int = DEFAULT_MAX_RESPONSE_CHARS) -> tuple[list[Rollout], Counter[str]]:
-    """Split ``batch`` into ``(accepted rollouts in arrival order, Counter of rejection reasons)``.
+def screen_batch(batch: Any, plan: RoundPlan, org_id: str, *, verify: Verifier | None = None,
+                 max_bytes_per_token: int = DEFAULT_MAX_BYTES_PER_TOKEN) -> Screened:
+    """Screen ``batch`` (``org_id``'s answer to ``plan``): see the module docstring for every reason.
 
-    The first copy of a ``(prompt_id, sample_index)`` pair is kept, later copies are ``duplicate``.
+    ``verify`` (the task's verifier) re-checks every readable rollout's claimed reward against the prompt's
+    reference. Accepted rollouts keep arrival order; a group enters only when all ``G`` samples passed.
     """
-    rejected: Counter[str] = Counter()
+    out = Screened()
+    g = plan.sampling.num_samples
     problem = header_problem(batch, plan, org_id)
     if problem is not None:
         n = len(batch.rollouts) if problem != "malformed_batch" else _safe_len(batch)
-        rejected[problem] = max(n, 1)
-        return [], rejected
-    prompt_ids = {p.prompt_id for p in plan.prompts}
+        out.rejected[problem] = max(n, 1)
+        out.shortfall = len(plan.prompts) * g
+        return out
+    references = {p.prompt_id: p.reference for p in plan.prompts}
+    max_bytes = max_response_bytes(plan, max_bytes_per_token)
     seen: set[tuple[int, int]] = set()
-    accepted: list[Rollout] = []
+    passed: dict[int, list[Rollout]] = {pid: [] for pid in references}
+    failed_groups: set[int] = set()
+    prompt_ids = set(references)
     for r in batch.rollouts:
-        reason = rollout_problem(r, plan, org_id, prompt_ids, max_response_chars)
+        reason = rollout_problem(r, plan, org_id, prompt_ids, max_bytes)
         if reason is None and (r.prompt_id, r.sample_index) in seen:
             reason = "duplicate"
+        if reason is None:
+            seen.add((r.prompt_id, r.sample_index))
+            if verify is not None:
+                reason = _reverify(r, references[r.prompt_id], verify, out)
         if reason is not None:
-            rejected[reason] += 1
+            out.rejected[reason] += 1
+            pid = getattr(r, "prompt_id", None)
+            if _is_int(pid) and pid in passed:  # any bad member spoils its group
+                failed_groups.add(pid)
             continue
-        seen.add((r.prompt_id, r.sample_index))
-        accepted.append(r)
-    return accepted, rejected
+        passed[r.prompt_id].append(r)
+    for pid, group in passed.items():
+        if len(group) == g and pid not in failed_groups:
+            out.accepted.extend(group)
+        else:
+            out.shortfall += g
+            if group:
+                out.rejected["incomplete_group"] += len(group)
+    order = {id(r): i for i, r in enumerate(batch.rollouts)}
+    out.accepted.sort(key=lambda r: order[id(r)])
+    return out
+
+
+def validate_batch(batch: RolloutBatch, plan: RoundPlan, org_id: str, *, verify: Verifier | None = None,
+                   max_bytes_per_token: int = DEFAULT_MAX_BYTES_PER_TOKEN) -> tuple[list[Rollout], Counter[str]]:
+    """``(accepted rollouts in arrival order, Counter of rejection reasons)``: :func:`screen_batch`, in short."""
+    out = screen_batch(batch, plan, org_id, verify=verify, max_bytes_per_token=max_bytes_per_token)
+    return out.accepted, out.rejected
 
 
 def _safe_len(batch: Any) -> int:
