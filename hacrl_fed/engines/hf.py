@@ -35,6 +35,7 @@ from hacrl_fed.engines.base import (
     split_response,
     stop_token_ids,
 )
+from hacrl_fed.worker.cancel import raise_if_cancelled
 from hacrl_fed.scoring import build_scoring_batch_from_ids, per_token_log_probs
 
 
@@ -145,6 +146,7 @@ class HFEngine(GenerationEngine):
         gens: list[Generation] = []
         with _seeded(int(seed), self._device()):
             for start in range(0, len(flat), self.batch_size):
+                raise_if_cancelled("while generating")  # the caller is gone: stop between batches
                 gens += self._run(flat[start : start + self.batch_size], max_new_tokens, sampling)
         return [gens[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
@@ -154,6 +156,7 @@ class HFEngine(GenerationEngine):
         prompts = self._encode(prompt_texts)
         gens: list[Generation] = []
         for start in range(0, len(prompts), self.batch_size):
+            raise_if_cancelled("while evaluating")
             gens += self._run(prompts[start : start + self.batch_size], max_new_tokens, dict(do_sample=False))
         return gens
 

@@ -1,7 +1,8 @@
 """Worker checkpoints: weights (safetensors), optimizer, RNG states (torch, python), round. One directory per round.
 
 Layout: ``<ckpt_root>/round-000012/{model.safetensors, trainer.pt, state.json}`` and ``<ckpt_root>/LATEST``
-(the directory name, replaced atomically). The last ``keep`` checkpoints are kept.
+(the directory name, replaced atomically; it never moves back to an older round). The last ``keep`` checkpoints
+are kept, and pruning removes only checkpoints older than the one just written, never a newer one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from safetensors.torch import load_file, save_file
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -38,10 +42,21 @@ def save_checkpoint(root: Path, round: int, model: torch.nn.Module, trainer_stat
     (tmp / "state.json").write_text(json.dumps({"round": round, **extra}, indent=2, sort_keys=True))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-    _write_atomic(root / "LATEST", out.name)
-    for old in sorted(root.glob("round-*"))[:-keep]:
+    latest = latest_checkpoint(root)
+    if latest is None or _round_of(latest) <= round:  # LATEST only moves forward
+        _write_atomic(root / "LATEST", out.name)
+    older = sorted(p for p in root.glob("round-*") if _round_of(p) < round)
+    for old in older[: max(0, len(older) - (keep - 1))]:  # prune only what is older than this checkpoint
         shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def _round_of(path: Path) -> int:
+    """The round number in a ``round-NNNNNN`` directory name (-1 when it is not one)."""
+    try:
+        return int(path.name.split("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1
 
 
 def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -3,19 +3,22 @@
 Implements :class:`hacrl_fed.worker.api.WorkerAPI`. Each round: :meth:`generate` (pre-update weights) then
 :meth:`train` (own rollouts of that round + foreign ones). Only text, rewards and sequence log-probs leave it.
 
-Rounds of a run are trained at most once: after ``train`` of round ``t`` of run ``R`` (remembered in checkpoints),
-``generate`` refuses every plan of run ``R`` with round ``<= t`` with :class:`StaleRoundError`. That happens when
-a coordinator restarts from a state older than the worker's (killed between a train and its state write, with the
-worker kept running or resumed from a newer checkpoint); the coordinator counts it as this org's gap for that
-round (``stale_round``) and the org rejoins at round ``t + 1``.
+Every request is checked against the worker's own state and limits first (:mod:`hacrl_fed.worker.guard`):
+after ``train`` of round ``t`` of run ``R`` (remembered in checkpoints) it serves only run ``R``, refuses plans for
+rounds ``<= t`` (:class:`StaleRoundError`: a coordinator restarted from an older state; it counts the gap as
+``stale_round`` and the org rejoins at ``t + 1``) or too far ahead, trains only the round it generated, and
+checkpoints only the round it trained. Foreign rollouts are screened per source before any tokenization
+(signature, decryption, plan bounds, exactly G per prompt, rewards re-verified with this org's own verifier).
+
+With ``security.signing`` every published batch is signed with the org's identity (sealed first for the other
+orgs in coordinator-blind mode, ``security.encrypt``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,13 +35,18 @@ from hacrl_fed.trainer import LocalTrainer, TrainRow
 from hacrl_fed.types import (
     EvalReport, EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, TrainReport, TrainRequest,
 )
+from hacrl_fed.worker.cancel import raise_if_cancelled
 from hacrl_fed.worker.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from hacrl_fed.worker.guard import RequestRefused, check_checkpoint, check_eval, check_plan, screen_sources
 
 log = logging.getLogger(__name__)
 
 
-class StaleRoundError(RuntimeError):
+class StaleRoundError(RequestRefused):
     """A plan for a round this worker already trained in the same run (see the module docstring)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("stale_round", message)
 
 
 FOREIGN_LENGTH_FACTOR = 8  # foreign responses longer than this × max_new_tokens (learner tokens) are not trained on
@@ -48,7 +56,10 @@ FOREIGN_LENGTH_FACTOR = 8  # foreign responses longer than this × max_new_token
 class _OwnRound:
     """What :meth:`PolicyWorker.generate` keeps for this round's :meth:`PolicyWorker.train`."""
 
+    run_id: str
     round: int
+    task: str
+    prompts: tuple[Prompt, ...]  # as this worker received them in its plan (references for re-verification)
     max_new_tokens: int
     prompt_ids: dict[int, list[int]]  # prompt_id -> learner tokens of the rendered prompt
     rows: list[TrainRow]
@@ -73,6 +84,10 @@ class PolicyWorker:
         pad = self.tokenizer.pad_token_id
         self.trainer = LocalTrainer(self.model, cfg.algorithm, self.trainer_cfg, pad if pad is not None else self.eos_id)
         self.ckpt_root = Path(run_dir) / "orgs" / org_id / "checkpoints"
+        from hacrl_fed.security.keyring import load_org_identity, load_run_roster
+
+        self.roster = load_run_roster(cfg, run_dir)  # None when signing is off
+        self.identity = load_org_identity(cfg, org_id, run_dir)
         self.last_round = 0
         self.last_run_id: str | None = None  # run of last_round (None: nothing trained, or an older checkpoint)
         self._own: _OwnRound | None = None
@@ -100,12 +115,15 @@ class PolicyWorker:
         if plan.run_id == self.last_run_id and plan.round <= self.last_round:
             raise StaleRoundError(f"worker {self.org_id!r} already trained round {self.last_round} of run "
                                   f"{plan.run_id!r}; refusing a plan for round {plan.round}")
+        check_plan(self.cfg, self.org_id, plan, last_round=self.last_round, run_id=self.last_run_id)
+        raise_if_cancelled("before generating")
         t0 = time.perf_counter()
         sp = plan.sampling
         texts = [self._render(p) for p in plan.prompts]
         gens = self.engine.generate(texts, num_samples=sp.num_samples, temperature=sp.temperature, top_p=sp.top_p,
                                     top_k=sp.top_k, max_new_tokens=sp.max_new_tokens,
                                     seed=stable_seed(sp.seed, self.seed) % (2**31))
+        raise_if_cancelled("after generating")
         t1 = time.perf_counter()
         prompt_ids = dict(zip((p.prompt_id for p in plan.prompts),
                               self.tokenizer(texts, add_special_tokens=False)["input_ids"]))
@@ -118,45 +136,79 @@ class PolicyWorker:
                 rows.append(TrainRow(list(prompt_ids[prompt.prompt_id]), list(g.token_ids), reward,
                                      prompt.prompt_id, 0, True, g.logprob_sum / max(g.token_count, 1),
                                      list(g.token_log_probs)))
-        self._own = _OwnRound(plan.round, sp.max_new_tokens, prompt_ids, rows)
+        self._own = _OwnRound(plan.run_id, plan.round, plan.task, plan.prompts, sp.max_new_tokens, prompt_ids, rows)
         acc = sum(r.reward for r in rollouts) / max(len(rollouts), 1)
         metrics = {"time/generate": t1 - t0, "time/verify": time.perf_counter() - t1,
                    "gen/mean_tokens": sum(r.token_count for r in rollouts) / max(len(rollouts), 1),
                    "gen/stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / max(len(rollouts), 1)}
-        return RolloutBatch(plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics)
+        return self._publish(RolloutBatch(plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics))
+
+    def _publish(self, batch: RolloutBatch) -> RolloutBatch:
+        """Seal the text for the other orgs (coordinator-blind mode), then sign (encrypt-then-sign)."""
+        if self.identity is None:
+            return batch
+        from hacrl_fed.security.envelope import signed
+        from hacrl_fed.security.sealing import seal_batch
+
+        t0 = time.perf_counter()
+        if self.cfg.security.encrypt:
+            batch = seal_batch(batch, {o: k for o, k in (self.roster or {}).items() if o != self.org_id})
+        metrics = {**batch.metrics, "time/seal_sign": time.perf_counter() - t0}  # signing itself: ~0.1 ms
+        return signed(replace(batch, metrics=metrics), self.identity)
+
+    def _open_source(self, batch: RolloutBatch) -> RolloutBatch:
+        """Verify a foreign batch against the pinned roster and open it when sealed; raises RejectedBatch."""
+        from hacrl_fed.security.envelope import verify_signed
+        from hacrl_fed.security.sealing import is_sealed, open_batch
+
+        own = self._own
+        assert own is not None and self.roster is not None and self.identity is not None
+        batch = verify_signed(batch, self.roster, run_id=own.run_id, round=own.round)
+        return open_batch(batch, self.org_id, self.identity.box_key) if is_sealed(batch) else batch
 
     def train(self, request: TrainRequest) -> TrainReport:
         """Score foreign rollouts with this model's tokenizer and run this round's update."""
         own = self._own
         if own is None or own.round != request.round:
-            raise RuntimeError(f"train for round {request.round} but this worker generated "
-                               f"{'nothing' if own is None else f'round {own.round}'}")
+            raise RequestRefused("not_generated", f"train for round {request.round} but this worker generated "
+                                 f"{'nothing' if own is None else f'round {own.round}'}")
+        if request.run_id != own.run_id:
+            raise RequestRefused("wrong_run", f"train for run {request.run_id!r} but round {own.round} was "
+                                 f"generated for run {own.run_id!r}")
         if request.org_id != self.org_id:
-            raise ValueError(f"train request for org {request.org_id!r} sent to worker {self.org_id!r}")
+            raise RequestRefused("wrong_org", f"train request for org {request.org_id!r} sent to worker "
+                                 f"{self.org_id!r}")
+        raise_if_cancelled("before training")
         t0 = time.perf_counter()
-        agents = sorted(set(request.capability) | {self.org_id} | {r.org_id for r in request.foreign})
+        foreign, trust = screen_sources(self.cfg, self.org_id, request, prompts=own.prompts, task=own.task,
+                                        verify=self.task.verify if self.cfg.security.reverify_rewards else None,
+                                        open_source=self._open_source if self.identity is not None else None)
+        t_trust = time.perf_counter()
+        known = {o.id for o in self.cfg.orgs}
+        agents = sorted({a for a in request.capability if a in known} | {self.org_id} | {r.org_id for r in foreign})
         learner = agents.index(self.org_id)
         capability = [float(request.capability.get(a, 1.0)) for a in agents]
         for row in own.rows:
             row.source = learner
-        foreign_rows, dropped = self._foreign_rows(request, own, agents)
+        foreign_rows, dropped = self._foreign_rows(foreign, own, agents)
+        raise_if_cancelled("before the update")
         t1 = time.perf_counter()
         metrics = self.trainer.update(own.rows + foreign_rows, learner, capability, names=agents)
         self.engine.sync_weights(self.model)
         self._own = None
         self.last_round, self.last_run_id = request.round, request.run_id
-        metrics.update({"time/score": t1 - t0, "time/train": time.perf_counter() - t1,
-                        "train/foreign_received": float(len(request.foreign)),
+        metrics.update(trust)
+        metrics.update({"time/trust": t_trust - t0, "time/score": t1 - t_trust, "time/train": time.perf_counter() - t1,
+                        "train/foreign_received": float(len(request.foreign) + sum(
+                            len(b.rollouts) for b in request.source_batches)),
                         "train/foreign_unscored": float(dropped)})
         return TrainReport(request.run_id, request.round, self.org_id, metrics)
 
-    def _foreign_rows(self, request: TrainRequest, own: _OwnRound, agents: list[str]) -> tuple[list[TrainRow], int]:
-        """Re-tokenize foreign responses with this learner's template and tokenizer (EOS iff the source stopped)."""
-        prompts = {p.prompt_id for p in request.prompts}
-        usable = [r for r in request.foreign
-                  if r.org_id != self.org_id and r.prompt_id in prompts and r.prompt_id in own.prompt_ids
-                  and r.token_count > 0 and math.isfinite(r.logprob_sum)]
-        dropped = len(request.foreign) - len(usable)
+    def _foreign_rows(self, foreign: list[Rollout], own: _OwnRound, agents: list[str]) -> tuple[list[TrainRow], int]:
+        """Re-tokenize screened foreign responses with this learner's template and tokenizer (EOS iff the source
+        stopped)."""
+        usable = [r for r in foreign if r.prompt_id in own.prompt_ids]
+        dropped = len(foreign) - len(usable)
         if not usable:
             return [], dropped
         # prompts: this round's rendered-and-tokenized ids from generate(); responses: the learner's tokens
@@ -175,6 +227,7 @@ class PolicyWorker:
     def evaluate(self, request: EvalRequest) -> EvalReport:
         """Greedy accuracy on held-out prompts."""
         self._check_task(request.task)
+        check_eval(self.cfg, self.org_id, request, run_id=self.last_run_id)
         t0 = time.perf_counter()
         gens = self.engine.greedy([self._render(p) for p in request.prompts], max_new_tokens=request.max_new_tokens)
         rewards = [float(self.task.verify(g.text, p.reference)) for p, g in zip(request.prompts, gens)]
@@ -187,6 +240,7 @@ class PolicyWorker:
                 "params": str(sum(p.numel() for p in self.model.parameters()))}
 
     def checkpoint(self, round: int) -> str:
+        check_checkpoint(self.org_id, round, last_round=self.last_round)
         path = save_checkpoint(self.ckpt_root, round, self.model, self.trainer.state_dict(),
                                {"org_id": self.org_id, "last_round": self.last_round, "run_id": self.last_run_id})
         return str(path)

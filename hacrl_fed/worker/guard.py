@@ -1,0 +1,194 @@
+"""The policy worker's own checks of every request (defence in depth: it does not rely on the coordinator).
+
+A worker refuses (:class:`RequestRefused`, a ``ValueError``, so gRPC answers INVALID_ARGUMENT) any request that
+does not fit its own state and configured limits:
+
+* the run: after it trained a round of run ``R`` it serves only ``R``;
+* rounds only forward: a plan's round is after the last trained one and at most ``security.max_round_step``
+  ahead of it; ``train`` only for the round it generated; ``checkpoint`` only for the round it last trained;
+* plan size: ``num_samples``, ``max_new_tokens`` and the number of prompts at most the worker's own configured
+  values (``generation.num_samples``, ``generation.max_new_tokens``, ``federation.prompts_per_round``); eval
+  requests at most ``task.eval_size`` prompts and ``generation.eval_max_new_tokens`` tokens.
+
+Foreign rollouts are screened per source by :func:`screen_sources` before any tokenization: signature (when
+signing is on) against the pinned roster, decryption (coordinator-blind mode), known org, this round's prompts,
+exactly ``G`` samples per prompt, finite log-probs <= 0, text within the plan's byte bound, and the claimed
+reward re-verified with this worker's own task verifier. Every drop is counted per source and reason in the
+TrainReport as ``trust/<source>/rejected/<reason>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Callable, Mapping
+
+from hacrl_fed.config import RunConfig, org_generation
+from hacrl_fed.coordinator.validation import Screened, screen_batch
+from hacrl_fed.types import EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, SamplingParams, TrainRequest
+
+
+class RequestRefused(ValueError):
+    """A request that does not fit the worker's state or limits; ``reason`` is a short metrics-friendly code."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+def check_plan(cfg: RunConfig, org_id: str, plan: RoundPlan, *, last_round: int, run_id: str | None) -> None:
+    """Refuse a plan for another run, a stale or far-future round, or one larger than this org's limits."""
+    if run_id is not None and plan.run_id != run_id:
+        raise RequestRefused("wrong_run", f"worker {org_id!r} serves run {run_id!r}, not {plan.run_id!r}")
+    if plan.round <= last_round:
+        raise RequestRefused("stale_round", f"worker {org_id!r} already trained round {last_round} of this run; "
+                             f"refusing a plan for round {plan.round}")
+    step = cfg.security.max_round_step
+    if plan.round > last_round + step:
+        raise RequestRefused("round_too_far", f"round {plan.round} is more than security.max_round_step={step} "
+                             f"rounds after the last trained round {last_round}")
+    gen, sp = org_generation(cfg, org_id), plan.sampling
+    _at_most("num_samples", sp.num_samples, gen.num_samples, "generation.num_samples")
+    _at_most("max_new_tokens", sp.max_new_tokens, gen.max_new_tokens, "generation.max_new_tokens")
+    _at_most("prompts", len(plan.prompts), cfg.federation.prompts_per_round, "federation.prompts_per_round")
+    _distinct_prompts(plan.prompts)
+
+
+def check_eval(cfg: RunConfig, org_id: str, request: EvalRequest, *, run_id: str | None) -> None:
+    """Refuse an eval request of another run or beyond this org's eval limits."""
+    if run_id is not None and request.run_id != run_id:
+        raise RequestRefused("wrong_run", f"worker {org_id!r} serves run {run_id!r}, not {request.run_id!r}")
+    gen = org_generation(cfg, org_id)
+    _at_most("max_new_tokens", request.max_new_tokens, gen.eval_max_new_tokens, "generation.eval_max_new_tokens")
+    _at_most("prompts", len(request.prompts), cfg.task.eval_size, "task.eval_size")
+
+
+def check_checkpoint(org_id: str, round: int, *, last_round: int) -> None:
+    """A checkpoint is written only for the round this worker last trained."""
+    if last_round == 0 or round != last_round:
+        raise RequestRefused("bad_checkpoint_round", f"worker {org_id!r} last trained round {last_round}; "
+                             f"refusing a checkpoint for round {round}")
+
+
+def _at_most(what: str, value: int, limit: int, field: str) -> None:
+    if value > limit:
+        raise RequestRefused("over_limit", f"{what}={value} exceeds this worker's {field}={limit}")
+
+
+def _distinct_prompts(prompts: tuple[Prompt, ...]) -> None:
+    ids = [p.prompt_id for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise RequestRefused("duplicate_prompt", "the plan lists a prompt id twice")
+
+
+# ---------------------------------------------------------------------------------------------- foreign rollouts
+
+
+@dataclasses.dataclass
+class SourceReport:
+    """Per source org: what arrived, what was kept, and the verified rewards (for capability in blind mode)."""
+
+    received: int = 0
+    screened: Screened | None = None
+    rejected: Counter = dataclasses.field(default_factory=Counter)
+    excluded: bool = False
+
+    def metrics(self, source: str) -> dict[str, float]:
+        s = self.screened or Screened()
+        rejected = self.rejected + s.rejected
+        out = {f"trust/{source}/received": float(self.received),
+               f"trust/{source}/accepted": float(0 if self.excluded else len(s.accepted)),
+               f"trust/{source}/checked": float(s.checked), f"trust/{source}/mismatches": float(s.mismatches),
+               f"trust/{source}/verified_reward_sum": float(s.verified_reward_sum),
+               f"trust/{source}/excluded": float(self.excluded)}
+        out.update({f"trust/{source}/rejected/{why}": float(n) for why, n in rejected.items()})
+        return out
+
+
+def source_plan(cfg: RunConfig, source: str, run_id: str, round: int, task: str,
+                prompts: tuple[Prompt, ...]) -> RoundPlan:
+    """The plan ``source`` answered, as this worker reconstructs it from its own config and this round's prompts."""
+    gen = org_generation(cfg, source)
+    return RoundPlan(run_id, round, task, prompts,
+                     SamplingParams(max_new_tokens=gen.max_new_tokens, num_samples=gen.num_samples))
+
+
+def max_foreign(cfg: RunConfig, org_id: str, n_prompts: int) -> int:
+    """(orgs − 1) × prompts × G: the most foreign rollouts an honest round can hold (G per source org)."""
+    return sum(n_prompts * org_generation(cfg, o.id).num_samples for o in cfg.orgs if o.id != org_id)
+
+
+def _sources_from_request(request: TrainRequest, org_id: str, *, signing: bool,
+                          open_source: Callable[[RolloutBatch], RolloutBatch] | None,
+                          reports: dict[str, SourceReport]) -> dict[str, RolloutBatch]:
+    """Foreign batches by source org: verified envelopes when signing, else the flat list grouped by org id."""
+    batches: dict[str, RolloutBatch] = {}
+    if signing:
+        if request.foreign:
+            reports.setdefault("coordinator", SourceReport()).rejected["unsigned"] += len(request.foreign)
+        for batch in request.source_batches:
+            src = str(getattr(batch, "org_id", "?"))[:64]
+            rep = reports.setdefault(src, SourceReport())
+            rep.received += len(getattr(batch, "rollouts", ()) or ())
+            if src in batches:
+                rep.rejected["duplicate_source"] += max(len(batch.rollouts), 1)
+                continue
+            try:
+                batches[src] = open_source(batch) if open_source else batch
+            except ValueError as err:  # RejectedBatch: bad signature, unknown org, wrong run/round, undecryptable
+                rep.rejected[getattr(err, "reason", "malformed")] += max(len(batch.rollouts), 1)
+        return batches
+    grouped: dict[str, list[Rollout]] = {}
+    for r in request.foreign:
+        grouped.setdefault(str(r.org_id), []).append(r)
+    for src, rollouts in grouped.items():
+        reports.setdefault(src, SourceReport()).received += len(rollouts)
+        batches[src] = RolloutBatch(request.run_id, request.round, src, tuple(rollouts), 0.0)
+    return batches
+
+
+def screen_sources(cfg: RunConfig, org_id: str, request: TrainRequest, *, prompts: tuple[Prompt, ...], task: str,
+                   verify: Callable[[str, str], float] | None,
+                   open_source: Callable[[RolloutBatch], RolloutBatch] | None = None,
+                   ) -> tuple[list[Rollout], dict[str, float]]:
+    """Foreign rollouts this worker will train on, and ``trust/...`` metrics saying what was dropped and why.
+
+    ``prompts`` are this round's prompts as the worker received them in its own plan (never the train
+    request's copy); ``open_source`` verifies (and decrypts) one signed source batch, raising RejectedBatch.
+    """
+    signing = cfg.security.signing
+    reports: dict[str, SourceReport] = {}
+    n_in = len(request.source_batches) if signing else len(request.foreign)
+    total = sum(len(b.rollouts) for b in request.source_batches) if signing else len(request.foreign)
+    known = {o.id for o in cfg.orgs if o.id != org_id}
+    if total > max_foreign(cfg, org_id, len(prompts)) or n_in > len(known) + 1:
+        rep = reports.setdefault("*", SourceReport(received=total))
+        rep.rejected["too_many_foreign"] += total
+        return [], _metrics(reports)
+    batches = _sources_from_request(request, org_id, signing=signing, open_source=open_source, reports=reports)
+    accepted: list[Rollout] = []
+    for src, batch in batches.items():
+        rep = reports[src]
+        if src not in known:
+            rep.rejected["unknown_org"] += max(len(batch.rollouts), 1)
+            continue
+        plan = source_plan(cfg, src, request.run_id, request.round, task, prompts)
+        rep.screened = screen_batch(batch, plan, src, verify=verify,
+                                    max_bytes_per_token=cfg.security.max_bytes_per_token)
+        if rep.screened.mismatch_rate > cfg.security.max_mismatch_rate:
+            rep.excluded = True
+            rep.rejected["source_excluded"] += len(rep.screened.accepted)
+            continue
+        accepted.extend(rep.screened.accepted)
+    return accepted, _metrics(reports)
+
+
+def _metrics(reports: Mapping[str, SourceReport]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for src, rep in reports.items():
+        out.update(rep.metrics(src))
+    out["trust/foreign_accepted"] = float(sum(0 if r.excluded else len((r.screened or Screened()).accepted)
+                                              for r in reports.values()))
+    out["trust/foreign_rejected"] = float(sum(sum((r.rejected + (r.screened or Screened()).rejected).values())
+                                              for r in reports.values()))
+    return out
