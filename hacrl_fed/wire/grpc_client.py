@@ -4,16 +4,22 @@ Every call has a deadline (the client's ``timeout_s`` unless overridden per call
 call raises :class:`WorkerCallError` carrying the gRPC status code and details (:class:`WorkerCallTimeout`, also a
 ``TimeoutError``, when the deadline passed). Replies are decoded and checked by :mod:`hacrl_fed.wire.codec`, so a
 malformed reply raises :class:`~hacrl_fed.wire.codec.WireError` naming the bad field.
+
+The link: a ``unix:`` socket or a loopback ``HOST:PORT`` may be plaintext; any other address needs
+``tls=ClientTLS(ca=..., cert=..., key=...)`` (mutual TLS: the worker's CA, and this client's certificate and key).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
 from hacrl_fed.v1 import worker_pb2_grpc
 from hacrl_fed.wire import codec
-from hacrl_fed.wire.grpc_server import message_size_options
+from hacrl_fed.wire.grpc_server import is_local_address, message_size_options, read_pem
 
 # Reconnect quickly after a worker (re)start instead of gRPC's default 1 s .. 120 s exponential backoff.
 _RECONNECT_OPTIONS = [
@@ -21,6 +27,41 @@ _RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """Mutual TLS towards a worker: the CA that signed its certificate, and this client's certificate and key.
+
+    ``server_name`` overrides the name checked against the worker's certificate (``grpc.ssl_target_name_override``):
+    needed when the dialled host is not among its SANs; a ``unix:`` address is checked as ``localhost``.
+    """
+
+    ca: str | Path
+    cert: str | Path
+    key: str | Path
+    server_name: str | None = None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """grpc credentials presenting the client certificate (ValueError naming an unreadable file)."""
+        return grpc.ssl_channel_credentials(root_certificates=read_pem(self.ca, "worker CA"),
+                                            private_key=read_pem(self.key, "client key"),
+                                            certificate_chain=read_pem(self.cert, "client certificate"))
+
+    def channel_options(self, address: str) -> list[tuple[str, str]]:
+        """The target-name override for ``address`` (none when the address itself is to be checked)."""
+        name = self.server_name or ("localhost" if address.startswith("unix:") else None)
+        return [("grpc.ssl_target_name_override", name)] if name else []
+
+
+def open_channel(address: str, tls: ClientTLS | None, options: list[tuple[str, object]]) -> grpc.Channel:
+    """A channel to ``address``: mutual TLS with ``tls``, else plaintext, which only a local address may use."""
+    if tls is not None:
+        return grpc.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options(address))
+    if not is_local_address(address):
+        raise ValueError(f"worker address {address!r} is neither unix: nor loopback: plaintext is refused there; "
+                         "use mutual TLS (ClientTLS: worker CA, client certificate and key)")
+    return grpc.insecure_channel(address, options=options)
 
 
 class WorkerCallError(Exception):
@@ -50,6 +91,7 @@ class GrpcWorkerClient:
 
     ``org_id`` is the org expected at that address ("" until learned from :meth:`health` / :meth:`wait_ready`,
     which also check that a given ``org_id`` matches the worker's). ``timeout_s=None`` means no deadline.
+    ``tls`` switches the channel to mutual TLS; without it the address must be local (``unix:`` or loopback).
     """
 
     def __init__(
@@ -60,13 +102,14 @@ class GrpcWorkerClient:
         timeout_s: float | None = 600.0,
         max_message_mb: int = 256,
         limits: codec.WireLimits = codec.DEFAULT_LIMITS,
+        tls: ClientTLS | None = None,
     ) -> None:
         self.address = address
         self.org_id = org_id or ""
         self.timeout_s = timeout_s
         self._limits = limits
         options = message_size_options(max_message_mb) + _RECONNECT_OPTIONS
-        self._channel = grpc.insecure_channel(address, options=options)
+        self._channel = open_channel(address, tls, options)
         self._stub = worker_pb2_grpc.PolicyWorkerStub(self._channel)
         self._closed = False
 

@@ -1,42 +1,65 @@
 """The ``PolicyWorker`` gRPC service: serves any :class:`~hacrl_fed.worker.api.WorkerAPI` object over the network.
 
-``serve_worker(worker, "127.0.0.1:50051")`` starts a server and returns it; ``main_worker(argv)`` is
-``hacrl-fed worker --config RUN.yaml --org ID --listen ADDRESS [--set K=V] [--run-dir DIR] [--resume]``,
-which builds the real worker with ``hacrl_fed.worker.build_worker`` and serves it until SIGTERM / SIGINT.
+``serve_worker(worker, "unix:/run/hacrl/acme.sock")`` starts a server and returns it; ``main_worker(argv)`` is
+``hacrl-fed worker --config RUN.yaml --org ID --listen ADDRESS [LINK FLAGS] [--set K=V] [--run-dir DIR]
+[--resume]``, which builds the real worker with ``hacrl_fed.worker.build_worker`` and serves it until SIGTERM /
+SIGINT.
+
+The link (who may call the worker):
+
+* ``--listen unix:/PATH`` (recommended: the worker and its SuperNode share a host): the socket is chmod 0600
+  right after bind; its directory is created 0700 when missing, and refused when it is group/other-writable or
+  belongs to another user.
+* ``--listen HOST:PORT`` needs mutual TLS, ``--tls-cert PEM --tls-key PEM --tls-ca PEM`` (the worker's
+  certificate and key, and the CA that signs allowed clients; a client without a certificate from that CA fails
+  the handshake), optionally pinned to client certificate common names with ``--tls-client-name NAME``; or, on a
+  loopback host only (127.0.0.0/8, ``::1``, ``localhost``), ``--insecure``. Anything else exits 2.
+* The Python API (:func:`serve_worker`) takes ``tls=WorkerTLS(...)`` / ``insecure=``; a plaintext loopback TCP
+  address is allowed there without ``insecure`` (tests), a non-loopback one never.
 
 Behaviour:
 
-* Requests are decoded (and checked) by :mod:`hacrl_fed.wire.codec` before the worker sees them.
+* Requests arrive as raw bytes and are decoded (and checked) by :func:`hacrl_fed.wire.codec.decode` before the
+  worker sees them: undecodable bytes or a failed check -> INVALID_ARGUMENT naming the problem, logged as one line.
 * Generate / Train / Evaluate / Checkpoint run one at a time under a lock (the worker owns one model); a call
-  whose client gave up while waiting for the lock is dropped (CANCELLED) instead of run. Health skips the
-  lock so a busy worker still answers it: ``worker.health()`` must be cheap and thread-safe.
-* Worker exceptions become gRPC statuses carrying ``"<ExceptionType>: <message>"`` (never a traceback; the
-  traceback is logged): ValueError (WireError included) -> INVALID_ARGUMENT, NotImplementedError ->
-  UNIMPLEMENTED, other RuntimeError -> FAILED_PRECONDITION, anything else -> INTERNAL. A reply the codec
-  cannot encode is the worker's fault: INTERNAL.
+  whose client gave up while waiting for the lock is dropped (CANCELLED) instead of run. A running call is inside
+  :func:`hacrl_fed.worker.cancel.cancel_scope`, so worker code that calls ``raise_if_cancelled()`` stops once the
+  client cancels or its deadline passes (CANCELLED / DEADLINE_EXCEEDED). Health skips the lock so a busy worker
+  still answers it: ``worker.health()`` must be cheap and thread-safe.
+* Worker exceptions become gRPC statuses carrying ``"<ExceptionType>: <message>"`` (never a traceback):
+  ValueError (WireError included) -> INVALID_ARGUMENT, NotImplementedError -> UNIMPLEMENTED, other RuntimeError
+  -> FAILED_PRECONDITION, all logged as one line; anything else -> INTERNAL, logged with its traceback. A reply
+  the codec cannot encode is the worker's fault: INTERNAL.
 * Message size limits (send and receive) are raised to ``max_message_mb`` on the server; the client does the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import grpc
 
-from hacrl_fed.v1 import worker_pb2_grpc
 from hacrl_fed.wire import codec
+from hacrl_fed.worker.cancel import CallCancelled, cancel_scope, cancelled
 
 log = logging.getLogger(__name__)
 
+SERVICE = "hacrl_fed.v1.PolicyWorker"
 MAX_DETAILS_CHARS = 2000  # status details travel in trailing metadata (about 8 KiB allowed by default)
 _MAX_MESSAGE_MB = 2047  # gRPC lengths are signed 32-bit ints
+_NO_DEADLINE_S = 1e9  # grpc reports "no deadline" as a huge time_remaining() (about 9.2e18 s)
+LOOPBACK_NAMES = ("localhost",)
 
 
 def message_size_options(max_message_mb: int) -> list[tuple[str, int]]:
@@ -63,8 +86,133 @@ def _details(err: BaseException) -> str:
     return text if len(text) <= MAX_DETAILS_CHARS else text[: MAX_DETAILS_CHARS - 3] + "..."
 
 
+# ------------------------------------------------------------------------------------------- the link
+
+
+class ListenError(ValueError):
+    """A listen address / TLS setting this worker refuses (one line saying what to change)."""
+
+
+def read_pem(path: str | Path, what: str) -> bytes:
+    """The bytes of PEM file ``path``; ListenError naming ``what`` (e.g. ``--tls-cert``) when unreadable / not PEM."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise ListenError(f"{what} {path}: cannot read it ({err.strerror or err})") from None
+    if b"-----BEGIN " not in data:
+        raise ListenError(f"{what} {path}: not a PEM file")
+    return data
+
+
+@dataclass(frozen=True)
+class WorkerTLS:
+    """Mutual TLS for a worker: its certificate and key, and the CA whose certificates clients must present.
+
+    ``client_names``: if not empty, a client certificate's common name must also be one of these (e.g.
+    ``acme-client``: with one CA for every org, this keeps other orgs' clients out).
+    """
+
+    cert: str | Path
+    key: str | Path
+    ca: str | Path
+    client_names: tuple[str, ...] = ()
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """grpc credentials requiring a client certificate signed by ``ca`` (ListenError for unreadable files)."""
+        pair = (read_pem(self.key, "--tls-key"), read_pem(self.cert, "--tls-cert"))
+        return grpc.ssl_server_credentials([pair], root_certificates=read_pem(self.ca, "--tls-ca"),
+                                           require_client_auth=True)
+
+
+def tcp_host(address: str) -> str:
+    """The host of ``HOST:PORT`` / ``[V6]:PORT`` (ListenError when there is no ``:PORT``)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ListenError(f"listen address {address!r} must be HOST:PORT or unix:/PATH")
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, ``::1`` or ``localhost``; anything else (``0.0.0.0``, ``""``, other names) is not."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_local_address(address: str) -> bool:
+    """Whether plaintext to ``address`` stays on this host: a ``unix:`` socket or a loopback ``HOST:PORT``."""
+    if address.startswith("unix:"):
+        return True
+    try:
+        return is_loopback_host(tcp_host(address))
+    except ListenError:
+        return False
+
+
+def unix_path(address: str) -> Path:
+    """The socket path of ``unix:PATH`` / ``unix:///PATH``, absolute."""
+    path = address[len("unix://"):] if address.startswith("unix://") else address[len("unix:"):]
+    if not path:
+        raise ListenError(f"listen address {address!r}: no socket path after 'unix:'")
+    return Path(path).absolute()
+
+
+def check_socket_dir(directory: Path) -> None:
+    """ListenError when ``directory`` exists but others could swap the socket in it (see module docstring)."""
+    try:
+        st = directory.stat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise ListenError(f"socket directory {directory} is not a directory")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ListenError(f"socket directory {directory} is writable by group/others (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}): use a private directory (chmod 700)")
+    if st.st_uid not in (os.getuid(), 0):
+        raise ListenError(f"socket directory {directory} belongs to uid {st.st_uid}, not to this user")
+
+
+def check_listen(address: str, *, tls: WorkerTLS | None = None, insecure: bool = False,
+                 require_flag: bool = False) -> None:
+    """Refuse (ListenError) a listen address the link rules forbid (module docstring); binds nothing.
+
+    ``require_flag`` (the CLI): plaintext loopback TCP needs ``insecure``; without it (the Python API) a
+    loopback address is itself the opt-in.
+    """
+    if tls is not None and insecure:
+        raise ListenError("--insecure and --tls-cert/--tls-key/--tls-ca exclude each other: pick one")
+    if address.startswith("unix-abstract:"):
+        raise ListenError(f"listen address {address!r}: abstract sockets have no file permissions; use unix:/PATH")
+    if address.startswith("unix:"):
+        check_socket_dir(unix_path(address).parent)
+        return
+    host = tcp_host(address)
+    if tls is not None:
+        return
+    if not is_loopback_host(host):
+        raise ListenError(f"listen address {address!r} is not loopback: plaintext is refused there; add --tls-cert, "
+                          "--tls-key and --tls-ca (mutual TLS) or listen on unix:/PATH")
+    if require_flag and not insecure:
+        raise ListenError(f"listen address {address!r} is TCP without TLS: add --tls-cert, --tls-key and --tls-ca "
+                          "(mutual TLS), or --insecure (loopback only), or listen on unix:/PATH")
+
+
+def _prepare_socket_dir(path: Path) -> None:
+    """Create the socket's directory 0700 if missing, then re-check it (ListenError)."""
+    if not path.parent.exists():
+        path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+        os.chmod(path.parent, 0o700)
+    check_socket_dir(path.parent)
+
+
+# ------------------------------------------------------------------------------------------- the service
+
+
 class _Abandoned(Exception):
-    """The client's deadline passed (or it cancelled) while the call waited for the worker lock."""
+    """The client cancelled or its deadline passed: before the worker lock was free, or while the worker ran."""
 
     def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.CANCELLED):
         super().__init__(message)
@@ -75,62 +223,108 @@ class _BadReply(Exception):
     """The worker returned something the codec cannot encode."""
 
 
-class PolicyWorkerServicer(worker_pb2_grpc.PolicyWorkerServicer):
-    """Delegates each RPC to a WorkerAPI object, one model-touching call at a time."""
+class _Denied(Exception):
+    """The client's certificate name is not one this worker accepts."""
 
-    def __init__(self, worker: Any, *, limits: codec.WireLimits = codec.DEFAULT_LIMITS) -> None:
+
+def _remaining_s(context) -> float | None:
+    """Seconds left before the caller's deadline, None when it set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > _NO_DEADLINE_S else max(0.0, remaining)
+
+
+# rpc -> (request message name, reply encoder, worker method, locked)
+_RPCS: dict[str, tuple[str, Callable[[Any], Any], str, bool]] = {
+    "Generate": ("RoundPlan", codec.to_proto, "generate", True),
+    "Train": ("TrainRequest", codec.to_proto, "train", True),
+    "Evaluate": ("EvalRequest", codec.to_proto, "evaluate", True),
+    "Checkpoint": ("CheckpointRequest", codec.checkpoint_reply_to_proto, "checkpoint", True),
+    "Health": ("HealthRequest", codec.health_reply_to_proto, "health", False),
+}
+
+
+class PolicyWorkerServicer:
+    """Delegates each RPC (raw request bytes in, reply bytes out) to a WorkerAPI object, one model call at a time."""
+
+    def __init__(self, worker: Any, *, limits: codec.WireLimits = codec.DEFAULT_LIMITS,
+                 client_names: tuple[str, ...] = ()) -> None:
         self._worker = worker
         self._limits = limits
+        self._client_names = tuple(client_names)
         self._lock = threading.Lock()
 
-    def Generate(self, request, context):  # noqa: N802 (gRPC method names)
-        return self._serve("Generate", request, context, self._worker.generate, codec.to_proto)
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """The ``hacrl_fed.v1.PolicyWorker`` handlers; requests stay bytes until :meth:`_serve` decodes them."""
+        handlers = {rpc: grpc.unary_unary_rpc_method_handler(self._handler(rpc), request_deserializer=bytes)
+                    for rpc in _RPCS}
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
-    def Train(self, request, context):  # noqa: N802
-        return self._serve("Train", request, context, self._worker.train, codec.to_proto)
+    def _handler(self, rpc: str) -> Callable[[bytes, Any], bytes]:
+        return lambda data, context: self._serve(rpc, data, context)
 
-    def Evaluate(self, request, context):  # noqa: N802
-        return self._serve("Evaluate", request, context, self._worker.evaluate, codec.to_proto)
+    def _invoke(self, rpc: str, arg: Any) -> Any:
+        method = getattr(self._worker, _RPCS[rpc][2])
+        return method() if rpc == "Health" else method(arg)
 
-    def Checkpoint(self, request, context):  # noqa: N802
-        return self._serve("Checkpoint", request, context, self._worker.checkpoint, codec.checkpoint_reply_to_proto)
-
-    def Health(self, request, context):  # noqa: N802
-        call = lambda _: self._worker.health()  # noqa: E731
-        return self._serve("Health", request, context, call, codec.health_reply_to_proto, locked=False)
-
-    def _serve(self, rpc: str, request, context, call: Callable, encode: Callable, *, locked: bool = True):
-        """Decode -> (lock) -> call -> encode; any failure aborts the RPC with a mapped status."""
+    def _serve(self, rpc: str, data: bytes, context) -> bytes:
+        """Authorize -> decode -> (lock + cancel scope) -> call -> encode; a failure aborts with a mapped status."""
+        kind, encode, _, locked = _RPCS[rpc]
         try:
-            arg = codec.from_proto(request, limits=self._limits)
-            result = self._locked_call(call, arg, context) if locked else call(arg)
+            self._authorize(context)
+            arg = codec.decode(kind, data, limits=self._limits)
+            result = self._locked_call(rpc, arg, context) if locked else self._invoke(rpc, arg)
             try:
-                return encode(result)
+                return encode(result).SerializeToString()
             except Exception as err:
                 raise _BadReply(f"worker returned an unencodable {rpc} reply: {err}") from err
-        except _Abandoned as err:
-            code, details = err.code, str(err)
-            log.warning("%s dropped: %s", rpc, details)
-        except _BadReply as err:
-            code, details = grpc.StatusCode.INTERNAL, str(err)
-            log.error("%s failed: %s", rpc, details, exc_info=err.__cause__)
         except Exception as err:
-            code, details = status_for(err), _details(err)
-            log.error("%s failed (%s): %s", rpc, code.name, details, exc_info=err)
+            code, details = self._fail(rpc, err)
         context.abort(code, details)
 
-    def _locked_call(self, call: Callable, arg: Any, context) -> Any:
+    @staticmethod
+    def _fail(rpc: str, err: Exception) -> tuple[grpc.StatusCode, str]:
+        """Status and details for ``err``, logged: one line, or with the traceback for INTERNAL."""
+        if isinstance(err, _Abandoned):
+            log.warning("%s stopped (%s): %s", rpc, err.code.name, err)
+            return err.code, str(err)
+        if isinstance(err, _Denied):
+            log.warning("%s refused (PERMISSION_DENIED): %s", rpc, err)
+            return grpc.StatusCode.PERMISSION_DENIED, str(err)
+        if isinstance(err, _BadReply):
+            log.error("%s failed (INTERNAL): %s", rpc, err, exc_info=err.__cause__)
+            return grpc.StatusCode.INTERNAL, str(err)
+        code, details = status_for(err), _details(err)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("%s failed (INTERNAL): %s", rpc, details, exc_info=err)
+        elif code == grpc.StatusCode.INVALID_ARGUMENT:
+            log.warning("%s refused (INVALID_ARGUMENT): %s", rpc, details)
+        else:
+            log.error("%s failed (%s): %s", rpc, code.name, details)
+        return code, details
+
+    def _authorize(self, context) -> None:
+        if not self._client_names:
+            return
+        names = [n.decode(errors="replace") for n in context.auth_context().get("x509_common_name", [])]
+        if not any(n in self._client_names for n in names):
+            raise _Denied(f"client certificate name {names or '(none)'} is not one of {list(self._client_names)}")
+
+    def _locked_call(self, rpc: str, arg: Any, context) -> Any:
         # wait for the worker no longer than the caller's deadline: a worker stuck for many rounds must not tie
         # up every server thread (then even Health would go unanswered)
-        remaining = context.time_remaining()
-        timeout = -1 if remaining is None else max(0.0, remaining)
-        if not self._lock.acquire(timeout=timeout):
+        remaining = _remaining_s(context)
+        if not self._lock.acquire(timeout=-1 if remaining is None else remaining):
             raise _Abandoned("the caller's deadline passed while the worker was busy with another call",
                              grpc.StatusCode.DEADLINE_EXCEEDED)
         try:
             if not context.is_active():
                 raise _Abandoned("the client gave up while the worker was busy with another call")
-            return call(arg)
+            with cancel_scope(context.is_active, timeout_s=_remaining_s(context)):
+                try:
+                    return self._invoke(rpc, arg)
+                except CallCancelled as err:
+                    code = grpc.StatusCode.DEADLINE_EXCEEDED if cancelled() == "deadline" else grpc.StatusCode.CANCELLED
+                    raise _Abandoned(str(err), code) from None
         finally:
             self._lock.release()
 
@@ -169,16 +363,24 @@ class WorkerServer(grpc.Server):
         return self._server.wait_for_termination(timeout)
 
 
-def _bind(server: grpc.Server, address: str) -> str:
-    """Bind ``HOST:PORT`` / ``unix:PATH``; return the bound address (real port for port 0)."""
-    if not address.startswith("unix:") and ":" not in address:
-        raise ValueError(f"listen address {address!r} must be HOST:PORT or unix:/PATH")
+def _add_port(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
     try:
-        port = server.add_insecure_port(address)
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
     except RuntimeError as err:
         raise RuntimeError(f"cannot listen on {address!r}: {err}") from None
+
+
+def _bind(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> str:
+    """Bind ``HOST:PORT`` / ``unix:PATH``; return the bound address (real port for port 0)."""
     if address.startswith("unix:"):
+        path = unix_path(address)
+        _prepare_socket_dir(path)
+        _add_port(server, address, credentials)
+        os.chmod(path, 0o600)  # grpc creates it with the umask's mode; the 0700 directory already guards it
         return address
+    port = _add_port(server, address, credentials)
     if port == 0:
         raise RuntimeError(f"cannot listen on {address!r}")
     return f"{address.rsplit(':', 1)[0]}:{port}"
@@ -188,36 +390,71 @@ def serve_worker(
     worker: Any,
     address: str,
     *,
+    tls: WorkerTLS | None = None,
+    insecure: bool = False,
     max_message_mb: int = 256,
     ready_event: threading.Event | None = None,
     max_threads: int = 4,
     limits: codec.WireLimits = codec.DEFAULT_LIMITS,
 ) -> WorkerServer:
-    """Start serving ``worker`` on ``address`` (``127.0.0.1:PORT``, ``localhost:0``, ``unix:/path/sock``).
+    """Start serving ``worker`` on ``address`` (``unix:/path/sock``, or ``HOST:PORT`` with ``tls`` / on loopback).
 
     Returns the started server (``.address`` is where it listens); stop it with ``server.stop(grace)``.
-    ``ready_event`` is set once it accepts calls. SO_REUSEPORT is off, so a taken port fails loudly.
+    ``ready_event`` is set once it accepts calls. SO_REUSEPORT is off, so a taken port fails loudly. Raises
+    :class:`ListenError` (a ValueError) for an address or TLS setting the link rules refuse (module docstring).
     """
+    check_listen(address, tls=tls, insecure=insecure)
+    credentials = tls.server_credentials() if tls is not None else None
     options = message_size_options(max_message_mb) + [("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="policy-worker"),
                          options=options)
-    worker_pb2_grpc.add_PolicyWorkerServicer_to_server(PolicyWorkerServicer(worker, limits=limits), server)
-    bound = _bind(server, address)
+    servicer = PolicyWorkerServicer(worker, limits=limits, client_names=tls.client_names if tls else ())
+    server.add_generic_rpc_handlers((servicer.generic_handler(),))
+    bound = _bind(server, address, credentials)
     server.start()
     if ready_event is not None:
         ready_event.set()
-    log.info("policy worker %s serving on %s", getattr(worker, "org_id", "?"), bound)
+    link = "mutual TLS" if tls is not None else ("unix socket" if address.startswith("unix:") else "plaintext")
+    log.info("policy worker %s serving on %s (%s)", getattr(worker, "org_id", "?"), bound, link)
     return WorkerServer(server, bound)
 
 
 # ------------------------------------------------------------------------------------------- hacrl-fed worker
 
 
+def add_link_args(p: argparse.ArgumentParser) -> None:
+    """The ``--listen`` / TLS / ``--insecure`` flags of ``hacrl-fed worker`` (also used by test stand-ins)."""
+    p.add_argument("--listen", required=True, metavar="ADDRESS",
+                   help="unix:/PATH (recommended), or HOST:PORT (port 0 = any free) with --tls-* or --insecure")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="this worker's TLS certificate (TCP listen)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA certificate that signs the allowed clients")
+    p.add_argument("--tls-client-name", dest="tls_client_names", action="append", default=[], metavar="NAME",
+                   help="accept only client certificates with this common name (repeatable; e.g. acme-client)")
+    p.add_argument("--insecure", action="store_true",
+                   help="plaintext TCP; allowed only on a loopback host (127.0.0.0/8, ::1, localhost)")
+
+
+def link_settings(args: argparse.Namespace) -> tuple[WorkerTLS | None, bool]:
+    """``(tls, insecure)`` from :func:`add_link_args` flags, checked against ``args.listen`` (ListenError)."""
+    given = {"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--tls-ca": args.tls_ca}
+    missing = [flag for flag, value in given.items() if not value]
+    if len(missing) not in (0, 3):
+        raise ListenError(f"--tls-cert, --tls-key and --tls-ca go together: missing {', '.join(missing)}")
+    if missing and args.tls_client_names:
+        raise ListenError("--tls-client-name needs --tls-cert, --tls-key and --tls-ca")
+    tls = None if missing else WorkerTLS(args.tls_cert, args.tls_key, args.tls_ca, tuple(args.tls_client_names))
+    check_listen(args.listen, tls=tls, insecure=args.insecure, require_flag=True)
+    if tls is not None:
+        tls.server_credentials()  # unreadable files fail now, before a model is loaded
+    return tls, args.insecure
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hacrl-fed worker", description="Serve one organization's policy worker.")
     p.add_argument("--config", required=True, help="run config YAML (or a one-org config) naming this org")
     p.add_argument("--org", default=None, help="org id in the config (optional when it lists exactly one org)")
-    p.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT (port 0 = any free) or unix:/PATH")
+    add_link_args(p)
     p.add_argument("--set", "--override", dest="overrides", action="append", default=[],
                    metavar="SECTION.FIELD=VALUE", help="config override, as for hacrl-fed run (repeatable)")
     p.add_argument("--run-dir", default=None, help="passed to build_worker (where checkpoints go)")
@@ -239,10 +476,17 @@ def _pick_org(cfg: Any, org: str | None) -> str:
     return org
 
 
+def _close(worker: Any) -> None:
+    close = getattr(worker, "close", None)
+    if callable(close):
+        close()
+
+
 def main_worker(argv: list[str] | None = None) -> int:
     """``hacrl-fed worker``: build this org's worker, serve it, stop gracefully on SIGTERM / SIGINT.
 
-    Prints ``hacrl-fed worker <org> listening on <address>`` (flushed) once it accepts calls.
+    Prints ``hacrl-fed worker <org> listening on <address>`` (flushed) once it accepts calls. Exits 2, with one
+    line on stderr, for a bad config or org, or a listen address / TLS setting the link rules refuse.
     """
     parser = _parser()
     args = parser.parse_args(argv)
@@ -251,6 +495,7 @@ def main_worker(argv: list[str] | None = None) -> int:
     from hacrl_fed.config import ConfigError, load_config
 
     try:
+        tls, insecure = link_settings(args)
         cfg = load_config(args.config, overrides=args.overrides)
         org_id = _pick_org(cfg, args.org)
     except (ConfigError, ValueError) as err:
@@ -265,7 +510,11 @@ def main_worker(argv: list[str] | None = None) -> int:
         extra["resume"] = True
     worker = build_worker(cfg, org_id, **extra)
     max_mb = args.max_message_mb or cfg.federation.max_message_mb
-    server = serve_worker(worker, args.listen, max_message_mb=max_mb)
+    try:
+        server = serve_worker(worker, args.listen, tls=tls, insecure=insecure, max_message_mb=max_mb)
+    except (ValueError, RuntimeError) as err:
+        _close(worker)
+        parser.exit(2, f"hacrl-fed worker: {err}\n")
     print(f"hacrl-fed worker {org_id} listening on {server.address}", flush=True)
     parent = os.environ.get("HACRL_FED_PARENT_PID")  # set by the launcher: stop when it is gone
     while not stop.wait(0.5):
@@ -274,7 +523,5 @@ def main_worker(argv: list[str] | None = None) -> int:
             break
     log.info("stopping (grace %.1f s)", args.grace_s)
     server.stop(args.grace_s).wait()
-    close = getattr(worker, "close", None)
-    if callable(close):
-        close()
+    _close(worker)
     return 0
