@@ -1,4 +1,5 @@
-"""hacrl_fed.security.keys: the CA / SuperLink certificate / SuperNode keys that flwr 1.42 and TLS stacks accept."""
+"""hacrl_fed.security.keys: the CA / SuperLink certificate / SuperNode keys that flwr 1.42 and TLS stacks accept,
+worker server and client certificates (a real mutual-TLS handshake is in test_worker_link.py), and org identities."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from cryptography.x509.verification import PolicyBuilder, Store
 
 from hacrl_fed.security.keys import (
-    KeyLayout, KeyToolError, main_keys, make_ca, make_server_cert, make_supernode_keypair, parse_orgs, parse_san,
-    write_keys,
+    KeyLayout, KeyToolError, client_name, main_keys, make_ca, make_client_cert, make_server_cert,
+    make_supernode_keypair, parse_orgs, parse_san, write_keys,
 )
 
 
@@ -110,11 +111,49 @@ def test_private_keys_are_owner_only(layout):
     def mode(p: Path) -> int:
         return stat.S_IMODE(p.stat().st_mode)
 
-    for private in (layout.ca_key, layout.server_key, layout.supernode_key("acme"), layout.supernode_key("globex")):
+    for private in (layout.ca_key, layout.server_key, layout.supernode_key("acme"), layout.supernode_key("globex"),
+                    layout.worker_key("acme"), layout.worker_client_key("globex"), layout.identity_key("acme")):
         assert mode(private) == 0o600, private
-    for public in (layout.ca_cert, layout.server_cert, layout.supernode_pub("acme")):
+    for public in (layout.ca_cert, layout.server_cert, layout.supernode_pub("acme"), layout.worker_cert("acme"),
+                   layout.worker_client_cert("acme"), layout.roster):
         assert mode(public) == 0o644, public
-    assert mode(layout.out) == 0o700 and mode(layout.out / "supernodes") == 0o700
+    for directory in (layout.out, layout.out / "supernodes", layout.out / "workers", layout.identity_key("a").parent):
+        assert mode(directory) == 0o700, directory
+
+
+def test_worker_certificates(layout):
+    """Per org: a server certificate for its worker (the --san names, serverAuth) and a client certificate
+    (CN ORG-client, clientAuth), each signed by the CA and matching its key."""
+    ca = _cert(layout.ca_cert)
+    store = Store([ca])
+    serials = set()
+    for org in ("acme", "globex"):
+        server, client = _cert(layout.worker_cert(org)), _cert(layout.worker_client_cert(org))
+        for cert, key_path in ((server, layout.worker_key(org)), (client, layout.worker_client_key(org))):
+            cert.verify_directly_issued_by(ca)
+            key = load_pem_private_key(key_path.read_bytes(), None)
+            assert key.public_key().public_numbers() == cert.public_key().public_numbers()
+            serials.add(cert.serial_number)
+        assert list(server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
+            ExtendedKeyUsageOID.SERVER_AUTH]
+        san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1", "10.1.2.3"]
+        PolicyBuilder().store(store).build_server_verifier(x509.DNSName("localhost")).verify(server, [])
+        assert list(client.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
+            ExtendedKeyUsageOID.CLIENT_AUTH]
+        cn = client.subject.get_attributes_for_oid(x509.oid.NameOID.COMMON_NAME)[0].value
+        assert cn == client_name(org) == f"{org}-client"
+        assert PolicyBuilder().store(store).build_client_verifier().verify(client, []).chain[0] == client
+    assert len(serials) == 4
+
+
+def test_signing_identities_and_roster(layout):
+    from hacrl_fed.security.identity import load_identity, load_roster
+
+    roster = load_roster(layout.roster)
+    assert set(roster) == {"acme", "globex"}
+    for org in ("acme", "globex"):
+        assert load_identity(layout.identity_key(org), org).public() == roster[org]
 
 
 def test_refuses_to_overwrite_without_force(tmp_path, capsys):
@@ -128,14 +167,22 @@ def test_refuses_to_overwrite_without_force(tmp_path, capsys):
     assert not layout.supernode_key("globex").exists()
     assert main_keys(["--out", str(out), "--orgs", "acme", "--force"]) == 0
     assert layout.ca_key.read_bytes() != before[layout.ca_key]
+    assert layout.identity_key("acme").read_bytes() != before[layout.identity_key("acme")]
     assert load_ssh_private_key(layout.supernode_key("acme").read_bytes(), None)
+    layout.worker_client_cert("acme").unlink()
+    layout.roster.unlink()
+    assert main_keys(["--out", str(out), "--orgs", "acme"]) == 2  # any one file left is refused
 
 
 def test_summary_names_files_and_next_commands(tmp_path, capsys):
     assert main_keys(["--out", str(tmp_path / "k"), "--orgs", "acme"]) == 0
     out = capsys.readouterr().out
     assert "flwr supernode register" in out and "--enable-supernode-auth" in out
-    assert str(tmp_path / "k" / "supernodes" / "acme.key") in out
+    layout = KeyLayout(tmp_path / "k")
+    for path in (layout.supernode_key("acme"), layout.worker_cert("acme"), layout.worker_client_cert("acme"),
+                 layout.roster, layout.identity_key("acme")):
+        assert str(path) in out, path
+    assert "--listen unix:" in out and "--tls-client-name acme-client" in out
     assert "SANs: 127.0.0.1, localhost, ::1" in out  # the loopback defaults
 
 
@@ -144,6 +191,7 @@ def test_summary_names_files_and_next_commands(tmp_path, capsys):
     (["--orgs", "acme,acme"], "duplicate org ids ['acme']"),
     (["--orgs", " , "], "no org ids"),
     (["--orgs", "acme,gl/obex"], "bad org id 'gl/obex'"),
+    (["--orgs", "x,x-client"], "org ids whose files would collide"),
 ])
 def test_bad_input_is_named_and_writes_nothing(tmp_path, capsys, argv, message):
     out = tmp_path / "k"
@@ -157,6 +205,9 @@ def test_library_functions():
     key, cert = make_server_cert(ca_key, ca, ["::1"], days=5000)
     assert cert.not_valid_after_utc <= ca.not_valid_after_utc  # never outlives its CA
     cert.verify_directly_issued_by(ca)
+    _, client = make_client_cert(ca_key, ca, "x-client", days=5000)
+    assert client.not_valid_after_utc <= ca.not_valid_after_utc
+    assert client.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
     private, public = make_supernode_keypair(comment="x")
     assert public.endswith(b" x\n") and private.startswith(b"-----BEGIN OPENSSH PRIVATE KEY-----")
     assert isinstance(parse_san("::1"), x509.IPAddress) and isinstance(parse_san("A.example"), x509.DNSName)
