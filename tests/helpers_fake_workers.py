@@ -42,6 +42,7 @@ class FakeWorker:
     fail_generate_rounds: set[int] = field(default_factory=set)
     invalid_per_batch: int = 0  # extra rollouts with reward 2.0 (must be dropped by the coordinator)
     reported_accuracy: float | None = None  # None: report the truth
+    lie_rewards: bool = False  # claim reward 1.0 on every rollout (re-verification must catch it)
     delay_s: float = 0.0
     plans: list[RoundPlan] = field(default_factory=list)
     train_requests: list[TrainRequest] = field(default_factory=list)
@@ -57,10 +58,14 @@ class FakeWorker:
         g = plan.sampling.num_samples
         wins = round(self.skill * g)
         rollouts = [  # a winning sample answers the reference (FakeTask.verify agrees with its reward)
-            Rollout(self.org_id, plan.round, p.prompt_id, i, p.reference if i < wins else f"{self.org_id} says {i}",
+            Rollout(self.org_id, plan.round, p.prompt_id, i, p.reference if i < wins else f"{self.org_id} gives up",
                     "stop", 1.0 if i < wins else 0.0, -1.0 - i, 3)
             for p in plan.prompts for i in range(g)
         ]
+        if self.lie_rewards:
+            rollouts = [Rollout(*[getattr(r, f) for f in ("org_id", "round", "prompt_id", "sample_index", "response",
+                                                          "finish_reason")], 1.0, r.logprob_sum, r.token_count)
+                        for r in rollouts]
         bad = [Rollout(self.org_id, plan.round, plan.prompts[0].prompt_id, k % g, "bad", "stop", 2.0, -1.0, 3)
                for k in range(self.invalid_per_batch)]
         rollouts = bad + rollouts  # first: a dropped copy must not shadow the valid one with the same index

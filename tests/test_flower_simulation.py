@@ -20,22 +20,26 @@ from hacrl_fed.flower.simulation import backend_config, find_app_dir, main_simul
 from helpers_fake_workers import FakeWorker
 
 SKILLS = {"a": 0.25, "b": 0.75}
+LIAR = "liar"  # claims reward 1.0 on every rollout; in the two-round test only
 
 
 def make_fake_worker(cfg, org_id, *, run_dir, resume=False):
     """``worker-factory`` for the simulation: a FakeWorker that also records its process id in the run dir."""
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     Path(run_dir, f"built-{org_id}-{os.getpid()}").touch()
+    if org_id == LIAR:
+        return FakeWorker(org_id, 0.5, lie_rewards=True)
     return FakeWorker(org_id, SKILLS[org_id])
 
 
-def _config(tmp_path: Path, **federation) -> Path:
+def _config(tmp_path: Path, *, orgs=tuple(SKILLS), **federation) -> Path:
     fed = {"rounds": 2, "prompts_per_round": 2, "eval_every": 1, "min_orgs": 2, "round_timeout_s": 60.0,
            **federation}
     data = {"name": "sim", "seed": 5, "run_dir": str(tmp_path / "runs"),
             "generation": {"num_samples": 2, "max_new_tokens": 8, "eval_max_new_tokens": 8},
             "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 3},
-            "orgs": [{"id": o, "model": {"zoo": "tiny"}} for o in SKILLS], "federation": fed}
+            "orgs": [{"id": o, "model": {"zoo": "tiny"}} for o in orgs], "federation": fed,
+            "security": {"signing": False}}  # fake workers do not sign
     path = tmp_path / "sim.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -75,7 +79,8 @@ def test_run_dir_checks_exit_2_before_starting_ray(tmp_path, capsys):
 def test_two_rounds_over_the_simulation_engine(tmp_path, capsys):
     run_dir = tmp_path / "run"
     start = time.monotonic()
-    rc = main_simulate([str(_config(tmp_path)), "--run-dir", str(run_dir), "--num-cpus", "1",
+    config = _config(tmp_path, orgs=(*SKILLS, LIAR))
+    rc = main_simulate([str(config), "--run-dir", str(run_dir), "--num-cpus", "1",
                         "--worker-factory", "test_flower_simulation:make_fake_worker", "--set", "seed=9"])
     elapsed = time.monotonic() - start
     assert rc == 0
@@ -86,15 +91,22 @@ def test_two_rounds_over_the_simulation_engine(tmp_path, capsys):
         for org in SKILLS:
             assert rec[f"bytes/generate/{org}"] > 0 and rec[f"bytes/train/{org}"] > 0
             assert rec[f"round/{org}/failed"] == 0.0 and rec[f"round/{org}/rollouts_accepted"] == 4.0
-    state = json.loads((run_dir / "coordinator_state.json").read_text())
+            assert rec[f"{org}/hacpo/foreign"] == 4.0  # the honest other org's rollouts, never the liar's
+    # the lying org: caught by re-verification in round 1, excluded from the pool, honest orgs trained that round
+    r1, r2 = records[1], records[2]
+    assert r1[f"round/{LIAR}/rejected/reward_mismatch"] == 2.0 and r1[f"round/{LIAR}/rollouts_accepted"] == 0.0
+    assert r1[f"security/{LIAR}/excluded"] == 1.0 and r1[f"round/{LIAR}/failure/excluded"] == 1.0
+    assert r2[f"round/{LIAR}/failure/excluded"] == 1.0 and f"bytes/generate/{LIAR}" not in r2
+    assert r1["round/orgs_trained"] == 2.0    state = json.loads((run_dir / "coordinator_state.json").read_text())
     assert state["round"] == 2
     built = sorted(p.name for p in run_dir.glob("built-*"))
-    assert [name.split("-")[1] for name in built] == ["a", "b"]  # one worker per org ...
+    assert [name.split("-")[1] for name in built] == ["a", "b", LIAR]  # one worker per org ...
     assert len({name.split("-")[2] for name in built}) == 1  # ... both in the single ClientApp actor
     assert ENV_VAR not in os.environ
     out = capsys.readouterr().out  # the final per-org table is the last thing printed
     assert out.splitlines()[0].startswith("org ") and "outputs in" in out.splitlines()[-1]
-    assert (run_dir / "summary.txt").read_text().splitlines()[0].startswith("org ")
+    summary = (run_dir / "summary.txt").read_text()
+    assert summary.splitlines()[0].startswith("org ") and f"{LIAR} EXCLUDED from the pool: reward mismatch" in summary
 
 
 @pytest.mark.slow

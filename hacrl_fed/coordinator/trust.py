@@ -57,7 +57,7 @@ class PoolGuard:
         if out is None:
             out = screen_batch(batch, plan, org, verify=None if self.blind else self.verify,
                                max_bytes_per_token=self.cfg.security.max_bytes_per_token)
-        if out.accepted and out.mismatch_rate > self.cfg.security.max_mismatch_rate:
+        if out.checked and out.mismatch_rate > self.cfg.security.max_mismatch_rate:
             self.exclude(round, org, f"reward mismatch {out.mismatches}/{out.checked} in round {round}")
             out.rejected["excluded_org"] += len(out.accepted)
             out.accepted = []

@@ -158,10 +158,10 @@ def screen_sources(cfg: RunConfig, org_id: str, request: TrainRequest, *, prompt
     """
     signing = cfg.security.signing
     reports: dict[str, SourceReport] = {}
-    n_in = len(request.source_batches) if signing else len(request.foreign)
     total = sum(len(b.rollouts) for b in request.source_batches) if signing else len(request.foreign)
     known = {o.id for o in cfg.orgs if o.id != org_id}
-    if total > max_foreign(cfg, org_id, len(prompts)) or n_in > len(known) + 1:
+    too_many_batches = signing and len(request.source_batches) > len(known)
+    if total > max_foreign(cfg, org_id, len(prompts)) or too_many_batches:
         rep = reports.setdefault("*", SourceReport(received=total))
         rep.rejected["too_many_foreign"] += total
         return [], _metrics(reports)
