@@ -59,6 +59,7 @@ SERVICE = "hacrl_fed.v1.PolicyWorker"
 MAX_DETAILS_CHARS = 2000  # status details travel in trailing metadata (about 8 KiB allowed by default)
 _MAX_MESSAGE_MB = 2047  # gRPC lengths are signed 32-bit ints
 _NO_DEADLINE_S = 1e9  # grpc reports "no deadline" as a huge time_remaining() (about 9.2e18 s)
+_DEADLINE_SLACK_S = 0.05  # a call cancelled this close to its deadline was cancelled by the deadline
 LOOPBACK_NAMES = ("localhost",)
 
 
@@ -323,10 +324,21 @@ class PolicyWorkerServicer:
                 try:
                     return self._invoke(rpc, arg)
                 except CallCancelled as err:
-                    code = grpc.StatusCode.DEADLINE_EXCEEDED if cancelled() == "deadline" else grpc.StatusCode.CANCELLED
-                    raise _Abandoned(str(err), code) from None
+                    raise _stopped(err, context) from None
         finally:
             self._lock.release()
+
+
+def _stopped(err: CallCancelled, context) -> _Abandoned:
+    """The worker stopped on :func:`~hacrl_fed.worker.cancel.raise_if_cancelled`: say whether deadline or cancel.
+
+    grpc and the cancel scope race at the deadline (either may notice first), so the time left decides.
+    """
+    remaining = _remaining_s(context)
+    if cancelled() == "deadline" or (remaining is not None and remaining < _DEADLINE_SLACK_S):
+        return _Abandoned(f"the caller's deadline passed; the worker stopped ({err})",
+                          grpc.StatusCode.DEADLINE_EXCEEDED)
+    return _Abandoned(f"the caller cancelled the call; the worker stopped ({err})")
 
 
 class WorkerServer(grpc.Server):
