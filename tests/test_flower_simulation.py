@@ -97,7 +97,8 @@ def test_two_rounds_over_the_simulation_engine(tmp_path, capsys):
     assert r1[f"round/{LIAR}/rejected/reward_mismatch"] == 2.0 and r1[f"round/{LIAR}/rollouts_accepted"] == 0.0
     assert r1[f"security/{LIAR}/excluded"] == 1.0 and r1[f"round/{LIAR}/failure/excluded"] == 1.0
     assert r2[f"round/{LIAR}/failure/excluded"] == 1.0 and f"bytes/generate/{LIAR}" not in r2
-    assert r1["round/orgs_trained"] == 2.0    state = json.loads((run_dir / "coordinator_state.json").read_text())
+    assert r1["round/orgs_trained"] == 2.0
+    state = json.loads((run_dir / "coordinator_state.json").read_text())
     assert state["round"] == 2
     built = sorted(p.name for p in run_dir.glob("built-*"))
     assert [name.split("-")[1] for name in built] == ["a", "b", LIAR]  # one worker per org ...
