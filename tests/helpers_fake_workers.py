@@ -113,25 +113,30 @@ SCRIPT_SKILLS = {"a": 0.25, "b": 0.5, "c": 0.75}
 def main(argv=None) -> int:
     """A stand-in for ``hacrl-fed worker``: serve a FakeWorker, print the ready line, stop on SIGTERM.
 
-    Extra flags for launcher tests: ``--ignore-sigterm`` (needs SIGKILL), ``--exit-code N`` (die before ready),
-    ``--silent`` (never print the ready line).
+    Takes the real worker's link flags (``--listen``, ``--insecure``, ``--tls-*``) with the same rules (exit 2 on a
+    refused setting). Extra flags for launcher tests: ``--ignore-sigterm`` (needs SIGKILL), ``--exit-code N`` (die
+    before ready), ``--silent`` (never print the ready line).
     """
     import argparse
     import signal
     import threading
 
-    from hacrl_fed.wire.grpc_server import serve_worker
+    from hacrl_fed.wire.grpc_server import add_link_args, link_settings, serve_worker
 
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
     p.add_argument("--org", required=True)
-    p.add_argument("--listen", required=True)
+    add_link_args(p)
     p.add_argument("--run-dir")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--exit-code", type=int)
     p.add_argument("--silent", action="store_true")
     args = p.parse_args(argv)
+    try:
+        tls, insecure = link_settings(args)
+    except ValueError as err:
+        p.exit(2, f"fake worker: {err}\n")
     load_config(args.config)  # fail like the real worker on a bad config
     print(f"fake worker {args.org} starting (run_dir={args.run_dir}, resume={args.resume})", flush=True)
     if args.exit_code is not None:
@@ -139,7 +144,8 @@ def main(argv=None) -> int:
         return args.exit_code
     stop = threading.Event()
     signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_sigterm else (lambda *_: stop.set()))
-    server = serve_worker(FakeWorker(args.org, SCRIPT_SKILLS.get(args.org, 0.5)), args.listen)
+    server = serve_worker(FakeWorker(args.org, SCRIPT_SKILLS.get(args.org, 0.5)), args.listen, tls=tls,
+                          insecure=insecure)
     if not args.silent:
         print(f"hacrl-fed worker {args.org} listening on {server.address}", flush=True)
     while not stop.wait(0.1):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import yaml
 
 from helpers_fake_workers import fake_config
 from hacrl_fed.coordinator.grpc_transport import GrpcTransport
-from hacrl_fed.coordinator.launcher import WorkerProcesses, WorkerStartError, listen_address
+from hacrl_fed.coordinator.launcher import WorkerProcesses, WorkerStartError, link_args, listen_address
 
 FAKE_WORKER = [sys.executable, str(Path(__file__).with_name("helpers_fake_workers.py"))]
 
@@ -25,8 +27,12 @@ def config_path(tmp_path):
 def test_start_serve_and_stop(tmp_path, config_path):
     procs = WorkerProcesses(config_path, ["a", "b"], run_dir=tmp_path / "run", command=FAKE_WORKER,
                             worker_args=["--run-dir", "X"], overrides=["federation.rounds=7"], ready_timeout_s=60)
+    (tmp_path / "run" / "sock").mkdir(parents=True)
+    os.chmod(tmp_path / "run" / "sock", 0o777)  # left over with a loose mode: tightened before any worker starts
     with procs as addresses:
         assert set(addresses) == {"a", "b"} and all(a.startswith("unix:") for a in addresses.values())
+        assert stat.S_IMODE(os.stat(tmp_path / "run" / "sock").st_mode) == 0o700
+        assert all(stat.S_IMODE(os.stat(a[5:]).st_mode) == 0o600 for a in addresses.values())
         pids = {org: w.proc.pid for org, w in procs.workers.items()}
         transport = GrpcTransport(addresses)
         try:
@@ -66,10 +72,18 @@ def test_silent_worker_times_out_and_is_stopped(tmp_path, config_path):
     assert procs.exit_codes == {"a": 0}
 
 
-def test_long_run_dir_falls_back_to_a_free_tcp_port(tmp_path):
+def test_long_run_dir_falls_back_to_a_free_tcp_port(tmp_path, config_path):
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     assert listen_address(deep, "a") == "127.0.0.1:0"
     assert listen_address(Path("/tmp/r"), "a") == "unix:/tmp/r/sock/a.sock"
+    assert link_args("127.0.0.1:0") == ["--insecure"] and link_args("unix:/tmp/r/sock/a.sock") == []
+    with WorkerProcesses(config_path, ["a"], run_dir=deep, command=FAKE_WORKER, ready_timeout_s=60) as addresses:
+        assert addresses["a"].startswith("127.0.0.1:")  # the worker accepted loopback TCP: --insecure was passed
+        transport = GrpcTransport(addresses)
+        try:
+            assert transport.wait_ready(10.0)["a"]["org_id"] == "a"
+        finally:
+            transport.close()
 
 
 def test_bad_override_fails_before_any_process_starts(tmp_path, config_path):

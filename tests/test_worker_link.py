@@ -346,3 +346,18 @@ def test_calls_without_a_deadline_run(servers, tmp_path):
     server = servers(CountingWorker(), f"unix:{tmp_path}/w.sock")
     with GrpcWorkerClient(server.address, timeout_s=None) as client:
         assert client.generate(_plan()).org_id == "acme"
+
+
+def test_grpc_transport_dials_workers_over_mtls(servers, keys, tmp_path):
+    from hacrl_fed.coordinator.grpc_transport import GrpcTransport
+
+    tcp = servers(CountingWorker("acme"), "127.0.0.1:0", tls=_tls(keys, "acme"))
+    unix = servers(CountingWorker("globex"), f"unix:{tmp_path}/g.sock")
+    transport = GrpcTransport({"acme": tcp.address, "globex": unix.address}, tls={"acme": _client_tls(keys)})
+    try:
+        ready = transport.wait_ready(10.0)
+        assert {org: info["org_id"] for org, info in ready.items()} == {"acme": "acme", "globex": "globex"}
+    finally:
+        transport.close()
+    with pytest.raises(ValueError, match="plaintext is refused"):
+        GrpcTransport({"acme": "10.1.2.3:50051"})

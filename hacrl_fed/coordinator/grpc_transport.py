@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 from hacrl_fed.coordinator.transport import Transport, TransportTimeout
 from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
 from hacrl_fed.wire import codec
-from hacrl_fed.wire.grpc_client import GrpcWorkerClient
+from hacrl_fed.wire.grpc_client import ClientTLS, GrpcWorkerClient
 
 _EXTRA_WAIT_S = 5.0  # beyond the gRPC deadline, before the transport itself gives up on a stuck client call
 
@@ -31,13 +31,20 @@ def message_bytes(obj: Any) -> int:
 
 
 class GrpcTransport(Transport):
-    """Talks to ``addresses`` (``{org_id: "HOST:PORT" | "unix:/PATH"}``) over gRPC."""
+    """Talks to ``addresses`` (``{org_id: "HOST:PORT" | "unix:/PATH"}``) over gRPC.
 
-    def __init__(self, addresses: Mapping[str, str], *, max_message_mb: int = 256):
+    ``tls``: mutual TLS for every worker (one :class:`ClientTLS`) or per org (``{org: ClientTLS}``); an org
+    without one is dialled in plaintext, which only a ``unix:`` or loopback address allows (ValueError otherwise).
+    """
+
+    def __init__(self, addresses: Mapping[str, str], *, max_message_mb: int = 256,
+                 tls: ClientTLS | Mapping[str, ClientTLS] | None = None):
         if not addresses:
             raise ValueError("GrpcTransport needs at least one worker address")
         self.addresses = dict(addresses)
-        self.clients = {org: GrpcWorkerClient(addr, org_id=org, timeout_s=None, max_message_mb=max_message_mb)
+        per_org = tls if isinstance(tls, Mapping) else {org: tls for org in self.addresses}
+        self.clients = {org: GrpcWorkerClient(addr, org_id=org, timeout_s=None, max_message_mb=max_message_mb,
+                                              tls=per_org.get(org))
                         for org, addr in self.addresses.items()}
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="grpc-transport")
         self.last_call_bytes: dict[str, int] = {}

@@ -1,7 +1,8 @@
 """Start and stop one ``hacrl-fed worker`` subprocess per org on this machine (for ``hacrl-fed run --transport grpc``).
 
-Each worker listens on ``unix:<run_dir>/sock/<org>.sock`` (``127.0.0.1:0``, a free TCP port, when that path is
-too long for a Unix socket), logs stdout+stderr to ``<run_dir>/logs/<org>.log``, and is ready once it prints
+Each worker listens on ``unix:<run_dir>/sock/<org>.sock`` (the directory is made 0700, the worker makes the socket
+0600), or, when that path is too long for a Unix socket, on ``127.0.0.1:0`` (a free loopback TCP port, plaintext:
+started with ``--insecure``). It logs stdout+stderr to ``<run_dir>/logs/<org>.log``, and is ready once it prints
 ``hacrl-fed worker <org> listening on <address>``; that printed address is the one to dial. Stopping sends
 SIGTERM to each PID, waits ``grace_s`` and SIGKILLs what is left; it runs on ``close()``, on context-manager exit
 and at interpreter exit.
@@ -63,6 +64,18 @@ def listen_address(run_dir: Path, org_id: str) -> str:
     """``unix:<run_dir>/sock/<org>.sock`` when the absolute path fits a Unix socket, else ``127.0.0.1:0``."""
     path = (run_dir / "sock" / f"{org_id}.sock").absolute()
     return f"unix:{path}" if len(str(path)) <= MAX_UNIX_SOCKET_PATH else "127.0.0.1:0"
+
+
+def link_args(listen: str) -> list[str]:
+    """Flags ``hacrl-fed worker`` needs to accept ``listen``: none for a unix socket, ``--insecure`` for loopback TCP."""
+    return [] if listen.startswith("unix:") else ["--insecure"]
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) if needed and make it 0700: only this user may reach sockets inside it."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
 
 
 def write_resolved_config(config_path: str | Path, overrides: Mapping[str, Any] | Sequence[str], out: Path) -> Path:
@@ -140,7 +153,7 @@ class WorkerProcesses:
     def start(self) -> dict[str, str]:
         """Start every worker, wait until all are ready; ``{org: address}``. On any failure stop all and raise."""
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "sock").mkdir(parents=True, exist_ok=True)
+        private_dir(self.run_dir / "sock")
         config = self.config_path
         if self.overrides:
             config = write_resolved_config(config, self.overrides, self.run_dir / "worker_config.yaml")
@@ -151,7 +164,8 @@ class WorkerProcesses:
                 listen = listen_address(self.run_dir, org)
                 if listen.startswith("unix:"):
                     Path(listen[5:]).unlink(missing_ok=True)  # a stale socket from a killed run
-                argv = self.command + ["--config", str(config), "--org", org, "--listen", listen] + self.worker_args
+                argv = [*self.command, "--config", str(config), "--org", org, "--listen", listen,
+                        *link_args(listen), *self.worker_args]
                 if self.die_with_parent:
                     argv = die_with_parent_argv(argv)
                 self.workers[org] = _Worker(org, argv, self.run_dir / "logs" / f"{org}.log", env)
