@@ -283,3 +283,34 @@ def test_run_federation_resumes(tmp_path):
     with pytest.raises(SettingsError, match="already holds a run"):
         run_federation(FakeGrid(sim_contexts(config, 2, run_id=3, **base)), base, app_dir=APP_DIR)
     assert (run_dir / "config.yaml").read_text() == "kept"
+
+
+def test_deployment_mode_uses_mutual_tls_when_node_config_names_the_keys(tmp_path):
+    from hacrl_fed.security.keys import write_keys
+    from hacrl_fed.wire.grpc_server import WorkerTLS, serve_worker
+
+    keys = write_keys(tmp_path / "keys", ["a"], ["127.0.0.1"])
+    tls = WorkerTLS(keys.worker_cert("a"), keys.worker_key("a"), keys.ca_cert, client_names=("a-client",))
+    server = serve_worker(FakeWorker("a", SKILLS["a"]), "127.0.0.1:0", tls=tls)
+    mtls = {"worker-ca": str(keys.ca_cert), "worker-cert": str(keys.worker_client_cert("a")),
+            "worker-key": str(keys.worker_client_key("a"))}
+
+    def ctx(node_id: int, **config) -> Context:
+        return Context(run_id=1, node_id=node_id, state=RecordDict(), run_config={},
+                       node_config={"org": "a", "worker": server.address, **config})
+
+    try:
+        contexts = {
+            60: ctx(60, **mtls),
+            61: ctx(61),  # no client certificate: the worker's handshake refuses it
+            62: ctx(62, **{"worker-ca": mtls["worker-ca"]}),
+            63: ctx(63, worker="10.1.2.3:50051"),  # refused before dialling
+        }
+        transport = FlowerTransport(FakeGrid(contexts), {60: "a", 61: "b", 62: "c", 63: "d"})
+        out = transport.generate({org: _plan() for org in "abcd"}, 5)
+        assert out["a"].org_id == "a" and out["a"].accuracy == 0.25
+        assert "UNAVAILABLE" in str(out["b"])
+        assert "mutual TLS needs all of ['worker-ca', 'worker-cert', 'worker-key']" in str(out["c"])
+        assert "'10.1.2.3:50051' is neither a unix: socket nor loopback: set worker-ca" in str(out["d"])
+    finally:
+        server.stop(0)

@@ -2,10 +2,12 @@
 
 How a node learns its mode and org (``context.node_config``):
 
-* **deployment** (``flower-supernode --node-config 'org="acme" worker="127.0.0.1:50051"'``): ``worker`` is
-  present. The org is ``org``; every request is forwarded over gRPC to the long-lived ``hacrl-fed worker`` at
+* **deployment** (``flower-supernode --node-config 'org="acme" worker="unix:/run/hacrl/acme.sock"'``): ``worker``
+  is present. The org is ``org``; every request is forwarded over gRPC to the long-lived ``hacrl-fed worker`` at
   ``worker`` (:class:`~hacrl_fed.wire.grpc_client.GrpcWorkerClient`). No model is ever loaded here: Flower starts a
   fresh ClientApp process per message. Optional ``max-message-mb`` (default 256) caps gRPC message sizes.
+  ``worker-ca``, ``worker-cert``, ``worker-key`` (PEM paths, all three or none; optional ``worker-server-name``)
+  switch the channel to mutual TLS; without them ``worker`` must be a ``unix:`` socket or a loopback address.
 * **simulation** (Flower Simulation Engine): node_config holds only ``partition-id`` / ``num-partitions``.
   Partition ``i`` is the ``i``-th org of the run config (``config-path`` in the run config, see
   :mod:`hacrl_fed.flower.settings`). The worker is in-process, built once per (run, org) by the
@@ -39,6 +41,8 @@ from hacrl_fed.wire import codec
 log = logging.getLogger(__name__)
 
 ORG_KEY, WORKER_KEY, MAX_MB_KEY = "org", "worker", "max-message-mb"
+TLS_KEYS = ("worker-ca", "worker-cert", "worker-key")  # mutual TLS to the worker: CA, client cert, client key
+SERVER_NAME_KEY = "worker-server-name"
 PARTITION_KEY = "partition-id"
 STATE_KEY = "hacrl.simulation"  # context.state config record: the process serving this node's org
 
@@ -57,12 +61,12 @@ def node_mode(node_config: Mapping[str, Any]) -> str:
     if WORKER_KEY in node_config:
         if not isinstance(node_config.get(ORG_KEY), str) or not node_config[ORG_KEY]:
             raise NodeError(f"node_config has {WORKER_KEY!r} but no non-empty {ORG_KEY!r}: start the SuperNode "
-                            f"with --node-config 'org=\"ORG\" worker=\"HOST:PORT\"'")
+                            f"with --node-config 'org=\"ORG\" worker=\"unix:/PATH\"'")
         return MODE_DEPLOYMENT
     if PARTITION_KEY in node_config:
         return MODE_SIMULATION
     raise NodeError(f"node_config {dict(node_config)} names no worker: start the SuperNode with "
-                    f"--node-config 'org=\"ORG\" worker=\"HOST:PORT\"'")
+                    f"--node-config 'org=\"ORG\" worker=\"unix:/PATH\"'")
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -135,6 +139,37 @@ def release_simulation_workers(run_id: int | None = None) -> int:
     return len(keys)
 
 
+def _text(node_config: Mapping[str, Any], key: str) -> str:
+    value = node_config[key]
+    if not isinstance(value, str) or not value:
+        raise NodeError(f"node_config {key!r}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def worker_tls(node_config: Mapping[str, Any]) -> Any:
+    """The :class:`~hacrl_fed.wire.grpc_client.ClientTLS` the node_config asks for, or None (plaintext).
+
+    Plaintext is allowed only to a ``unix:`` or loopback ``worker``; :class:`NodeError` otherwise, or when only
+    some of ``worker-ca`` / ``worker-cert`` / ``worker-key`` are set.
+    """
+    from hacrl_fed.wire.grpc_client import ClientTLS
+    from hacrl_fed.wire.grpc_server import is_local_address
+
+    given = [key for key in TLS_KEYS if key in node_config]
+    if not given:
+        address = _text(node_config, WORKER_KEY)
+        if not is_local_address(address):
+            raise NodeError(f"worker {address!r} is neither a unix: socket nor loopback: set worker-ca, worker-cert "
+                            "and worker-key in --node-config (mutual TLS)")
+        return None
+    if len(given) != len(TLS_KEYS):
+        raise NodeError(f"node_config sets {given} but not {[k for k in TLS_KEYS if k not in given]}: mutual TLS "
+                        f"needs all of {list(TLS_KEYS)}")
+    ca, cert, key = (_text(node_config, k) for k in TLS_KEYS)
+    server_name = _text(node_config, SERVER_NAME_KEY) if SERVER_NAME_KEY in node_config else None
+    return ClientTLS(ca=ca, cert=cert, key=key, server_name=server_name)
+
+
 def _deployment_worker(node_config: Mapping[str, Any], deadline_s: float | None) -> tuple[str, Any]:
     from hacrl_fed.wire.grpc_client import GrpcWorkerClient  # grpc only where it is used
 
@@ -142,7 +177,8 @@ def _deployment_worker(node_config: Mapping[str, Any], deadline_s: float | None)
     if not isinstance(max_mb, int) or isinstance(max_mb, bool) or max_mb < 1:
         raise NodeError(f"node_config {MAX_MB_KEY!r}: expected a positive int, got {max_mb!r}")
     org = node_config[ORG_KEY]
-    client = GrpcWorkerClient(str(node_config[WORKER_KEY]), org_id=org, timeout_s=deadline_s, max_message_mb=max_mb)
+    client = GrpcWorkerClient(_text(node_config, WORKER_KEY), org_id=org, timeout_s=deadline_s,
+                              max_message_mb=max_mb, tls=worker_tls(node_config))
     return org, client
 
 
