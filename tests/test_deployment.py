@@ -3,9 +3,11 @@
 Fast checks of the harness itself (process-tree teardown, readiness failures, the files it writes for flwr) come
 first; the two end-to-end tests are marked slow:
 
-(a) insecure, real ``hacrl-fed worker`` processes with the micro zoo agents of ``configs/smoke.yaml``;
-(b) TLS + SuperNode authentication with keys from ``hacrl-fed keys`` and fake workers (no models), plus an
-unregistered SuperNode that must be refused.
+(a) insecure Flower, real ``hacrl-fed worker`` processes with the micro zoo agents of ``configs/smoke.yaml`` on
+unix sockets (mode 0600 in a 0700 directory);
+(b) TLS + SuperNode authentication with keys from ``hacrl-fed keys`` and fake workers (no models) serving mutual
+TLS on loopback TCP (the ClientApps present their org's client certificate), plus an unregistered SuperNode that
+must be refused.
 
 Every process is stopped by PID in the harness's teardown (also when a test fails), and each test checks that
 nothing it started is left running. Timings go to ``<tmp>/timings.json`` (and stdout with ``-s``).
@@ -18,6 +20,7 @@ import os
 import re
 import socket
 import ssl
+import stat
 import sys
 import textwrap
 import time
@@ -27,9 +30,11 @@ from pathlib import Path
 import pytest
 
 from hacrl_fed.deploy.harness import (
-    HOST, Deployment, HarnessError, descendants, process_table, start_local, toml_table,
+    HOST, Deployment, HarnessError, descendants, main_local, process_table, start_local, toml_table, worker_command,
+    worker_link_args, worker_listen, worker_node_config,
 )
 from hacrl_fed.security.keys import KeyLayout, write_keys
+from hacrl_fed.wire.grpc_client import GrpcWorkerClient
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "smoke.yaml"
@@ -137,6 +142,39 @@ def test_toml_table_round_trips_and_rejects_what_toml_cannot_say():
         toml_table({"x": [1]})
 
 
+def test_worker_links_and_the_node_config_flwr_parses(tmp_path, capsys):
+    from flwr.common.config import parse_config_args
+
+    keys = KeyLayout(tmp_path / "keys")
+    dep = Deployment(tmp_path / "dep", tls=keys)
+    listen, link = worker_listen(dep, ORGS)
+    assert link == "unix" and listen["acme"] == f"unix:{dep.workdir / 'sock' / 'acme.sock'}"
+    assert stat.S_IMODE(os.stat(dep.workdir / "sock").st_mode) == 0o700
+    assert worker_link_args(listen["acme"], "acme", keys) == []
+    assert worker_node_config(listen["acme"], "acme", keys) == {}
+    deep = Deployment(tmp_path / ("d" * 100))  # socket paths too long: loopback TCP
+    assert worker_listen(deep, ORGS)[1] == "insecure"
+    assert worker_listen(Deployment(deep.workdir, tls=keys), ORGS)[1] == "tls"
+    with pytest.raises(HarnessError, match="needs a deployment with keys"):
+        worker_listen(deep, ORGS, "tls")
+    tcp = f"{HOST}:5"
+    assert worker_link_args(tcp, "acme") == ["--insecure"] and worker_node_config(tcp, "acme") == {}
+    assert worker_link_args(tcp, "acme", keys) == [
+        "--tls-cert", str(keys.worker_cert("acme")), "--tls-key", str(keys.worker_key("acme")),
+        "--tls-ca", str(keys.ca_cert), "--tls-client-name", "acme-client"]
+    assert worker_command(SMOKE, "acme")[-2:] == ["127.0.0.1:0", "--insecure"]
+    extra = worker_node_config(tcp, "acme", keys)
+    dep.superlink_port = 4242
+    argv = dep.supernode_argv("acme", tcp, 9101, worker_config=extra)
+    parsed = parse_config_args([argv[argv.index("--node-config") + 1]])
+    assert parsed == {"org": "acme", "worker": tcp, "worker-ca": str(keys.ca_cert),
+                      "worker-cert": str(keys.worker_client_cert("acme")),
+                      "worker-key": str(keys.worker_client_key("acme"))}
+    with pytest.raises(SystemExit) as info:
+        main_local(["--config", str(SMOKE), "--worker-link", "tls"])
+    assert info.value.code == 2 and "--worker-link tls needs --tls" in capsys.readouterr().err
+
+
 def test_every_process_gets_a_private_flwr_home_and_the_quiet_env(tmp_path):
     env = Deployment(tmp_path).env("supernode-acme")
     assert env["FLWR_HOME"] == str(tmp_path.absolute() / "homes" / "supernode-acme")
@@ -154,7 +192,8 @@ def test_insecure_deployment_with_real_workers(tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     with Deployment(tmp_path / "dep") as dep:  # __exit__ stops every process, also when an assertion fails
-        start_local(dep, SMOKE, ORGS)
+        addresses = start_local(dep, SMOKE, ORGS)
+        socket_modes = {org: stat.S_IMODE(os.stat(a[len("unix:"):]).st_mode) for org, a in addresses.items()}
         up_s = time.monotonic() - t0
         run_id, info, run_s = _submit_and_wait(dep, run_dir)
     assert dep.leftovers() == {}
@@ -162,7 +201,9 @@ def test_insecure_deployment_with_real_workers(tmp_path):
     _assert_per_org_metrics(metrics, ORGS)
     for org in ORGS:  # the real workers did the work: their own timings came back through Flower
         assert metrics[1][f"{org}/time/generate"] > 0
-        assert "listening on" in (tmp_path / "dep" / "logs" / f"worker-{org}.log").read_text()
+        assert addresses[org] == f"unix:{tmp_path / 'dep' / 'sock' / f'{org}.sock'}"
+        assert "listening on unix:" in (tmp_path / "dep" / "logs" / f"worker-{org}.log").read_text()
+    assert socket_modes == {org: 0o600 for org in ORGS}
     _report(tmp_path, "insecure-real-workers", dep, up_s=up_s, run_s=run_s, total_s=time.monotonic() - t0,
             round_times={t: {k: v for k, v in m.items() if k.startswith("time/")} for t, m in metrics.items()})
 
@@ -196,8 +237,12 @@ def test_tls_and_supernode_auth_refuse_an_unregistered_node(tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     with Deployment(tmp_path / "dep", tls=keys) as dep:
-        start_local(dep, SMOKE, ORGS, worker_argv=_fake_worker)
+        addresses = start_local(dep, SMOKE, ORGS, worker_argv=_fake_worker, worker_link="tls")
         up_s = time.monotonic() - t0
+        for org, address in addresses.items():  # the workers serve mutual TLS: a plaintext client is refused
+            assert address.startswith(f"{HOST}:")
+            with pytest.raises(Exception, match="UNAVAILABLE"):
+                GrpcWorkerClient(address, timeout_s=5).health()
         assert ("IP Address", HOST) in _peer_sans(keys.ca_cert, dep.superlink_port)
         assert not _plain_http_reply(dep.superlink_port).startswith(b"HTTP/")  # TLS only, no plaintext
 
@@ -217,6 +262,8 @@ def test_tls_and_supernode_auth_refuse_an_unregistered_node(tmp_path):
     assert dep.leftovers() == {}
     metrics = _metrics(run_dir)
     _assert_per_org_metrics(metrics, ORGS)
+    for org in ORGS:  # the ClientApps reached their workers over mutual TLS with their org's client certificate
+        assert "--tls-client-name" in " ".join(next(p.argv for p in dep.procs if p.name == f"worker-{org}"))
     for org in ORGS:  # exact: FakeWorker answers G rollouts per prompt, skill 0.5
         assert metrics[1][f"round/{org}/rollouts_accepted"] == 4 * 4
         assert metrics[1][f"round/{org}/accuracy"] == 0.5

@@ -67,7 +67,7 @@ def listen_address(run_dir: Path, org_id: str) -> str:
 
 
 def link_args(listen: str) -> list[str]:
-    """Flags ``hacrl-fed worker`` needs to accept ``listen``: none for a unix socket, ``--insecure`` for loopback TCP."""
+    """Flags ``hacrl-fed worker`` needs for ``listen``: none for a unix socket, ``--insecure`` for loopback TCP."""
     return [] if listen.startswith("unix:") else ["--insecure"]
 
 

@@ -1,7 +1,9 @@
 """A process harness for a real Flower deployment on one machine: SuperLink, SuperNodes, policy workers, runs.
 
 Used by ``tests/test_deployment.py`` and by people (``python -m hacrl_fed.deploy.harness --config C.yaml``, see
-:func:`main_local`). Everything listens on 127.0.0.1 only, on free ports. Each process
+:func:`main_local`). Everything listens on 127.0.0.1 only, on free ports, except the policy workers: by default
+they listen on unix sockets in ``<workdir>/sock`` (mode 0700); see :func:`start_local` for the TCP fall-backs
+(mutual TLS with the harness's keys, or ``--insecure`` loopback). Each process
 
 * logs stdout + stderr to ``<workdir>/logs/<name>.log``;
 * gets its own ``FLWR_HOME`` (``<workdir>/homes/<name>``; the ``flwr`` CLI uses ``homes/cli`` and its
@@ -37,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from hacrl_fed.security.keys import KeyLayout
+from hacrl_fed.coordinator.launcher import MAX_UNIX_SOCKET_PATH, private_dir
+from hacrl_fed.security.keys import KeyLayout, client_name
 
 HOST = "127.0.0.1"
 QUIET_ENV = {
@@ -51,6 +54,7 @@ SUPERNODE_READY = re.compile(r"SuperNode ID: (?P<node_id>\d+)")
 RUN_STARTED = re.compile(r"Successfully started run (?P<run_id>\d+)")
 WORKER_READY = re.compile(r"hacrl-fed worker (?P<org>\S+) listening on (?P<address>\S+)")
 _TAIL_CHARS = 3000
+WORKER_LINKS = ("auto", "unix", "tls", "insecure")
 
 
 class HarnessError(RuntimeError):
@@ -254,24 +258,31 @@ class Deployment:
         self.superlink, self.superlink_port = proc, port
         return proc
 
-    def supernode_argv(self, org: str, worker: str, port: int, auth_key: Path | None = None) -> list[str]:
-        """``flower-supernode`` command line for ``org`` whose policy worker listens at ``worker``."""
+    def supernode_argv(self, org: str, worker: str, port: int, auth_key: Path | None = None,
+                       worker_config: Mapping[str, str] | None = None) -> list[str]:
+        """``flower-supernode`` command line for ``org`` whose policy worker listens at ``worker``.
+
+        ``worker_config`` adds node_config string entries (e.g. ``worker-ca``, ``worker-cert``, ``worker-key``).
+        """
+        pairs = {"org": org, "worker": worker, **(worker_config or {})}
+        node_config = " ".join(f"{key}={json.dumps(str(value))}" for key, value in pairs.items())
         argv = [self._exe("flower-supernode"), "--superlink", self.superlink_address, "--host", HOST,
-                "--port", str(port), "--node-config", f'org="{org}" worker="{worker}"']
+                "--port", str(port), "--node-config", node_config]
         argv += ["--insecure"] if self.tls is None else ["--root-certificates", str(self.tls.ca_cert)]
         if auth_key is not None:
             argv += ["--auth-supernode-private-key", str(auth_key)]
         return argv
 
     def start_supernode(self, org: str, worker: str, *, auth_key: str | Path | None = None, name: str | None = None,
-                        wait: bool = True) -> Proc:
+                        wait: bool = True, worker_config: Mapping[str, str] | None = None) -> Proc:
         """Start ``org``'s SuperNode; with ``wait``, block until the SuperLink activated it (``SuperNode ID``).
 
-        ``auth_key`` defaults to ``tls.supernode_key(org)`` in TLS mode.
+        ``auth_key`` defaults to ``tls.supernode_key(org)`` in TLS mode; ``worker_config`` as in
+        :meth:`supernode_argv`.
         """
         if auth_key is None and self.tls is not None:
             auth_key = self.tls.supernode_key(org)
-        argv = self.supernode_argv(org, worker, free_port(), Path(auth_key) if auth_key else None)
+        argv = self.supernode_argv(org, worker, free_port(), Path(auth_key) if auth_key else None, worker_config)
         proc = self.spawn(name or f"supernode-{org}", argv)
         if wait:
             self.wait_log(proc, SUPERNODE_READY, "SuperNode ID (activation by the SuperLink)")
@@ -480,38 +491,90 @@ def toml_table(values: Mapping[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------ for people
 
 
+def worker_link_args(listen: str, org: str, tls: KeyLayout | None = None) -> list[str]:
+    """``hacrl-fed worker`` flags for ``listen``: none for ``unix:``; with ``tls``, mutual TLS with ``org``'s
+    worker certificate, accepting only ``org``'s client certificate; else ``--insecure`` (loopback only)."""
+    if listen.startswith("unix:"):
+        return []
+    if tls is None:
+        return ["--insecure"]
+    return ["--tls-cert", str(tls.worker_cert(org)), "--tls-key", str(tls.worker_key(org)),
+            "--tls-ca", str(tls.ca_cert), "--tls-client-name", client_name(org)]
+
+
+def worker_node_config(listen: str, org: str, tls: KeyLayout | None = None) -> dict[str, str]:
+    """The SuperNode node_config entries matching :func:`worker_link_args`: ``org``'s client certificate for TCP
+    with ``tls``, else none."""
+    if listen.startswith("unix:") or tls is None:
+        return {}
+    return {"worker-ca": str(tls.ca_cert), "worker-cert": str(tls.worker_client_cert(org)),
+            "worker-key": str(tls.worker_client_key(org))}
+
+
 def worker_command(config: str | Path, org: str, *, run_dir: str | Path | None = None,
-                   listen: str = f"{HOST}:0", overrides: Sequence[str] = ()) -> list[str]:
-    """``hacrl-fed worker`` argv (this interpreter) for ``org``, listening on a free loopback port by default."""
+                   listen: str = f"{HOST}:0", overrides: Sequence[str] = (),
+                   tls: KeyLayout | None = None) -> list[str]:
+    """``hacrl-fed worker`` argv (this interpreter) for ``org`` on ``listen`` with :func:`worker_link_args`.
+
+    The default, a free loopback port, is plaintext (``--insecure``) unless ``tls`` is given.
+    """
     argv = [sys.executable, "-m", "hacrl_fed.cli", "worker", "--config", str(Path(config).absolute()),
-            "--org", org, "--listen", listen]
+            "--org", org, "--listen", listen, *worker_link_args(listen, org, tls)]
     for item in overrides:
         argv += ["--set", item]
     return argv + (["--run-dir", str(run_dir)] if run_dir is not None else [])
 
 
+def worker_listen(dep: Deployment, orgs: Sequence[str], link: str = "auto") -> tuple[dict[str, str], str]:
+    """``({org: listen address}, link)`` for ``link`` in :data:`WORKER_LINKS` (``auto`` resolved).
+
+    ``auto``: unix sockets in ``<workdir>/sock`` (made 0700) when their paths fit, else ``tls`` (mutual TLS on free
+    loopback ports) when the deployment has keys, else ``insecure`` (plaintext on free loopback ports).
+    """
+    if link not in WORKER_LINKS:
+        raise HarnessError(f"worker link {link!r}: expected one of {WORKER_LINKS}")
+    sock_dir = dep.workdir / "sock"
+    if link == "auto":
+        fits = all(len(str(sock_dir / f"{org}.sock")) <= MAX_UNIX_SOCKET_PATH for org in orgs)
+        link = "unix" if fits else ("tls" if dep.tls is not None else "insecure")
+    if link == "tls" and dep.tls is None:
+        raise HarnessError("worker link 'tls' needs a deployment with keys (Deployment(tls=...))")
+    if link == "unix":
+        private_dir(sock_dir)
+        return {org: f"unix:{sock_dir / f'{org}.sock'}" for org in orgs}, link
+    return {org: f"{HOST}:{free_port()}" for org in orgs}, link
+
+
 def start_local(dep: Deployment, config: str | Path, orgs: Sequence[str], *,
                 worker_argv: Callable[[str, str], Sequence[str]] | None = None,
-                overrides: Sequence[str] = ()) -> dict[str, str]:
+                overrides: Sequence[str] = (), worker_link: str = "auto") -> dict[str, str]:
     """Workers, SuperLink, CLI federation, (TLS: key registration,) SuperNodes for ``orgs``; ``{org: address}``.
 
-    ``worker_argv(org, listen)`` builds each worker's command (default: :func:`worker_command`); ``listen`` is a
-    free loopback ``HOST:PORT`` chosen here, so workers, SuperLink and SuperNodes start concurrently and the
-    SuperNodes know their worker's address before it is up (the ClientApp dials it only per message).
+    Each worker listens where :func:`worker_listen` says for ``worker_link`` (default: a unix socket in a 0700
+    directory of the workdir), chosen here, so workers, SuperLink and SuperNodes start concurrently and the
+    SuperNodes know their worker's address before it is up (the ClientApp dials it only per message). With
+    ``tls`` the worker serves mutual TLS and its SuperNode gets ``worker-ca`` / ``worker-cert`` / ``worker-key``.
+    ``worker_argv(org, listen)`` builds each worker's command (default: :func:`worker_command`); the link flags
+    (:func:`worker_link_args`) are appended to it.
     """
-    def default_argv(org: str, listen: str) -> list[str]:
-        return worker_command(config, org, run_dir=dep.workdir / "workers" / org, listen=listen,
-                              overrides=overrides)
+    listen, link = worker_listen(dep, orgs, worker_link)
+    worker_tls = dep.tls if link == "tls" else None
 
-    make = worker_argv or default_argv
-    listen = {org: f"{HOST}:{free_port()}" for org in orgs}
-    workers = {org: dep.spawn(f"worker-{org}", make(org, listen[org])) for org in orgs}
+    def argv(org: str) -> list[str]:
+        if worker_argv is None:
+            return worker_command(config, org, run_dir=dep.workdir / "workers" / org, listen=listen[org],
+                                  overrides=overrides, tls=worker_tls)
+        return [*worker_argv(org, listen[org]), *worker_link_args(listen[org], org, worker_tls)]
+
+    workers = {org: dep.spawn(f"worker-{org}", argv(org)) for org in orgs}
     dep.start_superlink()
     dep.write_federation()
     if dep.tls is not None:
         for org in orgs:
             dep.register_supernode(dep.tls.supernode_pub(org))
-    nodes = {org: dep.start_supernode(org, listen[org], wait=False) for org in orgs}
+    nodes = {org: dep.start_supernode(org, listen[org], wait=False,
+                                      worker_config=worker_node_config(listen[org], org, worker_tls))
+             for org in orgs}
     for org in orgs:
         address = dep.wait_log(workers[org], WORKER_READY, "the 'listening on' line")["address"]
         if address != listen[org]:
@@ -524,17 +587,23 @@ def start_local(dep: Deployment, config: str | Path, orgs: Sequence[str], *,
 def main_local(argv: list[str] | None = None) -> int:
     """Run one hacrl-fed config through a real local Flower deployment, then stop everything.
 
-    ``python -m hacrl_fed.deploy.harness --config configs/smoke.yaml [--tls] [--workdir DIR]
-    [--set federation.rounds=2 ...] [--app .] [--timeout-s 1800]``. Exit 0 iff the run ends ``finished:completed``.
+    ``python -m hacrl_fed.deploy.harness --config configs/smoke.yaml [--tls] [--worker-link auto|unix|tls|insecure]
+    [--workdir DIR] [--set federation.rounds=2 ...] [--app .] [--timeout-s 1800]``. Exit 0 iff the run ends
+    ``finished:completed``; 2 for ``--worker-link tls`` without ``--tls``.
     """
     p = argparse.ArgumentParser(prog="python -m hacrl_fed.deploy.harness", description=main_local.__doc__)
     p.add_argument("--config", required=True, help="hacrl-fed run config YAML")
     p.add_argument("--tls", action="store_true", help="TLS + SuperNode auth with fresh keys in WORKDIR/keys")
+    p.add_argument("--worker-link", choices=WORKER_LINKS, default="auto",
+                   help="how SuperNodes reach workers: unix sockets in WORKDIR/sock (auto, when the paths fit), "
+                        "tls (mutual TLS on loopback TCP; needs --tls) or insecure (plaintext loopback TCP)")
     p.add_argument("--workdir", default=None, help="logs, homes, keys and the run dir (default: a temp dir)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--app", default=".", help="the Flower app directory (holding pyproject.toml)")
     p.add_argument("--timeout-s", type=float, default=1800.0)
     args = p.parse_args(argv)
+    if args.worker_link == "tls" and not args.tls:
+        p.exit(2, f"{p.prog}: --worker-link tls needs --tls (the worker certificates come with the keys)\n")
     from hacrl_fed.config import load_config
     from hacrl_fed.security.keys import write_keys
 
@@ -544,7 +613,7 @@ def main_local(argv: list[str] | None = None) -> int:
     tls = write_keys(workdir / "keys", orgs, force=True) if args.tls else None
     run_dir = workdir / "run"
     with Deployment(workdir, tls=tls) as dep:
-        start_local(dep, config, orgs, overrides=args.overrides)
+        start_local(dep, config, orgs, overrides=args.overrides, worker_link=args.worker_link)
         run_id = dep.submit(args.app, {"config-path": str(config), "overrides": " ".join(args.overrides),
                                        "run-dir": str(run_dir)})
         print(f"run {run_id} submitted; logs in {workdir / 'logs'}", flush=True)

@@ -368,7 +368,8 @@ def summary(layout: KeyLayout, orgs: list[str], sans: list[str] | tuple[str, ...
     ]
     lines += [f"  coordinator: flwr supernode register {d.supernode_pub(org)} NAME" for org in orgs]
     org = orgs[0]
-    lines.append(f"  org {org}:    hacrl-fed worker --config RUN.yaml --org {org} --listen unix:/PRIVATE/DIR/{org}.sock")
+    lines.append(f"  org {org}:    hacrl-fed worker --config RUN.yaml --org {org} "
+                 f"--listen unix:/PRIVATE/DIR/{org}.sock")
     lines.append(f"     or TCP:   hacrl-fed worker --config RUN.yaml --org {org} --listen 127.0.0.1:50051 "
                  f"--tls-cert {d.worker_cert(org)} --tls-key {d.worker_key(org)} --tls-ca {d.ca_cert} "
                  f"--tls-client-name {client_name(org)}")
