@@ -189,6 +189,7 @@ def test_failure_reason_names_the_cause_whatever_the_transport():
 def test_policy_worker_refuses_a_round_it_already_trained_also_after_a_restore(tmp_path):
     from hacrl_fed.types import RoundPlan, SamplingParams, TrainRequest
     from hacrl_fed.worker import build_worker
+    from hacrl_fed.worker.guard import RequestRefused
     from hacrl_fed.worker.policy_worker import StaleRoundError
 
     cfg = micro_cfg(tmp_path)
@@ -207,7 +208,8 @@ def test_policy_worker_refuses_a_round_it_already_trained_also_after_a_restore(t
             with pytest.raises(StaleRoundError, match=f"already trained round 2 of run 'run-1'.*round {t}"):
                 w.generate(plan(t))
         assert w.generate(plan(3)).round == 3  # the next round is fine
-        assert w.generate(plan(1, run_id="run-2")).round == 1  # another run's round 1 too
+        with pytest.raises(RequestRefused, match="wrong_run"):  # another run cannot reset the stale-round guard
+            w.generate(plan(1, run_id="run-2"))
 
 
 # ------------------------------------------------------------------------------- late and stuck orgs (gRPC)

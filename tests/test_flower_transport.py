@@ -93,7 +93,8 @@ def write_config(tmp_path: Path, orgs=("a", "b"), **federation) -> Path:
     data = {"name": "flower-test", "seed": 3, "run_dir": str(tmp_path / "runs"),
             "generation": {"num_samples": 2, "max_new_tokens": 8, "eval_max_new_tokens": 8},
             "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 3},
-            "orgs": [{"id": o, "model": {"zoo": "tiny"}} for o in orgs], "federation": fed}
+            "orgs": [{"id": o, "model": {"zoo": "tiny"}} for o in orgs], "federation": fed,
+            "security": {"signing": False}}  # the fake workers do not sign
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

@@ -323,3 +323,14 @@ def test_blind_mode_trains_on_sealed_rollouts_and_capability_comes_from_the_rece
     assert coord.tracker.history("acme") == [pytest.approx(r1.metrics["round/acme/verified_accuracy"])]
     r2 = coord.run_round(2)
     assert r2.trained == ["acme", "globex"]
+
+
+def test_a_coordinator_cannot_change_a_prompt_or_its_reference(run_dir):
+    w = build_worker(make_cfg(), "acme", run_dir=run_dir)
+    plan = plan_for(w)
+    wrong = dataclasses.replace(plan.prompts[0], reference="-1")
+    with pytest.raises(RequestRefused, match="prompt_mismatch"):
+        w.generate(dataclasses.replace(plan, prompts=(wrong,) + plan.prompts[1:]))
+    with pytest.raises(RequestRefused, match="unknown_prompt"):
+        w.generate(dataclasses.replace(plan, prompts=(dataclasses.replace(wrong, prompt_id=10**12),)))
+    w.generate(plan)

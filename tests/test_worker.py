@@ -9,6 +9,7 @@ from hacrl_fed.config import load_config
 from hacrl_fed.trainer import LocalTrainer, TrainRow
 from hacrl_fed.types import EvalRequest, RoundPlan, SamplingParams, TrainRequest
 from hacrl_fed.worker import WorkerAPI, build_worker
+from hacrl_fed.worker.guard import RequestRefused
 
 ORGS = [{"id": "char", "model": {"zoo": "micro-qwen-char"}}, {"id": "bpe", "model": {"zoo": "micro-gpt2-bpe"}}]
 
@@ -16,7 +17,10 @@ ORGS = [{"id": "char", "model": {"zoo": "micro-qwen-char"}}, {"id": "bpe", "mode
 def make_cfg(algorithm="hacpo", **extra):
     data = {"name": "t", "seed": 3, "orgs": ORGS, "algorithm": {"name": algorithm},
             "trainer": {"lr": 1e-3, "minibatch_size": 16, "micro_batch_size": 8},
-            "generation": {"num_samples": 4, "max_new_tokens": 12}, "task": {"name": "arithmetic", "eval_size": 8}}
+            "generation": {"num_samples": 4, "max_new_tokens": 12}, "task": {"name": "arithmetic", "eval_size": 8},
+            # these tests feed hand-made foreign rewards and unsigned rollouts: the trust boundary (signatures,
+            # re-verification) is tested in test_security_attacks.py
+            "security": {"signing": False, "reverify_rewards": False}}
     data.update(extra)
     return load_config(data)
 
@@ -58,7 +62,7 @@ def test_cross_tokenizer_train_changes_weights_and_reports_metrics(cfg, tmp_path
     assert report.metrics["train/num_cross"] == 16 and report.metrics["train/num_self"] == 16
     assert "hacpo/cross_clip_low_frac" in report.metrics and report.metrics["train/steps"] == 2
     assert any(not torch.equal(x, y) for x, y in zip(before, params(a.model)))
-    with pytest.raises(RuntimeError, match="generated nothing"):
+    with pytest.raises(RequestRefused, match="generated nothing"):
         a.train(TrainRequest("run", 1, "char", plan.prompts, foreign, {}))
 
 

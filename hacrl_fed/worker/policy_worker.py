@@ -104,6 +104,18 @@ class PolicyWorker:
             self._prompt_cache[key] = render_prompt(self.tokenizer, prompt.messages)
         return self._prompt_cache[key]
 
+    def _check_prompts(self, prompts: tuple[Prompt, ...], split: str) -> None:
+        """Every prompt (messages and reference) must equal this org's own copy of the task's prompt with that id:
+        the coordinator cannot change what is asked or what counts as right."""
+        try:
+            own = self.task.prompts(split, [p.prompt_id for p in prompts])
+        except (ValueError, KeyError, IndexError) as err:
+            raise RequestRefused("unknown_prompt", str(err)) from None
+        for mine, theirs in zip(own, prompts):
+            if mine != theirs:
+                raise RequestRefused("prompt_mismatch", f"{split} prompt {theirs.prompt_id} differs from this org's copy "
+                                     f"of task {self.task.name!r} (task name, params and seed must match the run's)")
+
     def _check_task(self, task: str) -> None:
         if task != self.task.name:
             raise ValueError(f"request is for task {task!r} but worker {self.org_id!r} runs {self.task.name!r}")
@@ -116,6 +128,7 @@ class PolicyWorker:
             raise StaleRoundError(f"worker {self.org_id!r} already trained round {self.last_round} of run "
                                   f"{plan.run_id!r}; refusing a plan for round {plan.round}")
         check_plan(self.cfg, self.org_id, plan, last_round=self.last_round, run_id=self.last_run_id)
+        self._check_prompts(plan.prompts, "train")
         raise_if_cancelled("before generating")
         t0 = time.perf_counter()
         sp = plan.sampling
@@ -228,6 +241,7 @@ class PolicyWorker:
         """Greedy accuracy on held-out prompts."""
         self._check_task(request.task)
         check_eval(self.cfg, self.org_id, request, run_id=self.last_run_id)
+        self._check_prompts(request.prompts, "test")
         t0 = time.perf_counter()
         gens = self.engine.greedy([self._render(p) for p in request.prompts], max_new_tokens=request.max_new_tokens)
         rewards = [float(self.task.verify(g.text, p.reference)) for p, g in zip(request.prompts, gens)]
