@@ -334,3 +334,16 @@ def test_a_coordinator_cannot_change_a_prompt_or_its_reference(run_dir):
     with pytest.raises(RequestRefused, match="unknown_prompt"):
         w.generate(dataclasses.replace(plan, prompts=(dataclasses.replace(wrong, prompt_id=10**12),)))
     w.generate(plan)
+
+
+def test_public_helpers_are_exported_at_package_level(run_dir):
+    import hacrl_fed.security as sec
+
+    cfg = make_cfg()
+    w = build_worker(cfg, "acme", run_dir=run_dir)
+    batch = w.generate(plan_for(w))
+    envelope = sec.sign_batch(dataclasses.replace(batch, signature=b""), key_of(run_dir, "acme"))
+    assert sec.verify_batch(envelope, w.roster, run_id="run-1", round=1).rollouts == batch.rollouts
+    with pytest.raises(sec.RejectedBatch, match="wrong run") as info:
+        sec.verify_batch(envelope, w.roster, run_id="run-2", round=1)
+    assert isinstance(info.value, ValueError) and info.value.reason == "wrong_run"

@@ -8,5 +8,11 @@
   recipient orgs (``seal_batch`` / ``open_batch``).
 * :mod:`hacrl_fed.security.keys`: TLS / SuperNode-auth key material for Flower deployments.
 
-Submodules are imported on use (nothing is re-exported here), so importing one does not pull in the others.
+The public signing helpers are re-exported here: ``hacrl_fed.security.sign_batch(batch, private_key) -> bytes``,
+``hacrl_fed.security.verify_batch(envelope, roster, *, run_id, round) -> RolloutBatch`` and
+``hacrl_fed.security.RejectedBatch`` (a ``ValueError`` whose ``reason`` and message name why).
 """
+
+from hacrl_fed.security.envelope import RejectedBatch, sign_batch, signed, verify_batch, verify_signed
+
+__all__ = ["RejectedBatch", "sign_batch", "signed", "verify_batch", "verify_signed"]
