@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 from hacrl_fed.deploy.harness import (
-    HOST, Deployment, HarnessError, descendants, main_local, process_table, start_local, toml_table, worker_command,
-    worker_link_args, worker_listen, worker_node_config,
+    HOST, Deployment, HarnessError, descendants, identity_overrides, main_local, process_table, start_local,
+    toml_table, worker_command, worker_link_args, worker_listen, worker_node_config,
 )
 from hacrl_fed.security.keys import KeyLayout, write_keys
 from hacrl_fed.wire.grpc_client import GrpcWorkerClient
@@ -53,9 +53,11 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
     return merged
 
 
-def _submit_and_wait(dep: Deployment, run_dir: Path, timeout_s: float = 240) -> tuple[int, dict, float]:
+def _submit_and_wait(dep: Deployment, run_dir: Path, overrides: tuple[str, ...] = (),
+                     timeout_s: float = 240) -> tuple[int, dict, float]:
     t0 = time.monotonic()
-    run_config = {"config-path": str(SMOKE), "overrides": f"federation.rounds={ROUNDS}", "run-dir": str(run_dir)}
+    run_config = {"config-path": str(SMOKE), "overrides": " ".join([f"federation.rounds={ROUNDS}", *overrides]),
+                  "run-dir": str(run_dir)}
     run_id = dep.submit(REPO, run_config)
     info = dep.wait_run(run_id, timeout_s=timeout_s)
     elapsed = time.monotonic() - t0
@@ -175,6 +177,18 @@ def test_worker_links_and_the_node_config_flwr_parses(tmp_path, capsys):
     assert info.value.code == 2 and "--worker-link tls needs --tls" in capsys.readouterr().err
 
 
+def test_identity_overrides_pin_one_roster_for_workers_and_coordinator(tmp_path):
+    from hacrl_fed.config import load_config
+    from hacrl_fed.security.identity import load_identity, load_roster
+
+    overrides = identity_overrides(tmp_path / "ids", ORGS)
+    assert identity_overrides(tmp_path / "ids", ORGS) == overrides  # an existing complete set is reused
+    sec = load_config(SMOKE, overrides=overrides).security
+    roster = load_roster(sec.roster_file)
+    for org in ORGS:
+        assert load_identity(sec.identity_file.replace("{org}", org), org).public() == roster[org]
+
+
 def test_every_process_gets_a_private_flwr_home_and_the_quiet_env(tmp_path):
     env = Deployment(tmp_path).env("supernode-acme")
     assert env["FLWR_HOME"] == str(tmp_path.absolute() / "homes" / "supernode-acme")
@@ -192,10 +206,11 @@ def test_insecure_deployment_with_real_workers(tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     with Deployment(tmp_path / "dep") as dep:  # __exit__ stops every process, also when an assertion fails
-        addresses = start_local(dep, SMOKE, ORGS)
+        identities = identity_overrides(tmp_path / "identity_set", ORGS)  # workers and coordinator: one roster
+        addresses = start_local(dep, SMOKE, ORGS, overrides=identities)
         socket_modes = {org: stat.S_IMODE(os.stat(a[len("unix:"):]).st_mode) for org, a in addresses.items()}
         up_s = time.monotonic() - t0
-        run_id, info, run_s = _submit_and_wait(dep, run_dir)
+        run_id, info, run_s = _submit_and_wait(dep, run_dir, tuple(identities))
     assert dep.leftovers() == {}
     metrics = _metrics(run_dir)
     _assert_per_org_metrics(metrics, ORGS)
@@ -258,7 +273,7 @@ def test_tls_and_supernode_auth_refuse_an_unregistered_node(tmp_path):
         registered = {int(n["node-id"]) for n in nodes}
         assert {dep.supernode_id(p) for p in dep.procs if p.name.startswith("supernode-")} - {None} == registered
 
-        run_id, info, run_s = _submit_and_wait(dep, run_dir)
+        run_id, info, run_s = _submit_and_wait(dep, run_dir, ("security.signing=false",))  # fake workers: unsigned
     assert dep.leftovers() == {}
     metrics = _metrics(run_dir)
     _assert_per_org_metrics(metrics, ORGS)

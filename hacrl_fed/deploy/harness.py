@@ -525,6 +525,19 @@ def worker_command(config: str | Path, org: str, *, run_dir: str | Path | None =
     return argv + (["--run-dir", str(run_dir)] if run_dir is not None else [])
 
 
+def identity_overrides(identity_set: str | Path, orgs: Sequence[str]) -> list[str]:
+    """``--set`` overrides pinning the orgs' signing identities in ``identity_set`` (made there unless complete).
+
+    In a deployment each worker and the ServerApp have their own run directories, so none may provision its own
+    key set: workers need ``security.identity_file`` and everyone the same ``security.roster_file``.
+    """
+    from hacrl_fed.security.identity import IDENTITY_DIR, provision
+
+    directory = Path(identity_set).absolute()
+    roster = provision(directory, list(orgs))
+    return [f"security.roster_file={roster}", f"security.identity_file={directory / IDENTITY_DIR}/{{org}}.key"]
+
+
 def worker_listen(dep: Deployment, orgs: Sequence[str], link: str = "auto") -> tuple[dict[str, str], str]:
     """``({org: listen address}, link)`` for ``link`` in :data:`WORKER_LINKS` (``auto`` resolved).
 
@@ -611,10 +624,11 @@ def main_local(argv: list[str] | None = None) -> int:
     orgs = [o.id for o in load_config(config, args.overrides).orgs]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hacrl-fed-deploy-")).absolute()
     tls = write_keys(workdir / "keys", orgs, force=True) if args.tls else None
+    overrides = [*args.overrides, *identity_overrides(tls.identity_set if tls else workdir / "identity_set", orgs)]
     run_dir = workdir / "run"
     with Deployment(workdir, tls=tls) as dep:
-        start_local(dep, config, orgs, overrides=args.overrides, worker_link=args.worker_link)
-        run_id = dep.submit(args.app, {"config-path": str(config), "overrides": " ".join(args.overrides),
+        start_local(dep, config, orgs, overrides=overrides, worker_link=args.worker_link)
+        run_id = dep.submit(args.app, {"config-path": str(config), "overrides": " ".join(overrides),
                                        "run-dir": str(run_dir)})
         print(f"run {run_id} submitted; logs in {workdir / 'logs'}", flush=True)
         info = dep.wait_run(run_id, args.timeout_s)
