@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no inf/nan anywhere
 
 
 class AlgorithmConfig(_Section):
@@ -164,7 +164,7 @@ class SecurityConfig(_Section):
 
 
 class RunConfig(_Section):
-    name: str = "run"
+    name: str = Field("run", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # no path parts
     seed: int = 0
     run_dir: str = "runs"
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)

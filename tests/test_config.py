@@ -359,3 +359,24 @@ def test_org_lookup_and_unknown_org():
         cfg.org("zzz")
     with pytest.raises(KeyError):
         org_trainer(cfg, "zzz")
+
+
+@pytest.mark.parametrize("override", ["trainer.lr=1e999", "trainer.lr=.nan", "federation.round_timeout_s=.inf",
+                                      "security.max_mismatch_rate=.nan", "algorithm.alpha=-.inf"])
+def test_non_finite_numbers_are_refused_naming_the_field(override):
+    with pytest.raises(ConfigError, match=override.split("=")[0].split(".")[-1]):
+        load_config(_minimal(), overrides=[override])
+
+
+@pytest.mark.parametrize("name", ["../escaped", "a/b", "..", "/abs", ""])
+def test_run_name_cannot_leave_the_run_dir(name):
+    with pytest.raises(ConfigError, match="name"):
+        load_config({**_minimal(), "name": name})
+
+
+def test_security_section_cross_checks():
+    with pytest.raises(ConfigError, match="encrypt needs signing"):
+        load_config({**_minimal(), "security": {"encrypt": True, "signing": False}})
+    with pytest.raises(ConfigError, match="at most one of 'roster' and 'roster_file'"):
+        load_config({**_minimal(), "security": {"roster": {"a": "x"}, "roster_file": "r.yaml"}})
+    assert load_config(_minimal()).security.signing is True
