@@ -33,7 +33,7 @@ DELEGATES = {
     "worker": ("hacrl_fed.wire.grpc_server", "main_worker", "serve one org's policy worker over gRPC"),
     "zoo": ("hacrl_fed.models.zoo", "main_zoo", "build or list the tiny built-in agent models"),
     "simulate": ("hacrl_fed.flower.simulation", "main_simulate", "run on the Flower Simulation Engine"),
-    "keys": ("hacrl_fed.security.keys", "main_keys", "make a CA, SuperLink TLS cert and SuperNode auth keys"),
+    "keys": ("hacrl_fed.security.keys", "main_keys", "make TLS certs (SuperLink, worker link), SuperNode auth keys and org identities"),
     "deploy-local": ("hacrl_fed.deploy.harness", "main_local", "a real SuperLink + SuperNodes + workers on loopback"),
 }
 
