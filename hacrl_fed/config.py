@@ -23,7 +23,7 @@ class _Section(BaseModel):
 
 
 class AlgorithmConfig(_Section):
-    """HACPO.md parameters plus the baselines' (``grpo``/``gspo``/``naive``)."""
+    """docs/ALGORITHM.md parameters plus the baselines' (``grpo``/``gspo``/``naive``)."""
 
     name: Literal["hacpo", "gspo", "grpo", "naive"] = "hacpo"
     self_clip_low: float = Field(3e-4, ge=0, lt=1)

@@ -8,7 +8,7 @@ Layout of a :class:`ScoringBatch` (the same layout ``generate()`` produces)::
 Prompts are left-padded to a common width ``P`` and responses right-padded to ``T``, so response token ``j`` of
 every row sits in column ``P + j`` and its log-prob is read from the logits at column ``P + j - 1``. Positions are
 left-padding-aware, ``position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)``, so a padded row scores
-exactly like the same row unpadded (STACK_NOTES.md: without this, log-probs drift by 4e-3 … 0.2).
+exactly like the same row unpadded (docs/ALGORITHM.md: without this, log-probs drift by 4e-3 … 0.2).
 
 Log-probs are temperature-1 and dropout-free: the model is put in eval mode for the forward pass (and its previous
 mode restored), logits are upcast to float32 and ``log p(x_t) = logit[x_t] - logsumexp(logit)``.

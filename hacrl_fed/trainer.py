@@ -1,6 +1,6 @@
 """Local training: one round's policy update of one learner on its own and (for HACPO/naive) foreign rows.
 
-Rows are already tokenized with the learner's tokenizer. The update follows HACPO.md "Loss and update schedule":
+Rows are already tokenized with the learner's tokenizer. Updates follow docs/ALGORITHM.md "Loss and update schedule":
 advantages over the joint groups, rows ordered self first then cross by source, no shuffle, one AdamW step per
 mini-batch (grad-norm clip), mini-batches split into micro-batches for memory with exact loss weighting.
 """
@@ -99,7 +99,7 @@ class LocalTrainer:
                 p.requires_grad_(False)
 
     def advantages(self, rows: Sequence[TrainRow], learner: int, capability: Sequence[float]) -> Tensor:
-        """Advantages of ``rows`` (HACPO.md §2, or plain group normalisation for the baselines). → [N]."""
+        """Advantages of ``rows`` (docs/ALGORITHM.md §2, or plain group normalisation for the baselines). → [N]."""
         fn = get_advantage_estimator(self.spec.advantage)
         return fn(torch.tensor([r.reward for r in rows], dtype=torch.float64), torch.tensor([r.group for r in rows]),
                   torch.tensor([r.source for r in rows]), learner, capability, reward_max=self.algo.reward_max,

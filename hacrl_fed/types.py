@@ -43,7 +43,7 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """Coordinator → every live org at the start of a round (ARCHITECTURE.md step 1)."""
+    """Coordinator → every live org at the start of a round (docs/ARCHITECTURE.md step 1)."""
 
     run_id: str
     round: int
@@ -54,7 +54,7 @@ class RoundPlan:
 
 @dataclass(frozen=True)
 class Rollout:
-    """One response, as published by its source org (HACPO.md "What an agent publishes")."""
+    """One response, as published by its source org (docs/ALGORITHM.md "What an org publishes")."""
 
     org_id: str
     round: int
@@ -85,7 +85,7 @@ class WrappedKey:
 
 @dataclass(frozen=True)
 class RolloutBatch:
-    """An org's reply to a RoundPlan (ARCHITECTURE.md step 2).
+    """An org's reply to a RoundPlan (docs/ARCHITECTURE.md step 2).
 
     ``signature`` is the source org's Ed25519 signature (hacrl_fed.security.envelope; empty when unsigned).
     ``wrapped_keys`` is non-empty when the rollouts' text is sealed (``Rollout.sealed_response``) to recipients.

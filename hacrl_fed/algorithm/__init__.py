@@ -1,6 +1,6 @@
 """HACPO and its baselines as pure tensor functions (no I/O, no flwr, no protobuf).
 
-See ``shared/design/HACPO.md``. Vocabulary: ``log_probs``/``old_log_probs``/``advantages`` per sequence [N]
+See ``docs/ALGORITHM.md``. Vocabulary: ``log_probs``/``old_log_probs``/``advantages`` per sequence [N]
 (or per token [B, T] with ``response_mask``), ``group_ids``/``source_ids`` [N].
 """
 

@@ -1,4 +1,4 @@
-"""Advantage estimators (pure tensor functions; HACPO.md §2 "Capability-aware advantage").
+"""Advantage estimators (pure tensor functions; docs/ALGORITHM.md §2 "Capability-aware advantage").
 
 Shapes: ``N`` rows (sequences). ``group_ids[N]`` names each row's prompt group (any integers), ``source_ids[N]``
 the agent index that produced the row, ``capability[n_agents]`` the ``Phat`` values.
@@ -88,7 +88,7 @@ def hacpo_advantages(
     ratio_max: float = 10.0,
     eps: float = 1e-6,
 ) -> Tensor:
-    """Capability-aware advantage of every row of the joint groups, for learner ``k`` (HACPO.md §2).
+    """Capability-aware advantage of every row of the joint groups, for learner ``k`` (docs/ALGORITHM.md §2).
 
     Per joint group ``g`` (all agents' responses to one prompt):
       - all rewards equal → ``A = 0``;

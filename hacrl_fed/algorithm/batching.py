@@ -1,4 +1,4 @@
-"""Per-round batch ordering and mini-batching (HACPO.md "Loss and update schedule")."""
+"""Per-round batch ordering and mini-batching (docs/ALGORITHM.md "Loss and update schedule")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Capability estimate ``Phat`` per agent (HACPO.md §1). Pure Python: no torch, no I/O."""
+"""Capability estimate ``Phat`` per agent (docs/ALGORITHM.md §1). Pure Python: no torch, no I/O."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Policy losses (pure tensor functions; HACPO.md "Self samples", §3-4 and "Loss and update schedule").
+"""Policy losses (pure tensor functions; docs/ALGORITHM.md "Self samples", §3-4 and "Loss and update schedule").
 
 Sequence-level losses take per-sequence mean token log-probs (``lbar``, see :func:`sequence_mean_log_prob`).
 Every loss returns ``(loss, metrics)``: a scalar tensor to minimise and a dict of floats with namespaced keys.
@@ -14,7 +14,7 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class HacpoLossConfig:
-    """HACPO.md defaults. ``self_clip_*``: GSPO band ``[1 - low, 1 + high]`` on self rows; ``cross_clip_delta``
+    """docs/ALGORITHM.md defaults. ``self_clip_*``: GSPO band ``[1 - low, 1 + high]`` on self rows; ``cross_clip_delta``
     and ``cross_clip_step``: the stepwise cross band ``[min(1, 1 - delta + m * step), 1]``; ``alpha``: the
     exponent of ``stopgrad(c)``; ``max_abs_log_ratio``: clamp of every log-ratio before ``exp``."""
 

@@ -1,4 +1,4 @@
-"""The transport-agnostic round loop (ARCHITECTURE.md "One round").
+"""The transport-agnostic round loop (docs/ARCHITECTURE.md "One round").
 
 Per round ``t`` (1-based):
 

@@ -1,6 +1,6 @@
 """Generation engine interface: sample responses and report the source's temperature-1 token log-probs.
 
-A :class:`Generation` is exactly what HACPO.md "What an agent publishes" needs from the sampler: decoded text
+A :class:`Generation` is exactly what docs/ALGORITHM.md "What an org publishes" needs from the sampler: decoded text
 (special tokens skipped, no trailing EOS), ``finish_reason``, and per-token log-probs under the generating
 (pre-update) weights at temperature 1 (whatever the sampling temperature), with the EOS token counted iff the
 response stopped on it. Prompts arrive already rendered with the agent's chat template and are encoded with

@@ -5,7 +5,7 @@
   tokenizer, so text, ids and EOS handling match :class:`hacrl_fed.engines.hf.HFEngine` exactly.
 - Log-probs: ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob. vLLM V1 computes these from the
   raw logits (``logprobs_mode="raw_logprobs"``, its default) — the temperature-1 distribution, before penalties,
-  temperature and top-k/top-p — which is what HACPO.md asks the source to publish.
+  temperature and top-k/top-p — which is what docs/ALGORITHM.md asks the source to publish.
 - Each (prompt, sample) is its own ``n=1`` request with a seed derived from ``(seed, prompt, sample)``: the same
   seed gives the same outputs and the samples of one prompt are independent.
 - :meth:`VLLMEngine.sync_weights` copies the trainer's weights into the running engine with the model's own
