@@ -13,7 +13,7 @@ from hacrl_fed.algorithm import (
 
 
 def ref_hacpo(rewards, groups, sources, learner, cap, reward_max=1.0, rmin=0.1, rmax=10.0, eps=1e-6):
-    """Loop reference straight from HACPO.md §2."""
+    """Loop reference straight from docs/ALGORITHM.md (capability-aware advantage)."""
     out = [0.0] * len(rewards)
     for g in set(groups):
         rows = [i for i, x in enumerate(groups) if x == g]

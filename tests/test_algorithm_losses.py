@@ -15,7 +15,7 @@ CFG = HacpoLossConfig()
 
 
 def ref_hacpo_objective(lp, old, a, is_self, v, m, cfg=CFG):
-    """Scalar reference of one row's objective value (HACPO.md)."""
+    """Scalar reference of one row's objective value (docs/ALGORITHM.md)."""
     s = math.exp(max(-cfg.max_abs_log_ratio, min(cfg.max_abs_log_ratio, lp - old)))
     if is_self:
         return min(s * a, min(max(s, 1 - cfg.self_clip_low), 1 + cfg.self_clip_high) * a)

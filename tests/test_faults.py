@@ -1,6 +1,6 @@
 """Fault tolerance: late and stuck orgs, killed worker processes, coordinator restarts, Flower-path failures.
 
-What is checked (ARCHITECTURE.md "One round", step 6 and the last paragraph):
+What is checked (docs/ARCHITECTURE.md, the round protocol: checkpoint and resume, missed deadlines):
 
 * an org that misses the round deadline is skipped for that round (``round/<org>/failure/<why>`` in metrics)
   and rejoins; its late reply never reaches a later round, and a worker stuck in a timed-out call never wedges
