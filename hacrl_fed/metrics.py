@@ -151,6 +151,54 @@ def format_table(summary: "RunSummary") -> str:
     return "\n".join(lines + [foot] + excluded)
 
 
+def format_round(result: Any, total: int, seconds: float, excluded: Mapping[str, str] | None = None) -> str:
+    """One progress line for a finished round (a :class:`~hacrl_fed.coordinator.loop.RoundResult`): batch reward
+    (mean verified reward of the accepted rollouts) per replying org, accepted / rejected rollouts per org, orgs
+    that contributed nothing and why, orgs excluded from the pool, and the round's wall time."""
+    m = result.metrics
+    parts = [f"round {result.round}/{total} in {seconds:.1f} s"]
+    if result.skipped:
+        parts.append(f"SKIPPED ({len(result.replied)} valid replies)")
+    if result.accuracy:
+        parts.append("reward " + " ".join(f"{org} {acc:.3f}" for org, acc in result.accuracy.items()))
+
+    def counts(key: str) -> str:
+        found = {k.split("/")[1]: int(v) for k, v in m.items()
+                 if k.startswith("round/") and k.endswith(f"/rollouts_{key}") and v}
+        return " ".join(f"{org} {n}" for org, n in found.items())
+
+    for key in ("accepted", "rejected"):
+        text = counts(key)
+        if text:
+            parts.append(f"{key} {text}")
+    failed = {org: why for org, why in result.failed.items() if why != "excluded"}
+    if failed:
+        parts.append("no rollouts from " + " ".join(f"{org} ({why})" for org, why in failed.items()))
+    if result.trained:
+        parts.append("trained " + " ".join(result.trained))
+    if excluded:
+        parts.append("excluded " + " ".join(f"{org} ({why})" for org, why in excluded.items()))
+    return " | ".join(parts)
+
+
+def format_eval(round: int, accuracy: Mapping[str, float], before: Mapping[str, float] | None = None) -> str:
+    """The held-out accuracy table logged after an evaluation: one line per org, with its round-0 accuracy and the
+    change since when ``before`` (round 0's accuracies) is given and ``round > 0``."""
+    if not accuracy:
+        return f"eval at round {round}: no org answered"
+    mean = sum(accuracy.values()) / len(accuracy)
+    head = f"eval at round {round}: held-out accuracy (greedy), mean {mean:.3f}"
+    width = max(len(org) for org in accuracy)
+    lines = [head]
+    for org, acc in accuracy.items():
+        start = (before or {}).get(org)
+        if round > 0 and start is not None:
+            lines.append(f"  {org.ljust(width)}  {start:.3f} -> {acc:.3f}  ({acc - start:+.3f})")
+        else:
+            lines.append(f"  {org.ljust(width)}  {acc:.3f}")
+    return "\n".join(lines)
+
+
 def round_progress(total: int, *, enabled: bool = True):
     """A tqdm bar over rounds and the Coordinator ``on_round`` callback that advances it (postfix: per-org
     batch accuracy, or why the round was skipped)."""

@@ -3,6 +3,7 @@ and the in-process and gRPC transports."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -11,7 +12,7 @@ import pytest
 from helpers_fake_workers import FakeTask, FakeWorker, fake_config
 from hacrl_fed.algorithm import CapabilityTracker
 from hacrl_fed.coordinator.inprocess import InProcessTransport
-from hacrl_fed.coordinator.loop import STATE_FILE, Coordinator, FederationError, make_run_id
+from hacrl_fed.coordinator.loop import STATE_FILE, Coordinator, FederationError, config_hash, make_run_id
 from hacrl_fed.coordinator.sampler import PromptSampler
 from hacrl_fed.metrics import RunLogger, plot_accuracy, read_metrics
 from hacrl_fed.types import Rollout, RoundPlan, SamplingParams
@@ -37,7 +38,8 @@ def test_end_to_end_pooling_capability_schedule_and_outputs(tmp_path):
         coord, summary = run(cfg, workers, tmp_path, logger=logger, results=results)
 
     sampler = PromptSampler(1000, cfg.seed)
-    run_id = make_run_id(cfg)
+    run_id = coord.run_id
+    assert run_id.startswith(f"fake-{config_hash(cfg)}-") and len(run_id) == len("fake-12345678-123456")
     for org, w in workers.items():
         assert [p.round for p in w.plans] == [1, 2, 3, 4]
         for p in w.plans:
@@ -174,15 +176,52 @@ def test_resume_after_crash_equals_uninterrupted_run(tmp_path):
     second = make_workers()
     resumed, summary = run(cfg, second, tmp_path / "split", resume=True)
 
+    def same_run(items):  # the uninterrupted run is another run: another run id
+        return [dataclasses.replace(item, run_id="r") for item in items]
+
+    assert {p.run_id for p in second["a"].plans} == {coord.run_id}  # the resumed run kept its id
     for org in SKILLS:
         plans = first[org].plans[:3] + second[org].plans
-        assert plans == full_workers[org].plans
+        assert same_run(plans) == same_run(full_workers[org].plans)
         reqs = first[org].train_requests + second[org].train_requests
-        assert reqs == full_workers[org].train_requests
+        assert same_run(reqs) == same_run(full_workers[org].train_requests)
     assert resumed.tracker.state_dict() == full.tracker.state_dict()
     assert sorted(summary.eval_history) == [0, 2, 4, 5]
     assert [e.round for e in second["a"].eval_requests] == [4, 5]  # round 0 not repeated
     assert summary.orgs["b"].rollouts_shared == full.summary().orgs["b"].rollouts_shared
+
+
+def test_every_new_run_has_its_own_id_and_a_resumed_run_keeps_it(tmp_path):
+    cfg = fake_config(rounds=2)
+    ids = [run(cfg, make_workers(), tmp_path / name)[0].run_id for name in ("one", "two")]
+    assert ids[0] != ids[1] and all(i.startswith(f"fake-{config_hash(cfg)}-") for i in ids)
+    assert make_run_id(cfg) not in ids
+    longer = fake_config(rounds=3)  # a changed config resumes under the id it started with
+    resumed, summary = run(longer, make_workers(), tmp_path / "one", resume=True)
+    assert resumed.run_id == summary.run_id == ids[0]
+    assert all(p.run_id == ids[0] for p in resumed.transport.workers["a"].plans)
+
+
+def test_one_info_line_per_round_and_the_eval_table(tmp_path, caplog):
+    class Liar(FakeWorker):
+        def generate(self, plan):
+            batch = super().generate(plan)
+            lies = tuple(Rollout(**{**r.__dict__, "reward": 1.0}) for r in batch.rollouts)
+            return type(batch)(batch.run_id, batch.round, batch.org_id, lies, 1.0)
+
+    workers = {"a": FakeWorker("a", 0.25), "b": FakeWorker("b", 0.5, fail_generate_rounds={2}), "c": Liar("c", 0.5)}
+    with caplog.at_level("INFO", logger="hacrl_fed.coordinator.loop"):
+        run(fake_config(rounds=2, eval_every=1), workers, tmp_path)
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    rounds = [line for line in lines if line.startswith("round ")]
+    assert len(rounds) == 2, lines
+    assert rounds[0].startswith("round 1/2 in ") and " s | reward a 0.250 b 0.500 | " in rounds[0]
+    assert "accepted a 12 b 12 |" in rounds[0] and "rejected c 12" in rounds[0]
+    assert rounds[0].endswith("| trained a b | excluded c (reward mismatch 6/12 in round 1)")
+    assert "no rollouts from b (error)" in rounds[1] and "reward a 0.250 |" in rounds[1]
+    evals = [line for line in lines if line.startswith("eval at round")]
+    assert [e.split(":")[0] for e in evals] == ["eval at round 0", "eval at round 1", "eval at round 2"]
+    assert "  a  0.250\n" in evals[0] + "\n" and "  a  0.250 -> 0.270  (+0.020)" in evals[2]
 
 
 def test_resume_without_state_and_oversized_rounds_fail_clearly(tmp_path):

@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,7 @@ from hacrl_fed.coordinator.sampler import PromptSampler, eval_ids, stable_seed
 from hacrl_fed.coordinator.transport import Transport
 from hacrl_fed.coordinator.trust import PoolGuard
 from hacrl_fed.coordinator.validation import accepted_accuracy
-from hacrl_fed.metrics import RunLogger
+from hacrl_fed.metrics import RunLogger, format_eval, format_round
 from hacrl_fed.types import (
     EvalReport, EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, SamplingParams, TrainReport, TrainRequest,
 )
@@ -126,7 +127,9 @@ def config_hash(cfg: RunConfig) -> str:
 
 
 def make_run_id(cfg: RunConfig) -> str:
-    return f"{cfg.name}-{config_hash(cfg)}"
+    """A new run's id, ``<name>-<config hash>-<6 random hex digits>``: every new run gets its own, even with an
+    identical config (a resumed run keeps the id saved in ``coordinator_state.json``)."""
+    return f"{cfg.name}-{config_hash(cfg)}-{secrets.token_hex(3)}"
 
 
 def sampling_params(cfg: RunConfig, org_id: str, round: int) -> SamplingParams:
@@ -205,7 +208,8 @@ class Coordinator:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "version": STATE_VERSION, "run_id": self.run_id, "round": self.round,
+            "version": STATE_VERSION, "run_id": self.run_id, "config_hash": config_hash(self.cfg),
+            "round": self.round,
             "tracker": self.tracker.state_dict(), "skipped_rounds": self.skipped_rounds,
             "consecutive_failures": self.consecutive_failures,
             "eval_history": {str(t): accs for t, accs in sorted(self.eval_history.items())},
@@ -222,9 +226,9 @@ class Coordinator:
         state = json.loads(self.state_path.read_text())
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"{self.state_path}: unsupported state version {state.get('version')!r}")
-        if state["run_id"] != self.run_id:
-            log.warning("resuming run %s with a changed config (it would be %s); keeping the original run id",
-                        state["run_id"], self.run_id)
+        if state.get("config_hash", config_hash(self.cfg)) != config_hash(self.cfg):
+            log.warning("resuming run %s with a changed config (hash %s, was %s); keeping the original run id",
+                        state["run_id"], config_hash(self.cfg), state["config_hash"])
         self.run_id = state["run_id"]
         self.round = int(state["round"])
         self.tracker.load_state_dict(state["tracker"])
@@ -412,8 +416,9 @@ class Coordinator:
         self.guard.new_round()
         failed = {org: ("excluded" if org in self.guard.excluded else "unreachable")
                   for org in self.org_order if org not in orgs}  # excluded, or no connection right now
-        if failed:
-            log.warning("round %d: orgs %s are not reachable", round, sorted(failed))
+        unreachable = sorted(org for org, why in failed.items() if why == "unreachable")
+        if unreachable:
+            log.warning("round %d: orgs %s are not reachable", round, unreachable)
         plans, accepted = self._generate(round, orgs, metrics, failed) if orgs else ({}, {})
         for org, why in failed.items():
             metrics[f"round/{org}/failed"] = 1.0
@@ -445,21 +450,28 @@ class Coordinator:
     def run(self) -> RunSummary:
         """Run (or resume) until ``federation.rounds``; returns the summary."""
         fed = self.cfg.federation
+        log.info("run %s (%s): rounds %d to %d, orgs %s", self.run_id,
+                 f"resumed after round {self.round}" if self.round else "new", self.round + 1, fed.rounds,
+                 self.org_order)
         if self.round == 0 and 0 not in self.eval_history:
             start, metrics = time.perf_counter(), {}
-            self.evaluate(0, metrics)
+            log.info(format_eval(0, self.evaluate(0, metrics)))
             self.wall_time_s += time.perf_counter() - start
             self._log(0, metrics)
             self._save_state()
         for t in range(self.round + 1, fed.rounds + 1):
             start = time.perf_counter()
             result = self.run_round(t)
+            accs = None
             if (fed.eval_every and t % fed.eval_every == 0) or t == fed.rounds:
-                self.evaluate(t, result.metrics)
+                accs = self.evaluate(t, result.metrics)
             if (fed.checkpoint_every and t % fed.checkpoint_every == 0) or t == fed.rounds:
                 self.checkpoint_workers(t, result.metrics)
             self.round = t
             self.wall_time_s += time.perf_counter() - start
+            log.info(format_round(result, fed.rounds, time.perf_counter() - start, self.guard.excluded))
+            if accs is not None:
+                log.info(format_eval(t, accs, self.eval_history.get(0)))
             self._log(t, result.metrics)
             self._save_state()
             if self.on_round is not None:
