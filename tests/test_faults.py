@@ -209,7 +209,7 @@ def test_policy_worker_refuses_a_round_it_already_trained_also_after_a_restore(t
                 w.generate(plan(t))
         assert w.generate(plan(3)).round == 3  # the next round is fine
         with pytest.raises(RequestRefused, match="wrong_run"):  # another run cannot reset the stale-round guard
-            w.generate(plan(1, run_id="run-2"))
+            w.generate(plan(2, run_id="run-2"))  # (its round 1 would start run-2 afresh: test_run_isolation.py)
 
 
 # ------------------------------------------------------------------------------- late and stuck orgs (gRPC)

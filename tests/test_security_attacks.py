@@ -241,10 +241,13 @@ def test_far_future_round_stale_run_and_checkpoint_attacks_are_refused(run_dir):
     honest_ckpt = w.checkpoint(1)
     with pytest.raises(RequestRefused, match="bad_checkpoint_round"):
         w.checkpoint(10**6)  # cannot prune the honest checkpoint or move LATEST
-    assert (run_dir / "orgs/acme/checkpoints/LATEST").read_text().strip() == "round-000001"
-    assert honest_ckpt.endswith("round-000001")
+    assert (run_dir / "orgs/acme/checkpoints/run-1/LATEST").read_text().strip() == "round-000001"
+    assert honest_ckpt.endswith("run-1/round-000001")
     with pytest.raises(RequestRefused, match="wrong_run"):
         w.generate(plan_for(w, round_=2, run_id="another-run"))  # cannot reset the stale-round guard
+    for bad in ("../run-1", "/abs", ".hidden", "a/b", ""):  # a run id never becomes a path outside the worker's
+        with pytest.raises(RequestRefused, match="bad_run_id"):
+            w.generate(plan_for(w, round_=1, run_id=bad))
     with pytest.raises(RequestRefused, match="stale_round"):
         w.generate(plan_for(w, round_=1))
     w.generate(plan_for(w, round_=2))

@@ -1,8 +1,11 @@
-"""Worker checkpoints: weights (safetensors), optimizer, RNG states (torch, python), round. One directory per round.
+"""Worker checkpoints: weights (safetensors), optimizer, RNG states (torch, python), round. One directory per round,
+one folder of rounds per run.
 
 Layout: ``<ckpt_root>/round-000012/{model.safetensors, trainer.pt, state.json}`` and ``<ckpt_root>/LATEST``
 (the directory name, replaced atomically; it never moves back to an older round). The last ``keep`` checkpoints
-are kept, and pruning removes only checkpoints older than the one just written, never a newer one.
+are kept, and pruning removes only checkpoints older than the one just written, never a newer one. A policy worker
+keeps each run's checkpoints apart: ``ckpt_root`` is ``<run dir>/orgs/<org>/checkpoints/<run id>``
+(:func:`run_checkpoint_root`), so one run never prunes, overwrites or resumes from another run's checkpoints.
 """
 
 from __future__ import annotations
@@ -10,12 +13,48 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")  # a run id that is a safe directory name
+
+
+def run_checkpoint_root(base: Path, run_id: str) -> Path:
+    """``<base>/<run id>``: where one run's checkpoints go; ValueError for a run id that is not a plain directory
+    name (letters, digits, ``_.-``, at most 200 characters, not starting with ``.`` or ``-``)."""
+    if not isinstance(run_id, str) or not RUN_ID.match(run_id):
+        raise ValueError(f"run id {str(run_id)[:80]!r} is not a plain name (letters, digits, '_', '.', '-')")
+    return base / run_id
+
+
+def checkpointed_runs(base: Path) -> dict[str, Path]:
+    """``{run id: its latest checkpoint}`` for every run with a checkpoint under ``base``."""
+    out = {}
+    for sub in sorted(base.iterdir()) if base.is_dir() else ():
+        latest = latest_checkpoint(sub) if sub.is_dir() and RUN_ID.match(sub.name) else None
+        if latest is not None:
+            out[sub.name] = latest
+    return out
+
+
+def latest_run(base: Path) -> tuple[str, Path] | None:
+    """``(run id, latest checkpoint)`` of the run whose ``LATEST`` was written last, or None."""
+    runs = checkpointed_runs(base)
+    if not runs:
+        return None
+    run_id = max(runs, key=lambda r: ((base / r / "LATEST").stat().st_mtime_ns, r))
+    return run_id, runs[run_id]
+
+
+def checkpoint_round(path: Path) -> int:
+    """The ``last_round`` recorded in a checkpoint's ``state.json``."""
+    return int(json.loads((path / "state.json").read_text())["last_round"])
 
 
 def _write_atomic(path: Path, text: str) -> None:

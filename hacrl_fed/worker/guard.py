@@ -3,7 +3,10 @@
 A worker refuses (:class:`RequestRefused`, a ``ValueError``, so gRPC answers INVALID_ARGUMENT) any request that
 does not fit its own state and configured limits:
 
-* the run: after it trained a round of run ``R`` it serves only ``R``;
+* the run: a request must be of the run the worker serves (``run_id``); the policy worker switches to another run
+  only to resume it from its own checkpoint of that run, or to start a run it never trained at that run's first
+  request, from its configured initial weights (:mod:`hacrl_fed.worker.policy_worker`); anything else is
+  ``wrong_run``, and so is a train request for another run than the round it generated;
 * rounds only forward: a plan's round is after the last trained one and at most ``security.max_round_step``
   ahead of it; ``train`` only for the round it generated; ``checkpoint`` only for the round it last trained;
 * plan size: ``num_samples``, ``max_new_tokens`` and the number of prompts at most the worker's own configured

@@ -4,11 +4,28 @@ Implements :class:`hacrl_fed.worker.api.WorkerAPI`. Each round: :meth:`generate`
 :meth:`train` (own rollouts of that round + foreign ones). Only text, rewards and sequence log-probs leave it.
 
 Every request is checked against the worker's own state and limits first (:mod:`hacrl_fed.worker.guard`):
-after ``train`` of round ``t`` of run ``R`` (remembered in checkpoints) it serves only run ``R``, refuses plans for
-rounds ``<= t`` (:class:`StaleRoundError`: a coordinator restarted from an older state; it counts the gap as
+after ``train`` of round ``t`` of run ``R`` (remembered in checkpoints) it refuses plans of ``R`` for rounds
+``<= t`` (:class:`StaleRoundError`: a coordinator restarted from an older state; it counts the gap as
 ``stale_round`` and the org rejoins at ``t + 1``) or too far ahead, trains only the round it generated, and
 checkpoints only the round it trained. Foreign rollouts are screened per source before any tokenization
 (signature, decryption, plan bounds, exactly G per prompt, rewards re-verified with this org's own verifier).
+
+Run isolation: one long-lived worker serves run after run, each from the right starting point. It switches from
+the run it serves to another run ``S`` only
+
+* to *resume* ``S`` from its own latest checkpoint of ``S`` (weights, optimizer, RNG, round; the guard above then
+  applies to ``S``), whatever request of ``S`` arrives; or
+* to *start* ``S`` fresh, when ``S`` is a run it has never trained and the request is ``S``'s first one (the
+  round-0 evaluation or the plan for round 1): the configured initial weights, a fresh optimizer and the initial
+  RNG states, exactly as a newly started worker. The initial weights come from a CPU copy of the trainable
+  parameters taken when the model was loaded (for LoRA only the adapters: frozen weights never change), so a new
+  run costs no model reload, and host memory holds one extra copy of what trains.
+
+Any other request of another run is refused (``wrong_run``), and so is a run it trained but never checkpointed
+(its state is gone). A worker that has served no run yet joins the first run it is asked for at any round (as a
+newly started organization). Checkpoints are kept per run: ``<run dir>/orgs/<org>/checkpoints/<run id>/``;
+``resume=True`` (``hacrl-fed worker --resume``) restores the run checkpointed last at start-up, other runs are
+restored when their coordinator resumes them.
 
 With ``security.signing`` every published batch is signed with the org's identity (sealed first for the other
 orgs in coordinator-blind mode, ``security.encrypt``).
@@ -17,6 +34,7 @@ orgs in coordinator-blind mode, ``security.encrypt``).
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,7 +54,9 @@ from hacrl_fed.types import (
     EvalReport, EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, TrainReport, TrainRequest,
 )
 from hacrl_fed.worker.cancel import raise_if_cancelled
-from hacrl_fed.worker.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from hacrl_fed.worker.checkpoint import (
+    checkpoint_round, latest_checkpoint, latest_run, load_checkpoint, run_checkpoint_root, save_checkpoint,
+)
 from hacrl_fed.worker.guard import RequestRefused, check_checkpoint, check_eval, check_plan, screen_sources
 
 log = logging.getLogger(__name__)
@@ -82,18 +102,82 @@ class PolicyWorker:
                                    batch_size=self.gen_cfg.batch_size)
         self.eos_id = eos_token_id(self.tokenizer)
         pad = self.tokenizer.pad_token_id
-        self.trainer = LocalTrainer(self.model, cfg.algorithm, self.trainer_cfg, pad if pad is not None else self.eos_id)
-        self.ckpt_root = Path(run_dir) / "orgs" / org_id / "checkpoints"
+        self.pad_id = pad if pad is not None else self.eos_id
+        self.trainer = LocalTrainer(self.model, cfg.algorithm, self.trainer_cfg, self.pad_id)
+        self.ckpt_base = Path(run_dir) / "orgs" / org_id / "checkpoints"  # one folder per run below it
         from hacrl_fed.security.keyring import load_org_identity, load_run_roster
 
         self.roster = load_run_roster(cfg, run_dir)  # None when signing is off
         self.identity = load_org_identity(cfg, org_id, run_dir)
-        self.last_round = 0
-        self.last_run_id: str | None = None  # run of last_round (None: nothing trained, or an older checkpoint)
+        self.run_id: str | None = None  # the run this worker serves (None: it has served none yet)
+        self.last_round = 0  # the last round of run_id it trained (0: none)
+        self._trained: dict[str, int] = {}  # run id -> last round this process trained in that run
+        self._pristine = True  # weights, optimizer and RNG as configured: nothing trained or restored since
         self._own: _OwnRound | None = None
         self._prompt_cache: dict[tuple[int, tuple], str] = {}
+        self._initial = self._snapshot()
         if resume:
             self.restore()
+
+    # -- runs --------------------------------------------------------------------------------------------------
+    def _snapshot(self) -> tuple:
+        """What a new run starts from: a CPU copy of the trainable parameters and the RNG states (module doc)."""
+        params = {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters() if p.requires_grad}
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        return params, torch.get_rng_state(), random.getstate(), cuda
+
+    def _start_fresh(self) -> None:
+        """The configured initial weights, a fresh optimizer and the initial RNG states."""
+        params, cpu_rng, py_rng, cuda_rng = self._initial
+        if not self._pristine:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if name in params:
+                        p.copy_(params[name])
+            self.trainer = LocalTrainer(self.model, self.cfg.algorithm, self.trainer_cfg, self.pad_id)
+            self.engine.sync_weights(self.model)
+        torch.set_rng_state(cpu_rng)
+        random.setstate(py_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        self._pristine = True
+
+    def _route(self, run_id: str, first: bool, what: str) -> tuple[str, Path | None, int]:
+        """How a request of ``run_id`` is served (no side effects): ``("same" | "resume" | "fresh", checkpoint,
+        last round trained in that run)``. ``first``: the request is the first of a run (round-0 evaluation or
+        round-1 plan). Refuses another run it may not switch to (module docstring)."""
+        if run_id == self.run_id:
+            return "same", None, self.last_round
+        try:
+            root = run_checkpoint_root(self.ckpt_base, run_id)
+        except ValueError as err:
+            raise RequestRefused("bad_run_id", str(err)) from None
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            return "resume", latest, max(checkpoint_round(latest), self._trained.get(run_id, 0))
+        if run_id in self._trained:
+            raise RequestRefused("wrong_run", f"worker {self.org_id!r} trained run {run_id!r} up to round "
+                                 f"{self._trained[run_id]} without a checkpoint: it cannot go back to it")
+        if self.run_id is None or first:
+            return "fresh", None, 0
+        raise RequestRefused("wrong_run", f"worker {self.org_id!r} serves run {self.run_id!r}, not {run_id!r}: it "
+                             f"starts another run only at its beginning (round-0 evaluation or round-1 plan) or "
+                             f"resumes one it has a checkpoint of, and got {what}")
+
+    def _enter(self, run_id: str, how: str, checkpoint: Path | None, last_round: int) -> None:
+        """Switch to ``run_id`` as :meth:`_route` decided."""
+        if how == "same":
+            return
+        if how == "resume":
+            assert checkpoint is not None
+            self._restore(checkpoint)
+            log.info("worker %s resumed from %s (round %d)", self.org_id, checkpoint, last_round)
+        else:
+            if self.run_id is not None:
+                log.info("worker %s: run %s starts from the configured initial weights (it served run %s)",
+                         self.org_id, run_id, self.run_id)
+            self._start_fresh()
+        self.run_id, self.last_round, self._own = run_id, last_round, None
 
     # -- rendering -------------------------------------------------------------------------------------------
     def _render(self, prompt: Prompt) -> str:
@@ -124,11 +208,13 @@ class PolicyWorker:
     def generate(self, plan: RoundPlan) -> RolloutBatch:
         """Sample ``G`` responses per prompt with the pre-update weights, verify, and publish them."""
         self._check_task(plan.task)
-        if plan.run_id == self.last_run_id and plan.round <= self.last_round:
-            raise StaleRoundError(f"worker {self.org_id!r} already trained round {self.last_round} of run "
+        how, path, last = self._route(plan.run_id, plan.round == 1, f"a plan for round {plan.round}")
+        if last and plan.round <= last:
+            raise StaleRoundError(f"worker {self.org_id!r} already trained round {last} of run "
                                   f"{plan.run_id!r}; refusing a plan for round {plan.round}")
-        check_plan(self.cfg, self.org_id, plan, last_round=self.last_round, run_id=self.last_run_id)
+        check_plan(self.cfg, self.org_id, plan, last_round=last, run_id=plan.run_id)
         self._check_prompts(plan.prompts, "train")
+        self._enter(plan.run_id, how, path, last)  # only now: a refused plan changes nothing
         raise_if_cancelled("before generating")
         t0 = time.perf_counter()
         sp = plan.sampling
@@ -209,7 +295,7 @@ class PolicyWorker:
         metrics = self.trainer.update(own.rows + foreign_rows, learner, capability, names=agents)
         self.engine.sync_weights(self.model)
         self._own = None
-        self.last_round, self.last_run_id = request.round, request.run_id
+        self.last_round, self._trained[request.run_id], self._pristine = request.round, request.round, False
         metrics.update(trust)
         metrics.update({"time/trust": t_trust - t0, "time/score": t1 - t_trust, "time/train": time.perf_counter() - t1,
                         "train/foreign_received": float(len(request.foreign) + sum(
@@ -240,8 +326,11 @@ class PolicyWorker:
     def evaluate(self, request: EvalRequest) -> EvalReport:
         """Greedy accuracy on held-out prompts."""
         self._check_task(request.task)
-        check_eval(self.cfg, self.org_id, request, run_id=self.last_run_id)
+        how, path, last = self._route(request.run_id, request.round == 0,
+                                      f"an evaluation at round {request.round}")
+        check_eval(self.cfg, self.org_id, request, run_id=request.run_id)
         self._check_prompts(request.prompts, "test")
+        self._enter(request.run_id, how, path, last)
         t0 = time.perf_counter()
         gens = self.engine.greedy([self._render(p) for p in request.prompts], max_new_tokens=request.max_new_tokens)
         rewards = [float(self.task.verify(g.text, p.reference)) for p, g in zip(request.prompts, gens)]
@@ -254,23 +343,29 @@ class PolicyWorker:
                 "params": str(sum(p.numel() for p in self.model.parameters()))}
 
     def checkpoint(self, round: int) -> str:
+        """Checkpoint the round just trained into this run's folder, ``<run dir>/orgs/<org>/checkpoints/<run id>``."""
         check_checkpoint(self.org_id, round, last_round=self.last_round)
-        path = save_checkpoint(self.ckpt_root, round, self.model, self.trainer.state_dict(),
-                               {"org_id": self.org_id, "last_round": self.last_round, "run_id": self.last_run_id})
+        assert self.run_id is not None  # last_round > 0: a run was trained
+        path = save_checkpoint(run_checkpoint_root(self.ckpt_base, self.run_id), round, self.model,
+                               self.trainer.state_dict(),
+                               {"org_id": self.org_id, "last_round": self.last_round, "run_id": self.run_id})
         return str(path)
 
     def restore(self) -> int:
-        """Load the latest checkpoint if any; returns the restored round (0 when none)."""
-        path = latest_checkpoint(self.ckpt_root)
-        if path is None:
+        """Resume the run checkpointed last (``resume=True``), if any; returns its round (0 when none)."""
+        found = latest_run(self.ckpt_base)
+        if found is None:
             return 0
-        trainer_state, state = load_checkpoint(path, self.model)
+        run_id, path = found
+        self._enter(run_id, "resume", path, max(checkpoint_round(path), self._trained.get(run_id, 0)))
+        return self.last_round
+
+    def _restore(self, path: Path) -> None:
+        """Weights, optimizer state and RNG states of checkpoint ``path``."""
+        trainer_state, _ = load_checkpoint(path, self.model)
         self.trainer.load_state_dict(trainer_state)
         self.engine.sync_weights(self.model)
-        self.last_round = int(state["last_round"])
-        self.last_run_id = state.get("run_id")
-        log.info("worker %s resumed from %s (round %d)", self.org_id, path, self.last_round)
-        return self.last_round
+        self._pristine = False
 
 
 def _wrap_lora(model, trainer_cfg):
