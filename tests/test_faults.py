@@ -618,7 +618,8 @@ def test_flower_simulation_skips_an_org_whose_worker_raised_and_takes_it_back(tm
     data = {"name": "sim-faults", "seed": 5, "run_dir": str(tmp_path / "runs"),
             "generation": {"num_samples": 2, "max_new_tokens": 8, "eval_max_new_tokens": 8},
             "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 3},
-            "orgs": [{"id": o, "model": {"zoo": "tiny"}} for o in ("a", "b")], "federation": fed}
+            "orgs": [{"id": o, "model": {"zoo": "tiny"}} for o in ("a", "b")], "federation": fed,
+            "security": {"signing": False}}  # fake workers do not sign
     config = tmp_path / "sim.yaml"
     config.write_text(yaml.safe_dump(data))
     run_dir = tmp_path / "run"
