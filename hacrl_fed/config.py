@@ -79,6 +79,11 @@ class GenerationConfig(_Section):
     eval_max_new_tokens: int = Field(64, ge=1)
     batch_size: int = Field(64, ge=1)  # sequences per generate() call
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)  # vllm only
+    max_model_len: int | None = Field(None, ge=1)  # vllm only: prompt + response tokens per sequence; None = model's
+    dtype: Literal["bfloat16", "float16"] | None = None  # vllm only: engine weights; None = model's (fp32 -> bf16)
+    enforce_eager: bool = False  # vllm only: no CUDA graphs (faster start, less memory, slower decoding)
+    sleep_during_train: bool = False  # vllm only: sleep(level=1) during each update (weights to CPU, KV freed)
+    vllm_kwargs: dict[str, Any] = Field(default_factory=dict)  # vllm only: extra vllm.LLM(...) arguments
 
 
 class TaskConfig(_Section):
