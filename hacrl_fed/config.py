@@ -67,6 +67,17 @@ class TrainerConfig(_Section):
     minibatch_size: int = Field(128, ge=1)  # sequences per optimizer step
     micro_batch_size: int = Field(32, ge=1)  # sequences per forward/backward (memory bound)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    # Numerics of the update (hacrl_fed/trainer.py):
+    #   model          weights, grads and AdamW states in the dtype the model was loaded with (model.dtype; note
+    #                  that dtype auto is bfloat16 on CUDA, where pure-bf16 AdamW drops small updates)
+    #   bf16-autocast  float32 weights and AdamW states, forward/backward under torch.autocast(bfloat16)
+    #                  (needs model.dtype: float32)
+    #   bf16-master    bfloat16 weights and grads on the model (what the hf engine generates with), plus a float32
+    #                  master copy of the weights and float32 AdamW states kept by the trainer (needs model.dtype:
+    #                  bfloat16); checkpoints keep the master copy
+    precision: Literal["model", "bf16-autocast", "bf16-master"] = "model"
+    # recompute each decoder layer's activations during backward: activation memory ~1/num_layers, ~30% slower
+    gradient_checkpointing: bool = False
 
 
 class GenerationConfig(_Section):

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from hacrl_fed.config import RunConfig, org_generation, org_trainer
-from hacrl_fed.engines import build_engine
+from hacrl_fed.engines import EngineOptions, build_engine
 from hacrl_fed.models.chat import eos_token_id, render_prompt
-from hacrl_fed.models.loading import load_model_and_tokenizer
+from hacrl_fed.models.loading import load_model_and_tokenizer, model_sources
+from hacrl_fed.perf import PhaseMeter
 
 from hacrl_fed.scoring import response_token_ids
 from hacrl_fed.seeding import stable_seed
@@ -67,8 +68,10 @@ class PolicyWorker:
         if self.trainer_cfg.lora.enabled:
             self.model = _wrap_lora(self.model, self.trainer_cfg)
         self.task = get_task(cfg.task.name, cfg.task.params, seed=cfg.seed)
+        model_path, tokenizer_path = model_sources(org.model)
         self.engine = build_engine(self.gen_cfg.engine, self.model, self.tokenizer,
-                                   batch_size=self.gen_cfg.batch_size)
+                                   EngineOptions.from_config(self.gen_cfg, seed=self.seed, model_path=model_path,
+                                                             tokenizer_path=tokenizer_path))
         self.eos_id = eos_token_id(self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.trainer = LocalTrainer(self.model, cfg.algorithm, self.trainer_cfg, pad if pad is not None else self.eos_id)
@@ -101,12 +104,14 @@ class PolicyWorker:
             raise StaleRoundError(f"worker {self.org_id!r} already trained round {self.last_round} of run "
                                   f"{plan.run_id!r}; refusing a plan for round {plan.round}")
         t0 = time.perf_counter()
+        perf = PhaseMeter(self._device())
         sp = plan.sampling
         texts = [self._render(p) for p in plan.prompts]
         gens = self.engine.generate(texts, num_samples=sp.num_samples, temperature=sp.temperature, top_p=sp.top_p,
                                     top_k=sp.top_k, max_new_tokens=sp.max_new_tokens,
                                     seed=stable_seed(sp.seed, self.seed) % (2**31))
         t1 = time.perf_counter()
+        gen_perf = perf.lap("generate", sum(g.token_count for row in gens for g in row))
         prompt_ids = dict(zip((p.prompt_id for p in plan.prompts),
                               self.tokenizer(texts, add_special_tokens=False)["input_ids"]))
         rollouts, rows = [], []
@@ -122,7 +127,8 @@ class PolicyWorker:
         acc = sum(r.reward for r in rollouts) / max(len(rollouts), 1)
         metrics = {"time/generate": t1 - t0, "time/verify": time.perf_counter() - t1,
                    "gen/mean_tokens": sum(r.token_count for r in rollouts) / max(len(rollouts), 1),
-                   "gen/stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / max(len(rollouts), 1)}
+                   "gen/stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / max(len(rollouts), 1),
+                   **gen_perf}
         return RolloutBatch(plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics)
 
     def train(self, request: TrainRequest) -> TrainReport:
@@ -134,15 +140,19 @@ class PolicyWorker:
         if request.org_id != self.org_id:
             raise ValueError(f"train request for org {request.org_id!r} sent to worker {self.org_id!r}")
         t0 = time.perf_counter()
+        perf = PhaseMeter(self._device())
         agents = sorted(set(request.capability) | {self.org_id} | {r.org_id for r in request.foreign})
         learner = agents.index(self.org_id)
         capability = [float(request.capability.get(a, 1.0)) for a in agents]
         for row in own.rows:
             row.source = learner
         foreign_rows, dropped = self._foreign_rows(request, own, agents)
+        score_perf = perf.lap("score", sum(len(r.response_ids) for r in foreign_rows))
         t1 = time.perf_counter()
-        metrics = self.trainer.update(own.rows + foreign_rows, learner, capability, names=agents)
+        with self.engine.released():  # a vLLM engine may sleep during the update (generation.sleep_during_train)
+            metrics = self.trainer.update(own.rows + foreign_rows, learner, capability, names=agents)
         self.engine.sync_weights(self.model)
+        metrics.update({**score_perf, **perf.lap("train", metrics.get("train/num_tokens", 0.0))})
         self._own = None
         self.last_round, self.last_run_id = request.round, request.run_id
         metrics.update({"time/score": t1 - t0, "time/train": time.perf_counter() - t1,
@@ -181,6 +191,9 @@ class PolicyWorker:
         acc = sum(rewards) / max(len(rewards), 1)
         return EvalReport(request.run_id, request.round, self.org_id, acc, len(rewards),
                           {"time/eval": time.perf_counter() - t0})
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def health(self) -> dict[str, str]:
         return {"org_id": self.org_id, "status": "ok", "round": str(self.last_round),
