@@ -53,8 +53,10 @@ MICRO_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
                    num_key_value_heads=1, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
                    vocab_size=512)
 
-# max / mean |published - recompute| per weight dtype (bf16: two forward passes of different batch shapes)
-LOGPROB_TOLERANCE = {"float32": (1e-3, 1e-4), "bfloat16": (0.5, 0.02)}
+# max / mean |published - recompute| per weight dtype. float32 is the sharp check (padding or position-id bugs
+# show as 4e-3 ... 0.2); bfloat16 compares two forward passes of different batch shapes through 24 layers of
+# rounding, so only gross errors fail it.
+LOGPROB_TOLERANCE = {"float32": (1e-3, 1e-4), "bfloat16": (1.0, 0.05)}
 
 
 @dataclass(frozen=True)

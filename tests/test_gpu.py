@@ -20,10 +20,11 @@ from hacrl_fed.worker import build_worker
 
 pytestmark = pytest.mark.gpu
 
-# max |published - recompute| per dtype: float32 agrees to float round-off; bfloat16 differs by the batch
-# composition (padding width, kernel choice) of two forward passes in a 8-bit-mantissa type
+# max / mean |published - recompute| per dtype: float32 agrees to float round-off (a position-id or padding bug
+# shows as 4e-3 ... 0.2); bfloat16 differs by the batch composition (padding width, kernel choice) of two forward
+# passes in an 8-bit-mantissa type (measured on CPU for these models: max 0.016, mean 0.002; CUDA kernels differ)
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1}
-MEAN_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.02}
+MEAN_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.01}
 
 
 @pytest.fixture(scope="module")
