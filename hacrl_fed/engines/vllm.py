@@ -2,9 +2,9 @@
 
 - ``vllm`` is imported only when an engine is built; without it (or with a release outside
   :data:`SUPPORTED_VLLM`, the range of the ``vllm`` extra) a clear ``ImportError`` says what to install.
-- Every option of the org's ``generation`` section reaches ``vllm.LLM`` (:class:`~hacrl_fed.engines.base.EngineOptions`):
-  the org's seed, ``gpu_memory_utilization``, ``max_model_len``, ``dtype``, ``enforce_eager``, ``batch_size`` (as
-  ``max_num_seqs``), sleep mode, and any extra ``vllm_kwargs``.
+- Every option of the org's ``generation`` section reaches ``vllm.LLM`` (via
+  :class:`~hacrl_fed.engines.base.EngineOptions`): the org's seed, ``gpu_memory_utilization``, ``max_model_len``,
+  ``dtype``, ``enforce_eager``, ``batch_size`` (as ``max_num_seqs``), sleep mode, and any extra ``vllm_kwargs``.
 - Log-probs: ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob, and the engine is built with
   ``logprobs_mode="raw_logprobs"`` (explicitly, not relying on a default): the temperature-1 distribution of the
   raw logits, before penalties, temperature and top-k/top-p — what HACPO.md asks the source to publish. The
