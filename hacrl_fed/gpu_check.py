@@ -289,11 +289,11 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         env.update(gpu=props.name, gpu_mem_mb=props.total_memory / 2**20)
-    try:
-        import vllm
+    try:  # the installed version, without importing vllm (that happens only before the vLLM steps)
+        from importlib.metadata import PackageNotFoundError, version
 
-        env["vllm"] = getattr(vllm, "__version__", "unknown")
-    except Exception:
+        env["vllm"] = version("vllm")
+    except PackageNotFoundError:
         env["vllm"] = None
     return env
 
