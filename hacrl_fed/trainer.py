@@ -97,7 +97,7 @@ def checkpoint_layers(model: torch.nn.Module) -> int:
     recomputes its activations during backward instead of keeping them; returns how many layers were wrapped.
 
     transformers' own switch (``gradient_checkpointing_enable``) acts only in training mode, and the trainer
-    scores in eval mode (no dropout: HACPO.md), so the layers' ``forward`` is wrapped here instead (non-reentrant
+    scores in eval mode (no dropout), so the layers' ``forward`` is wrapped here instead (non-reentrant
     ``torch.utils.checkpoint``, only while grad is enabled: generation and no-grad scoring run unchanged).
     Idempotent. Wrap after any ``deepcopy`` of the model (a copy would call the original's layers).
     """

@@ -361,7 +361,7 @@ def test_org_lookup_and_unknown_org():
         org_trainer(cfg, "zzz")
 
 
-# --- GPU recipes (configs/recipes/): loaded and checked against HACPO.md, no model is loaded ---------------------
+# --- GPU recipes (configs/recipes/): loaded and checked against the paper, no model loaded ---------------------
 
 RECIPES = Path(__file__).resolve().parent.parent / "configs" / "recipes"
 
@@ -383,7 +383,7 @@ def test_paper_recipes_load_with_the_paper_hyper_parameters(name, org_ids):
         assert gen.sleep_during_train and 0 < gen.gpu_memory_utilization <= 0.35
         assert gen.max_model_len >= gen.max_new_tokens
         assert trainer.minibatch_size == 64 * gen.num_samples  # mini-batch of 64 prompts
-        # own + cross rows = 2 x B x G per learner -> 4 optimizer steps per round (HACPO.md)
+        # own + cross rows = 2 x B x G per learner -> 4 optimizer steps per round (the paper)
         assert 2 * cfg.federation.prompts_per_round * gen.num_samples // trainer.minibatch_size == 4
         assert trainer.precision == "bf16-master" and trainer.gradient_checkpointing and trainer.grad_clip == 1.0
         assert org.model.dtype == "bfloat16" and org.model.device == "cuda"

@@ -219,7 +219,7 @@ def test_engine_options_from_config_reach_the_factory(bpe):
 
 # --- vLLM: version range ----------------------------------------------------------------------------------------
 
-# torch pinned by each vLLM release (from the wheels' metadata; STACK_NOTES.md)
+# torch pinned by each vLLM release (from the wheels' metadata)
 VLLM_TORCH = {
     "0.8.5": "2.6.0", "0.9.2": "2.7.0", "0.10.0": "2.7.1", "0.10.1": "2.7.1", "0.10.2": "2.8.0", "0.11.0": "2.8.0",
     "0.11.2": "2.9.0", "0.12.0": "2.9.0", "0.13.0": "2.9.0", "0.14.0": "2.9.1", "0.16.0": "2.9.1",

@@ -7,7 +7,7 @@
   ``dtype``, ``enforce_eager``, ``batch_size`` (as ``max_num_seqs``), sleep mode, and any extra ``vllm_kwargs``.
 - Log-probs: ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob, and the engine is built with
   ``logprobs_mode="raw_logprobs"`` (explicitly, not relying on a default): the temperature-1 distribution of the
-  raw logits, before penalties, temperature and top-k/top-p — what HACPO.md asks the source to publish. The
+  raw logits, before penalties, temperature and top-k/top-p — what the algorithm asks the source to publish. The
   engine's weights are bfloat16 or float16 (the attention back-ends need a half type; float32 is refused).
 - Stops: exactly the worker's stop set, the same ids the ``hf`` engine stops on
   (:func:`~hacrl_fed.engines.base.stop_token_ids`). vLLM would also stop on every ``eos_token_id`` of the model
