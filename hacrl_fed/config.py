@@ -67,6 +67,17 @@ class TrainerConfig(_Section):
     minibatch_size: int = Field(128, ge=1)  # sequences per optimizer step
     micro_batch_size: int = Field(32, ge=1)  # sequences per forward/backward (memory bound)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    # Numerics of the update (hacrl_fed/trainer.py):
+    #   model          weights, grads and AdamW states in the dtype the model was loaded with (model.dtype; note
+    #                  that dtype auto is bfloat16 on CUDA, where pure-bf16 AdamW drops small updates)
+    #   bf16-autocast  float32 weights and AdamW states, forward/backward under torch.autocast(bfloat16)
+    #                  (needs model.dtype: float32)
+    #   bf16-master    bfloat16 weights and grads on the model (what the hf engine generates with), plus a float32
+    #                  master copy of the weights and float32 AdamW states kept by the trainer (needs model.dtype:
+    #                  bfloat16); checkpoints keep the master copy
+    precision: Literal["model", "bf16-autocast", "bf16-master"] = "model"
+    # recompute each decoder layer's activations during backward: activation memory ~1/num_layers, ~30% slower
+    gradient_checkpointing: bool = False
 
 
 class GenerationConfig(_Section):
@@ -79,6 +90,11 @@ class GenerationConfig(_Section):
     eval_max_new_tokens: int = Field(64, ge=1)
     batch_size: int = Field(64, ge=1)  # sequences per generate() call
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)  # vllm only
+    max_model_len: int | None = Field(None, ge=1)  # vllm only: prompt + response tokens per sequence; None = model's
+    dtype: Literal["bfloat16", "float16"] | None = None  # vllm only: engine weights; None = model's (fp32 -> bf16)
+    enforce_eager: bool = False  # vllm only: no CUDA graphs (faster start, less memory, slower decoding)
+    sleep_during_train: bool = False  # vllm only: sleep(level=1) during each update (weights to CPU, KV freed)
+    vllm_kwargs: dict[str, Any] = Field(default_factory=dict)  # vllm only: extra vllm.LLM(...) arguments
 
 
 class TaskConfig(_Section):
@@ -164,7 +180,7 @@ class SecurityConfig(_Section):
 
 
 class RunConfig(_Section):
-    name: str = Field("run", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # no path parts
+    name: str = Field("run", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # no path parts
     seed: int = 0
     run_dir: str = "runs"
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)

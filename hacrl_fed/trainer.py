@@ -3,11 +3,20 @@
 Rows are already tokenized with the learner's tokenizer. Updates follow docs/ALGORITHM.md "Loss and update schedule":
 advantages over the joint groups, rows ordered self first then cross by source, no shuffle, one AdamW step per
 mini-batch (grad-norm clip), mini-batches split into micro-batches for memory with exact loss weighting.
+
+Numerics (``trainer.precision``): ``model`` trains in the model's own dtype; ``bf16-autocast`` keeps float32
+weights and optimizer states and runs forward/backward under ``torch.autocast(bfloat16)``; ``bf16-master`` keeps the
+model (what the ``hf`` engine generates with) in bfloat16 and gives AdamW a float32 master copy of the trainable
+weights: bf16 grads are upcast onto the masters, AdamW steps in float32 and the result is rounded back into the
+model. ``trainer.gradient_checkpointing`` recomputes each decoder layer in backward (:func:`checkpoint_layers`).
+Every tensor of the loss lives on the model's device (``model.device`` from the config: CPU or a CUDA device).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -22,6 +31,8 @@ from hacrl_fed.algorithm import (
 )
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.scoring import build_scoring_batch_from_ids, token_log_probs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,6 +92,37 @@ class _MetricAccumulator:
         return {k: (v / self.counts[k] if k in self.counts else v) for k, v in self.sums.items()}
 
 
+def checkpoint_layers(model: torch.nn.Module) -> int:
+    """Gradient checkpointing for ``model``: every transformers decoder layer (``GradientCheckpointingLayer``)
+    recomputes its activations during backward instead of keeping them; returns how many layers were wrapped.
+
+    transformers' own switch (``gradient_checkpointing_enable``) acts only in training mode, and the trainer
+    scores in eval mode (no dropout), so the layers' ``forward`` is wrapped here instead (non-reentrant
+    ``torch.utils.checkpoint``, only while grad is enabled: generation and no-grad scoring run unchanged).
+    Idempotent. Wrap after any ``deepcopy`` of the model (a copy would call the original's layers).
+    """
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"trainer.gradient_checkpointing: {type(model).__name__} has no transformers decoder "
+                         "layers (GradientCheckpointingLayer) to checkpoint")
+    for layer in layers:
+        if getattr(layer, "_hacrl_checkpointed", False):
+            continue
+        forward = layer.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            if torch.is_grad_enabled():
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return _forward(*args, **kwargs)
+
+        layer.forward = checkpointed
+        layer._hacrl_checkpointed = True
+    return len(layers)
+
+
 class LocalTrainer:
     """Owns the optimizer (and a frozen reference model when ``kl_beta > 0``) of one learner."""
 
@@ -90,13 +132,38 @@ class LocalTrainer:
         self.loss_fn = get_policy_loss(self.spec.loss)
         self.loss_cfg = loss_config(algo)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=trainer.lr, betas=tuple(trainer.betas),
-                                           weight_decay=trainer.weight_decay)
+        self.model_params = params
+        self.master = self._master_weights(params, trainer.precision)  # fp32 copies (bf16-master) or None
+        self.optimizer = torch.optim.AdamW(self.master if self.master is not None else params, lr=trainer.lr,
+                                           betas=tuple(trainer.betas), weight_decay=trainer.weight_decay)
         self.ref_model = None
         if algo.kl_beta > 0:
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
+        if trainer.gradient_checkpointing:
+            checkpoint_layers(model)  # after the deepcopy above (see checkpoint_layers)
+
+    @staticmethod
+    def _master_weights(params: list[torch.Tensor], precision: str) -> list[torch.Tensor] | None:
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
+        if precision == "bf16-autocast" and dtypes not in ([], ["float32"]):
+            raise ValueError(f"trainer.precision=bf16-autocast keeps float32 weights but the model's trainable "
+                             f"weights are {dtypes}: set model.dtype: float32")
+        if precision == "bf16-master":
+            if dtypes not in ([], ["bfloat16"]):
+                raise ValueError(f"trainer.precision=bf16-master trains bfloat16 weights against float32 masters "
+                                 f"but the model's trainable weights are {dtypes}: set model.dtype: bfloat16")
+            return [p.detach().float().clone().requires_grad_(True) for p in params]
+        if precision == "model" and any(d in ("bfloat16", "float16") for d in dtypes):
+            log.warning("trainer.precision=model with %s weights: AdamW runs in half precision and drops updates "
+                        "below its resolution; consider trainer.precision: bf16-master", dtypes)
+        return None
+
+    def _autocast(self, device: torch.device):
+        if self.cfg.precision != "bf16-autocast":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
     def advantages(self, rows: Sequence[TrainRow], learner: int, capability: Sequence[float]) -> Tensor:
         """Advantages of ``rows`` (docs/ALGORITHM.md §2, or plain group normalisation for the baselines). → [N]."""
@@ -144,6 +211,10 @@ class LocalTrainer:
     def _step(self, m: int, rows: list[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor) -> dict[str, float]:
         """One optimizer step over one mini-batch, accumulated over micro-batches."""
         self.optimizer.zero_grad(set_to_none=True)
+        for p in self.model_params:  # the model's own grads (its params are not the optimizer's in bf16-master)
+            p.grad = None
+        device = next(self.model.parameters()).device
+        adv, is_self, v = adv.to(device), is_self.to(device), v.to(device)
         token_level = self.spec.loss == "grpo" and self.loss_cfg.grpo_loss_agg_mode == "token-mean"
         total_tokens = sum(len(r.response_ids) for r in rows)
         self_tokens = sum(len(r.response_ids) for r in rows if r.is_self)
@@ -154,12 +225,14 @@ class LocalTrainer:
             micro = rows[sl]
             batch = build_scoring_batch_from_ids([r.prompt_ids for r in micro], [r.response_ids for r in micro],
                                                  self.pad_id)
-            lp, mask = token_log_probs(self.model, batch)
+            with self._autocast(device):
+                lp, mask = token_log_probs(self.model, batch)
             old_tok = None
             if all(r.old_token_log_probs is not None for r in micro):
                 old_tok = _pad([r.old_token_log_probs for r in micro], lp.shape[1]).to(lp.device)
             inputs = PolicyLossInputs(
-                log_probs=lp, response_mask=mask, old_log_probs=torch.tensor([r.old_log_prob for r in micro]),
+                log_probs=lp, response_mask=mask,
+                old_log_probs=torch.tensor([r.old_log_prob for r in micro], device=lp.device),
                 advantages=adv[sl], is_self=is_self[sl], cross_weight=v[sl], old_token_log_probs=old_tok)
             loss, metrics = self.loss_fn(inputs, m, self.loss_cfg)
             # exact mini-batch mean from micro-batch means: weight by rows (or tokens for token-mean GRPO)
@@ -172,22 +245,40 @@ class LocalTrainer:
             objective.backward()
             loss_total += loss.item() * weight
             acc.add(metrics, weight=len(micro))
+        if self.master is not None:  # bf16 grads -> float32 masters
+            for p, master in zip(self.model_params, self.master):
+                master.grad = None if p.grad is None else p.grad.detach().float()
+                p.grad = None
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.grad_clip)
         self.optimizer.step()
+        if self.master is not None:  # float32 masters -> bf16 model weights
+            with torch.no_grad():
+                for p, master in zip(self.model_params, self.master):
+                    p.copy_(master)
         out = acc.result()
-        out.update({"train/loss": loss_total, "train/grad_norm": float(grad_norm), "train/kl": kl_total})
+        out.update({"train/loss": loss_total, "train/grad_norm": float(grad_norm), "train/kl": kl_total,
+                    "train/num_tokens": float(sum(len(r.prompt_ids) + len(r.response_ids) for r in rows))})
         return out
 
     def _kl_sum(self, batch, lp: Tensor, mask: Tensor, is_self: Tensor) -> Tensor:
         """Sum of k3 KL to the frozen reference over the self tokens of a micro-batch."""
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast(lp.device):
             ref_lp, _ = token_log_probs(self.ref_model, batch)
-        self_mask = mask * is_self.to(mask.dtype)[:, None]
+        self_mask = mask * is_self.to(device=mask.device, dtype=mask.dtype)[:, None]
         return (kl_k3(lp, ref_lp.to(lp.device), self.algo.max_abs_log_ratio) * self_mask).sum()
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.master is not None:
+            state["master"] = [m.detach() for m in self.master]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the optimizer (and float32 masters: saved ones, else the model's current weights upcast)."""
+        if self.master is not None:
+            saved = state.get("master")
+            with torch.no_grad():
+                for i, (p, m) in enumerate(zip(self.model_params, self.master)):
+                    m.copy_(saved[i] if saved is not None else p.float())
         self.optimizer.load_state_dict(state["optimizer"])

@@ -380,3 +380,37 @@ def test_security_section_cross_checks():
     with pytest.raises(ConfigError, match="at most one of 'roster' and 'roster_file'"):
         load_config({**_minimal(), "security": {"roster": {"a": "x"}, "roster_file": "r.yaml"}})
     assert load_config(_minimal()).security.signing is True
+
+
+# --- GPU recipes (configs/recipes/): loaded and checked against the paper, no model loaded ---------------------
+
+RECIPES = Path(__file__).resolve().parent.parent / "configs" / "recipes"
+
+
+@pytest.mark.parametrize("name,org_ids", [("qwen3-1.7b+qwen3-4b", ["qwen3-1.7b", "qwen3-4b"]),
+                                          ("qwen3-4b+llama3.2-3b", ["qwen3-4b", "llama3.2-3b"])])
+def test_paper_recipes_load_with_the_paper_hyper_parameters(name, org_ids):
+    cfg = load_config(RECIPES / f"{name}.yaml")
+    assert cfg.name == name and [o.id for o in cfg.orgs] == org_ids
+    a = cfg.algorithm
+    assert (a.name, a.alpha, a.cross_clip_delta, a.cross_clip_step, a.kl_beta) == ("hacpo", 1.0, 0.2, 0.025, 0.001)
+    assert (a.self_clip_low, a.self_clip_high, a.capability_window, a.ratio_min, a.ratio_max) == (
+        3e-4, 4e-4, 5, 0.1, 10.0)
+    assert cfg.federation.prompts_per_round == 128 and cfg.federation.min_orgs == 2  # B
+    for org in cfg.orgs:
+        gen, trainer = org_generation(cfg, org.id), org_trainer(cfg, org.id)
+        assert gen.num_samples == 8 and gen.engine == "vllm" and gen.dtype == "bfloat16"  # G
+        assert (gen.temperature, gen.top_p, gen.top_k) == (1.0, 1.0, 0)
+        assert gen.sleep_during_train and 0 < gen.gpu_memory_utilization <= 0.35
+        assert gen.max_model_len >= gen.max_new_tokens
+        assert trainer.minibatch_size == 64 * gen.num_samples  # mini-batch of 64 prompts
+        # own + cross rows = 2 x B x G per learner -> 4 optimizer steps per round (the paper)
+        assert 2 * cfg.federation.prompts_per_round * gen.num_samples // trainer.minibatch_size == 4
+        assert trainer.precision == "bf16-master" and trainer.gradient_checkpointing and trainer.grad_clip == 1.0
+        assert org.model.dtype == "bfloat16" and org.model.device == "cuda"
+        assert org.model.path.startswith("/models/") and org.model.zoo is None  # a local folder the user fills in
+    from hacrl_fed.tasks.jsonl_math import JsonlMathParams
+
+    params = JsonlMathParams.model_validate(cfg.task.params)  # valid task params (the files are the user's)
+    assert cfg.task.name == "jsonl" and params.path.endswith(".jsonl") and params.answer_format == "boxed"
+    assert (params.question_field, params.answer_field) == ("problem", "solution")  # MATH's JSONL fields

@@ -1,5 +1,6 @@
 """LocalTrainer: micro-batching is exact, schedule/ordering, KL term, per-algorithm row selection."""
 
+import math
 import random
 
 import pytest
@@ -71,3 +72,108 @@ def test_unscoreable_rows_still_count_in_the_group_baseline():
     m_with, met_with = _train("gspo", 64, rows + [extra], lr=1.0, sgd=True)
     assert met_with["train/num_rows"] == met_without["train/num_rows"]  # not trained on
     assert any(not torch.allclose(a, b) for a, b in zip(m_without.parameters(), m_with.parameters()))
+
+
+# --- numerics and memory options (trainer.precision, trainer.gradient_checkpointing) ----------------------------
+
+
+def _trainer(precision="model", dtype=torch.float32, checkpointing=False, kl_beta=0.0, lr=1e-2):
+    tok = tiny_char_tokenizer()
+    model = tiny_model("qwen3", tok, seed=1).to(dtype)
+    cfg = TrainerConfig(lr=lr, minibatch_size=6, micro_batch_size=4, precision=precision,
+                        gradient_checkpointing=checkpointing)
+    return model, LocalTrainer(model, AlgorithmConfig(name="hacpo", kl_beta=kl_beta), cfg, tok.pad_token_id)
+
+
+def test_update_reports_tokens_trained():
+    rows = _rows()
+    _, met = _train("hacpo", 4, rows)
+    assert met["train/num_tokens"] == sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+
+
+def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_update():
+    rows = _rows()
+    plain, t_plain = _trainer()
+    ckpt, t_ckpt = _trainer(checkpointing=True, kl_beta=0.5)
+    _, t_ref = _trainer(kl_beta=0.5)
+    t_plain.optimizer = torch.optim.SGD(plain.parameters(), lr=1.0)
+    t_ckpt.optimizer = torch.optim.SGD(ckpt.parameters(), lr=1.0)
+    layers = [m for m in ckpt.modules() if getattr(m, "_hacrl_checkpointed", False)]
+    assert len(layers) == 2 and not any(getattr(m, "_hacrl_checkpointed", False) for m in t_ckpt.ref_model.modules())
+    calls = []
+    for layer in layers:  # the recompute calls the layer's forward directly: count its MLP's calls
+        layer.mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    t_plain.update(rows, 0, [0.5, 0.25, 1.0])
+    t_ckpt.algo = t_plain.algo  # same objective (no KL) for the comparison; the KL copy was made before wrapping
+    t_ckpt.ref_model = None
+    t_ckpt.update(rows, 0, [0.5, 0.25, 1.0])
+    for a, b in zip(plain.parameters(), ckpt.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+    # 2 steps x micro-batches (4 + 2 rows per step) x 2 layers, each run once forward and once more in backward
+    assert len(calls) == 2 * 2 * 2 * 2
+    with torch.no_grad():  # no recompute without grad (generation, scoring)
+        calls.clear()
+        ckpt(torch.tensor([[5, 6, 7]]))
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="gradient_checkpointing"):
+        from hacrl_fed.trainer import checkpoint_layers
+
+        checkpoint_layers(torch.nn.Linear(2, 2))
+
+
+def test_bf16_master_keeps_fp32_masters_and_bf16_model():
+    rows = _rows()
+    model, trainer = _trainer("bf16-master", dtype=torch.bfloat16, lr=1e-2)
+    ref, ref_trainer = _trainer("model", dtype=torch.float32, lr=1e-2)
+    with torch.no_grad():  # the fp32 reference starts from the same (bf16-representable) weights
+        for a, b in zip(ref.parameters(), model.parameters()):
+            a.copy_(b.float())
+    before = [m.clone() for m in trainer.master]
+    met = trainer.update(rows, 0, [0.5, 0.25, 1.0])
+    ref_trainer.update(rows, 0, [0.5, 0.25, 1.0])
+    assert math.isfinite(met["train/loss"]) and met["train/steps"] == 2
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(m.dtype == torch.float32 for m in trainer.master)
+    assert all(s.dtype == torch.float32 for st in trainer.optimizer.state.values() for s in st.values()
+               if torch.is_tensor(s) and s.dim() > 0)
+    for p, m in zip(model.parameters(), trainer.master):
+        assert torch.equal(p, m.to(torch.bfloat16))  # the model holds the rounded masters
+    # the fp32 masters moved as an fp32 run would (same AdamW steps, bf16 forward noise only)
+    with torch.no_grad():
+        moved = float(sum((m - b).abs().sum() for m, b in zip(trainer.master, before)))
+        moved_ref = float(sum((r - b).abs().sum() for r, b in zip(ref.parameters(), before)))
+    assert moved == pytest.approx(moved_ref, rel=0.1)
+    # tiny updates survive in the masters even where bf16 cannot represent them
+    model2, small = _trainer("bf16-master", dtype=torch.bfloat16, lr=1e-7)
+    start = [m.clone() for m in small.master]
+    small.update(rows, 0, [0.5, 0.25, 1.0])
+    assert any(not torch.equal(a, b) for a, b in zip(small.master, start))
+    # checkpoint round trip restores the exact masters
+    state = trainer.state_dict()
+    assert len(state["master"]) == len(trainer.master)
+    _, fresh = _trainer("bf16-master", dtype=torch.bfloat16)
+    fresh.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.master, trainer.master))
+
+
+def test_bf16_autocast_trains_fp32_weights_close_to_fp32():
+    rows = _rows()
+    model, trainer = _trainer("bf16-autocast", lr=1e-2)
+    ref, ref_trainer = _trainer("model", lr=1e-2)
+    seen = []
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    trainer.update(rows, 0, [0.5, 0.25, 1.0])
+    ref_trainer.update(rows, 0, [0.5, 0.25, 1.0])
+    assert torch.bfloat16 in seen  # the forward ran under bf16 autocast
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    with torch.no_grad():
+        diff = sum((a - b).abs().sum() for a, b in zip(model.parameters(), ref.parameters()))
+    total = sum(p.numel() for p in model.parameters())
+    assert float(diff) / total < 2e-3  # lr 1e-2 steps: bf16 forward noise only
+
+
+@pytest.mark.parametrize("precision,dtype,needs", [("bf16-autocast", torch.bfloat16, "float32"),
+                                                   ("bf16-master", torch.float32, "bfloat16")])
+def test_precision_needs_matching_model_dtype(precision, dtype, needs):
+    with pytest.raises(ValueError, match=f"model.dtype: {needs}"):
+        _trainer(precision, dtype=dtype)

@@ -163,3 +163,64 @@ def test_lora_trains_only_adapters(tmp_path):
     changed = {n for n, p in a.model.named_parameters() if not torch.equal(p, named[n])}
     assert changed and all("lora_" in n for n in changed)
     assert a.generate(plan_for(a, 2)).rollouts  # the wrapped model still generates
+
+
+def test_perf_metrics_per_phase(cfg, tmp_path):
+    a, b = build_worker(cfg, "char", run_dir=tmp_path), build_worker(cfg, "bpe", run_dir=tmp_path)
+    plan = plan_for(a, 1)
+    batch = a.generate(plan)
+    gen = batch.metrics
+    assert gen["perf/generate/tokens"] == sum(r.token_count for r in batch.rollouts)
+    assert gen["perf/generate/tokens_per_s"] > 0 and gen["perf/generate/peak_rss_mb"] > 0  # CPU: peak RSS
+    rep = a.train(TrainRequest("run", 1, "char", plan.prompts, b.generate(plan).rollouts, {"char": 0.5, "bpe": 0.2}))
+    m = rep.metrics
+    assert m["perf/score/tokens"] > 0 and m["perf/train/tokens"] == m["train/num_tokens"] > 0
+    for phase in ("score", "train"):
+        assert m[f"perf/{phase}/tokens_per_s"] > 0 and m[f"perf/{phase}/seconds"] > 0
+        assert f"perf/{phase}/peak_rss_mb" in m and f"perf/{phase}/peak_gpu_mem_mb" not in m
+
+
+def test_trainer_numerics_options_reach_the_worker(tmp_path):
+    cfg = make_cfg("hacpo", trainer={"lr": 1e-3, "minibatch_size": 16, "micro_batch_size": 8,
+                                      "gradient_checkpointing": True, "precision": "bf16-master"},
+                   orgs=[{"id": "char", "model": {"zoo": "micro-qwen-char", "device": "cpu", "dtype": "bfloat16"}}])
+    w = build_worker(cfg, "char", run_dir=tmp_path)
+    assert next(w.model.parameters()).dtype == torch.bfloat16 and w.trainer.master is not None
+    assert any(getattr(m, "_hacrl_checkpointed", False) for m in w.model.modules())
+    plan = plan_for(w, 1)
+    w.generate(plan)
+    rep = w.train(TrainRequest("run", 1, "char", plan.prompts, (), {"char": 0.5}))
+    assert rep.metrics["train/steps"] >= 1
+
+
+def test_vllm_engine_gets_the_generation_section_and_sleeps_during_train(tmp_path, monkeypatch):
+    import helpers_fake_vllm
+
+    fake = helpers_fake_vllm.install(monkeypatch)
+    orgs = [{"id": "char", "model": {"zoo": "micro-qwen-char"}, "seed": 1234,
+             "generation": {"engine": "vllm", "gpu_memory_utilization": 0.25, "max_model_len": 200,
+                            "dtype": "float16", "enforce_eager": True, "sleep_during_train": True,
+                            "vllm_kwargs": {"swap_space": 1}}},
+            {"id": "bpe", "model": {"zoo": "micro-gpt2-bpe"}}]
+    cfg = make_cfg("hacpo", orgs=orgs)
+    a, b = build_worker(cfg, "char", run_dir=tmp_path), build_worker(cfg, "bpe", run_dir=tmp_path)
+    (llm,) = fake.LLM.instances  # only the vllm org built one
+    from hacrl_fed.models.loading import model_sources
+
+    path = model_sources(cfg.org("char").model)[0]
+    assert llm.kwargs == dict(model=path, tokenizer=path, dtype="float16", gpu_memory_utilization=0.25, seed=1234,
+                              enforce_eager=True, logprobs_mode="raw_logprobs", generation_config="vllm",
+                              max_model_len=200, max_num_seqs=64, enable_sleep_mode=True, swap_space=1)
+    plan = plan_for(a, 1)
+    batch = a.generate(plan)
+    assert len(batch.rollouts) == 16 and batch.metrics["perf/generate/tokens"] > 0
+    asleep = []
+    update = a.trainer.update
+    monkeypatch.setattr(a.trainer, "update", lambda *args, **kw: (asleep.append(llm.asleep), update(*args, **kw))[1])
+    llm.calls.clear()
+    a.train(TrainRequest("run", 1, "char", plan.prompts, b.generate(plan).rollouts, {"char": 0.5, "bpe": 0.2}))
+    assert asleep == [True]
+    assert llm.calls == [("sleep", 1), ("wake_up",), ("apply_model",), ("reset_prefix_cache",)]
+    for name, p in llm.model.named_parameters():  # the engine generates with the updated weights
+        assert torch.allclose(p, dict(a.model.named_parameters())[name].float())
+    assert a.generate(plan_for(a, 2)).rollouts

@@ -1,9 +1,10 @@
-"""Generation engines: ``build_engine("hf" | "vllm", model, tokenizer, **opts)`` → :class:`GenerationEngine`.
+"""Generation engines: ``build_engine("hf" | "vllm", model, tokenizer, options)`` → :class:`GenerationEngine`.
 
 Importing this package registers both engines; the vLLM one imports ``vllm`` only when it is built.
 """
 
 from hacrl_fed.engines.base import (
+    EngineOptions,
     Generation,
     GenerationEngine,
     build_engine,
@@ -17,6 +18,7 @@ from hacrl_fed.engines import vllm as _vllm  # noqa: F401  (registers "vllm")
 from hacrl_fed.engines.hf import HFEngine
 
 __all__ = [
+    "EngineOptions",
     "Generation",
     "GenerationEngine",
     "HFEngine",

@@ -9,10 +9,13 @@ response stopped on it. Prompts arrive already rendered with the agent's chat te
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from hacrl_fed.types import FINISH_LENGTH, FINISH_REASONS, FINISH_STOP
 
@@ -122,6 +125,61 @@ class GenerationEngine(ABC):
     def sync_weights(self, model) -> None:
         """Make the engine generate with ``model``'s current weights (call after every update)."""
 
+    @contextmanager
+    def released(self) -> Iterator[None]:
+        """Context for a weight update: an engine that holds its own GPU memory may free it for the block (the
+        vLLM engine sleeps at level 1 when configured). The default holds nothing and does nothing. Call
+        :meth:`sync_weights` after the block."""
+        yield
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Engine settings derived from the run's ``generation`` section (:meth:`from_config`).
+
+    :func:`build_engine` passes each field the engine's factory accepts as a keyword argument, so an engine
+    ignores the fields it has no use for (the ``hf`` engine takes only ``batch_size``).
+    """
+
+    batch_size: int = 64  # sequences per generate() call (hf) / max concurrent sequences (vllm max_num_seqs)
+    seed: int = 0  # the org's seed (vllm: the engine seed; per-request seeds come from the plan)
+    model_path: str | None = None  # where the engine loads the model from (vllm); default: the model's own path
+    tokenizer_path: str | None = None  # where the engine loads the tokenizer from (vllm); default: model_path
+    dtype: str | None = None  # engine weight dtype (vllm); default: the model's, bfloat16 when that is float32
+    gpu_memory_utilization: float = 0.5  # vllm: fraction of the GPU the engine may reserve (weights + KV cache)
+    max_model_len: int | None = None  # vllm: prompt + response tokens the KV cache is sized for; default: model's
+    enforce_eager: bool = False  # vllm: no CUDA graphs
+    sleep_level: int = 0  # vllm: 1 = sleep(level=1) while the trainer updates (see GenerationEngine.released)
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)  # vllm: extra vllm.LLM(...) arguments
+
+    @classmethod
+    def from_config(cls, gen, *, seed: int, model_path: str | None = None,
+                    tokenizer_path: str | None = None) -> "EngineOptions":
+        """Options for an org from its (merged) :class:`hacrl_fed.config.GenerationConfig` ``gen``, its seed
+        and the local sources of its model and tokenizer."""
+        return cls(
+            batch_size=gen.batch_size,
+            seed=int(seed),
+            model_path=model_path,
+            tokenizer_path=tokenizer_path,
+            dtype=gen.dtype,
+            gpu_memory_utilization=gen.gpu_memory_utilization,
+            max_model_len=gen.max_model_len,
+            enforce_eager=gen.enforce_eager,
+            sleep_level=1 if gen.sleep_during_train else 0,
+            llm_kwargs=dict(gen.vllm_kwargs),
+        )
+
+    def kwargs_for(self, factory: Callable[..., Any]) -> dict[str, Any]:
+        """The fields ``factory`` takes as keyword arguments (all of them if it takes ``**kwargs``)."""
+        params = inspect.signature(factory).parameters.values()
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return values
+        names = {p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                                       inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+        return {k: v for k, v in values.items() if k in names}
+
 
 _REGISTRY: dict[str, Callable[..., GenerationEngine]] = {}
 
@@ -131,8 +189,14 @@ def register_engine(name: str, factory: Callable[..., GenerationEngine]) -> None
     _REGISTRY[name] = factory
 
 
-def build_engine(name: str, model, tokenizer, **opts) -> GenerationEngine:
-    """Build the engine registered as ``name`` (``"hf"``, ``"vllm"``) for ``model`` and ``tokenizer``."""
+def build_engine(name: str, model, tokenizer, options: EngineOptions | None = None, **opts) -> GenerationEngine:
+    """Build the engine registered as ``name`` (``"hf"``, ``"vllm"``) for ``model`` and ``tokenizer``.
+
+    ``options`` (normally :meth:`EngineOptions.from_config` of the org's generation section) are passed as the
+    keyword arguments the engine accepts; ``opts`` are passed as given and win over ``options``.
+    """
     if name not in _REGISTRY:
         raise ValueError(f"unknown generation engine {name!r}; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](model, tokenizer, **opts)
+    factory = _REGISTRY[name]
+    kwargs = options.kwargs_for(factory) if options is not None else {}
+    return factory(model, tokenizer, **{**kwargs, **opts})

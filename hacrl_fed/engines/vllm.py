@@ -1,24 +1,39 @@
 """vLLM engine (GPU, optional extra ``hacrl-fed[vllm]``), same interface as the transformers engine.
 
-- ``vllm`` is imported only when an engine is built; without it a clear ``ImportError`` says how to install it.
-- Prompts go in as token ids (the HF tokenizer, ``add_special_tokens=False``) and outputs are decoded by the HF
-  tokenizer, so text, ids and EOS handling match :class:`hacrl_fed.engines.hf.HFEngine` exactly.
-- Log-probs: ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob. vLLM V1 computes these from the
-  raw logits (``logprobs_mode="raw_logprobs"``, its default) — the temperature-1 distribution, before penalties,
-  temperature and top-k/top-p — which is what docs/ALGORITHM.md asks the source to publish.
+- ``vllm`` is imported only when an engine is built; without it (or with a release outside
+  :data:`SUPPORTED_VLLM`, the range of the ``vllm`` extra) a clear ``ImportError`` says what to install.
+- Every option of the org's ``generation`` section reaches ``vllm.LLM`` (via
+  :class:`~hacrl_fed.engines.base.EngineOptions`): the org's seed, ``gpu_memory_utilization``, ``max_model_len``,
+  ``dtype``, ``enforce_eager``, ``batch_size`` (as ``max_num_seqs``), sleep mode, and any extra ``vllm_kwargs``.
+- Log-probs: ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob, and the engine is built with
+  ``logprobs_mode="raw_logprobs"`` (explicitly, not relying on a default): the temperature-1 distribution of the
+  raw logits, before penalties, temperature and top-k/top-p — what the algorithm asks the source to publish. The
+  engine's weights are bfloat16 or float16 (the attention back-ends need a half type; float32 is refused).
+- Stops: exactly the worker's stop set, the same ids the ``hf`` engine stops on
+  (:func:`~hacrl_fed.engines.base.stop_token_ids`). vLLM would also stop on every ``eos_token_id`` of the model
+  folder's ``generation_config.json``; so requests set ``ignore_eos=True`` with explicit ``stop_token_ids`` and the
+  engine is built with ``generation_config="vllm"`` (no defaults read from that file). A response that vLLM
+  reports stopped on anything else is an error, never a silent relabel.
+- Prompts go in as token ids (the worker's tokenizer, ``add_special_tokens=False``) and outputs come back as ids
+  only (``detokenize=False``): the published text is decoded by the worker's tokenizer, exactly as in the ``hf``
+  engine.
 - Each (prompt, sample) is its own ``n=1`` request with a seed derived from ``(seed, prompt, sample)``: the same
   seed gives the same outputs and the samples of one prompt are independent.
-- :meth:`VLLMEngine.sync_weights` copies the trainer's weights into the running engine with the model's own
-  ``load_weights`` (HF checkpoint names; LoRA adapters are merged for the copy) and clears the prefix cache,
-  whose KV entries were computed with the old weights. By default the engine core runs in-process
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set unless already set) so weights are copied GPU to GPU; otherwise
-  they are sent through CPU memory.
+- :meth:`VLLMEngine.sync_weights` copies the trainer's weights into the running engine in-process with the model's
+  own ``load_weights`` (HF checkpoint names; LoRA adapters are merged for the copy), checks that the names it
+  reports loaded cover every engine parameter (a partial sync — renamed weights, a resized embedding — raises),
+  then clears the prefix cache, whose KV entries were computed with the old weights. The engine core must run in
+  this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set unless already set; any other value is refused).
+- ``sleep_level=1`` (``generation.sleep_during_train``): :meth:`VLLMEngine.released` puts the engine to sleep
+  (weights offloaded to CPU, KV cache dropped) while the trainer updates, and wakes it afterwards. Level 2 is not
+  offered (it has a known garbage-after-wake bug).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -32,20 +47,72 @@ from hacrl_fed.engines.base import (
     split_response,
     stop_token_ids,
 )
+from hacrl_fed.types import FINISH_STOP
+
+log = logging.getLogger(__name__)
+
+# The extra's range (pyproject.toml; tests/test_engines.py checks both agree). Lower bound: ``logprobs_mode``
+# appeared in 0.10. Upper bound: each vLLM release pins one exact torch and 0.33 needs torch 2.14.0, outside this
+# project's torch range (<=2.13.0).
+SUPPORTED_VLLM = ">=0.10,<0.33"
+
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 INSTALL_HINT = (
     "the 'vllm' generation engine needs vLLM (CUDA only): install it in the policy worker's own environment with "
-    "`pip install 'hacrl-fed[vllm]'` (its pins clash with flwr), or set generation.engine: hf"
+    f"`pip install 'hacrl-fed[vllm]'` (vllm{SUPPORTED_VLLM}; its pins clash with flwr), or set generation.engine: hf"
 )
+
+_HALF_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+                "half": "float16"}
+
+
+def version_supported(version: str) -> bool:
+    """True when ``version`` (e.g. ``"0.11.2"``, ``"0.20.1.dev3+gabc"``) lies in :data:`SUPPORTED_VLLM`."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return False
+    # compare the release numbers only: a local/dev build of 0.20 is 0.20 here
+    return SpecifierSet(SUPPORTED_VLLM).contains(Version(parsed.base_version), prereleases=True)
 
 
 def import_vllm():
-    """``import vllm`` or raise ``ImportError`` with :data:`INSTALL_HINT`."""
+    """``import vllm`` or raise ``ImportError`` with :data:`INSTALL_HINT` (also for a release out of range)."""
     try:
         import vllm
     except ImportError as err:
         raise ImportError(f"{INSTALL_HINT} ({err})") from err
+    version = str(getattr(vllm, "__version__", "unknown"))
+    if not version_supported(version):
+        raise ImportError(f"vllm {version} is installed but this engine supports vllm{SUPPORTED_VLLM} only. "
+                          f"{INSTALL_HINT}")
     return vllm
+
+
+def require_in_process() -> None:
+    """Raise unless the vLLM engine core runs in this process (weight sync copies tensors in place)."""
+    value = os.environ.get(MULTIPROCESSING_ENV, "0")
+    if value != "0":
+        raise RuntimeError(
+            f"vllm engine: {MULTIPROCESSING_ENV}={value!r} runs the engine core in a separate process, where "
+            "the trainer's weights cannot be loaded in place (it would need collective_rpc and insecure "
+            f"pickling). Unset it or set {MULTIPROCESSING_ENV}=0 in the policy worker's environment.")
+
+
+def engine_dtype(requested: str | None, model_dtype) -> str:
+    """The engine's dtype: ``requested`` (bfloat16/float16) or the model's; float32 weights map to bfloat16."""
+    if requested is not None:
+        key = str(requested).strip().lower().removeprefix("torch.")
+        if key not in _HALF_DTYPES:
+            raise ValueError(f"generation.dtype={requested!r}: the vllm engine runs bfloat16 or float16 (attention "
+                             "back-ends reject float32, and raw log-probs need the V1 engine)")
+        return _HALF_DTYPES[key]
+    name = str(model_dtype).removeprefix("torch.")
+    return _HALF_DTYPES.get(name, "bfloat16")
 
 
 def _request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -72,9 +139,15 @@ def _hf_weights(model) -> Iterator[list]:
         model.unmerge_adapter()
 
 
-def _load_weights(vllm_model, *, weights) -> None:
-    """Runs inside the vLLM worker: load ``weights`` (HF names) into its model."""
-    vllm_model.load_weights(weights=iter(weights))
+def _load_weights(vllm_model, *, weights) -> tuple[set[str] | None, set[str]]:
+    """Runs on the vLLM model (in this process): load ``weights`` (HF names) → ``(loaded names, all names)``.
+
+    ``load_weights`` returns the engine-side names it loaded (fused names such as ``qkv_proj`` included);
+    parameters shared between modules (tied embeddings) are listed once, as in ``named_parameters()``.
+    """
+    loaded = vllm_model.load_weights(iter(weights))
+    expected = {name for name, _ in vllm_model.named_parameters()}
+    return (None if loaded is None else set(loaded)), expected
 
 
 class VLLMEngine(GenerationEngine):
@@ -82,7 +155,8 @@ class VLLMEngine(GenerationEngine):
 
     ``sync_on_init`` copies ``model``'s in-memory weights into the engine right away (they may differ from the
     files at ``model_path``, e.g. after a resume). ``batch_size`` caps concurrent sequences (``max_num_seqs``).
-    Extra ``llm_kwargs`` go to ``vllm.LLM``.
+    ``sleep_level`` 1 sleeps the engine inside :meth:`released`. Extra ``llm_kwargs`` go to ``vllm.LLM`` and may
+    not repeat an argument the engine sets itself.
     """
 
     def __init__(
@@ -91,15 +165,24 @@ class VLLMEngine(GenerationEngine):
         tokenizer,
         *,
         model_path: str | None = None,
+        tokenizer_path: str | None = None,
         dtype: str | None = None,
         gpu_memory_utilization: float = 0.5,
         max_model_len: int | None = None,
         batch_size: int | None = None,
         seed: int = 0,
         enforce_eager: bool = False,
+        sleep_level: int = 0,
         sync_on_init: bool = True,
         llm_kwargs: dict | None = None,
     ) -> None:
+        if sleep_level not in (0, 1):
+            raise ValueError(f"vllm engine: sleep_level must be 0 (off) or 1, got {sleep_level} (level 2 has a "
+                             "known garbage-after-wake bug)")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        os.environ.setdefault(MULTIPROCESSING_ENV, "0")
+        require_in_process()
         vllm = import_vllm()
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         path = model_path or getattr(base, "name_or_path", "") or getattr(base.config, "_name_or_path", "")
@@ -107,20 +190,30 @@ class VLLMEngine(GenerationEngine):
             raise ValueError("vllm engine: model_path is required (the model has no name_or_path to load from)")
         self.tokenizer = tokenizer
         self.stop_ids = stop_token_ids(tokenizer, base)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.sleep_level = sleep_level
+        self.dtype = engine_dtype(dtype, getattr(base, "dtype", None))
         kwargs = dict(
-            model=path,
-            tokenizer=getattr(tokenizer, "name_or_path", "") or path,
-            dtype=dtype or str(base.dtype).removeprefix("torch."),
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed,
-            enforce_eager=enforce_eager,
+            model=str(path),
+            tokenizer=str(tokenizer_path or getattr(tokenizer, "name_or_path", "") or path),
+            dtype=self.dtype,
+            gpu_memory_utilization=float(gpu_memory_utilization),
+            seed=int(seed),
+            enforce_eager=bool(enforce_eager),
+            logprobs_mode="raw_logprobs",  # sampled-token log-probs of the raw temperature-1 distribution
+            generation_config="vllm",  # no sampling defaults or extra EOS ids from the folder's generation_config
         )
         if max_model_len is not None:
-            kwargs["max_model_len"] = max_model_len
+            kwargs["max_model_len"] = int(max_model_len)
         if batch_size is not None:
-            kwargs["max_num_seqs"] = batch_size
-        self.llm = vllm.LLM(**kwargs, **(llm_kwargs or {}))
+            kwargs["max_num_seqs"] = int(batch_size)
+        if sleep_level:
+            kwargs["enable_sleep_mode"] = True
+        clash = sorted(set(llm_kwargs or {}) & set(kwargs))
+        if clash:
+            raise ValueError(f"generation.vllm_kwargs may not set {clash}: the engine sets them (use the matching "
+                             "generation.* field where there is one)")
+        self.llm_kwargs = {**kwargs, **(llm_kwargs or {})}
+        self.llm = vllm.LLM(**self.llm_kwargs)
         self._vllm = vllm
         if sync_on_init:
             self.sync_weights(model)
@@ -136,17 +229,26 @@ class VLLMEngine(GenerationEngine):
 
     def _params(self, **kw):
         return self._vllm.SamplingParams(
-            n=1, logprobs=0, skip_special_tokens=True, stop_token_ids=sorted(self.stop_ids), **kw
+            n=1, logprobs=0, ignore_eos=True, stop_token_ids=sorted(self.stop_ids), detokenize=False, **kw
         )
 
     def _collect(self, requests: list[dict], params: list) -> list[Generation]:
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if len(outputs) != len(requests):
+            raise RuntimeError(f"vllm returned {len(outputs)} outputs for {len(requests)} requests")
         gens = []
         for i, out in enumerate(outputs):
             comp = out.outputs[0]
             if comp.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"vllm request {i} finished with {comp.finish_reason!r}")
-            ids, reason = split_response(comp.token_ids, self.stop_ids)
+            raw = list(comp.token_ids)
+            ids, reason = split_response(raw, self.stop_ids)
+            if comp.finish_reason == "stop" and reason != FINISH_STOP:
+                raise RuntimeError(
+                    f"vllm request {i} stopped (stop_reason={getattr(comp, 'stop_reason', None)!r}) on a token "
+                    f"outside the worker's stop set {sorted(self.stop_ids)}")
+            if len(ids) != len(raw):
+                raise RuntimeError(f"vllm request {i} generated {len(raw) - len(ids)} tokens after a stop token")
             if comp.logprobs is None or len(comp.logprobs) < len(ids):
                 raise RuntimeError(f"vllm request {i}: missing sampled-token logprobs")
             lps = [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs)]
@@ -181,29 +283,48 @@ class VLLMEngine(GenerationEngine):
                         seed=_request_seed(int(seed), i, s),
                     )
                 )
-        gens = self._collect(requests, params)
+        gens = self._collect(requests, params) if requests else []
         return [gens[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
     def greedy(self, prompt_texts: list[str], *, max_new_tokens: int) -> list[Generation]:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         prompts = self._encode(prompt_texts)
+        if not prompts:
+            return []
         params = [self._params(temperature=0.0, max_tokens=int(max_new_tokens)) for _ in prompts]
         return self._collect([{"prompt_token_ids": ids} for ids in prompts], params)
 
     def sync_weights(self, model) -> None:
-        """Load ``model``'s current weights into the engine, then drop prefix-cache entries of the old weights."""
-        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        """Load ``model``'s current weights into the engine (in-process), check every engine parameter was
+        loaded, then drop the prefix-cache entries computed with the old weights."""
+        require_in_process()
         with _hf_weights(model) as weights:
-            if not in_process:
-                weights = [(k, v.cpu()) for k, v in weights]
-            if hasattr(self.llm, "apply_model"):
-                self.llm.apply_model(functools.partial(_load_weights, weights=weights))
-            else:  # vLLM V0 engine: the model lives in this process
-                runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
-                _load_weights(runner.model, weights=weights)
-        if hasattr(self.llm, "reset_prefix_cache"):
-            self.llm.reset_prefix_cache()
+            results = self.llm.apply_model(functools.partial(_load_weights, weights=weights))
+        for loaded, expected in results:
+            if loaded is None:
+                raise RuntimeError("vllm sync_weights: the engine model's load_weights did not report which weights "
+                                   "it loaded, so a partial sync cannot be ruled out (vllm"
+                                   f"{SUPPORTED_VLLM} models report them)")
+            missing = expected - loaded
+            if missing:
+                raise RuntimeError(
+                    f"vllm sync_weights: {len(missing)} of {len(expected)} engine parameters were not loaded from "
+                    f"the trainer's weights (e.g. {sorted(missing)[:5]}); the engine would sample with stale "
+                    "weights. Renamed weights, a resized embedding or an unsupported adapter layout cause this.")
+        self.llm.reset_prefix_cache()
+
+    @contextmanager
+    def released(self) -> Iterator[None]:
+        """With ``sleep_level=1``: sleep (weights to CPU, KV cache freed) for the block, wake up afterwards."""
+        if not self.sleep_level:
+            yield
+            return
+        self.llm.sleep(level=self.sleep_level)
+        try:
+            yield
+        finally:
+            self.llm.wake_up()
 
 
 register_engine("vllm", VLLMEngine)

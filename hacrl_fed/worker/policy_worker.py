@@ -42,9 +42,10 @@ from pathlib import Path
 import torch
 
 from hacrl_fed.config import RunConfig, org_generation, org_trainer
-from hacrl_fed.engines import build_engine
+from hacrl_fed.engines import EngineOptions, build_engine
 from hacrl_fed.models.chat import eos_token_id, render_prompt
-from hacrl_fed.models.loading import load_model_and_tokenizer
+from hacrl_fed.models.loading import load_model_and_tokenizer, model_sources
+from hacrl_fed.perf import PhaseMeter
 
 from hacrl_fed.scoring import response_token_ids
 from hacrl_fed.seeding import stable_seed
@@ -98,8 +99,10 @@ class PolicyWorker:
         if self.trainer_cfg.lora.enabled:
             self.model = _wrap_lora(self.model, self.trainer_cfg)
         self.task = get_task(cfg.task.name, cfg.task.params, seed=cfg.seed)
+        model_path, tokenizer_path = model_sources(org.model)
         self.engine = build_engine(self.gen_cfg.engine, self.model, self.tokenizer,
-                                   batch_size=self.gen_cfg.batch_size)
+                                   EngineOptions.from_config(self.gen_cfg, seed=self.seed, model_path=model_path,
+                                                             tokenizer_path=tokenizer_path))
         self.eos_id = eos_token_id(self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_id
@@ -217,6 +220,7 @@ class PolicyWorker:
         self._enter(plan.run_id, how, path, last)  # only now: a refused plan changes nothing
         raise_if_cancelled("before generating")
         t0 = time.perf_counter()
+        perf = PhaseMeter(self._device())
         sp = plan.sampling
         texts = [self._render(p) for p in plan.prompts]
         gens = self.engine.generate(texts, num_samples=sp.num_samples, temperature=sp.temperature, top_p=sp.top_p,
@@ -224,6 +228,7 @@ class PolicyWorker:
                                     seed=stable_seed(sp.seed, self.seed) % (2**31))
         raise_if_cancelled("after generating")
         t1 = time.perf_counter()
+        gen_perf = perf.lap("generate", sum(g.token_count for row in gens for g in row))
         prompt_ids = dict(zip((p.prompt_id for p in plan.prompts),
                               self.tokenizer(texts, add_special_tokens=False)["input_ids"]))
         rollouts, rows = [], []
@@ -239,7 +244,8 @@ class PolicyWorker:
         acc = sum(r.reward for r in rollouts) / max(len(rollouts), 1)
         metrics = {"time/generate": t1 - t0, "time/verify": time.perf_counter() - t1,
                    "gen/mean_tokens": sum(r.token_count for r in rollouts) / max(len(rollouts), 1),
-                   "gen/stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / max(len(rollouts), 1)}
+                   "gen/stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / max(len(rollouts), 1),
+                   **gen_perf}
         return self._publish(RolloutBatch(plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics))
 
     def _publish(self, batch: RolloutBatch) -> RolloutBatch:
@@ -279,6 +285,7 @@ class PolicyWorker:
                                  f"{self.org_id!r}")
         raise_if_cancelled("before training")
         t0 = time.perf_counter()
+        perf = PhaseMeter(self._device())
         foreign, trust = screen_sources(self.cfg, self.org_id, request, prompts=own.prompts, task=own.task,
                                         verify=self.task.verify if self.cfg.security.reverify_rewards else None,
                                         open_source=self._open_source if self.identity is not None else None)
@@ -290,10 +297,13 @@ class PolicyWorker:
         for row in own.rows:
             row.source = learner
         foreign_rows, dropped = self._foreign_rows(foreign, own, agents)
+        score_perf = perf.lap("score", sum(len(r.response_ids) for r in foreign_rows))
         raise_if_cancelled("before the update")
         t1 = time.perf_counter()
-        metrics = self.trainer.update(own.rows + foreign_rows, learner, capability, names=agents)
+        with self.engine.released():  # a vLLM engine may sleep during the update (generation.sleep_during_train)
+            metrics = self.trainer.update(own.rows + foreign_rows, learner, capability, names=agents)
         self.engine.sync_weights(self.model)
+        metrics.update({**score_perf, **perf.lap("train", metrics.get("train/num_tokens", 0.0))})
         self._own = None
         self.last_round, self._trained[request.run_id], self._pristine = request.round, request.round, False
         metrics.update(trust)
@@ -337,6 +347,9 @@ class PolicyWorker:
         acc = sum(rewards) / max(len(rewards), 1)
         return EvalReport(request.run_id, request.round, self.org_id, acc, len(rewards),
                           {"time/eval": time.perf_counter() - t0})
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def health(self) -> dict[str, str]:
         return {"org_id": self.org_id, "status": "ok", "round": str(self.last_round),

@@ -1,0 +1,60 @@
+"""Per-phase performance metrics of a policy worker: ``perf/<phase>/...`` (phases: generate, score, train).
+
+A :class:`PhaseMeter` times consecutive phases and reports for each one
+
+- ``perf/<phase>/seconds`` and ``perf/<phase>/tokens`` (what the phase processed: generated response tokens,
+  re-tokenized foreign tokens, prompt + response tokens trained on) and ``perf/<phase>/tokens_per_s``;
+- on CUDA ``perf/<phase>/peak_gpu_mem_mb``: ``torch.cuda.max_memory_allocated`` during the phase (the peak is
+  reset when the phase starts);
+- elsewhere ``perf/<phase>/peak_rss_mb``: the process's peak resident set size so far (``resource``'s
+  ``ru_maxrss``; it cannot be reset, so it is a running maximum, not the phase's own peak).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+
+def peak_rss_mb() -> float | None:
+    """Peak resident set size of this process in MiB, or None where ``resource`` is unavailable."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+class PhaseMeter:
+    """Times phases that follow each other on ``device``; :meth:`lap` closes one and starts the next."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self._start = time.perf_counter()
+        self._reset_peak()
+
+    def _reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def lap(self, phase: str, tokens: float) -> dict[str, float]:
+        """Metrics of the phase that ends now (``tokens`` processed in it); the next phase starts now."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        seconds = now - self._start
+        out = {f"perf/{phase}/seconds": seconds, f"perf/{phase}/tokens": float(tokens),
+               f"perf/{phase}/tokens_per_s": float(tokens) / seconds if seconds > 0 else 0.0}
+        if self.cuda:
+            out[f"perf/{phase}/peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        else:
+            rss = peak_rss_mb()
+            if rss is not None:
+                out[f"perf/{phase}/peak_rss_mb"] = rss
+        self._reset_peak()
+        self._start = time.perf_counter()
+        return out
