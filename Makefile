@@ -12,6 +12,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
 # Offline, quiet and hermetic: no hub downloads, no Flower telemetry / update checks / per-run env installs.
+# The shell copy of hacrl_fed.lifecycle.OFFLINE_ENV (tests/test_lifecycle.py checks that they agree).
 RUN_ENV := HF_HUB_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 \
 	FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 TOKENIZERS_PARALLELISM=false
 

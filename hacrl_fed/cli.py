@@ -3,9 +3,11 @@
 - ``hacrl-fed run CONFIG [--transport inprocess|grpc] [--set key=value ...] [--worker ORG=ADDRESS ...]
   [--run-dir DIR] [--resume] [--no-progress]``: a federated run driven by the coordinator in this process.
   ``inprocess`` builds every org's worker here; ``grpc`` starts one ``hacrl-fed worker`` subprocess per org (or
-  dials the already-running workers given with ``--worker``). Writes ``metrics.jsonl``, ``tb/``,
-  ``accuracy.png``, ``config.yaml`` and ``coordinator_state.json`` to the run dir (default
-  ``<run_dir>/<name>`` from the config) and prints the final per-org table.
+  dials the already-running workers given with ``--worker``). Writes what every entry point writes
+  (:mod:`hacrl_fed.lifecycle`: ``config.yaml``, ``run_info.json``, ``metrics.jsonl``, ``tb/``,
+  ``coordinator_state.json``, ``accuracy.png``, ``summary.txt``, ``error.log`` on failure) to the run dir (default
+  ``<run_dir>/<name>`` from the config), logs one line per round, and prints the final per-org table and the
+  run dir's absolute path.
 - ``hacrl-fed worker ...``: serve one org's policy worker over gRPC (:func:`hacrl_fed.wire.grpc_server.main_worker`).
 - ``hacrl-fed zoo ...``: build / list the tiny built-in models (:func:`hacrl_fed.models.zoo.main_zoo`).
 - ``hacrl-fed simulate CONFIG ...``: the Flower Simulation Engine (:func:`hacrl_fed.flower.simulation.main_simulate`).
@@ -24,7 +26,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
+from hacrl_fed.lifecycle import CLI_KEYS, RunDirError, check_run_dir, setup_logging
 
 log = logging.getLogger("hacrl_fed.cli")
 
@@ -98,7 +100,7 @@ def _grpc_transport(args: argparse.Namespace, cfg, run_dir: Path, stack: ExitSta
 
     org_ids = [o.id for o in cfg.orgs]
     if args.workers:
-        addresses = parse_worker_addresses(args.workers, org_ids)
+        addresses = parse_worker_addresses(args.workers, org_ids)  # checked before the run started
     else:
         procs = WorkerProcesses(args.config, org_ids, run_dir=run_dir, overrides=args.overrides,
                                 ready_timeout_s=args.ready_timeout_s,
@@ -126,15 +128,8 @@ def _inprocess_transport(cfg, run_dir: Path, resume: bool, stack: ExitStack):
     return transport
 
 
-def _progress(args: argparse.Namespace, total: int):
-    from hacrl_fed.metrics import round_progress
-
-    return round_progress(total, enabled=not args.no_progress)
-
-
 def _resolve_run(args: argparse.Namespace):
     from hacrl_fed.config import ConfigError, load_config
-    from hacrl_fed.coordinator.loop import STATE_FILE
 
     args.overrides = [kv for group in args.overrides for kv in group]  # --set a=1 b=2 --set c=3
     try:
@@ -146,41 +141,34 @@ def _resolve_run(args: argparse.Namespace):
         raise UsageError("federation.transport=flower: use `hacrl-fed simulate CONFIG` (or flwr run)")
     if args.workers and transport != "grpc":
         raise UsageError("--worker needs --transport grpc")
-    run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run_dir) / cfg.name
-    has_state = (run_dir / STATE_FILE).exists()
-    if args.resume and not has_state:
-        raise UsageError(f"--resume: no run to resume in {run_dir} ({STATE_FILE} missing)")
-    if not args.resume and has_state:
-        raise UsageError(f"{run_dir} already holds a run: pass --resume or another --run-dir")
+    parse_worker_addresses(args.workers, [o.id for o in cfg.orgs])  # bad usage fails before the run dir is used
+    run_dir = (Path(args.run_dir) if args.run_dir else Path(cfg.run_dir) / cfg.name).absolute()
+    try:
+        check_run_dir(run_dir, args.resume, CLI_KEYS)
+    except RunDirError as err:
+        raise UsageError(str(err)) from None
     return cfg, transport, run_dir
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hacrl_fed.coordinator.loop import Coordinator, FederationError
-    from hacrl_fed.metrics import RunLogger, format_table, plot_accuracy
+    from hacrl_fed.coordinator.loop import FederationError
+    from hacrl_fed.lifecycle import Run
 
     cfg, transport_name, run_dir = _resolve_run(args)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    args.resolved_run_dir = run_dir
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    with ExitStack() as stack:
-        if transport_name == "grpc":
-            transport = _grpc_transport(args, cfg, run_dir, stack)
-        else:
-            transport = _inprocess_transport(cfg, run_dir, args.resume, stack)
-        logger = stack.enter_context(RunLogger(run_dir))
-        bar, on_round = _progress(args, cfg.federation.rounds)
-        stack.callback(bar.close)
-        coord = Coordinator(cfg, transport, run_dir, logger=logger, resume=args.resume, on_round=on_round)
-        bar.update(coord.round)
-        try:
-            summary = coord.run()
-        except FederationError as err:
-            print(f"hacrl-fed run: {err}", file=sys.stderr)
-            return 1
-    plot_accuracy(run_dir)
-    print(format_table(summary))
-    print(f"outputs in {run_dir}")
+    run = Run(cfg, run_dir, transport=transport_name, resume=args.resume, keys=CLI_KEYS,
+              progress=not args.no_progress, entry="hacrl-fed run")
+    args.lifecycle = run
+    try:
+        with run, ExitStack() as stack:
+            if transport_name == "grpc":
+                transport = _grpc_transport(args, cfg, run_dir, stack)
+            else:
+                transport = _inprocess_transport(cfg, run_dir, args.resume, stack)
+            run.execute(transport)
+    except FederationError as err:
+        print(f"hacrl-fed run: {err} (traceback in {run.error_log})", file=sys.stderr)
+        return 1
+    print(run.table)
     return 0
 
 
@@ -194,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "run":
         parser.print_help(sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     try:
         return cmd_run(args)
     except UsageError as err:
@@ -211,13 +198,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _save_traceback(args: argparse.Namespace) -> str:
-    run_dir = getattr(args, "resolved_run_dir", None) or args.run_dir
-    if not run_dir or not Path(run_dir).is_dir():
-        traceback.print_exc()
-        return ""
-    path = Path(run_dir) / "error.log"
-    path.write_text(traceback.format_exc())
-    return f" (traceback in {path})"
+    """Where the run's lifecycle saved the traceback (``error.log``); printed here when it had no run dir yet."""
+    run = getattr(args, "lifecycle", None)
+    if run is not None and run.error_log is not None:
+        return f" (traceback in {run.error_log})"
+    traceback.print_exc()
+    return ""
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ Files under ``run_dir``:
   <name>: value, ...}``; non-finite values are written as ``null`` (strict JSON).
 - ``tb/``: TensorBoard event files, one scalar per metric name with ``step = round``.
 - ``accuracy.png``: ``eval/<org>/accuracy`` against round, one line per org (:func:`plot_accuracy`).
+
+Also the progress lines every entry point logs: :func:`format_round` (one per round), :func:`format_eval` (after
+each evaluation) and :func:`format_table` (the final table).
 """
 
 from __future__ import annotations
@@ -98,19 +101,23 @@ def eval_curves(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, floa
     return {org: sorted(points.items()) for org, points in sorted(curves.items())}
 
 
-def plot_accuracy(run_dir: str | Path) -> Path:
-    """Write ``run_dir/accuracy.png``: held-out accuracy vs round per org (Agg backend); returns its path."""
+def plot_accuracy(run_dir: str | Path, title: str | None = None) -> Path:
+    """Write ``run_dir/accuracy.png``: held-out accuracy vs round per org (Agg backend), titled ``title`` (default:
+    the run dir's name), rounds on integer ticks; returns its path."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     curves = eval_curves(read_metrics(run_dir))
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for org, points in curves.items():
         rounds, accs = zip(*points)
         ax.plot(rounds, accs, marker="o", label=org)
+    ax.set_title(title or f"held-out accuracy: {Path(run_dir).absolute().name}")
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("held-out accuracy (greedy)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)

@@ -2,7 +2,9 @@
 
 Run config keys (``[tool.flwr.app.config]``): ``config-path``, ``overrides``, ``run-dir``, ``resume``,
 ``discovery-timeout``, ``worker-factory`` (simulation); see :mod:`hacrl_fed.flower.settings`. The whole logic is
-:func:`hacrl_fed.flower.federation.run_federation`; an exception there fails the Flower run.
+:func:`hacrl_fed.flower.federation.run_federation` (the run lifecycle every entry point shares, with Flower's run
+id recorded next to hacrl's); an exception there fails the Flower run, a refused run (bad settings, a used run
+dir) with one log line and no traceback.
 """
 
 from __future__ import annotations
@@ -21,4 +23,4 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run_federation(grid, context.run_config, app_dir=APP_DIR)
+    run_federation(grid, context.run_config, app_dir=APP_DIR, flower_run_id=context.run_id)

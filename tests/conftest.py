@@ -17,14 +17,11 @@ from pathlib import Path
 
 import pytest
 
-# Offline and quiet: no hub downloads, no Flower telemetry / update checks / per-run env installs.
-OFFLINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+# Offline and quiet: no hub downloads, no Flower telemetry / update checks / per-run env installs. One definition
+# (also used by the deployment harness and the simulation; the Makefile and .ci/run keep copies that
+# tests/test_lifecycle.py checks). Importing it is cheap: no torch, no flwr.
+from hacrl_fed.lifecycle import OFFLINE_ENV
+
 TORCH_THREADS = 1
 
 _saved_env: dict[str, str | None] = {}

@@ -104,10 +104,18 @@ def test_two_rounds_over_the_simulation_engine(tmp_path, capsys):
     assert [name.split("-")[1] for name in built] == ["a", "b", LIAR]  # one worker per org ...
     assert len({name.split("-")[2] for name in built}) == 1  # ... both in the single ClientApp actor
     assert ENV_VAR not in os.environ
-    out = capsys.readouterr().out  # the final per-org table is the last thing printed
+    captured = capsys.readouterr()
+    out = captured.out  # the final per-org table is the last thing printed
     assert out.splitlines()[0].startswith("org ") and "outputs in" in out.splitlines()[-1]
+    assert "round 1/2 in " in captured.err and "round 2/2 in " in captured.err  # progress: one line per round
     summary = (run_dir / "summary.txt").read_text()
     assert summary.splitlines()[0].startswith("org ") and f"{LIAR} EXCLUDED from the pool: reward mismatch" in summary
+    # the shared run lifecycle: the real transport, and Flower's run id next to hacrl's
+    assert "\n# transport: flower-simulation\n" in (run_dir / "config.yaml").read_text()
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["transport"] == "flower-simulation" and info["run_id"] == state["run_id"]
+    assert isinstance(info["flower_run_id"], int) and f"Flower run id {info['flower_run_id']}" in summary
+    assert info["sessions"][0]["entry"] == "hacrl-fed simulate" and info["status"] == "completed"
 
 
 @pytest.mark.slow

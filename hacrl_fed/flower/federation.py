@@ -12,72 +12,89 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hacrl_fed.flower.settings import (
-    check_run_dir, discovery_timeout_of, load_run_config, read_settings, run_dir_of,
+    ENV_VAR, SettingsError, discovery_timeout_of, load_run_config, read_settings, run_dir_of,
 )
 from hacrl_fed.flower.transport import FlowerTransport, discover_orgs
+from hacrl_fed.lifecycle import CLI_KEYS, FLWR_KEYS, SUMMARY_FILE, Run, RunDirError, check_run_dir, setup_logging
 
 log = logging.getLogger(__name__)
 
 PROGRESS_ENV = "HACRL_FED_PROGRESS"  # "1": the ServerApp shares a terminal with the user (hacrl-fed simulate)
-SUMMARY_FILE = "summary.txt"  # the final per-org table
+__all__ = ["PROGRESS_ENV", "SUMMARY_FILE", "RunRefused", "quiet_refusals", "run_federation"]
 
 
-def ensure_logging(level: int = logging.INFO) -> None:
-    """Show hacrl-fed's INFO logs on stderr when nobody configured logging (``flwr run`` streams the ServerApp's
-    stderr, but its process has no root handler, so only warnings would appear)."""
-    ours = logging.getLogger("hacrl_fed")
-    if logging.getLogger().handlers or ours.handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    ours.addHandler(handler)
-    ours.setLevel(level)
+class RunRefused(SettingsError):
+    """A run the ServerApp refuses before it starts (bad settings or config, a used or empty run dir). The message
+    says what to change; Flower logs it without a traceback (:func:`quiet_refusals`)."""
 
 
-def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path) -> Any:
+def _drop_refusal_traceback(record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if isinstance(record.exc_info, tuple) else record.exc_info
+    if isinstance(exc, RunRefused):
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
+def quiet_refusals() -> None:
+    """Make Flower log a :class:`RunRefused` of the ServerApp as one line (``ServerApp raised an exception``) with
+    no traceback: the ServerApp has logged the reason itself, and ``flwr list`` shows it in the status details."""
+    flwr_log = logging.getLogger("flwr")
+    if _drop_refusal_traceback not in flwr_log.filters:
+        flwr_log.addFilter(_drop_refusal_traceback)
+
+
+def _is_simulation(grid: Any) -> bool:
+    """The Simulation Engine's in-memory grid, or a run started by ``hacrl-fed simulate``."""
+    return ENV_VAR in os.environ or type(grid).__name__ == "InMemoryGrid"
+
+
+def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path, flower_run_id: int | None = None
+                   ) -> Any:
     """Run a whole hacrl-fed run over ``grid`` and return the coordinator's ``RunSummary``.
 
-    1. settings from ``run_config`` (and ``HACRL_FED_FLOWER_RUN_CONFIG``), then the YAML run config;
+    1. settings from ``run_config`` (and ``HACRL_FED_FLOWER_RUN_CONFIG``), then the YAML run config, then the run
+       dir (a new run needs an unused one, ``resume`` a used one): any problem raises :class:`RunRefused`, logged
+       as one line naming the keys of ``flwr run`` (``resume=true``, ``run-dir=``);
     2. wait up to ``discovery-timeout`` for the configured orgs' nodes (``query.health`` tells each node's org;
        at least ``federation.min_orgs`` must answer);
-    3. :class:`~hacrl_fed.coordinator.loop.Coordinator` over a :class:`FlowerTransport`; the run dir gets what
-       ``hacrl-fed run`` writes: ``config.yaml``, ``metrics.jsonl``, ``tb/``, ``coordinator_state.json``,
-       ``accuracy.png``; the final per-org table is logged.
+    3. :class:`~hacrl_fed.coordinator.loop.Coordinator` over a :class:`FlowerTransport`, inside the run lifecycle
+       every entry point shares (:class:`hacrl_fed.lifecycle.Run`, transport ``flower-simulation`` or
+       ``flower-deployment``, ``flower_run_id`` recorded next to the hacrl run id): one log line per round, the
+       eval table after each evaluation, the final table at the end.
 
     Any failure raises: the Flower runtime then marks the run failed (``run_simulation`` re-raises it).
     """
-    import yaml
+    from hacrl_fed.config import ConfigError
 
-    from hacrl_fed.coordinator.loop import Coordinator
-    from hacrl_fed.metrics import RunLogger, format_table, plot_accuracy, round_progress
-
-    ensure_logging()
-    settings = read_settings(run_config)
-    cfg = load_run_config(settings, app_dir)
-    run_dir = run_dir_of(settings, cfg)
-    check_run_dir(run_dir, settings.resume)
-    expected = [o.id for o in cfg.orgs]
-    timeout = discovery_timeout_of(settings, cfg)
-    log.info("hacrl-fed: waiting up to %g s for orgs %s", timeout, expected)
-    org_by_node = discover_orgs(grid, expected, timeout, min_orgs=cfg.federation.min_orgs)
-    log.info("hacrl-fed: nodes %s", org_by_node)
-    transport = FlowerTransport(grid, org_by_node, expected_orgs=expected)
-    logger = RunLogger(run_dir)
-    bar, on_round = round_progress(cfg.federation.rounds, enabled=os.environ.get(PROGRESS_ENV) == "1")
+    setup_logging(others=None)  # flwr run shows the ServerApp's stderr; Flower configured the rest itself
+    quiet_refusals()
+    simulation = _is_simulation(grid)
+    keys = CLI_KEYS if ENV_VAR in os.environ else FLWR_KEYS  # hacrl-fed simulate / flwr run
     try:
-        coordinator = Coordinator(cfg, transport, run_dir, logger=logger, resume=settings.resume, on_round=on_round)
-        bar.update(coordinator.round)  # rounds already done when resuming
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        summary = coordinator.run()
-    finally:
-        bar.close()
-        logger.close()
-        transport.close()
-    plot_accuracy(run_dir)
-    table = format_table(summary)
-    (run_dir / SUMMARY_FILE).write_text(table + "\n")
-    if os.environ.get(PROGRESS_ENV) == "1":  # hacrl-fed simulate prints the table itself, last
-        log.info("hacrl-fed: run finished, outputs in %s", run_dir)
+        settings = read_settings(run_config)
+        cfg = load_run_config(settings, app_dir)
+        run_dir = run_dir_of(settings, cfg)
+        check_run_dir(run_dir, settings.resume, keys)
+    except (SettingsError, ConfigError, RunDirError) as err:
+        log.error("hacrl-fed: the run is refused: %s", err)
+        raise RunRefused(str(err)) from None
+    progress = os.environ.get(PROGRESS_ENV) == "1"
+    run = Run(cfg, run_dir, transport="flower-simulation" if simulation else "flower-deployment",
+              resume=settings.resume, keys=keys, progress=progress, flower_run_id=flower_run_id,
+              entry="hacrl-fed simulate" if ENV_VAR in os.environ else "flwr run (ServerApp)")
+    with run:
+        expected = [o.id for o in cfg.orgs]
+        timeout = discovery_timeout_of(settings, cfg)
+        log.info("hacrl-fed: waiting up to %g s for orgs %s", timeout, expected)
+        org_by_node = discover_orgs(grid, expected, timeout, min_orgs=cfg.federation.min_orgs)
+        log.info("hacrl-fed: nodes %s", org_by_node)
+        transport = FlowerTransport(grid, org_by_node, expected_orgs=expected)
+        try:
+            summary = run.execute(transport)
+        finally:
+            transport.close()
+    if progress:  # hacrl-fed simulate prints the table itself, last
+        log.info("hacrl-fed: run %s finished; outputs in %s", summary.run_id, run.run_dir)
     else:
-        log.info("hacrl-fed: run finished, outputs in %s\n%s", run_dir, table)
+        log.info("hacrl-fed: run %s finished\n%s", summary.run_id, run.table)
     return summary

@@ -120,12 +120,9 @@ def discovery_timeout_of(settings: AppSettings, cfg: RunConfig) -> float:
     return settings.discovery_timeout_s or cfg.federation.round_timeout_s
 
 
-def check_run_dir(run_dir: Path, resume: bool) -> None:
-    """As ``hacrl-fed run``: ``resume`` needs a run in ``run_dir``, a fresh run needs none (``SettingsError``)."""
-    from hacrl_fed.coordinator.loop import STATE_FILE
+def check_run_dir(run_dir: Path, resume: bool, keys: Any = None) -> None:
+    """As ``hacrl-fed run``: ``resume`` needs a run in ``run_dir``, a fresh run needs none
+    (:func:`hacrl_fed.lifecycle.check_run_dir`; the error names ``keys``, by default the CLI's flags)."""
+    from hacrl_fed.lifecycle import CLI_KEYS, check_run_dir as check
 
-    has_state = (run_dir / STATE_FILE).exists()
-    if resume and not has_state:
-        raise SettingsError(f"--resume: no run to resume in {run_dir} ({STATE_FILE} missing)")
-    if not resume and has_state:
-        raise SettingsError(f"{run_dir} already holds a run: pass --resume or another --run-dir")
+    check(run_dir, resume, keys or CLI_KEYS)

@@ -12,6 +12,10 @@ One virtual SuperNode per org (partition ``i`` = ``orgs[i]``), the repository's 
   GPUs too): in-process workers are cached per process, and Ray hands each message to whichever actor is idle.
   Orgs therefore run one after another, each with all cores (Ray sets ``OMP_NUM_THREADS`` to the actor's CPUs).
 * A ServerApp exception is re-raised by ``run_simulation``; :func:`main_simulate` then returns 1.
+* Flower's switches of :data:`hacrl_fed.lifecycle.FLOWER_ENV` (no telemetry, update checks or per-run installs)
+  are set, where unset, when this module is imported: Flower reads some of them when it is first imported.
+* The ServerApp runs the shared run lifecycle (:mod:`hacrl_fed.lifecycle`, transport ``flower-simulation``):
+  one log line per round, the same outputs as ``hacrl-fed run``; the final table is printed last.
 """
 
 from __future__ import annotations
@@ -26,9 +30,13 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from hacrl_fed.config import ConfigError, load_config, parse_overrides
-from hacrl_fed.flower.federation import PROGRESS_ENV, SUMMARY_FILE
-from hacrl_fed.flower.settings import (
+from hacrl_fed.lifecycle import FLOWER_ENV, SUMMARY_FILE, apply_env, setup_logging
+
+apply_env(FLOWER_ENV)  # before anything imports flwr (see the module docstring)
+
+from hacrl_fed.config import ConfigError, load_config, parse_overrides  # noqa: E402
+from hacrl_fed.flower.federation import PROGRESS_ENV  # noqa: E402
+from hacrl_fed.flower.settings import (  # noqa: E402
     ENV_VAR, AppSettings, SettingsError, check_run_dir, run_dir_of, to_run_config,
 )
 
@@ -155,7 +163,7 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     """CLI entry: 0 on success, 2 on a bad config or argument, 1 when the run failed."""
     args = build_parser().parse_args(argv)
     args.overrides = [kv for group in args.overrides for kv in group]  # --set a=1 b=2 --set c=3
-    quiet_logging(args.log_level, verbose=args.verbose)
+    setup_logging(args.log_level, verbose=args.verbose)
     try:
         run_path = simulate(args.config, args.overrides, run_dir=args.run_dir, resume=args.resume,
                             app_dir=args.app_dir, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
@@ -173,23 +181,3 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
         print(summary.read_text().rstrip())
     print(f"hacrl-fed simulate: done; outputs in {run_path} (metrics.jsonl, tb/, accuracy.png)")
     return 0
-
-
-def quiet_logging(level: str, *, verbose: bool = False) -> None:
-    """hacrl-fed logs at ``level``; Flower, Ray, alembic and the rest only warnings (unless ``verbose``)."""
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ours = logging.getLogger("hacrl_fed")
-    ours.setLevel(level.upper())
-    if not ours.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(fmt)
-        ours.addHandler(handler)
-        ours.propagate = False
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(fmt)
-        handler.setLevel(logging.DEBUG if verbose else logging.WARNING)
-        root.addHandler(handler)
-    for name in ("flwr", "alembic", "ray"):
-        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)
