@@ -4,10 +4,15 @@ Fast checks of the harness itself (process-tree teardown, readiness failures, th
 first; the two end-to-end tests are marked slow:
 
 (a) insecure Flower, real ``hacrl-fed worker`` processes with the micro zoo agents of ``configs/smoke.yaml`` on
-unix sockets (mode 0600 in a 0700 directory);
+unix sockets (mode 0600 in a 0700 directory); ``flwr log`` shows one line per round, the workers say what they
+serve and log one line per call, and the same ``flwr run`` again into the used run dir fails with one line naming
+``resume=true`` / ``run-dir=``, no traceback;
 (b) TLS + SuperNode authentication with keys from ``hacrl-fed keys`` and fake workers (no models) serving mutual
 TLS on loopback TCP (the ClientApps present their org's client certificate), plus an unregistered SuperNode that
 must be refused.
+
+(c) ``hacrl-fed deploy-local`` (:func:`run_local`, stand-in workers): streams the ServerApp's log and ends with
+the final table.
 
 Every process is stopped by PID in the harness's teardown (also when a test fails), and each test checks that
 nothing it started is left running. Timings go to ``<tmp>/timings.json`` (and stdout with ``-s``).
@@ -30,8 +35,8 @@ from pathlib import Path
 import pytest
 
 from hacrl_fed.deploy.harness import (
-    HOST, Deployment, HarnessError, descendants, identity_overrides, main_local, process_table, start_local,
-    toml_table, worker_command, worker_link_args, worker_listen, worker_node_config,
+    HOST, Deployment, HarnessError, descendants, identity_overrides, main_local, process_table, run_local,
+    start_local, toml_table, worker_command, worker_link_args, worker_listen, worker_node_config,
 )
 from hacrl_fed.security.keys import KeyLayout, write_keys
 from hacrl_fed.wire.grpc_client import GrpcWorkerClient
@@ -211,9 +216,34 @@ def test_insecure_deployment_with_real_workers(tmp_path):
         socket_modes = {org: stat.S_IMODE(os.stat(a[len("unix:"):]).st_mode) for org, a in addresses.items()}
         up_s = time.monotonic() - t0
         run_id, info, run_s = _submit_and_wait(dep, run_dir, tuple(identities))
+        server_log = dep.flwr_log(run_id)
+        again = dep.submit(REPO, {"config-path": str(SMOKE), "run-dir": str(run_dir),
+                                  "overrides": " ".join([f"federation.rounds={ROUNDS}", *identities])})
+        refused = dep.wait_run(again, timeout_s=120)
+        refused_log = dep.flwr_log(again)
     assert dep.leftovers() == {}
     metrics = _metrics(run_dir)
     _assert_per_org_metrics(metrics, ORGS)
+    # progress in the ServerApp's log as flwr log shows it, and the run's outputs link the two run ids
+    for t in range(1, ROUNDS + 1):
+        assert re.search(rf"round {t}/{ROUNDS} in [\d.]+ s \| reward acme [\d.]+ globex [\d.]+ \| accepted acme",
+                         server_log), server_log[-3000:]
+    assert "eval at round 0: held-out accuracy" in server_log and f"eval at round {ROUNDS}:" in server_log
+    assert "org " in server_log and "outputs in" in server_log  # the final table
+    run_info = json.loads((run_dir / "run_info.json").read_text())
+    assert run_info["flower_run_id"] == run_id and run_info["transport"] == "flower-deployment"
+    assert "\n# transport: flower-deployment\n" in (run_dir / "config.yaml").read_text()
+    assert f"Flower run id {run_id}" in (run_dir / "summary.txt").read_text()
+    # the same run again into the used run dir: fails cleanly, with the keys of flwr run
+    assert refused["status"] == "finished:failed" and "resume=true" in refused.get("status-details", "")
+    assert "already holds a run: set resume=true to continue it, or another run-dir=" in refused_log
+    assert "Traceback" not in refused_log, refused_log
+    for org in ORGS:  # each worker: what it serves, one line per call, the ready line once
+        worker_log = (tmp_path / "dep" / "logs" / f"worker-{org}.log").read_text()
+        assert re.search(rf"hacrl-fed worker serves org {org}, model zoo:micro-\S+, [\d.]+ M parameters, "
+                         r"device \w+, dtype \w+", worker_log), worker_log[-2000:]
+        assert worker_log.count("listening on unix:") == 1
+        assert re.search(r"Generate round 1 ok in [\d.]+ s", worker_log) and "Train round 2 ok in" in worker_log
     for org in ORGS:  # the real workers did the work: their own timings came back through Flower
         assert metrics[1][f"{org}/time/generate"] > 0
         assert addresses[org] == f"unix:{tmp_path / 'dep' / 'sock' / f'{org}.sock'}"
@@ -221,6 +251,24 @@ def test_insecure_deployment_with_real_workers(tmp_path):
     assert socket_modes == {org: 0o600 for org in ORGS}
     _report(tmp_path, "insecure-real-workers", dep, up_s=up_s, run_s=run_s, total_s=time.monotonic() - t0,
             round_times={t: {k: v for k, v in m.items() if k.startswith("time/")} for t, m in metrics.items()})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_deploy_local_streams_the_server_log_and_ends_with_the_table(tmp_path):
+    lines: list[str] = []
+    rc = run_local(SMOKE, workdir=tmp_path / "dep", app=REPO, worker_argv=_fake_worker, timeout_s=300,
+                   overrides=[f"federation.rounds={ROUNDS}", "security.signing=false"],  # stand-ins do not sign
+                   out=lambda text: lines.extend(text.splitlines()))
+    assert rc == 0, "\n".join(lines[-60:])
+    text = "\n".join(lines)
+    status = next(i for i, line in enumerate(lines) if "finished:completed" in line)
+    assert all(f"round {t}/{ROUNDS} in " in "\n".join(lines[:status]) for t in range(1, ROUNDS + 1)), text[-3000:]
+    table = (tmp_path / "dep" / "run" / "summary.txt").read_text().rstrip().splitlines()
+    assert lines[-len(table):] == table and table[0].startswith("org ")  # ends with the final table
+    assert table[-1] == f"outputs in {tmp_path / 'dep' / 'run'}"
+    assert f"round {ROUNDS}/{ROUNDS} in " in (tmp_path / "dep" / "logs" / "serverapp.log").read_text()
+    assert json.loads((tmp_path / "dep" / "timings.json").read_text())["run"]["status"] == "finished:completed"
 
 
 def _fake_worker(org: str, listen: str) -> list[str]:

@@ -40,16 +40,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from hacrl_fed.coordinator.launcher import MAX_UNIX_SOCKET_PATH, private_dir
+from hacrl_fed.lifecycle import OFFLINE_ENV
 from hacrl_fed.security.keys import KeyLayout, client_name
 
 HOST = "127.0.0.1"
-QUIET_ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "HF_HUB_OFFLINE": "1",
-    "PYTHONUNBUFFERED": "1",
-}
+QUIET_ENV = {**OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}  # hacrl_fed.lifecycle's offline environment, unbuffered
 SUPERNODE_READY = re.compile(r"SuperNode ID: (?P<node_id>\d+)")
 RUN_STARTED = re.compile(r"Successfully started run (?P<run_id>\d+)")
 WORKER_READY = re.compile(r"hacrl-fed worker (?P<org>\S+) listening on (?P<address>\S+)")
@@ -391,15 +386,22 @@ class Deployment:
             raise HarnessError(f"flwr list knows no run {run_id}")
         return runs[0]
 
-    def wait_run(self, run_id: int, timeout_s: float, poll_s: float = 3.0) -> dict[str, Any]:
+    def wait_run(self, run_id: int, timeout_s: float, poll_s: float = 3.0,
+                 echo: Callable[[str], Any] | None = None) -> dict[str, Any]:
         """Wait for the run's status to start with ``finished``; its :meth:`run_info` (HarnessError past ``timeout_s``).
 
-        A streamed run is waited for by its ``flwr run --stream`` process; otherwise ``flwr list`` is polled.
+        A streamed run is waited for by its ``flwr run --stream`` process, whose new output (the ServerApp's log:
+        one line per round) goes to ``echo`` as it arrives; otherwise ``flwr list`` is polled.
         """
         deadline = time.monotonic() + timeout_s
         stream = self._streams.get(run_id)
+        offset = 0
         while stream is not None and stream.alive() and time.monotonic() < deadline:
+            if echo is not None:
+                offset = self._echo_new(stream, offset, echo)
             time.sleep(0.5)
+        if echo is not None and stream is not None:
+            self._echo_new(stream, offset, echo, final=True)
         while True:
             info = self.run_info(run_id)
             if str(info.get("status", "")).startswith("finished"):
@@ -409,10 +411,29 @@ class Deployment:
                                    f"server log:\n{self.run_log(run_id)[-_TAIL_CHARS:]}")
             time.sleep(poll_s)
 
+    @staticmethod
+    def _echo_new(proc: Proc, offset: int, echo: Callable[[str], Any], final: bool = False) -> int:
+        """Pass the complete lines ``proc`` logged after byte ``offset`` (all of it when ``final``) to ``echo``;
+        the new offset."""
+        try:
+            with proc.log_path.open("rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return offset
+        end = len(data) if final else data.rfind(b"\n") + 1
+        if end:
+            echo(data[:end].decode(errors="replace").rstrip("\n"))
+        return offset + end
+
     def run_log(self, run_id: int) -> str:
-        """The ServerApp's log so far: the ``--stream`` output, else ``flwr log ID NAME --show``."""
+        """The ServerApp's log so far: the ``--stream`` output, else :meth:`flwr_log`."""
         if run_id in self._streams:
             return self._streams[run_id].log_text()
+        return self.flwr_log(run_id)
+
+    def flwr_log(self, run_id: int) -> str:
+        """``flwr log ID NAME --show``: the ServerApp's log as the SuperLink keeps it."""
         res = self.flwr("log", str(run_id), self._federation(), "--show", check=False, timeout_s=60)
         return res.stdout + res.stderr
 
@@ -597,14 +618,56 @@ def start_local(dep: Deployment, config: str | Path, orgs: Sequence[str], *,
     return listen
 
 
-def main_local(argv: list[str] | None = None) -> int:
-    """Run one hacrl-fed config through a real local Flower deployment, then stop everything.
+def run_local(config: str | Path, *, workdir: str | Path | None = None, tls: bool = False,
+              worker_link: str = "auto", overrides: Sequence[str] = (), app: str | Path = ".",
+              timeout_s: float = 1800.0, out: Callable[[str], Any] = print,
+              worker_argv: Callable[[str, str], Sequence[str]] | None = None) -> int:
+    """One hacrl-fed config through a real local Flower deployment (:func:`start_local`), then stop everything.
 
-    ``python -m hacrl_fed.deploy.harness --config configs/smoke.yaml [--tls] [--worker-link auto|unix|tls|insecure]
+    ``out`` gets the ServerApp's log as it streams (one line per round, the eval tables), a status line, and last
+    the final per-org table (``summary.txt`` of the run dir ``WORKDIR/run``). ``flwr log`` of the run is kept in
+    ``WORKDIR/logs/serverapp.log``, the processes' start/stop times in ``WORKDIR/timings.json``. 0 iff the run
+    ends ``finished:completed``. ``worker_argv`` as in :func:`start_local` (tests use stand-in workers).
+    """
+    from hacrl_fed.config import load_config
+    from hacrl_fed.lifecycle import SUMMARY_FILE
+    from hacrl_fed.security.keys import write_keys
+
+    config = Path(config).absolute()
+    orgs = [o.id for o in load_config(config, list(overrides)).orgs]
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="hacrl-fed-deploy-")).absolute()
+    keys = write_keys(workdir / "keys", orgs, force=True) if tls else None
+    overrides = [*overrides, *identity_overrides(keys.identity_set if keys else workdir / "identity_set", orgs)]
+    run_dir = workdir / "run"
+    logs = workdir / "logs"
+    with Deployment(workdir, tls=keys) as dep:
+        start_local(dep, config, orgs, overrides=overrides, worker_link=worker_link, worker_argv=worker_argv)
+        run_id = dep.submit(app, {"config-path": str(config), "overrides": " ".join(overrides),
+                                  "run-dir": str(run_dir)})
+        out(f"run {run_id} submitted; process logs in {logs}; the ServerApp's log follows")
+        info = dep.wait_run(run_id, timeout_s, echo=out)
+        (logs / "serverapp.log").write_text(dep.flwr_log(run_id))
+    (workdir / "timings.json").write_text(json.dumps({"run": {k: info.get(k) for k in ("status", "running-at",
+                                                                                        "finished-at")},
+                                                      "processes": dep.timings()}, indent=1))
+    status = str(info.get("status"))
+    details = f" ({info['status-details']})" if info.get("status-details") else ""
+    out(f"run {run_id}: {status}{details}; outputs in {run_dir}; logs in {logs} (flwr log: serverapp.log); "
+        f"process times in {workdir / 'timings.json'}")
+    summary = run_dir / SUMMARY_FILE
+    if status == "finished:completed" and summary.is_file():
+        out(summary.read_text().rstrip())  # the final table, last
+    return 0 if status == "finished:completed" else 1
+
+
+def main_local(argv: list[str] | None = None) -> int:
+    """``hacrl-fed deploy-local``: :func:`run_local` from the command line.
+
+    ``hacrl-fed deploy-local --config configs/smoke.yaml [--tls] [--worker-link auto|unix|tls|insecure]
     [--workdir DIR] [--set federation.rounds=2 ...] [--app .] [--timeout-s 1800]``. Exit 0 iff the run ends
     ``finished:completed``; 2 for ``--worker-link tls`` without ``--tls``.
     """
-    p = argparse.ArgumentParser(prog="python -m hacrl_fed.deploy.harness", description=main_local.__doc__)
+    p = argparse.ArgumentParser(prog="hacrl-fed deploy-local", description=main_local.__doc__)
     p.add_argument("--config", required=True, help="hacrl-fed run config YAML")
     p.add_argument("--tls", action="store_true", help="TLS + SuperNode auth with fresh keys in WORKDIR/keys")
     p.add_argument("--worker-link", choices=WORKER_LINKS, default="auto",
@@ -617,25 +680,9 @@ def main_local(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.worker_link == "tls" and not args.tls:
         p.exit(2, f"{p.prog}: --worker-link tls needs --tls (the worker certificates come with the keys)\n")
-    from hacrl_fed.config import load_config
-    from hacrl_fed.security.keys import write_keys
-
-    config = Path(args.config).absolute()
-    orgs = [o.id for o in load_config(config, args.overrides).orgs]
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hacrl-fed-deploy-")).absolute()
-    tls = write_keys(workdir / "keys", orgs, force=True) if args.tls else None
-    overrides = [*args.overrides, *identity_overrides(tls.identity_set if tls else workdir / "identity_set", orgs)]
-    run_dir = workdir / "run"
-    with Deployment(workdir, tls=tls) as dep:
-        start_local(dep, config, orgs, overrides=overrides, worker_link=args.worker_link)
-        run_id = dep.submit(args.app, {"config-path": str(config), "overrides": " ".join(overrides),
-                                       "run-dir": str(run_dir)})
-        print(f"run {run_id} submitted; logs in {workdir / 'logs'}", flush=True)
-        info = dep.wait_run(run_id, args.timeout_s)
-    print(json.dumps({"run": {k: info.get(k) for k in ("status", "running-at", "finished-at")},
-                      "processes": dep.timings()}, indent=1))
-    print(f"run {run_id}: {info.get('status')}; metrics under {run_dir}; logs under {workdir / 'logs'}")
-    return 0 if info.get("status") == "finished:completed" else 1
+    return run_local(args.config, workdir=args.workdir, tls=args.tls, worker_link=args.worker_link,
+                     overrides=args.overrides, app=args.app, timeout_s=args.timeout_s,
+                     out=lambda text: print(text, flush=True))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ Behaviour:
   :func:`hacrl_fed.worker.cancel.cancel_scope`, so worker code that calls ``raise_if_cancelled()`` stops once the
   client cancels or its deadline passes (CANCELLED / DEADLINE_EXCEEDED). Health skips the lock so a busy worker
   still answers it: ``worker.health()`` must be cheap and thread-safe.
+* Every call is logged as one line: a successful one at INFO with its rpc, round and seconds (Health only at
+  DEBUG: clients poll it), a failed one as below.
 * Worker exceptions become gRPC statuses carrying ``"<ExceptionType>: <message>"`` (never a traceback):
   ValueError (WireError included) -> INVALID_ARGUMENT, NotImplementedError -> UNIMPLEMENTED, other RuntimeError
   -> FAILED_PRECONDITION, all logged as one line; anything else -> INTERNAL, logged with its traceback. A reply
@@ -41,8 +43,8 @@ import logging
 import os
 import signal
 import stat
-import sys
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,14 +272,18 @@ class PolicyWorkerServicer:
     def _serve(self, rpc: str, data: bytes, context) -> bytes:
         """Authorize -> decode -> (lock + cancel scope) -> call -> encode; a failure aborts with a mapped status."""
         kind, encode, _, locked = _RPCS[rpc]
+        start = time.perf_counter()
         try:
             self._authorize(context)
             arg = codec.decode(kind, data, limits=self._limits)
             result = self._locked_call(rpc, arg, context) if locked else self._invoke(rpc, arg)
             try:
-                return encode(result).SerializeToString()
+                reply = encode(result).SerializeToString()
             except Exception as err:
                 raise _BadReply(f"worker returned an unencodable {rpc} reply: {err}") from err
+            log.log(logging.DEBUG if rpc == "Health" else logging.INFO, "%s%s ok in %.2f s", rpc, _round_of(arg),
+                    time.perf_counter() - start)
+            return reply
         except Exception as err:
             code, details = self._fail(rpc, err)
         context.abort(code, details)
@@ -327,6 +333,14 @@ class PolicyWorkerServicer:
                     raise _stopped(err, context) from None
         finally:
             self._lock.release()
+
+
+def _round_of(request: Any) -> str:
+    """`` round N`` (or ``run R round N``) for a decoded request, "" when it names no round."""
+    if isinstance(request, int) and not isinstance(request, bool):  # a CheckpointRequest decodes to its round
+        return f" round {request}"
+    round_ = getattr(request, "round", None)
+    return "" if round_ is None else f" round {round_}"
 
 
 def _stopped(err: CallCancelled, context) -> _Abandoned:
@@ -427,8 +441,33 @@ def serve_worker(
     if ready_event is not None:
         ready_event.set()
     link = "mutual TLS" if tls is not None else ("unix socket" if address.startswith("unix:") else "plaintext")
-    log.info("policy worker %s serving on %s (%s)", getattr(worker, "org_id", "?"), bound, link)
+    log.debug("policy worker %s serving on %s (%s)", getattr(worker, "org_id", "?"), bound, link)
     return WorkerServer(server, bound)
+
+
+def describe_worker(worker: Any) -> str:
+    """What a worker serves, for its start-up line: org, model (zoo name or path), parameter count, device, dtype,
+    engine and where its checkpoints go."""
+    org = getattr(worker, "org_id", "?")
+    model, cfg = getattr(worker, "model", None), getattr(worker, "cfg", None)
+    parts = [f"org {org}"]
+    try:
+        source = cfg.org(org).model
+        parts.append(f"model zoo:{source.zoo}" if source.zoo else f"model {source.path}")
+    except Exception:  # not a PolicyWorker (a stand-in): say what is known
+        pass
+    if model is not None:
+        params = list(model.parameters())
+        n, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+        size = f"{n / 1e6:.2f} M parameters" + (f" ({trainable / 1e6:.2f} M trainable)" if trainable != n else "")
+        parts += [size, f"device {params[0].device}" if params else "device ?",
+                  f"dtype {str(params[0].dtype).replace('torch.', '')}" if params else "dtype ?"]
+    gen = getattr(worker, "gen_cfg", None)
+    if gen is not None:
+        parts.append(f"engine {gen.engine}")
+    if getattr(worker, "ckpt_base", None) is not None:
+        parts.append(f"checkpoints in {worker.ckpt_base}")
+    return ", ".join(parts)
 
 
 # ------------------------------------------------------------------------------------------- hacrl-fed worker
@@ -502,8 +541,9 @@ def main_worker(argv: list[str] | None = None) -> int:
     """
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from hacrl_fed.lifecycle import setup_logging
+
+    setup_logging(args.log_level)
     from hacrl_fed.config import ConfigError, load_config
 
     try:
@@ -521,13 +561,14 @@ def main_worker(argv: list[str] | None = None) -> int:
     if args.resume:
         extra["resume"] = True
     worker = build_worker(cfg, org_id, **extra)
+    log.info("hacrl-fed worker serves %s", describe_worker(worker))
     max_mb = args.max_message_mb or cfg.federation.max_message_mb
     try:
         server = serve_worker(worker, args.listen, tls=tls, insecure=insecure, max_message_mb=max_mb)
     except (ValueError, RuntimeError) as err:
         _close(worker)
         parser.exit(2, f"hacrl-fed worker: {err}\n")
-    print(f"hacrl-fed worker {org_id} listening on {server.address}", flush=True)
+    print(f"hacrl-fed worker {org_id} listening on {server.address}", flush=True)  # the one ready line
     parent = os.environ.get("HACRL_FED_PARENT_PID")  # set by the launcher: stop when it is gone
     while not stop.wait(0.5):
         if parent and os.getppid() != int(parent):
