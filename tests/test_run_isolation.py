@@ -95,7 +95,9 @@ def records(run_dir: Path) -> dict[int, dict]:
 
 
 def learning(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if not k.startswith(("time", "bytes", "wall_time")) and "/time/" not in k}
+    """What depends on weights and data: no timings, sizes, throughput or memory."""
+    return {k: v for k, v in rec.items()
+            if k != "wall_time" and not {"time", "bytes", "perf"} & set(k.split("/"))}
 
 
 @pytest.mark.timeout(300)
