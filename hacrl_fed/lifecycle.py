@@ -109,17 +109,21 @@ def _not_shown_elsewhere(record: logging.LogRecord) -> bool:
     return not record.name.startswith(("hacrl_fed", "flwr"))
 
 
-def setup_logging(level: str | int = "INFO", *, others: int | None = logging.WARNING, verbose: bool = False) -> None:
+def setup_logging(level: str | int | None = "INFO", *, others: int | None = logging.WARNING,
+                  verbose: bool = False) -> None:
     """The logging set-up of every hacrl-fed entry point (idempotent: later calls only change levels).
 
-    ``hacrl_fed.*`` loggers log at ``level`` to stderr, ``time LEVEL logger: message``; their records still
+    ``hacrl_fed.*`` loggers log at ``level`` to stderr, ``time LEVEL logger: message`` (``None``: keep the level an
+    earlier call set, INFO if none did); their records still
     propagate (pytest's ``caplog`` sees them). ``others``: the level for every other library (``verbose``: DEBUG),
     shown through one root handler that skips hacrl-fed's and Flower's records (they have their own); ``flwr``,
     ``ray`` and ``alembic`` are set to it. ``others=None`` leaves everything but hacrl-fed's loggers alone (the
     Flower ServerApp: Flower configured its process's logging).
     """
     ours = logging.getLogger("hacrl_fed")
-    ours.setLevel(level.upper() if isinstance(level, str) else level)
+    if level is not None or ours.level == logging.NOTSET:
+        level = "INFO" if level is None else level
+        ours.setLevel(level.upper() if isinstance(level, str) else level)
     if not any(isinstance(h, _StderrHandler) for h in ours.handlers):
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(LOG_FORMAT))

@@ -197,6 +197,10 @@ def test_setup_logging_is_one_idempotent_handler_and_records_still_propagate(cap
         logging.getLogger("hacrl_fed.test").info("progress line")
     assert "progress line" in caplog.text  # caplog (root) still sees hacrl-fed's records
     assert capsys.readouterr().err.count("INFO hacrl_fed.test: progress line") == 1  # printed once, to stderr
+    lifecycle.setup_logging("WARNING")  # hacrl-fed simulate --log-level WARNING ...
+    lifecycle.setup_logging(None, others=None)  # ... then its ServerApp: the level stays
+    assert logging.getLogger("hacrl_fed").level == logging.WARNING
+    lifecycle.setup_logging("INFO")
 
 
 def test_accuracy_plot_has_a_title_and_integer_round_ticks(tmp_path, monkeypatch):

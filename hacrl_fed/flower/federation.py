@@ -66,7 +66,7 @@ def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path, f
     """
     from hacrl_fed.config import ConfigError
 
-    setup_logging(others=None)  # flwr run shows the ServerApp's stderr; Flower configured the rest itself
+    setup_logging(None, others=None)  # flwr run shows the ServerApp's stderr; Flower configured the rest itself
     quiet_refusals()
     simulation = _is_simulation(grid)
     keys = CLI_KEYS if ENV_VAR in os.environ else FLWR_KEYS  # hacrl-fed simulate / flwr run
