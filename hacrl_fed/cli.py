@@ -37,6 +37,7 @@ DELEGATES = {
     "simulate": ("hacrl_fed.flower.simulation", "main_simulate", "run on the Flower Simulation Engine"),
     "keys": ("hacrl_fed.security.keys", "main_keys", "make TLS certs (SuperLink, worker link), SuperNode auth keys and org identities"),
     "deploy-local": ("hacrl_fed.deploy.harness", "main_local", "a real SuperLink + SuperNodes + workers on loopback"),
+    "config": ("hacrl_fed.config_cli", "main_config", "describe every config field (--describe) or resolve a config"),
 }
 
 
@@ -72,7 +73,12 @@ def _delegate(name: str, argv: list[str]) -> int:
     except ImportError as err:
         print(f"hacrl-fed {name}: unavailable ({err})", file=sys.stderr)
         return 1
-    rc = entry(argv)
+    from hacrl_fed.config import ConfigError, report_error
+
+    try:
+        rc = entry(argv)
+    except ConfigError as err:  # configuration or build-time (BuildError): one line, traceback in a log, exit 2
+        return report_error(f"hacrl-fed {name}", err)
     return int(rc or 0)
 
 
@@ -183,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     setup_logging(args.log_level)
+    from hacrl_fed.config import ConfigError, report_error
+
     try:
         return cmd_run(args)
     except UsageError as err:
@@ -191,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hacrl-fed run: interrupted (continue with --resume)", file=sys.stderr)
         return 1
+    except ConfigError as err:  # found while building models or tasks (BuildError): exit 2, traceback kept
+        run = getattr(args, "lifecycle", None)
+        return report_error("hacrl-fed run", err, log_dir=run.run_dir if run is not None and run.error_log else None)
     except Exception as err:  # the run failed: one line here, the traceback in the run dir's error.log
         detail = _save_traceback(args)
         print(f"hacrl-fed run: failed: {type(err).__name__}: {err}{detail}", file=sys.stderr)

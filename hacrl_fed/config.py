@@ -6,7 +6,11 @@ Every section forbids unknown keys, so a typo fails loudly with the dotted field
 from __future__ import annotations
 
 import copy
+import os
 import re
+import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,30 +22,65 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the offending field(s)."""
 
 
+class BuildError(ConfigError):
+    """A problem found while building what a valid config names: a model or tokenizer that cannot be loaded, a
+    task that cannot be built (unknown name, bad params, an unreadable or malformed data file), a zoo agent whose
+    shipped weights are stale, prompts that do not fit a model's context. The message names the field or the file
+    (and line). Entry points treat it like any :class:`ConfigError`: one line, exit code 2."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no inf/nan anywhere
 
 
-class AlgorithmConfig(_Section):
-    """docs/ALGORITHM.md parameters plus the baselines' (``grpo``/``gspo``/``naive``)."""
+def _d(text: str) -> str:
+    """A field description: one paragraph, whitespace folded (rendered by ``hacrl-fed config --describe``)."""
+    return " ".join(text.split())
 
-    name: Literal["hacpo", "gspo", "grpo", "naive"] = "hacpo"
-    self_clip_low: float = Field(3e-4, ge=0, lt=1)
-    self_clip_high: float = Field(4e-4, ge=0)
-    cross_clip_delta: float = Field(0.2, ge=0, le=1)
-    cross_clip_step: float = Field(0.025, ge=0)
-    alpha: float = Field(1.0, ge=0)
-    max_abs_log_ratio: float = Field(10.0, gt=0)
-    grpo_clip_low: float = Field(0.2, ge=0, lt=1)
-    grpo_clip_high: float = Field(0.28, ge=0)
-    reward_max: float = Field(1.0, gt=0)
-    capability_window: int = Field(5, ge=1)
-    capability_floor: float = Field(1e-8, gt=0)
-    ratio_min: float = Field(0.1, gt=0)
-    ratio_max: float = Field(10.0, gt=0)
-    warmup_rounds: int = Field(0, ge=0)
-    kl_beta: float = Field(0.0, ge=0)
-    adv_eps: float = Field(1e-6, gt=0)
+
+class AlgorithmConfig(_Section):
+    """How each org turns the pooled rollouts into its update: HACPO (docs/ALGORITHM.md) or a baseline.
+
+    These defaults are the only place the algorithm's numbers are written: the loss configuration
+    (:class:`hacrl_fed.algorithm.PolicyLossConfig`), the pure functions' defaults and docs/ALGORITHM.md's
+    parameter table all follow them (tests check the table).
+    """
+
+    name: Literal["hacpo", "gspo", "grpo", "naive"] = Field("hacpo", description=_d(
+        "the algorithm: hacpo (own + foreign rollouts, capability-aware), gspo / grpo (own rollouts only), naive "
+        "(own + foreign rollouts, none of HACPO's mechanisms)"))
+    self_clip_low: float = Field(3e-4, ge=0, lt=1, description=_d(
+        "epsilon_low: GSPO clip band [1 - low, 1 + high] of the sequence ratio on the learner's own rows "
+        "(hacpo, gspo, naive)"))
+    self_clip_high: float = Field(4e-4, ge=0, description="epsilon_high: upper half of the GSPO clip band on own rows")
+    cross_clip_delta: float = Field(0.2, ge=0, le=1, description=_d(
+        "delta: the first optimizer step's band for foreign rows is [1 - delta, 1] (hacpo)"))
+    cross_clip_step: float = Field(0.025, ge=0, description=_d(
+        "delta_step: the foreign rows' lower clip bound rises by this much per optimizer step of a round (hacpo)"))
+    alpha: float = Field(1.0, ge=0, description=_d(
+        "alpha: exponent of the stop-gradient importance weight on foreign rows, c * sg(c)^alpha (hacpo)"))
+    max_abs_log_ratio: float = Field(10.0, gt=0, description=_d(
+        "M: every log-ratio is clamped to [-M, M] before exp (all losses and the KL term)"))
+    grpo_clip_low: float = Field(0.2, ge=0, lt=1, description="grpo's token-level PPO clip band: 1 - low")
+    grpo_clip_high: float = Field(0.28, ge=0, description="grpo's token-level PPO clip band: 1 + high")
+    grpo_loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = Field("token-mean", description=_d(
+        "how grpo averages its per-token objective over a mini-batch: token-mean (every response token of the "
+        "mini-batch weighs the same) or seq-mean-token-mean (the mean over sequences of each sequence's token "
+        "mean)"))
+    reward_max: float = Field(1.0, gt=0, description=_d(
+        "R_max: baseline guard; a capability-weighted group mean above it is replaced by the learner's own mean "
+        "(hacpo)"))
+    capability_window: int = Field(5, ge=1, description=_d(
+        "K: capability P-hat of an org is the mean of its last K per-round accuracies"))
+    capability_floor: float = Field(1e-8, gt=0, description="lower bound of every capability P-hat (no division by 0)")
+    ratio_min: float = Field(0.1, gt=0, description="lower clamp of the capability ratios w and v (hacpo)")
+    ratio_max: float = Field(10.0, gt=0, description="upper clamp of the capability ratios w and v (hacpo)")
+    warmup_rounds: int = Field(0, ge=0, description=_d(
+        "training rounds during which every capability is taken as 1 (no capability weighting yet)"))
+    kl_beta: float = Field(0.0, ge=0, description=_d(
+        "beta: weight of the k3 KL to the worker's initial weights on its own tokens; 0 = no KL and no "
+        "reference copy of the model (the paper uses 0.001)"))
+    adv_eps: float = Field(1e-6, gt=0, description="epsilon added to the group's reward std in every advantage")
 
     @model_validator(mode="after")
     def _ratio_bounds(self) -> "AlgorithmConfig":
@@ -51,69 +90,93 @@ class AlgorithmConfig(_Section):
 
 
 class LoraConfig(_Section):
-    enabled: bool = False
-    r: int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] | str = "all-linear"
+    """LoRA adapters (peft): only the adapters train, the base weights stay frozen."""
+
+    enabled: bool = Field(False, description="train LoRA adapters instead of every weight (needs peft)")
+    r: int = Field(8, ge=1, description="adapter rank")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description=_d(
+        "dropout on the adapters' input during the update's forward passes (only the adapters' dropout: the "
+        "base model stays deterministic, and generation and log-prob scoring run without dropout). Above 0 "
+        "the importance ratios of an update carry dropout noise"))
+    target_modules: list[str] | str = Field("all-linear", description=_d(
+        "module names to adapt (peft's target_modules), or all-linear"))
 
 
 class TrainerConfig(_Section):
-    lr: float = Field(2e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = Field(1.0, gt=0)
-    epochs: int = Field(1, ge=1)
-    minibatch_size: int = Field(128, ge=1)  # sequences per optimizer step
-    micro_batch_size: int = Field(32, ge=1)  # sequences per forward/backward (memory bound)
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    # Numerics of the update (hacrl_fed/trainer.py):
-    #   model          weights, grads and AdamW states in the dtype the model was loaded with (model.dtype; note
-    #                  that dtype auto is bfloat16 on CUDA, where pure-bf16 AdamW drops small updates)
-    #   bf16-autocast  float32 weights and AdamW states, forward/backward under torch.autocast(bfloat16)
-    #                  (needs model.dtype: float32)
-    #   bf16-master    bfloat16 weights and grads on the model (what the hf engine generates with), plus a float32
-    #                  master copy of the weights and float32 AdamW states kept by the trainer (needs model.dtype:
-    #                  bfloat16); checkpoints keep the master copy
-    precision: Literal["model", "bf16-autocast", "bf16-master"] = "model"
-    # recompute each decoder layer's activations during backward: activation memory ~1/num_layers, ~30% slower
-    gradient_checkpointing: bool = False
+    """The local update of each org (hacrl_fed/trainer.py); an org may override any field under orgs[].trainer."""
+
+    lr: float = Field(2e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2)")
+    grad_clip: float = Field(1.0, gt=0, description="gradient-norm clip before every optimizer step")
+    epochs: int = Field(1, ge=1, description="passes over one round's rows (no shuffling)")
+    minibatch_size: int = Field(128, ge=1, description=_d(
+        "rows (sequences, own and foreign alike) per optimizer step"))
+    micro_batch_size: int = Field(32, ge=1, description=_d(
+        "rows per forward/backward pass (memory bound); the gradient equals the whole mini-batch's"))
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters instead of full fine-tuning")
+    precision: Literal["model", "bf16-autocast", "bf16-master"] = Field("model", description=_d(
+        "numerics of the update. model: weights, grads and AdamW states in the dtype the model was loaded with "
+        "(model.dtype; auto is bfloat16 on CUDA, where pure-bf16 AdamW drops small updates). bf16-autocast: "
+        "float32 weights and AdamW states, forward/backward under torch.autocast(bfloat16) (needs model.dtype: "
+        "float32). bf16-master: bfloat16 weights on the model (what the hf engine generates with) plus a float32 "
+        "master copy and float32 AdamW states kept by the trainer (needs model.dtype: bfloat16); checkpoints keep "
+        "the master copy"))
+    gradient_checkpointing: bool = Field(False, description=_d(
+        "recompute each decoder layer's activations during backward: activation memory ~1/num_layers, ~30% "
+        "slower"))
 
 
 class GenerationConfig(_Section):
-    engine: Literal["hf", "vllm"] = "hf"
-    num_samples: int = Field(8, ge=1)  # G
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    max_new_tokens: int = Field(64, ge=1)
-    eval_max_new_tokens: int = Field(64, ge=1)
-    batch_size: int = Field(64, ge=1)  # sequences per generate() call
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)  # vllm only
-    max_model_len: int | None = Field(None, ge=1)  # vllm only: prompt + response tokens per sequence; None = model's
-    dtype: Literal["bfloat16", "float16"] | None = None  # vllm only: engine weights; None = model's (fp32 -> bf16)
-    enforce_eager: bool = False  # vllm only: no CUDA graphs (faster start, less memory, slower decoding)
-    sleep_during_train: bool = False  # vllm only: sleep(level=1) during each update (weights to CPU, KV freed)
-    vllm_kwargs: dict[str, Any] = Field(default_factory=dict)  # vllm only: extra vllm.LLM(...) arguments
+    """How each org samples its rollouts and answers evaluations; an org may override any field under
+    orgs[].generation."""
+
+    engine: Literal["hf", "vllm"] = Field("hf", description=_d(
+        "generation engine: hf (transformers generate, any device) or vllm (CUDA, pip install 'hacrl-fed[vllm]')"))
+    num_samples: int = Field(8, ge=1, description="G: responses per prompt and org")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (published log-probs are at temperature 1)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: keep the smallest token set of this mass")
+    top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0 = no top-k")
+    max_new_tokens: int = Field(64, ge=1, description=_d(
+        "response budget of a training rollout, in the org's own tokens; prompt tokens + this must fit the model's "
+        "context (checked at worker start-up)"))
+    eval_max_new_tokens: int = Field(64, ge=1, description=_d(
+        "response budget of a greedy evaluation answer; prompt tokens + this must fit the model's context"))
+    batch_size: int = Field(64, ge=1, description="sequences per generate() call (hf) / max_num_seqs (vllm)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description=_d(
+        "vllm only: share of the GPU's memory the engine may take (weights and KV cache)"))
+    max_model_len: int | None = Field(None, ge=1, description=_d(
+        "vllm only: prompt + response tokens per sequence; null = the model's context"))
+    dtype: Literal["bfloat16", "float16"] | None = Field(None, description=_d(
+        "vllm only: the engine's weight dtype; null = the model's (float32 runs as bfloat16)"))
+    enforce_eager: bool = Field(False, description=_d(
+        "vllm only: no CUDA graphs (faster start, less memory, slower decoding)"))
+    sleep_during_train: bool = Field(False, description=_d(
+        "vllm only: sleep(level=1) during each update (weights to CPU, KV cache freed)"))
+    vllm_kwargs: dict[str, Any] = Field(default_factory=dict, description="vllm only: extra vllm.LLM(...) arguments")
 
 
 class TaskConfig(_Section):
     """``name`` picks a task from the registry; ``params`` are validated by that task's own model."""
 
-    name: str = "arithmetic"
-    params: dict[str, Any] = Field(default_factory=dict)
-    eval_size: int = Field(200, ge=1)
+    name: str = Field("arithmetic", description="task: arithmetic, jsonl (GSM8K/MATH-style files) or reasoning-gym")
+    params: dict[str, Any] = Field(default_factory=dict, description=_d(
+        "the task's own parameters (e.g. jsonl: path, test_path, question_field, answer_field); unknown keys are "
+        "errors"))
+    eval_size: int = Field(200, ge=1, description="held-out test prompts of every evaluation (the first ones of the split)")
 
 
 class ModelConfig(_Section):
     """Exactly one of ``zoo`` (a built-in tiny agent name) or ``path`` (local dir or hub id)."""
 
-    zoo: str | None = None
-    path: str | None = None
-    tokenizer: str | None = None  # defaults to the model path
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    trust_remote_code: bool = False
+    zoo: str | None = Field(None, description=_d(
+        "a built-in tiny agent (hacrl-fed zoo list), shipped in hacrl_fed/assets/zoo"))
+    path: str | None = Field(None, description="a local HF-format model folder, or a hub id (offline: must be cached)")
+    tokenizer: str | None = Field(None, description="tokenizer folder or hub id; null = the model's own")
+    device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    dtype: str = Field("auto", description="auto (bfloat16 on CUDA, else float32), float32, bfloat16 or float16")
+    trust_remote_code: bool = Field(False, description="let transformers run the model folder's own code")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":
@@ -123,23 +186,35 @@ class ModelConfig(_Section):
 
 
 class OrgConfig(_Section):
-    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    model: ModelConfig
-    seed: int | None = None  # defaults to the run seed mixed with the org id
-    trainer: dict[str, Any] = Field(default_factory=dict)  # per-org overrides of the run's trainer section
-    generation: dict[str, Any] = Field(default_factory=dict)  # per-org overrides of generation
+    """One organization: its id, its private model and optional per-org overrides."""
+
+    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description=_d(
+        "the org's id (letters, digits, _ . -), unique in the run"))
+    model: ModelConfig = Field(description="the org's private model")
+    seed: int | None = Field(None, description="the org's seed; null = derived from the run seed and the org id")
+    trainer: dict[str, Any] = Field(default_factory=dict, description=_d(
+        "overrides of the run's trainer section for this org (same fields)"))
+    generation: dict[str, Any] = Field(default_factory=dict, description=_d(
+        "overrides of the run's generation section for this org (same fields)"))
 
 
 class FederationConfig(_Section):
-    rounds: int = Field(100, ge=1)
-    prompts_per_round: int = Field(16, ge=1)  # B
-    eval_every: int = Field(10, ge=0)  # 0 = only before and after
-    min_orgs: int = Field(1, ge=1)
-    round_timeout_s: float = Field(600.0, gt=0)
-    transport: Literal["inprocess", "grpc", "flower"] = "inprocess"
-    checkpoint_every: int = Field(0, ge=0)  # 0 = only at the end
-    max_failed_rounds: int = Field(3, ge=1)  # consecutive rounds below min_orgs before the run aborts
-    max_message_mb: int = Field(256, ge=1)
+    """The round loop run by the coordinator."""
+
+    rounds: int = Field(100, ge=1, description="rounds to run")
+    prompts_per_round: int = Field(16, ge=1, description="B: prompts every org answers per round")
+    eval_every: int = Field(10, ge=0, description=_d(
+        "greedy held-out evaluation every this many rounds (also before round 1 and after the last); 0 = only "
+        "before and after"))
+    min_orgs: int = Field(1, ge=1, description="orgs that must reply for a round to train")
+    round_timeout_s: float = Field(600.0, gt=0, description="seconds each phase of a round waits for the orgs")
+    transport: Literal["inprocess", "grpc", "flower"] = Field("inprocess", description=_d(
+        "how the coordinator reaches the workers with hacrl-fed run: inprocess or grpc (flower: hacrl-fed simulate "
+        "or flwr run)"))
+    checkpoint_every: int = Field(0, ge=0, description="worker checkpoints every this many rounds; 0 = only at the end")
+    max_failed_rounds: int = Field(3, ge=1, description=_d(
+        "consecutive rounds below min_orgs before the run aborts"))
+    max_message_mb: int = Field(256, ge=1, description="largest gRPC / Flower message, in MB")
 
 
 class SecurityConfig(_Section):
@@ -152,21 +227,29 @@ class SecurityConfig(_Section):
     run on one machine provisions a fresh key set under ``<run dir>/keys/`` (every key on one machine: it proves
     the plumbing, not trust between separate organizations).
     ``encrypt``: coordinator-blind mode; rollout text is sealed end to end for the other orgs.
-    ``max_mismatch_rate``: an org whose share of rollouts with a claimed reward that re-verification contradicts
-    exceeds this in one round is excluded from the pool for the rest of the run.
-    ``max_round_step``: how far ahead of its last trained round a worker accepts a plan.
-    ``max_bytes_per_token``: response text may hold at most ``max_new_tokens`` times this many UTF-8 bytes.
     """
 
-    signing: bool = True
-    encrypt: bool = False
-    roster_file: str | None = None
-    roster: dict[str, str] = Field(default_factory=dict)  # org id -> "ed25519:<b64> x25519:<b64>"
-    identity_file: str | None = None  # e.g. keys/identity/{org}.key
-    reverify_rewards: bool = True
-    max_mismatch_rate: float = Field(0.1, ge=0, le=1)
-    max_round_step: int = Field(1000, ge=1)
-    max_bytes_per_token: int = Field(32, ge=4)
+    signing: bool = Field(True, description=_d(
+        "every rollout batch is signed by its org (Ed25519) and verified by the coordinator and every receiver"))
+    encrypt: bool = Field(False, description=_d(
+        "coordinator-blind mode: rollout text is sealed end to end for the other orgs (needs signing and "
+        "reverify_rewards)"))
+    roster_file: str | None = Field(None, description=_d(
+        "file pinning org id -> public identity (written by hacrl-fed keys); null with no roster = fresh keys "
+        "under <run dir>/keys/"))
+    roster: dict[str, str] = Field(default_factory=dict, description=_d(
+        'the roster inline: org id -> "ed25519:<b64> x25519:<b64>" (at most one of roster and roster_file)'))
+    identity_file: str | None = Field(None, description=_d(
+        "where a worker finds its private identity; {org} is replaced by the org id (e.g. keys/identity/{org}.key)"))
+    reverify_rewards: bool = Field(True, description=_d(
+        "every receiver re-verifies the claimed rewards of foreign rollouts with its own verifier"))
+    max_mismatch_rate: float = Field(0.1, ge=0, le=1, description=_d(
+        "an org whose share of contradicted reward claims in one round exceeds this is excluded for the rest of "
+        "the run"))
+    max_round_step: int = Field(1000, ge=1, description=_d(
+        "how far ahead of its last trained round a worker accepts a plan"))
+    max_bytes_per_token: int = Field(32, ge=4, description=_d(
+        "response text may hold at most max_new_tokens times this many UTF-8 bytes"))
 
     @model_validator(mode="after")
     def _consistent(self) -> "SecurityConfig":
@@ -180,16 +263,20 @@ class SecurityConfig(_Section):
 
 
 class RunConfig(_Section):
-    name: str = Field("run", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # no path parts
-    seed: int = 0
-    run_dir: str = "runs"
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    generation: GenerationConfig = Field(default_factory=GenerationConfig)
-    task: TaskConfig = Field(default_factory=TaskConfig)
-    orgs: list[OrgConfig] = Field(min_length=1)
-    federation: FederationConfig = Field(default_factory=FederationConfig)
-    security: SecurityConfig = Field(default_factory=SecurityConfig)
+    """One federated run: its name and seed, the algorithm, the orgs and how rounds run."""
+
+    name: str = Field("run", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$", description=_d(
+        "the run's name (letters, digits, _ . + -; no path parts): outputs go to <run_dir>/<name>"))
+    seed: int = Field(0, description=_d(
+        "the run seed: prompt sampling, the task's held-out problems, and (unless set per org) each org's seed"))
+    run_dir: str = Field("runs", description="folder that holds the run folder <run_dir>/<name>")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="the update rule: HACPO or a baseline")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="each org's local update")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="each org's sampling")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="the prompts and their verifier")
+    orgs: list[OrgConfig] = Field(min_length=1, description="the organizations, each with its own model")
+    federation: FederationConfig = Field(default_factory=FederationConfig, description="the round loop")
+    security: SecurityConfig = Field(default_factory=SecurityConfig, description="trust between the organizations")
 
     @model_validator(mode="after")
     def _unique_orgs(self) -> "RunConfig":
@@ -313,3 +400,33 @@ def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] |
         return RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
+
+
+ERROR_LOG = "error.log"
+
+
+def report_error(prog: str, err: BaseException, *, log_dir: str | Path | None = None) -> int:
+    """Report a configuration or build-time error the way every command does; returns the exit code, 2.
+
+    One line on stderr, ``<prog>: error: <message> (traceback in <file>)``: the message names the field or the
+    file (and line). The traceback goes to ``<log_dir>/error.log`` when ``log_dir`` is an existing folder (a run
+    dir), else to a new file in the temp folder.
+    """
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    path: Path | None = None
+    try:
+        if log_dir is not None and Path(log_dir).is_dir():
+            path = Path(log_dir) / ERROR_LOG
+            path.write_text(text)
+        else:
+            slug = re.sub(r"[^A-Za-z0-9]+", "-", prog).strip("-") or "hacrl-fed"
+            fd, name = tempfile.mkstemp(prefix=f"{slug}-error-", suffix=".log")
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+            path = Path(name)
+    except OSError:  # nowhere to keep it: the one line still says what is wrong
+        path = None
+    message = " ".join(str(err).split()) or type(err).__name__
+    where = f" (traceback in {path})" if path is not None else ""
+    print(f"{prog}: error: {message}{where}", file=sys.stderr, flush=True)
+    return 2

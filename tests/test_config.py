@@ -414,3 +414,86 @@ def test_paper_recipes_load_with_the_paper_hyper_parameters(name, org_ids):
     params = JsonlMathParams.model_validate(cfg.task.params)  # valid task params (the files are the user's)
     assert cfg.task.name == "jsonl" and params.path.endswith(".jsonl") and params.answer_format == "boxed"
     assert (params.question_field, params.answer_field) == ("problem", "solution")  # MATH's JSONL fields
+
+
+# --- field descriptions and `hacrl-fed config` --------------------------------------------------------------------
+
+
+def test_every_config_field_has_a_description():
+    from hacrl_fed.config_cli import iter_fields
+
+    names = [name for name, _, _ in iter_fields()]
+    assert {"algorithm.grpo_loss_agg_mode", "trainer.lora.dropout", "orgs[].model.zoo", "security.roster"} <= set(
+        names)
+    missing = [name for name, info, _ in iter_fields() if not (info.description or "").strip()]
+    assert not missing, f"config fields without a description: {missing}"
+    for model in (AlgorithmConfig, TrainerConfig, GenerationConfig, RunConfig):  # every section too
+        assert (model.__doc__ or "").strip()
+
+
+def test_config_describe_lists_every_field_with_type_default_and_description(capsys):
+    from hacrl_fed.cli import main
+    from hacrl_fed.config_cli import iter_fields
+
+    assert main(["config", "--describe"]) == 0
+    out = capsys.readouterr().out
+    for name, info, is_section in iter_fields():
+        assert (f"{name}:" if is_section else f"{name}  (") in out, name
+        assert " ".join(info.description.split()[:4]) in " ".join(out.split()), name
+    assert "algorithm.grpo_loss_agg_mode  (token-mean | seq-mean-token-mean)  default token-mean" in out
+    assert "trainer.lr  (float, > 0)  default 2e-05" in out
+
+
+def test_config_describe_with_a_file_shows_resolved_values(tmp_path, capsys):
+    from hacrl_fed.cli import main
+
+    path = _write(tmp_path, TWO_ORGS_YAML)
+    assert main(["config", "--describe", "--config", str(path), "--set", "trainer.epochs=2"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("trainer.epochs  ("))
+    assert lines[at + 1].strip() == "= 2*"  # * marks a value other than the default
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("trainer.lr  ("))
+    assert lines[at + 1].strip() == "= 0.0001*" and lines[at + 2].strip() == "per org: acme: 0.0001, globex: 5e-05"
+    assert "= acme: tiny-a, globex: null" in out  # orgs[].model.zoo
+    assert main(["config", "--config", str(path)]) == 0  # the resolved config as YAML
+    assert yaml.safe_load(capsys.readouterr().out)["orgs"][1]["trainer"] == {"lr": 5e-05}
+
+
+def test_config_command_bad_config_is_one_line_and_exit_2(tmp_path, capsys):
+    from hacrl_fed.cli import main
+
+    path = _write(tmp_path, TWO_ORGS_YAML)
+    assert main(["config", "--describe", "--config", str(path), "--set", "trainer.lr=-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hacrl-fed config: error: invalid config: trainer.lr: Input should be greater than 0")
+    assert len(err.splitlines()) == 1
+    log_path = Path(err.rsplit("(traceback in ", 1)[1].rstrip(")"))
+    assert "ConfigError" in log_path.read_text()
+    log_path.unlink()
+
+
+def test_grpo_loss_agg_mode_is_a_validated_field():
+    assert AlgorithmConfig().grpo_loss_agg_mode == "token-mean"
+    cfg = load_config(_minimal(), overrides=["algorithm.grpo_loss_agg_mode=seq-mean-token-mean"])
+    assert cfg.algorithm.grpo_loss_agg_mode == "seq-mean-token-mean"
+    with pytest.raises(ConfigError, match="algorithm.grpo_loss_agg_mode"):
+        load_config(_minimal(), overrides=["algorithm.grpo_loss_agg_mode=sum"])
+
+
+def test_report_error_keeps_the_traceback_in_the_run_dir_or_a_temp_file(tmp_path, capsys):
+    from hacrl_fed.config import BuildError, report_error
+
+    try:
+        raise BuildError("model.path='/nope': no such file or directory")
+    except BuildError as err:
+        assert report_error("hacrl-fed worker", err, log_dir=tmp_path) == 2
+        assert report_error("hacrl-fed worker", err, log_dir=tmp_path / "missing") == 2
+    first, second = capsys.readouterr().err.strip().splitlines()
+    assert first == (f"hacrl-fed worker: error: model.path='/nope': no such file or directory (traceback in "
+                     f"{tmp_path / 'error.log'})")
+    assert "Traceback" in (tmp_path / "error.log").read_text()
+    temp = Path(second.rsplit("(traceback in ", 1)[1].rstrip(")"))
+    assert temp.name.startswith("hacrl-fed-worker-error-") and "BuildError" in temp.read_text()
+    temp.unlink()
+    assert issubclass(BuildError, ConfigError) and issubclass(BuildError, ValueError)
