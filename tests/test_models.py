@@ -8,7 +8,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from hacrl_fed.config import ModelConfig
+from hacrl_fed.config import BuildError, ModelConfig
 from hacrl_fed.models import (
     build_bpe_tokenizer,
     build_char_tokenizer,
@@ -136,10 +136,10 @@ def test_separate_tokenizer_path(tmp_path, char, bpe):
 @pytest.mark.parametrize(
     "cfg, err, match",
     [
-        (dict(path="/nonexistent/model/dir"), FileNotFoundError, "model.path='/nonexistent/model/dir'"),
-        (dict(path="./not/here"), FileNotFoundError, "model.path"),
-        (dict(path="some-org/some-model-not-cached"), OSError, "could not load tokenizer"),
-        (dict(zoo="no-such-agent"), KeyError, "not a zoo agent"),
+        (dict(path="/nonexistent/model/dir"), BuildError, "model.path='/nonexistent/model/dir'"),
+        (dict(path="./not/here"), BuildError, "model.path"),
+        (dict(path="some-org/some-model-not-cached"), BuildError, "model.path: could not load tokenizer"),
+        (dict(zoo="no-such-agent"), BuildError, "not a zoo agent"),
     ],
 )
 def test_load_errors(cfg, err, match):

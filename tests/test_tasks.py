@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hacrl_fed.config import BuildError
 from hacrl_fed.tasks import TASKS, Task, get_task, register_task
 from hacrl_fed.tasks.arithmetic import build_problem, extract_integer, is_test_problem
 from hacrl_fed.tasks.base import last_boxed, number_strings, stable_hash
@@ -298,8 +299,22 @@ def test_jsonl_errors_name_file_line_and_field(tmp_path, lines, params, match):
     path = tmp_path / "rows.jsonl"
     if lines is not None:
         path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(BuildError, match=match):
         get_task("jsonl", {"path": str(path), **params})
+
+
+def test_jsonl_invalid_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"question": "a", "answer": "#### 1"}\n{"question": "caf\xe9", "answer": "#### 2"}\n')
+    with pytest.raises(BuildError, match=r"rows\.jsonl:2: not valid UTF-8 \(byte 18 of the line: b'\\xe9'\)"):
+        get_task("jsonl", {"path": str(path)})
+
+
+def test_every_task_build_problem_is_a_build_error(tmp_path):
+    with pytest.raises(BuildError, match=r"task\.name: unknown task 'nope'"):
+        get_task("nope")
+    with pytest.raises(BuildError, match=r"task\.params\.difficulty"):
+        get_task("arithmetic", {"difficulty": "x"})
 
 
 def test_jsonl_path_is_required():
@@ -395,8 +410,10 @@ def test_answer_helpers():
 
 def test_reasoning_gym_missing_package_gives_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # makes `import reasoning_gym` fail
-    with pytest.raises(ImportError, match=r"pip install 'hacrl-fed\[reasoning-gym\]'"):
+    with pytest.raises(BuildError, match=r"^task 'reasoning-gym' needs the optional package 'reasoning_gym'.*pip "
+                                         r"install 'hacrl-fed\[reasoning-gym\]'") as err:
         get_task("reasoning-gym", {"dataset": "basic_arithmetic"})
+    assert isinstance(err.value.__cause__, ImportError)
 
 
 def test_reasoning_gym_params_are_validated_before_import():

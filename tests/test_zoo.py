@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from hacrl_fed.config import ModelConfig
+from hacrl_fed.config import BuildError, ModelConfig
 from hacrl_fed.models import load_model_and_tokenizer, render_prompt
 from hacrl_fed.models import zoo
 from hacrl_fed.models.sft import IGNORE, SFTRecipe, collate, encode_example, greedy_accuracy, lr_at, run_sft
@@ -40,7 +40,7 @@ def test_zoo_has_heterogeneous_demo_agents():
     assert len({e.arch for e in entries}) == 3 and {e.tokenizer for e in entries} == {"char", "bpe"}
     assert all(e.target_accuracy for e in entries)
     assert zoo.get_entry("zoo:qwen-char") is zoo.ZOO["qwen-char"]
-    with pytest.raises(KeyError, match="not a zoo agent.*qwen-char"):
+    with pytest.raises(BuildError, match="not a zoo agent.*qwen-char"):
         zoo.get_entry("gpt5")
 
 
@@ -214,11 +214,17 @@ def test_build_rejects_bad_dtype(isolated):
 # ---- resolution -----------------------------------------------------------------------------------------------
 
 
-def test_resolve_builds_into_cache_once(isolated, monkeypatch, caplog):
-    path = zoo.resolve_zoo("zoo:micro-qwen-char")
+def test_resolve_never_builds_and_uses_a_cached_build(isolated, monkeypatch):
+    build = zoo.build_agent
+    monkeypatch.setattr(zoo, "build_agent", lambda *a, **k: pytest.fail("loading a model started a build"))
+    with pytest.raises(BuildError, match=r"model.zoo='micro-qwen-char': it is neither shipped nor built; build it "
+                                         r"with `hacrl-fed zoo build micro-qwen-char --ship`"):
+        zoo.resolve_zoo("zoo:micro-qwen-char")
+    with pytest.raises(BuildError, match="hacrl-fed zoo build micro-qwen-char --ship"):
+        load_model_and_tokenizer(ModelConfig(zoo="micro-qwen-char", device="cpu"))
     entry = zoo.ZOO["micro-qwen-char"]
+    path = build("micro-qwen-char", zoo.cached_dir("micro-qwen-char"))  # the explicit build step
     assert path == isolated / "cache" / "zoo" / f"micro-qwen-char-{entry.recipe_hash()}"
-    assert "building it" in caplog.text
     monkeypatch.setattr(zoo, "build_agent", lambda *a, **k: pytest.fail("rebuilt a cached agent"))
     assert zoo.resolve_zoo("micro-qwen-char") == path
     model, tok = load_model_and_tokenizer(ModelConfig(zoo="micro-qwen-char", device="cpu"))
@@ -226,18 +232,24 @@ def test_resolve_builds_into_cache_once(isolated, monkeypatch, caplog):
     model, _ = load_model_and_tokenizer(ModelConfig(path="zoo:micro-qwen-char", device="cpu"))
 
 
-def test_resolve_prefers_matching_shipped_copy_and_skips_stale_one(isolated, monkeypatch, caplog):
+def test_resolve_prefers_matching_shipped_copy_and_refuses_a_stale_one(isolated, monkeypatch, capsys):
     shipped = zoo.shipped_dir("micro-gpt2-bpe")
     shipped.mkdir(parents=True)
     entry = zoo.ZOO["micro-gpt2-bpe"]
     (shipped / zoo.RECIPE_FILE).write_text(json.dumps({"recipe_hash": entry.recipe_hash()}))
     assert zoo.resolve_zoo("micro-gpt2-bpe") == shipped
     (shipped / zoo.RECIPE_FILE).write_text(json.dumps({"recipe_hash": "stale"}))
-    built = []
-    monkeypatch.setattr(zoo, "build_agent", lambda name, out, **k: built.append((name, out, k)) or out)
-    assert zoo.resolve_zoo("micro-gpt2-bpe") == zoo.cached_dir("micro-gpt2-bpe")
-    assert built == [("micro-gpt2-bpe", zoo.cached_dir("micro-gpt2-bpe"), {"replace": False})]
-    assert "another recipe" in caplog.text
+    monkeypatch.setattr(zoo, "build_agent", lambda *a, **k: pytest.fail("loading a model started a build"))
+    with pytest.raises(BuildError, match=rf"shipped weights were built from another recipe \(stale, the code's "
+                                         rf"recipe is {entry.recipe_hash()}\); build it with `hacrl-fed zoo build "
+                                         rf"micro-gpt2-bpe --ship`"):
+        zoo.resolve_zoo("micro-gpt2-bpe")
+    assert zoo.main_zoo(["list"]) == 0
+    assert "stale: hacrl-fed zoo build micro-gpt2-bpe --ship" in capsys.readouterr().out
+    cached = zoo.cached_dir("micro-gpt2-bpe")  # a cached build of the current recipe is used
+    cached.mkdir(parents=True)
+    (cached / zoo.RECIPE_FILE).write_text(json.dumps({"recipe_hash": entry.recipe_hash()}))
+    assert zoo.resolve_zoo("micro-gpt2-bpe") == cached
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------------

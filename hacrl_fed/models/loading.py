@@ -3,11 +3,14 @@
 Conventions every caller relies on:
 - the tokenizer pads on the **left** and always has a pad token (its own, else EOS, else a new ``<pad>``);
 - the model is returned in **eval mode** (dropout off). HACPO's log-prob ratios compare the same sequence under
-  two forward passes, so dropout would bias them: the trainer keeps eval mode for its updates too and only
-  calls ``model.train()`` if a recipe explicitly wants dropout (none of ours does);
+  two forward passes, so dropout would bias them: the trainer keeps eval mode for its updates too, except for
+  LoRA adapters' own dropout (``trainer.lora.dropout``) during the update's forward passes;
 - ``for_training=False`` additionally freezes every parameter (``requires_grad=False``), e.g. for a frozen
   KL reference copy.
 ``HF_HUB_OFFLINE=1`` (set in tests) makes every load local-only; nothing here downloads unless the hub is allowed.
+Every problem with what the config names (device, dtype, a missing folder, a model or tokenizer transformers cannot
+load, a tokenizer of another model) raises :class:`~hacrl_fed.config.BuildError` naming the field; loading never
+trains (a zoo agent whose shipped weights are stale fails with the command that rebuilds it).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hacrl_fed.config import ModelConfig
+from hacrl_fed.config import BuildError, ModelConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -40,13 +43,13 @@ def resolve_device(spec: str = "auto") -> torch.device:
     if s == "cuda" or s.startswith("cuda:"):
         index = s.partition(":")[2]
         if index and not index.isdigit():
-            raise ValueError(f"model.device={spec!r}: cuda index must be an integer (cuda:0)")
+            raise BuildError(f"model.device={spec!r}: cuda index must be an integer (cuda:0)")
         if not torch.cuda.is_available():
-            raise ValueError(f"model.device={spec!r} but CUDA is not available on this machine (use auto or cpu)")
+            raise BuildError(f"model.device={spec!r} but CUDA is not available on this machine (use auto or cpu)")
         if index and int(index) >= torch.cuda.device_count():
-            raise ValueError(f"model.device={spec!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+            raise BuildError(f"model.device={spec!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
         return torch.device(s)
-    raise ValueError(f"model.device={spec!r} not understood; expected auto, cpu, cuda or cuda:N")
+    raise BuildError(f"model.device={spec!r} not understood; expected auto, cpu, cuda or cuda:N")
 
 
 def resolve_dtype(spec: str = "auto", device: torch.device | str = "cpu") -> torch.dtype:
@@ -62,7 +65,7 @@ def resolve_dtype(spec: str = "auto", device: torch.device | str = "cpu") -> tor
         return torch.float32
     if s in _DTYPES:
         return _DTYPES[s]
-    raise ValueError(f"model.dtype={spec!r} not understood; expected auto, float32, bfloat16 or float16")
+    raise BuildError(f"model.dtype={spec!r} not understood; expected auto, float32, bfloat16 or float16")
 
 
 def hub_offline() -> bool:
@@ -81,13 +84,14 @@ def _check_source(source: str, field: str) -> str:
     if path.exists():
         return str(path)
     if _looks_local(source):
-        raise FileNotFoundError(f"{field}={source!r}: no such file or directory")
+        raise BuildError(f"{field}={source!r}: no such file or directory")
     return source
 
 
 def model_sources(model_cfg: ModelConfig) -> tuple[str, str]:
     """``(model_source, tokenizer_source)``; a zoo agent (``zoo: NAME`` or ``path: "zoo:NAME"``) resolves to a
-    local dir (built on first use if neither shipped nor cached)."""
+    local dir: the shipped copy, or a cached build of the current recipe (never built here: a stale or missing
+    agent is a :class:`BuildError` naming the command that builds it)."""
     zoo_name = model_cfg.zoo
     if zoo_name is None and str(model_cfg.path).startswith("zoo:"):
         zoo_name = str(model_cfg.path)
@@ -100,6 +104,12 @@ def model_sources(model_cfg: ModelConfig) -> tuple[str, str]:
     if model_cfg.tokenizer is not None:
         return model_src, _check_source(model_cfg.tokenizer, "model.tokenizer")
     return model_src, model_src
+
+
+def _first_line(err: BaseException) -> str:
+    """The first non-empty line of an exception's text (transformers' messages run over several lines)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
 
 
 def ensure_pad_token(tokenizer) -> bool:
@@ -123,7 +133,8 @@ def load_tokenizer(source: str, *, trust_remote_code: bool = False):
             source, trust_remote_code=trust_remote_code, local_files_only=hub_offline()
         )
     except (OSError, ValueError) as err:
-        raise OSError(f"could not load tokenizer from {source!r} (offline={hub_offline()}): {err}") from err
+        raise BuildError(f"could not load tokenizer from {source!r} (offline={hub_offline()}): "
+                         f"{_first_line(err)}") from err
     ensure_pad_token(tok)
     return tok
 
@@ -136,7 +147,7 @@ def _fit_embeddings(model, tokenizer, source: str) -> None:
     if len(tokenizer) == rows + 1 and tokenizer.pad_token_id == rows:
         model.resize_token_embeddings(len(tokenizer))
         return
-    raise ValueError(
+    raise BuildError(
         f"tokenizer has {len(tokenizer)} tokens but the model at {source!r} embeds only {rows}: "
         "model.tokenizer does not belong to this model"
     )
@@ -146,8 +157,8 @@ def load_model_and_tokenizer(model_cfg: ModelConfig, *, for_training: bool = Tru
     """Load ``(model, tokenizer)`` for ``model_cfg`` on its device and dtype, in eval mode.
 
     Devices/dtypes follow :func:`resolve_device` / :func:`resolve_dtype` (so fp16-shipped zoo weights load as
-    float32 on CPU). Raises ``FileNotFoundError`` for a missing local path, ``ValueError`` for a bad
-    device/dtype string, ``OSError`` when transformers cannot load the source.
+    float32 on CPU). Raises :class:`BuildError` (a ``ValueError``) for a missing local path, a bad device/dtype
+    string, a source transformers cannot load, or a tokenizer that does not belong to the model.
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -157,7 +168,11 @@ def load_model_and_tokenizer(model_cfg: ModelConfig, *, for_training: bool = Tru
     device = resolve_device(model_cfg.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
     model_src, tok_src = model_sources(model_cfg)
-    tokenizer = load_tokenizer(tok_src, trust_remote_code=model_cfg.trust_remote_code)
+    model_field = "model.zoo" if model_cfg.zoo is not None else "model.path"
+    try:
+        tokenizer = load_tokenizer(tok_src, trust_remote_code=model_cfg.trust_remote_code)
+    except BuildError as err:
+        raise BuildError(f"{'model.tokenizer' if model_cfg.tokenizer is not None else model_field}: {err}") from err
     try:
         model = AutoModelForCausalLM.from_pretrained(
             model_src,
@@ -166,7 +181,8 @@ def load_model_and_tokenizer(model_cfg: ModelConfig, *, for_training: bool = Tru
             local_files_only=hub_offline(),
         )
     except (OSError, ValueError) as err:
-        raise OSError(f"could not load model from {model_src!r} (offline={hub_offline()}): {err}") from err
+        raise BuildError(f"{model_field}: could not load model from {model_src!r} (offline={hub_offline()}): "
+                         f"{_first_line(err)}") from err
     _fit_embeddings(model, tokenizer, model_src)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if tokenizer.eos_token_id is not None:

@@ -6,8 +6,9 @@ An entry = architecture config + tokenizer kind + SFT recipe + task + target sta
 - :func:`build_agent` trains one and saves HF format (``config.json``, ``model.safetensors``, tokenizer files,
   chat template) plus ``zoo_recipe.json`` (recipe, hash, measured greedy held-out accuracy, build time).
 - :func:`resolve_zoo` returns the shipped copy ``hacrl_fed/assets/zoo/<name>/`` when its hash matches, else a
-  cached one ``$HACRL_FED_CACHE/zoo/<name>-<hash>`` (default cache root ``~/.cache/hacrl_fed``), building it
-  there if absent.
+  cached one ``$HACRL_FED_CACHE/zoo/<name>-<hash>`` (default cache root ``~/.cache/hacrl_fed``) when one was
+  built. It never builds: loading a model never trains. A stale or missing agent is a
+  :class:`~hacrl_fed.config.BuildError` naming the command that builds it (``hacrl-fed zoo build NAME --ship``).
 - :func:`main_zoo` is the ``hacrl-fed zoo build NAME... [--out DIR | --ship]`` command.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from hacrl_fed.config import BuildError
 from hacrl_fed.models.sft import SFTRecipe, greedy_accuracy, run_sft
 from hacrl_fed.models.tokenizers import build_tokenizer
 
@@ -102,10 +104,10 @@ ZOO: dict[str, ZooEntry] = {
 
 
 def get_entry(name: str) -> ZooEntry:
-    """The zoo entry called ``name`` (a leading ``zoo:`` is accepted); errors list the known names."""
+    """The zoo entry called ``name`` (a leading ``zoo:`` is accepted); a :class:`BuildError` lists the known names."""
     key = name.removeprefix("zoo:")
     if key not in ZOO:
-        raise KeyError(f"model.zoo={name!r} is not a zoo agent; known: {sorted(ZOO)}")
+        raise BuildError(f"model.zoo={name!r} is not a zoo agent; known: {sorted(ZOO)}")
     return ZOO[key]
 
 
@@ -261,20 +263,25 @@ def cached_dir(name: str) -> Path:
 
 
 def resolve_zoo(name: str) -> Path:
-    """Local HF-format dir of zoo agent ``name``: shipped copy if its recipe hash matches, else the cache
-    (built there on first use, which takes seconds to minutes)."""
+    """Local HF-format dir of zoo agent ``name``: the shipped copy if its recipe hash matches, else a cached build
+    of the current recipe. Never builds (an SFT build takes seconds to minutes and is a deliberate step): a stale
+    shipped copy with no cached build, or an agent neither shipped nor built, is a :class:`BuildError` naming the
+    ``hacrl-fed zoo build`` command that fixes it."""
     entry = get_entry(name)
     shipped = read_recipe(shipped_dir(name))
-    if shipped is not None:
-        if shipped.get("recipe_hash") == entry.recipe_hash():
-            return shipped_dir(name)
-        log.warning("zoo %s: shipped weights were built from another recipe (%s != %s); using the cache",
-                    entry.name, shipped.get("recipe_hash"), entry.recipe_hash())
+    if shipped is not None and shipped.get("recipe_hash") == entry.recipe_hash():
+        return shipped_dir(name)
     cached = cached_dir(name)
-    if read_recipe(cached) is None:
-        log.warning("zoo %s: not shipped or cached; building it into %s", entry.name, cached)
-        build_agent(entry.name, cached, replace=False)
-    return cached
+    if read_recipe(cached) is not None:
+        if shipped is not None:
+            log.info("zoo %s: the shipped weights are from another recipe; using the cached build %s",
+                     entry.name, cached)
+        return cached
+    why = ("its shipped weights were built from another recipe "
+           f"({shipped.get('recipe_hash')}, the code's recipe is {entry.recipe_hash()})" if shipped is not None
+           else "it is neither shipped nor built")
+    raise BuildError(f"model.zoo={entry.name!r}: {why}; build it with `hacrl-fed zoo build {entry.name} --ship` "
+                     f"(into the package) or `hacrl-fed zoo build {entry.name}` (into the cache, {cached})")
 
 
 def _dir_size(path: Path) -> int:
@@ -302,13 +309,18 @@ def main_zoo(argv: list[str] | None = None) -> int:
     if args.cmd == "list":
         for entry in ZOO.values():
             rec = read_recipe(shipped_dir(entry.name))
-            state = "shipped" if rec and rec.get("recipe_hash") == entry.recipe_hash() else "not shipped"
+            if rec and rec.get("recipe_hash") == entry.recipe_hash():
+                state = "shipped"
+            elif read_recipe(cached_dir(entry.name)) is not None:
+                state = f"cached in {cached_dir(entry.name)}"
+            else:
+                state = f"{'stale' if rec else 'not built'}: hacrl-fed zoo build {entry.name} --ship"
             print(f"{entry.name:18s} {entry.arch:6s} {entry.tokenizer:5s} {entry.recipe_hash()} {state}")
         return 0
     names = list(ZOO) if args.names == ["all"] else args.names
     try:
         entries = [get_entry(n) for n in names]
-    except KeyError as err:
+    except BuildError as err:
         parser.error(str(err))
     dtype = args.dtype or ("float16" if args.ship else "float32")
     for entry in entries:

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from hacrl_fed.config import BuildError
 from hacrl_fed.types import Prompt
 
 SPLITS = ("train", "test")
@@ -37,6 +38,7 @@ class Task(ABC):
 
     Params: ClassVar[type[TaskParams]] = TaskParams
     name: str = ""
+    in_memory: ClassVar[bool] = False  # every prompt is held in memory: cheap to scan all (e.g. prompt lengths)
 
     def __init__(self, params: TaskParams, seed: int = 0) -> None:
         self.params = params
@@ -96,19 +98,26 @@ def register_task(name: str, cls: type[Task] | None = None) -> Any:
 def get_task(name: str, params: dict[str, Any] | None = None, *, seed: int = 0) -> Task:
     """Build the registered task ``name`` with ``params`` validated by its ``Params`` model.
 
-    Raises ValueError naming ``task.name`` for an unknown task (listing the known ones) or
-    ``task.params.<field>`` for each bad param.
+    Every problem is a :class:`~hacrl_fed.config.BuildError` (a ``ValueError``): one naming ``task.name`` for an
+    unknown task (listing the known ones), ``task.params.<field>`` for each bad param, or whatever the task's
+    constructor found (a data file by name and line, a missing optional package).
     """
     if name not in TASKS:
-        raise ValueError(f"task.name: unknown task {name!r}; available: {sorted(TASKS)}")
+        raise BuildError(f"task.name: unknown task {name!r}; available: {sorted(TASKS)}")
     cls = TASKS[name]
     if params is not None and not isinstance(params, dict):
-        raise ValueError(f"task.params: must be a mapping, got {type(params).__name__}")
+        raise BuildError(f"task.params: must be a mapping, got {type(params).__name__}")
     try:
         validated = cls.Params.model_validate(params or {})
     except ValidationError as err:
-        raise ValueError(_format_param_errors(name, err)) from None
-    return cls(validated, seed=seed)
+        raise BuildError(_format_param_errors(name, err)) from None
+    try:
+        return cls(validated, seed=seed)
+    except BuildError:
+        raise
+    except (ValueError, OSError, ImportError) as err:  # the task's own checks, its files, its optional package
+        message = str(err)
+        raise BuildError(message if message.startswith("task") else f"task {name!r}: {message}") from err
 
 
 def _format_param_errors(name: str, err: ValidationError) -> str:

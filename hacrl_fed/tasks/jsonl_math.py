@@ -33,6 +33,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from hacrl_fed.config import BuildError
 from hacrl_fed.tasks.base import (
     NUMBER_RE,
     Task,
@@ -106,43 +107,54 @@ def extract_reference(answer: str, answer_format: str) -> str | None:
 
 
 def load_rows(path: str, p: JsonlMathParams, param: str) -> list[Row]:
-    """Parse a JSONL file into rows; ValueError naming ``task.params.<param>`` or ``file:line`` on any problem."""
+    """Parse a JSONL file into rows; :class:`BuildError` naming ``task.params.<param>`` or ``file:line`` on any
+    problem (a missing or unreadable file, invalid UTF-8, invalid JSON, a line that is not an object, a missing
+    or empty field, no final answer)."""
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"task.params.{param}: file not found: {path}")
+        raise BuildError(f"task.params.{param}: file not found: {path}")
     rows = []
-    with file.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    try:
+        fh = file.open("rb")
+    except OSError as err:
+        raise BuildError(f"task.params.{param}: cannot read {path}: {err.strerror or err}") from None
+    with fh:
+        for lineno, raw in enumerate(fh, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise BuildError(f"{where}: not valid UTF-8 (byte {err.start + 1} of the line: "
+                                 f"{raw[err.start:err.start + 1]!r})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON: {err.msg} (column {err.colno})") from None
+                raise BuildError(f"{where}: not valid JSON: {err.msg} (column {err.colno})") from None
             if not isinstance(obj, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+                raise BuildError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             rows.append(_row(obj, where, p))
     if not rows:
-        raise ValueError(f"task.params.{param}: {path} has no rows")
+        raise BuildError(f"task.params.{param}: {path} has no rows")
     return rows
 
 
 def _row(obj: dict, where: str, p: JsonlMathParams) -> Row:
     for field, param in ((p.question_field, "question_field"), (p.answer_field, "answer_field")):
         if field not in obj:
-            raise ValueError(
+            raise BuildError(
                 f"{where}: missing field {field!r} (task.params.{param}); fields present: {sorted(obj)}"
             )
     question, answer = obj[p.question_field], obj[p.answer_field]
     if not isinstance(question, str) or not question.strip():
-        raise ValueError(f"{where}: field {p.question_field!r} must be a non-empty string")
+        raise BuildError(f"{where}: field {p.question_field!r} must be a non-empty string")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise ValueError(f"{where}: field {p.answer_field!r} must be a string or number")
+        raise BuildError(f"{where}: field {p.answer_field!r} must be a string or number")
     answer = str(answer)
     ref = extract_reference(answer, p.answer_format)
     if ref is None:
-        raise ValueError(
+        raise BuildError(
             f"{where}: no final answer in field {p.answer_field!r} with "
             f"task.params.answer_format={p.answer_format!r}: {answer[:80]!r}"
         )
@@ -275,6 +287,7 @@ class JsonlMathTask(Task):
     """See the module docstring. ``reference`` is the extracted final answer string."""
 
     Params = JsonlMathParams
+    in_memory = True
     params: JsonlMathParams
 
     def __init__(self, params: JsonlMathParams, seed: int = 0) -> None:
@@ -291,7 +304,7 @@ class JsonlMathTask(Task):
             test = [r for r, t in zip(rows, is_test) if t]
         for split, part in (("train", train), ("test", test)):
             if not part:
-                raise ValueError(
+                raise BuildError(
                     f"task.params.test_fraction: split {split!r} is empty ({len(rows)} rows in {p.path}, "
                     f"test_fraction={p.test_fraction}); add rows, change test_fraction or set test_path"
                 )
