@@ -193,13 +193,15 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def token_log_probs(model: torch.nn.Module, batch: ScoringBatch) -> tuple[Tensor, Tensor]:
+def token_log_probs(model: torch.nn.Module, batch: ScoringBatch, *,
+                    dropout: Sequence[torch.nn.Module] = ()) -> tuple[Tensor, Tensor]:
     """Per-token log-probs of the response tokens, in a left-aligned response view.
 
     Returns ``(log_probs, mask)``, both float32 ``[B, T]`` with ``T = batch.response_width``: column ``j`` is
     response token ``j`` (``log p(x_{P+j} | x_{<P+j})``, temperature 1), ``mask`` is 1 where row ``i`` has a
     ``j``-th token and ``log_probs`` is exactly 0 elsewhere. Carries gradient when grad is enabled. Runs the
-    model in eval mode (no dropout) and restores its previous mode. Memory: logits only for the ``T + 1`` last
+    model in eval mode (no dropout) except for the ``dropout`` modules (the trainer passes its LoRA adapters'
+    dropout), and restores every module's previous mode. Memory: logits only for the ``T + 1`` last
     columns when the model supports ``logits_to_keep``; one float32 ``[B, T, V]`` copy for the log-softmax.
     """
     device = _model_device(model)
@@ -209,8 +211,10 @@ def token_log_probs(model: torch.nn.Module, batch: ScoringBatch) -> tuple[Tensor
         return torch.zeros(b, t, device=device), mask
     batch = batch.to(device)
     extra = {"logits_to_keep": t + 1} if _accepts_logits_to_keep(model) else {}
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
+    for m in dropout:
+        m.train(True)
     try:
         out = model(
             input_ids=batch.input_ids,
@@ -220,7 +224,8 @@ def token_log_probs(model: torch.nn.Module, batch: ScoringBatch) -> tuple[Tensor
             **extra,
         )
     finally:
-        model.train(was_training)
+        for m, mode in modes:
+            m.training = mode
     logits = out.logits[:, -(t + 1) : -1].float()  # [B, T, V]: predictions for columns P .. P+T-1
     targets = batch.input_ids[:, batch.prompt_width :].unsqueeze(-1)  # [B, T, 1]
     lp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)

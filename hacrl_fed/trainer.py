@@ -10,6 +10,18 @@ model (what the ``hf`` engine generates with) in bfloat16 and gives AdamW a floa
 weights: bf16 grads are upcast onto the masters, AdamW steps in float32 and the result is rounded back into the
 model. ``trainer.gradient_checkpointing`` recomputes each decoder layer in backward (:func:`checkpoint_layers`).
 Every tensor of the loss lives on the model's device (``model.device`` from the config: CPU or a CUDA device).
+
+The model stays in eval mode (dropout off): the importance ratios compare one sequence under two forward passes,
+and dropout noise would bias them. The one exception is a LoRA adapter's own dropout (``trainer.lora.dropout``):
+during the update's forward passes (the ones that carry the gradient) the adapters' dropout modules, and only
+they, are in training mode (:func:`adapter_dropout`); generation, the published old log-probs and the frozen KL
+reference stay deterministic.
+
+What an algorithm needs (foreign rows, capability cross weights, token-level inputs and weighting) comes from its
+registry spec (:class:`~hacrl_fed.algorithm.AlgorithmSpec`); the loss configuration is built once from the
+algorithm config (:meth:`~hacrl_fed.algorithm.PolicyLossConfig.from_algorithm`). Rows whose prompt plus
+response exceed the model's context (a long foreign response) are left out of the update like empty ones
+(``train/num_too_long``), still counting in their group's advantage statistics.
 """
 
 from __future__ import annotations
@@ -26,10 +38,11 @@ import torch
 from torch import Tensor
 
 from hacrl_fed.algorithm import (
-    PolicyLossConfig, advantage_metrics, PolicyLossInputs, cross_weights, get_advantage_estimator, get_algorithm, get_policy_loss,
-    kl_k3, minibatch_schedule, order_rows,
+    PolicyLossConfig, PolicyLossInputs, advantage_metrics, cross_weights, get_advantage_estimator, get_algorithm,
+    get_policy_loss, kl_k3, minibatch_schedule, order_rows,
 )
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
+from hacrl_fed.models.context import context_length, fits
 from hacrl_fed.scoring import build_scoring_batch_from_ids, token_log_probs
 
 log = logging.getLogger(__name__)
@@ -53,12 +66,28 @@ class TrainRow:
     old_token_log_probs: list[float] | None = None
 
 
-def loss_config(algo: AlgorithmConfig) -> PolicyLossConfig:
-    return PolicyLossConfig(
-        self_clip_low=algo.self_clip_low, self_clip_high=algo.self_clip_high, cross_clip_delta=algo.cross_clip_delta,
-        cross_clip_step=algo.cross_clip_step, alpha=algo.alpha, max_abs_log_ratio=algo.max_abs_log_ratio,
-        grpo_clip_low=algo.grpo_clip_low, grpo_clip_high=algo.grpo_clip_high,
-    )
+def adapter_dropout_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The dropout modules of the model's LoRA adapters (peft's ``lora_dropout``; empty without adapters or with
+    dropout 0, where peft puts an ``Identity``)."""
+    out: list[torch.nn.Module] = []
+    for module in model.modules():
+        adapters = getattr(module, "lora_dropout", None)
+        if isinstance(adapters, torch.nn.ModuleDict):
+            out.extend(m for m in adapters.values() if isinstance(m, torch.nn.Dropout) and m.p > 0)
+    return out
+
+
+@contextlib.contextmanager
+def adapter_dropout(modules: Sequence[torch.nn.Module]):
+    """Training mode for exactly ``modules`` (the adapters' dropout) inside the block; their mode is restored."""
+    before = [m.training for m in modules]
+    for m in modules:
+        m.train(True)
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, before):
+            m.train(mode)
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
@@ -130,7 +159,10 @@ class LocalTrainer:
         self.model, self.algo, self.cfg, self.pad_id = model, algo, trainer, int(pad_id)
         self.spec = get_algorithm(algo.name)
         self.loss_fn = get_policy_loss(self.spec.loss)
-        self.loss_cfg = loss_config(algo)
+        self.loss_cfg = PolicyLossConfig.from_algorithm(algo)
+        self.by_tokens = self.spec.weights_by_tokens(self.loss_cfg)  # micro-batch weights: tokens or rows
+        self.context = context_length(model)[0]  # rows longer than this cannot be scored
+        self.dropout = adapter_dropout_modules(model)  # trainer.lora.dropout: on during the update's forwards
         params = [p for p in model.parameters() if p.requires_grad]
         self.model_params = params
         self.master = self._master_weights(params, trainer.precision)  # fp32 copies (bf16-master) or None
@@ -184,11 +216,16 @@ class LocalTrainer:
         adv_all = self.advantages(rows, learner, capability)
         all_rows = rows
         keep = [i for i, r in enumerate(rows) if r.response_ids]  # nothing to score in an empty response
-        rows, adv = [rows[i] for i in keep], adv_all[keep]
+        scorable = [i for i in keep if fits(len(rows[i].prompt_ids), len(rows[i].response_ids), self.context)]
+        too_long = len(keep) - len(scorable)
+        if too_long:
+            log.warning("%d rows exceed the model's context of %s tokens: left out of the update", too_long,
+                        self.context)
+        rows, adv = [rows[i] for i in scorable], adv_all[scorable]
         if not rows:
-            return {"train/steps": 0.0, "train/num_rows": 0.0}
+            return {"train/steps": 0.0, "train/num_rows": 0.0, "train/num_too_long": float(too_long)}
         sources = torch.tensor([r.source for r in rows])
-        if self.spec.advantage == "hacpo":
+        if self.spec.cross_weights:
             v = cross_weights(capability, learner, sources, self.algo.ratio_min, self.algo.ratio_max)
         else:
             v = torch.ones(len(rows))
@@ -198,12 +235,15 @@ class LocalTrainer:
         schedule = minibatch_schedule(len(rows), self.cfg.minibatch_size, self.cfg.epochs)
         for m, idx in schedule:
             picked = [perm[i] for i in idx.tolist()]
-            acc.add(self._step(m, [rows[i] for i in picked], adv[picked], is_self[picked], v[picked]))
+            # the adapters' dropout is on through forward and backward (gradient checkpointing recomputes in backward)
+            with adapter_dropout(self.dropout):
+                acc.add(self._step(m, [rows[i] for i in picked], adv[picked], is_self[picked], v[picked]))
         out = acc.result()
         if names is not None:
             out.update(advantage_metrics(adv_all, torch.tensor([r.source for r in all_rows]), names,
                                          prefix=self.algo.name))
         out.update({"train/steps": float(len(schedule)), "train/num_rows": float(len(rows)),
+                    "train/num_too_long": float(too_long),
                     "train/num_self": float(is_self.sum()), "train/num_cross": float((~is_self).sum()),
                     "train/adv_abs_mean": float(adv.abs().mean()), "time/update": time.perf_counter() - start})
         return out
@@ -215,7 +255,6 @@ class LocalTrainer:
             p.grad = None
         device = next(self.model.parameters()).device
         adv, is_self, v = adv.to(device), is_self.to(device), v.to(device)
-        token_level = self.spec.loss == "grpo" and self.loss_cfg.grpo_loss_agg_mode == "token-mean"
         total_tokens = sum(len(r.response_ids) for r in rows)
         self_tokens = sum(len(r.response_ids) for r in rows if r.is_self)
         acc = _MetricAccumulator()
@@ -226,9 +265,11 @@ class LocalTrainer:
             batch = build_scoring_batch_from_ids([r.prompt_ids for r in micro], [r.response_ids for r in micro],
                                                  self.pad_id)
             with self._autocast(device):
-                lp, mask = token_log_probs(self.model, batch)
+                lp, mask = token_log_probs(self.model, batch, dropout=self.dropout)
             old_tok = None
-            if all(r.old_token_log_probs is not None for r in micro):
+            if self.spec.token_level:
+                if any(r.old_token_log_probs is None for r in micro):
+                    raise ValueError(f"{self.algo.name} is token-level: every row needs old_token_log_probs")
                 old_tok = _pad([r.old_token_log_probs for r in micro], lp.shape[1]).to(lp.device)
             inputs = PolicyLossInputs(
                 log_probs=lp, response_mask=mask,
@@ -236,7 +277,7 @@ class LocalTrainer:
                 advantages=adv[sl], is_self=is_self[sl], cross_weight=v[sl], old_token_log_probs=old_tok)
             loss, metrics = self.loss_fn(inputs, m, self.loss_cfg)
             # exact mini-batch mean from micro-batch means: weight by rows (or tokens for token-mean GRPO)
-            weight = float(mask.sum()) / total_tokens if token_level else len(micro) / len(rows)
+            weight = float(mask.sum()) / total_tokens if self.by_tokens else len(micro) / len(rows)
             objective = loss * weight
             if self.ref_model is not None and self_tokens > 0:
                 kl_term = self._kl_sum(batch, lp, mask, is_self[sl]) / self_tokens  # token mean over self tokens

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from hacrl_fed.algorithm import (
-    HacpoLossConfig, PolicyLossConfig, PolicyLossInputs, cross_lower_bound, get_policy_loss, grpo_loss, gspo_loss,
+    PolicyLossConfig, PolicyLossInputs, cross_lower_bound, get_policy_loss, grpo_loss, gspo_loss,
     hacpo_loss, kl_k3, sequence_mean_log_prob,
 )
 
-CFG = HacpoLossConfig()
+CFG = PolicyLossConfig()
 
 
 def ref_hacpo_objective(lp, old, a, is_self, v, m, cfg=CFG):
@@ -100,7 +100,7 @@ def test_lower_bound_monotone_and_capped():
 
 @pytest.mark.parametrize("alpha", [0.0, 1.0, 3.0])
 def test_alpha_scales_gradient_as_c_power_alpha_plus_one(alpha):
-    cfg = HacpoLossConfig(alpha=alpha)
+    cfg = PolicyLossConfig(alpha=alpha)
     c = torch.tensor([0.85, 0.9, 0.95, 1.0], dtype=torch.float64)
     lp = c.log().clone().requires_grad_()
     adv = torch.tensor([1.0, -2.0, 0.5, 1.0], dtype=torch.float64)
@@ -113,7 +113,7 @@ def test_alpha_scales_gradient_as_c_power_alpha_plus_one(alpha):
 @pytest.mark.parametrize("seed", range(6))
 def test_loss_and_grad_equal_loop_reference(seed):
     rng = random.Random(seed)
-    cfg = HacpoLossConfig(alpha=rng.choice([1.0, 3.0]), cross_clip_delta=rng.choice([0.2, 0.3]))
+    cfg = PolicyLossConfig(alpha=rng.choice([1.0, 3.0]), cross_clip_delta=rng.choice([0.2, 0.3]))
     n = rng.randint(1, 40)
     old = [rng.uniform(-3, -0.1) for _ in range(n)]
     lp = [o + rng.choice([rng.gauss(0, 0.2), rng.gauss(0, 1e-4), rng.uniform(-15, 15)]) for o in old]
@@ -225,3 +225,56 @@ def test_naive_is_gspo_on_every_row_against_the_source():
     l_n, m = naive_loss(lp, old, adv)
     l_g, _ = gspo_loss(lp, old, adv)
     assert torch.equal(l_n, l_g) and "naive/clip_low_frac" in m
+
+
+# --- one source of truth: the run config's algorithm section ----------------------------------------------------
+
+
+def test_loss_config_is_built_from_the_algorithm_config_and_shares_its_defaults():
+    import dataclasses
+    import typing
+
+    from hacrl_fed.algorithm import ALGORITHMS
+    from hacrl_fed.config import AlgorithmConfig
+
+    names = [f.name for f in dataclasses.fields(PolicyLossConfig)]
+    assert set(names) <= set(AlgorithmConfig.model_fields)  # named as in the config
+    assert PolicyLossConfig() == PolicyLossConfig.from_algorithm(AlgorithmConfig())
+    algo = AlgorithmConfig(self_clip_low=0.01, alpha=3.0, cross_clip_step=0.05, grpo_loss_agg_mode="seq-mean-token-mean")
+    cfg = PolicyLossConfig.from_algorithm(algo)
+    assert all(getattr(cfg, n) == getattr(algo, n) for n in names)
+    assert set(ALGORITHMS) == set(typing.get_args(AlgorithmConfig.model_fields["name"].annotation))
+
+
+def test_pure_functions_default_to_the_config_defaults():
+    import inspect
+
+    from hacrl_fed.algorithm import (
+        CapabilityTracker, capability_ratios, cross_weights, group_advantages, hacpo_advantages, kl_k3, naive_loss,
+    )
+    from hacrl_fed.config import AlgorithmConfig
+
+    d = AlgorithmConfig()
+
+    def defaults(fn):
+        return {k: p.default for k, p in inspect.signature(fn).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+
+    assert defaults(cross_lower_bound) == {"delta": d.cross_clip_delta, "delta_step": d.cross_clip_step}
+    assert defaults(kl_k3) == {"max_abs_log_ratio": d.max_abs_log_ratio}
+    for fn in (gspo_loss, naive_loss):
+        assert {k: v for k, v in defaults(fn).items() if k != "prefix"} == {
+            "clip_low": d.self_clip_low, "clip_high": d.self_clip_high, "max_abs_log_ratio": d.max_abs_log_ratio}
+    assert defaults(grpo_loss) == {"clip_low": d.grpo_clip_low, "clip_high": d.grpo_clip_high,
+                                   "max_abs_log_ratio": d.max_abs_log_ratio, "loss_agg_mode": d.grpo_loss_agg_mode}
+    assert defaults(hacpo_advantages) == {"reward_max": d.reward_max, "ratio_min": d.ratio_min,
+                                          "ratio_max": d.ratio_max, "eps": d.adv_eps}
+    assert defaults(group_advantages) == {"eps": d.adv_eps}
+    for fn in (capability_ratios, cross_weights):
+        assert defaults(fn) == {"ratio_min": d.ratio_min, "ratio_max": d.ratio_max}
+    tracker = CapabilityTracker()
+    assert (tracker.window, tracker.floor, tracker.ratio_min, tracker.ratio_max, tracker.warmup_rounds) == (
+        d.capability_window, d.capability_floor, d.ratio_min, d.ratio_max, d.warmup_rounds)
+    algo = AlgorithmConfig(capability_window=3, warmup_rounds=2, ratio_max=4.0)
+    t = CapabilityTracker.from_algorithm(algo)
+    assert (t.window, t.warmup_rounds, t.ratio_max) == (3, 2, 4.0)

@@ -2,6 +2,7 @@
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +178,148 @@ def test_bf16_autocast_trains_fp32_weights_close_to_fp32():
 def test_precision_needs_matching_model_dtype(precision, dtype, needs):
     with pytest.raises(ValueError, match=f"model.dtype: {needs}"):
         _trainer(precision, dtype=dtype)
+
+
+# --- the config means what it says: grpo_loss_agg_mode, LoRA dropout, the registry spec, the context ----------------
+
+
+def _grpo_rows(n=8, seed=3):
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        resp = [rng.randrange(5, 20) for _ in range(1 + 5 * (i % 2))]  # responses of 1 and 6 tokens
+        rows.append(TrainRow([5, 6], resp, float(i % 4 < 2), i % 2, 0, True, -2.5, [-2.5] * len(resp)))
+    return rows
+
+
+def _train_grpo(mode, micro):
+    tok = tiny_char_tokenizer()
+    model = tiny_model("qwen3", tok, seed=1)
+    trainer = LocalTrainer(model, AlgorithmConfig(name="grpo", grpo_loss_agg_mode=mode),
+                           TrainerConfig(lr=1.0, minibatch_size=8, micro_batch_size=micro), tok.pad_token_id)
+    trainer.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    return model, trainer, trainer.update(_grpo_rows(), 0, [1.0])
+
+
+def test_grpo_loss_agg_mode_takes_effect_and_micro_batching_stays_exact():
+    token, t_token, _ = _train_grpo("token-mean", 8)
+    seq, t_seq, _ = _train_grpo("seq-mean-token-mean", 8)
+    assert t_token.by_tokens and not t_seq.by_tokens  # micro-batches weighted by tokens / by rows
+    assert t_seq.loss_cfg.grpo_loss_agg_mode == "seq-mean-token-mean"
+    assert any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(token.parameters(), seq.parameters()))
+    seq_micro, _, _ = _train_grpo("seq-mean-token-mean", 1)
+    for a, b in zip(seq.parameters(), seq_micro.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_trainer_asks_the_algorithm_spec_not_the_name(monkeypatch):
+    import hacrl_fed.trainer as trainer_mod
+    from hacrl_fed.algorithm import ALGORITHMS, AlgorithmSpec
+
+    calls = []
+    real = trainer_mod.cross_weights
+    monkeypatch.setattr(trainer_mod, "cross_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _train("hacpo", 4, _rows())
+    assert calls  # hacpo's spec: capability cross weights
+    calls.clear()
+    monkeypatch.setitem(ALGORITHMS, "hacpo", AlgorithmSpec("hacpo", "hacpo", uses_cross=True, cross_weights=False))
+    _, met = _train("hacpo", 4, _rows())
+    assert not calls and met["train/num_cross"] > 0
+    monkeypatch.setitem(ALGORITHMS, "gspo", AlgorithmSpec("group", "naive", uses_cross=True))
+    _, met = _train("gspo", 4, _rows())
+    assert met["train/num_cross"] > 0 and "naive/ratio_mean" in met  # the spec, not the name, decides
+    source = (Path(trainer_mod.__file__)).read_text()
+    assert not any(f'== "{name}"' in source or f"== '{name}'" in source for name in ALGORITHMS)
+
+
+def _lora_trainer(dropout, seed=0):
+    pytest.importorskip("peft")
+    from peft import LoraConfig as PeftLora, get_peft_model
+
+    from hacrl_fed.config import LoraConfig
+
+    tok = tiny_char_tokenizer()
+    torch.manual_seed(seed)
+    model = get_peft_model(tiny_model("qwen3", tok, seed=1), PeftLora(r=4, lora_alpha=8, lora_dropout=dropout,
+                                                                      target_modules=["q_proj", "v_proj"]))
+    model.eval()
+    with torch.no_grad():  # non-zero B: the adapters' dropout then shows in the output
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    cfg = TrainerConfig(lr=1e-2, minibatch_size=6, micro_batch_size=6, lora=LoraConfig(enabled=True, dropout=dropout))
+    return model, LocalTrainer(model, AlgorithmConfig(name="hacpo", kl_beta=0.1), cfg, tok.pad_token_id)
+
+
+def test_lora_dropout_fires_only_on_the_adapters_during_the_update():
+    from hacrl_fed.scoring import build_scoring_batch_from_ids, token_log_probs
+    from hacrl_fed.trainer import adapter_dropout
+
+    model, trainer = _lora_trainer(0.5)
+    assert len(trainer.dropout) == 4  # q_proj and v_proj of 2 layers
+    seen = []
+    for m in trainer.dropout:
+        m.register_forward_pre_hook(lambda mod, _: seen.append(mod.training))
+    ref_seen = []
+    for name, m in trainer.ref_model.named_modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.register_forward_pre_hook(lambda mod, _: ref_seen.append(mod.training))
+    others = [m for m in model.modules() if m not in trainer.dropout and m is not model]
+    trainer.update(_rows(6, cross=False), 0, [1.0])
+    assert seen and all(seen)  # the adapters' dropout was on in every update forward
+    assert ref_seen and not any(ref_seen)  # the frozen KL reference stayed deterministic
+    assert not any(m.training for m in trainer.dropout) and not any(m.training for m in others)
+    batch = build_scoring_batch_from_ids([[5, 6, 7]] * 2, [[8, 9, 10, 11]] * 2, trainer.pad_id)
+    with torch.no_grad():
+        eval_a, _ = token_log_probs(model, batch)
+        eval_b, _ = token_log_probs(model, batch)
+        train_a, _ = token_log_probs(model, batch, dropout=trainer.dropout)
+        train_b, _ = token_log_probs(model, batch, dropout=trainer.dropout)
+        with adapter_dropout(trainer.dropout):  # on through the block (backward's recompute included)
+            assert all(m.training for m in trainer.dropout)
+            token_log_probs(model, batch, dropout=trainer.dropout)
+            assert all(m.training for m in trainer.dropout)
+    assert torch.equal(eval_a, eval_b)  # scoring and old log-probs: deterministic
+    assert not torch.allclose(train_a, train_b)  # two update forwards of the same batch differ
+
+
+def test_lora_dropout_zero_keeps_the_update_deterministic():
+    _, trainer = _lora_trainer(0.0)
+    assert trainer.dropout == []
+    models = []
+    for _ in range(2):
+        model, trainer = _lora_trainer(0.0)
+        trainer.update(_rows(6, cross=False), 0, [1.0])
+        models.append(model)
+    for a, b in zip(*(m.parameters() for m in models)):
+        assert torch.equal(a, b)
+
+
+def test_rows_longer_than_the_context_are_left_out_but_count_in_the_baseline():
+    rows = _rows(cross=False)
+    _, trainer = _trainer()
+    context = trainer.context
+    assert context == 512  # the tiny model's max_position_embeddings
+    long_row = TrainRow([5] * 10, [6] * (context - 5), 1.0, rows[0].group, 0, True, -1.0, [-1.0] * (context - 5))
+    m_without, met_without = _train("gspo", 64, rows, lr=1.0, sgd=True)
+    m_with, met_with = _train("gspo", 64, rows + [long_row], lr=1.0, sgd=True)
+    assert met_with["train/num_rows"] == met_without["train/num_rows"] and met_with["train/num_too_long"] == 1.0
+    assert met_without["train/num_too_long"] == 0.0
+    assert any(not torch.allclose(a, b) for a, b in zip(m_without.parameters(), m_with.parameters()))
+
+
+def test_lora_dropout_with_gradient_checkpointing_recomputes_the_same_mask():
+    from hacrl_fed.trainer import checkpoint_layers
+
+    results = []
+    for ckpt in (False, True):
+        model, trainer = _lora_trainer(0.5)
+        trainer.ref_model = None  # no KL: the two runs must draw the same dropout masks in the same order
+        if ckpt:
+            assert checkpoint_layers(model) == 2
+        trainer.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        torch.manual_seed(123)
+        trainer.update(_rows(6, cross=False), 0, [1.0])
+        results.append([p.detach().clone() for p in model.parameters() if p.requires_grad])
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -10,17 +10,17 @@ from hacrl_fed.algorithm.advantages import (
 from hacrl_fed.algorithm.batching import minibatch_schedule, order_rows
 from hacrl_fed.algorithm.capability import CapabilityTracker
 from hacrl_fed.algorithm.losses import (
-    HacpoLossConfig, cross_lower_bound, grpo_loss, gspo_loss, gspo_objective, hacpo_loss, kl_k3, masked_mean,
-    naive_loss, sequence_mean_log_prob,
+    GRPO_AGG_MODES, PolicyLossConfig, cross_lower_bound, grpo_loss, gspo_loss, gspo_objective, hacpo_loss, kl_k3,
+    masked_mean, naive_loss, sequence_mean_log_prob,
 )
 from hacrl_fed.algorithm.registry import (
-    ADVANTAGE_ESTIMATORS, ALGORITHMS, POLICY_LOSSES, AlgorithmSpec, PolicyLossConfig, PolicyLossInputs,
+    ADVANTAGE_ESTIMATORS, ALGORITHMS, POLICY_LOSSES, AlgorithmSpec, PolicyLossInputs,
     get_advantage_estimator, get_algorithm, get_policy_loss, register_advantage_estimator, register_policy_loss,
 )
 
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "POLICY_LOSSES", "AlgorithmSpec", "CapabilityTracker", "HacpoLossConfig",
+    "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "GRPO_AGG_MODES", "POLICY_LOSSES", "AlgorithmSpec", "CapabilityTracker",
     "PolicyLossConfig", "PolicyLossInputs", "advantage_metrics", "capability_ratios", "cross_lower_bound",
     "cross_weights", "get_advantage_estimator", "get_algorithm", "get_policy_loss", "group_advantages",
     "grpo_loss", "gspo_loss", "gspo_objective", "hacpo_advantages", "hacpo_loss", "kl_k3", "masked_mean",

@@ -11,6 +11,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from hacrl_fed.config import AlgorithmConfig
+
+DEFAULTS = AlgorithmConfig()  # the documented defaults: the run config's (docs/ALGORITHM.md "Parameters")
+
 
 def _as_tensor(x: Tensor | Sequence[float], dtype: torch.dtype, name: str) -> Tensor:
     t = torch.as_tensor(x, dtype=dtype)
@@ -60,8 +64,8 @@ class _Groups:
 
 
 def capability_ratios(
-    capability: Tensor | Sequence[float], learner: int, source_ids: Tensor, ratio_min: float = 0.1,
-    ratio_max: float = 10.0,
+    capability: Tensor | Sequence[float], learner: int, source_ids: Tensor, ratio_min: float = DEFAULTS.ratio_min,
+    ratio_max: float = DEFAULTS.ratio_max,
 ) -> Tensor:
     """``w(k, src_i) = clamp(Phat_k / Phat_src_i, ratio_min, ratio_max)``, exactly 1 where ``src_i == k``. → [N]."""
     cap = _as_tensor(capability, torch.float64, "capability")
@@ -83,10 +87,10 @@ def hacpo_advantages(
     learner: int,
     capability: Tensor | Sequence[float],
     *,
-    reward_max: float = 1.0,
-    ratio_min: float = 0.1,
-    ratio_max: float = 10.0,
-    eps: float = 1e-6,
+    reward_max: float = DEFAULTS.reward_max,
+    ratio_min: float = DEFAULTS.ratio_min,
+    ratio_max: float = DEFAULTS.ratio_max,
+    eps: float = DEFAULTS.adv_eps,
 ) -> Tensor:
     """Capability-aware advantage of every row of the joint groups, for learner ``k`` (docs/ALGORITHM.md §2).
 
@@ -123,7 +127,7 @@ def hacpo_advantages(
     return adv.to(out_dtype)
 
 
-def group_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6) -> Tensor:
+def group_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = DEFAULTS.adv_eps) -> Tensor:
     """Plain group-normalised advantage (GRPO/GSPO; ``naive`` on the joint group). → [N].
 
     ``A = (R - mean_g(R)) / (std_bessel_g(R) + eps)``; 0 for groups whose rewards are all equal (incl. size 1).
@@ -144,8 +148,8 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6) -
 
 
 def cross_weights(
-    capability: Tensor | Sequence[float], learner: int, source_ids: Tensor, ratio_min: float = 0.1,
-    ratio_max: float = 10.0,
+    capability: Tensor | Sequence[float], learner: int, source_ids: Tensor, ratio_min: float = DEFAULTS.ratio_min,
+    ratio_max: float = DEFAULTS.ratio_max,
 ) -> Tensor:
     """Capability discrepancy coefficient ``v(j,k) = clamp(Phat_j / Phat_k, ratio_min, ratio_max)`` per row. → [N].
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
+from hacrl_fed.config import AlgorithmConfig
+
+DEFAULTS = AlgorithmConfig()  # the documented defaults: the run config's (docs/ALGORITHM.md "Parameters")
+
 
 class CapabilityTracker:
     """Tracks each agent's per-round accuracy ``P_k(t)`` and serves ``Phat_k`` and capability ratios.
@@ -14,8 +18,9 @@ class CapabilityTracker:
     ``warmup_rounds`` rounds (counted in :meth:`update` calls).
     """
 
-    def __init__(self, window: int = 5, floor: float = 1e-8, ratio_min: float = 0.1, ratio_max: float = 10.0,
-                 warmup_rounds: int = 0):
+    def __init__(self, window: int = DEFAULTS.capability_window, floor: float = DEFAULTS.capability_floor,
+                 ratio_min: float = DEFAULTS.ratio_min, ratio_max: float = DEFAULTS.ratio_max,
+                 warmup_rounds: int = DEFAULTS.warmup_rounds):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         if not floor > 0:
@@ -29,6 +34,11 @@ class CapabilityTracker:
         self.warmup_rounds = int(warmup_rounds)
         self.rounds_seen = 0
         self._history: dict[str, list[float]] = {}
+
+    @classmethod
+    def from_algorithm(cls, algo: Any) -> "CapabilityTracker":
+        """The tracker an ``algorithm`` config section (:class:`~hacrl_fed.config.AlgorithmConfig`) asks for."""
+        return cls(algo.capability_window, algo.capability_floor, algo.ratio_min, algo.ratio_max, algo.warmup_rounds)
 
     def update(self, accuracies: Mapping[str, float]) -> None:
         """Record one round: ``{agent: P_k(t)}``. Agents absent this round keep their history unchanged."""

@@ -2,28 +2,50 @@
 
 Sequence-level losses take per-sequence mean token log-probs (``lbar``, see :func:`sequence_mean_log_prob`).
 Every loss returns ``(loss, metrics)``: a scalar tensor to minimise and a dict of floats with namespaced keys.
+
+Every default here is the run config's (:class:`hacrl_fed.config.AlgorithmConfig`, the one place the numbers are
+written); a run builds its :class:`PolicyLossConfig` once from its algorithm section
+(:meth:`PolicyLossConfig.from_algorithm`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from hacrl_fed.config import AlgorithmConfig
+
+DEFAULTS = AlgorithmConfig()  # the documented defaults (docs/ALGORITHM.md "Parameters")
+GRPO_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+
 
 @dataclass(frozen=True)
-class HacpoLossConfig:
-    """docs/ALGORITHM.md defaults. ``self_clip_*``: GSPO band ``[1 - low, 1 + high]`` on self rows; ``cross_clip_delta``
-    and ``cross_clip_step``: the stepwise cross band ``[min(1, 1 - delta + m * step), 1]``; ``alpha``: the
-    exponent of ``stopgrad(c)``; ``max_abs_log_ratio``: clamp of every log-ratio before ``exp``."""
+class PolicyLossConfig:
+    """Every policy loss's knobs, named as in the ``algorithm`` config section (defaults: its defaults).
 
-    self_clip_low: float = 3e-4
-    self_clip_high: float = 4e-4
-    cross_clip_delta: float = 0.2
-    cross_clip_step: float = 0.025
-    alpha: float = 1.0
-    max_abs_log_ratio: float = 10.0
+    ``self_clip_*``: GSPO band ``[1 - low, 1 + high]`` on self rows (hacpo, gspo, naive); ``cross_clip_delta`` and
+    ``cross_clip_step``: the stepwise cross band ``[min(1, 1 - delta + m * step), 1]``; ``alpha``: the exponent of
+    ``stopgrad(c)``; ``max_abs_log_ratio``: clamp of every log-ratio before ``exp``; ``grpo_clip_*``: GRPO's
+    token-level band; ``grpo_loss_agg_mode``: how GRPO averages over tokens (:data:`GRPO_AGG_MODES`).
+    """
+
+    self_clip_low: float = DEFAULTS.self_clip_low
+    self_clip_high: float = DEFAULTS.self_clip_high
+    cross_clip_delta: float = DEFAULTS.cross_clip_delta
+    cross_clip_step: float = DEFAULTS.cross_clip_step
+    alpha: float = DEFAULTS.alpha
+    max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio
+    grpo_clip_low: float = DEFAULTS.grpo_clip_low
+    grpo_clip_high: float = DEFAULTS.grpo_clip_high
+    grpo_loss_agg_mode: str = DEFAULTS.grpo_loss_agg_mode
+
+    @classmethod
+    def from_algorithm(cls, algo: Any) -> "PolicyLossConfig":
+        """The loss configuration of an ``algorithm`` config section (an :class:`AlgorithmConfig`)."""
+        return cls(**{f.name: getattr(algo, f.name) for f in fields(cls)})
 
 
 def sequence_mean_log_prob(token_log_probs: Tensor, mask: Tensor) -> Tensor:
@@ -41,7 +63,8 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * m).sum() / m.sum().clamp(min=1.0)
 
 
-def cross_lower_bound(minibatch_index: int, delta: float = 0.2, delta_step: float = 0.025) -> float:
+def cross_lower_bound(minibatch_index: int, delta: float = DEFAULTS.cross_clip_delta,
+                      delta_step: float = DEFAULTS.cross_clip_step) -> float:
     """Stepwise lower clip bound of cross rows: ``lower_m = min(1, 1 - delta + m * delta_step)``."""
     if minibatch_index < 0:
         raise ValueError(f"minibatch_index must be >= 0, got {minibatch_index}")
@@ -82,7 +105,7 @@ def hacpo_loss(
     is_self: Tensor,
     cross_weight: Tensor,
     minibatch_index: int,
-    config: HacpoLossConfig = HacpoLossConfig(),
+    config: PolicyLossConfig = PolicyLossConfig(),
 ) -> tuple[Tensor, dict[str, float]]:
     """HACPO loss of one mini-batch (sequence level). All inputs [N]; ``log_probs`` carries gradient.
 
@@ -112,7 +135,7 @@ def hacpo_loss(
 
 
 def _hacpo_metrics(ratio: Tensor, is_self: Tensor, objective: Tensor, lower: float,
-                   config: HacpoLossConfig) -> dict[str, float]:
+                   config: PolicyLossConfig) -> dict[str, float]:
     s_self, s_cross = ratio[is_self].detach(), ratio[~is_self].detach()
     m: dict[str, float] = {
         "hacpo/num_self": float(s_self.numel()),
@@ -137,9 +160,9 @@ def gspo_loss(
     old_log_probs: Tensor,
     advantages: Tensor,
     *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    max_abs_log_ratio: float = 10.0,
+    clip_low: float = DEFAULTS.self_clip_low,
+    clip_high: float = DEFAULTS.self_clip_high,
+    max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio,
     prefix: str = "gspo",
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO (sequence-level IS) on every row: ``-mean(min(s A, clamp(s, 1-low, 1+high) A))``. Inputs [N].
@@ -164,9 +187,9 @@ def naive_loss(
     old_log_probs: Tensor,
     advantages: Tensor,
     *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    max_abs_log_ratio: float = 10.0,
+    clip_low: float = DEFAULTS.self_clip_low,
+    clip_high: float = DEFAULTS.self_clip_high,
+    max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio,
 ) -> tuple[Tensor, dict[str, float]]:
     """``naive`` sharing: GSPO's ratio and clip on every row (own and foreign) against its source's ``lbar``,
     with none of HACPO's mechanisms (no capability weight, no stepwise band). Inputs [N]; metrics ``naive/...``."""
@@ -180,10 +203,10 @@ def grpo_loss(
     advantages: Tensor,
     response_mask: Tensor,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    max_abs_log_ratio: float = 10.0,
-    loss_agg_mode: str = "token-mean",
+    clip_low: float = DEFAULTS.grpo_clip_low,
+    clip_high: float = DEFAULTS.grpo_clip_high,
+    max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio,
+    loss_agg_mode: str = DEFAULTS.grpo_loss_agg_mode,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO token-level PPO-clip loss. log_probs, old_log_probs, response_mask [B,T]; advantages [B].
 
@@ -205,7 +228,7 @@ def grpo_loss(
     elif loss_agg_mode == "seq-mean-token-mean":
         loss = -sequence_mean_log_prob(obj, mask).mean()
     else:
-        raise ValueError(f"loss_agg_mode must be 'token-mean' or 'seq-mean-token-mean', got {loss_agg_mode!r}")
+        raise ValueError(f"loss_agg_mode must be one of {GRPO_AGG_MODES}, got {loss_agg_mode!r}")
     sel = mask.bool()
     r = ratio.detach()[sel]
     metrics = {
@@ -216,8 +239,8 @@ def grpo_loss(
     return loss, metrics
 
 
-def kl_k3(log_probs: Tensor, ref_log_probs: Tensor, max_abs_log_ratio: float = 10.0) -> Tensor:
-    """k3 KL estimator per token: ``exp(r) - r - 1`` with ``r = clamp(ref_lp - lp, -10, 10)``. Same shape as inputs.
+def kl_k3(log_probs: Tensor, ref_log_probs: Tensor, max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio) -> Tensor:
+    """k3 KL estimator per token: ``exp(r) - r - 1`` with ``r = clamp(ref_lp - lp, -M, M)``. Same shape as inputs.
 
     Non-negative; its gradient w.r.t. ``log_probs`` is ``1 - exp(r)``.
     """

@@ -6,6 +6,10 @@ Advantage estimators share one signature::
        ratio_max, eps) -> advantages[N]
 
 Policy losses share one signature: ``fn(inputs: PolicyLossInputs, minibatch_index: int, config) -> (loss, metrics)``.
+
+An algorithm (:class:`AlgorithmSpec`) names its advantage estimator and policy loss and says what the trainer must
+do for it (foreign rows or not, capability cross weights or not, token-level inputs and weighting or not), so the
+trainer asks the spec instead of testing algorithm names.
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ from torch import Tensor
 
 from hacrl_fed.algorithm.advantages import group_advantages, hacpo_advantages
 from hacrl_fed.algorithm.losses import (
-    HacpoLossConfig, grpo_loss, gspo_loss, hacpo_loss, naive_loss, sequence_mean_log_prob,
+    DEFAULTS, PolicyLossConfig, grpo_loss, gspo_loss, hacpo_loss, naive_loss, sequence_mean_log_prob,
 )
 
 AdvantageFn = Callable[..., Tensor]
-LossFn = Callable[["PolicyLossInputs", int, "PolicyLossConfig"], tuple[Tensor, dict[str, float]]]
+LossFn = Callable[["PolicyLossInputs", int, PolicyLossConfig], tuple[Tensor, dict[str, float]]]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
 POLICY_LOSSES: dict[str, LossFn] = {}
 
@@ -58,15 +62,6 @@ def get_policy_loss(name: str) -> LossFn:
     return _get(POLICY_LOSSES, "policy loss", name)
 
 
-@dataclass(frozen=True)
-class PolicyLossConfig(HacpoLossConfig):
-    """Every loss's knobs: HACPO's plus GRPO's token-level clip band."""
-
-    grpo_clip_low: float = 0.2
-    grpo_clip_high: float = 0.28
-    grpo_loss_agg_mode: str = "token-mean"
-
-
 @dataclass
 class PolicyLossInputs:
     """One mini-batch. ``log_probs``/``response_mask``/``old_token_log_probs`` [B,T]; the rest [B].
@@ -89,16 +84,30 @@ class PolicyLossInputs:
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
+    """What an algorithm is made of and what the trainer must do for it.
+
+    ``advantage`` / ``loss``: registry names; ``uses_cross``: foreign rollouts enter the learner's batch;
+    ``cross_weights``: foreign rows carry the capability discrepancy coefficient ``v(j, k)`` (else 1);
+    ``token_level``: the loss works per token and needs each self row's old per-token log-probs; its
+    micro-batches are then weighted by tokens when the loss averages over tokens (``token-mean``).
+    """
+
     advantage: str
     loss: str
-    uses_cross: bool  # whether foreign rollouts enter the learner's batch
+    uses_cross: bool
+    cross_weights: bool = False
+    token_level: bool = False
+
+    def weights_by_tokens(self, config: PolicyLossConfig) -> bool:
+        """Whether micro-batch losses combine by their share of response tokens (else by their share of rows)."""
+        return self.token_level and config.grpo_loss_agg_mode == "token-mean"
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
-    "hacpo": AlgorithmSpec("hacpo", "hacpo", True),
-    "gspo": AlgorithmSpec("group", "gspo", False),
-    "grpo": AlgorithmSpec("group", "grpo", False),
-    "naive": AlgorithmSpec("group", "naive", True),
+    "hacpo": AlgorithmSpec("hacpo", "hacpo", uses_cross=True, cross_weights=True),
+    "gspo": AlgorithmSpec("group", "gspo", uses_cross=False),
+    "grpo": AlgorithmSpec("group", "grpo", uses_cross=False, token_level=True),
+    "naive": AlgorithmSpec("group", "naive", uses_cross=True),
 }
 
 
@@ -112,7 +121,8 @@ def _adv_hacpo(rewards, group_ids, source_ids, learner, capability, **kw) -> Ten
 
 
 @register_advantage_estimator("group")
-def _adv_group(rewards, group_ids, source_ids, learner, capability, *, eps: float = 1e-6, **_: object) -> Tensor:
+def _adv_group(rewards, group_ids, source_ids, learner, capability, *, eps: float = DEFAULTS.adv_eps,
+               **_: object) -> Tensor:
     """Plain (joint-)group mean/std: GRPO and GSPO on own rows, ``naive`` on the joint group."""
     return group_advantages(rewards, group_ids, eps=eps)
 
