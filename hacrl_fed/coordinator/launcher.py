@@ -33,6 +33,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from hacrl_fed.config import BuildError
+
 READY = re.compile(r"^hacrl-fed worker (?P<org>\S+) listening on (?P<address>\S+)\s*$")
 DEFAULT_WORKER_COMMAND = (sys.executable, "-m", "hacrl_fed.cli", "worker")
 MAX_UNIX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux (104 on macOS); keep a margin
@@ -58,6 +60,16 @@ def die_with_parent_argv(argv: list[str]) -> list[str]:
 
 class WorkerStartError(RuntimeError):
     """A worker process exited or stayed silent before it was ready; the message quotes its last log lines."""
+
+
+class WorkerBuildError(WorkerStartError, BuildError):
+    """A worker exited with code 2: it refused its configuration (model, task, context...). A BuildError quoting its
+    one error line, so ``hacrl-fed run`` exits 2 too."""
+
+
+def _build_error(w: "_Worker") -> WorkerBuildError:
+    line = next((t for t in reversed(w.tail) if t.strip()), "(no output)")
+    return WorkerBuildError(f"worker {w.org_id!r} refused to start: {line.strip()}")
 
 
 def listen_address(run_dir: Path, org_id: str) -> str:
@@ -185,6 +197,8 @@ class WorkerProcesses:
                     del pending[org]
                 elif w.proc.poll() is not None:
                     w.reader.join(timeout=1.0)  # collect its last words
+                    if w.proc.returncode == 2:  # a configuration or build-time error (one line)
+                        raise _build_error(w)
                     raise WorkerStartError(w.describe_failure(f"exited with code {w.proc.returncode} before it "
                                                               "was ready"))
             if pending and time.monotonic() > deadline:

@@ -634,7 +634,12 @@ def run_local(config: str | Path, *, workdir: str | Path | None = None, tls: boo
     from hacrl_fed.security.keys import write_keys
 
     config = Path(config).absolute()
-    orgs = [o.id for o in load_config(config, list(overrides)).orgs]
+    cfg = load_config(config, list(overrides))
+    if worker_argv is None:  # what the workers would refuse at start-up (models, task, context): before any process
+        from hacrl_fed.preflight import preflight
+
+        preflight(cfg)
+    orgs = [o.id for o in cfg.orgs]
     workdir = Path(workdir or tempfile.mkdtemp(prefix="hacrl-fed-deploy-")).absolute()
     keys = write_keys(workdir / "keys", orgs, force=True) if tls else None
     overrides = [*overrides, *identity_overrides(keys.identity_set if keys else workdir / "identity_set", orgs)]

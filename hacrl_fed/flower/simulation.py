@@ -34,7 +34,7 @@ from hacrl_fed.lifecycle import FLOWER_ENV, SUMMARY_FILE, apply_env, setup_loggi
 
 apply_env(FLOWER_ENV)  # before anything imports flwr (see the module docstring)
 
-from hacrl_fed.config import ConfigError, load_config, parse_overrides  # noqa: E402
+from hacrl_fed.config import ConfigError, load_config, parse_overrides, report_error  # noqa: E402
 from hacrl_fed.flower.federation import PROGRESS_ENV  # noqa: E402
 from hacrl_fed.flower.settings import (  # noqa: E402
     ENV_VAR, AppSettings, SettingsError, check_run_dir, run_dir_of, to_run_config,
@@ -111,6 +111,10 @@ def simulate(config_path: str | Path, overrides: Sequence[str] = (), *, run_dir:
 
     config_path = Path(config_path).expanduser().resolve()
     cfg = load_config(config_path, parse_overrides(list(overrides)))  # fail early, in this process
+    if not worker_factory:  # what the ClientApp's workers would refuse (models, task, context): before Ray starts
+        from hacrl_fed.preflight import preflight
+
+        preflight(cfg)
     settings = AppSettings(config_path=str(config_path), overrides=" ".join(overrides), resume=resume,
                            worker_factory=worker_factory, discovery_timeout_s=discovery_timeout_s,
                            run_dir=str(run_dir or ""))
@@ -169,7 +173,9 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
                             app_dir=args.app_dir, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
                             worker_factory=args.worker_factory, discovery_timeout_s=args.discovery_timeout,
                             verbose=args.verbose, progress=not args.no_progress)
-    except (ConfigError, SettingsError, FileNotFoundError, ValueError) as err:
+    except ConfigError as err:  # configuration or build-time: one line, the traceback in a log file
+        return report_error("hacrl-fed simulate", err)
+    except (SettingsError, FileNotFoundError, ValueError) as err:
         print(f"hacrl-fed simulate: error: {err}", file=sys.stderr)
         return 2
     except Exception as err:

@@ -60,6 +60,7 @@ class ReasoningGymTask(Task):
     """See the module docstring."""
 
     Params = ReasoningGymParams
+    in_memory = True
     params: ReasoningGymParams
 
     def __init__(self, params: ReasoningGymParams, seed: int = 0) -> None:

@@ -42,8 +42,10 @@ from pathlib import Path
 import torch
 
 from hacrl_fed.config import RunConfig, org_generation, org_trainer
+from hacrl_fed.coordinator.sampler import eval_ids
 from hacrl_fed.engines import EngineOptions, build_engine
 from hacrl_fed.models.chat import eos_token_id, render_prompt
+from hacrl_fed.models.context import check_task_fits, context_length, fits
 from hacrl_fed.models.loading import load_model_and_tokenizer, model_sources
 from hacrl_fed.perf import PhaseMeter
 
@@ -99,6 +101,13 @@ class PolicyWorker:
         if self.trainer_cfg.lora.enabled:
             self.model = _wrap_lora(self.model, self.trainer_cfg)
         self.task = get_task(cfg.task.name, cfg.task.params, seed=cfg.seed)
+        # prompts + token budget must fit the context: checked here where known, guarded per call (models.context)
+        self.context, context_source = context_length(
+            self.model, self.gen_cfg.max_model_len if self.gen_cfg.engine == "vllm" else None)
+        check_task_fits(org_id, self.task, self.tokenizer, lambda p: render_prompt(self.tokenizer, p.messages),
+                        self.context, context_source, max_new_tokens=self.gen_cfg.max_new_tokens,
+                        eval_max_new_tokens=self.gen_cfg.eval_max_new_tokens,
+                        eval_ids=eval_ids(self.task.size("test"), cfg.task.eval_size))
         model_path, tokenizer_path = model_sources(org.model)
         self.engine = build_engine(self.gen_cfg.engine, self.model, self.tokenizer,
                                    EngineOptions.from_config(self.gen_cfg, seed=self.seed, model_path=model_path,
@@ -223,16 +232,18 @@ class PolicyWorker:
         perf = PhaseMeter(self._device())
         sp = plan.sampling
         texts = [self._render(p) for p in plan.prompts]
-        gens = self.engine.generate(texts, num_samples=sp.num_samples, temperature=sp.temperature, top_p=sp.top_p,
-                                    top_k=sp.top_k, max_new_tokens=sp.max_new_tokens,
-                                    seed=stable_seed(sp.seed, self.seed) % (2**31))
+        prompt_ids = dict(zip((p.prompt_id for p in plan.prompts),
+                              self.tokenizer(texts, add_special_tokens=False)["input_ids"]))
+        keep = self._fitting(plan.prompts, prompt_ids, sp.max_new_tokens, "generation.max_new_tokens")
+        gens = self.engine.generate([texts[i] for i in keep], num_samples=sp.num_samples,
+                                    temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                                    max_new_tokens=sp.max_new_tokens,
+                                    seed=stable_seed(sp.seed, self.seed) % (2**31)) if keep else []
         raise_if_cancelled("after generating")
         t1 = time.perf_counter()
         gen_perf = perf.lap("generate", sum(g.token_count for row in gens for g in row))
-        prompt_ids = dict(zip((p.prompt_id for p in plan.prompts),
-                              self.tokenizer(texts, add_special_tokens=False)["input_ids"]))
         rollouts, rows = [], []
-        for prompt, samples in zip(plan.prompts, gens):
+        for prompt, samples in zip([plan.prompts[i] for i in keep], gens):
             for j, g in enumerate(samples):
                 reward = float(self.task.verify(g.text, prompt.reference))
                 rollouts.append(Rollout(self.org_id, plan.round, prompt.prompt_id, j, g.text, g.finish_reason,
@@ -245,6 +256,7 @@ class PolicyWorker:
         metrics = {"time/generate": t1 - t0, "time/verify": time.perf_counter() - t1,
                    "gen/mean_tokens": sum(r.token_count for r in rollouts) / max(len(rollouts), 1),
                    "gen/stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / max(len(rollouts), 1),
+                   "gen/skipped_too_long": float(len(plan.prompts) - len(keep)),
                    **gen_perf}
         return self._publish(RolloutBatch(plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics))
 
@@ -342,11 +354,29 @@ class PolicyWorker:
         self._check_prompts(request.prompts, "test")
         self._enter(request.run_id, how, path, last)
         t0 = time.perf_counter()
-        gens = self.engine.greedy([self._render(p) for p in request.prompts], max_new_tokens=request.max_new_tokens)
-        rewards = [float(self.task.verify(g.text, p.reference)) for p, g in zip(request.prompts, gens)]
+        texts = [self._render(p) for p in request.prompts]
+        lengths = dict(zip((p.prompt_id for p in request.prompts),
+                           self.tokenizer(texts, add_special_tokens=False)["input_ids"]))
+        keep = self._fitting(request.prompts, lengths, request.max_new_tokens, "generation.eval_max_new_tokens")
+        gens = self.engine.greedy([texts[i] for i in keep], max_new_tokens=request.max_new_tokens) if keep else []
+        rewards = [0.0] * len(request.prompts)  # a prompt that does not fit the context counts as wrong
+        for i, g in zip(keep, gens):
+            rewards[i] = float(self.task.verify(g.text, request.prompts[i].reference))
         acc = sum(rewards) / max(len(rewards), 1)
         return EvalReport(request.run_id, request.round, self.org_id, acc, len(rewards),
-                          {"time/eval": time.perf_counter() - t0})
+                          {"time/eval": time.perf_counter() - t0,
+                           "skipped_too_long": float(len(request.prompts) - len(keep))})
+
+    def _fitting(self, prompts, prompt_ids: dict, budget: int, field: str) -> list[int]:
+        """Indices of ``prompts`` whose tokens plus ``budget`` fit the model's context (hacrl_fed.models.context);
+        the rest are skipped with a warning (and counted by the caller)."""
+        keep = [i for i, p in enumerate(prompts) if fits(len(prompt_ids[p.prompt_id]), budget, self.context)]
+        if len(keep) < len(prompts):
+            longest = max(len(prompt_ids[p.prompt_id]) for p in prompts)
+            log.warning("worker %s: skipped %d of %d prompts that do not fit the model's context of %s tokens with "
+                        "%s=%d (longest prompt %d tokens)", self.org_id, len(prompts) - len(keep), len(prompts),
+                        self.context, field, budget, longest)
+        return keep
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
