@@ -73,3 +73,26 @@ def test_stable_seed_is_63_bit_and_part_sensitive():
     assert 0 <= stable_seed(1, 2) < 2**63
     assert stable_seed(1, 2) != stable_seed(2, 1)
     assert stable_seed("a", 1) == stable_seed("a", 1)
+
+
+def test_one_stable_seed_with_pinned_values():
+    """Pinned: a change of the hash would change every sampled prompt and rollout of every run."""
+    import hacrl_fed.coordinator.sampler as sampler
+    import hacrl_fed.seeding as seeding
+
+    assert sampler.stable_seed is seeding.stable_seed  # one function, re-exported
+    assert seeding.stable_seed("prompts", 0, 1) == 6433457419991822746
+    assert seeding.stable_seed("sampling", 0, 3) == 2327693840640352191
+    assert seeding.stable_seed(0, "org", "acme") == 6295138495604665783
+    assert seeding.stable_seed(7, 11) == 7864071676595667506
+    assert seeding.stable_seed(1) != seeding.stable_seed("1")  # repr keeps types apart
+    assert PromptSampler(1_000_000, 0).round_ids(1, 4) == [770923, 556230, 824198, 74130]
+    assert PromptSampler(1000, 3).round_ids(2, 3) == [988, 393, 344]
+
+
+def test_no_other_stable_seed_definition():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "hacrl_fed"
+    defs = [p.relative_to(root).as_posix() for p in root.rglob("*.py") if "def stable_seed(" in p.read_text()]
+    assert defs == ["seeding.py"]

@@ -1,6 +1,7 @@
 """Which prompts a round uses: a pure function of (run seed, round), so a resumed run needs no sampler state.
 
-Round ``t`` draws ``n`` distinct train ids with ``random.Random(stable_seed(seed, t)).sample(range(size), n)``.
+Round ``t`` draws ``n`` distinct train ids with
+``random.Random(stable_seed("prompts", seed, t)).sample(range(size), n)`` (:func:`hacrl_fed.seeding.stable_seed`).
 ``random.sample`` over a ``range`` never materialises the population, so sizes of 1e6+ (or procedurally
 generated tasks with 2**62 prompts) cost O(n). Rounds are independent draws: an id may recur in a later round.
 The held-out set is fixed: the first ``n`` test ids.
@@ -8,17 +9,11 @@ The held-out set is fixed: the first ``n`` test ids.
 
 from __future__ import annotations
 
-import hashlib
 import random
 
+from hacrl_fed.seeding import stable_seed  # the project's one stable seed (re-exported here)
 
-def stable_seed(*parts: object) -> int:
-    """A 63-bit seed from ``parts`` via SHA-256 of their ``repr`` joined by ``|`` (same on every machine/run).
-
-    Python's ``hash()`` is salted per process for str, so it cannot be used here.
-    """
-    text = "|".join(repr(p) for p in parts)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+__all__ = ["PromptSampler", "eval_ids", "stable_seed"]
 
 
 class PromptSampler:
