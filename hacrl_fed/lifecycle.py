@@ -222,7 +222,7 @@ class Run:
                 "sessions": self._earlier + [self._session]}
 
     def _write_info(self, status: str, **extra: Any) -> None:
-        from hacrl_fed.coordinator.loop import write_json_atomic
+        from hacrl_fed.fsio import write_json_atomic
 
         self._session.update(status=status, **extra)
         if status != "running":

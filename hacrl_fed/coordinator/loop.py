@@ -33,7 +33,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from hacrl_fed.coordinator.sampler import PromptSampler, eval_ids, stable_seed
 from hacrl_fed.coordinator.transport import Transport
 from hacrl_fed.coordinator.trust import PoolGuard
 from hacrl_fed.coordinator.validation import accepted_accuracy
+from hacrl_fed.fsio import write_json_atomic  # the one atomic write (also imported from here by older code)
 from hacrl_fed.metrics import RunLogger, format_eval, format_round
 from hacrl_fed.types import (
     EvalReport, EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, SamplingParams, TrainReport, TrainRequest,
@@ -140,15 +140,6 @@ def sampling_params(cfg: RunConfig, org_id: str, round: int) -> SamplingParams:
                           max_new_tokens=gen.max_new_tokens, num_samples=gen.num_samples,
                           seed=stable_seed("sampling", cfg.seed, round) % 2**31)
 
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` via a temp file + ``os.replace`` (readers never see a partial file)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        json.dump(data, f, indent=1, sort_keys=True, allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _numeric(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:

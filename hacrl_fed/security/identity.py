@@ -192,13 +192,9 @@ def _write_file(path: Path, data: bytes, mode: int, overwrite: bool) -> None:
         except FileExistsError:
             raise IdentityError(f"{path} already exists (pass overwrite=True to replace it)") from None
         return
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
-    _write_new(tmp, data, mode)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    from hacrl_fed.fsio import write_atomic
+
+    write_atomic(path, data, mode=mode)
 
 
 def _identity_json(identity: OrgIdentity) -> bytes:

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from hacrl_fed.fsio import write_atomic
+
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")  # a run id that is a safe directory name
 
@@ -57,15 +59,6 @@ def checkpoint_round(path: Path) -> int:
     return int(json.loads((path / "state.json").read_text())["last_round"])
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_checkpoint(root: Path, round: int, model: torch.nn.Module, trainer_state: dict, extra: dict[str, Any],
                     keep: int = 2) -> Path:
     """Write a checkpoint for ``round`` and point ``LATEST`` at it; returns its directory."""
@@ -83,7 +76,7 @@ def save_checkpoint(root: Path, round: int, model: torch.nn.Module, trainer_stat
     os.replace(tmp, out)
     latest = latest_checkpoint(root)
     if latest is None or _round_of(latest) <= round:  # LATEST only moves forward
-        _write_atomic(root / "LATEST", out.name)
+        write_atomic(root / "LATEST", out.name)
     older = sorted(p for p in root.glob("round-*") if _round_of(p) < round)
     for old in older[: max(0, len(older) - (keep - 1))]:  # prune only what is older than this checkpoint
         shutil.rmtree(old, ignore_errors=True)
