@@ -86,10 +86,11 @@ def by_round(run_dir) -> dict[int, dict]:
 
 
 def micro_config(tmp_path: Path, orgs=("a", "b", "c"), **federation) -> Path:
-    """A YAML run config of micro agents (3 orgs by default) on easy arithmetic (some rewards are 1)."""
+    """A YAML run config of micro agents (3 orgs by default) on easy arithmetic (some rewards are 1: with seed 1,
+    the 60-step micro agents do answer some prompts right within the first rounds)."""
     fed = {"rounds": 4, "prompts_per_round": 4, "eval_every": 2, "min_orgs": 2, "round_timeout_s": 60.0,
            "checkpoint_every": 1, **federation}
-    data = {"name": "faults", "seed": 0, "run_dir": str(tmp_path / "runs"),
+    data = {"name": "faults", "seed": 1, "run_dir": str(tmp_path / "runs"),
             "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32},
             "generation": {"num_samples": 4, "max_new_tokens": 8, "eval_max_new_tokens": 8},
             "task": {"name": "arithmetic", "params": {"difficulty": 1, "max_operand": 9}, "eval_size": 4},
@@ -161,28 +162,49 @@ def micro_cfg(tmp_path: Path, **federation):
 
 
 def test_failure_reason_names_the_cause_whatever_the_transport():
+    """The cause is carried with the error (hacrl_fed.failures): produced once where the error crosses a process
+    boundary (gRPC status details, Flower error reason), parsed once where it arrives; no message text is read."""
     import grpc
 
+    from hacrl_fed import failures
     from hacrl_fed.coordinator.loop import failure_reason
     from hacrl_fed.coordinator.transport import TransportTimeout
+    from hacrl_fed.flower.node import NodeError
     from hacrl_fed.flower.transport import FlowerRemoteError, OrgUnavailable
     from hacrl_fed.wire.grpc_client import WorkerCallError, WorkerCallTimeout
+    from hacrl_fed.wire.grpc_server import _details, status_for
+    from hacrl_fed.worker.guard import RequestRefused
+    from hacrl_fed.worker.policy_worker import StaleRoundError
 
-    stale = "StaleRoundError: worker 'a' already trained round 3 of run 'r'; refusing a plan for round 3"
+    def over_grpc(err):  # what the worker's server sends and the client raises
+        return WorkerCallError("Generate", status_for(err), _details(err), "x:1")
+
+    def over_flower(err):  # a Flower node relays its worker's failure, the ClientApp replies with an Error
+        try:
+            raise NodeError(f"generate on org 'a': {type(err).__name__}: {err}") from err
+        except NodeError as node_err:
+            return FlowerRemoteError("org 'a'", 2, failures.describe(node_err))
+
+    stale = StaleRoundError("worker 'a' already trained round 3 of run 'r'; refusing a plan for round 3")
+    unavailable = WorkerCallError("Generate", grpc.StatusCode.UNAVAILABLE, "failed to connect", "x:1")
     cases = {
         "timeout": [TransportTimeout("no reply"), WorkerCallTimeout("Generate", grpc.StatusCode.DEADLINE_EXCEEDED,
-                                                                    "Deadline Exceeded", "x:1")],
-        "unreachable": [WorkerCallError("Generate", grpc.StatusCode.UNAVAILABLE, "connection refused", "x:1"),
-                        OrgUnavailable("no node"), KeyError("no worker"),
-                        FlowerRemoteError("org 'a'", 0, "generate on org 'a': Generate on x:1 failed: UNAVAILABLE: "
-                                                        "failed to connect")],
-        "stale_round": [WorkerCallError("Generate", grpc.StatusCode.FAILED_PRECONDITION, stale, "x:1"),
-                        FlowerRemoteError("org 'a'", 0, f"generate on org 'a': {stale}")],
-        "error": [RuntimeError("a is down"), FlowerRemoteError("org 'a'", 0, "ValueError: bad task"),
-                  WorkerCallError("Generate", grpc.StatusCode.INTERNAL, "boom", "x:1")],
+                                                                    "Deadline Exceeded", "x:1"),
+                    over_flower(WorkerCallTimeout("Generate", grpc.StatusCode.DEADLINE_EXCEEDED, "late", "x:1"))],
+        "unreachable": [unavailable, OrgUnavailable("no node"), failures.NoWorker("no worker for 'a'"),
+                        over_flower(unavailable),
+                        FlowerRemoteError("node 7", 5, "node gone")],
+        "stale_round": [stale, over_grpc(stale), over_flower(stale), over_flower(over_grpc(stale))],
+        "error": [RuntimeError("a is down"), FlowerRemoteError("org 'a'", 2, "ValueError: bad task"), KeyError("x"),
+                  WorkerCallError("Generate", grpc.StatusCode.INTERNAL, "boom", "x:1"),
+                  over_grpc(RequestRefused("wrong_run", "another run")), over_flower(ValueError("bad task")),
+                  # text that merely mentions a cause carries none
+                  WorkerCallError("Generate", grpc.StatusCode.INVALID_ARGUMENT, "StaleRoundError: UNAVAILABLE:", "x")],
     }
     for why, errors in cases.items():
-        assert [failure_reason(e) for e in errors] == [why] * len(errors)
+        assert [failure_reason(e) for e in errors] == [why] * len(errors), why
+    assert over_grpc(stale).details.startswith("[stale_round] StaleRoundError: stale_round: worker 'a'")
+    assert failures.parse("[timeout] x") == "timeout" and failures.parse("x [timeout]") is None
 
 
 @pytest.mark.timeout(60)

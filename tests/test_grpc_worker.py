@@ -206,7 +206,7 @@ def test_worker_exceptions_map_to_status_and_log_lines(served, caplog, exc, code
             client.train(_train_request(()))
     err = info.value
     assert err.code == code and err.rpc == "Train" and err.address == client.address
-    assert err.details == f"{type(exc).__name__}: {exc}"
+    assert err.details == f"{type(exc).__name__}: {exc}" and err.failure_cause == "error"  # hacrl_fed.failures
     assert "Traceback" not in err.details and "File " not in err.details
     records = [r for r in caplog.records if r.name == "hacrl_fed.wire.grpc_server" and r.levelno >= logging.WARNING]
     assert len(records) == 1 and f"Train " in records[0].getMessage() and code.name in records[0].getMessage()

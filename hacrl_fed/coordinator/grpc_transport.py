@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
 from hacrl_fed.coordinator.transport import Transport, TransportTimeout
+from hacrl_fed.failures import NoWorker
 from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.grpc_client import ClientTLS, GrpcWorkerClient
@@ -74,7 +75,7 @@ class GrpcTransport(Transport):
         for org, item in items.items():
             client = self.clients.get(org)
             if client is None:
-                results[org] = KeyError(f"no gRPC worker address for org {org!r}")
+                results[org] = NoWorker(f"no gRPC worker address for org {org!r}")
             else:
                 futures[org] = self._pool.submit(timed, client, item)
         self.last_call_bytes, self.last_call_seconds = {}, {}

@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from hacrl_fed.coordinator.transport import Transport
+from hacrl_fed.failures import NoWorker
 from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
 from hacrl_fed.worker.api import WorkerAPI
 
@@ -39,7 +40,7 @@ class InProcessTransport(Transport):
             start = time.perf_counter()
             worker = self.workers.get(org)
             if worker is None:
-                results[org] = KeyError(f"no in-process worker for org {org!r}")
+                results[org] = NoWorker(f"no in-process worker for org {org!r}")
             else:
                 try:
                     results[org] = call(worker, item)

@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from hacrl_fed import failures
 from hacrl_fed.algorithm import CapabilityTracker
-from hacrl_fed.config import RunConfig, org_generation
+from hacrl_fed.config import BuildError, RunConfig, org_generation
 from hacrl_fed.coordinator.sampler import PromptSampler, eval_ids, stable_seed
 from hacrl_fed.coordinator.transport import Transport
 from hacrl_fed.coordinator.trust import PoolGuard
@@ -101,23 +102,9 @@ def _new_totals() -> dict[str, float]:
 
 
 def failure_reason(err: BaseException) -> str:
-    """A metrics-friendly category of an org's failed call, whatever the transport raised.
-
-    ``stale_round``: the worker already trained that round (``StaleRoundError``, also when it arrives as a gRPC
-    or Flower error text); ``timeout``: no reply by the deadline (``TimeoutError``, gRPC DEADLINE_EXCEEDED);
-    ``unreachable``: no connection / no worker for the org (``ConnectionError``, ``KeyError``, gRPC UNAVAILABLE,
-    also relayed as text by a Flower node);
-    ``error``: anything else (the worker raised, a malformed reply, ...).
-    """
-    text = f"{type(err).__name__}: {err}"
-    if "StaleRoundError" in text:
-        return "stale_round"
-    if isinstance(err, TimeoutError) or "DEADLINE_EXCEEDED" in text:
-        return "timeout"
-    code = getattr(getattr(err, "code", None), "name", None)  # grpc.StatusCode of a WorkerCallError
-    if isinstance(err, (ConnectionError, KeyError)) or code == "UNAVAILABLE" or "UNAVAILABLE:" in text:
-        return "unreachable"  # the text test: a Flower node relaying its worker's gRPC status
-    return "error"
+    """A metrics-friendly category of an org's failed call, whatever the transport raised: the cause carried with
+    the error (:func:`hacrl_fed.failures.cause_of`: ``stale_round``, ``timeout``, ``unreachable`` or ``error``)."""
+    return failures.cause_of(err)
 
 
 def config_hash(cfg: RunConfig) -> str:
@@ -169,13 +156,11 @@ class Coordinator:
         fed = cfg.federation
         train_size = task.size("train")
         if fed.prompts_per_round > train_size:
-            raise ValueError(f"federation.prompts_per_round={fed.prompts_per_round} exceeds the "
+            raise BuildError(f"federation.prompts_per_round={fed.prompts_per_round} exceeds the "
                              f"{train_size} train prompts of task {cfg.task.name!r}")
         self.sampler = PromptSampler(train_size, cfg.seed)
         self.eval_prompts = tuple(task.prompts("test", eval_ids(task.size("test"), cfg.task.eval_size)))
-        a = cfg.algorithm
-        self.tracker = CapabilityTracker(a.capability_window, a.capability_floor, a.ratio_min, a.ratio_max,
-                                         a.warmup_rounds)
+        self.tracker = CapabilityTracker.from_algorithm(cfg.algorithm)
         self.run_id = make_run_id(cfg)
         self.round = 0
         self.skipped_rounds = 0

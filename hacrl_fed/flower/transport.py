@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from flwr.app import Message
 
+from hacrl_fed import failures
 from hacrl_fed.coordinator.transport import Transport, TransportTimeout
 from hacrl_fed.flower import records
 from hacrl_fed.flower.records import Operation
@@ -45,12 +46,20 @@ POLL_BACKOFF = 1.5
 MAX_POLL_S = 0.2  # a reply waits at most this long to be noticed; one cheap pull per 0.2 s in steady state
 
 
+NODE_UNAVAILABLE = 5  # flwr.common.constant.ErrorCode.NODE_UNAVAILABLE
+
+
 class FlowerRemoteError(RuntimeError):
-    """A Flower error reply from ``source`` ("org 'acme'", "node 42"): ``code`` (flwr ErrorCode), ``reason``."""
+    """A Flower error reply from ``source`` ("org 'acme'", "node 42"): ``code`` (flwr ErrorCode), ``reason``.
+
+    ``failure_cause`` (:mod:`hacrl_fed.failures`): the cause the ClientApp put in front of its reason, else
+    ``unreachable`` for NODE_UNAVAILABLE, else ``error``."""
 
     def __init__(self, source: str, code: int, reason: str | None) -> None:
         super().__init__(f"{source} replied with Flower error {code}: {reason or '(no reason)'}")
         self.source, self.code, self.reason = source, code, reason
+        self.failure_cause = failures.parse(reason) or (
+            failures.UNREACHABLE if code == NODE_UNAVAILABLE else failures.ERROR)
 
 
 class OrgUnavailable(ConnectionError):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 
+from hacrl_fed import failures
 from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
 from hacrl_fed.v1 import worker_pb2_grpc
 from hacrl_fed.wire import codec
@@ -64,8 +65,15 @@ def open_channel(address: str, tls: ClientTLS | None, options: list[tuple[str, o
     return grpc.insecure_channel(address, options=options)
 
 
+_CAUSE_OF_STATUS = {grpc.StatusCode.DEADLINE_EXCEEDED: failures.TIMEOUT,
+                    grpc.StatusCode.UNAVAILABLE: failures.UNREACHABLE}
+
+
 class WorkerCallError(Exception):
-    """A PolicyWorker RPC failed: ``code`` (grpc.StatusCode), ``details`` (server's message), ``rpc``, ``address``."""
+    """A PolicyWorker RPC failed: ``code`` (grpc.StatusCode), ``details`` (server's message), ``rpc``, ``address``.
+
+    ``failure_cause`` (:mod:`hacrl_fed.failures`): the cause the worker put in front of its details, else the one
+    the status code implies (DEADLINE_EXCEEDED: timeout, UNAVAILABLE: unreachable), else ``error``."""
 
     def __init__(self, rpc: str, code: grpc.StatusCode, details: str, address: str) -> None:
         super().__init__(f"{rpc} on {address} failed: {code.name}: {details}")
@@ -73,6 +81,7 @@ class WorkerCallError(Exception):
         self.code = code
         self.details = details
         self.address = address
+        self.failure_cause = failures.parse(details) or _CAUSE_OF_STATUS.get(code, failures.ERROR)
 
 
 class WorkerCallTimeout(WorkerCallError, TimeoutError):

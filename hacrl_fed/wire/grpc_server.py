@@ -52,6 +52,7 @@ from typing import Any, Callable
 
 import grpc
 
+from hacrl_fed import failures
 from hacrl_fed.wire import codec
 from hacrl_fed.worker.cancel import CallCancelled, cancel_scope, cancelled
 
@@ -85,7 +86,9 @@ def status_for(err: BaseException) -> grpc.StatusCode:
 
 
 def _details(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}"
+    """The status details of a failed call: ``[cause] Type: message`` (:func:`hacrl_fed.failures.describe`), so the
+    caller gets the failure's cause (``stale_round`` ...) without reading the message."""
+    text = failures.describe(err)
     return text if len(text) <= MAX_DETAILS_CHARS else text[: MAX_DETAILS_CHARS - 3] + "..."
 
 

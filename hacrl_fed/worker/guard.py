@@ -32,11 +32,15 @@ from hacrl_fed.types import EvalRequest, Prompt, Rollout, RolloutBatch, RoundPla
 
 
 class RequestRefused(ValueError):
-    """A request that does not fit the worker's state or limits; ``reason`` is a short metrics-friendly code."""
+    """A request that does not fit the worker's state or limits; ``reason`` is a short metrics-friendly code.
+
+    ``failure_cause`` (:mod:`hacrl_fed.failures`): how the coordinator counts the refusal, ``stale_round`` for
+    that reason, else ``error``; it travels with the error over gRPC and Flower."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
+        self.failure_cause = "stale_round" if reason == "stale_round" else "error"
 
 
 def check_plan(cfg: RunConfig, org_id: str, plan: RoundPlan, *, last_round: int, run_id: str | None) -> None:
