@@ -120,3 +120,10 @@ def test_run_over_grpc_reports_a_worker_that_refused_its_config(tmp_path, capsys
     line, log = _one_line(capsys, "run")
     assert "worker 'acme' refused to start: hacrl-fed worker: error: " in line and message in line, line
     assert log == run_dir / "error.log"
+
+
+def test_keys_bad_input_is_one_line_exit_2_with_a_log(tmp_path, capsys):
+    assert main(["keys", "--out", str(tmp_path / "k"), "--orgs", "acme,acme"]) == 2
+    line, log = _one_line(capsys, "keys")
+    assert "duplicate org ids ['acme']" in line
+    log.unlink()

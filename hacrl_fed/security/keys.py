@@ -32,7 +32,6 @@ import datetime as dt
 import ipaddress
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -402,9 +401,10 @@ def main_keys(argv: list[str] | None = None) -> int:
         for s in sans:
             parse_san(s)
         layout = write_keys(args.out, orgs, sans, force=args.force)
-    except KeyToolError as err:
-        print(f"hacrl-fed keys: {err}", file=sys.stderr)
-        return 2
+    except KeyToolError as err:  # bad input: one line naming it, the traceback in a log file, exit 2
+        from hacrl_fed.config import report_error
+
+        return report_error("hacrl-fed keys", err)
     print(summary(layout, orgs, sans))
     return 0
 
