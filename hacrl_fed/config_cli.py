@@ -16,12 +16,20 @@ import enum
 import textwrap
 import types
 import typing
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from hacrl_fed.config import ConfigError, RunConfig, load_config, org_generation, org_trainer, report_error
+from hacrl_fed.config import (
+    ConfigError,
+    RunConfig,
+    load_config,
+    org_generation,
+    org_trainer,
+    report_error,
+)
 
 WIDTH = 100
 _UNSET = object()
@@ -187,5 +195,6 @@ def main_config(argv: list[str] | None = None) -> int:
     else:
         import yaml
 
+        assert cfg is not None  # --config was given
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
     return 0

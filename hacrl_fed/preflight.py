@@ -11,6 +11,7 @@ naming the org and the field or file.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,12 @@ from hacrl_fed.config import BuildError, RunConfig, org_generation
 def _org_error(org_id: str, err: BuildError) -> BuildError:
     text = str(err)
     return err if text.startswith(f"org {org_id!r}:") else BuildError(f"org {org_id!r}: {text}")
+
+
+def _render(tokenizer: Any, prompt: Any) -> str:
+    from hacrl_fed.models.chat import render_prompt
+
+    return render_prompt(tokenizer, prompt.messages)
 
 
 def model_config(model_cfg: Any, source: str) -> Any:
@@ -41,7 +48,6 @@ def preflight(cfg: RunConfig, org_ids: Sequence[str] | None = None) -> None:
     """Raise :class:`BuildError` for the first problem a worker of ``org_ids`` (default: every org) would refuse
     at start-up (module docstring). Loads tokenizers and model configs, never weights."""
     from hacrl_fed.coordinator.sampler import eval_ids
-    from hacrl_fed.models.chat import render_prompt
     from hacrl_fed.models.context import check_task_fits, context_length
     from hacrl_fed.models.loading import load_tokenizer, model_sources
     from hacrl_fed.tasks import get_task
@@ -60,7 +66,7 @@ def preflight(cfg: RunConfig, org_ids: Sequence[str] | None = None) -> None:
                 raise BuildError(f"{field}: {err}") from err
             context, source = context_length(model_config(org.model, model_src),
                                              gen.max_model_len if gen.engine == "vllm" else None)
-            check_task_fits(org_id, task, tokenizer, lambda p: render_prompt(tokenizer, p.messages), context,
+            check_task_fits(org_id, task, tokenizer, functools.partial(_render, tokenizer), context,
                             source, max_new_tokens=gen.max_new_tokens, eval_max_new_tokens=gen.eval_max_new_tokens,
                             eval_ids=held_out)
         except BuildError as err:
