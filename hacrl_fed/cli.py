@@ -11,8 +11,12 @@
 - ``hacrl-fed worker ...``: serve one org's policy worker over gRPC (:func:`hacrl_fed.wire.grpc_server.main_worker`).
 - ``hacrl-fed zoo ...``: build / list the tiny built-in models (:func:`hacrl_fed.models.zoo.main_zoo`).
 - ``hacrl-fed simulate CONFIG ...``: the Flower Simulation Engine (:func:`hacrl_fed.flower.simulation.main_simulate`).
+- ``hacrl-fed config --describe [--config FILE]``: every config field with its type, default and description
+  (:func:`hacrl_fed.config_cli.main_config`).
 
-Exit codes: 0 success, 1 the run failed, 2 bad usage or configuration (one line naming the bad field).
+Exit codes: 0 success, 1 the run failed, 2 bad usage, configuration or build-time error (one line naming the bad
+field or file; :class:`~hacrl_fed.config.BuildError` and every ``ConfigError``, in every command, with the
+traceback in a log file).
 """
 
 from __future__ import annotations
