@@ -111,15 +111,15 @@ def simulate(config_path: str | Path, overrides: Sequence[str] = (), *, run_dir:
 
     config_path = Path(config_path).expanduser().resolve()
     cfg = load_config(config_path, parse_overrides(list(overrides)))  # fail early, in this process
-    if not worker_factory:  # what the ClientApp's workers would refuse (models, task, context): before Ray starts
-        from hacrl_fed.preflight import preflight
-
-        preflight(cfg)
     settings = AppSettings(config_path=str(config_path), overrides=" ".join(overrides), resume=resume,
                            worker_factory=worker_factory, discovery_timeout_s=discovery_timeout_s,
                            run_dir=str(run_dir or ""))
     run_path = run_dir_of(settings, cfg).resolve()  # Ray workers need absolute paths: their cwd differs
     check_run_dir(run_path, resume)
+    if not worker_factory:  # what the ClientApp's workers would refuse (models, task, context): before Ray starts
+        from hacrl_fed.preflight import preflight
+
+        preflight(cfg)
     settings = AppSettings(**{**settings.__dict__, "run_dir": str(run_path)})
     apps = load_apps(find_app_dir(app_dir))
     backend = backend_config(num_cpus or available_cpus(), detect_gpus() if num_gpus is None else num_gpus)
