@@ -602,7 +602,8 @@ def test_cli_killed_mid_run_leaves_no_orphan_workers_and_resumes_consistently(tm
         orphans = [pid for pid in pids[1:] if Path(f"/proc/{pid}").exists()]
         assert not orphans, f"workers {orphans} outlived their killed coordinator"
         stopped_at = json.loads((run_dir / STATE_FILE).read_text())["round"]
-        assert 2 <= stopped_at < 6
+        # the kill may land between round 2's metrics line and its (fsynced) state write: the state then says 1
+        assert 1 <= stopped_at < 6
 
         resumed = run_cli([str(config), "--transport", "grpc", "--run-dir", str(run_dir), "--resume"])
         pids.append(resumed.pid)
