@@ -35,6 +35,7 @@ DELEGATES = {
     "simulate": ("hacrl_fed.flower.simulation", "main_simulate", "run on the Flower Simulation Engine"),
     "keys": ("hacrl_fed.security.keys", "main_keys", "make TLS certs (SuperLink, worker link), SuperNode auth keys and org identities"),
     "deploy-local": ("hacrl_fed.deploy.harness", "main_local", "a real SuperLink + SuperNodes + workers on loopback"),
+    "bench": ("hacrl_fed.bench", "main_bench", "benchmarks: learning matrix, report, system costs, TRL peer (BENCHMARKS.md)"),
 }
 
 
