@@ -308,7 +308,7 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
                     shown[m] = by_method[m]
             lines += [f"### {setting}: {g}", ""]
             if len(shown) <= 1:
-                lines += ["No results yet.", ""]
+                lines += ["Only the `hacpo` reference so far." if shown else "No results yet.", ""]
                 continue
             lines += accuracy_tables(shown, list(shown))
             lines += cost_table(shown, list(shown))
