@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     work = tempfile.mkdtemp(prefix="trl-peer-")
     config = GRPOConfig(
-        output_dir=work, report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        output_dir=work, report_to="none", save_strategy="no", logging_strategy="steps", logging_steps=steps,
+        disable_tqdm=True,
         use_cpu=True, bf16=False, fp16=False, seed=int(spec["seed"]), data_seed=int(spec["seed"]),
         dataloader_num_workers=0, remove_unused_columns=False, gradient_checkpointing=False,
         # optimizer: AdamW, constant lr, as our trainer
@@ -96,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     # one generation batch = `steps` optimizer steps (its first step also generates and scores old log-probs)
     batch_s = [stamps[i + steps] - stamps[i] for i in range(0, len(stamps) - steps, steps)]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    rewards = [float(h["reward"]) for h in trainer.state.log_history if "reward" in h]
     Path(args.out).write_text(json.dumps({
         "side": "trl", "batch_s": batch_s, "completions_per_batch": B * G, "import_s": t_import,
+        "mean_reward": sum(rewards) / len(rewards) if rewards else None,
         "setup_s": t_setup, "peak_rss_mb": peak, "versions": {"trl": trl.__version__,
                                                                "transformers": transformers.__version__,
                                                                "torch": torch.__version__},
