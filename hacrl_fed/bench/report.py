@@ -314,6 +314,13 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
             lines += cost_table(shown, list(shown))
             if plots and plot_setting(shown, list(shown), results / "curves" / f"{setting}-{g}.png", f"{setting}: {g}"):
                 lines += [f"![{setting} {g}](curves/{setting}-{g}.png)", ""]
+    busy = [f"{c['setting']}/{c['method']}/seed{c['seed']}" for v in data.values() for c in v
+            if (c.get("round_time_s") or {}).get("min") and c["round_time_s"]["mean"] > 2 * c["round_time_s"]["min"]]
+    if busy:
+        lines += ["## Disturbed timings", "",
+                  "Cells whose mean round time is more than twice their fastest round (the machine was busy with "
+                  "something else; their wall times overstate the cost, their accuracies are unaffected): "
+                  + ", ".join(f"`{b}`" for b in busy), ""]
     if matrix is not None:
         skipped = {}
         for cell in plan_cells(matrix):

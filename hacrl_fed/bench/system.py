@@ -381,7 +381,9 @@ def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900)
             "fixed_cost_per_round_s": dep_s["wall"] - in_s["wall"],
             "generate_fanout_s": dep_s["generate_fanout"], "train_fanout_s": dep_s["train_fanout"],
             "coordinator_s": dep_s["coordinator"], "exchange_s": dep_s["exchange"], "per_org": where,
-            "clientapp_messages_per_round": 2 * len(orgs)}
+            "clientapp_messages_per_round": 2 * len(orgs),
+            # every message runs in a new flwr-clientapp process: the time outside the workers, per message
+            "outside_worker_s_per_message": dep_s["exchange"] / (2 * len(orgs))}
 
 
 # ------------------------------------------------------------------------------------------------ printing
@@ -428,7 +430,8 @@ def format_tables(result: Mapping[str, Any]) -> str:
                   f"({dp['clientapp_messages_per_round']} ClientApp messages per round)",
                   f"- generate fan-out {_f(dp['generate_fanout_s'], 2)} s, train fan-out {_f(dp['train_fanout_s'], 2)} s, "
                   f"coordinator {_f(dp['coordinator_s'], 3)} s, exchange (call minus worker compute, all orgs) "
-                  f"{_f(dp['exchange_s'], 2)} s"]
+                  f"{_f(dp['exchange_s'], 2)} s, i.e. {_f(dp['outside_worker_s_per_message'], 2)} s per ClientApp "
+                  "message (each message starts a new flwr-clientapp process)"]
         for o, w in dp["per_org"].items():
             lines.append(f"- {o}: calls {_f(w['call_s'], 2)} s, worker compute {_f(w['compute_s'], 3)} s, outside the "
                          f"worker {_f(w.get('outside_worker_s'), 2)} s (in-process calls {_f(w['inprocess_call_s'], 3)} s)")
