@@ -31,6 +31,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,8 @@ MATRIX = ROOT / "configs" / "bench" / "matrix.yaml"
 RESULTS = ROOT / "benchmarks" / "results"
 QUICK_RESULTS = ROOT / "benchmarks" / "results-quick"
 SCHEMA = 1
-WORK_DIR = ".work"  # run dirs of cells in progress, under the results dir (removed after each cell)
+# A cell's run dir lives outside the checkout (a temp dir, removed after the cell): `flwr run .` packages the
+# repository and refuses deep directory trees such as a run's checkpoints.
 ALGOS = ("hacpo", "gspo", "grpo", "naive")
 
 
@@ -414,8 +416,9 @@ def _quiet() -> None:
     logging.getLogger("hacrl_fed.bench").setLevel(logging.INFO)
 
 
-def run_cell(cell: Cell, results: Path, *, keep_run: bool = False, allow_build: bool = True) -> dict[str, Any]:
-    """Run ``cell`` in-process and write its JSON (atomically); returns the JSON's content."""
+def run_cell(cell: Cell, results: Path, *, keep_runs: Path | None = None, allow_build: bool = True) -> dict[str, Any]:
+    """Run ``cell`` in-process and write its JSON (atomically); returns the JSON's content. The run dir is a temp
+    dir removed afterwards, or ``<keep_runs>/<setting>/<method>/seed<k>`` kept."""
     from hacrl_fed.bench.agents import ensure_agent
     from hacrl_fed.coordinator.inprocess import InProcessTransport
     from hacrl_fed.coordinator.loop import Coordinator, write_json_atomic
@@ -427,25 +430,32 @@ def run_cell(cell: Cell, results: Path, *, keep_run: bool = False, allow_build: 
     for agent in cell.agents:
         ensure_agent(agent, allow_build=allow_build)
     cfg = cell.config
-    run_dir = Path(results) / WORK_DIR / cell.setting / cell.method / f"seed{cell.seed}"
-    if run_dir.exists():  # left by an interrupted attempt: cells restart from scratch
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+    if keep_runs is not None:
+        run_dir = Path(keep_runs) / cell.setting / cell.method / f"seed{cell.seed}"
+        if run_dir.exists():  # an earlier attempt: cells restart from scratch
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+    else:
+        run_dir = Path(tempfile.mkdtemp(prefix=f"hacrl-bench-{cell.setting}-{cell.method}-seed{cell.seed}-"))
     started = time.time()
-    t0 = time.perf_counter()
-    workers = {o.id: build_worker(cfg, o.id, run_dir=run_dir) for o in cfg.orgs}
-    setup_s = time.perf_counter() - t0
-    transport = InProcessTransport(workers)
     try:
-        with RunLogger(run_dir, tensorboard=False) as logger:
-            t1 = time.perf_counter()
-            summary = Coordinator(cfg, transport, run_dir, logger=logger).run()
-            run_s = time.perf_counter() - t1
-    finally:
-        transport.close()
-        del workers, transport
-        gc.collect()
-    records = read_metrics(run_dir)
+        t0 = time.perf_counter()
+        transport = InProcessTransport({o.id: build_worker(cfg, o.id, run_dir=run_dir) for o in cfg.orgs})
+        setup_s = time.perf_counter() - t0
+        try:
+            with RunLogger(run_dir, tensorboard=False) as logger:
+                t1 = time.perf_counter()
+                summary = Coordinator(cfg, transport, run_dir, logger=logger).run()
+                run_s = time.perf_counter() - t1
+        finally:
+            transport.close()
+            del transport
+            gc.collect()
+        records = read_metrics(run_dir)
+    except BaseException:
+        if keep_runs is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     result = {
         "schema": SCHEMA, "setting": cell.setting, "method": cell.method, "seed": cell.seed, "group": cell.group,
         "config_hash": cell.hash, "overrides": cell.overrides, "config": cfg.model_dump(mode="json"),
@@ -458,12 +468,7 @@ def run_cell(cell: Cell, results: Path, *, keep_run: bool = False, allow_build: 
     out = cell.path(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, _finite(result))
-    if keep_run:
-        kept = out.with_suffix("")
-        if kept.exists():
-            shutil.rmtree(kept)
-        shutil.move(str(run_dir), kept)
-    else:
+    if keep_runs is None:
         shutil.rmtree(run_dir, ignore_errors=True)
     return result
 
@@ -511,7 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="print the plan (done / to run / skipped) and exit")
     p.add_argument("--no-build", action="store_true", help="skip cells whose bench agents are not built yet")
     p.add_argument("--no-report", action="store_true", help="do not rewrite the report at the end")
-    p.add_argument("--keep-runs", action="store_true", help="keep each cell's run dir next to its JSON")
+    p.add_argument("--keep-runs", type=Path, default=None, metavar="DIR",
+                   help="keep each cell's run dir (metrics.jsonl, checkpoints) as DIR/<setting>/<method>/seed<k>; keep DIR "
+                        "outside the repository (flwr run packages it)")
     p.add_argument("--max-cells", type=int, default=None, help="stop after running this many cells")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, i.e. all cores)")
     return p
@@ -563,7 +570,7 @@ def main_learning(argv: list[str] | None = None) -> int:
         print(f"[{ran + 1}/{len(todo)}] {c.key}{' (config changed: rerun)' if status[c.key] == 'stale' else ''}"
               f"{eta}", flush=True)
         try:
-            result = run_cell(c, results, keep_run=args.keep_runs, allow_build=not args.no_build)
+            result = run_cell(c, results, keep_runs=args.keep_runs, allow_build=not args.no_build)
         except KeyboardInterrupt:
             print("interrupted: finished cells are kept; rerun the same command to continue", file=sys.stderr)
             return 1
