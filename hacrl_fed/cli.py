@@ -42,6 +42,7 @@ DELEGATES = {
     "keys": ("hacrl_fed.security.keys", "main_keys", "make TLS certs (SuperLink, worker link), SuperNode auth keys and org identities"),
     "deploy-local": ("hacrl_fed.deploy.harness", "main_local", "a real SuperLink + SuperNodes + workers on loopback"),
     "config": ("hacrl_fed.config_cli", "main_config", "describe every config field (--describe) or resolve a config"),
+    "bench": ("hacrl_fed.bench", "main_bench", "benchmarks: learning matrix, report, system costs, TRL peer (BENCHMARKS.md)"),
 }
 
 

@@ -1,0 +1,125 @@
+"""Extra tiny agents for the learning benchmark: recipes only the benchmark needs, built on first use.
+
+The shipped zoo (:mod:`hacrl_fed.models.zoo`) has one agent per architecture. Two benchmark settings need more:
+
+- **state heterogeneity** (same architecture and tokenizer, different warm start): ``qwen-char-b`` is
+  ``qwen-char``'s architecture and character tokenizer, SFT from another init seed, stopped at a lower accuracy;
+- **size heterogeneity** (same family, two sizes): ``qwen-char-small`` is a ~5x smaller Qwen3-style char model.
+
+Each recipe is a :class:`~hacrl_fed.models.zoo.ZooEntry`, built by the zoo's own build code (SFT on the arithmetic
+task, one thread, greedy accuracy measured on 200 held-out prompts, ``zoo_recipe.json`` written beside the
+weights) into ``benchmarks/agents/<name>/`` (float16, like the shipped zoo). A benchmark config names it by that
+path (``model: {path: benchmarks/agents/qwen-char-b}``); :func:`ensure_agent` builds it there when absent or built
+from another recipe. Estimated build times on one core: ``qwen-char-b`` ~10 min, ``qwen-char-small`` ~5-10 min
+(SFT stops at the first check reaching ``stop_at_accuracy``). ``micro-qwen-char-b`` builds in seconds (tests).
+
+``hacrl-fed bench agents list`` / ``hacrl-fed bench agents build NAME... | all``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from hacrl_fed.models import zoo
+from hacrl_fed.models.sft import SFTRecipe
+from hacrl_fed.models.zoo import ZooEntry, read_recipe
+
+log = logging.getLogger("hacrl_fed.bench.agents")
+
+ROOT = Path(__file__).resolve().parents[2]
+AGENTS_DIR = ROOT / "benchmarks" / "agents"
+
+_QWEN = dict(zoo._QWEN)  # qwen-char's architecture (0.70 M params with the char vocabulary)
+_QWEN_SMALL = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=32)  # ~0.15 M params
+_SFT = dict(steps=6000, batch_size=32, warmup_steps=100, check_every=100, val_size=200)
+
+BENCH_AGENTS: dict[str, ZooEntry] = {
+    e.name: e
+    for e in (
+        # state heterogeneity: qwen-char's architecture and tokenizer, another init seed, a weaker warm start
+        ZooEntry("qwen-char-b", "qwen3", _QWEN, "char",
+                 SFTRecipe(lr=3e-3, seed=11, stop_at_accuracy=0.25, **_SFT), target_accuracy=(0.15, 0.4)),
+        # size heterogeneity: same family and tokenizer as qwen-char, ~5x fewer parameters
+        ZooEntry("qwen-char-small", "qwen3", _QWEN_SMALL, "char",
+                 SFTRecipe(lr=4e-3, seed=12, stop_at_accuracy=0.25, **_SFT), target_accuracy=(0.1, 0.4)),
+        # for tests: micro-qwen-char's architecture, another seed (builds in seconds)
+        ZooEntry("micro-qwen-char-b", "qwen3", dict(zoo._MICRO_QWEN), "char",
+                 SFTRecipe(steps=60, lr=1e-2, batch_size=8, warmup_steps=10, seed=5),
+                 bpe_corpus_size=200, eval_size=16),
+    )
+}
+
+
+def is_built(path: str | Path, name: str) -> bool:
+    """Whether ``path`` holds agent ``name`` built from its current recipe."""
+    rec = read_recipe(path)
+    return rec is not None and rec.get("recipe_hash") == BENCH_AGENTS[name].recipe_hash()
+
+
+def agent_name(path: str | Path) -> str | None:
+    """The bench agent a model path refers to (its last component names a recipe), else None."""
+    name = Path(path).name
+    return name if name in BENCH_AGENTS else None
+
+
+def build(name: str, out: str | Path | None = None, *, dtype: str = "float16") -> Path:
+    """Build bench agent ``name`` into ``out`` (default ``benchmarks/agents/<name>``) with the zoo's build code."""
+    entry = BENCH_AGENTS[name]
+    dest = Path(out) if out is not None else AGENTS_DIR / name
+    threads = torch.get_num_threads()
+    torch.set_num_threads(zoo.BUILD_THREADS)  # the zoo's reproducible single-thread build
+    try:
+        return zoo._build(entry, dest, dtype, True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def ensure_agent(path: str | Path, *, allow_build: bool = True) -> Path:
+    """``path`` (a bench agent dir) built from its current recipe; builds it unless ``allow_build`` is False
+    (then raises ``FileNotFoundError`` naming the command that builds it)."""
+    path = Path(path)
+    name = agent_name(path)
+    if name is None:
+        raise KeyError(f"{path}: {path.name!r} is not a bench agent (known: {sorted(BENCH_AGENTS)})")
+    if is_built(path, name):
+        return path
+    if not allow_build:
+        raise FileNotFoundError(f"bench agent {name!r} is not built at {path}: run `hacrl-fed bench agents build "
+                                f"{name}` (SFT, minutes on one core)")
+    log.warning("bench agent %s: building it into %s (SFT; minutes)", name, path)
+    return build(name, path)
+
+
+def main_agents(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hacrl-fed bench agents", description="Build or list the benchmark's extra agents.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="recipes, hashes, and whether each is built")
+    b = sub.add_parser("build", help="build agents (SFT warm start) into benchmarks/agents/")
+    b.add_argument("names", nargs="+", help=f"names or 'all' ({', '.join(BENCH_AGENTS)})")
+    b.add_argument("--out", type=Path, help="write DIR/<name> instead of benchmarks/agents/<name>")
+    args = p.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.cmd == "list":
+        for name, entry in BENCH_AGENTS.items():
+            where = AGENTS_DIR / name
+            rec = read_recipe(where)
+            state = (f"built (accuracy {rec['accuracy']:.3f}, {rec['num_params']} params)" if is_built(where, name)
+                     else "not built")
+            print(f"{name:18s} {entry.arch:6s} {entry.tokenizer:5s} {entry.recipe_hash()} {state}")
+        return 0
+    names = [n for n in BENCH_AGENTS if not n.startswith("micro-")] if args.names == ["all"] else args.names
+    unknown = [n for n in names if n not in BENCH_AGENTS]
+    if unknown:
+        p.error(f"unknown agents {unknown}; known: {sorted(BENCH_AGENTS)}")
+    for name in names:
+        path = build(name, args.out / name if args.out else None)
+        rec = read_recipe(path)
+        print(f"{name}: params={rec['num_params']} accuracy={rec['accuracy']:.3f} build={rec['build_seconds']:.0f}s "
+              f"-> {path}")
+    return 0

@@ -1,0 +1,255 @@
+"""``hacrl-fed bench peer``: our GSPO update against TRL's ``GRPOTrainer`` on the same work, side by side.
+
+    hacrl-fed bench peer [--batches 6] [--repeats 3] [--model qwen-char] [--out benchmarks/peer]
+
+The same tiny model (zoo ``qwen-char`` by default), the same prompts (arithmetic train ids 0.., rendered with the
+model's own chat template), the same batch (16 prompts x 8 samples, 32 new tokens at temperature 1, 2 optimizer
+steps of 64 sequences per batch, AdamW at a constant learning rate, grad-norm clip 1) and the same GSPO objective
+(sequence-level ratio of token-mean log-probs, clip ``[1 - 3e-4, 1 + 4e-4]``, group-normalised rewards, no KL):
+
+- **ours**: one :class:`~hacrl_fed.worker.policy_worker.PolicyWorker` (``algorithm.name=gspo``, signing off since
+  TRL signs nothing) driven through ``generate`` (sampling, log-probs, verification) and ``train`` (the update);
+- **TRL**: ``GRPOTrainer`` with ``importance_sampling_level="sequence"`` and every relevant option set explicitly
+  (:mod:`hacrl_fed.bench.trl_runner`), in its own virtual environment that this command creates on first use
+  (``~/.cache/hacrl_fed/peer-trl-venv``: CPU torch pinned first, ``pip install torch==2.13.0``, so that pip never pulls a CUDA build; then
+  ``trl``, the same ``transformers`` as ours, and ``pydantic`` for the shared answer check).
+
+Runs alternate (ours, TRL, ours, TRL, ...), each in a fresh process with the same torch thread count. Per run: the
+wall time of each batch (generation + update; the first batch is left out as warm-up), completions per second =
+completions per batch / median batch time, and the process's peak RSS. Reported: medians over the runs of each
+side, and ours / TRL. Writes ``<out>/peer.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def default_venv() -> Path:
+    """``$HACRL_FED_CACHE/peer-trl-venv`` (default ``~/.cache/hacrl_fed/peer-trl-venv``): outside the checkout,
+    whose files the Flower CLI scans when it packages the app."""
+    from hacrl_fed.models.zoo import cache_root
+
+    return cache_root() / "peer-trl-venv"
+
+OUT = ROOT / "benchmarks" / "peer"
+TORCH_PIN = "torch==2.13.0"
+TRL_PIN = "trl==1.16.0"
+STAMP = ".hacrl-peer-installed"
+
+
+def ensure_venv(venv: Path, *, trl_pin: str = TRL_PIN, log=print) -> Path:
+    """The peer venv's python; creates the venv (CPU torch first, then TRL) when its stamp is missing."""
+    import transformers
+
+    pins = [trl_pin, f"transformers=={transformers.__version__}", "pydantic>=2.7,<3"]
+    stamp = venv / STAMP
+    want = json.dumps({"torch": TORCH_PIN, "packages": pins})
+    py = venv / "bin" / "python"
+    if stamp.is_file() and stamp.read_text() == want and py.exists():
+        return py
+    log(f"peer venv: creating {venv} ({TORCH_PIN}, then {' '.join(pins)}); a few minutes")
+    base = getattr(sys, "_base_executable", None) or shutil.which("python3") or sys.executable
+    subprocess.run([base, "-m", "venv", str(venv)], check=True)
+    pip = [str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, TORCH_PIN], check=True)  # CPU torch first: a bare torch would pull a CUDA build
+    subprocess.run([*pip, *pins], check=True)
+    stamp.write_text(want)
+    return py
+
+
+def make_spec(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    """The shared work: model dir, rendered prompts and references, GSPO and batch settings."""
+    from transformers import AutoTokenizer
+
+    from hacrl_fed.models.chat import render_prompt
+    from hacrl_fed.models.zoo import resolve_zoo
+    from hacrl_fed.tasks import get_task
+
+    model_dir = resolve_zoo(args.model) if not Path(args.model).is_dir() else Path(args.model)
+    task = get_task("arithmetic", {"difficulty": 2}, seed=args.seed)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = list(range(args.prompts * args.batches))
+    prompts = [{"id": p.prompt_id, "text": render_prompt(tok, p.messages), "reference": p.reference}
+               for p in task.prompts("train", ids)]
+    spec = {"model_dir": str(model_dir), "model": args.model, "seed": args.seed, "threads": args.threads,
+            "prompts_per_batch": args.prompts, "num_samples": args.samples, "steps_per_batch": args.steps,
+            "batches": args.batches, "max_new_tokens": args.max_new_tokens, "lr": args.lr,
+            "clip_low": 3e-4, "clip_high": 4e-4, "prompts": prompts}
+    path.write_text(json.dumps(spec))
+    return spec
+
+
+def ours_main(argv: list[str]) -> int:
+    """``_ours --spec S --out O``: the same work through our policy worker (run in a fresh process)."""
+    t_start = time.perf_counter()
+    p = argparse.ArgumentParser()
+    p.add_argument("--spec", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    spec = json.loads(Path(args.spec).read_text())
+    import torch
+
+    from hacrl_fed.config import load_config
+    from hacrl_fed.tasks import get_task
+    from hacrl_fed.types import RoundPlan, SamplingParams, TrainRequest
+    from hacrl_fed.worker import build_worker
+
+    torch.set_num_threads(int(spec["threads"]))
+    t_import = time.perf_counter() - t_start
+    B, G, steps = int(spec["prompts_per_batch"]), int(spec["num_samples"]), int(spec["steps_per_batch"])
+    cfg = load_config({
+        "name": "peer", "seed": spec["seed"], "orgs": [{"id": "peer", "model": {"path": spec["model_dir"]}}],
+        "algorithm": {"name": "gspo", "self_clip_low": spec["clip_low"], "self_clip_high": spec["clip_high"],
+                      "kl_beta": 0.0},
+        "trainer": {"lr": spec["lr"], "minibatch_size": B * G // steps, "micro_batch_size": B * G // steps,
+                    "grad_clip": 1.0, "weight_decay": 0.0},
+        "generation": {"num_samples": G, "max_new_tokens": spec["max_new_tokens"], "temperature": 1.0,
+                       "top_p": 1.0, "top_k": 0, "batch_size": B * G},
+        "task": {"name": "arithmetic", "params": {"difficulty": 2}},
+        "federation": {"rounds": int(spec["batches"]), "prompts_per_round": B},
+        "security": {"signing": False},
+    })
+    task = get_task("arithmetic", {"difficulty": 2}, seed=spec["seed"])
+    work = Path(tempfile.mkdtemp(prefix="peer-ours-"))
+    try:
+        worker = build_worker(cfg, "peer", run_dir=work)
+        t_setup = time.perf_counter() - t_start - t_import
+        ids = [p["id"] for p in spec["prompts"]]
+        batch_s, rewards = [], []
+        for i in range(int(spec["batches"])):
+            prompts = tuple(task.prompts("train", ids[i * B:(i + 1) * B]))
+            plan = RoundPlan("peer-run", i + 1, "arithmetic", prompts,
+                             SamplingParams(1.0, 1.0, 0, int(spec["max_new_tokens"]), G, 1000 + i))
+            t0 = time.perf_counter()
+            batch = worker.generate(plan)
+            worker.train(TrainRequest("peer-run", i + 1, "peer", prompts, (), {"peer": 1.0}))
+            batch_s.append(time.perf_counter() - t0)
+            rewards.append(batch.accuracy)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    Path(args.out).write_text(json.dumps({"side": "ours", "batch_s": batch_s, "completions_per_batch": B * G,
+                                          "import_s": t_import, "setup_s": t_setup, "peak_rss_mb": peak,
+                                          "mean_reward": statistics.fmean(rewards)}))
+    return 0
+
+
+def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
+    """Completions/s of one run: completions per batch over the median batch time, first batch left out."""
+    times = run["batch_s"][1:] if len(run["batch_s"]) > 1 else run["batch_s"]
+    med = statistics.median(times)
+    return {"completions_per_s": run["completions_per_batch"] / med, "median_batch_s": med,
+            "peak_rss_mb": run["peak_rss_mb"], "import_s": run.get("import_s"), "setup_s": run.get("setup_s")}
+
+
+def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians per side over runs, and the ratio ours / TRL."""
+    out: dict[str, Any] = {}
+    for side in ("ours", "trl"):
+        s = [summarize_run(r) for r in runs if r["side"] == side]
+        if s:
+            out[side] = {k: statistics.median([x[k] for x in s if x[k] is not None])
+                         for k in ("completions_per_s", "median_batch_s", "peak_rss_mb", "import_s", "setup_s")}
+            out[side]["runs"] = len(s)
+    if "ours" in out and "trl" in out:
+        out["throughput_ratio_ours_over_trl"] = out["ours"]["completions_per_s"] / out["trl"]["completions_per_s"]
+        out["peak_rss_ratio_ours_over_trl"] = out["ours"]["peak_rss_mb"] / out["trl"]["peak_rss_mb"]
+    return out
+
+
+def main_peer(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hacrl-fed bench peer", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen-char", help="zoo agent name or a model dir (default qwen-char)")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per batch (B)")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt (G)")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per batch")
+    p.add_argument("--batches", type=int, default=6, help="batches per run (the first is warm-up)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per side, alternating")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: all cores)")
+    p.add_argument("--venv", type=Path, default=None,
+                   help="the TRL venv (default ~/.cache/hacrl_fed/peer-trl-venv; created when missing)")
+    p.add_argument("--trl", default=TRL_PIN, help=f"TRL requirement (default {TRL_PIN})")
+    p.add_argument("--sides", nargs="+", choices=("ours", "trl"), default=["ours", "trl"])
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    if args.threads is None:
+        try:
+            args.threads = len(os.sched_getaffinity(0))
+        except AttributeError:
+            args.threads = os.cpu_count() or 1
+    if (args.prompts * args.samples) % args.steps:
+        p.error("--prompts x --samples must divide into --steps optimizer steps")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="hacrl-peer-"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH")) if x)
+    try:
+        trl_py = ensure_venv(args.venv or default_venv(), trl_pin=args.trl, log=log) if "trl" in args.sides else None
+        spec_path = work / "spec.json"
+        spec = make_spec(args, spec_path)
+        runs = []
+        for rep in range(args.repeats):
+            for side in args.sides:
+                out = work / f"{side}-{rep}.json"
+                if side == "ours":
+                    cmd = [sys.executable, "-m", "hacrl_fed.bench.peer", "_ours", "--spec", str(spec_path),
+                           "--out", str(out)]
+                else:
+                    cmd = [str(trl_py), str(ROOT / "hacrl_fed" / "bench" / "trl_runner.py"), "--spec",
+                           str(spec_path), "--out", str(out)]
+                log(f"  peer: run {rep + 1}/{args.repeats}, {side} ...")
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{side} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+                run = json.loads(out.read_text())
+                run["repeat"] = rep
+                runs.append(run)
+                s = summarize_run(run)
+                log(f"    {s['completions_per_s']:.1f} completions/s, peak RSS {s['peak_rss_mb']:.0f} MiB")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    from hacrl_fed.bench.learning import _git_version, machine_info
+
+    result = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_info(), "code": _git_version(),
+              "spec": {k: v for k, v in spec.items() if k != "prompts"}, "runs": runs, "summary": compare(runs)}
+    (args.out / "peer.json").write_text(json.dumps(result, indent=1))
+    print(format_summary(result["summary"]))
+    print(f"peer.json: {args.out / 'peer.json'}")
+    return 0
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = ["| side | completions/s | median batch s | peak RSS MiB | import s | setup s | runs |", "|---|---|---|---|---|---|---|"]
+    for side in ("ours", "trl"):
+        s = summary.get(side)
+        if s:
+            lines.append(f"| {side} | {s['completions_per_s']:.1f} | {s['median_batch_s']:.3f} | {s['peak_rss_mb']:.0f} "
+                         f"| {s['import_s']:.1f} | {s['setup_s']:.1f} | {s['runs']} |")
+    if "throughput_ratio_ours_over_trl" in summary:
+        lines.append(f"\nours / TRL: throughput x{summary['throughput_ratio_ours_over_trl']:.2f}, "
+                     f"peak RSS x{summary['peak_rss_ratio_ours_over_trl']:.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_ours":
+        raise SystemExit(ours_main(sys.argv[2:]))
+    raise SystemExit(main_peer(sys.argv[1:]))

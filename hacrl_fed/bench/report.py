@@ -1,0 +1,365 @@
+"""``hacrl-fed bench report``: the learning matrix's JSON results as Markdown tables and PNG learning curves.
+
+    hacrl-fed bench report [--results benchmarks/results] [--matrix configs/bench/matrix.yaml]
+
+Writes ``<results>/REPORT.md`` and ``<results>/curves/<setting>.png`` (plus ``<setting>-ablations.png``). Per
+setting and agent: held-out greedy accuracy as mean ± sample std over seeds, with the gain over the warm start in
+points, (a) at equal rounds (the end of the run) and (b) at equal generated rollouts (the rollouts every method
+with G samples has generated at the end; GSPO x2 reaches them halfway, linear interpolation between evaluations);
+then what each learner generated and trained on, wall time, and the ratio / clip statistics that explain the
+result; then the targets of the benchmark issue, checked on the numbers. Cells that did not run are listed with
+the reason (a missing config knob, an identical config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from hacrl_fed.bench.learning import MATRIX, RESULTS, Matrix, load_matrix, plan_cells
+
+MAIN_METHODS = ("grpo", "gspo", "gspo_x2", "naive", "hacpo")
+
+
+def load_results(results: str | Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """``{(setting, method): [cell JSON, ...]}`` sorted by seed, from ``<results>/<setting>/<method>/seed*.json``."""
+    out: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for path in sorted(Path(results).glob("*/*/seed*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(data, dict) and "agents" in data:
+            out[(data["setting"], data["method"])].append(data)
+    for cells in out.values():
+        cells.sort(key=lambda d: d["seed"])
+    return dict(out)
+
+
+def acc_at_rollouts(curve: list[list[float]], budget: float) -> float | None:
+    """Held-out accuracy after ``budget`` generated rollouts: linear interpolation on ``[round, rollouts, acc]``
+    points (None when the curve never reached the budget)."""
+    pts = sorted((float(r), float(a)) for _, r, a in curve)
+    if not pts or budget > pts[-1][0] + 1e-9:
+        return None
+    prev = None
+    for r, a in pts:
+        if abs(r - budget) < 1e-9:
+            return a
+        if r > budget:
+            if prev is None:
+                return None
+            r0, a0 = prev
+            return a0 + (a - a0) * (budget - r0) / (r - r0)
+        prev = (r, a)
+    return pts[-1][1]
+
+
+def mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return None, None
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
+
+
+def fmt_acc(values: list[float | None], before: list[float | None]) -> str:
+    """``0.585 ± 0.021 (+12.5)``: mean ± std over seeds, gain over the warm start in points (mean of per-seed
+    gains)."""
+    m, s = mean_std([v for v in values if v is not None])
+    if m is None:
+        return "–"
+    gains = [a - b for a, b in zip(values, before) if a is not None and b is not None]
+    g, _ = mean_std(gains)
+    text = f"{m:.3f}" + (f" ± {s:.3f}" if s is not None else "")
+    return text + (f" ({100 * g:+.1f})" if g is not None else "")
+
+
+def _agents(cells: list[dict[str, Any]]) -> list[str]:
+    return list(cells[0]["agents"]) if cells else []
+
+
+def budget_of(by_method: dict[str, list[dict[str, Any]]], org: str) -> float | None:
+    """The equal-rollouts budget for ``org``: the smallest final rollout count over the methods that ran."""
+    finals = [c["agents"][org]["rollouts_generated"] for cells in by_method.values() for c in cells
+              if org in c["agents"] and c["agents"][org]["curve"]]
+    return float(min(finals)) if finals else None
+
+
+def _stat(agent: dict[str, Any], key: str, which: str = "mean") -> float | None:
+    s = (agent.get("stats") or {}).get(key)
+    return None if s is None else s.get(which)
+
+
+def ratio_summary(method_cells: list[dict[str, Any]], org: str) -> str:
+    """The ratio / clip statistics of the method's algorithm, mean over rounds and seeds."""
+    algo = method_cells[0]["config"]["algorithm"]["name"]
+
+    def m(key: str) -> float | None:
+        return mean_std([_stat(c["agents"][org], f"{algo}/{key}") for c in method_cells])[0]
+
+    def f(x: float | None, digits: int = 2) -> str:
+        return "–" if x is None else f"{x:.{digits}f}"
+
+    if algo == "hacpo":
+        return (f"cross s̄ {f(m('cross_ratio_mean'), 3)}, in band {f(m('cross_in_band_frac'))}, "
+                f"below {f(m('cross_clip_low_frac'))}, above {f(m('cross_clip_high_frac'))}; "
+                f"self clip {f(m('self_clip_low_frac'))}/{f(m('self_clip_high_frac'))}")
+    if algo == "naive":
+        return f"s̄ {f(m('ratio_mean'), 3)}, clip low/high {f(m('clip_low_frac'))}/{f(m('clip_high_frac'))}"
+    return f"s̄ {f(m('ratio_mean'), 4)}, clip low/high {f(m('clip_low_frac'))}/{f(m('clip_high_frac'))}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def _agent_label(cells: list[dict[str, Any]], org: str) -> str:
+    for o in cells[0]["config"]["orgs"]:
+        if o["id"] == org:
+            model = o["model"]
+            return f"{org} ({model.get('zoo') or Path(model.get('path') or '?').name})"
+    return org
+
+
+def accuracy_tables(by_method: dict[str, list[dict[str, Any]]], methods: list[str]) -> list[str]:
+    """Two tables: accuracy at equal rounds and at equal generated rollouts, one row per method."""
+    present = [m for m in methods if by_method.get(m)]
+    if not present:
+        return []
+    ref = by_method[present[0]]
+    orgs = _agents(ref)
+    labels = [_agent_label(ref, o) for o in orgs]
+    lines = []
+    rounds = sorted({c["rounds"] for m in present for c in by_method[m]})
+    for view in ("rounds", "rollouts"):
+        if view == "rounds":
+            lines.append(f"Held-out greedy accuracy after {'/'.join(map(str, rounds))} rounds, mean ± std over "
+                         "seeds (gain over the warm start, points):")
+        else:
+            budgets = {o: budget_of(by_method, o) for o in orgs}
+            lines.append("At equal generated rollouts per agent ("
+                         + ", ".join(f"{o} {int(b) if b else '–'}" for o, b in budgets.items()) + "):")
+        lines.append("")
+        rows = []
+        for m in present:
+            cells = by_method[m]
+            row = [f"`{m}`", str(len(cells))]
+            gains = []
+            for o in orgs:
+                before = [c["agents"][o]["accuracy_before"] for c in cells]
+                if view == "rounds":
+                    vals = [c["agents"][o]["accuracy_after"] for c in cells]
+                else:
+                    vals = [acc_at_rollouts(c["agents"][o]["curve"], budgets[o]) if budgets[o] else None
+                            for c in cells]
+                row.append(fmt_acc(vals, before))
+                g = mean_std([a - b for a, b in zip(vals, before) if a is not None and b is not None])[0]
+                if g is not None:
+                    gains.append(g)
+            row.append(f"{100 * statistics.fmean(gains):+.1f}" if len(gains) == len(orgs) else "–")
+            rows.append(row)
+        lines += _table(["method", "seeds", *labels, "mean gain"], rows)
+        lines.append("")
+    return lines
+
+
+def cost_table(by_method: dict[str, list[dict[str, Any]]], methods: list[str]) -> list[str]:
+    present = [m for m in methods if by_method.get(m)]
+    if not present:
+        return []
+    rows = []
+    for m in present:
+        cells = by_method[m]
+        wall = mean_std([c["wall_time_s"] for c in cells])[0]
+        for o in _agents(cells):
+            a = [c["agents"][o] for c in cells]
+            gen = mean_std([x["rollouts_generated"] for x in a])[0]
+            seqs = mean_std([x.get("sequences_trained", 0) for x in a])[0]
+            cross = mean_std([x.get("cross_sequences_trained", 0) for x in a])[0]
+            t = mean_std([x.get("time_calls_s", 0.0) for x in a])[0]
+            rows.append([f"`{m}`", o, f"{gen:.0f}", f"{seqs:.0f} ({cross:.0f} cross)", f"{t:.0f}",
+                         f"{wall:.0f}", ratio_summary(cells, o)])
+    return ["What each learner generated and trained on (means over seeds; s̄ = mean sequence ratio, fractions "
+            "of rows, mean over rounds):", "",
+            *_table(["method", "agent", "rollouts generated", "sequences trained on", "agent time s",
+                     "cell wall s", "ratios and clipping"], rows), ""]
+
+
+def targets(by_method: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The issue's targets checked on this setting's numbers (equal rounds)."""
+    need = ("gspo", "gspo_x2", "naive", "hacpo")
+    if not all(by_method.get(m) for m in need):
+        return []
+    orgs = _agents(by_method["hacpo"])
+
+    def final(m: str, o: str) -> float | None:
+        return mean_std([c["agents"][o]["accuracy_after"] for c in by_method[m]])[0]
+
+    lines = ["Targets (mean over seeds, equal rounds):", ""]
+    per_agent = [(o, final("hacpo", o), final("gspo_x2", o)) for o in orgs]
+    ok = all(h is not None and x is not None and h >= x for _, h, x in per_agent)
+    lines.append(f"- HACPO ≥ GSPO×2 for every agent: {'yes' if ok else 'no'} ("
+                 + ", ".join(f"{o} {h:.3f} vs {x:.3f}" for o, h, x in per_agent if h is not None and x is not None)
+                 + ")")
+    diffs = [final("hacpo", o) - final("gspo", o) for o in orgs
+             if final("hacpo", o) is not None and final("gspo", o) is not None]
+    if diffs:
+        gain = 100 * statistics.fmean(diffs)
+        lines.append(f"- mean gain of HACPO over isolated GSPO ≥ +3 points: {'yes' if gain >= 3 else 'no'} "
+                     f"({gain:+.1f})")
+    nv = [final("naive", o) for o in orgs]
+    hc = [final("hacpo", o) for o in orgs]
+    if all(v is not None for v in nv + hc):
+        lines.append(f"- naive < HACPO (mean over agents): {'yes' if statistics.fmean(nv) < statistics.fmean(hc) else 'no'}"
+                     f" ({statistics.fmean(nv):.3f} vs {statistics.fmean(hc):.3f})")
+    return lines + [""]
+
+
+def plot_setting(by_method: dict[str, list[dict[str, Any]]], methods: list[str], out: Path, title: str) -> Path | None:
+    """Accuracy vs round (top) and vs generated rollouts (bottom), one column per agent, one line per method
+    (mean over seeds, band = ± std)."""
+    present = [m for m in methods if by_method.get(m)]
+    if not present:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    orgs = _agents(by_method[present[0]])
+    fig, axes = plt.subplots(2, len(orgs), figsize=(4.2 * len(orgs), 6.4), squeeze=False)
+    for j, o in enumerate(orgs):
+        for m in present:
+            points: dict[int, list[tuple[float, float]]] = defaultdict(list)
+            for c in by_method[m]:
+                for rnd, rollouts, acc in c["agents"][o]["curve"]:
+                    points[int(rnd)].append((float(rollouts), float(acc)))
+            rounds = sorted(points)
+            mean = [statistics.fmean(a for _, a in points[r]) for r in rounds]
+            std = [statistics.stdev([a for _, a in points[r]]) if len(points[r]) > 1 else 0.0 for r in rounds]
+            xs_roll = [statistics.fmean(x for x, _ in points[r]) for r in rounds]
+            for ax, xs in ((axes[0][j], rounds), (axes[1][j], xs_roll)):
+                line, = ax.plot(xs, mean, marker="o", ms=3, label=m)
+                ax.fill_between(xs, [a - s for a, s in zip(mean, std)], [a + s for a, s in zip(mean, std)],
+                                color=line.get_color(), alpha=0.15)
+        axes[0][j].set_title(_agent_label(by_method[present[0]], o))
+        axes[0][j].set_xlabel("round")
+        axes[1][j].set_xlabel("rollouts generated by this agent")
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_ylabel("held-out accuracy (greedy)")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = True) -> str:
+    """The Markdown report of ``results`` (PNG curves written under ``<results>/curves/`` when ``plots``)."""
+    results = Path(results)
+    data = load_results(results)
+    settings_order = list(matrix.settings) if matrix else sorted({s for s, _ in data})
+    settings_order += sorted({s for s, _ in data} - set(settings_order))
+    lines = ["# Learning benchmark results", "",
+             f"Generated by `hacrl-fed bench report` from the JSON under `{_rel(results)}` "
+             f"({sum(len(v) for v in data.values())} cells).", ""]
+    commits = sorted({(c.get("code") or {}).get("commit") or "?" for v in data.values() for c in v})
+    machines = sorted({f"{(c.get('machine') or {}).get('cpus')} CPUs, torch {(c.get('machine') or {}).get('torch')}"
+                       for v in data.values() for c in v})
+    if commits:
+        lines += [f"Code: {', '.join(x[:12] for x in commits)}{' (MIXED: cells from several commits)' if len(commits) > 1 else ''}; "
+                  f"machine: {'; '.join(machines)}.", ""]
+    groups = matrix.groups if matrix else {"main": {"settings": settings_order, "methods": list(MAIN_METHODS)}}
+    for setting in settings_order:
+        by_method = {m: cells for (s, m), cells in data.items() if s == setting}
+        group_methods = {g: [m for m in spec["methods"]] for g, spec in groups.items() if setting in spec["settings"]}
+        about = matrix.settings[setting]["about"] if matrix and setting in matrix.settings else ""
+        lines += [f"## {setting}", "", about, ""] if about else [f"## {setting}", ""]
+        if not by_method:
+            lines += ["No results yet.", ""]
+            continue
+        main = group_methods.get("main", [m for m in MAIN_METHODS if m in by_method])
+        lines += accuracy_tables(by_method, main)
+        lines += targets(by_method)
+        lines += cost_table(by_method, main)
+        if plots and plot_setting(by_method, main, results / "curves" / f"{setting}.png", f"{setting}: {about}"):
+            lines += [f"![{setting}](curves/{setting}.png)", ""]
+        for g, methods in group_methods.items():
+            if g == "main":
+                continue
+            shown = {"hacpo": by_method["hacpo"]} if by_method.get("hacpo") else {}
+            for m in methods:  # an alias (same_as) is the row of the method it equals
+                target = matrix.methods[m].same_as if matrix and m in matrix.methods else None
+                if target is not None:
+                    if target in shown:
+                        shown[f"{target} (= {m})"] = shown.pop(target)
+                elif by_method.get(m):
+                    shown[m] = by_method[m]
+            lines += [f"### {setting}: {g}", ""]
+            if len(shown) <= 1:
+                lines += ["Only the `hacpo` reference so far." if shown else "No results yet.", ""]
+                continue
+            lines += accuracy_tables(shown, list(shown))
+            lines += cost_table(shown, list(shown))
+            if plots and plot_setting(shown, list(shown), results / "curves" / f"{setting}-{g}.png", f"{setting}: {g}"):
+                lines += [f"![{setting} {g}](curves/{setting}-{g}.png)", ""]
+    busy = [f"{c['setting']}/{c['method']}/seed{c['seed']}" for v in data.values() for c in v
+            if (c.get("round_time_s") or {}).get("min") and c["round_time_s"]["mean"] > 2 * c["round_time_s"]["min"]]
+    if busy:
+        lines += ["## Disturbed timings", "",
+                  "Cells whose mean round time is more than twice their fastest round (the machine was busy with "
+                  "something else; their wall times overstate the cost, their accuracies are unaffected): "
+                  + ", ".join(f"`{b}`" for b in busy), ""]
+    if matrix is not None:
+        skipped = {}
+        for cell in plan_cells(matrix):
+            if cell.skip is not None and not cell.same_as:
+                skipped[f"{cell.setting}/{cell.method}"] = cell.skip
+        if skipped:
+            lines += ["## Not run", ""] + [f"- `{k}`: {why}" for k, why in skipped.items()] + [""]
+    lines += ["Notes: the `hacpo/cross_*_frac` fractions are the logged per-round values; today they count "
+              "micro-batches without cross rows as 0, so they understate the share of cross rows (until the metric is "
+              "fixed in the algorithm).", ""]
+    return "\n".join(lines)
+
+
+def _rel(path: Path) -> str:
+    from hacrl_fed.bench.learning import ROOT
+
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def write_report(results: str | Path, matrix: Matrix | None = None, *, plots: bool = True) -> Path:
+    """Write ``<results>/REPORT.md`` (and the curves); returns its path."""
+    results = Path(results)
+    results.mkdir(parents=True, exist_ok=True)
+    out = results / "REPORT.md"
+    out.write_text(render(results, matrix, plots=plots))
+    return out
+
+
+def main_report(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hacrl-fed bench report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--matrix", type=Path, default=MATRIX)
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    matrix = load_matrix(args.matrix) if args.matrix and Path(args.matrix).is_file() else None
+    out = write_report(args.results, matrix, plots=not args.no_plots)
+    print(out.read_text())
+    print(f"report: {out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,502 @@
+"""``hacrl-fed bench system``: what federation costs, measured side by side in one run.
+
+    hacrl-fed bench system [--config configs/demo.yaml] [--rounds 4] [--repeats 2] [--out benchmarks/system]
+
+1. **Transports** on the demo config: in-process, gRPC worker processes and the Flower Simulation Engine, each
+   run ``--repeats`` times, the order rotated every repeat (in-process, gRPC, Flower; then gRPC, Flower,
+   in-process; ...) so that drift of the shared machine hits every transport alike. Every run is a fresh
+   subprocess with the same seed (the same prompts, the same rollouts), ``--rounds`` rounds, evaluation only
+   before round 1 and after the last (on ``--eval-size`` prompts; never inside ``time/round``). Per round, from
+   ``metrics.jsonl``: the round's wall time and its phases summed over orgs (generate, verify, re-tokenize /
+   score, train, trust = signing + screening by the coordinator and the learners, exchange = call time minus
+   the worker's own compute), the coordinator's own share, and bytes on the wire. Medians over the warm rounds
+   (round 1 of each run excluded when there are 3 rounds or more) of all repeats; the overhead ratio of a transport
+   is its median round time over in-process's.
+2. **Wire bytes per rollout** against the rollout's text: the generate reply per rollout and the train request per
+   foreign rollout (protobuf for gRPC, message payloads for Flower) next to the mean UTF-8 size of a response's
+   text (measured by the in-process and gRPC runs; the same seed gives the same text on every transport).
+3. **Scaling** with 2, 4 and 8 orgs of micro agents (alternating ``micro-qwen-char`` and ``micro-gpt2-bpe``) over
+   gRPC (one worker process per org): per-org call time and compute per round, the coordinator's own time per
+   round, and peak RSS per process (the coordinator's from its own ``getrusage``, each worker's from the
+   ``perf/*/peak_rss_mb`` it reports).
+4. **Flower deployment engine** on loopback (SuperLink + one SuperNode per org + policy workers, insecure, through
+   :mod:`hacrl_fed.deploy.harness`) with the micro agents of ``configs/smoke.yaml``: its median round time minus
+   the in-process median of the same config (the fixed cost per round), where it goes (per org and phase: call
+   time vs the worker's compute, i.e. queueing and the per-message ClientApp process), and the one-off start-up
+   times of the processes.
+
+Writes ``<out>/system.json`` and prints the tables. Nothing here is timed by the test suite; the aggregation
+functions (:func:`phase_rows`, :func:`summarize_rows`, :func:`overhead`, :func:`wire_bytes`) are tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo.yaml"
+SMOKE = ROOT / "configs" / "smoke.yaml"
+OUT = ROOT / "benchmarks" / "system"
+TRANSPORTS = ("inprocess", "grpc", "flower")
+MICRO = ("micro-qwen-char", "micro-gpt2-bpe")
+PHASES = ("generate", "verify", "score", "train", "trust", "exchange", "coordinator")
+QUIET_ENV = {"HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+# ------------------------------------------------------------------------------------------------ aggregation
+
+
+def _orgs(rec: Mapping[str, Any]) -> list[str]:
+    return sorted({k.split("/")[1] for k in rec if k.startswith("round/") and k.endswith("/rollouts_received")})
+
+
+def _sum(rec: Mapping[str, Any], keys: Sequence[str]) -> float:
+    return float(sum(float(rec[k]) for k in keys if rec.get(k) is not None))
+
+
+def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
+    """One row per training round (``round >= 1`` with ``time/round``): wall seconds, phases summed over orgs,
+    the coordinator's own seconds, bytes and rollout counts (see the module docstring)."""
+    rows = []
+    for rec in records:
+        if int(rec.get("round", 0)) < 1 or rec.get("time/round") is None:
+            continue
+        orgs = _orgs(rec)
+        coord_trust = _sum(rec, [f"time/trust/{o}" for o in orgs])
+        row = {
+            "round": int(rec["round"]), "orgs": len(orgs), "wall": float(rec["time/round"]),
+            "generate_fanout": float(rec.get("time/generate") or 0.0), "train_fanout": float(rec.get("time/train") or 0.0),
+            "generate": _sum(rec, [f"{o}/time/generate" for o in orgs]),
+            "verify": _sum(rec, [f"{o}/time/verify" for o in orgs]),
+            "score": _sum(rec, [f"{o}/time/score" for o in orgs]),
+            "train": _sum(rec, [f"{o}/time/train" for o in orgs]),
+            "trust": coord_trust + _sum(rec, [f"{o}/time/trust" for o in orgs] + [f"{o}/time/seal_sign" for o in orgs]),
+            "exchange": _sum(rec, [k for k in rec if k.startswith("time/exchange/")]),
+            "coordinator": float(rec["time/round"]) - float(rec.get("time/generate") or 0.0)
+            - float(rec.get("time/train") or 0.0),
+            "rollouts": _sum(rec, [f"round/{o}/rollouts_received" for o in orgs]),
+            "foreign": _sum(rec, [f"{o}/train/foreign_received" for o in orgs]),
+        }
+        for phase in ("generate", "train"):
+            if rec.get(f"bytes/{phase}/total") is not None:
+                row[f"bytes_{phase}"] = float(rec[f"bytes/{phase}/total"])
+        for o in orgs:
+            calls = _sum(rec, [f"time/call/generate/{o}", f"time/call/train/{o}"])
+            compute = _sum(rec, [f"{o}/time/{p}" for p in ("generate", "verify", "seal_sign", "trust", "score", "train")])
+            row[f"org/{o}/call"], row[f"org/{o}/compute"] = calls, compute
+            peaks = [float(v) for k, v in rec.items() if k.startswith(f"{o}/perf/") and k.endswith("/peak_rss_mb")
+                     and v is not None]
+            if peaks:
+                row[f"org/{o}/peak_rss_mb"] = max(peaks)
+        rows.append(row)
+    return rows
+
+
+def warm(rows: Sequence[Mapping[str, float]]) -> list[Mapping[str, float]]:
+    """Rows without each run's first round when the run has 3 rounds or more (start-up effects)."""
+    return [r for r in rows if r["round"] > 1] if len(rows) >= 3 else list(rows)
+
+
+def summarize_rows(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Median of every field over ``rows`` (fields missing in a row are left out of its median); peaks: max."""
+    keys = sorted({k for r in rows for k in r if k != "round"})
+    out = {}
+    for k in keys:
+        vals = [float(r[k]) for r in rows if k in r]
+        out[k] = max(vals) if k.endswith("peak_rss_mb") else statistics.median(vals)
+    out["n_rounds"] = float(len(rows))
+    return out
+
+
+def overhead(summaries: Mapping[str, Mapping[str, float]], base: str = "inprocess") -> dict[str, float]:
+    """``{transport: median round wall / base's median round wall}``."""
+    ref = summaries.get(base, {}).get("wall")
+    return {t: s["wall"] / ref for t, s in summaries.items() if ref and "wall" in s}
+
+
+def wire_bytes(summary: Mapping[str, float], text_bytes_per_rollout: float | None) -> dict[str, float | None]:
+    """Bytes on the wire per rollout (generate reply + plan, per rollout generated; train request + report, per
+    foreign rollout delivered) and their ratio to the response text's mean UTF-8 size."""
+    gen = summary.get("bytes_generate")
+    train = summary.get("bytes_train")
+    per_gen = gen / summary["rollouts"] if gen is not None and summary.get("rollouts") else None
+    per_train = train / summary["foreign"] if train is not None and summary.get("foreign") else None
+    ratio = (lambda x: x / text_bytes_per_rollout if x is not None and text_bytes_per_rollout else None)
+    return {"generate_bytes_per_rollout": per_gen, "train_bytes_per_foreign_rollout": per_train,
+            "text_bytes_per_rollout": text_bytes_per_rollout, "generate_vs_text": ratio(per_gen),
+            "train_vs_text": ratio(per_train)}
+
+
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------------ child runs
+
+
+class TextMeter:
+    """Wraps a transport: counts the rollouts and response-text bytes of every generate reply (delegates
+    everything else, ``last_call_seconds`` / ``last_call_bytes`` included)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.rollouts = 0
+        self.text_bytes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def generate(self, plans, timeout_s):
+        replies = self.inner.generate(plans, timeout_s)
+        for reply in replies.values():
+            for r in getattr(reply, "rollouts", ()) or ():
+                self.rollouts += 1
+                self.text_bytes += len(str(r.response).encode())
+        return replies
+
+    def train(self, requests, timeout_s):
+        return self.inner.train(requests, timeout_s)
+
+    def evaluate(self, requests, timeout_s):
+        return self.inner.evaluate(requests, timeout_s)
+
+    def checkpoint(self, org_ids, round, timeout_s):
+        return self.inner.checkpoint(org_ids, round, timeout_s)
+
+    def org_ids(self):
+        return self.inner.org_ids()
+
+
+def _peak_rss_self_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def child_main(argv: Sequence[str]) -> int:
+    """``_child --kind inprocess|grpc|flower --config C --run-dir D --out J [--set k=v ...]``: one run in this
+    process (the coordinator's), then its peak RSS and text counts to ``J``."""
+    p = argparse.ArgumentParser(prog="hacrl_fed.bench.system _child")
+    p.add_argument("--kind", choices=TRANSPORTS, required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--set", dest="overrides", nargs="*", default=[])
+    args = p.parse_args(list(argv))
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    from hacrl_fed.config import load_config
+
+    run_dir = Path(args.run_dir)
+    cfg = load_config(args.config, overrides=list(args.overrides))
+    info: dict[str, Any] = {"kind": args.kind}
+    t0 = time.perf_counter()
+    if args.kind == "flower":
+        from hacrl_fed.flower.simulation import quiet_logging, simulate
+
+        quiet_logging("WARNING")
+        simulate(args.config, list(args.overrides), run_dir=run_dir)
+    else:
+        from hacrl_fed.coordinator.loop import Coordinator
+        from hacrl_fed.metrics import RunLogger
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        procs = None
+        if args.kind == "grpc":
+            from hacrl_fed.coordinator.grpc_transport import GrpcTransport
+            from hacrl_fed.coordinator.launcher import WorkerProcesses
+
+            procs = WorkerProcesses(args.config, [o.id for o in cfg.orgs], run_dir=run_dir,
+                                    overrides=list(args.overrides), worker_args=["--run-dir", str(run_dir)])
+            inner = GrpcTransport(procs.start(), max_message_mb=cfg.federation.max_message_mb)
+            bad = {o: e for o, e in inner.wait_ready(600).items() if isinstance(e, Exception)}
+            if bad:
+                raise RuntimeError(f"workers not ready: {bad}")
+        else:
+            from hacrl_fed.coordinator.inprocess import InProcessTransport
+            from hacrl_fed.worker import build_worker
+
+            inner = InProcessTransport({o.id: build_worker(cfg, o.id, run_dir=run_dir) for o in cfg.orgs})
+        info["setup_s"] = time.perf_counter() - t0
+        meter = TextMeter(inner)
+        try:
+            with RunLogger(run_dir, tensorboard=False) as logger:
+                Coordinator(cfg, meter, run_dir, logger=logger).run()
+        finally:
+            inner.close()
+            if procs is not None:
+                procs.close()
+        info.update(rollouts_seen=meter.rollouts, text_bytes=meter.text_bytes)
+    info["wall_s"] = time.perf_counter() - t0
+    info["coordinator_peak_rss_mb"] = _peak_rss_self_mb()
+    Path(args.out).write_text(json.dumps(info))
+    return 0
+
+
+def child_env(flwr_home: Path) -> dict[str, str]:
+    env = {**os.environ, **QUIET_ENV, "FLWR_HOME": str(flwr_home), "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_child(kind: str, config: Path, overrides: Sequence[str], work: Path, name: str,
+              timeout_s: float = 1800) -> dict[str, Any]:
+    """One run in a fresh subprocess; its records, phase rows and the child's report."""
+    run_dir = work / name
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    out = work / f"{name}.child.json"
+    home = Path(tempfile.mkdtemp(prefix="flwr-home-"))
+    cmd = [sys.executable, "-m", "hacrl_fed.bench.system", "_child", "--kind", kind, "--config", str(config),
+           "--run-dir", str(run_dir), "--out", str(out), "--set", *overrides]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(home), timeout=timeout_s, cwd=ROOT)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} run {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    info = json.loads(out.read_text())
+    info["process_wall_s"] = time.perf_counter() - t0
+    records = read_records(run_dir)
+    return {"info": info, "rows": phase_rows(records)}
+
+
+# ------------------------------------------------------------------------------------------------ parts
+
+
+def bench_transports(config: Path, transports: Sequence[str], rounds: int, repeats: int, eval_size: int,
+                     extra: Sequence[str], work: Path, log=print) -> dict[str, Any]:
+    overrides = [f"federation.rounds={rounds}", "federation.eval_every=0", f"task.eval_size={eval_size}",
+                 "federation.checkpoint_every=0", *extra]
+    rows: dict[str, list] = {t: [] for t in transports}
+    runs: list[dict[str, Any]] = []
+    text = {"rollouts": 0, "bytes": 0}
+    for rep in range(repeats):
+        order = list(transports[rep % len(transports):]) + list(transports[:rep % len(transports)])
+        for t in order:
+            log(f"  transports: repeat {rep + 1}/{repeats}, {t} ...")
+            res = run_child(t, config, overrides, work, f"transport-{t}-{rep}")
+            rows[t] += warm(res["rows"])
+            info = res["info"]
+            text["rollouts"] += info.get("rollouts_seen", 0)
+            text["bytes"] += info.get("text_bytes", 0)
+            runs.append({"transport": t, "repeat": rep, "process_wall_s": info["process_wall_s"],
+                         "setup_s": info.get("setup_s"), "coordinator_peak_rss_mb": info["coordinator_peak_rss_mb"],
+                         "round_wall_s": [r["wall"] for r in res["rows"]]})
+    summaries = {t: summarize_rows(r) for t, r in rows.items() if r}
+    text_per = text["bytes"] / text["rollouts"] if text["rollouts"] else None
+    return {"config": str(config), "overrides": overrides, "rounds": rounds, "repeats": repeats, "runs": runs,
+            "summary": summaries, "overhead_vs_inprocess": overhead(summaries),
+            "wire": {t: wire_bytes(s, text_per) for t, s in summaries.items() if t != "inprocess"}}
+
+
+def scaling_config(n: int, work: Path) -> Path:
+    """A smoke-sized config with ``n`` micro orgs (ids org0..), written under ``work``."""
+    data = yaml.safe_load(SMOKE.read_text())
+    data["name"] = f"scale{n}"
+    data["orgs"] = [{"id": f"org{i}", "model": {"zoo": MICRO[i % 2]}} for i in range(n)]
+    data["federation"] = {**data["federation"], "min_orgs": 1}
+    path = work / f"scale{n}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def bench_scaling(counts: Sequence[int], rounds: int, work: Path, transport: str = "grpc", log=print) -> dict[str, Any]:
+    out = {}
+    for n in counts:
+        log(f"  scaling: {n} orgs over {transport} ...")
+        cfg = scaling_config(n, work)
+        res = run_child(transport, cfg, [f"federation.rounds={rounds}", "federation.eval_every=0",
+                                         "task.eval_size=8"], work, f"scale-{n}")
+        s = summarize_rows(warm(res["rows"]))
+        orgs = sorted({k.split("/")[1] for k in s if k.startswith("org/")})
+        out[str(n)] = {
+            "round_wall_s": s["wall"], "coordinator_s_per_round": s["coordinator"],
+            "per_org_call_s": statistics.median([s[f"org/{o}/call"] for o in orgs]) if orgs else None,
+            "per_org_compute_s": statistics.median([s[f"org/{o}/compute"] for o in orgs]) if orgs else None,
+            "coordinator_peak_rss_mb": res["info"]["coordinator_peak_rss_mb"],
+            "worker_peak_rss_mb": {o: s.get(f"org/{o}/peak_rss_mb") for o in orgs},
+            "setup_s": res["info"].get("setup_s"), "rounds": s["n_rounds"],
+        }
+    return {"transport": transport, "rounds": rounds, "orgs": out}
+
+
+def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900) -> dict[str, Any]:
+    """The Flower deployment engine on loopback with the smoke config vs the same config in-process."""
+    from hacrl_fed.deploy.harness import Deployment, identity_overrides, start_local
+
+    base = [f"federation.rounds={rounds}", "federation.eval_every=0", "task.eval_size=8"]
+    log("  deployment: in-process baseline ...")
+    inproc = run_child("inprocess", SMOKE, base, work, "deploy-inprocess")
+    from hacrl_fed.config import load_config
+
+    orgs = [o.id for o in load_config(SMOKE, base).orgs]
+    dep_dir = Path(tempfile.mkdtemp(prefix="hacrl-deploy-"))  # short: unix socket paths must fit
+    overrides = [*base, *identity_overrides(dep_dir / "identity_set", orgs)]
+    run_dir = dep_dir / "run"
+    log("  deployment: SuperLink + SuperNodes + workers on loopback ...")
+    t0 = time.perf_counter()
+    try:
+        with Deployment(dep_dir) as dep:
+            start_local(dep, SMOKE, orgs, overrides=overrides)
+            started = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            run_id = dep.submit(ROOT, {"config-path": str(SMOKE), "overrides": " ".join(overrides),
+                                       "run-dir": str(run_dir)})
+            info = dep.wait_run(run_id, timeout_s)
+            run_s = time.perf_counter() - t1
+            processes = dep.timings()
+        if info.get("status") != "finished:completed":
+            raise RuntimeError(f"deployment run ended {info.get('status')}")
+        rows = phase_rows(read_records(run_dir))
+    finally:
+        shutil.rmtree(dep_dir, ignore_errors=True)
+    dep_s, in_s = summarize_rows(warm(rows)), summarize_rows(warm(inproc["rows"]))
+    where = {}
+    for o in orgs:
+        where[o] = {"call_s": dep_s.get(f"org/{o}/call"), "compute_s": dep_s.get(f"org/{o}/compute"),
+                    "inprocess_call_s": in_s.get(f"org/{o}/call")}
+        if where[o]["call_s"] is not None and where[o]["compute_s"] is not None:
+            where[o]["outside_worker_s"] = where[o]["call_s"] - where[o]["compute_s"]
+    return {"config": str(SMOKE), "rounds": rounds, "start_s": started, "run_s": run_s, "processes": processes,
+            "round_wall_s": dep_s["wall"], "inprocess_round_wall_s": in_s["wall"],
+            "fixed_cost_per_round_s": dep_s["wall"] - in_s["wall"],
+            "generate_fanout_s": dep_s["generate_fanout"], "train_fanout_s": dep_s["train_fanout"],
+            "coordinator_s": dep_s["coordinator"], "exchange_s": dep_s["exchange"], "per_org": where,
+            "clientapp_messages_per_round": 2 * len(orgs),
+            # every message runs in a new flwr-clientapp process: the time outside the workers, per message
+            "outside_worker_s_per_message": dep_s["exchange"] / (2 * len(orgs))}
+
+
+# ------------------------------------------------------------------------------------------------ printing
+
+
+def _f(x: Any, d: int = 3) -> str:
+    return "–" if x is None else f"{x:.{d}f}"
+
+
+def format_tables(result: Mapping[str, Any]) -> str:
+    lines = []
+    tr = result.get("transports")
+    if tr:
+        lines += [f"Per-round phases, medians over warm rounds ({tr['rounds']} rounds x {tr['repeats']} repeats; "
+                  "phases summed over orgs, seconds):", ""]
+        head = ["transport", "round", "x in-process", *PHASES]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "|".join("---" for _ in head) + "|")
+        for t, s in tr["summary"].items():
+            lines.append("| " + " | ".join([t, _f(s["wall"]), _f(tr["overhead_vs_inprocess"].get(t), 2),
+                                             *[_f(s.get(p)) for p in PHASES]]) + " |")
+        lines += ["", "Wire bytes per rollout vs its text:", "",
+                  "| transport | generate B/rollout | train B/foreign rollout | text B/rollout | generate / text | train / text |",
+                  "|---|---|---|---|---|---|"]
+        for t, w in tr["wire"].items():
+            lines.append(f"| {t} | {_f(w['generate_bytes_per_rollout'], 0)} | {_f(w['train_bytes_per_foreign_rollout'], 0)} "
+                         f"| {_f(w['text_bytes_per_rollout'], 1)} | {_f(w['generate_vs_text'], 1)} | {_f(w['train_vs_text'], 1)} |")
+        lines.append("")
+    sc = result.get("scaling")
+    if sc:
+        lines += [f"Scaling over {sc['transport']} (micro agents, medians per round):", "",
+                  "| orgs | round s | coordinator s | per-org call s | per-org compute s | coordinator peak MiB | worker peak MiB (max) |",
+                  "|---|---|---|---|---|---|---|"]
+        for n, s in sc["orgs"].items():
+            peaks = [v for v in s["worker_peak_rss_mb"].values() if v is not None]
+            lines.append(f"| {n} | {_f(s['round_wall_s'])} | {_f(s['coordinator_s_per_round'])} | {_f(s['per_org_call_s'])} "
+                         f"| {_f(s['per_org_compute_s'])} | {_f(s['coordinator_peak_rss_mb'], 0)} | {_f(max(peaks) if peaks else None, 0)} |")
+        lines.append("")
+    dp = result.get("deployment")
+    if dp:
+        lines += ["Flower deployment engine on loopback (smoke config, medians per round):", "",
+                  f"- round: {_f(dp['round_wall_s'], 2)} s vs {_f(dp['inprocess_round_wall_s'], 2)} s in-process: "
+                  f"fixed cost {_f(dp['fixed_cost_per_round_s'], 2)} s per round "
+                  f"({dp['clientapp_messages_per_round']} ClientApp messages per round)",
+                  f"- generate fan-out {_f(dp['generate_fanout_s'], 2)} s, train fan-out {_f(dp['train_fanout_s'], 2)} s, "
+                  f"coordinator {_f(dp['coordinator_s'], 3)} s, exchange (call minus worker compute, all orgs) "
+                  f"{_f(dp['exchange_s'], 2)} s, i.e. {_f(dp['outside_worker_s_per_message'], 2)} s per ClientApp "
+                  "message (each message starts a new flwr-clientapp process)"]
+        for o, w in dp["per_org"].items():
+            lines.append(f"- {o}: calls {_f(w['call_s'], 2)} s, worker compute {_f(w['compute_s'], 3)} s, outside the "
+                         f"worker {_f(w.get('outside_worker_s'), 2)} s (in-process calls {_f(w['inprocess_call_s'], 3)} s)")
+        ready = {k: v.get("ready_s") for k, v in dp["processes"].items() if v.get("ready_s") is not None}
+        lines.append(f"- start-up: {_f(dp['start_s'], 1)} s to a ready deployment; ready after (s): "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in ready.items()))
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hacrl-fed bench system", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path, default=DEMO, help="config of the transport comparison (default demo)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds per transport run")
+    p.add_argument("--repeats", type=int, default=2, help="runs per transport (order rotated each repeat)")
+    p.add_argument("--eval-size", type=int, default=20, help="held-out prompts evaluated before and after")
+    p.add_argument("--transports", nargs="*", choices=TRANSPORTS, default=list(TRANSPORTS),
+                   help="transports to compare (none: skip the comparison)")
+    p.add_argument("--scale-orgs", type=int, nargs="*", default=[2, 4, 8], help="org counts (none: skip)")
+    p.add_argument("--scale-rounds", type=int, default=3)
+    p.add_argument("--scale-transport", choices=("grpc", "inprocess"), default="grpc")
+    p.add_argument("--deploy-rounds", type=int, default=3, help="rounds on the deployment engine (0: skip)")
+    p.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="extra overrides of the transport comparison's config")
+    p.add_argument("--out", type=Path, default=OUT, help="where system.json goes (default benchmarks/system)")
+    p.add_argument("--keep-work", action="store_true", help="keep the run dirs (a temp dir, printed)")
+    return p
+
+
+def main_system(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    # scratch outside the checkout: `flwr run` scans the app dir (the repository) when it packages the app
+    work = Path(tempfile.mkdtemp(prefix="hacrl-bench-system-"))
+    extra = [kv for group in args.overrides for kv in group]
+    from hacrl_fed.bench.learning import _git_version, machine_info
+
+    result: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_info(),
+                              "code": _git_version()}
+    t0 = time.perf_counter()
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        if args.transports:
+            result["transports"] = bench_transports(args.config, args.transports, args.rounds, args.repeats,
+                                                    args.eval_size, extra, work, log)
+        if args.scale_orgs:
+            result["scaling"] = bench_scaling(args.scale_orgs, args.scale_rounds, work, args.scale_transport, log)
+        if args.deploy_rounds:
+            result["deployment"] = bench_deployment(args.deploy_rounds, work, log)
+    finally:
+        result["wall_s"] = time.perf_counter() - t0
+        (args.out / "system.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+        if args.keep_work:
+            print(f"run dirs kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print(format_tables(result))
+    print(f"system.json: {args.out / 'system.json'} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_child":
+        raise SystemExit(child_main(sys.argv[2:]))
+    raise SystemExit(main_system(sys.argv[1:]))

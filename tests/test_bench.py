@@ -1,0 +1,193 @@
+"""The benchmark machinery (BENCHMARKS.md), not the benchmarks: nothing here is timed.
+
+- one tiny learning cell (micro agents, two rounds, one of them a bench agent built on the spot) through
+  ``hacrl-fed bench learning`` into a temp results dir: its JSON fields, a rerun that skips it, the report;
+- the real matrix plans (every setting config validates, GSPO x2 doubles G, missing knobs are skipped by name);
+- the pure aggregation functions of the learning report, the system benchmark and the peer comparison.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hacrl_fed.bench import learning, peer, report, system
+from hacrl_fed.cli import main as cli_main
+
+TINY = {
+    "name": "tiny", "seed": 0, "algorithm": {"name": "hacpo"},
+    "trainer": {"lr": 1.0e-4, "minibatch_size": 64, "micro_batch_size": 32},
+    "generation": {"num_samples": 4, "max_new_tokens": 16, "eval_max_new_tokens": 16},
+    "task": {"name": "arithmetic", "params": {"difficulty": 2}, "eval_size": 8},
+    "orgs": [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}],
+    "federation": {"rounds": 2, "prompts_per_round": 4, "eval_every": 1, "min_orgs": 1},
+}
+
+
+def _tiny_matrix(tmp_path: Path) -> Path:
+    cfg = dict(TINY)
+    # globex: a bench agent (micro recipe, built into the temp dir on first use: seconds)
+    cfg["orgs"] = [*TINY["orgs"], {"id": "globex", "model": {"path": str(tmp_path / "agents" / "micro-qwen-char-b")}}]
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(cfg))
+    matrix = {
+        "settings": {"tiny": {"config": "tiny.yaml", "about": "micro agents"}},
+        "methods": {"gspo": {"set": {"algorithm.name": "gspo"}},
+                    "hacpo": {"set": {"algorithm.name": "hacpo"}},
+                    "alpha1": {"same_as": "hacpo"},
+                    "per_byte": {"set": {"algorithm.name": "hacpo", "algorithm.no_such_knob": "x"}}},
+        "groups": {"main": {"settings": ["tiny"], "methods": ["gspo", "hacpo"]},
+                   "ablations": {"settings": ["tiny"], "methods": ["alpha1", "per_byte"]}},
+        "seeds": [0],
+    }
+    path = tmp_path / "matrix.yaml"
+    path.write_text(yaml.safe_dump(matrix))
+    return path
+
+
+def test_learning_cell_runs_skips_on_rerun_and_reports(tmp_path, capsys):
+    matrix = _tiny_matrix(tmp_path)
+    results = tmp_path / "results"
+    args = ["bench", "learning", "--matrix", str(matrix), "--results", str(results), "--only", "tiny/hacpo"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("1 cells: 0 done, 1 to run, 0 skipped")
+    path = results / "tiny" / "hacpo" / "seed0.json"
+    data = json.loads(path.read_text())
+    assert (data["setting"], data["method"], data["seed"], data["rounds"]) == ("tiny", "hacpo", 0, 2)
+    assert data["config"]["algorithm"]["name"] == "hacpo" and data["config_hash"]
+    assert data["machine"]["cpus"] >= 1 and "commit" in data["code"]
+    assert set(data["agents"]) == {"acme", "globex"}
+    for org, a in data["agents"].items():
+        assert a["accuracy_before"] is not None and a["accuracy_after"] is not None, org
+        assert [c[0] for c in a["curve"]] == [0, 1, 2]
+        assert a["curve"][-1][1] == a["rollouts_generated"] == 2 * 4 * 4  # rounds x B x G
+        assert a["sequences_trained"] == a["self_sequences_trained"] + a["cross_sequences_trained"]
+        assert a["cross_sequences_trained"] > 0 and a["time_calls_s"] > 0
+        for key in ("hacpo/cross_ratio_mean", "hacpo/cross_in_band_frac", "hacpo/cross_clip_low_frac",
+                    "hacpo/self_clip_low_frac", "train/grad_norm"):
+            assert set(a["stats"][key]) >= {"mean", "min", "max", "late_mean"}, key
+    assert sorted(p.name for p in results.iterdir()) == ["REPORT.md", "curves", "tiny"]  # no run dirs left here
+    mtime = path.stat().st_mtime_ns
+
+    assert cli_main(args) == 0  # rerun: the finished cell is skipped
+    assert "1 done, 0 to run" in capsys.readouterr().out
+    assert path.stat().st_mtime_ns == mtime
+
+    assert cli_main([*args[:-2], "--only", "tiny/hacpo", "--set", "trainer.lr=2e-4", "--list"]) == 0
+    assert "stale" in capsys.readouterr().out  # another config: it would rerun
+
+    text = (results / "REPORT.md").read_text()
+    assert "## tiny" in text and "| `hacpo` | 1 |" in text and "acme (micro-qwen-char)" in text
+    assert "At equal generated rollouts" in text and "cross s̄" in text
+    assert "`tiny/per_byte`: needs knob algorithm.no_such_knob" in text
+    assert (results / "curves" / "tiny.png").stat().st_size > 1000
+    assert report.main_report(["--results", str(results), "--matrix", str(matrix), "--no-plots"]) == 0
+
+
+def test_the_matrix_plans_every_cell():
+    matrix = learning.load_matrix()
+    assert set(matrix.settings) >= {"state", "size", "model", "three"}
+    cells = learning.plan_cells(matrix)
+    main = [c for c in cells if c.group == "main"]
+    assert {c.method for c in main} == {"grpo", "gspo", "gspo_x2", "naive", "hacpo"}
+    assert all(c.skip is None and c.config is not None for c in main), [c.skip for c in main if c.skip]
+    assert len({c.seed for c in main}) >= 3
+    assert len({c.hash for c in main}) == len(main)  # every cell its own config
+    by = {(c.setting, c.method, c.seed): c for c in cells}
+    gspo, x2 = by[("model", "gspo", 0)].config, by[("model", "gspo_x2", 0)].config
+    assert x2.generation.num_samples == 2 * gspo.generation.num_samples
+    assert x2.trainer.minibatch_size == 2 * gspo.trainer.minibatch_size
+    assert x2.algorithm.name == "gspo" and x2.seed == 0
+    assert len(by[("three", "hacpo", 1)].config.orgs) == 3
+    assert [a.name for a in by[("state", "hacpo", 0)].agents] == ["qwen-char-b"]
+    assert by[("model", "alpha1", 0)].same_as == "hacpo"
+    for c in cells:  # a skipped ablation names the knob it waits for
+        if c.skip and not c.same_as:
+            assert c.skip.startswith("needs knob algorithm."), c.skip
+    quick = learning.plan_cells(matrix, quick=True)
+    assert quick and all(c.config.federation.rounds < gspo.federation.rounds for c in quick)
+    assert all(c.config.federation.rounds == 5 for c in learning.plan_cells(matrix, only=["model/hacpo"], rounds=5))
+    assert learning.field_exists("algorithm.alpha") and learning.field_exists("task.params.difficulty")
+    assert not learning.field_exists("algorithm.logprob_norm")
+
+
+def test_accuracy_at_equal_rollouts_interpolates():
+    curve = [[0, 0, 0.2], [10, 1280, 0.3], [20, 2560, 0.5]]
+    assert report.acc_at_rollouts(curve, 2560) == 0.5
+    assert report.acc_at_rollouts(curve, 1920) == pytest.approx(0.4)
+    assert report.acc_at_rollouts(curve, 5000) is None
+    assert report.fmt_acc([0.5, 0.7], [0.4, 0.4]) == "0.600 ± 0.141 (+20.0)"
+    assert report.fmt_acc([None], [0.1]) == "–"
+
+
+def test_summarize_cell_from_records():
+    from hacrl_fed.config import load_config
+
+    cfg = load_config({**TINY, "orgs": [{"id": "a", "model": {"zoo": "micro-qwen-char"}}]})
+    records = [{"round": 0, "eval/a/accuracy": 0.25},
+               {"round": 1, "round/a/rollouts_received": 16.0, "a/train/num_rows": 32.0, "a/train/num_self": 16.0,
+                "a/train/num_cross": 16.0, "a/hacpo/cross_ratio_mean": 0.8, "time/call/generate/a": 1.0,
+                "time/round": 2.0},
+               {"round": 2, "round/a/rollouts_received": 16.0, "a/train/num_rows": 32.0, "a/train/num_self": 16.0,
+                "a/train/num_cross": 16.0, "a/hacpo/cross_ratio_mean": 0.9, "eval/a/accuracy": 0.5,
+                "time/call/train/a": 0.5, "time/round": 4.0}]
+    s = learning.summarize_cell(cfg, records)
+    a = s["agents"]["a"]
+    assert (a["accuracy_before"], a["accuracy_after"], a["gain"]) == (0.25, 0.5, 0.25)
+    assert a["curve"] == [[0, 0, 0.25], [2, 32, 0.5]]
+    assert (a["rollouts_generated"], a["sequences_trained"], a["cross_sequences_trained"]) == (32, 64, 32)
+    assert a["stats"]["hacpo/cross_ratio_mean"]["mean"] == pytest.approx(0.85)
+    assert a["stats"]["hacpo/cross_ratio_mean"]["late_mean"] == pytest.approx(0.9)
+    assert a["time_calls_s"] == pytest.approx(1.5)
+    assert s["rounds"] == 2 and s["round_time_s"]["mean"] == 3.0
+
+
+def _round(t: int, wall: float, **extra) -> dict:
+    rec = {"round": t, "time/round": wall, "time/generate": wall / 2, "time/train": wall / 4,
+           "round/a/rollouts_received": 8.0, "round/b/rollouts_received": 8.0,
+           "a/time/generate": 0.2, "b/time/generate": 0.3, "a/time/verify": 0.01, "b/time/verify": 0.01,
+           "a/time/score": 0.05, "a/time/train": 0.1, "b/time/train": 0.1, "a/time/trust": 0.01,
+           "time/trust/a": 0.002, "time/trust/b": 0.002, "time/exchange/generate/a": 0.03,
+           "time/call/generate/a": 0.25, "a/train/foreign_received": 8.0, "b/train/foreign_received": 8.0,
+           "a/perf/train/peak_rss_mb": 300.0 + t}
+    rec.update(extra)
+    return rec
+
+
+def test_system_aggregation():
+    records = [{"round": 0, "time/eval": 1.0}, _round(1, 4.0), _round(2, 1.0, **{"bytes/generate/total": 1600.0,
+                                                                                   "bytes/train/total": 3200.0}),
+               _round(3, 2.0, **{"bytes/generate/total": 1600.0, "bytes/train/total": 3200.0})]
+    rows = system.phase_rows(records)
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    r = rows[0]
+    assert r["orgs"] == 2 and r["generate"] == pytest.approx(0.5) and r["train"] == pytest.approx(0.2)
+    assert r["trust"] == pytest.approx(0.014) and r["exchange"] == pytest.approx(0.03)
+    assert r["coordinator"] == pytest.approx(4.0 - 2.0 - 1.0) and r["rollouts"] == 16.0 and r["foreign"] == 16.0
+    assert r["org/a/peak_rss_mb"] == 301.0
+    warm = system.warm(rows)
+    assert [w["round"] for w in warm] == [2, 3]  # the first round of a run is left out
+    s = system.summarize_rows(warm)
+    assert s["wall"] == 1.5 and s["n_rounds"] == 2 and s["org/a/peak_rss_mb"] == 303.0
+    ratios = system.overhead({"inprocess": {"wall": 1.5}, "grpc": {"wall": 1.8}})
+    assert ratios == {"inprocess": 1.0, "grpc": pytest.approx(1.2)}
+    w = system.wire_bytes(s, text_bytes_per_rollout=20.0)
+    assert w["generate_bytes_per_rollout"] == 100.0 and w["train_bytes_per_foreign_rollout"] == 200.0
+    assert w["generate_vs_text"] == 5.0 and w["train_vs_text"] == 10.0
+    text = system.format_tables({"transports": {"rounds": 3, "repeats": 1, "summary": {"grpc": s},
+                                                "overhead_vs_inprocess": {"grpc": 1.2}, "wire": {"grpc": w}}})
+    assert "| grpc | 1.500 | 1.20 |" in text and "| grpc | 100 | 200 | 20.0 | 5.0 | 10.0 |" in text
+
+
+def test_peer_summary():
+    runs = [{"side": "ours", "batch_s": [9.0, 1.0, 1.0, 2.0], "completions_per_batch": 128, "peak_rss_mb": 500.0,
+             "import_s": 2.0, "setup_s": 1.0},
+            {"side": "trl", "batch_s": [9.0, 2.0, 2.0], "completions_per_batch": 128, "peak_rss_mb": 800.0,
+             "import_s": 5.0, "setup_s": 2.0}]
+    s = peer.compare(runs)
+    assert s["ours"]["completions_per_s"] == 128.0 and s["trl"]["completions_per_s"] == 64.0
+    assert s["throughput_ratio_ours_over_trl"] == 2.0 and s["peak_rss_ratio_ours_over_trl"] == 0.625
+    assert "| ours | 128.0 |" in peer.format_summary(s)
