@@ -43,13 +43,21 @@ class RequestRefused(ValueError):
         self.failure_cause = "stale_round" if reason == "stale_round" else "error"
 
 
+class StaleRoundError(RequestRefused):
+    """A plan for a round this worker already trained in the same run (a coordinator restarted from an older
+    state); the coordinator counts it as ``stale_round`` and the org rejoins at the next round."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("stale_round", message)
+
+
 def check_plan(cfg: RunConfig, org_id: str, plan: RoundPlan, *, last_round: int, run_id: str | None) -> None:
     """Refuse a plan for another run, a stale or far-future round, or one larger than this org's limits."""
     if run_id is not None and plan.run_id != run_id:
         raise RequestRefused("wrong_run", f"worker {org_id!r} serves run {run_id!r}, not {plan.run_id!r}")
     if plan.round <= last_round:
-        raise RequestRefused("stale_round", f"worker {org_id!r} already trained round {last_round} of this run; "
-                             f"refusing a plan for round {plan.round}")
+        raise StaleRoundError(f"worker {org_id!r} already trained round {last_round} of run {plan.run_id!r}; "
+                              f"refusing a plan for round {plan.round}")
     step = cfg.security.max_round_step
     if plan.round > last_round + step:
         raise RequestRefused("round_too_far", f"round {plan.round} is more than security.max_round_step={step} "

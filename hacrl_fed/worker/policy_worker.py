@@ -60,16 +60,11 @@ from hacrl_fed.worker.cancel import raise_if_cancelled
 from hacrl_fed.worker.checkpoint import (
     checkpoint_round, latest_checkpoint, latest_run, load_checkpoint, run_checkpoint_root, save_checkpoint,
 )
-from hacrl_fed.worker.guard import RequestRefused, check_checkpoint, check_eval, check_plan, screen_sources
+from hacrl_fed.worker.guard import (  # StaleRoundError is re-exported: callers import it from here
+    RequestRefused, StaleRoundError, check_checkpoint, check_eval, check_plan, screen_sources,
+)
 
 log = logging.getLogger(__name__)
-
-
-class StaleRoundError(RequestRefused):
-    """A plan for a round this worker already trained in the same run (see the module docstring)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("stale_round", message)
 
 
 FOREIGN_LENGTH_FACTOR = 8  # foreign responses longer than this × max_new_tokens (learner tokens) are not trained on
@@ -221,9 +216,6 @@ class PolicyWorker:
         """Sample ``G`` responses per prompt with the pre-update weights, verify, and publish them."""
         self._check_task(plan.task)
         how, path, last = self._route(plan.run_id, plan.round == 1, f"a plan for round {plan.round}")
-        if last and plan.round <= last:
-            raise StaleRoundError(f"worker {self.org_id!r} already trained round {last} of run "
-                                  f"{plan.run_id!r}; refusing a plan for round {plan.round}")
         check_plan(self.cfg, self.org_id, plan, last_round=last, run_id=plan.run_id)
         self._check_prompts(plan.prompts, "train")
         self._enter(plan.run_id, how, path, last)  # only now: a refused plan changes nothing
