@@ -36,7 +36,7 @@ AGENTS_DIR = ROOT / "benchmarks" / "agents"
 _QWEN = dict(zoo._QWEN)  # qwen-char's architecture (0.70 M params with the char vocabulary)
 _QWEN_SMALL = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=32)  # ~0.15 M params
-_SFT = dict(steps=6000, batch_size=32, warmup_steps=100, check_every=100, val_size=200)
+_SFT = zoo._DEMO_SFT  # the demo agents' SFT schedule
 
 BENCH_AGENTS: dict[str, ZooEntry] = {
     e.name: e
@@ -49,7 +49,7 @@ BENCH_AGENTS: dict[str, ZooEntry] = {
                  SFTRecipe(lr=4e-3, seed=12, stop_at_accuracy=0.25, **_SFT), target_accuracy=(0.1, 0.4)),
         # for tests: micro-qwen-char's architecture, another seed (builds in seconds)
         ZooEntry("micro-qwen-char-b", "qwen3", dict(zoo._MICRO_QWEN), "char",
-                 SFTRecipe(steps=60, lr=1e-2, batch_size=8, warmup_steps=10, seed=5),
+                 SFTRecipe(seed=5, **zoo._MICRO_SFT),
                  bpe_corpus_size=200, eval_size=16),
     )
 }
