@@ -42,8 +42,9 @@ def _respond(op: Operation, msg: Message, context: Context) -> Message:
         content = node.handle(op, msg.content, context, app_dir=APP_DIR, deadline_s=_remaining_ttl(msg))
     except Exception as err:
         log.error("hacrl-fed ClientApp: %s", err, exc_info=True)
-        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=failures.describe(err)),
-                       reply_to=msg)  # "[cause] NodeError: ...": the cause (stale_round ...) survives the trip
+        return Message(
+            Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=failures.describe(err)), reply_to=msg
+        )  # "[cause] NodeError: ...": the cause (stale_round ...) survives the trip
     return Message(content, reply_to=msg)
 
 

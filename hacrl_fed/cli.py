@@ -26,9 +26,10 @@ import importlib
 import logging
 import sys
 import traceback
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hacrl_fed.lifecycle import CLI_KEYS, RunDirError, check_run_dir, setup_logging
 
@@ -39,10 +40,18 @@ DELEGATES = {
     "worker": ("hacrl_fed.wire.grpc_server", "main_worker", "serve one org's policy worker over gRPC"),
     "zoo": ("hacrl_fed.models.zoo", "main_zoo", "build or list the tiny built-in agent models"),
     "simulate": ("hacrl_fed.flower.simulation", "main_simulate", "run on the Flower Simulation Engine"),
-    "keys": ("hacrl_fed.security.keys", "main_keys", "make TLS certs (SuperLink, worker link), SuperNode auth keys and org identities"),
+    "keys": (
+        "hacrl_fed.security.keys",
+        "main_keys",
+        "make TLS certs (SuperLink, worker link), SuperNode auth keys and org identities",
+    ),
     "deploy-local": ("hacrl_fed.deploy.harness", "main_local", "a real SuperLink + SuperNodes + workers on loopback"),
     "config": ("hacrl_fed.config_cli", "main_config", "describe every config field (--describe) or resolve a config"),
-    "bench": ("hacrl_fed.bench", "main_bench", "benchmarks: learning matrix, report, system costs, TRL peer (BENCHMARKS.md)"),
+    "bench": (
+        "hacrl_fed.bench",
+        "main_bench",
+        "benchmarks: learning matrix, report, system costs, TRL peer (BENCHMARKS.md)",
+    ),
 }
 
 
@@ -55,12 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="run a federation with the coordinator in this process")
     run.add_argument("config", help="run config YAML")
-    run.add_argument("--transport", choices=("inprocess", "grpc"), default=None,
-                     help="default: federation.transport of the config (grpc when --worker is given)")
-    run.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
-                     help="override a config field, e.g. --set federation.rounds=3 trainer.lr=1e-5")
-    run.add_argument("--worker", dest="workers", action="append", default=[], metavar="ORG=ADDRESS",
-                     help="use an already-running worker (HOST:PORT or unix:/PATH) instead of starting one")
+    run.add_argument(
+        "--transport",
+        choices=("inprocess", "grpc"),
+        default=None,
+        help="default: federation.transport of the config (grpc when --worker is given)",
+    )
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set federation.rounds=3 trainer.lr=1e-5",
+    )
+    run.add_argument(
+        "--worker",
+        dest="workers",
+        action="append",
+        default=[],
+        metavar="ORG=ADDRESS",
+        help="use an already-running worker (HOST:PORT or unix:/PATH) instead of starting one",
+    )
     run.add_argument("--run-dir", default=None, help="default: <config run_dir>/<config name>")
     run.add_argument("--resume", action="store_true", help="continue the run in --run-dir after its last round")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -113,9 +139,14 @@ def _grpc_transport(args: argparse.Namespace, cfg, run_dir: Path, stack: ExitSta
     if args.workers:
         addresses = parse_worker_addresses(args.workers, org_ids)  # checked before the run started
     else:
-        procs = WorkerProcesses(args.config, org_ids, run_dir=run_dir, overrides=args.overrides,
-                                ready_timeout_s=args.ready_timeout_s,
-                                worker_args=_worker_flags(run_dir, args.resume))
+        procs = WorkerProcesses(
+            args.config,
+            org_ids,
+            run_dir=run_dir,
+            overrides=args.overrides,
+            ready_timeout_s=args.ready_timeout_s,
+            worker_args=_worker_flags(run_dir, args.resume),
+        )
         stack.callback(procs.close)
         addresses = procs.start()
     transport = GrpcTransport(addresses, max_message_mb=cfg.federation.max_message_mb)
@@ -125,8 +156,10 @@ def _grpc_transport(args: argparse.Namespace, cfg, run_dir: Path, stack: ExitSta
     for org, err in bad.items():
         log.warning("worker %s at %s is not ready: %s", org, addresses[org], err)
     if len(ready) - len(bad) < cfg.federation.min_orgs:
-        raise RuntimeError(f"only {len(ready) - len(bad)} of {len(ready)} workers are ready, "
-                           f"federation.min_orgs={cfg.federation.min_orgs}")
+        raise RuntimeError(
+            f"only {len(ready) - len(bad)} of {len(ready)} workers are ready, "
+            f"federation.min_orgs={cfg.federation.min_orgs}"
+        )
     return transport
 
 
@@ -166,8 +199,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from hacrl_fed.lifecycle import Run
 
     cfg, transport_name, run_dir = _resolve_run(args)
-    run = Run(cfg, run_dir, transport=transport_name, resume=args.resume, keys=CLI_KEYS,
-              progress=not args.no_progress, entry="hacrl-fed run")
+    run = Run(
+        cfg,
+        run_dir,
+        transport=transport_name,
+        resume=args.resume,
+        keys=CLI_KEYS,
+        progress=not args.no_progress,
+        entry="hacrl-fed run",
+    )
     args.lifecycle = run
     try:
         with run, ExitStack() as stack:

@@ -46,44 +46,87 @@ class AlgorithmConfig(_Section):
     parameter table all follow them (tests check the table).
     """
 
-    name: Literal["hacpo", "gspo", "grpo", "naive"] = Field("hacpo", description=_d(
-        "the algorithm: hacpo (own + foreign rollouts, capability-aware), gspo / grpo (own rollouts only), naive "
-        "(own + foreign rollouts, none of HACPO's mechanisms)"))
-    self_clip_low: float = Field(3e-4, ge=0, lt=1, description=_d(
-        "epsilon_low: GSPO clip band [1 - low, 1 + high] of the sequence ratio on the learner's own rows "
-        "(hacpo, gspo, naive)"))
+    name: Literal["hacpo", "gspo", "grpo", "naive"] = Field(
+        "hacpo",
+        description=_d(
+            "the algorithm: hacpo (own + foreign rollouts, capability-aware), gspo / grpo (own rollouts only), naive "
+            "(own + foreign rollouts, none of HACPO's mechanisms)"
+        ),
+    )
+    self_clip_low: float = Field(
+        3e-4,
+        ge=0,
+        lt=1,
+        description=_d(
+            "epsilon_low: GSPO clip band [1 - low, 1 + high] of the sequence ratio on the learner's own rows "
+            "(hacpo, gspo, naive)"
+        ),
+    )
     self_clip_high: float = Field(4e-4, ge=0, description="epsilon_high: upper half of the GSPO clip band on own rows")
-    cross_clip_delta: float = Field(0.2, ge=0, le=1, description=_d(
-        "delta: the first optimizer step's band for foreign rows is [1 - delta, 1] (hacpo)"))
-    cross_clip_step: float = Field(0.025, ge=0, description=_d(
-        "delta_step: the foreign rows' lower clip bound rises by this much per optimizer step of a round (hacpo)"))
-    alpha: float = Field(1.0, ge=0, description=_d(
-        "alpha: exponent of the stop-gradient importance weight on foreign rows, c * sg(c)^alpha (hacpo)"))
-    max_abs_log_ratio: float = Field(10.0, gt=0, description=_d(
-        "M: every log-ratio is clamped to [-M, M] before exp (all losses and the KL term)"))
+    cross_clip_delta: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description=_d("delta: the first optimizer step's band for foreign rows is [1 - delta, 1] (hacpo)"),
+    )
+    cross_clip_step: float = Field(
+        0.025,
+        ge=0,
+        description=_d(
+            "delta_step: the foreign rows' lower clip bound rises by this much per optimizer step of a round (hacpo)"
+        ),
+    )
+    alpha: float = Field(
+        1.0,
+        ge=0,
+        description=_d(
+            "alpha: exponent of the stop-gradient importance weight on foreign rows, c * sg(c)^alpha (hacpo)"
+        ),
+    )
+    max_abs_log_ratio: float = Field(
+        10.0, gt=0, description=_d("M: every log-ratio is clamped to [-M, M] before exp (all losses and the KL term)")
+    )
     grpo_clip_low: float = Field(0.2, ge=0, lt=1, description="grpo's token-level PPO clip band: 1 - low")
     grpo_clip_high: float = Field(0.28, ge=0, description="grpo's token-level PPO clip band: 1 + high")
-    grpo_loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = Field("token-mean", description=_d(
-        "how grpo averages its per-token objective over a mini-batch: token-mean (every response token of the "
-        "mini-batch weighs the same) or seq-mean-token-mean (the mean over sequences of each sequence's token "
-        "mean)"))
-    reward_max: float = Field(1.0, gt=0, description=_d(
-        "R_max: baseline guard; a capability-weighted group mean above it is replaced by the learner's own mean "
-        "(hacpo)"))
-    capability_window: int = Field(5, ge=1, description=_d(
-        "K: capability P-hat of an org is the mean of its last K per-round accuracies"))
+    grpo_loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = Field(
+        "token-mean",
+        description=_d(
+            "how grpo averages its per-token objective over a mini-batch: token-mean (every response token of the "
+            "mini-batch weighs the same) or seq-mean-token-mean (the mean over sequences of each sequence's token "
+            "mean)"
+        ),
+    )
+    reward_max: float = Field(
+        1.0,
+        gt=0,
+        description=_d(
+            "R_max: baseline guard; a capability-weighted group mean above it is replaced by the learner's own mean "
+            "(hacpo)"
+        ),
+    )
+    capability_window: int = Field(
+        5, ge=1, description=_d("K: capability P-hat of an org is the mean of its last K per-round accuracies")
+    )
     capability_floor: float = Field(1e-8, gt=0, description="lower bound of every capability P-hat (no division by 0)")
     ratio_min: float = Field(0.1, gt=0, description="lower clamp of the capability ratios w and v (hacpo)")
     ratio_max: float = Field(10.0, gt=0, description="upper clamp of the capability ratios w and v (hacpo)")
-    warmup_rounds: int = Field(0, ge=0, description=_d(
-        "training rounds during which every capability is taken as 1 (no capability weighting yet)"))
-    kl_beta: float = Field(0.0, ge=0, description=_d(
-        "beta: weight of the k3 KL to the worker's initial weights on its own tokens; 0 = no KL and no "
-        "reference copy of the model (the paper uses 0.001)"))
+    warmup_rounds: int = Field(
+        0,
+        ge=0,
+        description=_d("training rounds during which every capability is taken as 1 (no capability weighting yet)"),
+    )
+    kl_beta: float = Field(
+        0.0,
+        ge=0,
+        description=_d(
+            "beta: weight of the k3 KL to the worker's initial weights on its own tokens; 0 = no KL and no "
+            "reference copy of the model (the paper uses 0.001)"
+        ),
+    )
     adv_eps: float = Field(1e-6, gt=0, description="epsilon added to the group's reward std in every advantage")
 
     @model_validator(mode="after")
-    def _ratio_bounds(self) -> "AlgorithmConfig":
+    def _ratio_bounds(self) -> AlgorithmConfig:
         if self.ratio_min > self.ratio_max:
             raise ValueError("ratio_min must be <= ratio_max")
         return self
@@ -95,12 +138,19 @@ class LoraConfig(_Section):
     enabled: bool = Field(False, description="train LoRA adapters instead of every weight (needs peft)")
     r: int = Field(8, ge=1, description="adapter rank")
     alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r)")
-    dropout: float = Field(0.0, ge=0, lt=1, description=_d(
-        "dropout on the adapters' input during the update's forward passes (only the adapters' dropout: the "
-        "base model stays deterministic, and generation and log-prob scoring run without dropout). Above 0 "
-        "the importance ratios of an update carry dropout noise"))
-    target_modules: list[str] | str = Field("all-linear", description=_d(
-        "module names to adapt (peft's target_modules), or all-linear"))
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description=_d(
+            "dropout on the adapters' input during the update's forward passes (only the adapters' dropout: the "
+            "base model stays deterministic, and generation and log-prob scoring run without dropout). Above 0 "
+            "the importance ratios of an update carry dropout noise"
+        ),
+    )
+    target_modules: list[str] | str = Field(
+        "all-linear", description=_d("module names to adapt (peft's target_modules), or all-linear")
+    )
 
 
 class TrainerConfig(_Section):
@@ -111,49 +161,80 @@ class TrainerConfig(_Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2)")
     grad_clip: float = Field(1.0, gt=0, description="gradient-norm clip before every optimizer step")
     epochs: int = Field(1, ge=1, description="passes over one round's rows (no shuffling)")
-    minibatch_size: int = Field(128, ge=1, description=_d(
-        "rows (sequences, own and foreign alike) per optimizer step"))
-    micro_batch_size: int = Field(32, ge=1, description=_d(
-        "rows per forward/backward pass (memory bound); the gradient equals the whole mini-batch's"))
+    minibatch_size: int = Field(128, ge=1, description=_d("rows (sequences, own and foreign alike) per optimizer step"))
+    micro_batch_size: int = Field(
+        32,
+        ge=1,
+        description=_d("rows per forward/backward pass (memory bound); the gradient equals the whole mini-batch's"),
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters instead of full fine-tuning")
-    precision: Literal["model", "bf16-autocast", "bf16-master"] = Field("model", description=_d(
-        "numerics of the update. model: weights, grads and AdamW states in the dtype the model was loaded with "
-        "(model.dtype; auto is bfloat16 on CUDA, where pure-bf16 AdamW drops small updates). bf16-autocast: "
-        "float32 weights and AdamW states, forward/backward under torch.autocast(bfloat16) (needs model.dtype: "
-        "float32). bf16-master: bfloat16 weights on the model (what the hf engine generates with) plus a float32 "
-        "master copy and float32 AdamW states kept by the trainer (needs model.dtype: bfloat16); checkpoints keep "
-        "the master copy"))
-    gradient_checkpointing: bool = Field(False, description=_d(
-        "recompute each decoder layer's activations during backward: activation memory ~1/num_layers, ~30% "
-        "slower"))
+    precision: Literal["model", "bf16-autocast", "bf16-master"] = Field(
+        "model",
+        description=_d(
+            "numerics of the update. model: weights, grads and AdamW states in the dtype the model was loaded with "
+            "(model.dtype; auto is bfloat16 on CUDA, where pure-bf16 AdamW drops small updates). bf16-autocast: "
+            "float32 weights and AdamW states, forward/backward under torch.autocast(bfloat16) (needs model.dtype: "
+            "float32). bf16-master: bfloat16 weights on the model (what the hf engine generates with) plus a float32 "
+            "master copy and float32 AdamW states kept by the trainer (needs model.dtype: bfloat16); checkpoints keep "
+            "the master copy"
+        ),
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description=_d(
+            "recompute each decoder layer's activations during backward: activation memory ~1/num_layers, ~30% slower"
+        ),
+    )
 
 
 class GenerationConfig(_Section):
     """How each org samples its rollouts and answers evaluations; an org may override any field under
     orgs[].generation."""
 
-    engine: Literal["hf", "vllm"] = Field("hf", description=_d(
-        "generation engine: hf (transformers generate, any device) or vllm (CUDA, pip install 'hacrl-fed[vllm]')"))
+    engine: Literal["hf", "vllm"] = Field(
+        "hf",
+        description=_d(
+            "generation engine: hf (transformers generate, any device) or vllm (CUDA, pip install 'hacrl-fed[vllm]')"
+        ),
+    )
     num_samples: int = Field(8, ge=1, description="G: responses per prompt and org")
     temperature: float = Field(1.0, gt=0, description="sampling temperature (published log-probs are at temperature 1)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: keep the smallest token set of this mass")
     top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0 = no top-k")
-    max_new_tokens: int = Field(64, ge=1, description=_d(
-        "response budget of a training rollout, in the org's own tokens; prompt tokens + this must fit the model's "
-        "context (checked at worker start-up)"))
-    eval_max_new_tokens: int = Field(64, ge=1, description=_d(
-        "response budget of a greedy evaluation answer; prompt tokens + this must fit the model's context"))
+    max_new_tokens: int = Field(
+        64,
+        ge=1,
+        description=_d(
+            "response budget of a training rollout, in the org's own tokens; prompt tokens + this must fit the model's "
+            "context (checked at worker start-up)"
+        ),
+    )
+    eval_max_new_tokens: int = Field(
+        64,
+        ge=1,
+        description=_d(
+            "response budget of a greedy evaluation answer; prompt tokens + this must fit the model's context"
+        ),
+    )
     batch_size: int = Field(64, ge=1, description="sequences per generate() call (hf) / max_num_seqs (vllm)")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description=_d(
-        "vllm only: share of the GPU's memory the engine may take (weights and KV cache)"))
-    max_model_len: int | None = Field(None, ge=1, description=_d(
-        "vllm only: prompt + response tokens per sequence; null = the model's context"))
-    dtype: Literal["bfloat16", "float16"] | None = Field(None, description=_d(
-        "vllm only: the engine's weight dtype; null = the model's (float32 runs as bfloat16)"))
-    enforce_eager: bool = Field(False, description=_d(
-        "vllm only: no CUDA graphs (faster start, less memory, slower decoding)"))
-    sleep_during_train: bool = Field(False, description=_d(
-        "vllm only: sleep(level=1) during each update (weights to CPU, KV cache freed)"))
+    gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description=_d("vllm only: share of the GPU's memory the engine may take (weights and KV cache)"),
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description=_d("vllm only: prompt + response tokens per sequence; null = the model's context")
+    )
+    dtype: Literal["bfloat16", "float16"] | None = Field(
+        None, description=_d("vllm only: the engine's weight dtype; null = the model's (float32 runs as bfloat16)")
+    )
+    enforce_eager: bool = Field(
+        False, description=_d("vllm only: no CUDA graphs (faster start, less memory, slower decoding)")
+    )
+    sleep_during_train: bool = Field(
+        False, description=_d("vllm only: sleep(level=1) during each update (weights to CPU, KV cache freed)")
+    )
     vllm_kwargs: dict[str, Any] = Field(default_factory=dict, description="vllm only: extra vllm.LLM(...) arguments")
 
 
@@ -161,17 +242,24 @@ class TaskConfig(_Section):
     """``name`` picks a task from the registry; ``params`` are validated by that task's own model."""
 
     name: str = Field("arithmetic", description="task: arithmetic, jsonl (GSM8K/MATH-style files) or reasoning-gym")
-    params: dict[str, Any] = Field(default_factory=dict, description=_d(
-        "the task's own parameters (e.g. jsonl: path, test_path, question_field, answer_field); unknown keys are "
-        "errors"))
-    eval_size: int = Field(200, ge=1, description="held-out test prompts of every evaluation (the first ones of the split)")
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description=_d(
+            "the task's own parameters (e.g. jsonl: path, test_path, question_field, answer_field); unknown keys are "
+            "errors"
+        ),
+    )
+    eval_size: int = Field(
+        200, ge=1, description="held-out test prompts of every evaluation (the first ones of the split)"
+    )
 
 
 class ModelConfig(_Section):
     """Exactly one of ``zoo`` (a built-in tiny agent name) or ``path`` (local dir or hub id)."""
 
-    zoo: str | None = Field(None, description=_d(
-        "a built-in tiny agent (hacrl-fed zoo list), shipped in hacrl_fed/assets/zoo"))
+    zoo: str | None = Field(
+        None, description=_d("a built-in tiny agent (hacrl-fed zoo list), shipped in hacrl_fed/assets/zoo")
+    )
     path: str | None = Field(None, description="a local HF-format model folder, or a hub id (offline: must be cached)")
     tokenizer: str | None = Field(None, description="tokenizer folder or hub id; null = the model's own")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
@@ -179,7 +267,7 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(False, description="let transformers run the model folder's own code")
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelConfig":
+    def _one_source(self) -> ModelConfig:
         if (self.zoo is None) == (self.path is None):
             raise ValueError("set exactly one of 'zoo' or 'path'")
         return self
@@ -188,14 +276,20 @@ class ModelConfig(_Section):
 class OrgConfig(_Section):
     """One organization: its id, its private model and optional per-org overrides."""
 
-    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description=_d(
-        "the org's id (letters, digits, _ . -), unique in the run"))
+    id: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description=_d("the org's id (letters, digits, _ . -), unique in the run"),
+    )
     model: ModelConfig = Field(description="the org's private model")
     seed: int | None = Field(None, description="the org's seed; null = derived from the run seed and the org id")
-    trainer: dict[str, Any] = Field(default_factory=dict, description=_d(
-        "overrides of the run's trainer section for this org (same fields)"))
-    generation: dict[str, Any] = Field(default_factory=dict, description=_d(
-        "overrides of the run's generation section for this org (same fields)"))
+    trainer: dict[str, Any] = Field(
+        default_factory=dict, description=_d("overrides of the run's trainer section for this org (same fields)")
+    )
+    generation: dict[str, Any] = Field(
+        default_factory=dict, description=_d("overrides of the run's generation section for this org (same fields)")
+    )
 
 
 class FederationConfig(_Section):
@@ -203,17 +297,25 @@ class FederationConfig(_Section):
 
     rounds: int = Field(100, ge=1, description="rounds to run")
     prompts_per_round: int = Field(16, ge=1, description="B: prompts every org answers per round")
-    eval_every: int = Field(10, ge=0, description=_d(
-        "greedy held-out evaluation every this many rounds (also before round 1 and after the last); 0 = only "
-        "before and after"))
+    eval_every: int = Field(
+        10,
+        ge=0,
+        description=_d(
+            "greedy held-out evaluation every this many rounds (also before round 1 and after the last); 0 = only "
+            "before and after"
+        ),
+    )
     min_orgs: int = Field(1, ge=1, description="orgs that must reply for a round to train")
     round_timeout_s: float = Field(600.0, gt=0, description="seconds each phase of a round waits for the orgs")
-    transport: Literal["inprocess", "grpc", "flower"] = Field("inprocess", description=_d(
-        "how the coordinator reaches the workers with hacrl-fed run: inprocess or grpc (flower: hacrl-fed simulate "
-        "or flwr run)"))
+    transport: Literal["inprocess", "grpc", "flower"] = Field(
+        "inprocess",
+        description=_d(
+            "how the coordinator reaches the workers with hacrl-fed run: inprocess or grpc (flower: hacrl-fed simulate "
+            "or flwr run)"
+        ),
+    )
     checkpoint_every: int = Field(0, ge=0, description="worker checkpoints every this many rounds; 0 = only at the end")
-    max_failed_rounds: int = Field(3, ge=1, description=_d(
-        "consecutive rounds below min_orgs before the run aborts"))
+    max_failed_rounds: int = Field(3, ge=1, description=_d("consecutive rounds below min_orgs before the run aborts"))
     max_message_mb: int = Field(256, ge=1, description="largest gRPC / Flower message, in MB")
 
 
@@ -229,30 +331,59 @@ class SecurityConfig(_Section):
     ``encrypt``: coordinator-blind mode; rollout text is sealed end to end for the other orgs.
     """
 
-    signing: bool = Field(True, description=_d(
-        "every rollout batch is signed by its org (Ed25519) and verified by the coordinator and every receiver"))
-    encrypt: bool = Field(False, description=_d(
-        "coordinator-blind mode: rollout text is sealed end to end for the other orgs (needs signing and "
-        "reverify_rewards)"))
-    roster_file: str | None = Field(None, description=_d(
-        "file pinning org id -> public identity (written by hacrl-fed keys); null with no roster = fresh keys "
-        "under <run dir>/keys/"))
-    roster: dict[str, str] = Field(default_factory=dict, description=_d(
-        'the roster inline: org id -> "ed25519:<b64> x25519:<b64>" (at most one of roster and roster_file)'))
-    identity_file: str | None = Field(None, description=_d(
-        "where a worker finds its private identity; {org} is replaced by the org id (e.g. keys/identity/{org}.key)"))
-    reverify_rewards: bool = Field(True, description=_d(
-        "every receiver re-verifies the claimed rewards of foreign rollouts with its own verifier"))
-    max_mismatch_rate: float = Field(0.1, ge=0, le=1, description=_d(
-        "an org whose share of contradicted reward claims in one round exceeds this is excluded for the rest of "
-        "the run"))
-    max_round_step: int = Field(1000, ge=1, description=_d(
-        "how far ahead of its last trained round a worker accepts a plan"))
-    max_bytes_per_token: int = Field(32, ge=4, description=_d(
-        "response text may hold at most max_new_tokens times this many UTF-8 bytes"))
+    signing: bool = Field(
+        True,
+        description=_d(
+            "every rollout batch is signed by its org (Ed25519) and verified by the coordinator and every receiver"
+        ),
+    )
+    encrypt: bool = Field(
+        False,
+        description=_d(
+            "coordinator-blind mode: rollout text is sealed end to end for the other orgs (needs signing and "
+            "reverify_rewards)"
+        ),
+    )
+    roster_file: str | None = Field(
+        None,
+        description=_d(
+            "file pinning org id -> public identity (written by hacrl-fed keys); null with no roster = fresh keys "
+            "under <run dir>/keys/"
+        ),
+    )
+    roster: dict[str, str] = Field(
+        default_factory=dict,
+        description=_d(
+            'the roster inline: org id -> "ed25519:<b64> x25519:<b64>" (at most one of roster and roster_file)'
+        ),
+    )
+    identity_file: str | None = Field(
+        None,
+        description=_d(
+            "where a worker finds its private identity; {org} is replaced by the org id (e.g. keys/identity/{org}.key)"
+        ),
+    )
+    reverify_rewards: bool = Field(
+        True, description=_d("every receiver re-verifies the claimed rewards of foreign rollouts with its own verifier")
+    )
+    max_mismatch_rate: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description=_d(
+            "an org whose share of contradicted reward claims in one round exceeds this is excluded for the rest of "
+            "the run"
+        ),
+    )
+    max_round_step: int = Field(
+        1000, ge=1, description=_d("how far ahead of its last trained round a worker accepts a plan")
+    )
+    max_bytes_per_token: int = Field(
+        32, ge=4, description=_d("response text may hold at most max_new_tokens times this many UTF-8 bytes")
+    )
 
     @model_validator(mode="after")
-    def _consistent(self) -> "SecurityConfig":
+    def _consistent(self) -> SecurityConfig:
         if self.roster and self.roster_file:
             raise ValueError("set at most one of 'roster' and 'roster_file'")
         if self.encrypt and not self.signing:
@@ -265,12 +396,23 @@ class SecurityConfig(_Section):
 class RunConfig(_Section):
     """One federated run: its name and seed, the algorithm, the orgs and how rounds run."""
 
-    name: str = Field("run", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$", description=_d(
-        "the run's name (letters, digits, _ . + -; no path parts): outputs go to <run_dir>/<name>"))
-    seed: int = Field(0, description=_d(
-        "the run seed: prompt sampling, the task's held-out problems, and (unless set per org) each org's seed"))
+    name: str = Field(
+        "run",
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$",
+        description=_d("the run's name (letters, digits, _ . + -; no path parts): outputs go to <run_dir>/<name>"),
+    )
+    seed: int = Field(
+        0,
+        description=_d(
+            "the run seed: prompt sampling, the task's held-out problems, and (unless set per org) each org's seed"
+        ),
+    )
     run_dir: str = Field("runs", description="folder that holds the run folder <run_dir>/<name>")
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="the update rule: HACPO or a baseline")
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, description="the update rule: HACPO or a baseline"
+    )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="each org's local update")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="each org's sampling")
     task: TaskConfig = Field(default_factory=TaskConfig, description="the prompts and their verifier")
@@ -279,7 +421,7 @@ class RunConfig(_Section):
     security: SecurityConfig = Field(default_factory=SecurityConfig, description="trust between the organizations")
 
     @model_validator(mode="after")
-    def _unique_orgs(self) -> "RunConfig":
+    def _unique_orgs(self) -> RunConfig:
         ids = [o.id for o in self.orgs]
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:

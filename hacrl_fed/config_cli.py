@@ -144,8 +144,10 @@ def describe(cfg: RunConfig | None = None, width: int = WIDTH) -> str:
             lines.append("")
             lines.append(f"{indent[2:]}{dotted}: {desc}")
             continue
-        head = f"{indent}{dotted}  ({', '.join([_type_name(info.annotation), *_constraints(info)])})  " \
-               f"default {_default(info)}"
+        head = (
+            f"{indent}{dotted}  ({', '.join([_type_name(info.annotation), *_constraints(info)])})  "
+            f"default {_default(info)}"
+        )
         lines.append(head)
         if cfg is not None:
             value = _value(cfg, dotted)
@@ -158,18 +160,27 @@ def describe(cfg: RunConfig | None = None, width: int = WIDTH) -> str:
                 lines.append(f"{indent}  = {_show(value)}{mark}")
             if per_org is not None:
                 lines.append(f"{indent}  per org: " + ", ".join(f"{o}: {_show(v)}" for o, v in per_org.items()))
-        lines.extend(textwrap.wrap(desc, width=width, initial_indent=indent + "    ",
-                                   subsequent_indent=indent + "    "))
+        lines.extend(
+            textwrap.wrap(desc, width=width, initial_indent=indent + "    ", subsequent_indent=indent + "    ")
+        )
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hacrl-fed config", description="Describe the run config's fields, or show "
-                                "what a config file resolves to.")
+    p = argparse.ArgumentParser(
+        prog="hacrl-fed config", description="Describe the run config's fields, or show what a config file resolves to."
+    )
     p.add_argument("--describe", action="store_true", help="every section and field: type, default, description")
     p.add_argument("--config", help="a run config YAML: show its resolved values (validated)")
-    p.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set federation.rounds=3")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set federation.rounds=3",
+    )
     return p
 
 

@@ -14,8 +14,9 @@ by the transports' own error types, :class:`NoWorker` included), walking the exp
 falls back on the type: ``TimeoutError`` is a timeout, ``ConnectionError`` unreachable.
 
 Across a process boundary the cause travels as a stable prefix of the error text, ``[stale_round] ...`` (none for
-``error``, the default): the one producer is :func:`describe` (the gRPC worker server's status details, the Flower ClientApp's error reason), the
-one parser is :func:`parse` (the gRPC client's ``WorkerCallError``, the Flower transport's ``FlowerRemoteError``).
+``error``, the default): the one producer is :func:`describe` (the gRPC worker server's status details, the Flower
+ClientApp's error reason), the one parser is :func:`parse` (the gRPC client's ``WorkerCallError``, the Flower
+transport's ``FlowerRemoteError``).
 """
 
 from __future__ import annotations

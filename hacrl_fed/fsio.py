@@ -46,7 +46,7 @@ def write_atomic(path: str | Path, data: str | bytes, *, mode: int | None = None
                 os.fchmod(fd, mode)
             view = memoryview(payload)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -46,12 +46,28 @@ TOKENIZER_ZOO = "llama-bpe"
 HEAD_SCALE = 8.0  # in-vocabulary head rows x this: their logits outweigh the 151k zero rows (>95% of samples)
 
 # Qwen2.5-0.5B's body (the head is untied here, see the module doc)
-BIG_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                 vocab_size=151936)
-MICRO_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=1, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
-                   vocab_size=512)
+BIG_SHAPE = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    vocab_size=151936,
+)
+MICRO_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    vocab_size=512,
+)
 
 # max / mean |published - recompute| per weight dtype. float32 is the sharp check (padding or position-id bugs
 # show as 4e-3 ... 0.2); bfloat16 compares two forward passes of different batch shapes through 24 layers of
@@ -81,14 +97,40 @@ class Settings:
     pytest_timeout_s: int = 300
 
     @classmethod
-    def for_run(cls, dry_run: bool) -> "Settings":
+    def for_run(cls, dry_run: bool) -> Settings:
         if dry_run:
-            return cls(True, "cpu", MICRO_SHAPE, "micro-qwen-char", prompts=2, samples=2, max_new_tokens=8,
-                       tiny_max_new_tokens=8, eval_size=4, eval_max_new_tokens=8, minibatch_size=8,
-                       micro_batch_size=4, gen_batch_size=8, logprob_prompts=2, pytest_timeout_s=300)
-        return cls(False, "cuda", BIG_SHAPE, "qwen-char", prompts=16, samples=8, max_new_tokens=256,
-                   tiny_max_new_tokens=128, eval_size=16, eval_max_new_tokens=64, minibatch_size=64,
-                   micro_batch_size=16, gen_batch_size=128)
+            return cls(
+                True,
+                "cpu",
+                MICRO_SHAPE,
+                "micro-qwen-char",
+                prompts=2,
+                samples=2,
+                max_new_tokens=8,
+                tiny_max_new_tokens=8,
+                eval_size=4,
+                eval_max_new_tokens=8,
+                minibatch_size=8,
+                micro_batch_size=4,
+                gen_batch_size=8,
+                logprob_prompts=2,
+                pytest_timeout_s=300,
+            )
+        return cls(
+            False,
+            "cuda",
+            BIG_SHAPE,
+            "qwen-char",
+            prompts=16,
+            samples=8,
+            max_new_tokens=256,
+            tiny_max_new_tokens=128,
+            eval_size=16,
+            eval_max_new_tokens=64,
+            minibatch_size=64,
+            micro_batch_size=16,
+            gen_batch_size=128,
+        )
 
 
 # -- steps ------------------------------------------------------------------------------------------------------
@@ -105,8 +147,13 @@ def build_model(out: Path, s: Settings, seed: int = 0) -> dict[str, Any]:
     hf_logging.disable_progress_bar()
     tok = load_tokenizer(str(shipped_dir(TOKENIZER_ZOO)))
     vocab = len(tok)
-    cfg = Qwen2Config(**s.shape, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, bos_token_id=None)
+    cfg = Qwen2Config(
+        **s.shape,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     with torch.device(s.device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -118,34 +165,67 @@ def build_model(out: Path, s: Settings, seed: int = 0) -> dict[str, Any]:
     tok.save_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
     del model
-    return {"path": str(out), "params": params, "shape": s.shape, "tokenizer": TOKENIZER_ZOO,
-            "tokenizer_tokens": vocab, "dtype": "bfloat16"}
+    return {
+        "path": str(out),
+        "params": params,
+        "shape": s.shape,
+        "tokenizer": TOKENIZER_ZOO,
+        "tokenizer_tokens": vocab,
+        "dtype": "bfloat16",
+    }
 
 
 def run_config(model_dir: Path, s: Settings, engine: str) -> dict[str, Any]:
     """The two-org run: ``big`` (the built model, bf16 + fp32 masters) and ``tiny`` (zoo, fp32 + bf16 autocast)."""
     big_gen: dict[str, Any] = {}
     if engine == "vllm":
-        big_gen = {"engine": "vllm", "dtype": "bfloat16", "gpu_memory_utilization": 0.3, "max_model_len": 1024,
-                   "enforce_eager": True, "sleep_during_train": True}
+        big_gen = {
+            "engine": "vllm",
+            "dtype": "bfloat16",
+            "gpu_memory_utilization": 0.3,
+            "max_model_len": 1024,
+            "enforce_eager": True,
+            "sleep_during_train": True,
+        }
     return {
         "name": f"gpu-check-{engine}",
         "seed": 0,
         "algorithm": {"name": "hacpo", "kl_beta": 0.001},
-        "trainer": {"lr": 1e-6, "minibatch_size": s.minibatch_size, "micro_batch_size": s.micro_batch_size,
-                    "precision": "bf16-master", "gradient_checkpointing": True},
-        "generation": {"engine": "hf", "num_samples": s.samples, "max_new_tokens": s.max_new_tokens,
-                       "eval_max_new_tokens": s.eval_max_new_tokens, "batch_size": s.gen_batch_size},
+        "trainer": {
+            "lr": 1e-6,
+            "minibatch_size": s.minibatch_size,
+            "micro_batch_size": s.micro_batch_size,
+            "precision": "bf16-master",
+            "gradient_checkpointing": True,
+        },
+        "generation": {
+            "engine": "hf",
+            "num_samples": s.samples,
+            "max_new_tokens": s.max_new_tokens,
+            "eval_max_new_tokens": s.eval_max_new_tokens,
+            "batch_size": s.gen_batch_size,
+        },
         "task": {"name": "arithmetic", "params": {"difficulty": 2}, "eval_size": s.eval_size},
         "orgs": [
-            {"id": "big", "model": {"path": str(model_dir), "device": s.device, "dtype": "bfloat16"},
-             "generation": big_gen},
-            {"id": "tiny", "model": {"zoo": s.tiny_zoo, "device": s.device, "dtype": "float32"},
-             "trainer": {"precision": "bf16-autocast"},
-             "generation": {"max_new_tokens": s.tiny_max_new_tokens}},
+            {
+                "id": "big",
+                "model": {"path": str(model_dir), "device": s.device, "dtype": "bfloat16"},
+                "generation": big_gen,
+            },
+            {
+                "id": "tiny",
+                "model": {"zoo": s.tiny_zoo, "device": s.device, "dtype": "float32"},
+                "trainer": {"precision": "bf16-autocast"},
+                "generation": {"max_new_tokens": s.tiny_max_new_tokens},
+            },
         ],
-        "federation": {"rounds": s.rounds, "prompts_per_round": s.prompts, "eval_every": 0, "min_orgs": 2,
-                       "transport": "inprocess"},
+        "federation": {
+            "rounds": s.rounds,
+            "prompts_per_round": s.prompts,
+            "eval_every": 0,
+            "min_orgs": 2,
+            "transport": "inprocess",
+        },
     }
 
 
@@ -156,8 +236,9 @@ def logprob_error(worker, s: Settings) -> dict[str, Any]:
 
     prompts = worker.task.prompts("test", list(range(s.logprob_prompts)))
     texts = [worker._render(p) for p in prompts]
-    gens = worker.engine.generate(texts, num_samples=2, temperature=1.0, top_p=1.0, top_k=0,
-                                  max_new_tokens=min(64, s.max_new_tokens), seed=123)
+    gens = worker.engine.generate(
+        texts, num_samples=2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=min(64, s.max_new_tokens), seed=123
+    )
     prompt_ids = worker.tokenizer(texts, add_special_tokens=False)["input_ids"]
     pad = worker.tokenizer.pad_token_id
     errors: list[float] = []
@@ -171,9 +252,14 @@ def logprob_error(worker, s: Settings) -> dict[str, Any]:
     max_tol, mean_tol = LOGPROB_TOLERANCE.get(dtype, LOGPROB_TOLERANCE["bfloat16"])
     max_err = max(errors, default=0.0)
     mean_err = sum(errors) / len(errors) if errors else 0.0
-    return {"dtype": dtype, "tokens": len(errors), "max_abs": max_err, "mean_abs": mean_err,
-            "ok": bool(errors) and max_err <= max_tol and mean_err <= mean_tol,
-            "tolerance": {"max_abs": max_tol, "mean_abs": mean_tol}}
+    return {
+        "dtype": dtype,
+        "tokens": len(errors),
+        "max_abs": max_err,
+        "mean_abs": mean_err,
+        "ok": bool(errors) and max_err <= max_tol and mean_err <= mean_tol,
+        "tolerance": {"max_abs": max_tol, "mean_abs": mean_tol},
+    }
 
 
 def _cuda(s: Settings) -> bool:
@@ -209,11 +295,16 @@ def run_rounds(model_dir: Path, work: Path, s: Settings, engine: str) -> dict[st
         "round_time_s": [m.get("time/round") for m in rounds],
         "rounds_trained": [m.get("round/orgs_trained") for m in rounds],
         "wall_time_s": summary.wall_time_s,
-        "accuracy": {org: {"before": o.accuracy_before, "after": o.accuracy_after}
-                     for org, o in summary.orgs.items()},
-        "perf": {org: {f"round{i + 1}": {k.removeprefix(f"{org}/perf/"): v for k, v in m.items()
-                                         if k.startswith(f"{org}/perf/")}
-                       for i, m in enumerate(rounds)} for org in workers},
+        "accuracy": {org: {"before": o.accuracy_before, "after": o.accuracy_after} for org, o in summary.orgs.items()},
+        "perf": {
+            org: {
+                f"round{i + 1}": {
+                    k.removeprefix(f"{org}/perf/"): v for k, v in m.items() if k.startswith(f"{org}/perf/")
+                }
+                for i, m in enumerate(rounds)
+            }
+            for org in workers
+        },
         "logprob_error": errors,
     }
     if _cuda(s):
@@ -226,8 +317,11 @@ def run_rounds(model_dir: Path, work: Path, s: Settings, engine: str) -> dict[st
     gc.collect()
     if _cuda(s):
         torch.cuda.empty_cache()
-    ok = (len(rounds) == s.rounds and all(m.get("round/orgs_trained") == 2 for m in rounds)
-          and all(e["ok"] for e in errors.values()))
+    ok = (
+        len(rounds) == s.rounds
+        and all(m.get("round/orgs_trained") == 2 for m in rounds)
+        and all(e["ok"] for e in errors.values())
+    )
     out["status"] = "passed" if ok else "failed"
     return out
 
@@ -255,8 +349,13 @@ def run_pytest(marker: str, files: list[str], work: Path, timeout_s: int) -> dic
             for key in counts:
                 counts[key] += int(suite.get(key, 0))
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    result = {"returncode": proc.returncode, "passed": passed, "failed": counts["failures"] + counts["errors"],
-              "skipped": counts["skipped"], "tail": proc.stdout[-2000:] + proc.stderr[-1000:]}
+    result = {
+        "returncode": proc.returncode,
+        "passed": passed,
+        "failed": counts["failures"] + counts["errors"],
+        "skipped": counts["skipped"],
+        "tail": proc.stdout[-2000:] + proc.stderr[-1000:],
+    }
     if proc.returncode not in (0, 5) or result["failed"]:
         result["status"] = "failed"
     else:
@@ -283,9 +382,13 @@ def vllm_available(s: Settings) -> str | None:
 def environment() -> dict[str, Any]:
     import transformers
 
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "transformers": transformers.__version__, "cuda": torch.version.cuda,
-                           "cuda_available": torch.cuda.is_available()}
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         env.update(gpu=props.name, gpu_mem_mb=props.total_memory / 2**20)
@@ -329,8 +432,7 @@ def format_table(results: dict[str, Any]) -> str:
         if "round_time_s" in step:
             mem = step.get("peak_gpu_mem_mb", step.get("peak_rss_mb"))
             kind = "GPU" if "peak_gpu_mem_mb" in step else "RSS"
-            detail = (f"rounds {', '.join(_fmt(t) for t in step['round_time_s'])} s; peak {kind} "
-                      f"{_fmt(mem, '.0f')} MiB")
+            detail = f"rounds {', '.join(_fmt(t) for t in step['round_time_s'])} s; peak {kind} {_fmt(mem, '.0f')} MiB"
         if name == "build" and "params" in step:
             detail = f"{step['params'] / 1e6:.1f} M params, {step['dtype']}"
         lines.append(f"{name:<16} {step.get('status', '?'):<8} {_fmt(step.get('seconds')):>8}  {detail[:100]}")
@@ -344,12 +446,15 @@ def format_table(results: dict[str, Any]) -> str:
             last = by_round[max(by_round)] if by_round else {}
             for phase in ("generate", "score", "train"):
                 mem = last.get(f"{phase}/peak_gpu_mem_mb", last.get(f"{phase}/peak_rss_mb"))
-                lines.append(f"  {org:<6} {phase:<9} {_fmt(last.get(f'{phase}/tokens_per_s')):>10} "
-                             f"{_fmt(mem, '.0f'):>9}")
+                lines.append(
+                    f"  {org:<6} {phase:<9} {_fmt(last.get(f'{phase}/tokens_per_s')):>10} {_fmt(mem, '.0f'):>9}"
+                )
         for org, err in step.get("logprob_error", {}).items():
-            lines.append(f"  log-prob |error| vs recompute, {org} ({err['dtype']}): max {err['max_abs']:.2e}, "
-                         f"mean {err['mean_abs']:.2e} over {err['tokens']} tokens"
-                         f"{'' if err['ok'] else '  (over tolerance)'}")
+            lines.append(
+                f"  log-prob |error| vs recompute, {org} ({err['dtype']}): max {err['max_abs']:.2e}, "
+                f"mean {err['mean_abs']:.2e} over {err['tokens']} tokens"
+                f"{'' if err['ok'] else '  (over tolerance)'}"
+            )
     lines.append(f"total {results['total_seconds']:.1f} s; {'OK' if results['ok'] else 'FAILED'}")
     return "\n".join(lines)
 
@@ -363,8 +468,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="hacrl-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"dry_run": s.dry_run, "settings": asdict(s), "environment": environment(),
-                               "steps": {}}
+    results: dict[str, Any] = {"dry_run": s.dry_run, "settings": asdict(s), "environment": environment(), "steps": {}}
     model_dir = work / "big-model"
     try:
         _step(results, "build", start, args.budget_s, lambda: build_model(model_dir, s))
@@ -372,8 +476,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.skip_tests:
             results["steps"]["gpu tests"] = {"status": "skipped", "reason": "--skip-tests"}
         else:
-            _step(results, "gpu tests", start, args.budget_s,
-                  lambda: run_pytest("gpu", ["tests/test_gpu.py"], work, s.pytest_timeout_s))
+            _step(
+                results,
+                "gpu tests",
+                start,
+                args.budget_s,
+                lambda: run_pytest("gpu", ["tests/test_gpu.py"], work, s.pytest_timeout_s),
+            )
         if built:
             _step(results, "rounds (hf)", start, args.budget_s, lambda: run_rounds(model_dir, work, s, "hf"))
         why_not = "--skip-vllm" if args.skip_vllm else vllm_available(s)
@@ -384,8 +493,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.skip_tests:
                 results["steps"]["vllm tests"] = {"status": "skipped", "reason": "--skip-tests"}
             else:
-                _step(results, "vllm tests", start, args.budget_s,
-                      lambda: run_pytest("vllm", ["tests/test_engines.py"], work, s.pytest_timeout_s))
+                _step(
+                    results,
+                    "vllm tests",
+                    start,
+                    args.budget_s,
+                    lambda: run_pytest("vllm", ["tests/test_engines.py"], work, s.pytest_timeout_s),
+                )
             if built:
                 _step(results, "rounds (vllm)", start, args.budget_s, lambda: run_rounds(model_dir, work, s, "vllm"))
     finally:

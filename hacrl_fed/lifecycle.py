@@ -31,10 +31,11 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,7 @@ FLOWER_ENV = {
 OFFLINE_ENV = {**FLOWER_ENV, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 # the real transport -> the federation.transport config value that selects it
-TRANSPORTS = {"inprocess": "inprocess", "grpc": "grpc", "flower-simulation": "flower",
-              "flower-deployment": "flower"}
+TRANSPORTS = {"inprocess": "inprocess", "grpc": "grpc", "flower-simulation": "flower", "flower-deployment": "flower"}
 
 CONFIG_FILE, INFO_FILE, SUMMARY_FILE, ERROR_FILE = "config.yaml", "run_info.json", "summary.txt", "error.log"
 STATE_FILE = "coordinator_state.json"  # written by the coordinator (hacrl_fed.coordinator.loop.STATE_FILE)
@@ -81,8 +81,10 @@ def check_run_dir(run_dir: str | Path, resume: bool, keys: EntryKeys = CLI_KEYS)
     if resume and not has_state:
         raise RunDirError(f"{keys.resume}: no run to resume in {run_dir} ({STATE_FILE} missing)")
     if not resume and has_state:
-        raise RunDirError(f"{run_dir} already holds a run: {keys.verb} {keys.resume} to continue it, or another "
-                          f"{keys.run_dir}{keys.where}")
+        raise RunDirError(
+            f"{run_dir} already holds a run: {keys.verb} {keys.resume} to continue it, or another "
+            f"{keys.run_dir}{keys.where}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ logging
@@ -109,8 +111,9 @@ def _not_shown_elsewhere(record: logging.LogRecord) -> bool:
     return not record.name.startswith(("hacrl_fed", "flwr"))
 
 
-def setup_logging(level: str | int | None = "INFO", *, others: int | None = logging.WARNING,
-                  verbose: bool = False) -> None:
+def setup_logging(
+    level: str | int | None = "INFO", *, others: int | None = logging.WARNING, verbose: bool = False
+) -> None:
     """The logging set-up of every hacrl-fed entry point (idempotent: later calls only change levels).
 
     ``hacrl_fed.*`` loggers log at ``level`` to stderr, ``time LEVEL logger: message`` (``None``: keep the level an
@@ -172,9 +175,19 @@ class Run:
     to the hacrl run id; ``entry``: the command, for ``run_info.json``.
     """
 
-    def __init__(self, cfg: Any, run_dir: str | Path, *, transport: str, resume: bool = False,
-                 keys: EntryKeys = CLI_KEYS, progress: bool = False, flower_run_id: int | None = None,
-                 entry: str = "hacrl-fed run", tensorboard: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: str | Path,
+        *,
+        transport: str,
+        resume: bool = False,
+        keys: EntryKeys = CLI_KEYS,
+        progress: bool = False,
+        flower_run_id: int | None = None,
+        entry: str = "hacrl-fed run",
+        tensorboard: bool = True,
+    ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: expected one of {sorted(TRANSPORTS)}")
         self.cfg, self.transport, self.resume, self.keys = cfg, transport, resume, keys
@@ -200,8 +213,10 @@ class Run:
 
         data = self.cfg.model_dump(mode="json")
         data["federation"]["transport"] = TRANSPORTS[self.transport]
-        head = (f"# hacrl-fed: the resolved config of the run in this directory, as last started by {self.entry}\n"
-                f"# transport: {self.transport}\n")
+        head = (
+            f"# hacrl-fed: the resolved config of the run in this directory, as last started by {self.entry}\n"
+            f"# transport: {self.transport}\n"
+        )
         path = self.run_dir / CONFIG_FILE
         path.write_text(head + yaml.safe_dump(data, sort_keys=False))
         return path
@@ -217,9 +232,14 @@ class Run:
 
     def info(self) -> dict[str, Any]:
         """The current ``run_info.json`` content."""
-        return {"run_id": self.run_id, "run_dir": str(self.run_dir), "transport": self.transport,
-                "flower_run_id": self.flower_run_id, "status": self._session.get("status"),
-                "sessions": self._earlier + [self._session]}
+        return {
+            "run_id": self.run_id,
+            "run_dir": str(self.run_dir),
+            "transport": self.transport,
+            "flower_run_id": self.flower_run_id,
+            "status": self._session.get("status"),
+            "sessions": self._earlier + [self._session],
+        }
 
     def _write_info(self, status: str, **extra: Any) -> None:
         from hacrl_fed.fsio import write_json_atomic
@@ -237,15 +257,21 @@ class Run:
 
     # -- the lifecycle
 
-    def __enter__(self) -> "Run":
+    def __enter__(self) -> Run:
         from hacrl_fed.metrics import RunLogger, round_progress
 
         check_run_dir(self.run_dir, self.resume, self.keys)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = self._existing_run_id() if self.resume else None
         self._earlier = self._earlier_sessions()
-        self._session = {"entry": self.entry, "transport": self.transport, "flower_run_id": self.flower_run_id,
-                         "resumed": self.resume, "started": _now(), "status": "starting"}
+        self._session = {
+            "entry": self.entry,
+            "transport": self.transport,
+            "flower_run_id": self.flower_run_id,
+            "resumed": self.resume,
+            "started": _now(),
+            "status": "starting",
+        }
         try:
             self.write_config()
             self._write_info("starting")
@@ -260,16 +286,29 @@ class Run:
             self._stack.close()
             raise
         flower = f" (Flower run {self.flower_run_id})" if self.flower_run_id is not None else ""
-        log.info("%s%s: %s over %s, outputs in %s", self.entry, flower, "resuming the run" if self.resume else
-                 "a new run", self.transport, self.run_dir)
+        log.info(
+            "%s%s: %s over %s, outputs in %s",
+            self.entry,
+            flower,
+            "resuming the run" if self.resume else "a new run",
+            self.transport,
+            self.run_dir,
+        )
         return self
 
     def execute(self, transport: Any, **coordinator_kw: Any) -> Any:
         """Run the coordinator over ``transport`` to the last round, then :meth:`finish`; the ``RunSummary``."""
         from hacrl_fed.coordinator.loop import Coordinator
 
-        self.coordinator = Coordinator(self.cfg, transport, self.run_dir, logger=self.logger, resume=self.resume,
-                                       on_round=self._on_round, **coordinator_kw)
+        self.coordinator = Coordinator(
+            self.cfg,
+            transport,
+            self.run_dir,
+            logger=self.logger,
+            resume=self.resume,
+            on_round=self._on_round,
+            **coordinator_kw,
+        )
         self.run_id = self.coordinator.run_id
         self._bar.update(self.coordinator.round)  # rounds already done when resuming
         self._write_info("running")
@@ -282,9 +321,11 @@ class Run:
         self.summary, self.run_id = summary, summary.run_id
         plot_accuracy(self.run_dir, title=f"{self.cfg.name}: held-out accuracy (greedy), run {summary.run_id}")
         flower = f", Flower run id {self.flower_run_id}" if self.flower_run_id is not None else ""
-        self.table = (f"{format_table(summary)}\n"
-                      f"hacrl run id {summary.run_id}{flower}; transport {self.transport}\n"
-                      f"outputs in {self.run_dir}")
+        self.table = (
+            f"{format_table(summary)}\n"
+            f"hacrl run id {summary.run_id}{flower}; transport {self.transport}\n"
+            f"outputs in {self.run_dir}"
+        )
         (self.run_dir / SUMMARY_FILE).write_text(self.table + "\n")
         self._write_info("completed", rounds_completed=summary.rounds_completed)
         return summary
@@ -299,8 +340,9 @@ class Run:
             self.error_log.write_text("".join(traceback.format_exception(exc_type, exc, tb)))
         try:
             rounds = self.coordinator.round if self.coordinator is not None else None
-            self._write_info("interrupted" if interrupted else "failed", error=f"{exc_type.__name__}: {exc}",
-                             rounds_completed=rounds)
+            self._write_info(
+                "interrupted" if interrupted else "failed", error=f"{exc_type.__name__}: {exc}", rounds_completed=rounds
+            )
         except Exception as err:  # never hide the run's own error behind a bookkeeping one
             log.warning("could not update %s: %s", self.run_dir / INFO_FILE, err)
         return False

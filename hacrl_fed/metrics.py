@@ -17,8 +17,9 @@ import json
 import math
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hacrl_fed.coordinator.loop import RunSummary
@@ -72,7 +73,7 @@ class RunLogger:
             self._writer.close()
             self._writer = None
 
-    def __enter__(self) -> "RunLogger":
+    def __enter__(self) -> RunLogger:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -136,7 +137,7 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.3f}"
 
 
-def format_table(summary: "RunSummary") -> str:
+def format_table(summary: RunSummary) -> str:
     """The final per-org table: accuracy before → after (held-out, greedy), delta, rollouts shared (accepted
     from this org), rollouts received (foreign rollouts it trained on), worker time in seconds; then one line per
     org excluded from the pool, with why."""
@@ -145,16 +146,26 @@ def format_table(summary: "RunSummary") -> str:
     for org, s in summary.orgs.items():
         before, after = s.accuracy_before, s.accuracy_after
         delta = None if before is None or after is None else after - before
-        rows.append((org, f"{_fmt(before)} -> {_fmt(after)}", "n/a" if delta is None else f"{delta:+.3f}",
-                     str(s.rollouts_shared), str(s.rollouts_received), f"{s.time_s:.1f}"))
+        rows.append(
+            (
+                org,
+                f"{_fmt(before)} -> {_fmt(after)}",
+                "n/a" if delta is None else f"{delta:+.3f}",
+                str(s.rollouts_shared),
+                str(s.rollouts_received),
+                f"{s.time_s:.1f}",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    foot = (f"run {summary.run_id}: {summary.rounds_completed} rounds ({summary.skipped_rounds} skipped), "
-            f"{summary.wall_time_s:.1f} s")
-    excluded = [f"{org} EXCLUDED from the pool: {s.excluded}" for org, s in summary.orgs.items()
-                if getattr(s, "excluded", None)]
+    foot = (
+        f"run {summary.run_id}: {summary.rounds_completed} rounds ({summary.skipped_rounds} skipped), "
+        f"{summary.wall_time_s:.1f} s"
+    )
+    excluded = [
+        f"{org} EXCLUDED from the pool: {s.excluded}" for org, s in summary.orgs.items() if getattr(s, "excluded", None)
+    ]
     return "\n".join(lines + [foot] + excluded)
 
 
@@ -170,8 +181,11 @@ def format_round(result: Any, total: int, seconds: float, excluded: Mapping[str,
         parts.append("reward " + " ".join(f"{org} {acc:.3f}" for org, acc in result.accuracy.items()))
 
     def counts(key: str) -> str:
-        found = {k.split("/")[1]: int(v) for k, v in m.items()
-                 if k.startswith("round/") and k.endswith(f"/rollouts_{key}") and v}
+        found = {
+            k.split("/")[1]: int(v)
+            for k, v in m.items()
+            if k.startswith("round/") and k.endswith(f"/rollouts_{key}") and v
+        }
         return " ".join(f"{org} {n}" for org, n in found.items())
 
     for key in ("accepted", "rejected"):

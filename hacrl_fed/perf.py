@@ -47,8 +47,11 @@ class PhaseMeter:
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         seconds = now - self._start
-        out = {f"perf/{phase}/seconds": seconds, f"perf/{phase}/tokens": float(tokens),
-               f"perf/{phase}/tokens_per_s": float(tokens) / seconds if seconds > 0 else 0.0}
+        out = {
+            f"perf/{phase}/seconds": seconds,
+            f"perf/{phase}/tokens": float(tokens),
+            f"perf/{phase}/tokens_per_s": float(tokens) / seconds if seconds > 0 else 0.0,
+        }
         if self.cuda:
             out[f"perf/{phase}/peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         else:

@@ -37,8 +37,9 @@ def model_config(model_cfg: Any, source: str) -> Any:
 
     field = "model.zoo" if model_cfg.zoo is not None else "model.path"
     try:
-        return AutoConfig.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code,
-                                          local_files_only=hub_offline())
+        return AutoConfig.from_pretrained(
+            source, trust_remote_code=model_cfg.trust_remote_code, local_files_only=hub_offline()
+        )
     except (OSError, ValueError) as err:
         first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise BuildError(f"{field}: could not load the model config from {source!r}: {first}") from err
@@ -61,13 +62,25 @@ def preflight(cfg: RunConfig, org_ids: Sequence[str] | None = None) -> None:
             try:
                 tokenizer = load_tokenizer(tok_src, trust_remote_code=org.model.trust_remote_code)
             except BuildError as err:
-                field = "model.tokenizer" if org.model.tokenizer is not None else (
-                    "model.zoo" if org.model.zoo is not None else "model.path")
+                field = (
+                    "model.tokenizer"
+                    if org.model.tokenizer is not None
+                    else ("model.zoo" if org.model.zoo is not None else "model.path")
+                )
                 raise BuildError(f"{field}: {err}") from err
-            context, source = context_length(model_config(org.model, model_src),
-                                             gen.max_model_len if gen.engine == "vllm" else None)
-            check_task_fits(org_id, task, tokenizer, functools.partial(_render, tokenizer), context,
-                            source, max_new_tokens=gen.max_new_tokens, eval_max_new_tokens=gen.eval_max_new_tokens,
-                            eval_ids=held_out)
+            context, source = context_length(
+                model_config(org.model, model_src), gen.max_model_len if gen.engine == "vllm" else None
+            )
+            check_task_fits(
+                org_id,
+                task,
+                tokenizer,
+                functools.partial(_render, tokenizer),
+                context,
+                source,
+                max_new_tokens=gen.max_new_tokens,
+                eval_max_new_tokens=gen.eval_max_new_tokens,
+                eval_ids=held_out,
+            )
         except BuildError as err:
             raise _org_error(org_id, err) from err

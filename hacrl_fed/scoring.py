@@ -70,7 +70,7 @@ class ScoringBatch:
         """``[B]`` number of scored response tokens per row."""
         return self.response_mask.sum(-1)
 
-    def to(self, device: torch.device | str) -> "ScoringBatch":
+    def to(self, device: torch.device | str) -> ScoringBatch:
         return ScoringBatch(
             self.input_ids.to(device),
             self.attention_mask.to(device),
@@ -79,7 +79,7 @@ class ScoringBatch:
             self.prompt_width,
         )
 
-    def rows(self, index: slice | Sequence[int]) -> "ScoringBatch":
+    def rows(self, index: slice | Sequence[int]) -> ScoringBatch:
         """The sub-batch of rows ``index``, with columns that are padding in every selected row trimmed off."""
         ids, attn, resp = self.input_ids[index], self.attention_mask[index], self.response_mask[index]
         p = self.prompt_width
@@ -157,8 +157,9 @@ def build_scoring_batch(
     if eos is None and FINISH_STOP in finish_reasons:
         raise ValueError("the tokenizer has no eos_token_id; pass eos_token_id to score 'stop' responses")
     prompt_ids = tokenizer(list(prompt_texts), add_special_tokens=False)["input_ids"] if n else []
-    full = response_token_ids(tokenizer, responses, finish_reasons, eos_token_id=eos,
-                              max_response_tokens=max_response_tokens)
+    full = response_token_ids(
+        tokenizer, responses, finish_reasons, eos_token_id=eos, max_response_tokens=max_response_tokens
+    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     return build_scoring_batch_from_ids(prompt_ids, full, pad)
 
@@ -193,8 +194,9 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def token_log_probs(model: torch.nn.Module, batch: ScoringBatch, *,
-                    dropout: Sequence[torch.nn.Module] = ()) -> tuple[Tensor, Tensor]:
+def token_log_probs(
+    model: torch.nn.Module, batch: ScoringBatch, *, dropout: Sequence[torch.nn.Module] = ()
+) -> tuple[Tensor, Tensor]:
     """Per-token log-probs of the response tokens, in a left-aligned response view.
 
     Returns ``(log_probs, mask)``, both float32 ``[B, T]`` with ``T = batch.response_width``: column ``j`` is

@@ -31,15 +31,23 @@ import copy
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from hacrl_fed.algorithm import (
-    PolicyLossConfig, PolicyLossInputs, advantage_metrics, cross_weights, get_advantage_estimator, get_algorithm,
-    get_policy_loss, kl_k3, minibatch_schedule, order_rows,
+    PolicyLossConfig,
+    PolicyLossInputs,
+    advantage_metrics,
+    cross_weights,
+    get_advantage_estimator,
+    get_algorithm,
+    get_policy_loss,
+    kl_k3,
+    minibatch_schedule,
+    order_rows,
 )
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.models.context import context_length, fits
@@ -135,8 +143,10 @@ def checkpoint_layers(model: torch.nn.Module) -> int:
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
-        raise ValueError(f"trainer.gradient_checkpointing: {type(model).__name__} has no transformers decoder "
-                         "layers (GradientCheckpointingLayer) to checkpoint")
+        raise ValueError(
+            f"trainer.gradient_checkpointing: {type(model).__name__} has no transformers decoder "
+            "layers (GradientCheckpointingLayer) to checkpoint"
+        )
     for layer in layers:
         if getattr(layer, "_hacrl_checkpointed", False):
             continue
@@ -166,8 +176,12 @@ class LocalTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         self.model_params = params
         self.master = self._master_weights(params, trainer.precision)  # fp32 copies (bf16-master) or None
-        self.optimizer = torch.optim.AdamW(self.master if self.master is not None else params, lr=trainer.lr,
-                                           betas=tuple(trainer.betas), weight_decay=trainer.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.master if self.master is not None else params,
+            lr=trainer.lr,
+            betas=tuple(trainer.betas),
+            weight_decay=trainer.weight_decay,
+        )
         self.ref_model = None
         if algo.kl_beta > 0:
             self.ref_model = copy.deepcopy(model).eval()
@@ -180,16 +194,23 @@ class LocalTrainer:
     def _master_weights(params: list[torch.Tensor], precision: str) -> list[torch.Tensor] | None:
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
         if precision == "bf16-autocast" and dtypes not in ([], ["float32"]):
-            raise ValueError(f"trainer.precision=bf16-autocast keeps float32 weights but the model's trainable "
-                             f"weights are {dtypes}: set model.dtype: float32")
+            raise ValueError(
+                f"trainer.precision=bf16-autocast keeps float32 weights but the model's trainable "
+                f"weights are {dtypes}: set model.dtype: float32"
+            )
         if precision == "bf16-master":
             if dtypes not in ([], ["bfloat16"]):
-                raise ValueError(f"trainer.precision=bf16-master trains bfloat16 weights against float32 masters "
-                                 f"but the model's trainable weights are {dtypes}: set model.dtype: bfloat16")
+                raise ValueError(
+                    f"trainer.precision=bf16-master trains bfloat16 weights against float32 masters "
+                    f"but the model's trainable weights are {dtypes}: set model.dtype: bfloat16"
+                )
             return [p.detach().float().clone().requires_grad_(True) for p in params]
         if precision == "model" and any(d in ("bfloat16", "float16") for d in dtypes):
-            log.warning("trainer.precision=model with %s weights: AdamW runs in half precision and drops updates "
-                        "below its resolution; consider trainer.precision: bf16-master", dtypes)
+            log.warning(
+                "trainer.precision=model with %s weights: AdamW runs in half precision and drops updates "
+                "below its resolution; consider trainer.precision: bf16-master",
+                dtypes,
+            )
         return None
 
     def _autocast(self, device: torch.device):
@@ -200,12 +221,21 @@ class LocalTrainer:
     def advantages(self, rows: Sequence[TrainRow], learner: int, capability: Sequence[float]) -> Tensor:
         """Advantages of ``rows`` (docs/ALGORITHM.md §2, or plain group normalisation for the baselines). → [N]."""
         fn = get_advantage_estimator(self.spec.advantage)
-        return fn(torch.tensor([r.reward for r in rows], dtype=torch.float64), torch.tensor([r.group for r in rows]),
-                  torch.tensor([r.source for r in rows]), learner, capability, reward_max=self.algo.reward_max,
-                  ratio_min=self.algo.ratio_min, ratio_max=self.algo.ratio_max, eps=self.algo.adv_eps).float()
+        return fn(
+            torch.tensor([r.reward for r in rows], dtype=torch.float64),
+            torch.tensor([r.group for r in rows]),
+            torch.tensor([r.source for r in rows]),
+            learner,
+            capability,
+            reward_max=self.algo.reward_max,
+            ratio_min=self.algo.ratio_min,
+            ratio_max=self.algo.ratio_max,
+            eps=self.algo.adv_eps,
+        ).float()
 
-    def update(self, rows: Sequence[TrainRow], learner: int, capability: Sequence[float],
-               names: Sequence[str] | None = None) -> dict[str, float]:
+    def update(
+        self, rows: Sequence[TrainRow], learner: int, capability: Sequence[float], names: Sequence[str] | None = None
+    ) -> dict[str, float]:
         """One round's update. ``learner``: this agent's index into ``capability`` (``Phat`` per agent);
         ``names``: agent names for the per-source advantage metrics (``hacpo/adv_mean/<name>``)."""
         start = time.perf_counter()
@@ -219,8 +249,9 @@ class LocalTrainer:
         scorable = [i for i in keep if fits(len(rows[i].prompt_ids), len(rows[i].response_ids), self.context)]
         too_long = len(keep) - len(scorable)
         if too_long:
-            log.warning("%d rows exceed the model's context of %s tokens: left out of the update", too_long,
-                        self.context)
+            log.warning(
+                "%d rows exceed the model's context of %s tokens: left out of the update", too_long, self.context
+            )
         rows, adv = [rows[i] for i in scorable], adv_all[scorable]
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0, "train/num_too_long": float(too_long)}
@@ -240,12 +271,20 @@ class LocalTrainer:
                 acc.add(self._step(m, [rows[i] for i in picked], adv[picked], is_self[picked], v[picked]))
         out = acc.result()
         if names is not None:
-            out.update(advantage_metrics(adv_all, torch.tensor([r.source for r in all_rows]), names,
-                                         prefix=self.algo.name))
-        out.update({"train/steps": float(len(schedule)), "train/num_rows": float(len(rows)),
-                    "train/num_too_long": float(too_long),
-                    "train/num_self": float(is_self.sum()), "train/num_cross": float((~is_self).sum()),
-                    "train/adv_abs_mean": float(adv.abs().mean()), "time/update": time.perf_counter() - start})
+            out.update(
+                advantage_metrics(adv_all, torch.tensor([r.source for r in all_rows]), names, prefix=self.algo.name)
+            )
+        out.update(
+            {
+                "train/steps": float(len(schedule)),
+                "train/num_rows": float(len(rows)),
+                "train/num_too_long": float(too_long),
+                "train/num_self": float(is_self.sum()),
+                "train/num_cross": float((~is_self).sum()),
+                "train/adv_abs_mean": float(adv.abs().mean()),
+                "time/update": time.perf_counter() - start,
+            }
+        )
         return out
 
     def _step(self, m: int, rows: list[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor) -> dict[str, float]:
@@ -262,8 +301,9 @@ class LocalTrainer:
         for s in range(0, len(rows), self.cfg.micro_batch_size):
             sl = slice(s, s + self.cfg.micro_batch_size)
             micro = rows[sl]
-            batch = build_scoring_batch_from_ids([r.prompt_ids for r in micro], [r.response_ids for r in micro],
-                                                 self.pad_id)
+            batch = build_scoring_batch_from_ids(
+                [r.prompt_ids for r in micro], [r.response_ids for r in micro], self.pad_id
+            )
             with self._autocast(device):
                 lp, mask = token_log_probs(self.model, batch, dropout=self.dropout)
             old_tok = None
@@ -272,9 +312,14 @@ class LocalTrainer:
                     raise ValueError(f"{self.algo.name} is token-level: every row needs old_token_log_probs")
                 old_tok = _pad([r.old_token_log_probs for r in micro], lp.shape[1]).to(lp.device)
             inputs = PolicyLossInputs(
-                log_probs=lp, response_mask=mask,
+                log_probs=lp,
+                response_mask=mask,
                 old_log_probs=torch.tensor([r.old_log_prob for r in micro], device=lp.device),
-                advantages=adv[sl], is_self=is_self[sl], cross_weight=v[sl], old_token_log_probs=old_tok)
+                advantages=adv[sl],
+                is_self=is_self[sl],
+                cross_weight=v[sl],
+                old_token_log_probs=old_tok,
+            )
             loss, metrics = self.loss_fn(inputs, m, self.loss_cfg)
             # exact mini-batch mean from micro-batch means: weight by rows (or tokens for token-mean GRPO)
             weight = float(mask.sum()) / total_tokens if self.by_tokens else len(micro) / len(rows)
@@ -291,15 +336,22 @@ class LocalTrainer:
                 master.grad = None if p.grad is None else p.grad.detach().float()
                 p.grad = None
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.grad_clip)
+            [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.grad_clip
+        )
         self.optimizer.step()
         if self.master is not None:  # float32 masters -> bf16 model weights
             with torch.no_grad():
                 for p, master in zip(self.model_params, self.master):
                     p.copy_(master)
         out = acc.result()
-        out.update({"train/loss": loss_total, "train/grad_norm": float(grad_norm), "train/kl": kl_total,
-                    "train/num_tokens": float(sum(len(r.prompt_ids) + len(r.response_ids) for r in rows))})
+        out.update(
+            {
+                "train/loss": loss_total,
+                "train/grad_norm": float(grad_norm),
+                "train/kl": kl_total,
+                "train/num_tokens": float(sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)),
+            }
+        )
         return out
 
     def _kl_sum(self, batch, lp: Tensor, mask: Tensor, is_self: Tensor) -> Tensor:

@@ -6,7 +6,7 @@ the agent index that produced the row, ``capability[n_agents]`` the ``Phat`` val
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -64,7 +64,10 @@ class _Groups:
 
 
 def capability_ratios(
-    capability: Tensor | Sequence[float], learner: int, source_ids: Tensor, ratio_min: float = DEFAULTS.ratio_min,
+    capability: Tensor | Sequence[float],
+    learner: int,
+    source_ids: Tensor,
+    ratio_min: float = DEFAULTS.ratio_min,
     ratio_max: float = DEFAULTS.ratio_max,
 ) -> Tensor:
     """``w(k, src_i) = clamp(Phat_k / Phat_src_i, ratio_min, ratio_max)``, exactly 1 where ``src_i == k``. → [N]."""
@@ -148,7 +151,10 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = DEFAULT
 
 
 def cross_weights(
-    capability: Tensor | Sequence[float], learner: int, source_ids: Tensor, ratio_min: float = DEFAULTS.ratio_min,
+    capability: Tensor | Sequence[float],
+    learner: int,
+    source_ids: Tensor,
+    ratio_min: float = DEFAULTS.ratio_min,
     ratio_max: float = DEFAULTS.ratio_max,
 ) -> Tensor:
     """Capability discrepancy coefficient ``v(j,k) = clamp(Phat_j / Phat_k, ratio_min, ratio_max)`` per row. → [N].

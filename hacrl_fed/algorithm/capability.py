@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hacrl_fed.config import AlgorithmConfig
 
@@ -18,9 +19,14 @@ class CapabilityTracker:
     ``warmup_rounds`` rounds (counted in :meth:`update` calls).
     """
 
-    def __init__(self, window: int = DEFAULTS.capability_window, floor: float = DEFAULTS.capability_floor,
-                 ratio_min: float = DEFAULTS.ratio_min, ratio_max: float = DEFAULTS.ratio_max,
-                 warmup_rounds: int = DEFAULTS.warmup_rounds):
+    def __init__(
+        self,
+        window: int = DEFAULTS.capability_window,
+        floor: float = DEFAULTS.capability_floor,
+        ratio_min: float = DEFAULTS.ratio_min,
+        ratio_max: float = DEFAULTS.ratio_max,
+        warmup_rounds: int = DEFAULTS.warmup_rounds,
+    ):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         if not floor > 0:
@@ -36,7 +42,7 @@ class CapabilityTracker:
         self._history: dict[str, list[float]] = {}
 
     @classmethod
-    def from_algorithm(cls, algo: Any) -> "CapabilityTracker":
+    def from_algorithm(cls, algo: Any) -> CapabilityTracker:
         """The tracker an ``algorithm`` config section (:class:`~hacrl_fed.config.AlgorithmConfig`) asks for."""
         return cls(algo.capability_window, algo.capability_floor, algo.ratio_min, algo.ratio_max, algo.warmup_rounds)
 
@@ -62,7 +68,7 @@ class CapabilityTracker:
         hist = self._history.get(str(agent))
         if not hist:
             return 1.0
-        recent = hist[-self.window:]
+        recent = hist[-self.window :]
         return max(self.floor, sum(recent) / len(recent))
 
     def ratio(self, num: str, den: str) -> float:
@@ -84,15 +90,20 @@ class CapabilityTracker:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "window": self.window, "floor": self.floor, "ratio_min": self.ratio_min, "ratio_max": self.ratio_max,
-            "warmup_rounds": self.warmup_rounds, "rounds_seen": self.rounds_seen,
+            "window": self.window,
+            "floor": self.floor,
+            "ratio_min": self.ratio_min,
+            "ratio_max": self.ratio_max,
+            "warmup_rounds": self.warmup_rounds,
+            "rounds_seen": self.rounds_seen,
             "history": {a: list(h) for a, h in self._history.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` (settings included), validating it first."""
-        fresh = CapabilityTracker(state["window"], state["floor"], state["ratio_min"], state["ratio_max"],
-                                  state["warmup_rounds"])
+        fresh = CapabilityTracker(
+            state["window"], state["floor"], state["ratio_min"], state["ratio_max"], state["warmup_rounds"]
+        )
         history = {str(a): [float(x) for x in h] for a, h in dict(state["history"]).items()}
         if any(not math.isfinite(x) or x < 0 for h in history.values() for x in h):
             raise ValueError("capability history values must be finite and >= 0")

@@ -43,7 +43,7 @@ class PolicyLossConfig:
     grpo_loss_agg_mode: str = DEFAULTS.grpo_loss_agg_mode
 
     @classmethod
-    def from_algorithm(cls, algo: Any) -> "PolicyLossConfig":
+    def from_algorithm(cls, algo: Any) -> PolicyLossConfig:
         """The loss configuration of an ``algorithm`` config section (an :class:`AlgorithmConfig`)."""
         return cls(**{f.name: getattr(algo, f.name) for f in fields(cls)})
 
@@ -51,8 +51,9 @@ class PolicyLossConfig:
 def sequence_mean_log_prob(token_log_probs: Tensor, mask: Tensor) -> Tensor:
     """``lbar = sum_t(lp[b,t] * mask[b,t]) / max(1, sum_t mask[b,t])``. token_log_probs [B,T], mask [B,T] → [B]."""
     if token_log_probs.shape != mask.shape or token_log_probs.dim() != 2:
-        raise ValueError(f"token_log_probs and mask must both be [B, T], got {tuple(token_log_probs.shape)} "
-                         f"and {tuple(mask.shape)}")
+        raise ValueError(
+            f"token_log_probs and mask must both be [B, T], got {tuple(token_log_probs.shape)} and {tuple(mask.shape)}"
+        )
     m = mask.to(token_log_probs.dtype)
     return (token_log_probs * m).sum(-1) / m.sum(-1).clamp(min=1.0)
 
@@ -63,8 +64,9 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * m).sum() / m.sum().clamp(min=1.0)
 
 
-def cross_lower_bound(minibatch_index: int, delta: float = DEFAULTS.cross_clip_delta,
-                      delta_step: float = DEFAULTS.cross_clip_step) -> float:
+def cross_lower_bound(
+    minibatch_index: int, delta: float = DEFAULTS.cross_clip_delta, delta_step: float = DEFAULTS.cross_clip_step
+) -> float:
     """Stepwise lower clip bound of cross rows: ``lower_m = min(1, 1 - delta + m * delta_step)``."""
     if minibatch_index < 0:
         raise ValueError(f"minibatch_index must be >= 0, got {minibatch_index}")
@@ -75,8 +77,11 @@ def _stats(prefix: str, name: str, x: Tensor) -> dict[str, float]:
     if x.numel() == 0:
         return {}
     x = x.detach().float()
-    return {f"{prefix}/{name}_mean": float(x.mean()), f"{prefix}/{name}_min": float(x.min()),
-            f"{prefix}/{name}_max": float(x.max())}
+    return {
+        f"{prefix}/{name}_mean": float(x.mean()),
+        f"{prefix}/{name}_min": float(x.min()),
+        f"{prefix}/{name}_max": float(x.max()),
+    }
 
 
 def _frac(x: Tensor) -> float:
@@ -118,12 +123,18 @@ def hacpo_loss(
       cross: c * stopgrad(c) ** alpha * v * A,  c = clamp(s, lower_m, 1),  lower_m = min(1, 1 - delta + m * step)
       loss = -mean over the N rows of the objective.
     """
-    _check_seq_inputs(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
-                      is_self=is_self, cross_weight=cross_weight)
+    _check_seq_inputs(
+        log_probs=log_probs,
+        old_log_probs=old_log_probs,
+        advantages=advantages,
+        is_self=is_self,
+        cross_weight=cross_weight,
+    )
     is_self = is_self.to(torch.bool)
     adv = advantages.to(log_probs.dtype)
-    log_ratio = torch.clamp(log_probs - old_log_probs.to(log_probs.dtype), -config.max_abs_log_ratio,
-                            config.max_abs_log_ratio)
+    log_ratio = torch.clamp(
+        log_probs - old_log_probs.to(log_probs.dtype), -config.max_abs_log_ratio, config.max_abs_log_ratio
+    )
     ratio = torch.exp(log_ratio)  # s = exp(lbar_new - lbar_old)
     self_obj = gspo_objective(ratio, adv, config.self_clip_low, config.self_clip_high)
     lower = cross_lower_bound(minibatch_index, config.cross_clip_delta, config.cross_clip_step)
@@ -134,8 +145,9 @@ def hacpo_loss(
     return loss, _hacpo_metrics(ratio, is_self, objective, lower, config)
 
 
-def _hacpo_metrics(ratio: Tensor, is_self: Tensor, objective: Tensor, lower: float,
-                   config: PolicyLossConfig) -> dict[str, float]:
+def _hacpo_metrics(
+    ratio: Tensor, is_self: Tensor, objective: Tensor, lower: float, config: PolicyLossConfig
+) -> dict[str, float]:
     s_self, s_cross = ratio[is_self].detach(), ratio[~is_self].detach()
     m: dict[str, float] = {
         "hacpo/num_self": float(s_self.numel()),
@@ -193,8 +205,15 @@ def naive_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """``naive`` sharing: GSPO's ratio and clip on every row (own and foreign) against its source's ``lbar``,
     with none of HACPO's mechanisms (no capability weight, no stepwise band). Inputs [N]; metrics ``naive/...``."""
-    return gspo_loss(log_probs, old_log_probs, advantages, clip_low=clip_low, clip_high=clip_high,
-                     max_abs_log_ratio=max_abs_log_ratio, prefix="naive")
+    return gspo_loss(
+        log_probs,
+        old_log_probs,
+        advantages,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        max_abs_log_ratio=max_abs_log_ratio,
+        prefix="naive",
+    )
 
 
 def grpo_loss(
@@ -210,9 +229,9 @@ def grpo_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO token-level PPO-clip loss. log_probs, old_log_probs, response_mask [B,T]; advantages [B].
 
-      r_t = exp(clamp(lp_t - old_lp_t, -M, M));  obj_t = min(r_t A, clamp(r_t, 1 - low, 1 + high) A)
-      loss = -token-mean over all masked tokens (``"token-mean"``) or -mean over sequences of the per-sequence
-      token mean (``"seq-mean-token-mean"``).
+    r_t = exp(clamp(lp_t - old_lp_t, -M, M));  obj_t = min(r_t A, clamp(r_t, 1 - low, 1 + high) A)
+    loss = -token-mean over all masked tokens (``"token-mean"``) or -mean over sequences of the per-sequence
+    token mean (``"seq-mean-token-mean"``).
     """
     if log_probs.dim() != 2 or old_log_probs.shape != log_probs.shape or response_mask.shape != log_probs.shape:
         raise ValueError("log_probs, old_log_probs and response_mask must all be [B, T] of one shape")

@@ -14,14 +14,20 @@ trainer asks the spec instead of testing algorithm names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import Tensor
 
 from hacrl_fed.algorithm.advantages import group_advantages, hacpo_advantages
 from hacrl_fed.algorithm.losses import (
-    DEFAULTS, PolicyLossConfig, grpo_loss, gspo_loss, hacpo_loss, naive_loss, sequence_mean_log_prob,
+    DEFAULTS,
+    PolicyLossConfig,
+    grpo_loss,
+    gspo_loss,
+    hacpo_loss,
+    naive_loss,
+    sequence_mean_log_prob,
 )
 
 AdvantageFn = Callable[..., Tensor]
@@ -36,6 +42,7 @@ def _register(table: dict, kind: str, name: str):
             raise ValueError(f"{kind} {name!r} is already registered")
         table[name] = fn
         return fn
+
     return deco
 
 
@@ -121,33 +128,52 @@ def _adv_hacpo(rewards, group_ids, source_ids, learner, capability, **kw) -> Ten
 
 
 @register_advantage_estimator("group")
-def _adv_group(rewards, group_ids, source_ids, learner, capability, *, eps: float = DEFAULTS.adv_eps,
-               **_: object) -> Tensor:
+def _adv_group(
+    rewards, group_ids, source_ids, learner, capability, *, eps: float = DEFAULTS.adv_eps, **_: object
+) -> Tensor:
     """Plain (joint-)group mean/std: GRPO and GSPO on own rows, ``naive`` on the joint group."""
     return group_advantages(rewards, group_ids, eps=eps)
 
 
 @register_policy_loss("hacpo")
 def _loss_hacpo(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLossConfig):
-    return hacpo_loss(inputs.sequence_log_probs(), inputs.old_log_probs, inputs.advantages, inputs.is_self,
-                      inputs.cross_weight, minibatch_index, config)
+    return hacpo_loss(
+        inputs.sequence_log_probs(),
+        inputs.old_log_probs,
+        inputs.advantages,
+        inputs.is_self,
+        inputs.cross_weight,
+        minibatch_index,
+        config,
+    )
 
 
 @register_policy_loss("gspo")
 def _loss_gspo(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLossConfig):
     if not bool(inputs.is_self.all()):
         raise ValueError("gspo trains on the learner's own rows only; got cross rows")
-    return gspo_loss(inputs.sequence_log_probs(), inputs.old_log_probs, inputs.advantages,
-                     clip_low=config.self_clip_low, clip_high=config.self_clip_high,
-                     max_abs_log_ratio=config.max_abs_log_ratio, prefix="gspo")
+    return gspo_loss(
+        inputs.sequence_log_probs(),
+        inputs.old_log_probs,
+        inputs.advantages,
+        clip_low=config.self_clip_low,
+        clip_high=config.self_clip_high,
+        max_abs_log_ratio=config.max_abs_log_ratio,
+        prefix="gspo",
+    )
 
 
 @register_policy_loss("naive")
 def _loss_naive(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLossConfig):
     """Every row with GSPO's ratio and clip against its source's ``lbar`` (no weight, no stepwise band)."""
-    return naive_loss(inputs.sequence_log_probs(), inputs.old_log_probs, inputs.advantages,
-                      clip_low=config.self_clip_low, clip_high=config.self_clip_high,
-                      max_abs_log_ratio=config.max_abs_log_ratio)
+    return naive_loss(
+        inputs.sequence_log_probs(),
+        inputs.old_log_probs,
+        inputs.advantages,
+        clip_low=config.self_clip_low,
+        clip_high=config.self_clip_high,
+        max_abs_log_ratio=config.max_abs_log_ratio,
+    )
 
 
 @register_policy_loss("grpo")
@@ -156,6 +182,13 @@ def _loss_grpo(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLos
         raise ValueError("grpo is token-level: PolicyLossInputs.old_token_log_probs is required")
     if not bool(inputs.is_self.all()):
         raise ValueError("grpo trains on the learner's own rows only; got cross rows")
-    return grpo_loss(inputs.log_probs, inputs.old_token_log_probs, inputs.advantages, inputs.response_mask,
-                     clip_low=config.grpo_clip_low, clip_high=config.grpo_clip_high,
-                     max_abs_log_ratio=config.max_abs_log_ratio, loss_agg_mode=config.grpo_loss_agg_mode)
+    return grpo_loss(
+        inputs.log_probs,
+        inputs.old_token_log_probs,
+        inputs.advantages,
+        inputs.response_mask,
+        clip_low=config.grpo_clip_low,
+        clip_high=config.grpo_clip_high,
+        max_abs_log_ratio=config.max_abs_log_ratio,
+        loss_agg_mode=config.grpo_loss_agg_mode,
+    )

@@ -34,23 +34,47 @@ ROOT = Path(__file__).resolve().parents[2]
 AGENTS_DIR = ROOT / "benchmarks" / "agents"
 
 _QWEN = dict(zoo._QWEN)  # qwen-char's architecture (0.70 M params with the char vocabulary)
-_QWEN_SMALL = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=32)  # ~0.15 M params
+_QWEN_SMALL = dict(
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+)  # ~0.15 M params
 _SFT = zoo._DEMO_SFT  # the demo agents' SFT schedule
 
 BENCH_AGENTS: dict[str, ZooEntry] = {
     e.name: e
     for e in (
         # state heterogeneity: qwen-char's architecture and tokenizer, another init seed, a weaker warm start
-        ZooEntry("qwen-char-b", "qwen3", _QWEN, "char",
-                 SFTRecipe(lr=3e-3, seed=11, stop_at_accuracy=0.25, **_SFT), target_accuracy=(0.15, 0.4)),
+        ZooEntry(
+            "qwen-char-b",
+            "qwen3",
+            _QWEN,
+            "char",
+            SFTRecipe(lr=3e-3, seed=11, stop_at_accuracy=0.25, **_SFT),
+            target_accuracy=(0.15, 0.4),
+        ),
         # size heterogeneity: same family and tokenizer as qwen-char, ~5x fewer parameters
-        ZooEntry("qwen-char-small", "qwen3", _QWEN_SMALL, "char",
-                 SFTRecipe(lr=4e-3, seed=12, stop_at_accuracy=0.25, **_SFT), target_accuracy=(0.1, 0.4)),
+        ZooEntry(
+            "qwen-char-small",
+            "qwen3",
+            _QWEN_SMALL,
+            "char",
+            SFTRecipe(lr=4e-3, seed=12, stop_at_accuracy=0.25, **_SFT),
+            target_accuracy=(0.1, 0.4),
+        ),
         # for tests: micro-qwen-char's architecture, another seed (builds in seconds)
-        ZooEntry("micro-qwen-char-b", "qwen3", dict(zoo._MICRO_QWEN), "char",
-                 SFTRecipe(seed=5, **zoo._MICRO_SFT),
-                 bpe_corpus_size=200, eval_size=16),
+        ZooEntry(
+            "micro-qwen-char-b",
+            "qwen3",
+            dict(zoo._MICRO_QWEN),
+            "char",
+            SFTRecipe(seed=5, **zoo._MICRO_SFT),
+            bpe_corpus_size=200,
+            eval_size=16,
+        ),
     )
 }
 
@@ -89,14 +113,18 @@ def ensure_agent(path: str | Path, *, allow_build: bool = True) -> Path:
     if is_built(path, name):
         return path
     if not allow_build:
-        raise FileNotFoundError(f"bench agent {name!r} is not built at {path}: run `hacrl-fed bench agents build "
-                                f"{name}` (SFT, minutes on one core)")
+        raise FileNotFoundError(
+            f"bench agent {name!r} is not built at {path}: run `hacrl-fed bench agents build "
+            f"{name}` (SFT, minutes on one core)"
+        )
     log.warning("bench agent %s: building it into %s (SFT; minutes)", name, path)
     return build(name, path)
 
 
 def main_agents(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hacrl-fed bench agents", description="Build or list the benchmark's extra agents.")
+    p = argparse.ArgumentParser(
+        prog="hacrl-fed bench agents", description="Build or list the benchmark's extra agents."
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="recipes, hashes, and whether each is built")
     b = sub.add_parser("build", help="build agents (SFT warm start) into benchmarks/agents/")
@@ -109,8 +137,11 @@ def main_agents(argv: list[str] | None = None) -> int:
         for name, entry in BENCH_AGENTS.items():
             where = AGENTS_DIR / name
             rec = read_recipe(where)
-            state = (f"built (accuracy {rec['accuracy']:.3f}, {rec['num_params']} params)" if is_built(where, name)
-                     else "not built")
+            state = (
+                f"built (accuracy {rec['accuracy']:.3f}, {rec['num_params']} params)"
+                if is_built(where, name)
+                else "not built"
+            )
             print(f"{name:18s} {entry.arch:6s} {entry.tokenizer:5s} {entry.recipe_hash()} {state}")
         return 0
     names = [n for n in BENCH_AGENTS if not n.startswith("micro-")] if args.names == ["all"] else args.names
@@ -120,6 +151,8 @@ def main_agents(argv: list[str] | None = None) -> int:
     for name in names:
         path = build(name, args.out / name if args.out else None)
         rec = read_recipe(path)
-        print(f"{name}: params={rec['num_params']} accuracy={rec['accuracy']:.3f} build={rec['build_seconds']:.0f}s "
-              f"-> {path}")
+        print(
+            f"{name}: params={rec['num_params']} accuracy={rec['accuracy']:.3f} build={rec['build_seconds']:.0f}s "
+            f"-> {path}"
+        )
     return 0

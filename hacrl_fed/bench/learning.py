@@ -33,9 +33,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
@@ -96,8 +97,9 @@ def load_matrix(path: str | Path = MATRIX) -> Matrix:
         unknown = set(m) - {"set", "scale", "same_as", "about"}
         if unknown:
             raise MatrixError(f"{path}: methods.{name}: unknown keys {sorted(unknown)}")
-        methods[name] = Method(name, dict(m.get("set") or {}), dict(m.get("scale") or {}), m.get("same_as"),
-                               m.get("about", ""))
+        methods[name] = Method(
+            name, dict(m.get("set") or {}), dict(m.get("scale") or {}), m.get("same_as"), m.get("about", "")
+        )
     for m in methods.values():
         if m.same_as is not None and m.same_as not in methods:
             raise MatrixError(f"{path}: methods.{m.name}.same_as={m.same_as!r} is not a method")
@@ -205,8 +207,16 @@ def portable_hash(cfg) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def build_cell(matrix: Matrix, setting: str, method: str, seed: int, group: str, *, rounds: int | None = None,
-               extra: dict[str, Any] | None = None) -> Cell:
+def build_cell(
+    matrix: Matrix,
+    setting: str,
+    method: str,
+    seed: int,
+    group: str,
+    *,
+    rounds: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Cell:
     """One cell: its overrides, its config (or why it is skipped), its hash."""
     from hacrl_fed.config import ConfigError, load_config
 
@@ -261,8 +271,15 @@ def _match(patterns: list[str], setting: str, method: str, group: str) -> bool:
     return False
 
 
-def plan_cells(matrix: Matrix, *, only: Iterable[str] = (), seeds: Iterable[int] | None = None,
-               rounds: int | None = None, extra: dict[str, Any] | None = None, quick: bool = False) -> list[Cell]:
+def plan_cells(
+    matrix: Matrix,
+    *,
+    only: Iterable[str] = (),
+    seeds: Iterable[int] | None = None,
+    rounds: int | None = None,
+    extra: dict[str, Any] | None = None,
+    quick: bool = False,
+) -> list[Cell]:
     """Every cell of the matrix (or of ``matrix.quick``) selected by ``only`` (``SETTING``, ``GROUP``,
     ``SETTING/METHOD``, shell patterns allowed), in group, setting, method, seed order, without duplicates."""
     only = list(only)
@@ -332,14 +349,26 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpus": cpus, "cpu_model": cpu_model, "memory_gib": mem, "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
+    return {
+        "cpus": cpus,
+        "cpu_model": cpu_model,
+        "memory_gib": mem,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
 
 
 def _stats(values: list[float]) -> dict[str, float]:
-    tail = values[-max(1, len(values) // 4):]
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
-            "late_mean": statistics.fmean(tail), "rounds": len(values)}
+    tail = values[-max(1, len(values) // 4) :]
+    return {
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+        "late_mean": statistics.fmean(tail),
+        "rounds": len(values),
+    }
 
 
 def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -357,23 +386,29 @@ def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
         for t in rounds:
             rec = by_round[t]
             generated += float(rec.get(f"round/{org}/rollouts_received", 0.0))
-            for key, name in ((f"round/{org}/rollouts_accepted", "rollouts_accepted"),
-                              (f"round/{org}/rollouts_rejected", "rollouts_rejected"),
-                              (f"{org}/train/num_rows", "sequences_trained"),
-                              (f"{org}/train/num_self", "self_sequences_trained"),
-                              (f"{org}/train/num_cross", "cross_sequences_trained"),
-                              (f"{org}/train/foreign_received", "foreign_received"),
-                              (f"{org}/train/foreign_unscored", "foreign_unscored"),
-                              (f"{org}/train/steps", "optimizer_steps"),
-                              (f"{org}/time/generate", "time_generate_s"), (f"{org}/time/verify", "time_verify_s"),
-                              (f"{org}/time/trust", "time_trust_s"), (f"{org}/time/score", "time_score_s"),
-                              (f"{org}/time/train", "time_train_s"), (f"eval/{org}/time/eval", "time_eval_s"),
-                              (f"round/{org}/failed", "rounds_failed"),
-                              (f"round/{org}/train_failed", "train_failed")):
+            for key, name in (
+                (f"round/{org}/rollouts_accepted", "rollouts_accepted"),
+                (f"round/{org}/rollouts_rejected", "rollouts_rejected"),
+                (f"{org}/train/num_rows", "sequences_trained"),
+                (f"{org}/train/num_self", "self_sequences_trained"),
+                (f"{org}/train/num_cross", "cross_sequences_trained"),
+                (f"{org}/train/foreign_received", "foreign_received"),
+                (f"{org}/train/foreign_unscored", "foreign_unscored"),
+                (f"{org}/train/steps", "optimizer_steps"),
+                (f"{org}/time/generate", "time_generate_s"),
+                (f"{org}/time/verify", "time_verify_s"),
+                (f"{org}/time/trust", "time_trust_s"),
+                (f"{org}/time/score", "time_score_s"),
+                (f"{org}/time/train", "time_train_s"),
+                (f"eval/{org}/time/eval", "time_eval_s"),
+                (f"round/{org}/failed", "rounds_failed"),
+                (f"round/{org}/train_failed", "train_failed"),
+            ):
                 if key in rec:
                     sums[name] = sums.get(name, 0.0) + float(rec[key])
             sums["time_calls_s"] = sums.get("time_calls_s", 0.0) + sum(
-                float(v) for k, v in rec.items() if k.startswith("time/call/") and k.endswith(f"/{org}"))
+                float(v) for k, v in rec.items() if k.startswith("time/call/") and k.endswith(f"/{org}")
+            )
             if f"eval/{org}/accuracy" in rec:
                 curve.append([t, int(generated), float(rec[f"eval/{org}/accuracy"])])
             if f"round/{org}/accuracy" in rec:
@@ -384,15 +419,22 @@ def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
             for key, value in rec.items():
                 if not key.startswith(prefix):
                     continue
-                rest = key[len(prefix):]
+                rest = key[len(prefix) :]
                 head = rest.split("/", 1)[0]
-                if head in ALGOS or rest in ("train/loss", "train/grad_norm", "train/kl", "train/adv_abs_mean",
-                                             "gen/mean_tokens", "gen/stop_frac"):
+                if head in ALGOS or rest in (
+                    "train/loss",
+                    "train/grad_norm",
+                    "train/kl",
+                    "train/adv_abs_mean",
+                    "gen/mean_tokens",
+                    "gen/stop_frac",
+                ):
                     algo.setdefault(rest, []).append(float(value))
         before = curve[0][2] if curve and curve[0][0] == 0 else None
         after = curve[-1][2] if curve else None
         agents[org] = {
-            "accuracy_before": before, "accuracy_after": after,
+            "accuracy_before": before,
+            "accuracy_after": after,
             "gain": None if before is None or after is None else after - before,
             "curve": curve,  # [round, rollouts generated through that round, held-out accuracy]
             "train_reward": reward_curve,  # [round, mean verified reward of the org's own rollouts]
@@ -457,11 +499,21 @@ def run_cell(cell: Cell, results: Path, *, keep_runs: Path | None = None, allow_
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     result = {
-        "schema": SCHEMA, "setting": cell.setting, "method": cell.method, "seed": cell.seed, "group": cell.group,
-        "config_hash": cell.hash, "overrides": cell.overrides, "config": cfg.model_dump(mode="json"),
+        "schema": SCHEMA,
+        "setting": cell.setting,
+        "method": cell.method,
+        "seed": cell.seed,
+        "group": cell.group,
+        "config_hash": cell.hash,
+        "overrides": cell.overrides,
+        "config": cfg.model_dump(mode="json"),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-        "wall_time_s": round(time.time() - started, 2), "setup_s": round(setup_s, 2), "run_s": round(run_s, 2),
-        "coordinator_wall_s": round(summary.wall_time_s, 2), "code": _git_version(), "machine": machine_info(),
+        "wall_time_s": round(time.time() - started, 2),
+        "setup_s": round(setup_s, 2),
+        "run_s": round(run_s, 2),
+        "coordinator_wall_s": round(summary.wall_time_s, 2),
+        "code": _git_version(),
+        "machine": machine_info(),
         "rollouts_per_round": {o.id: cfg.federation.prompts_per_round * _num_samples(cfg, o.id) for o in cfg.orgs},
         **summarize_cell(cfg, records),
     }
@@ -491,9 +543,11 @@ def _finite(obj: Any) -> Any:
 
 
 def describe(result: dict[str, Any]) -> str:
-    accs = " ".join(f"{org} {a['accuracy_before']:.3f}->{a['accuracy_after']:.3f}"
-                    for org, a in result["agents"].items()
-                    if a["accuracy_before"] is not None and a["accuracy_after"] is not None)
+    accs = " ".join(
+        f"{org} {a['accuracy_before']:.3f}->{a['accuracy_after']:.3f}"
+        for org, a in result["agents"].items()
+        if a["accuracy_before"] is not None and a["accuracy_after"] is not None
+    )
     return f"{result['rounds']} rounds in {result['wall_time_s']:.0f} s; {accs}"
 
 
@@ -501,24 +555,48 @@ def describe(result: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hacrl-fed bench learning", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="hacrl-fed bench learning",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--matrix", type=Path, default=MATRIX, help="matrix YAML (default configs/bench/matrix.yaml)")
-    p.add_argument("--results", type=Path, default=None,
-                   help="results dir (default benchmarks/results, with --quick benchmarks/results-quick)")
-    p.add_argument("--only", action="append", default=[], metavar="SETTING[/METHOD]",
-                   help="run only these cells: a setting, a group, or setting/method (shell patterns; repeatable)")
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="results dir (default benchmarks/results, with --quick benchmarks/results-quick)",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="SETTING[/METHOD]",
+        help="run only these cells: a setting, a group, or setting/method (shell patterns; repeatable)",
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the matrix's seeds")
     p.add_argument("--rounds", type=int, default=None, help="override federation.rounds of every cell")
     p.add_argument("--quick", action="store_true", help="the matrix's reduced 'quick' selection")
-    p.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="override a config field in every cell (part of the cell's config hash)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field in every cell (part of the cell's config hash)",
+    )
     p.add_argument("--list", action="store_true", help="print the plan (done / to run / skipped) and exit")
     p.add_argument("--no-build", action="store_true", help="skip cells whose bench agents are not built yet")
     p.add_argument("--no-report", action="store_true", help="do not rewrite the report at the end")
-    p.add_argument("--keep-runs", type=Path, default=None, metavar="DIR",
-                   help="keep each cell's run dir (metrics.jsonl, checkpoints) as DIR/<setting>/<method>/seed<k>; keep DIR "
-                        "outside the repository (flwr run packages it)")
+    p.add_argument(
+        "--keep-runs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep each cell's run dir (metrics.jsonl, checkpoints) as DIR/<setting>/<method>/seed<k>; keep DIR "
+        "outside the repository (flwr run packages it)",
+    )
     p.add_argument("--max-cells", type=int, default=None, help="stop after running this many cells")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, i.e. all cores)")
     return p
@@ -538,8 +616,7 @@ def main_learning(argv: list[str] | None = None) -> int:
     try:
         matrix = load_matrix(args.matrix)
         extra = parse_overrides([kv for group in args.overrides for kv in group])
-        cells = plan_cells(matrix, only=args.only, seeds=args.seeds, rounds=args.rounds, extra=extra,
-                           quick=args.quick)
+        cells = plan_cells(matrix, only=args.only, seeds=args.seeds, rounds=args.rounds, extra=extra, quick=args.quick)
     except (MatrixError, ConfigError, OSError) as err:
         print(f"hacrl-fed bench learning: error: {err}", file=sys.stderr)
         return 2
@@ -548,8 +625,10 @@ def main_learning(argv: list[str] | None = None) -> int:
         return 2
     status = {c.key: cell_status(c, results) for c in cells}
     todo = [c for c in cells if status[c.key] in ("todo", "stale")]
-    print(f"{len(cells)} cells: {sum(s == 'done' for s in status.values())} done, {len(todo)} to run, "
-          f"{sum(s == 'skip' for s in status.values())} skipped; results in {results}")
+    print(
+        f"{len(cells)} cells: {sum(s == 'done' for s in status.values())} done, {len(todo)} to run, "
+        f"{sum(s == 'skip' for s in status.values())} skipped; results in {results}"
+    )
     for c in cells:
         if status[c.key] == "skip":
             print(f"  skip {c.key}: {c.skip}")
@@ -563,12 +642,16 @@ def main_learning(argv: list[str] | None = None) -> int:
             print(f"stopping after {ran} cells (--max-cells)")
             break
         if args.no_build and any(not _built(a) for a in c.agents):
-            print(f"  skip {c.key}: needs bench agents {[a.name for a in c.agents if not _built(a)]} "
-                  "(hacrl-fed bench agents build ...)")
+            print(
+                f"  skip {c.key}: needs bench agents {[a.name for a in c.agents if not _built(a)]} "
+                "(hacrl-fed bench agents build ...)"
+            )
             continue
         eta = f", ~{statistics.fmean(times) * (len(todo) - ran) / 60:.0f} min left" if times else ""
-        print(f"[{ran + 1}/{len(todo)}] {c.key}{' (config changed: rerun)' if status[c.key] == 'stale' else ''}"
-              f"{eta}", flush=True)
+        print(
+            f"[{ran + 1}/{len(todo)}] {c.key}{' (config changed: rerun)' if status[c.key] == 'stale' else ''}{eta}",
+            flush=True,
+        )
         try:
             result = run_cell(c, results, keep_runs=args.keep_runs, allow_build=not args.no_build)
         except KeyboardInterrupt:

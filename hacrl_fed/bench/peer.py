@@ -11,7 +11,8 @@ steps of 64 sequences per batch, AdamW at a constant learning rate, grad-norm cl
   TRL signs nothing) driven through ``generate`` (sampling, log-probs, verification) and ``train`` (the update);
 - **TRL**: ``GRPOTrainer`` with ``importance_sampling_level="sequence"`` and every relevant option set explicitly
   (:mod:`hacrl_fed.bench.trl_runner`), in its own virtual environment that this command creates on first use
-  (``~/.cache/hacrl_fed/peer-trl-venv``: CPU torch pinned first, ``pip install torch==2.13.0``, so that pip never pulls a CUDA build; then
+  (``~/.cache/hacrl_fed/peer-trl-venv``: CPU torch pinned first, ``pip install torch==2.13.0``, so that pip never
+  pulls a CUDA build; then
   ``trl``, the same ``transformers`` as ours, and ``pydantic`` for the shared answer check).
 
 Runs alternate (ours, TRL, ours, TRL, ...), each in a fresh process with the same torch thread count. Per run: the
@@ -44,6 +45,7 @@ def default_venv() -> Path:
     from hacrl_fed.models.zoo import cache_root
 
     return cache_root() / "peer-trl-venv"
+
 
 OUT = ROOT / "benchmarks" / "peer"
 TORCH_PIN = "torch==2.13.0"
@@ -83,12 +85,25 @@ def make_spec(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     task = get_task("arithmetic", {"difficulty": 2}, seed=args.seed)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ids = list(range(args.prompts * args.batches))
-    prompts = [{"id": p.prompt_id, "text": render_prompt(tok, p.messages), "reference": p.reference}
-               for p in task.prompts("train", ids)]
-    spec = {"model_dir": str(model_dir), "model": args.model, "seed": args.seed, "threads": args.threads,
-            "prompts_per_batch": args.prompts, "num_samples": args.samples, "steps_per_batch": args.steps,
-            "batches": args.batches, "max_new_tokens": args.max_new_tokens, "lr": args.lr,
-            "clip_low": 3e-4, "clip_high": 4e-4, "prompts": prompts}
+    prompts = [
+        {"id": p.prompt_id, "text": render_prompt(tok, p.messages), "reference": p.reference}
+        for p in task.prompts("train", ids)
+    ]
+    spec = {
+        "model_dir": str(model_dir),
+        "model": args.model,
+        "seed": args.seed,
+        "threads": args.threads,
+        "prompts_per_batch": args.prompts,
+        "num_samples": args.samples,
+        "steps_per_batch": args.steps,
+        "batches": args.batches,
+        "max_new_tokens": args.max_new_tokens,
+        "lr": args.lr,
+        "clip_low": 3e-4,
+        "clip_high": 4e-4,
+        "prompts": prompts,
+    }
     path.write_text(json.dumps(spec))
     return spec
 
@@ -111,18 +126,37 @@ def ours_main(argv: list[str]) -> int:
     torch.set_num_threads(int(spec["threads"]))
     t_import = time.perf_counter() - t_start
     B, G, steps = int(spec["prompts_per_batch"]), int(spec["num_samples"]), int(spec["steps_per_batch"])
-    cfg = load_config({
-        "name": "peer", "seed": spec["seed"], "orgs": [{"id": "peer", "model": {"path": spec["model_dir"]}}],
-        "algorithm": {"name": "gspo", "self_clip_low": spec["clip_low"], "self_clip_high": spec["clip_high"],
-                      "kl_beta": 0.0},
-        "trainer": {"lr": spec["lr"], "minibatch_size": B * G // steps, "micro_batch_size": B * G // steps,
-                    "grad_clip": 1.0, "weight_decay": 0.0},
-        "generation": {"num_samples": G, "max_new_tokens": spec["max_new_tokens"], "temperature": 1.0,
-                       "top_p": 1.0, "top_k": 0, "batch_size": B * G},
-        "task": {"name": "arithmetic", "params": {"difficulty": 2}},
-        "federation": {"rounds": int(spec["batches"]), "prompts_per_round": B},
-        "security": {"signing": False},
-    })
+    cfg = load_config(
+        {
+            "name": "peer",
+            "seed": spec["seed"],
+            "orgs": [{"id": "peer", "model": {"path": spec["model_dir"]}}],
+            "algorithm": {
+                "name": "gspo",
+                "self_clip_low": spec["clip_low"],
+                "self_clip_high": spec["clip_high"],
+                "kl_beta": 0.0,
+            },
+            "trainer": {
+                "lr": spec["lr"],
+                "minibatch_size": B * G // steps,
+                "micro_batch_size": B * G // steps,
+                "grad_clip": 1.0,
+                "weight_decay": 0.0,
+            },
+            "generation": {
+                "num_samples": G,
+                "max_new_tokens": spec["max_new_tokens"],
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "top_k": 0,
+                "batch_size": B * G,
+            },
+            "task": {"name": "arithmetic", "params": {"difficulty": 2}},
+            "federation": {"rounds": int(spec["batches"]), "prompts_per_round": B},
+            "security": {"signing": False},
+        }
+    )
     task = get_task("arithmetic", {"difficulty": 2}, seed=spec["seed"])
     work = Path(tempfile.mkdtemp(prefix="peer-ours-"))
     try:
@@ -131,9 +165,14 @@ def ours_main(argv: list[str]) -> int:
         ids = [p["id"] for p in spec["prompts"]]
         batch_s, rewards = [], []
         for i in range(int(spec["batches"])):
-            prompts = tuple(task.prompts("train", ids[i * B:(i + 1) * B]))
-            plan = RoundPlan("peer-run", i + 1, "arithmetic", prompts,
-                             SamplingParams(1.0, 1.0, 0, int(spec["max_new_tokens"]), G, 1000 + i))
+            prompts = tuple(task.prompts("train", ids[i * B : (i + 1) * B]))
+            plan = RoundPlan(
+                "peer-run",
+                i + 1,
+                "arithmetic",
+                prompts,
+                SamplingParams(1.0, 1.0, 0, int(spec["max_new_tokens"]), G, 1000 + i),
+            )
             t0 = time.perf_counter()
             batch = worker.generate(plan)
             worker.train(TrainRequest("peer-run", i + 1, "peer", prompts, (), {"peer": 1.0}))
@@ -142,9 +181,19 @@ def ours_main(argv: list[str]) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    Path(args.out).write_text(json.dumps({"side": "ours", "batch_s": batch_s, "completions_per_batch": B * G,
-                                          "import_s": t_import, "setup_s": t_setup, "peak_rss_mb": peak,
-                                          "mean_reward": statistics.fmean(rewards)}))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "side": "ours",
+                "batch_s": batch_s,
+                "completions_per_batch": B * G,
+                "import_s": t_import,
+                "setup_s": t_setup,
+                "peak_rss_mb": peak,
+                "mean_reward": statistics.fmean(rewards),
+            }
+        )
+    )
     return 0
 
 
@@ -152,8 +201,13 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
     """Completions/s of one run: completions per batch over the median batch time, first batch left out."""
     times = run["batch_s"][1:] if len(run["batch_s"]) > 1 else run["batch_s"]
     med = statistics.median(times)
-    return {"completions_per_s": run["completions_per_batch"] / med, "median_batch_s": med,
-            "peak_rss_mb": run["peak_rss_mb"], "import_s": run.get("import_s"), "setup_s": run.get("setup_s")}
+    return {
+        "completions_per_s": run["completions_per_batch"] / med,
+        "median_batch_s": med,
+        "peak_rss_mb": run["peak_rss_mb"],
+        "import_s": run.get("import_s"),
+        "setup_s": run.get("setup_s"),
+    }
 
 
 def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -162,8 +216,10 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for side in ("ours", "trl"):
         s = [summarize_run(r) for r in runs if r["side"] == side]
         if s:
-            out[side] = {k: statistics.median([x[k] for x in s if x[k] is not None])
-                         for k in ("completions_per_s", "median_batch_s", "peak_rss_mb", "import_s", "setup_s")}
+            out[side] = {
+                k: statistics.median([x[k] for x in s if x[k] is not None])
+                for k in ("completions_per_s", "median_batch_s", "peak_rss_mb", "import_s", "setup_s")
+            }
             out[side]["runs"] = len(s)
     if "ours" in out and "trl" in out:
         out["throughput_ratio_ours_over_trl"] = out["ours"]["completions_per_s"] / out["trl"]["completions_per_s"]
@@ -183,8 +239,12 @@ def main_peer(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: all cores)")
-    p.add_argument("--venv", type=Path, default=None,
-                   help="the TRL venv (default ~/.cache/hacrl_fed/peer-trl-venv; created when missing)")
+    p.add_argument(
+        "--venv",
+        type=Path,
+        default=None,
+        help="the TRL venv (default ~/.cache/hacrl_fed/peer-trl-venv; created when missing)",
+    )
     p.add_argument("--trl", default=TRL_PIN, help=f"TRL requirement (default {TRL_PIN})")
     p.add_argument("--sides", nargs="+", choices=("ours", "trl"), default=["ours", "trl"])
     p.add_argument("--out", type=Path, default=OUT)
@@ -210,11 +270,25 @@ def main_peer(argv: list[str] | None = None) -> int:
             for side in args.sides:
                 out = work / f"{side}-{rep}.json"
                 if side == "ours":
-                    cmd = [sys.executable, "-m", "hacrl_fed.bench.peer", "_ours", "--spec", str(spec_path),
-                           "--out", str(out)]
+                    cmd = [
+                        sys.executable,
+                        "-m",
+                        "hacrl_fed.bench.peer",
+                        "_ours",
+                        "--spec",
+                        str(spec_path),
+                        "--out",
+                        str(out),
+                    ]
                 else:
-                    cmd = [str(trl_py), str(ROOT / "hacrl_fed" / "bench" / "trl_runner.py"), "--spec",
-                           str(spec_path), "--out", str(out)]
+                    cmd = [
+                        str(trl_py),
+                        str(ROOT / "hacrl_fed" / "bench" / "trl_runner.py"),
+                        "--spec",
+                        str(spec_path),
+                        "--out",
+                        str(out),
+                    ]
                 log(f"  peer: run {rep + 1}/{args.repeats}, {side} ...")
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
                 if proc.returncode != 0:
@@ -228,8 +302,14 @@ def main_peer(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     from hacrl_fed.bench.learning import _git_version, machine_info
 
-    result = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_info(), "code": _git_version(),
-              "spec": {k: v for k, v in spec.items() if k != "prompts"}, "runs": runs, "summary": compare(runs)}
+    result = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": machine_info(),
+        "code": _git_version(),
+        "spec": {k: v for k, v in spec.items() if k != "prompts"},
+        "runs": runs,
+        "summary": compare(runs),
+    }
     (args.out / "peer.json").write_text(json.dumps(result, indent=1))
     print(format_summary(result["summary"]))
     print(f"peer.json: {args.out / 'peer.json'}")
@@ -237,15 +317,22 @@ def main_peer(argv: list[str] | None = None) -> int:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    lines = ["| side | completions/s | median batch s | peak RSS MiB | import s | setup s | runs |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| side | completions/s | median batch s | peak RSS MiB | import s | setup s | runs |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for side in ("ours", "trl"):
         s = summary.get(side)
         if s:
-            lines.append(f"| {side} | {s['completions_per_s']:.1f} | {s['median_batch_s']:.3f} | {s['peak_rss_mb']:.0f} "
-                         f"| {s['import_s']:.1f} | {s['setup_s']:.1f} | {s['runs']} |")
+            lines.append(
+                f"| {side} | {s['completions_per_s']:.1f} | {s['median_batch_s']:.3f} | {s['peak_rss_mb']:.0f} "
+                f"| {s['import_s']:.1f} | {s['setup_s']:.1f} | {s['runs']} |"
+            )
     if "throughput_ratio_ours_over_trl" in summary:
-        lines.append(f"\nours / TRL: throughput x{summary['throughput_ratio_ours_over_trl']:.2f}, "
-                     f"peak RSS x{summary['peak_rss_ratio_ours_over_trl']:.2f}")
+        lines.append(
+            f"\nours / TRL: throughput x{summary['throughput_ratio_ours_over_trl']:.2f}, "
+            f"peak RSS x{summary['peak_rss_ratio_ours_over_trl']:.2f}"
+        )
     return "\n".join(lines)
 
 

@@ -86,8 +86,12 @@ def _agents(cells: list[dict[str, Any]]) -> list[str]:
 
 def budget_of(by_method: dict[str, list[dict[str, Any]]], org: str) -> float | None:
     """The equal-rollouts budget for ``org``: the smallest final rollout count over the methods that ran."""
-    finals = [c["agents"][org]["rollouts_generated"] for cells in by_method.values() for c in cells
-              if org in c["agents"] and c["agents"][org]["curve"]]
+    finals = [
+        c["agents"][org]["rollouts_generated"]
+        for cells in by_method.values()
+        for c in cells
+        if org in c["agents"] and c["agents"][org]["curve"]
+    ]
     return float(min(finals)) if finals else None
 
 
@@ -107,9 +111,11 @@ def ratio_summary(method_cells: list[dict[str, Any]], org: str) -> str:
         return "–" if x is None else f"{x:.{digits}f}"
 
     if algo == "hacpo":
-        return (f"cross s̄ {f(m('cross_ratio_mean'), 3)}, in band {f(m('cross_in_band_frac'))}, "
-                f"below {f(m('cross_clip_low_frac'))}, above {f(m('cross_clip_high_frac'))}; "
-                f"self clip {f(m('self_clip_low_frac'))}/{f(m('self_clip_high_frac'))}")
+        return (
+            f"cross s̄ {f(m('cross_ratio_mean'), 3)}, in band {f(m('cross_in_band_frac'))}, "
+            f"below {f(m('cross_clip_low_frac'))}, above {f(m('cross_clip_high_frac'))}; "
+            f"self clip {f(m('self_clip_low_frac'))}/{f(m('self_clip_high_frac'))}"
+        )
     if algo == "naive":
         return f"s̄ {f(m('ratio_mean'), 3)}, clip low/high {f(m('clip_low_frac'))}/{f(m('clip_high_frac'))}"
     return f"s̄ {f(m('ratio_mean'), 4)}, clip low/high {f(m('clip_low_frac'))}/{f(m('clip_high_frac'))}"
@@ -141,12 +147,17 @@ def accuracy_tables(by_method: dict[str, list[dict[str, Any]]], methods: list[st
     rounds = sorted({c["rounds"] for m in present for c in by_method[m]})
     for view in ("rounds", "rollouts"):
         if view == "rounds":
-            lines.append(f"Held-out greedy accuracy after {'/'.join(map(str, rounds))} rounds, mean ± std over "
-                         "seeds (gain over the warm start, points):")
+            lines.append(
+                f"Held-out greedy accuracy after {'/'.join(map(str, rounds))} rounds, mean ± std over "
+                "seeds (gain over the warm start, points):"
+            )
         else:
             budgets = {o: budget_of(by_method, o) for o in orgs}
-            lines.append("At equal generated rollouts per agent ("
-                         + ", ".join(f"{o} {int(b) if b else '–'}" for o, b in budgets.items()) + "):")
+            lines.append(
+                "At equal generated rollouts per agent ("
+                + ", ".join(f"{o} {int(b) if b else '–'}" for o, b in budgets.items())
+                + "):"
+            )
         lines.append("")
         rows = []
         for m in present:
@@ -158,8 +169,7 @@ def accuracy_tables(by_method: dict[str, list[dict[str, Any]]], methods: list[st
                 if view == "rounds":
                     vals = [c["agents"][o]["accuracy_after"] for c in cells]
                 else:
-                    vals = [acc_at_rollouts(c["agents"][o]["curve"], budgets[o]) if budgets[o] else None
-                            for c in cells]
+                    vals = [acc_at_rollouts(c["agents"][o]["curve"], budgets[o]) if budgets[o] else None for c in cells]
                 row.append(fmt_acc(vals, before))
                 g = mean_std([a - b for a, b in zip(vals, before) if a is not None and b is not None])[0]
                 if g is not None:
@@ -185,12 +195,35 @@ def cost_table(by_method: dict[str, list[dict[str, Any]]], methods: list[str]) -
             seqs = mean_std([x.get("sequences_trained", 0) for x in a])[0]
             cross = mean_std([x.get("cross_sequences_trained", 0) for x in a])[0]
             t = mean_std([x.get("time_calls_s", 0.0) for x in a])[0]
-            rows.append([f"`{m}`", o, f"{gen:.0f}", f"{seqs:.0f} ({cross:.0f} cross)", f"{t:.0f}",
-                         f"{wall:.0f}", ratio_summary(cells, o)])
-    return ["What each learner generated and trained on (means over seeds; s̄ = mean sequence ratio, fractions "
-            "of rows, mean over rounds):", "",
-            *_table(["method", "agent", "rollouts generated", "sequences trained on", "agent time s",
-                     "cell wall s", "ratios and clipping"], rows), ""]
+            rows.append(
+                [
+                    f"`{m}`",
+                    o,
+                    f"{gen:.0f}",
+                    f"{seqs:.0f} ({cross:.0f} cross)",
+                    f"{t:.0f}",
+                    f"{wall:.0f}",
+                    ratio_summary(cells, o),
+                ]
+            )
+    return [
+        "What each learner generated and trained on (means over seeds; s̄ = mean sequence ratio, fractions "
+        "of rows, mean over rounds):",
+        "",
+        *_table(
+            [
+                "method",
+                "agent",
+                "rollouts generated",
+                "sequences trained on",
+                "agent time s",
+                "cell wall s",
+                "ratios and clipping",
+            ],
+            rows,
+        ),
+        "",
+    ]
 
 
 def targets(by_method: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -206,20 +239,28 @@ def targets(by_method: dict[str, list[dict[str, Any]]]) -> list[str]:
     lines = ["Targets (mean over seeds, equal rounds):", ""]
     per_agent = [(o, final("hacpo", o), final("gspo_x2", o)) for o in orgs]
     ok = all(h is not None and x is not None and h >= x for _, h, x in per_agent)
-    lines.append(f"- HACPO ≥ GSPO×2 for every agent: {'yes' if ok else 'no'} ("
-                 + ", ".join(f"{o} {h:.3f} vs {x:.3f}" for o, h, x in per_agent if h is not None and x is not None)
-                 + ")")
-    diffs = [final("hacpo", o) - final("gspo", o) for o in orgs
-             if final("hacpo", o) is not None and final("gspo", o) is not None]
+    lines.append(
+        f"- HACPO ≥ GSPO×2 for every agent: {'yes' if ok else 'no'} ("
+        + ", ".join(f"{o} {h:.3f} vs {x:.3f}" for o, h, x in per_agent if h is not None and x is not None)
+        + ")"
+    )
+    diffs = [
+        final("hacpo", o) - final("gspo", o)
+        for o in orgs
+        if final("hacpo", o) is not None and final("gspo", o) is not None
+    ]
     if diffs:
         gain = 100 * statistics.fmean(diffs)
-        lines.append(f"- mean gain of HACPO over isolated GSPO ≥ +3 points: {'yes' if gain >= 3 else 'no'} "
-                     f"({gain:+.1f})")
+        lines.append(
+            f"- mean gain of HACPO over isolated GSPO ≥ +3 points: {'yes' if gain >= 3 else 'no'} ({gain:+.1f})"
+        )
     nv = [final("naive", o) for o in orgs]
     hc = [final("hacpo", o) for o in orgs]
     if all(v is not None for v in nv + hc):
-        lines.append(f"- naive < HACPO (mean over agents): {'yes' if statistics.fmean(nv) < statistics.fmean(hc) else 'no'}"
-                     f" ({statistics.fmean(nv):.3f} vs {statistics.fmean(hc):.3f})")
+        lines.append(
+            f"- naive < HACPO (mean over agents): {'yes' if statistics.fmean(nv) < statistics.fmean(hc) else 'no'}"
+            f" ({statistics.fmean(nv):.3f} vs {statistics.fmean(hc):.3f})"
+        )
     return lines + [""]
 
 
@@ -247,9 +288,14 @@ def plot_setting(by_method: dict[str, list[dict[str, Any]]], methods: list[str],
             std = [statistics.stdev([a for _, a in points[r]]) if len(points[r]) > 1 else 0.0 for r in rounds]
             xs_roll = [statistics.fmean(x for x, _ in points[r]) for r in rounds]
             for ax, xs in ((axes[0][j], rounds), (axes[1][j], xs_roll)):
-                line, = ax.plot(xs, mean, marker="o", ms=3, label=m)
-                ax.fill_between(xs, [a - s for a, s in zip(mean, std)], [a + s for a, s in zip(mean, std)],
-                                color=line.get_color(), alpha=0.15)
+                (line,) = ax.plot(xs, mean, marker="o", ms=3, label=m)
+                ax.fill_between(
+                    xs,
+                    [a - s for a, s in zip(mean, std)],
+                    [a + s for a, s in zip(mean, std)],
+                    color=line.get_color(),
+                    alpha=0.15,
+                )
         axes[0][j].set_title(_agent_label(by_method[present[0]], o))
         axes[0][j].set_xlabel("round")
         axes[1][j].set_xlabel("rollouts generated by this agent")
@@ -271,15 +317,28 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
     data = load_results(results)
     settings_order = list(matrix.settings) if matrix else sorted({s for s, _ in data})
     settings_order += sorted({s for s, _ in data} - set(settings_order))
-    lines = ["# Learning benchmark results", "",
-             f"Generated by `hacrl-fed bench report` from the JSON under `{_rel(results)}` "
-             f"({sum(len(v) for v in data.values())} cells).", ""]
+    lines = [
+        "# Learning benchmark results",
+        "",
+        f"Generated by `hacrl-fed bench report` from the JSON under `{_rel(results)}` "
+        f"({sum(len(v) for v in data.values())} cells).",
+        "",
+    ]
     commits = sorted({(c.get("code") or {}).get("commit") or "?" for v in data.values() for c in v})
-    machines = sorted({f"{(c.get('machine') or {}).get('cpus')} CPUs, torch {(c.get('machine') or {}).get('torch')}"
-                       for v in data.values() for c in v})
+    machines = sorted(
+        {
+            f"{(c.get('machine') or {}).get('cpus')} CPUs, torch {(c.get('machine') or {}).get('torch')}"
+            for v in data.values()
+            for c in v
+        }
+    )
     if commits:
-        lines += [f"Code: {', '.join(x[:12] for x in commits)}{' (MIXED: cells from several commits)' if len(commits) > 1 else ''}; "
-                  f"machine: {'; '.join(machines)}.", ""]
+        lines += [
+            f"Code: {', '.join(x[:12] for x in commits)}"
+            f"{' (MIXED: cells from several commits)' if len(commits) > 1 else ''}; "
+            f"machine: {'; '.join(machines)}.",
+            "",
+        ]
     groups = matrix.groups if matrix else {"main": {"settings": settings_order, "methods": list(MAIN_METHODS)}}
     for setting in settings_order:
         by_method = {m: cells for (s, m), cells in data.items() if s == setting}
@@ -314,13 +373,21 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
             lines += cost_table(shown, list(shown))
             if plots and plot_setting(shown, list(shown), results / "curves" / f"{setting}-{g}.png", f"{setting}: {g}"):
                 lines += [f"![{setting} {g}](curves/{setting}-{g}.png)", ""]
-    busy = [f"{c['setting']}/{c['method']}/seed{c['seed']}" for v in data.values() for c in v
-            if (c.get("round_time_s") or {}).get("min") and c["round_time_s"]["mean"] > 2 * c["round_time_s"]["min"]]
+    busy = [
+        f"{c['setting']}/{c['method']}/seed{c['seed']}"
+        for v in data.values()
+        for c in v
+        if (c.get("round_time_s") or {}).get("min") and c["round_time_s"]["mean"] > 2 * c["round_time_s"]["min"]
+    ]
     if busy:
-        lines += ["## Disturbed timings", "",
-                  "Cells whose mean round time is more than twice their fastest round (the machine was busy with "
-                  "something else; their wall times overstate the cost, their accuracies are unaffected): "
-                  + ", ".join(f"`{b}`" for b in busy), ""]
+        lines += [
+            "## Disturbed timings",
+            "",
+            "Cells whose mean round time is more than twice their fastest round (the machine was busy with "
+            "something else; their wall times overstate the cost, their accuracies are unaffected): "
+            + ", ".join(f"`{b}`" for b in busy),
+            "",
+        ]
     if matrix is not None:
         skipped = {}
         for cell in plan_cells(matrix):
@@ -328,9 +395,12 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
                 skipped[f"{cell.setting}/{cell.method}"] = cell.skip
         if skipped:
             lines += ["## Not run", ""] + [f"- `{k}`: {why}" for k, why in skipped.items()] + [""]
-    lines += ["Notes: the `hacpo/cross_*_frac` fractions are the logged per-round values; today they count "
-              "micro-batches without cross rows as 0, so they understate the share of cross rows (until the metric is "
-              "fixed in the algorithm).", ""]
+    lines += [
+        "Notes: the `hacpo/cross_*_frac` fractions are the logged per-round values; today they count "
+        "micro-batches without cross rows as 0, so they understate the share of cross rows (until the metric is "
+        "fixed in the algorithm).",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -41,8 +41,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 
@@ -53,8 +54,13 @@ OUT = ROOT / "benchmarks" / "system"
 TRANSPORTS = ("inprocess", "grpc", "flower")
 MICRO = ("micro-qwen-char", "micro-gpt2-bpe")
 PHASES = ("generate", "verify", "score", "train", "trust", "exchange", "coordinator")
-QUIET_ENV = {"HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "TOKENIZERS_PARALLELISM": "false"}
+QUIET_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 # ------------------------------------------------------------------------------------------------ aggregation
@@ -78,15 +84,19 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
         orgs = _orgs(rec)
         coord_trust = _sum(rec, [f"time/trust/{o}" for o in orgs])
         row = {
-            "round": int(rec["round"]), "orgs": len(orgs), "wall": float(rec["time/round"]),
-            "generate_fanout": float(rec.get("time/generate") or 0.0), "train_fanout": float(rec.get("time/train") or 0.0),
+            "round": int(rec["round"]),
+            "orgs": len(orgs),
+            "wall": float(rec["time/round"]),
+            "generate_fanout": float(rec.get("time/generate") or 0.0),
+            "train_fanout": float(rec.get("time/train") or 0.0),
             "generate": _sum(rec, [f"{o}/time/generate" for o in orgs]),
             "verify": _sum(rec, [f"{o}/time/verify" for o in orgs]),
             "score": _sum(rec, [f"{o}/time/score" for o in orgs]),
             "train": _sum(rec, [f"{o}/time/train" for o in orgs]),
             "trust": coord_trust + _sum(rec, [f"{o}/time/trust" for o in orgs] + [f"{o}/time/seal_sign" for o in orgs]),
             "exchange": _sum(rec, [k for k in rec if k.startswith("time/exchange/")]),
-            "coordinator": float(rec["time/round"]) - float(rec.get("time/generate") or 0.0)
+            "coordinator": float(rec["time/round"])
+            - float(rec.get("time/generate") or 0.0)
             - float(rec.get("time/train") or 0.0),
             "rollouts": _sum(rec, [f"round/{o}/rollouts_received" for o in orgs]),
             "foreign": _sum(rec, [f"{o}/train/foreign_received" for o in orgs]),
@@ -96,10 +106,15 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
                 row[f"bytes_{phase}"] = float(rec[f"bytes/{phase}/total"])
         for o in orgs:
             calls = _sum(rec, [f"time/call/generate/{o}", f"time/call/train/{o}"])
-            compute = _sum(rec, [f"{o}/time/{p}" for p in ("generate", "verify", "seal_sign", "trust", "score", "train")])
+            compute = _sum(
+                rec, [f"{o}/time/{p}" for p in ("generate", "verify", "seal_sign", "trust", "score", "train")]
+            )
             row[f"org/{o}/call"], row[f"org/{o}/compute"] = calls, compute
-            peaks = [float(v) for k, v in rec.items() if k.startswith(f"{o}/perf/") and k.endswith("/peak_rss_mb")
-                     and v is not None]
+            peaks = [
+                float(v)
+                for k, v in rec.items()
+                if k.startswith(f"{o}/perf/") and k.endswith("/peak_rss_mb") and v is not None
+            ]
             if peaks:
                 row[f"org/{o}/peak_rss_mb"] = max(peaks)
         rows.append(row)
@@ -135,10 +150,17 @@ def wire_bytes(summary: Mapping[str, float], text_bytes_per_rollout: float | Non
     train = summary.get("bytes_train")
     per_gen = gen / summary["rollouts"] if gen is not None and summary.get("rollouts") else None
     per_train = train / summary["foreign"] if train is not None and summary.get("foreign") else None
-    ratio = (lambda x: x / text_bytes_per_rollout if x is not None and text_bytes_per_rollout else None)
-    return {"generate_bytes_per_rollout": per_gen, "train_bytes_per_foreign_rollout": per_train,
-            "text_bytes_per_rollout": text_bytes_per_rollout, "generate_vs_text": ratio(per_gen),
-            "train_vs_text": ratio(per_train)}
+
+    def ratio(x: float | None) -> float | None:
+        return x / text_bytes_per_rollout if x is not None and text_bytes_per_rollout else None
+
+    return {
+        "generate_bytes_per_rollout": per_gen,
+        "train_bytes_per_foreign_rollout": per_train,
+        "text_bytes_per_rollout": text_bytes_per_rollout,
+        "generate_vs_text": ratio(per_gen),
+        "train_vs_text": ratio(per_train),
+    }
 
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -223,8 +245,13 @@ def child_main(argv: Sequence[str]) -> int:
             from hacrl_fed.coordinator.grpc_transport import GrpcTransport
             from hacrl_fed.coordinator.launcher import WorkerProcesses
 
-            procs = WorkerProcesses(args.config, [o.id for o in cfg.orgs], run_dir=run_dir,
-                                    overrides=list(args.overrides), worker_args=["--run-dir", str(run_dir)])
+            procs = WorkerProcesses(
+                args.config,
+                [o.id for o in cfg.orgs],
+                run_dir=run_dir,
+                overrides=list(args.overrides),
+                worker_args=["--run-dir", str(run_dir)],
+            )
             inner = GrpcTransport(procs.start(), max_message_mb=cfg.federation.max_message_mb)
             bad = {o: e for o, e in inner.wait_ready(600).items() if isinstance(e, Exception)}
             if bad:
@@ -256,16 +283,31 @@ def child_env(flwr_home: Path) -> dict[str, str]:
     return env
 
 
-def run_child(kind: str, config: Path, overrides: Sequence[str], work: Path, name: str,
-              timeout_s: float = 1800) -> dict[str, Any]:
+def run_child(
+    kind: str, config: Path, overrides: Sequence[str], work: Path, name: str, timeout_s: float = 1800
+) -> dict[str, Any]:
     """One run in a fresh subprocess; its records, phase rows and the child's report."""
     run_dir = work / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
     out = work / f"{name}.child.json"
     home = Path(tempfile.mkdtemp(prefix="flwr-home-"))
-    cmd = [sys.executable, "-m", "hacrl_fed.bench.system", "_child", "--kind", kind, "--config", str(config),
-           "--run-dir", str(run_dir), "--out", str(out), "--set", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hacrl_fed.bench.system",
+        "_child",
+        "--kind",
+        kind,
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--out",
+        str(out),
+        "--set",
+        *overrides,
+    ]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(home), timeout=timeout_s, cwd=ROOT)
@@ -282,15 +324,28 @@ def run_child(kind: str, config: Path, overrides: Sequence[str], work: Path, nam
 # ------------------------------------------------------------------------------------------------ parts
 
 
-def bench_transports(config: Path, transports: Sequence[str], rounds: int, repeats: int, eval_size: int,
-                     extra: Sequence[str], work: Path, log=print) -> dict[str, Any]:
-    overrides = [f"federation.rounds={rounds}", "federation.eval_every=0", f"task.eval_size={eval_size}",
-                 "federation.checkpoint_every=0", *extra]
+def bench_transports(
+    config: Path,
+    transports: Sequence[str],
+    rounds: int,
+    repeats: int,
+    eval_size: int,
+    extra: Sequence[str],
+    work: Path,
+    log=print,
+) -> dict[str, Any]:
+    overrides = [
+        f"federation.rounds={rounds}",
+        "federation.eval_every=0",
+        f"task.eval_size={eval_size}",
+        "federation.checkpoint_every=0",
+        *extra,
+    ]
     rows: dict[str, list] = {t: [] for t in transports}
     runs: list[dict[str, Any]] = []
     text = {"rollouts": 0, "bytes": 0}
     for rep in range(repeats):
-        order = list(transports[rep % len(transports):]) + list(transports[:rep % len(transports)])
+        order = list(transports[rep % len(transports) :]) + list(transports[: rep % len(transports)])
         for t in order:
             log(f"  transports: repeat {rep + 1}/{repeats}, {t} ...")
             res = run_child(t, config, overrides, work, f"transport-{t}-{rep}")
@@ -298,14 +353,28 @@ def bench_transports(config: Path, transports: Sequence[str], rounds: int, repea
             info = res["info"]
             text["rollouts"] += info.get("rollouts_seen", 0)
             text["bytes"] += info.get("text_bytes", 0)
-            runs.append({"transport": t, "repeat": rep, "process_wall_s": info["process_wall_s"],
-                         "setup_s": info.get("setup_s"), "coordinator_peak_rss_mb": info["coordinator_peak_rss_mb"],
-                         "round_wall_s": [r["wall"] for r in res["rows"]]})
+            runs.append(
+                {
+                    "transport": t,
+                    "repeat": rep,
+                    "process_wall_s": info["process_wall_s"],
+                    "setup_s": info.get("setup_s"),
+                    "coordinator_peak_rss_mb": info["coordinator_peak_rss_mb"],
+                    "round_wall_s": [r["wall"] for r in res["rows"]],
+                }
+            )
     summaries = {t: summarize_rows(r) for t, r in rows.items() if r}
     text_per = text["bytes"] / text["rollouts"] if text["rollouts"] else None
-    return {"config": str(config), "overrides": overrides, "rounds": rounds, "repeats": repeats, "runs": runs,
-            "summary": summaries, "overhead_vs_inprocess": overhead(summaries),
-            "wire": {t: wire_bytes(s, text_per) for t, s in summaries.items() if t != "inprocess"}}
+    return {
+        "config": str(config),
+        "overrides": overrides,
+        "rounds": rounds,
+        "repeats": repeats,
+        "runs": runs,
+        "summary": summaries,
+        "overhead_vs_inprocess": overhead(summaries),
+        "wire": {t: wire_bytes(s, text_per) for t, s in summaries.items() if t != "inprocess"},
+    }
 
 
 def scaling_config(n: int, work: Path) -> Path:
@@ -324,17 +393,24 @@ def bench_scaling(counts: Sequence[int], rounds: int, work: Path, transport: str
     for n in counts:
         log(f"  scaling: {n} orgs over {transport} ...")
         cfg = scaling_config(n, work)
-        res = run_child(transport, cfg, [f"federation.rounds={rounds}", "federation.eval_every=0",
-                                         "task.eval_size=8"], work, f"scale-{n}")
+        res = run_child(
+            transport,
+            cfg,
+            [f"federation.rounds={rounds}", "federation.eval_every=0", "task.eval_size=8"],
+            work,
+            f"scale-{n}",
+        )
         s = summarize_rows(warm(res["rows"]))
         orgs = sorted({k.split("/")[1] for k in s if k.startswith("org/")})
         out[str(n)] = {
-            "round_wall_s": s["wall"], "coordinator_s_per_round": s["coordinator"],
+            "round_wall_s": s["wall"],
+            "coordinator_s_per_round": s["coordinator"],
             "per_org_call_s": statistics.median([s[f"org/{o}/call"] for o in orgs]) if orgs else None,
             "per_org_compute_s": statistics.median([s[f"org/{o}/compute"] for o in orgs]) if orgs else None,
             "coordinator_peak_rss_mb": res["info"]["coordinator_peak_rss_mb"],
             "worker_peak_rss_mb": {o: s.get(f"org/{o}/peak_rss_mb") for o in orgs},
-            "setup_s": res["info"].get("setup_s"), "rounds": s["n_rounds"],
+            "setup_s": res["info"].get("setup_s"),
+            "rounds": s["n_rounds"],
         }
     return {"transport": transport, "rounds": rounds, "orgs": out}
 
@@ -359,8 +435,9 @@ def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900)
             start_local(dep, SMOKE, orgs, overrides=overrides)
             started = time.perf_counter() - t0
             t1 = time.perf_counter()
-            run_id = dep.submit(ROOT, {"config-path": str(SMOKE), "overrides": " ".join(overrides),
-                                       "run-dir": str(run_dir)})
+            run_id = dep.submit(
+                ROOT, {"config-path": str(SMOKE), "overrides": " ".join(overrides), "run-dir": str(run_dir)}
+            )
             info = dep.wait_run(run_id, timeout_s)
             run_s = time.perf_counter() - t1
             processes = dep.timings()
@@ -372,18 +449,31 @@ def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900)
     dep_s, in_s = summarize_rows(warm(rows)), summarize_rows(warm(inproc["rows"]))
     where = {}
     for o in orgs:
-        where[o] = {"call_s": dep_s.get(f"org/{o}/call"), "compute_s": dep_s.get(f"org/{o}/compute"),
-                    "inprocess_call_s": in_s.get(f"org/{o}/call")}
+        where[o] = {
+            "call_s": dep_s.get(f"org/{o}/call"),
+            "compute_s": dep_s.get(f"org/{o}/compute"),
+            "inprocess_call_s": in_s.get(f"org/{o}/call"),
+        }
         if where[o]["call_s"] is not None and where[o]["compute_s"] is not None:
             where[o]["outside_worker_s"] = where[o]["call_s"] - where[o]["compute_s"]
-    return {"config": str(SMOKE), "rounds": rounds, "start_s": started, "run_s": run_s, "processes": processes,
-            "round_wall_s": dep_s["wall"], "inprocess_round_wall_s": in_s["wall"],
-            "fixed_cost_per_round_s": dep_s["wall"] - in_s["wall"],
-            "generate_fanout_s": dep_s["generate_fanout"], "train_fanout_s": dep_s["train_fanout"],
-            "coordinator_s": dep_s["coordinator"], "exchange_s": dep_s["exchange"], "per_org": where,
-            "clientapp_messages_per_round": 2 * len(orgs),
-            # every message runs in a new flwr-clientapp process: the time outside the workers, per message
-            "outside_worker_s_per_message": dep_s["exchange"] / (2 * len(orgs))}
+    return {
+        "config": str(SMOKE),
+        "rounds": rounds,
+        "start_s": started,
+        "run_s": run_s,
+        "processes": processes,
+        "round_wall_s": dep_s["wall"],
+        "inprocess_round_wall_s": in_s["wall"],
+        "fixed_cost_per_round_s": dep_s["wall"] - in_s["wall"],
+        "generate_fanout_s": dep_s["generate_fanout"],
+        "train_fanout_s": dep_s["train_fanout"],
+        "coordinator_s": dep_s["coordinator"],
+        "exchange_s": dep_s["exchange"],
+        "per_org": where,
+        "clientapp_messages_per_round": 2 * len(orgs),
+        # every message runs in a new flwr-clientapp process: the time outside the workers, per message
+        "outside_worker_s_per_message": dep_s["exchange"] / (2 * len(orgs)),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ printing
@@ -397,47 +487,77 @@ def format_tables(result: Mapping[str, Any]) -> str:
     lines = []
     tr = result.get("transports")
     if tr:
-        lines += [f"Per-round phases, medians over warm rounds ({tr['rounds']} rounds x {tr['repeats']} repeats; "
-                  "phases summed over orgs, seconds):", ""]
+        lines += [
+            f"Per-round phases, medians over warm rounds ({tr['rounds']} rounds x {tr['repeats']} repeats; "
+            "phases summed over orgs, seconds):",
+            "",
+        ]
         head = ["transport", "round", "x in-process", *PHASES]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "|".join("---" for _ in head) + "|")
         for t, s in tr["summary"].items():
-            lines.append("| " + " | ".join([t, _f(s["wall"]), _f(tr["overhead_vs_inprocess"].get(t), 2),
-                                             *[_f(s.get(p)) for p in PHASES]]) + " |")
-        lines += ["", "Wire bytes per rollout vs its text:", "",
-                  "| transport | generate B/rollout | train B/foreign rollout | text B/rollout | generate / text | train / text |",
-                  "|---|---|---|---|---|---|"]
+            lines.append(
+                "| "
+                + " | ".join(
+                    [t, _f(s["wall"]), _f(tr["overhead_vs_inprocess"].get(t), 2), *[_f(s.get(p)) for p in PHASES]]
+                )
+                + " |"
+            )
+        lines += [
+            "",
+            "Wire bytes per rollout vs its text:",
+            "",
+            "| transport | generate B/rollout | train B/foreign rollout | text B/rollout | generate / text "
+            "| train / text |",
+            "|---|---|---|---|---|---|",
+        ]
         for t, w in tr["wire"].items():
-            lines.append(f"| {t} | {_f(w['generate_bytes_per_rollout'], 0)} | {_f(w['train_bytes_per_foreign_rollout'], 0)} "
-                         f"| {_f(w['text_bytes_per_rollout'], 1)} | {_f(w['generate_vs_text'], 1)} | {_f(w['train_vs_text'], 1)} |")
+            lines.append(
+                f"| {t} | {_f(w['generate_bytes_per_rollout'], 0)} | {_f(w['train_bytes_per_foreign_rollout'], 0)} "
+                f"| {_f(w['text_bytes_per_rollout'], 1)} | {_f(w['generate_vs_text'], 1)} "
+                f"| {_f(w['train_vs_text'], 1)} |"
+            )
         lines.append("")
     sc = result.get("scaling")
     if sc:
-        lines += [f"Scaling over {sc['transport']} (micro agents, medians per round):", "",
-                  "| orgs | round s | coordinator s | per-org call s | per-org compute s | coordinator peak MiB | worker peak MiB (max) |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"Scaling over {sc['transport']} (micro agents, medians per round):",
+            "",
+            "| orgs | round s | coordinator s | per-org call s | per-org compute s | coordinator peak MiB "
+            "| worker peak MiB (max) |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for n, s in sc["orgs"].items():
             peaks = [v for v in s["worker_peak_rss_mb"].values() if v is not None]
-            lines.append(f"| {n} | {_f(s['round_wall_s'])} | {_f(s['coordinator_s_per_round'])} | {_f(s['per_org_call_s'])} "
-                         f"| {_f(s['per_org_compute_s'])} | {_f(s['coordinator_peak_rss_mb'], 0)} | {_f(max(peaks) if peaks else None, 0)} |")
+            lines.append(
+                f"| {n} | {_f(s['round_wall_s'])} | {_f(s['coordinator_s_per_round'])} | {_f(s['per_org_call_s'])} "
+                f"| {_f(s['per_org_compute_s'])} | {_f(s['coordinator_peak_rss_mb'], 0)} "
+                f"| {_f(max(peaks) if peaks else None, 0)} |"
+            )
         lines.append("")
     dp = result.get("deployment")
     if dp:
-        lines += ["Flower deployment engine on loopback (smoke config, medians per round):", "",
-                  f"- round: {_f(dp['round_wall_s'], 2)} s vs {_f(dp['inprocess_round_wall_s'], 2)} s in-process: "
-                  f"fixed cost {_f(dp['fixed_cost_per_round_s'], 2)} s per round "
-                  f"({dp['clientapp_messages_per_round']} ClientApp messages per round)",
-                  f"- generate fan-out {_f(dp['generate_fanout_s'], 2)} s, train fan-out {_f(dp['train_fanout_s'], 2)} s, "
-                  f"coordinator {_f(dp['coordinator_s'], 3)} s, exchange (call minus worker compute, all orgs) "
-                  f"{_f(dp['exchange_s'], 2)} s, i.e. {_f(dp['outside_worker_s_per_message'], 2)} s per ClientApp "
-                  "message (each message starts a new flwr-clientapp process)"]
+        lines += [
+            "Flower deployment engine on loopback (smoke config, medians per round):",
+            "",
+            f"- round: {_f(dp['round_wall_s'], 2)} s vs {_f(dp['inprocess_round_wall_s'], 2)} s in-process: "
+            f"fixed cost {_f(dp['fixed_cost_per_round_s'], 2)} s per round "
+            f"({dp['clientapp_messages_per_round']} ClientApp messages per round)",
+            f"- generate fan-out {_f(dp['generate_fanout_s'], 2)} s, train fan-out {_f(dp['train_fanout_s'], 2)} s, "
+            f"coordinator {_f(dp['coordinator_s'], 3)} s, exchange (call minus worker compute, all orgs) "
+            f"{_f(dp['exchange_s'], 2)} s, i.e. {_f(dp['outside_worker_s_per_message'], 2)} s per ClientApp "
+            "message (each message starts a new flwr-clientapp process)",
+        ]
         for o, w in dp["per_org"].items():
-            lines.append(f"- {o}: calls {_f(w['call_s'], 2)} s, worker compute {_f(w['compute_s'], 3)} s, outside the "
-                         f"worker {_f(w.get('outside_worker_s'), 2)} s (in-process calls {_f(w['inprocess_call_s'], 3)} s)")
+            lines.append(
+                f"- {o}: calls {_f(w['call_s'], 2)} s, worker compute {_f(w['compute_s'], 3)} s, outside the "
+                f"worker {_f(w.get('outside_worker_s'), 2)} s (in-process calls {_f(w['inprocess_call_s'], 3)} s)"
+            )
         ready = {k: v.get("ready_s") for k, v in dp["processes"].items() if v.get("ready_s") is not None}
-        lines.append(f"- start-up: {_f(dp['start_s'], 1)} s to a ready deployment; ready after (s): "
-                     + ", ".join(f"{k} {v:.1f}" for k, v in ready.items()))
+        lines.append(
+            f"- start-up: {_f(dp['start_s'], 1)} s to a ready deployment; ready after (s): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in ready.items())
+        )
         lines.append("")
     return "\n".join(lines)
 
@@ -451,14 +571,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=4, help="rounds per transport run")
     p.add_argument("--repeats", type=int, default=2, help="runs per transport (order rotated each repeat)")
     p.add_argument("--eval-size", type=int, default=20, help="held-out prompts evaluated before and after")
-    p.add_argument("--transports", nargs="*", choices=TRANSPORTS, default=list(TRANSPORTS),
-                   help="transports to compare (none: skip the comparison)")
+    p.add_argument(
+        "--transports",
+        nargs="*",
+        choices=TRANSPORTS,
+        default=list(TRANSPORTS),
+        help="transports to compare (none: skip the comparison)",
+    )
     p.add_argument("--scale-orgs", type=int, nargs="*", default=[2, 4, 8], help="org counts (none: skip)")
     p.add_argument("--scale-rounds", type=int, default=3)
     p.add_argument("--scale-transport", choices=("grpc", "inprocess"), default="grpc")
     p.add_argument("--deploy-rounds", type=int, default=3, help="rounds on the deployment engine (0: skip)")
-    p.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="extra overrides of the transport comparison's config")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra overrides of the transport comparison's config",
+    )
     p.add_argument("--out", type=Path, default=OUT, help="where system.json goes (default benchmarks/system)")
     p.add_argument("--keep-work", action="store_true", help="keep the run dirs (a temp dir, printed)")
     return p
@@ -472,14 +604,18 @@ def main_system(argv: list[str] | None = None) -> int:
     extra = [kv for group in args.overrides for kv in group]
     from hacrl_fed.bench.learning import _git_version, machine_info
 
-    result: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_info(),
-                              "code": _git_version()}
+    result: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": machine_info(),
+        "code": _git_version(),
+    }
     t0 = time.perf_counter()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
         if args.transports:
-            result["transports"] = bench_transports(args.config, args.transports, args.rounds, args.repeats,
-                                                    args.eval_size, extra, work, log)
+            result["transports"] = bench_transports(
+                args.config, args.transports, args.rounds, args.repeats, args.eval_size, extra, work, log
+            )
         if args.scale_orgs:
             result["scaling"] = bench_scaling(args.scale_orgs, args.scale_rounds, work, args.scale_transport, log)
         if args.deploy_rounds:

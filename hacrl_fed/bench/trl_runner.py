@@ -33,11 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(Path(args.spec).read_text())
 
     import torch
+    import transformers
+    import trl
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    import trl
-    import transformers
 
     sys.path.insert(0, str(ROOT))
     from hacrl_fed.tasks.arithmetic import extract_integer
@@ -64,22 +64,56 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     work = tempfile.mkdtemp(prefix="trl-peer-")
     config = GRPOConfig(
-        output_dir=work, report_to="none", save_strategy="no", logging_strategy="steps", logging_steps=steps,
+        output_dir=work,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="steps",
+        logging_steps=steps,
         disable_tqdm=True,
-        use_cpu=True, bf16=False, fp16=False, seed=int(spec["seed"]), data_seed=int(spec["seed"]),
-        dataloader_num_workers=0, remove_unused_columns=False, gradient_checkpointing=False,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=int(spec["seed"]),
+        data_seed=int(spec["seed"]),
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        gradient_checkpointing=False,
         # optimizer: AdamW, constant lr, as our trainer
-        learning_rate=float(spec["lr"]), lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, optim="adamw_torch",
+        learning_rate=float(spec["lr"]),
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
         # batch shape: B prompts x G samples per generation, `steps` optimizer steps per generation batch
-        per_device_train_batch_size=rows, gradient_accumulation_steps=1, steps_per_generation=steps,
-        num_generations=G, max_steps=batches * steps, num_iterations=1, shuffle_dataset=False,
+        per_device_train_batch_size=rows,
+        gradient_accumulation_steps=1,
+        steps_per_generation=steps,
+        num_generations=G,
+        max_steps=batches * steps,
+        num_iterations=1,
+        shuffle_dataset=False,
         # sampling as ours: temperature 1, no top-p / top-k / min-p, no repetition penalty
-        max_completion_length=int(spec["max_new_tokens"]), temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-        repetition_penalty=1.0, use_vllm=False, disable_dropout=True, log_completions=False,
+        max_completion_length=int(spec["max_new_tokens"]),
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        use_vllm=False,
+        disable_dropout=True,
+        log_completions=False,
         # GSPO: sequence-level ratio, clip [1 - 3e-4, 1 + 4e-4], sequence-mean of token-means, no KL
-        importance_sampling_level="sequence", loss_type="grpo", epsilon=float(spec["clip_low"]),
-        epsilon_high=float(spec["clip_high"]), beta=0.0, scale_rewards="group", mask_truncated_completions=False,
+        importance_sampling_level="sequence",
+        loss_type="grpo",
+        epsilon=float(spec["clip_low"]),
+        epsilon_high=float(spec["clip_high"]),
+        beta=0.0,
+        scale_rewards="group",
+        mask_truncated_completions=False,
     )
     stamps: list[float] = []
 
@@ -90,22 +124,41 @@ def main(argv: list[str] | None = None) -> int:
         def on_step_end(self, args, state, control, **kw):
             stamps.append(time.perf_counter())
 
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[Clock()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+    )
     t_setup = time.perf_counter() - T_START - t_import
     trainer.train()
     # one generation batch = `steps` optimizer steps (its first step also generates and scores old log-probs)
     batch_s = [stamps[i + steps] - stamps[i] for i in range(0, len(stamps) - steps, steps)]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     rewards = [float(h["reward"]) for h in trainer.state.log_history if "reward" in h]
-    Path(args.out).write_text(json.dumps({
-        "side": "trl", "batch_s": batch_s, "completions_per_batch": B * G, "import_s": t_import,
-        "mean_reward": sum(rewards) / len(rewards) if rewards else None,
-        "setup_s": t_setup, "peak_rss_mb": peak, "versions": {"trl": trl.__version__,
-                                                               "transformers": transformers.__version__,
-                                                               "torch": torch.__version__},
-        "config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))},
-    }))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "side": "trl",
+                "batch_s": batch_s,
+                "completions_per_batch": B * G,
+                "import_s": t_import,
+                "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+                "setup_s": t_setup,
+                "peak_rss_mb": peak,
+                "versions": {
+                    "trl": trl.__version__,
+                    "transformers": transformers.__version__,
+                    "torch": torch.__version__,
+                },
+                "config": {
+                    k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))
+                },
+            }
+        )
+    )
     return 0
 
 

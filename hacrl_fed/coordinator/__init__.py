@@ -10,10 +10,18 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Coordinator": "loop", "FederationError": "loop", "RoundResult": "loop", "RunSummary": "loop",
-    "OrgSummary": "loop", "PromptSampler": "sampler", "validate_batch": "validation",
-    "Transport": "transport", "TransportTimeout": "transport", "InProcessTransport": "inprocess",
-    "GrpcTransport": "grpc_transport", "WorkerProcesses": "launcher",
+    "Coordinator": "loop",
+    "FederationError": "loop",
+    "RoundResult": "loop",
+    "RunSummary": "loop",
+    "OrgSummary": "loop",
+    "PromptSampler": "sampler",
+    "validate_batch": "validation",
+    "Transport": "transport",
+    "TransportTimeout": "transport",
+    "InProcessTransport": "inprocess",
+    "GrpcTransport": "grpc_transport",
+    "WorkerProcesses": "launcher",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -11,8 +11,9 @@ failure (connection refused, remote exception, malformed reply) is that org's re
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from hacrl_fed.coordinator.transport import Transport, TransportTimeout
 from hacrl_fed.failures import NoWorker
@@ -38,15 +39,21 @@ class GrpcTransport(Transport):
     without one is dialled in plaintext, which only a ``unix:`` or loopback address allows (ValueError otherwise).
     """
 
-    def __init__(self, addresses: Mapping[str, str], *, max_message_mb: int = 256,
-                 tls: ClientTLS | Mapping[str, ClientTLS] | None = None):
+    def __init__(
+        self,
+        addresses: Mapping[str, str],
+        *,
+        max_message_mb: int = 256,
+        tls: ClientTLS | Mapping[str, ClientTLS] | None = None,
+    ):
         if not addresses:
             raise ValueError("GrpcTransport needs at least one worker address")
         self.addresses = dict(addresses)
         per_org = tls if isinstance(tls, Mapping) else {org: tls for org in self.addresses}
-        self.clients = {org: GrpcWorkerClient(addr, org_id=org, timeout_s=None, max_message_mb=max_message_mb,
-                                              tls=per_org.get(org))
-                        for org, addr in self.addresses.items()}
+        self.clients = {
+            org: GrpcWorkerClient(addr, org_id=org, timeout_s=None, max_message_mb=max_message_mb, tls=per_org.get(org))
+            for org, addr in self.addresses.items()
+        }
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="grpc-transport")
         self.last_call_bytes: dict[str, int] = {}
         self.last_call_seconds: dict[str, float] = {}
@@ -61,8 +68,9 @@ class GrpcTransport(Transport):
         """
         return self._fan_out({org: None for org in self.clients}, lambda c, _: c.wait_ready(timeout_s), timeout_s)
 
-    def _fan_out(self, items: Mapping[str, Any], call: Callable[[GrpcWorkerClient, Any], Any],
-                 timeout_s: float) -> dict[str, Any]:
+    def _fan_out(
+        self, items: Mapping[str, Any], call: Callable[[GrpcWorkerClient, Any], Any], timeout_s: float
+    ) -> dict[str, Any]:
         def timed(client: GrpcWorkerClient, item: Any) -> tuple[Any, float]:
             start = time.perf_counter()
             try:
@@ -102,8 +110,9 @@ class GrpcTransport(Transport):
         return self._fan_out(requests, lambda c, req: c.evaluate(req, timeout_s=timeout_s), timeout_s)
 
     def checkpoint(self, org_ids: list[str], round: int, timeout_s: float) -> dict[str, str | Exception]:
-        return self._fan_out({org: round for org in org_ids},
-                             lambda c, r: c.checkpoint(r, timeout_s=timeout_s), timeout_s)
+        return self._fan_out(
+            {org: round for org in org_ids}, lambda c, r: c.checkpoint(r, timeout_s=timeout_s), timeout_s
+        )
 
     def close(self) -> None:
         """Close every channel and the thread pool (idempotent)."""

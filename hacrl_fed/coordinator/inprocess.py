@@ -9,7 +9,8 @@ hung worker means a bug, not a network problem. Any ``Exception`` a worker raise
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from hacrl_fed.coordinator.transport import Transport
 from hacrl_fed.failures import NoWorker

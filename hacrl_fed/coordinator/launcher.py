@@ -28,8 +28,9 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 
@@ -67,7 +68,7 @@ class WorkerBuildError(WorkerStartError, BuildError):
     one error line, so ``hacrl-fed run`` exits 2 too."""
 
 
-def _build_error(w: "_Worker") -> WorkerBuildError:
+def _build_error(w: _Worker) -> WorkerBuildError:
     line = next((t for t in reversed(w.tail) if t.strip()), "(no output)")
     return WorkerBuildError(f"worker {w.org_id!r} refused to start: {line.strip()}")
 
@@ -108,8 +109,15 @@ class _Worker:
         self.ready = threading.Event()
         self.tail: deque[str] = deque(maxlen=_TAIL_LINES)
         self.log_file = log_path.open("a", buffering=1)
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     text=True, bufsize=1, env=env)
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
         self.reader = threading.Thread(target=self._pump, name=f"worker-log-{org_id}", daemon=True)
         self.reader.start()
 
@@ -137,10 +145,19 @@ class WorkerProcesses:
     (Linux): the workers get SIGTERM when the thread that called :meth:`start` dies.
     """
 
-    def __init__(self, config_path: str | Path, org_ids: Sequence[str], *, run_dir: str | Path,
-                 overrides: Mapping[str, Any] | Sequence[str] | None = None, ready_timeout_s: float = 600.0,
-                 grace_s: float = 10.0, worker_args: Sequence[str] = (),
-                 command: Sequence[str] | None = None, die_with_parent: bool = True):
+    def __init__(
+        self,
+        config_path: str | Path,
+        org_ids: Sequence[str],
+        *,
+        run_dir: str | Path,
+        overrides: Mapping[str, Any] | Sequence[str] | None = None,
+        ready_timeout_s: float = 600.0,
+        grace_s: float = 10.0,
+        worker_args: Sequence[str] = (),
+        command: Sequence[str] | None = None,
+        die_with_parent: bool = True,
+    ):
         if not org_ids:
             raise ValueError("WorkerProcesses needs at least one org id")
         self.config_path, self.org_ids = Path(config_path), list(org_ids)
@@ -176,8 +193,17 @@ class WorkerProcesses:
                 listen = listen_address(self.run_dir, org)
                 if listen.startswith("unix:"):
                     Path(listen[5:]).unlink(missing_ok=True)  # a stale socket from a killed run
-                argv = [*self.command, "--config", str(config), "--org", org, "--listen", listen,
-                        *link_args(listen), *self.worker_args]
+                argv = [
+                    *self.command,
+                    "--config",
+                    str(config),
+                    "--org",
+                    org,
+                    "--listen",
+                    listen,
+                    *link_args(listen),
+                    *self.worker_args,
+                ]
                 if self.die_with_parent:
                     argv = die_with_parent_argv(argv)
                 self.workers[org] = _Worker(org, argv, self.run_dir / "logs" / f"{org}.log", env)
@@ -199,8 +225,9 @@ class WorkerProcesses:
                     w.reader.join(timeout=1.0)  # collect its last words
                     if w.proc.returncode == 2:  # a configuration or build-time error (one line)
                         raise _build_error(w)
-                    raise WorkerStartError(w.describe_failure(f"exited with code {w.proc.returncode} before it "
-                                                              "was ready"))
+                    raise WorkerStartError(
+                        w.describe_failure(f"exited with code {w.proc.returncode} before it was ready")
+                    )
             if pending and time.monotonic() > deadline:
                 org, w = next(iter(pending.items()))
                 raise WorkerStartError(w.describe_failure(f"was not ready after {self.ready_timeout_s:.0f} s"))

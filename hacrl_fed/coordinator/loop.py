@@ -9,8 +9,9 @@ Per round ``t`` (1-based):
    the pinned roster, plan bounds, exactly G samples per prompt, rewards re-verified; an org caught lying is
    excluded for the rest of the run); an org *replied* when at least one rollout was accepted. Its ``P_k(t)``
    is the mean verified reward of its accepted rollouts (the reported accuracy is only compared, as
-   ``round/<org>/accuracy_discrepancy``); in coordinator-blind mode it is what the receivers verified. Fewer than ``min_orgs`` replies: the round's training is skipped
-   (logged, counted); ``federation.max_failed_rounds`` such rounds in a row abort with :class:`FederationError`.
+   ``round/<org>/accuracy_discrepancy``); in coordinator-blind mode it is what the receivers verified. Fewer than
+   ``min_orgs`` replies: the round's training is skipped (logged, counted); ``federation.max_failed_rounds`` such rounds
+   in a row abort with :class:`FederationError`.
 3. The :class:`CapabilityTracker` records the replies; each replying org gets a :class:`TrainRequest` with the
    accepted rollouts of every *other* replying org and ``{org: Phat}`` over all configured orgs (effective:
    1.0 during warm-up).
@@ -35,9 +36,10 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from hacrl_fed import failures
 from hacrl_fed.algorithm import CapabilityTracker
@@ -49,7 +51,15 @@ from hacrl_fed.coordinator.validation import accepted_accuracy
 from hacrl_fed.fsio import write_json_atomic  # the one atomic write (also imported from here by older code)
 from hacrl_fed.metrics import RunLogger, format_eval, format_round
 from hacrl_fed.types import (
-    EvalReport, EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, SamplingParams, TrainReport, TrainRequest,
+    EvalReport,
+    EvalRequest,
+    Prompt,
+    Rollout,
+    RolloutBatch,
+    RoundPlan,
+    SamplingParams,
+    TrainReport,
+    TrainRequest,
 )
 
 log = logging.getLogger(__name__)
@@ -123,16 +133,21 @@ def sampling_params(cfg: RunConfig, org_id: str, round: int) -> SamplingParams:
     """The org's generation settings as SamplingParams, seed derived from (cfg.seed, round) (same for every org;
     workers mix in their own id)."""
     gen = org_generation(cfg, org_id)
-    return SamplingParams(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
-                          max_new_tokens=gen.max_new_tokens, num_samples=gen.num_samples,
-                          seed=stable_seed("sampling", cfg.seed, round) % 2**31)
-
+    return SamplingParams(
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k,
+        max_new_tokens=gen.max_new_tokens,
+        num_samples=gen.num_samples,
+        seed=stable_seed("sampling", cfg.seed, round) % 2**31,
+    )
 
 
 def _numeric(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:
     """``{prefix + name: float(value)}`` for the numeric entries of a reported metrics dict (others dropped)."""
-    return {f"{prefix}{k}": float(v) for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        f"{prefix}{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 class Coordinator:
@@ -142,8 +157,17 @@ class Coordinator:
     with each :class:`RoundResult` (progress bars). ``logger=None`` logs no metrics (state is still saved).
     """
 
-    def __init__(self, cfg: RunConfig, transport: Transport, run_dir: str | Path, *, logger: RunLogger | None = None,
-                 resume: bool = False, task: Any = None, on_round: Callable[[RoundResult], None] | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        transport: Transport,
+        run_dir: str | Path,
+        *,
+        logger: RunLogger | None = None,
+        resume: bool = False,
+        task: Any = None,
+        on_round: Callable[[RoundResult], None] | None = None,
+    ):
         self.cfg, self.transport, self.logger, self.on_round = cfg, transport, logger, on_round
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -156,8 +180,10 @@ class Coordinator:
         fed = cfg.federation
         train_size = task.size("train")
         if fed.prompts_per_round > train_size:
-            raise BuildError(f"federation.prompts_per_round={fed.prompts_per_round} exceeds the "
-                             f"{train_size} train prompts of task {cfg.task.name!r}")
+            raise BuildError(
+                f"federation.prompts_per_round={fed.prompts_per_round} exceeds the "
+                f"{train_size} train prompts of task {cfg.task.name!r}"
+            )
         self.sampler = PromptSampler(train_size, cfg.seed)
         self.eval_prompts = tuple(task.prompts("test", eval_ids(task.size("test"), cfg.task.eval_size)))
         self.tracker = CapabilityTracker.from_algorithm(cfg.algorithm)
@@ -177,20 +203,26 @@ class Coordinator:
         if resume:
             self._load_state()
         elif self.state_path.exists():
-            raise FileExistsError(f"{self.run_dir} already holds a run ({STATE_FILE}); resume it or use another "
-                                  "run directory")
+            raise FileExistsError(
+                f"{self.run_dir} already holds a run ({STATE_FILE}); resume it or use another run directory"
+            )
 
     # -- state -------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "version": STATE_VERSION, "run_id": self.run_id, "config_hash": config_hash(self.cfg),
+            "version": STATE_VERSION,
+            "run_id": self.run_id,
+            "config_hash": config_hash(self.cfg),
             "round": self.round,
-            "tracker": self.tracker.state_dict(), "skipped_rounds": self.skipped_rounds,
+            "tracker": self.tracker.state_dict(),
+            "skipped_rounds": self.skipped_rounds,
             "consecutive_failures": self.consecutive_failures,
             "eval_history": {str(t): accs for t, accs in sorted(self.eval_history.items())},
-            "totals": self.totals, "worker_checkpoint_round": self.worker_checkpoint_round,
-            "wall_time_s": self.wall_time_s, "trust": self.guard.state_dict(),
+            "totals": self.totals,
+            "worker_checkpoint_round": self.worker_checkpoint_round,
+            "wall_time_s": self.wall_time_s,
+            "trust": self.guard.state_dict(),
         }
 
     def _save_state(self) -> None:
@@ -203,15 +235,20 @@ class Coordinator:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"{self.state_path}: unsupported state version {state.get('version')!r}")
         if state.get("config_hash", config_hash(self.cfg)) != config_hash(self.cfg):
-            log.warning("resuming run %s with a changed config (hash %s, was %s); keeping the original run id",
-                        state["run_id"], config_hash(self.cfg), state["config_hash"])
+            log.warning(
+                "resuming run %s with a changed config (hash %s, was %s); keeping the original run id",
+                state["run_id"],
+                config_hash(self.cfg),
+                state["config_hash"],
+            )
         self.run_id = state["run_id"]
         self.round = int(state["round"])
         self.tracker.load_state_dict(state["tracker"])
         self.skipped_rounds = int(state["skipped_rounds"])
         self.consecutive_failures = int(state["consecutive_failures"])
-        self.eval_history = {int(t): {o: float(a) for o, a in accs.items()}
-                             for t, accs in state["eval_history"].items()}
+        self.eval_history = {
+            int(t): {o: float(a) for o, a in accs.items()} for t, accs in state["eval_history"].items()
+        }
         for org, tot in state["totals"].items():
             self.totals.setdefault(org, _new_totals()).update(tot)
         self.worker_checkpoint_round = int(state["worker_checkpoint_round"])
@@ -220,9 +257,16 @@ class Coordinator:
         for org, tot in self.totals.items():
             trained, ckpt = int(tot.get("trained_round", 0)), int(tot.get("checkpoint_round", 0))
             if ckpt < trained:
-                log.warning("resuming after round %d: org %s trained through round %d but last checkpointed at "
-                            "round %d; a worker resumed from that checkpoint misses rounds %d..%d", self.round,
-                            org, trained, ckpt, ckpt + 1, trained)
+                log.warning(
+                    "resuming after round %d: org %s trained through round %d but last checkpointed at "
+                    "round %d; a worker resumed from that checkpoint misses rounds %d..%d",
+                    self.round,
+                    org,
+                    trained,
+                    ckpt,
+                    ckpt + 1,
+                    trained,
+                )
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
@@ -232,8 +276,13 @@ class Coordinator:
         return [o for o in self.org_order if o in reachable and o not in self.guard.excluded]
 
     def plan_for(self, round: int, org_id: str, prompts: tuple[Prompt, ...]) -> RoundPlan:
-        return RoundPlan(run_id=self.run_id, round=round, task=self.cfg.task.name, prompts=prompts,
-                         sampling=sampling_params(self.cfg, org_id, round))
+        return RoundPlan(
+            run_id=self.run_id,
+            round=round,
+            task=self.cfg.task.name,
+            prompts=prompts,
+            sampling=sampling_params(self.cfg, org_id, round),
+        )
 
     def round_prompts(self, round: int) -> tuple[Prompt, ...]:
         ids = self.sampler.round_ids(round, self.cfg.federation.prompts_per_round)
@@ -282,21 +331,25 @@ class Coordinator:
                 failed[org] = "excluded" if org in self.guard.excluded else "invalid"
         return plans, accepted
 
-    def _check_batch(self, round: int, org: str, batch: RolloutBatch, plan: RoundPlan,
-                     metrics: dict[str, float]) -> list[Rollout]:
+    def _check_batch(
+        self, round: int, org: str, batch: RolloutBatch, plan: RoundPlan, metrics: dict[str, float]
+    ) -> list[Rollout]:
         t0 = time.perf_counter()
         screened = self.guard.check(round, org, batch, plan, metrics)
         metrics[f"time/trust/{org}"] = time.perf_counter() - t0
         ok, rejected = screened.accepted, screened.rejected
         received = len(ok) + sum(rejected.values())
-        metrics.update({f"round/{org}/rollouts_received": float(received),
-                        f"round/{org}/rollouts_accepted": float(len(ok)),
-                        f"round/{org}/rollouts_rejected": float(sum(rejected.values())),
-                        f"round/{org}/failed": 0.0 if ok else 1.0})
+        metrics.update(
+            {
+                f"round/{org}/rollouts_received": float(received),
+                f"round/{org}/rollouts_accepted": float(len(ok)),
+                f"round/{org}/rollouts_rejected": float(sum(rejected.values())),
+                f"round/{org}/failed": 0.0 if ok else 1.0,
+            }
+        )
         metrics.update({f"round/{org}/rejected/{reason}": float(n) for reason, n in rejected.items()})
         if rejected:
-            log.warning("round %d: dropped %d rollouts of %s: %s", round, sum(rejected.values()), org,
-                        dict(rejected))
+            log.warning("round %d: dropped %d rollouts of %s: %s", round, sum(rejected.values()), org, dict(rejected))
         acc = accepted_accuracy(ok)
         if acc is not None:
             metrics[f"round/{org}/accuracy"] = acc
@@ -307,15 +360,23 @@ class Coordinator:
             _exchange_time("generate", org, getattr(batch, "metrics", {}) or {}, metrics)
         return ok
 
-    def _train(self, round: int, prompts: tuple[Prompt, ...], accepted: Mapping[str, list[Rollout]],
-               metrics: dict[str, float]) -> list[str]:
+    def _train(
+        self, round: int, prompts: tuple[Prompt, ...], accepted: Mapping[str, list[Rollout]], metrics: dict[str, float]
+    ) -> list[str]:
         """One TrainRequest per replying org (foreign = the others' accepted rollouts); returns who trained."""
         table = self.capability_table()
         requests = {}
         for org in accepted:
             foreign, sources = self.guard.pool_for(org, accepted)
-            requests[org] = TrainRequest(run_id=self.run_id, round=round, org_id=org, prompts=prompts,
-                                         foreign=foreign, capability=dict(table), source_batches=sources)
+            requests[org] = TrainRequest(
+                run_id=self.run_id,
+                round=round,
+                org_id=org,
+                prompts=prompts,
+                foreign=foreign,
+                capability=dict(table),
+                source_batches=sources,
+            )
         t0 = time.perf_counter()
         replies = self.transport.train(requests, self.cfg.federation.round_timeout_s)
         metrics["time/train"] = time.perf_counter() - t0
@@ -344,10 +405,16 @@ class Coordinator:
 
     def evaluate(self, round: int, metrics: dict[str, float]) -> dict[str, float]:
         """Greedy held-out accuracy of every reachable org; recorded in ``eval_history[round]``."""
-        requests = {org: EvalRequest(run_id=self.run_id, round=round, task=self.cfg.task.name,
-                                     prompts=self.eval_prompts,
-                                     max_new_tokens=org_generation(self.cfg, org).eval_max_new_tokens)
-                    for org in self.live_orgs()}
+        requests = {
+            org: EvalRequest(
+                run_id=self.run_id,
+                round=round,
+                task=self.cfg.task.name,
+                prompts=self.eval_prompts,
+                max_new_tokens=org_generation(self.cfg, org).eval_max_new_tokens,
+            )
+            for org in self.live_orgs()
+        }
         t0 = time.perf_counter()
         replies = self.transport.evaluate(requests, self.cfg.federation.round_timeout_s)
         metrics["time/eval"] = time.perf_counter() - t0
@@ -355,8 +422,12 @@ class Coordinator:
         accs: dict[str, float] = {}
         for org in requests:
             reply = replies.get(org)
-            ok = (isinstance(reply, EvalReport) and isinstance(reply.accuracy, (int, float))
-                  and math.isfinite(reply.accuracy) and 0.0 <= reply.accuracy <= 1.0)
+            ok = (
+                isinstance(reply, EvalReport)
+                and isinstance(reply.accuracy, (int, float))
+                and math.isfinite(reply.accuracy)
+                and 0.0 <= reply.accuracy <= 1.0
+            )
             if not ok:
                 log.warning("round %d: org %s failed to evaluate: %s", round, org, reply)
                 continue
@@ -390,8 +461,11 @@ class Coordinator:
         metrics: dict[str, float] = {}
         orgs = self.live_orgs()
         self.guard.new_round()
-        failed = {org: ("excluded" if org in self.guard.excluded else "unreachable")
-                  for org in self.org_order if org not in orgs}  # excluded, or no connection right now
+        failed = {
+            org: ("excluded" if org in self.guard.excluded else "unreachable")
+            for org in self.org_order
+            if org not in orgs
+        }  # excluded, or no connection right now
         unreachable = sorted(org for org, why in failed.items() if why == "unreachable")
         if unreachable:
             log.warning("round %d: orgs %s are not reachable", round, unreachable)
@@ -408,8 +482,13 @@ class Coordinator:
         if skipped:
             self.skipped_rounds += 1
             self.consecutive_failures += 1
-            log.warning("round %d: only %d valid replies (%s), min_orgs=%d: skipping training", round,
-                        len(accepted), sorted(accepted), min_orgs)
+            log.warning(
+                "round %d: only %d valid replies (%s), min_orgs=%d: skipping training",
+                round,
+                len(accepted),
+                sorted(accepted),
+                min_orgs,
+            )
         else:
             self.consecutive_failures = 0
             if not self.guard.blind:
@@ -418,17 +497,35 @@ class Coordinator:
             trained = self._train(round, prompts, accepted, metrics)
         metrics.update({f"capability/{org}": v for org, v in self.capability_table().items()})
         metrics.update(self.guard.metrics(self.org_order))
-        metrics.update({"round/orgs_replied": float(len(accepted)), "round/orgs_trained": float(len(trained)),
-                        "round/skipped": float(skipped), "time/round": time.perf_counter() - t0})
-        return RoundResult(round, skipped, list(accepted), accuracy, trained, metrics,  # type: ignore[arg-type]
-                           {org: failed[org] for org in self.org_order if org in failed})
+        metrics.update(
+            {
+                "round/orgs_replied": float(len(accepted)),
+                "round/orgs_trained": float(len(trained)),
+                "round/skipped": float(skipped),
+                "time/round": time.perf_counter() - t0,
+            }
+        )
+        return RoundResult(
+            round,
+            skipped,
+            list(accepted),
+            accuracy,
+            trained,
+            metrics,  # type: ignore[arg-type]
+            {org: failed[org] for org in self.org_order if org in failed},
+        )
 
     def run(self) -> RunSummary:
         """Run (or resume) until ``federation.rounds``; returns the summary."""
         fed = self.cfg.federation
-        log.info("run %s (%s): rounds %d to %d, orgs %s", self.run_id,
-                 f"resumed after round {self.round}" if self.round else "new", self.round + 1, fed.rounds,
-                 self.org_order)
+        log.info(
+            "run %s (%s): rounds %d to %d, orgs %s",
+            self.run_id,
+            f"resumed after round {self.round}" if self.round else "new",
+            self.round + 1,
+            fed.rounds,
+            self.org_order,
+        )
         if self.round == 0 and 0 not in self.eval_history:
             start, metrics = time.perf_counter(), {}
             log.info(format_eval(0, self.evaluate(0, metrics)))
@@ -455,7 +552,8 @@ class Coordinator:
             if self.consecutive_failures >= fed.max_failed_rounds:
                 raise FederationError(
                     f"{self.consecutive_failures} consecutive rounds (up to round {t}) had fewer than "
-                    f"federation.min_orgs={fed.min_orgs} valid replies; last round: {result.replied or 'none'}")
+                    f"federation.min_orgs={fed.min_orgs} valid replies; last round: {result.replied or 'none'}"
+                )
         return self.summary()
 
     def _log(self, round: int, metrics: dict[str, float]) -> None:
@@ -470,11 +568,27 @@ class Coordinator:
             return None
 
         latest = sorted(self.eval_history, reverse=True)
-        orgs = {org: OrgSummary(acc_at(org, [0]), acc_at(org, latest), int(tot["shared"]), int(tot["received"]),
-                                float(tot["time_s"]), self.guard.excluded.get(org))
-                for org, tot in self.totals.items()}
-        return RunSummary(self.run_id, self.run_dir, self.round, self.skipped_rounds, orgs,
-                          dict(self.eval_history), self.capability_table(), self.wall_time_s)
+        orgs = {
+            org: OrgSummary(
+                acc_at(org, [0]),
+                acc_at(org, latest),
+                int(tot["shared"]),
+                int(tot["received"]),
+                float(tot["time_s"]),
+                self.guard.excluded.get(org),
+            )
+            for org, tot in self.totals.items()
+        }
+        return RunSummary(
+            self.run_id,
+            self.run_dir,
+            self.round,
+            self.skipped_rounds,
+            orgs,
+            dict(self.eval_history),
+            self.capability_table(),
+            self.wall_time_s,
+        )
 
 
 def _exchange_time(phase: str, org: str, worker_metrics: Mapping[str, Any], metrics: dict[str, float]) -> None:
@@ -483,7 +597,13 @@ def _exchange_time(phase: str, org: str, worker_metrics: Mapping[str, Any], metr
     call = metrics.get(f"time/call/{phase}/{org}")
     if call is None:
         return
-    compute = sum(float(v) for k, v in worker_metrics.items()
-                  if k.startswith("time/") and k.count("/") == 1 and k != "time/update"
-                  and isinstance(v, (int, float)) and math.isfinite(v))
+    compute = sum(
+        float(v)
+        for k, v in worker_metrics.items()
+        if k.startswith("time/")
+        and k.count("/") == 1
+        and k != "time/update"
+        and isinstance(v, (int, float))
+        and math.isfinite(v)
+    )
     metrics[f"time/exchange/{phase}/{org}"] = max(0.0, call - compute)

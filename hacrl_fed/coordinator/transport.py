@@ -8,7 +8,8 @@ missing org means (skip it, check ``min_orgs``), never the transport.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Mapping, TypeVar
+from collections.abc import Mapping
+from typing import TypeVar
 
 from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
 
@@ -37,5 +38,5 @@ class Transport(ABC):
     @abstractmethod
     def checkpoint(self, org_ids: list[str], round: int, timeout_s: float) -> dict[str, str | Exception]: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: a transport with nothing to release keeps this no-op
         """Release connections / stop processes this transport started."""

@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import Counter
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from hacrl_fed.config import RunConfig
 from hacrl_fed.coordinator.validation import Screened, screen_batch
@@ -55,8 +56,13 @@ class PoolGuard:
         """Verify and screen ``org``'s reply to ``plan``; adds ``round/<org>/...`` metrics."""
         out = self._verified(org, batch, plan)
         if out is None:
-            out = screen_batch(batch, plan, org, verify=None if self.blind else self.verify,
-                               max_bytes_per_token=self.cfg.security.max_bytes_per_token)
+            out = screen_batch(
+                batch,
+                plan,
+                org,
+                verify=None if self.blind else self.verify,
+                max_bytes_per_token=self.cfg.security.max_bytes_per_token,
+            )
         if out.checked and out.mismatch_rate > self.cfg.security.max_mismatch_rate:
             self.exclude(round, org, f"reward mismatch {out.mismatches}/{out.checked} in round {round}")
             out.rejected["excluded_org"] += len(out.accepted)
@@ -79,8 +85,9 @@ class PoolGuard:
         except RejectedBatch as err:
             n = len(getattr(batch, "rollouts", ()) or ())
             log.warning("round %d: rejected the batch of %s: %s", plan.round, org, err)
-            return Screened(rejected=Counter({err.reason: max(n, 1)}),
-                            shortfall=len(plan.prompts) * plan.sampling.num_samples)
+            return Screened(
+                rejected=Counter({err.reason: max(n, 1)}), shortfall=len(plan.prompts) * plan.sampling.num_samples
+            )
         return None
 
     def exclude(self, round: int, org: str, why: str) -> None:
@@ -90,8 +97,9 @@ class PoolGuard:
 
     # -- the pool ----------------------------------------------------------------------------------------------
 
-    def pool_for(self, learner: str, accepted: Mapping[str, list[Rollout]]
-                 ) -> tuple[tuple[Rollout, ...], tuple[RolloutBatch, ...]]:
+    def pool_for(
+        self, learner: str, accepted: Mapping[str, list[Rollout]]
+    ) -> tuple[tuple[Rollout, ...], tuple[RolloutBatch, ...]]:
         """``(foreign, source_batches)`` of ``learner``'s TrainRequest."""
         others = [org for org in accepted if org != learner]
         if self.roster is not None:
@@ -103,8 +111,9 @@ class PoolGuard:
 
     # -- blind mode: what the receivers verified ---------------------------------------------------------------
 
-    def receiver_verified(self, round: int, reports: Mapping[str, TrainReport], sources: list[str],
-                          metrics: dict[str, float]) -> dict[str, float]:
+    def receiver_verified(
+        self, round: int, reports: Mapping[str, TrainReport], sources: list[str], metrics: dict[str, float]
+    ) -> dict[str, float]:
         """``{source: verified accuracy}`` (median over receivers); excludes sources the receivers caught lying."""
         accuracy: dict[str, float] = {}
         for src in sources:

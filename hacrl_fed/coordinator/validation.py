@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from hacrl_fed.types import FINISH_REASONS, Rollout, RolloutBatch, RoundPlan
 
@@ -147,8 +148,14 @@ def _reverify(r: Rollout, reference: str, verify: Verifier, out: Screened) -> st
     return None
 
 
-def screen_batch(batch: Any, plan: RoundPlan, org_id: str, *, verify: Verifier | None = None,
-                 max_bytes_per_token: int = DEFAULT_MAX_BYTES_PER_TOKEN) -> Screened:
+def screen_batch(
+    batch: Any,
+    plan: RoundPlan,
+    org_id: str,
+    *,
+    verify: Verifier | None = None,
+    max_bytes_per_token: int = DEFAULT_MAX_BYTES_PER_TOKEN,
+) -> Screened:
     """Screen ``batch`` (``org_id``'s answer to ``plan``): see the module docstring for every reason.
 
     ``verify`` (the task's verifier) re-checks every readable rollout's claimed reward against the prompt's
@@ -195,8 +202,14 @@ def screen_batch(batch: Any, plan: RoundPlan, org_id: str, *, verify: Verifier |
     return out
 
 
-def validate_batch(batch: RolloutBatch, plan: RoundPlan, org_id: str, *, verify: Verifier | None = None,
-                   max_bytes_per_token: int = DEFAULT_MAX_BYTES_PER_TOKEN) -> tuple[list[Rollout], Counter[str]]:
+def validate_batch(
+    batch: RolloutBatch,
+    plan: RoundPlan,
+    org_id: str,
+    *,
+    verify: Verifier | None = None,
+    max_bytes_per_token: int = DEFAULT_MAX_BYTES_PER_TOKEN,
+) -> tuple[list[Rollout], Counter[str]]:
     """``(accepted rollouts in arrival order, Counter of rejection reasons)``: :func:`screen_batch`, in short."""
     out = screen_batch(batch, plan, org_id, verify=verify, max_bytes_per_token=max_bytes_per_token)
     return out.accepted, out.rejected

@@ -35,9 +35,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from hacrl_fed.coordinator.launcher import MAX_UNIX_SOCKET_PATH, private_dir
 from hacrl_fed.lifecycle import OFFLINE_ENV
@@ -77,8 +78,9 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
 
 def process_table() -> dict[int, tuple[int, str]]:
     """``{pid: (ppid, command line)}`` of every process, from ``ps`` (Linux and macOS)."""
-    out = subprocess.run(["ps", "-A", "-o", "pid=", "-o", "ppid=", "-o", "args="],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["ps", "-A", "-o", "pid=", "-o", "ppid=", "-o", "args="], capture_output=True, text=True, check=True
+    ).stdout
     table = {}
     for line in out.splitlines():
         parts = line.split(None, 2)
@@ -167,8 +169,16 @@ class Deployment:
     with SuperNode authentication; without it everything is ``--insecure``.
     """
 
-    def __init__(self, workdir: str | Path, *, tls: KeyLayout | None = None, startup_timeout_s: float = 90.0,
-                 grace_s: float = 8.0, cli_timeout_s: float = 120.0, bin_dir: Path | None = None):
+    def __init__(
+        self,
+        workdir: str | Path,
+        *,
+        tls: KeyLayout | None = None,
+        startup_timeout_s: float = 90.0,
+        grace_s: float = 8.0,
+        cli_timeout_s: float = 120.0,
+        bin_dir: Path | None = None,
+    ):
         self.workdir = Path(workdir).absolute()
         self.tls = tls
         self.startup_timeout_s = startup_timeout_s
@@ -203,8 +213,14 @@ class Deployment:
             raise HarnessError(f"a process named {name!r} is already running")
         log_path = self.workdir / "logs" / f"{name}.log"
         with log_path.open("ab") as log:
-            popen = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self.env(home or name), cwd=cwd)
+            popen = subprocess.Popen(
+                list(argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env(home or name),
+                cwd=cwd,
+            )
         proc = Proc(name, list(argv), log_path, popen)
         self.procs.append(proc)
         return proc
@@ -218,11 +234,15 @@ class Deployment:
                 proc.ready_s = time.monotonic() - proc.started_at
                 return result
             if not proc.alive():
-                raise HarnessError(f"{proc.name} exited with code {proc.popen.returncode} before {what}; "
-                                   f"log {proc.log_path}:\n{proc.tail()}")
+                raise HarnessError(
+                    f"{proc.name} exited with code {proc.popen.returncode} before {what}; "
+                    f"log {proc.log_path}:\n{proc.tail()}"
+                )
             if time.monotonic() >= deadline:
-                raise HarnessError(f"{proc.name}: no {what} within {timeout_s or self.startup_timeout_s:g} s; "
-                                   f"log {proc.log_path}:\n{proc.tail()}")
+                raise HarnessError(
+                    f"{proc.name}: no {what} within {timeout_s or self.startup_timeout_s:g} s; "
+                    f"log {proc.log_path}:\n{proc.tail()}"
+                )
             time.sleep(0.2)
 
     def wait_log(self, proc: Proc, pattern: re.Pattern, what: str, timeout_s: float | None = None) -> re.Match:
@@ -242,8 +262,15 @@ class Deployment:
         argv = [self._exe("flower-superlink"), "--host", HOST, "--port", str(port)]
         if self.tls is None:
             return argv + ["--insecure"]
-        return argv + ["--ssl-ca-certfile", str(self.tls.ca_cert), "--ssl-certfile", str(self.tls.server_cert),
-                       "--ssl-keyfile", str(self.tls.server_key), "--enable-supernode-auth"]
+        return argv + [
+            "--ssl-ca-certfile",
+            str(self.tls.ca_cert),
+            "--ssl-certfile",
+            str(self.tls.server_cert),
+            "--ssl-keyfile",
+            str(self.tls.server_key),
+            "--enable-supernode-auth",
+        ]
 
     def start_superlink(self, port: int | None = None) -> Proc:
         """Start the SuperLink on ``port`` (default: a free one) and wait until it accepts connections."""
@@ -253,23 +280,46 @@ class Deployment:
         self.superlink, self.superlink_port = proc, port
         return proc
 
-    def supernode_argv(self, org: str, worker: str, port: int, auth_key: Path | None = None,
-                       worker_config: Mapping[str, str] | None = None) -> list[str]:
+    def supernode_argv(
+        self,
+        org: str,
+        worker: str,
+        port: int,
+        auth_key: Path | None = None,
+        worker_config: Mapping[str, str] | None = None,
+    ) -> list[str]:
         """``flower-supernode`` command line for ``org`` whose policy worker listens at ``worker``.
 
         ``worker_config`` adds node_config string entries (e.g. ``worker-ca``, ``worker-cert``, ``worker-key``).
         """
         pairs = {"org": org, "worker": worker, **(worker_config or {})}
         node_config = " ".join(f"{key}={json.dumps(str(value))}" for key, value in pairs.items())
-        argv = [self._exe("flower-supernode"), "--superlink", self.superlink_address, "--host", HOST,
-                "--port", str(port), "--node-config", node_config]
+        argv = [
+            self._exe("flower-supernode"),
+            "--superlink",
+            self.superlink_address,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--node-config",
+            node_config,
+        ]
         argv += ["--insecure"] if self.tls is None else ["--root-certificates", str(self.tls.ca_cert)]
         if auth_key is not None:
             argv += ["--auth-supernode-private-key", str(auth_key)]
         return argv
 
-    def start_supernode(self, org: str, worker: str, *, auth_key: str | Path | None = None, name: str | None = None,
-                        wait: bool = True, worker_config: Mapping[str, str] | None = None) -> Proc:
+    def start_supernode(
+        self,
+        org: str,
+        worker: str,
+        *,
+        auth_key: str | Path | None = None,
+        name: str | None = None,
+        wait: bool = True,
+        worker_config: Mapping[str, str] | None = None,
+    ) -> Proc:
         """Start ``org``'s SuperNode; with ``wait``, block until the SuperLink activated it (``SuperNode ID``).
 
         ``auth_key`` defaults to ``tls.supernode_key(org)`` in TLS mode; ``worker_config`` as in
@@ -305,21 +355,28 @@ class Deployment:
             conn = "insecure = true"
         else:
             conn = f"root-certificates = {json.dumps(str(self.tls.ca_cert))}"
-        text = (f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\n'
-                f'address = "{self.superlink_address}"\n{conn}\n')
+        text = f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\naddress = "{self.superlink_address}"\n{conn}\n'
         path = self.workdir / "homes" / "cli" / "config.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         self.federation = name
         return path
 
-    def flwr(self, *args: str, timeout_s: float | None = None, check: bool = True,
-             cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    def flwr(
+        self, *args: str, timeout_s: float | None = None, check: bool = True, cwd: str | Path | None = None
+    ) -> subprocess.CompletedProcess:
         """Run ``flwr ARGS`` with the CLI's FLWR_HOME; its output is appended to ``logs/cli.log``."""
         argv = [self._exe("flwr"), *args]
         try:
-            res = subprocess.run(argv, capture_output=True, text=True, env=self.env("cli"), cwd=cwd,
-                                 timeout=timeout_s or self.cli_timeout_s, stdin=subprocess.DEVNULL)
+            res = subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                env=self.env("cli"),
+                cwd=cwd,
+                timeout=timeout_s or self.cli_timeout_s,
+                stdin=subprocess.DEVNULL,
+            )
         except subprocess.TimeoutExpired as err:
             raise HarnessError(f"{' '.join(argv)}: no answer within {err.timeout:g} s") from None
         with (self.workdir / "logs" / "cli.log").open("a") as log:
@@ -386,8 +443,9 @@ class Deployment:
             raise HarnessError(f"flwr list knows no run {run_id}")
         return runs[0]
 
-    def wait_run(self, run_id: int, timeout_s: float, poll_s: float = 3.0,
-                 echo: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    def wait_run(
+        self, run_id: int, timeout_s: float, poll_s: float = 3.0, echo: Callable[[str], Any] | None = None
+    ) -> dict[str, Any]:
         """Wait for the run's status to start with ``finished``; its :meth:`run_info` (HarnessError past ``timeout_s``).
 
         A streamed run is waited for by its ``flwr run --stream`` process, whose new output (the ServerApp's log:
@@ -407,8 +465,10 @@ class Deployment:
             if str(info.get("status", "")).startswith("finished"):
                 return info
             if time.monotonic() >= deadline:
-                raise HarnessError(f"run {run_id} still {info.get('status')!r} after {timeout_s:g} s; "
-                                   f"server log:\n{self.run_log(run_id)[-_TAIL_CHARS:]}")
+                raise HarnessError(
+                    f"run {run_id} still {info.get('status')!r} after {timeout_s:g} s; "
+                    f"server log:\n{self.run_log(run_id)[-_TAIL_CHARS:]}"
+                )
             time.sleep(poll_s)
 
     @staticmethod
@@ -478,15 +538,20 @@ class Deployment:
         table = process_table()
         left = {p.pid: " ".join(p.argv) for p in self.procs if p.alive()}
         for p in self.procs:
-            left.update({pid: cmd for pid, cmd in p.seen_descendants.items()
-                         if table.get(pid, (0, ""))[1] == cmd and "<defunct>" not in cmd})
+            left.update(
+                {
+                    pid: cmd
+                    for pid, cmd in p.seen_descendants.items()
+                    if table.get(pid, (0, ""))[1] == cmd and "<defunct>" not in cmd
+                }
+            )
         return left
 
     def timings(self) -> dict[str, dict[str, float | None]]:
         """``{name: {"ready_s": ..., "stop_s": ...}}`` of every process started."""
         return {p.name: {"ready_s": p.ready_s, "stop_s": p.stop_s} for p in self.procs}
 
-    def __enter__(self) -> "Deployment":
+    def __enter__(self) -> Deployment:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -519,8 +584,16 @@ def worker_link_args(listen: str, org: str, tls: KeyLayout | None = None) -> lis
         return []
     if tls is None:
         return ["--insecure"]
-    return ["--tls-cert", str(tls.worker_cert(org)), "--tls-key", str(tls.worker_key(org)),
-            "--tls-ca", str(tls.ca_cert), "--tls-client-name", client_name(org)]
+    return [
+        "--tls-cert",
+        str(tls.worker_cert(org)),
+        "--tls-key",
+        str(tls.worker_key(org)),
+        "--tls-ca",
+        str(tls.ca_cert),
+        "--tls-client-name",
+        client_name(org),
+    ]
 
 
 def worker_node_config(listen: str, org: str, tls: KeyLayout | None = None) -> dict[str, str]:
@@ -528,19 +601,39 @@ def worker_node_config(listen: str, org: str, tls: KeyLayout | None = None) -> d
     with ``tls``, else none."""
     if listen.startswith("unix:") or tls is None:
         return {}
-    return {"worker-ca": str(tls.ca_cert), "worker-cert": str(tls.worker_client_cert(org)),
-            "worker-key": str(tls.worker_client_key(org))}
+    return {
+        "worker-ca": str(tls.ca_cert),
+        "worker-cert": str(tls.worker_client_cert(org)),
+        "worker-key": str(tls.worker_client_key(org)),
+    }
 
 
-def worker_command(config: str | Path, org: str, *, run_dir: str | Path | None = None,
-                   listen: str = f"{HOST}:0", overrides: Sequence[str] = (),
-                   tls: KeyLayout | None = None) -> list[str]:
+def worker_command(
+    config: str | Path,
+    org: str,
+    *,
+    run_dir: str | Path | None = None,
+    listen: str = f"{HOST}:0",
+    overrides: Sequence[str] = (),
+    tls: KeyLayout | None = None,
+) -> list[str]:
     """``hacrl-fed worker`` argv (this interpreter) for ``org`` on ``listen`` with :func:`worker_link_args`.
 
     The default, a free loopback port, is plaintext (``--insecure``) unless ``tls`` is given.
     """
-    argv = [sys.executable, "-m", "hacrl_fed.cli", "worker", "--config", str(Path(config).absolute()),
-            "--org", org, "--listen", listen, *worker_link_args(listen, org, tls)]
+    argv = [
+        sys.executable,
+        "-m",
+        "hacrl_fed.cli",
+        "worker",
+        "--config",
+        str(Path(config).absolute()),
+        "--org",
+        org,
+        "--listen",
+        listen,
+        *worker_link_args(listen, org, tls),
+    ]
     for item in overrides:
         argv += ["--set", item]
     return argv + (["--run-dir", str(run_dir)] if run_dir is not None else [])
@@ -579,9 +672,15 @@ def worker_listen(dep: Deployment, orgs: Sequence[str], link: str = "auto") -> t
     return {org: f"{HOST}:{free_port()}" for org in orgs}, link
 
 
-def start_local(dep: Deployment, config: str | Path, orgs: Sequence[str], *,
-                worker_argv: Callable[[str, str], Sequence[str]] | None = None,
-                overrides: Sequence[str] = (), worker_link: str = "auto") -> dict[str, str]:
+def start_local(
+    dep: Deployment,
+    config: str | Path,
+    orgs: Sequence[str],
+    *,
+    worker_argv: Callable[[str, str], Sequence[str]] | None = None,
+    overrides: Sequence[str] = (),
+    worker_link: str = "auto",
+) -> dict[str, str]:
     """Workers, SuperLink, CLI federation, (TLS: key registration,) SuperNodes for ``orgs``; ``{org: address}``.
 
     Each worker listens where :func:`worker_listen` says for ``worker_link`` (default: a unix socket in a 0700
@@ -596,8 +695,14 @@ def start_local(dep: Deployment, config: str | Path, orgs: Sequence[str], *,
 
     def argv(org: str) -> list[str]:
         if worker_argv is None:
-            return worker_command(config, org, run_dir=dep.workdir / "workers" / org, listen=listen[org],
-                                  overrides=overrides, tls=worker_tls)
+            return worker_command(
+                config,
+                org,
+                run_dir=dep.workdir / "workers" / org,
+                listen=listen[org],
+                overrides=overrides,
+                tls=worker_tls,
+            )
         return [*worker_argv(org, listen[org]), *worker_link_args(listen[org], org, worker_tls)]
 
     workers = {org: dep.spawn(f"worker-{org}", argv(org)) for org in orgs}
@@ -606,9 +711,12 @@ def start_local(dep: Deployment, config: str | Path, orgs: Sequence[str], *,
     if dep.tls is not None:
         for org in orgs:
             dep.register_supernode(dep.tls.supernode_pub(org))
-    nodes = {org: dep.start_supernode(org, listen[org], wait=False,
-                                      worker_config=worker_node_config(listen[org], org, worker_tls))
-             for org in orgs}
+    nodes = {
+        org: dep.start_supernode(
+            org, listen[org], wait=False, worker_config=worker_node_config(listen[org], org, worker_tls)
+        )
+        for org in orgs
+    }
     for org in orgs:
         address = dep.wait_log(workers[org], WORKER_READY, "the 'listening on' line")["address"]
         if address != listen[org]:
@@ -618,10 +726,18 @@ def start_local(dep: Deployment, config: str | Path, orgs: Sequence[str], *,
     return listen
 
 
-def run_local(config: str | Path, *, workdir: str | Path | None = None, tls: bool = False,
-              worker_link: str = "auto", overrides: Sequence[str] = (), app: str | Path = ".",
-              timeout_s: float = 1800.0, out: Callable[[str], Any] = print,
-              worker_argv: Callable[[str, str], Sequence[str]] | None = None) -> int:
+def run_local(
+    config: str | Path,
+    *,
+    workdir: str | Path | None = None,
+    tls: bool = False,
+    worker_link: str = "auto",
+    overrides: Sequence[str] = (),
+    app: str | Path = ".",
+    timeout_s: float = 1800.0,
+    out: Callable[[str], Any] = print,
+    worker_argv: Callable[[str, str], Sequence[str]] | None = None,
+) -> int:
     """One hacrl-fed config through a real local Flower deployment (:func:`start_local`), then stop everything.
 
     ``out`` gets the ServerApp's log as it streams (one line per round, the eval tables), a status line, and last
@@ -647,18 +763,24 @@ def run_local(config: str | Path, *, workdir: str | Path | None = None, tls: boo
     logs = workdir / "logs"
     with Deployment(workdir, tls=keys) as dep:
         start_local(dep, config, orgs, overrides=overrides, worker_link=worker_link, worker_argv=worker_argv)
-        run_id = dep.submit(app, {"config-path": str(config), "overrides": " ".join(overrides),
-                                  "run-dir": str(run_dir)})
+        run_id = dep.submit(
+            app, {"config-path": str(config), "overrides": " ".join(overrides), "run-dir": str(run_dir)}
+        )
         out(f"run {run_id} submitted; process logs in {logs}; the ServerApp's log follows")
         info = dep.wait_run(run_id, timeout_s, echo=out)
         (logs / "serverapp.log").write_text(dep.flwr_log(run_id))
-    (workdir / "timings.json").write_text(json.dumps({"run": {k: info.get(k) for k in ("status", "running-at",
-                                                                                        "finished-at")},
-                                                      "processes": dep.timings()}, indent=1))
+    (workdir / "timings.json").write_text(
+        json.dumps(
+            {"run": {k: info.get(k) for k in ("status", "running-at", "finished-at")}, "processes": dep.timings()},
+            indent=1,
+        )
+    )
     status = str(info.get("status"))
     details = f" ({info['status-details']})" if info.get("status-details") else ""
-    out(f"run {run_id}: {status}{details}; outputs in {run_dir}; logs in {logs} (flwr log: serverapp.log); "
-        f"process times in {workdir / 'timings.json'}")
+    out(
+        f"run {run_id}: {status}{details}; outputs in {run_dir}; logs in {logs} (flwr log: serverapp.log); "
+        f"process times in {workdir / 'timings.json'}"
+    )
     summary = run_dir / SUMMARY_FILE
     if status == "finished:completed" and summary.is_file():
         out(summary.read_text().rstrip())  # the final table, last
@@ -675,9 +797,13 @@ def main_local(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hacrl-fed deploy-local", description=main_local.__doc__)
     p.add_argument("--config", required=True, help="hacrl-fed run config YAML")
     p.add_argument("--tls", action="store_true", help="TLS + SuperNode auth with fresh keys in WORKDIR/keys")
-    p.add_argument("--worker-link", choices=WORKER_LINKS, default="auto",
-                   help="how SuperNodes reach workers: unix sockets in WORKDIR/sock (auto, when the paths fit), "
-                        "tls (mutual TLS on loopback TCP; needs --tls) or insecure (plaintext loopback TCP)")
+    p.add_argument(
+        "--worker-link",
+        choices=WORKER_LINKS,
+        default="auto",
+        help="how SuperNodes reach workers: unix sockets in WORKDIR/sock (auto, when the paths fit), "
+        "tls (mutual TLS on loopback TCP; needs --tls) or insecure (plaintext loopback TCP)",
+    )
     p.add_argument("--workdir", default=None, help="logs, homes, keys and the run dir (default: a temp dir)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--app", default=".", help="the Flower app directory (holding pyproject.toml)")
@@ -685,9 +811,16 @@ def main_local(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.worker_link == "tls" and not args.tls:
         p.exit(2, f"{p.prog}: --worker-link tls needs --tls (the worker certificates come with the keys)\n")
-    return run_local(args.config, workdir=args.workdir, tls=args.tls, worker_link=args.worker_link,
-                     overrides=args.overrides, app=args.app, timeout_s=args.timeout_s,
-                     out=lambda text: print(text, flush=True))
+    return run_local(
+        args.config,
+        workdir=args.workdir,
+        tls=args.tls,
+        worker_link=args.worker_link,
+        overrides=args.overrides,
+        app=args.app,
+        timeout_s=args.timeout_s,
+        out=lambda text: print(text, flush=True),
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 Importing this package registers both engines; the vLLM one imports ``vllm`` only when it is built.
 """
 
+from hacrl_fed.engines import hf as _hf  # noqa: F401  (registers "hf")
+from hacrl_fed.engines import vllm as _vllm  # noqa: F401  (registers "vllm")
 from hacrl_fed.engines.base import (
     EngineOptions,
     Generation,
@@ -13,8 +15,6 @@ from hacrl_fed.engines.base import (
     split_response,
     stop_token_ids,
 )
-from hacrl_fed.engines import hf as _hf  # noqa: F401  (registers "hf")
-from hacrl_fed.engines import vllm as _vllm  # noqa: F401  (registers "vllm")
 from hacrl_fed.engines.hf import HFEngine
 
 __all__ = [

@@ -153,8 +153,9 @@ class EngineOptions:
     llm_kwargs: dict[str, Any] = field(default_factory=dict)  # vllm: extra vllm.LLM(...) arguments
 
     @classmethod
-    def from_config(cls, gen, *, seed: int, model_path: str | None = None,
-                    tokenizer_path: str | None = None) -> "EngineOptions":
+    def from_config(
+        cls, gen, *, seed: int, model_path: str | None = None, tokenizer_path: str | None = None
+    ) -> EngineOptions:
         """Options for an org from its (merged) :class:`hacrl_fed.config.GenerationConfig` ``gen``, its seed
         and the local sources of its model and tokenizer."""
         return cls(
@@ -176,8 +177,11 @@ class EngineOptions:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
             return values
-        names = {p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY,
-                                                       inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+        names = {
+            p.name
+            for p in params
+            if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        }
         return {k: v for k, v in values.items() if k in names}
 
 

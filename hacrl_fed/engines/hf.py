@@ -19,7 +19,6 @@ in bf16).
 from __future__ import annotations
 
 import logging
-
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -35,9 +34,8 @@ from hacrl_fed.engines.base import (
     split_response,
     stop_token_ids,
 )
-from hacrl_fed.worker.cancel import raise_if_cancelled
 from hacrl_fed.scoring import build_scoring_batch_from_ids, per_token_log_probs
-
+from hacrl_fed.worker.cancel import raise_if_cancelled
 
 
 class _PaddedStepWarningFilter(logging.Filter):
@@ -50,6 +48,7 @@ class _PaddedStepWarningFilter(logging.Filter):
 
 
 logging.getLogger("transformers.modeling_utils").addFilter(_PaddedStepWarningFilter())
+
 
 @contextmanager
 def _seeded(seed: int, device: torch.device) -> Iterator[None]:

@@ -63,8 +63,7 @@ INSTALL_HINT = (
     f"`pip install 'hacrl-fed[vllm]'` (vllm{SUPPORTED_VLLM}; its pins clash with flwr), or set generation.engine: hf"
 )
 
-_HALF_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-                "half": "float16"}
+_HALF_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
 
 
 def version_supported(version: str) -> bool:
@@ -88,8 +87,9 @@ def import_vllm():
         raise ImportError(f"{INSTALL_HINT} ({err})") from err
     version = str(getattr(vllm, "__version__", "unknown"))
     if not version_supported(version):
-        raise ImportError(f"vllm {version} is installed but this engine supports vllm{SUPPORTED_VLLM} only. "
-                          f"{INSTALL_HINT}")
+        raise ImportError(
+            f"vllm {version} is installed but this engine supports vllm{SUPPORTED_VLLM} only. {INSTALL_HINT}"
+        )
     return vllm
 
 
@@ -100,7 +100,8 @@ def require_in_process() -> None:
         raise RuntimeError(
             f"vllm engine: {MULTIPROCESSING_ENV}={value!r} runs the engine core in a separate process, where "
             "the trainer's weights cannot be loaded in place (it would need collective_rpc and insecure "
-            f"pickling). Unset it or set {MULTIPROCESSING_ENV}=0 in the policy worker's environment.")
+            f"pickling). Unset it or set {MULTIPROCESSING_ENV}=0 in the policy worker's environment."
+        )
 
 
 def engine_dtype(requested: str | None, model_dtype) -> str:
@@ -108,8 +109,10 @@ def engine_dtype(requested: str | None, model_dtype) -> str:
     if requested is not None:
         key = str(requested).strip().lower().removeprefix("torch.")
         if key not in _HALF_DTYPES:
-            raise ValueError(f"generation.dtype={requested!r}: the vllm engine runs bfloat16 or float16 (attention "
-                             "back-ends reject float32, and raw log-probs need the V1 engine)")
+            raise ValueError(
+                f"generation.dtype={requested!r}: the vllm engine runs bfloat16 or float16 (attention "
+                "back-ends reject float32, and raw log-probs need the V1 engine)"
+            )
         return _HALF_DTYPES[key]
     name = str(model_dtype).removeprefix("torch.")
     return _HALF_DTYPES.get(name, "bfloat16")
@@ -177,8 +180,10 @@ class VLLMEngine(GenerationEngine):
         llm_kwargs: dict | None = None,
     ) -> None:
         if sleep_level not in (0, 1):
-            raise ValueError(f"vllm engine: sleep_level must be 0 (off) or 1, got {sleep_level} (level 2 has a "
-                             "known garbage-after-wake bug)")
+            raise ValueError(
+                f"vllm engine: sleep_level must be 0 (off) or 1, got {sleep_level} (level 2 has a "
+                "known garbage-after-wake bug)"
+            )
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         os.environ.setdefault(MULTIPROCESSING_ENV, "0")
@@ -210,8 +215,10 @@ class VLLMEngine(GenerationEngine):
             kwargs["enable_sleep_mode"] = True
         clash = sorted(set(llm_kwargs or {}) & set(kwargs))
         if clash:
-            raise ValueError(f"generation.vllm_kwargs may not set {clash}: the engine sets them (use the matching "
-                             "generation.* field where there is one)")
+            raise ValueError(
+                f"generation.vllm_kwargs may not set {clash}: the engine sets them (use the matching "
+                "generation.* field where there is one)"
+            )
         self.llm_kwargs = {**kwargs, **(llm_kwargs or {})}
         self.llm = vllm.LLM(**self.llm_kwargs)
         self._vllm = vllm
@@ -246,7 +253,8 @@ class VLLMEngine(GenerationEngine):
             if comp.finish_reason == "stop" and reason != FINISH_STOP:
                 raise RuntimeError(
                     f"vllm request {i} stopped (stop_reason={getattr(comp, 'stop_reason', None)!r}) on a token "
-                    f"outside the worker's stop set {sorted(self.stop_ids)}")
+                    f"outside the worker's stop set {sorted(self.stop_ids)}"
+                )
             if len(ids) != len(raw):
                 raise RuntimeError(f"vllm request {i} generated {len(raw) - len(ids)} tokens after a stop token")
             if comp.logprobs is None or len(comp.logprobs) < len(ids):
@@ -303,15 +311,18 @@ class VLLMEngine(GenerationEngine):
             results = self.llm.apply_model(functools.partial(_load_weights, weights=weights))
         for loaded, expected in results:
             if loaded is None:
-                raise RuntimeError("vllm sync_weights: the engine model's load_weights did not report which weights "
-                                   "it loaded, so a partial sync cannot be ruled out (vllm"
-                                   f"{SUPPORTED_VLLM} models report them)")
+                raise RuntimeError(
+                    "vllm sync_weights: the engine model's load_weights did not report which weights "
+                    "it loaded, so a partial sync cannot be ruled out (vllm"
+                    f"{SUPPORTED_VLLM} models report them)"
+                )
             missing = expected - loaded
             if missing:
                 raise RuntimeError(
                     f"vllm sync_weights: {len(missing)} of {len(expected)} engine parameters were not loaded from "
                     f"the trainer's weights (e.g. {sorted(missing)[:5]}); the engine would sample with stale "
-                    "weights. Renamed weights, a resized embedding or an unsupported adapter layout cause this.")
+                    "weights. Renamed weights, a resized embedding or an unsupported adapter layout cause this."
+                )
         self.llm.reset_prefix_cache()
 
     @contextmanager

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from hacrl_fed.flower.settings import (
-    ENV_VAR, SettingsError, discovery_timeout_of, load_run_config, read_settings, run_dir_of,
+    ENV_VAR,
+    SettingsError,
+    discovery_timeout_of,
+    load_run_config,
+    read_settings,
+    run_dir_of,
 )
 from hacrl_fed.flower.transport import FlowerTransport, discover_orgs
 from hacrl_fed.lifecycle import CLI_KEYS, FLWR_KEYS, SUMMARY_FILE, Run, RunDirError, check_run_dir, setup_logging
@@ -48,8 +54,7 @@ def _is_simulation(grid: Any) -> bool:
     return ENV_VAR in os.environ or type(grid).__name__ == "InMemoryGrid"
 
 
-def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path, flower_run_id: int | None = None
-                   ) -> Any:
+def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path, flower_run_id: int | None = None) -> Any:
     """Run a whole hacrl-fed run over ``grid`` and return the coordinator's ``RunSummary``.
 
     1. settings from ``run_config`` (and ``HACRL_FED_FLOWER_RUN_CONFIG``), then the YAML run config, then the run
@@ -79,9 +84,16 @@ def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path, f
         log.error("hacrl-fed: the run is refused: %s", err)
         raise RunRefused(str(err)) from None
     progress = os.environ.get(PROGRESS_ENV) == "1"
-    run = Run(cfg, run_dir, transport="flower-simulation" if simulation else "flower-deployment",
-              resume=settings.resume, keys=keys, progress=progress, flower_run_id=flower_run_id,
-              entry="hacrl-fed simulate" if ENV_VAR in os.environ else "flwr run (ServerApp)")
+    run = Run(
+        cfg,
+        run_dir,
+        transport="flower-simulation" if simulation else "flower-deployment",
+        resume=settings.resume,
+        keys=keys,
+        progress=progress,
+        flower_run_id=flower_run_id,
+        entry="hacrl-fed simulate" if ENV_VAR in os.environ else "flwr run (ServerApp)",
+    )
     with run:
         expected = [o.id for o in cfg.orgs]
         timeout = discovery_timeout_of(settings, cfg)

@@ -25,8 +25,9 @@ import importlib
 import logging
 import os
 import socket
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from flwr.app import ConfigRecord, Context, RecordDict
 
@@ -34,7 +35,11 @@ from hacrl_fed.config import RunConfig
 from hacrl_fed.flower import records
 from hacrl_fed.flower.records import Operation
 from hacrl_fed.flower.settings import (
-    DEFAULT_WORKER_FACTORY, AppSettings, load_run_config, read_settings, run_dir_of,
+    DEFAULT_WORKER_FACTORY,
+    AppSettings,
+    load_run_config,
+    read_settings,
+    run_dir_of,
 )
 from hacrl_fed.wire import codec
 
@@ -60,13 +65,17 @@ def node_mode(node_config: Mapping[str, Any]) -> str:
     """``deployment`` if ``worker`` is set, ``simulation`` if only ``partition-id`` is, else :class:`NodeError`."""
     if WORKER_KEY in node_config:
         if not isinstance(node_config.get(ORG_KEY), str) or not node_config[ORG_KEY]:
-            raise NodeError(f"node_config has {WORKER_KEY!r} but no non-empty {ORG_KEY!r}: start the SuperNode "
-                            f"with --node-config 'org=\"ORG\" worker=\"unix:/PATH\"'")
+            raise NodeError(
+                f"node_config has {WORKER_KEY!r} but no non-empty {ORG_KEY!r}: start the SuperNode "
+                f'with --node-config \'org="ORG" worker="unix:/PATH"\''
+            )
         return MODE_DEPLOYMENT
     if PARTITION_KEY in node_config:
         return MODE_SIMULATION
-    raise NodeError(f"node_config {dict(node_config)} names no worker: start the SuperNode with "
-                    f"--node-config 'org=\"ORG\" worker=\"unix:/PATH\"'")
+    raise NodeError(
+        f"node_config {dict(node_config)} names no worker: start the SuperNode with "
+        f'--node-config \'org="ORG" worker="unix:/PATH"\''
+    )
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -95,8 +104,10 @@ def simulation_org(context: Context, cfg: RunConfig) -> str:
     partition = context.node_config[PARTITION_KEY]
     orgs = [o.id for o in cfg.orgs]
     if not isinstance(partition, int) or not 0 <= partition < len(orgs):
-        raise NodeError(f"simulated node has partition-id {partition!r} but the config has {len(orgs)} orgs "
-                        f"{orgs}: run the simulation with num-supernodes = {len(orgs)}")
+        raise NodeError(
+            f"simulated node has partition-id {partition!r} but the config has {len(orgs)} orgs "
+            f"{orgs}: run the simulation with num-supernodes = {len(orgs)}"
+        )
     return orgs[partition]
 
 
@@ -111,7 +122,8 @@ def _check_same_process(context: Context, org: str) -> None:
         raise NodeError(
             f"org {org!r}: its in-process worker lives in process {seen} but this message reached {here}. The "
             "simulation must run exactly one ClientApp actor: set the backend's client-resources num-cpus equal "
-            "to init-args num-cpus (hacrl-fed simulate does this)")
+            "to init-args num-cpus (hacrl-fed simulate does this)"
+        )
 
 
 def simulation_worker(context: Context, app_dir: Path) -> tuple[str, Any]:
@@ -159,12 +171,16 @@ def worker_tls(node_config: Mapping[str, Any]) -> Any:
     if not given:
         address = _text(node_config, WORKER_KEY)
         if not is_local_address(address):
-            raise NodeError(f"worker {address!r} is neither a unix: socket nor loopback: set worker-ca, worker-cert "
-                            "and worker-key in --node-config (mutual TLS)")
+            raise NodeError(
+                f"worker {address!r} is neither a unix: socket nor loopback: set worker-ca, worker-cert "
+                "and worker-key in --node-config (mutual TLS)"
+            )
         return None
     if len(given) != len(TLS_KEYS):
-        raise NodeError(f"node_config sets {given} but not {[k for k in TLS_KEYS if k not in given]}: mutual TLS "
-                        f"needs all of {list(TLS_KEYS)}")
+        raise NodeError(
+            f"node_config sets {given} but not {[k for k in TLS_KEYS if k not in given]}: mutual TLS "
+            f"needs all of {list(TLS_KEYS)}"
+        )
     ca, cert, key = (_text(node_config, k) for k in TLS_KEYS)
     server_name = _text(node_config, SERVER_NAME_KEY) if SERVER_NAME_KEY in node_config else None
     return ClientTLS(ca=ca, cert=cert, key=key, server_name=server_name)
@@ -177,8 +193,13 @@ def _deployment_worker(node_config: Mapping[str, Any], deadline_s: float | None)
     if not isinstance(max_mb, int) or isinstance(max_mb, bool) or max_mb < 1:
         raise NodeError(f"node_config {MAX_MB_KEY!r}: expected a positive int, got {max_mb!r}")
     org = node_config[ORG_KEY]
-    client = GrpcWorkerClient(_text(node_config, WORKER_KEY), org_id=org, timeout_s=deadline_s,
-                              max_message_mb=max_mb, tls=worker_tls(node_config))
+    client = GrpcWorkerClient(
+        _text(node_config, WORKER_KEY),
+        org_id=org,
+        timeout_s=deadline_s,
+        max_message_mb=max_mb,
+        tls=worker_tls(node_config),
+    )
     return org, client
 
 
@@ -201,8 +222,9 @@ def _serve(op: Operation, content: RecordDict, org: str, mode: str, worker: Any)
     return records.pack(_call(op, worker, records.unpack(content, op.request_kind), org, mode))
 
 
-def handle(op: Operation, content: RecordDict, context: Context, *, app_dir: Path,
-           deadline_s: float | None = None) -> RecordDict:
+def handle(
+    op: Operation, content: RecordDict, context: Context, *, app_dir: Path, deadline_s: float | None = None
+) -> RecordDict:
     """Serve one request of this node: unpack ``content``, call the org's worker, pack the reply.
 
     ``deadline_s`` bounds gRPC calls (deployment); any failure raises :class:`NodeError` naming org and operation.

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from hacrl_fed.config import RunConfig, load_config, parse_overrides
 
@@ -123,6 +124,7 @@ def discovery_timeout_of(settings: AppSettings, cfg: RunConfig) -> float:
 def check_run_dir(run_dir: Path, resume: bool, keys: Any = None) -> None:
     """As ``hacrl-fed run``: ``resume`` needs a run in ``run_dir``, a fresh run needs none
     (:func:`hacrl_fed.lifecycle.check_run_dir`; the error names ``keys``, by default the CLI's flags)."""
-    from hacrl_fed.lifecycle import CLI_KEYS, check_run_dir as check
+    from hacrl_fed.lifecycle import CLI_KEYS
+    from hacrl_fed.lifecycle import check_run_dir as check
 
     check(run_dir, resume, keys or CLI_KEYS)

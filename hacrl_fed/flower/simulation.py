@@ -27,8 +27,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hacrl_fed.lifecycle import FLOWER_ENV, SUMMARY_FILE, apply_env, setup_logging
 
@@ -37,7 +38,12 @@ apply_env(FLOWER_ENV)  # before anything imports flwr (see the module docstring)
 from hacrl_fed.config import ConfigError, load_config, parse_overrides, report_error  # noqa: E402
 from hacrl_fed.flower.federation import PROGRESS_ENV  # noqa: E402
 from hacrl_fed.flower.settings import (  # noqa: E402
-    ENV_VAR, AppSettings, SettingsError, check_run_dir, run_dir_of, to_run_config,
+    ENV_VAR,
+    AppSettings,
+    SettingsError,
+    check_run_dir,
+    run_dir_of,
+    to_run_config,
 )
 
 log = logging.getLogger(__name__)
@@ -55,8 +61,10 @@ def find_app_dir(explicit: str | Path | None = None) -> Path:
     for cand in candidates:
         if (cand / "server" / "app.py").is_file() and (cand / "client" / "app.py").is_file():
             return cand.resolve()
-    raise FileNotFoundError(f"no Flower app (server/app.py and client/app.py) in {[str(c) for c in candidates]}; "
-                            "run from the repository root or pass --app-dir")
+    raise FileNotFoundError(
+        f"no Flower app (server/app.py and client/app.py) in {[str(c) for c in candidates]}; "
+        "run from the repository root or pass --app-dir"
+    )
 
 
 def available_cpus() -> int:
@@ -80,8 +88,10 @@ def backend_config(num_cpus: int, num_gpus: int) -> dict[str, Any]:
     """Ray backend config giving the single ClientApp actor every CPU and GPU of the (local) Ray cluster."""
     if num_cpus < 1 or num_gpus < 0:
         raise ValueError(f"need num_cpus >= 1 and num_gpus >= 0, got {num_cpus} and {num_gpus}")
-    return {"client_resources": {"num_cpus": num_cpus, "num_gpus": num_gpus},
-            "init_args": {"num_cpus": num_cpus, "num_gpus": num_gpus}}
+    return {
+        "client_resources": {"num_cpus": num_cpus, "num_gpus": num_gpus},
+        "init_args": {"num_cpus": num_cpus, "num_gpus": num_gpus},
+    }
 
 
 def load_apps(app_dir: Path) -> tuple[Any, Any]:
@@ -96,10 +106,20 @@ def load_apps(app_dir: Path) -> tuple[Any, Any]:
     return server.app, client.app
 
 
-def simulate(config_path: str | Path, overrides: Sequence[str] = (), *, run_dir: str | Path | None = None,
-             resume: bool = False, app_dir: str | Path | None = None, num_cpus: int | None = None,
-             num_gpus: int | None = None, worker_factory: str = "", discovery_timeout_s: float = 0.0,
-             verbose: bool = False, progress: bool = False) -> Path:
+def simulate(
+    config_path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
+    app_dir: str | Path | None = None,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    worker_factory: str = "",
+    discovery_timeout_s: float = 0.0,
+    verbose: bool = False,
+    progress: bool = False,
+) -> Path:
     """Run the federation of ``config_path`` on the Simulation Engine; returns the run directory.
 
     ``progress`` shows a per-round progress bar on stderr (the ServerApp runs in this process).
@@ -111,9 +131,14 @@ def simulate(config_path: str | Path, overrides: Sequence[str] = (), *, run_dir:
 
     config_path = Path(config_path).expanduser().resolve()
     cfg = load_config(config_path, parse_overrides(list(overrides)))  # fail early, in this process
-    settings = AppSettings(config_path=str(config_path), overrides=" ".join(overrides), resume=resume,
-                           worker_factory=worker_factory, discovery_timeout_s=discovery_timeout_s,
-                           run_dir=str(run_dir or ""))
+    settings = AppSettings(
+        config_path=str(config_path),
+        overrides=" ".join(overrides),
+        resume=resume,
+        worker_factory=worker_factory,
+        discovery_timeout_s=discovery_timeout_s,
+        run_dir=str(run_dir or ""),
+    )
     run_path = run_dir_of(settings, cfg).resolve()  # Ray workers need absolute paths: their cwd differs
     check_run_dir(run_path, resume)
     if not worker_factory:  # what the ClientApp's workers would refuse (models, task, context): before Ray starts
@@ -128,10 +153,16 @@ def simulate(config_path: str | Path, overrides: Sequence[str] = (), *, run_dir:
     os.environ.update(env)
     start = time.perf_counter()
     try:
-        log.info("simulating %d orgs %s, backend %s, run dir %s", len(cfg.orgs), [o.id for o in cfg.orgs],
-                 backend, run_path)
-        run_simulation(server_app=apps[0], client_app=apps[1], num_supernodes=len(cfg.orgs),
-                       backend_config=backend, verbose_logging=verbose)
+        log.info(
+            "simulating %d orgs %s, backend %s, run dir %s", len(cfg.orgs), [o.id for o in cfg.orgs], backend, run_path
+        )
+        run_simulation(
+            server_app=apps[0],
+            client_app=apps[1],
+            num_supernodes=len(cfg.orgs),
+            backend_config=backend,
+            verbose_logging=verbose,
+        )
     finally:
         for key, value in old_env.items():
             if value is None:
@@ -144,19 +175,35 @@ def simulate(config_path: str | Path, overrides: Sequence[str] = (), *, run_dir:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="hacrl-fed simulate", description="Run a federation on Flower's Simulation Engine (one node per org).")
+        prog="hacrl-fed simulate", description="Run a federation on Flower's Simulation Engine (one node per org)."
+    )
     p.add_argument("config", help="YAML run config")
-    p.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set federation.rounds=3 trainer.lr=1e-5")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set federation.rounds=3 trainer.lr=1e-5",
+    )
     p.add_argument("--run-dir", help="run directory (default: <run_dir>/<name> of the config)")
     p.add_argument("--resume", action="store_true", help="continue the run in the run directory")
     p.add_argument("--num-cpus", type=int, help="CPUs for the simulation (default: all this process may use)")
     p.add_argument("--num-gpus", type=int, help="GPUs for the simulation (default: all CUDA devices)")
     p.add_argument("--app-dir", help="directory with server/ and client/ (default: cwd or the source checkout)")
-    p.add_argument("--worker-factory", default="", metavar="MODULE:CALLABLE",
-                   help="build in-process workers with this instead of hacrl_fed.worker:build_worker")
-    p.add_argument("--discovery-timeout", type=float, default=0.0,
-                   help="seconds to wait for every org's node (default: federation.round_timeout_s)")
+    p.add_argument(
+        "--worker-factory",
+        default="",
+        metavar="MODULE:CALLABLE",
+        help="build in-process workers with this instead of hacrl_fed.worker:build_worker",
+    )
+    p.add_argument(
+        "--discovery-timeout",
+        type=float,
+        default=0.0,
+        help="seconds to wait for every org's node (default: federation.round_timeout_s)",
+    )
     p.add_argument("--verbose", action="store_true", help="Flower debug logging")
     p.add_argument("--log-level", default="INFO", help="hacrl-fed's log level (other libraries log warnings only)")
     p.add_argument("--no-progress", action="store_true", help="no per-round progress bar")
@@ -169,10 +216,19 @@ def main_simulate(argv: Sequence[str] | None = None) -> int:
     args.overrides = [kv for group in args.overrides for kv in group]  # --set a=1 b=2 --set c=3
     setup_logging(args.log_level, verbose=args.verbose)
     try:
-        run_path = simulate(args.config, args.overrides, run_dir=args.run_dir, resume=args.resume,
-                            app_dir=args.app_dir, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                            worker_factory=args.worker_factory, discovery_timeout_s=args.discovery_timeout,
-                            verbose=args.verbose, progress=not args.no_progress)
+        run_path = simulate(
+            args.config,
+            args.overrides,
+            run_dir=args.run_dir,
+            resume=args.resume,
+            app_dir=args.app_dir,
+            num_cpus=args.num_cpus,
+            num_gpus=args.num_gpus,
+            worker_factory=args.worker_factory,
+            discovery_timeout_s=args.discovery_timeout,
+            verbose=args.verbose,
+            progress=not args.no_progress,
+        )
     except ConfigError as err:  # configuration or build-time: one line, the traceback in a log file
         return report_error("hacrl-fed simulate", err)
     except (SettingsError, FileNotFoundError, ValueError) as err:

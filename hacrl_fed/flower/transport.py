@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from flwr.app import Message
 
@@ -59,7 +60,8 @@ class FlowerRemoteError(RuntimeError):
         super().__init__(f"{source} replied with Flower error {code}: {reason or '(no reason)'}")
         self.source, self.code, self.reason = source, code, reason
         self.failure_cause = failures.parse(reason) or (
-            failures.UNREACHABLE if code == NODE_UNAVAILABLE else failures.ERROR)
+            failures.UNREACHABLE if code == NODE_UNAVAILABLE else failures.ERROR
+        )
 
 
 class OrgUnavailable(ConnectionError):
@@ -70,9 +72,17 @@ class DiscoveryError(RuntimeError):
     """Node -> org discovery failed (too few orgs by the deadline, or two nodes claiming one org)."""
 
 
-def exchange(grid: Any, op: Operation, contents: Mapping[int, Any], timeout_s: float, *, group_id: str = "",
-             ttl_grace_s: float = 30.0, max_poll_s: float = MAX_POLL_S,
-             done: Callable[[dict[int, tuple[Any, float]]], bool] | None = None) -> dict[int, tuple[Any, float]]:
+def exchange(
+    grid: Any,
+    op: Operation,
+    contents: Mapping[int, Any],
+    timeout_s: float,
+    *,
+    group_id: str = "",
+    ttl_grace_s: float = 30.0,
+    max_poll_s: float = MAX_POLL_S,
+    done: Callable[[dict[int, tuple[Any, float]]], bool] | None = None,
+) -> dict[int, tuple[Any, float]]:
     """Send one ``op`` message per node (``{node_id: RecordDict}``) and collect replies until ``timeout_s``.
 
     Returns ``{node_id: (reply Message | Exception, seconds until pulled)}`` for every node in ``contents``:
@@ -80,8 +90,12 @@ def exchange(grid: Any, op: Operation, contents: Mapping[int, Any], timeout_s: f
     ``done(replies so far)`` returning True stops waiting early (the rest then count as timed out).
     """
     start = time.monotonic()
-    messages = {node: Message(content, dst_node_id=node, message_type=op.message_type, group_id=group_id,
-                              ttl=timeout_s + ttl_grace_s) for node, content in contents.items()}
+    messages = {
+        node: Message(
+            content, dst_node_id=node, message_type=op.message_type, group_id=group_id, ttl=timeout_s + ttl_grace_s
+        )
+        for node, content in contents.items()
+    }
     pushed = set(filter(None, grid.push_messages(list(messages.values())))) if messages else set()
     out: dict[int, tuple[Any, float]] = {}
     waiting: dict[str, int] = {}
@@ -118,8 +132,9 @@ def decode_reply(op: Operation, source: str, reply: Any, limits: codec.WireLimit
         return err
 
 
-def query_health(grid: Any, node_ids: Iterable[int], timeout_s: float,
-                 **kw: Any) -> dict[int, dict[str, str] | Exception]:
+def query_health(
+    grid: Any, node_ids: Iterable[int], timeout_s: float, **kw: Any
+) -> dict[int, dict[str, str] | Exception]:
     """``query.health`` to every node: ``{node_id: health info (with "org_id") | Exception}``."""
     contents = {node: records.pack(codec.health_request()) for node in node_ids}
     replies = exchange(grid, records.HEALTH, contents, timeout_s, group_id="health", **kw)
@@ -136,8 +151,9 @@ class Assignment:
     duplicate: dict[int, str] = field(default_factory=dict)  # claims an org another node already serves
 
 
-def assign_orgs(infos: Mapping[int, dict[str, str] | Exception], expected: Iterable[str],
-                known: Mapping[int, str] | None = None) -> Assignment:
+def assign_orgs(
+    infos: Mapping[int, dict[str, str] | Exception], expected: Iterable[str], known: Mapping[int, str] | None = None
+) -> Assignment:
     """Health replies (``{node: info | Exception}``) -> :class:`Assignment`.
 
     The first claim of an org wins: orgs in ``known`` first, then nodes in increasing id order.
@@ -166,9 +182,16 @@ def _orgs_answered(replies: Mapping[int, tuple[Any, float]]) -> set[str]:
     return {info.get("org_id", "") for info in infos if isinstance(info, dict)}
 
 
-def discover_orgs(grid: Any, expected: list[str], timeout_s: float, *, min_orgs: int | None = None,
-                  poll_s: float = 1.0, query_timeout_s: float = 120.0,
-                  max_poll_s: float = MAX_POLL_S) -> dict[int, str]:
+def discover_orgs(
+    grid: Any,
+    expected: list[str],
+    timeout_s: float,
+    *,
+    min_orgs: int | None = None,
+    poll_s: float = 1.0,
+    query_timeout_s: float = 120.0,
+    max_poll_s: float = MAX_POLL_S,
+) -> dict[int, str]:
     """Wait (at most ``timeout_s``) until every ``expected`` org has a connected node; return ``{node: org}``.
 
     New nodes are asked for their org with ``query.health`` (waiting at most ``query_timeout_s``, less once every
@@ -206,8 +229,10 @@ def discover_orgs(grid: Any, expected: list[str], timeout_s: float, *, min_orgs:
     if len(found) >= need:
         log.warning("starting without orgs %s: no node answered for them within %g s", missing, timeout_s)
         return found
-    raise DiscoveryError(f"only {len(found)} of {len(expected)} orgs connected within {timeout_s:g} s "
-                         f"(need {need}); missing {missing}; rejected nodes: {({**unknown, **failed}) or 'none'}")
+    raise DiscoveryError(
+        f"only {len(found)} of {len(expected)} orgs connected within {timeout_s:g} s "
+        f"(need {need}); missing {missing}; rejected nodes: {({**unknown, **failed}) or 'none'}"
+    )
 
 
 class FlowerTransport(Transport):
@@ -218,9 +243,18 @@ class FlowerTransport(Transport):
     whose query failed is asked again only after ``retry_failed_s``.
     """
 
-    def __init__(self, grid: Any, org_by_node: Mapping[int, str], *, expected_orgs: Iterable[str] | None = None,
-                 ttl_grace_s: float = 30.0, max_poll_s: float = MAX_POLL_S, rejoin_timeout_s: float = 30.0,
-                 retry_failed_s: float = 60.0, limits: codec.WireLimits = codec.DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        grid: Any,
+        org_by_node: Mapping[int, str],
+        *,
+        expected_orgs: Iterable[str] | None = None,
+        ttl_grace_s: float = 30.0,
+        max_poll_s: float = MAX_POLL_S,
+        rejoin_timeout_s: float = 30.0,
+        retry_failed_s: float = 60.0,
+        limits: codec.WireLimits = codec.DEFAULT_LIMITS,
+    ) -> None:
         self.grid = grid
         self._org_by_node = dict(org_by_node)
         self.expected_orgs = list(expected_orgs) if expected_orgs is not None else list(self._org_by_node.values())
@@ -247,8 +281,9 @@ class FlowerTransport(Transport):
         self._duplicate = {n: why for n, why in self._duplicate.items() if n in connected}
         now = time.monotonic()
         self._failed = {n: t for n, t in self._failed.items() if n in connected and now - t < self.retry_failed_s}
-        fresh = sorted(connected - set(self._org_by_node) - set(self._unknown) - set(self._duplicate)
-                       - set(self._failed))
+        fresh = sorted(
+            connected - set(self._org_by_node) - set(self._unknown) - set(self._duplicate) - set(self._failed)
+        )
         if not fresh:
             return
         infos = query_health(self.grid, fresh, self.rejoin_timeout_s, max_poll_s=self.max_poll_s)
@@ -282,8 +317,15 @@ class FlowerTransport(Transport):
                 out[org] = err
                 continue
             sent_bytes[org] = records.payload_size(contents[node_of[org]])
-        replies = exchange(self.grid, op, contents, timeout_s, group_id=group_id, ttl_grace_s=self.ttl_grace_s,
-                           max_poll_s=self.max_poll_s)
+        replies = exchange(
+            self.grid,
+            op,
+            contents,
+            timeout_s,
+            group_id=group_id,
+            ttl_grace_s=self.ttl_grace_s,
+            max_poll_s=self.max_poll_s,
+        )
         self.last_call_bytes, self.last_call_seconds = {}, {}
         for node, (reply, seconds) in replies.items():
             org = self._org_by_node[node]

@@ -1,7 +1,7 @@
 """Model and tokenizer loading, chat rendering, and the tiny heterogeneous agent zoo.
 
-    model, tokenizer = load_model_and_tokenizer(ModelConfig(zoo="qwen-char"))
-    text = render_prompt(tokenizer, prompt.messages)
+model, tokenizer = load_model_and_tokenizer(ModelConfig(zoo="qwen-char"))
+text = render_prompt(tokenizer, prompt.messages)
 """
 
 from hacrl_fed.models.chat import eos_token_id, fallback_render, render_prompt

@@ -8,10 +8,10 @@ evaluations) needs ``L + budget <= context``; past it a model with learned posit
 
 * At start-up (:func:`check_task_fits`): every held-out prompt an evaluation uses (the first ``task.eval_size``
   test prompts) and the train prompts (all of them for a task that holds its prompts in memory, ``Task.in_memory``
-  such as ``jsonl``; the first :data:`SCAN_LIMIT` of a procedural one) are measured; the longest one that does not fit is a :class:`~hacrl_fed.config.BuildError` naming the org, the
-  split and prompt id, the prompt's length, the budget field and the context. To keep start-up fast only the
-  :data:`CANDIDATES` prompts with the most content tokens of each split are rendered with the chat template and
-  measured exactly.
+  such as ``jsonl``; the first :data:`SCAN_LIMIT` of a procedural one) are measured; the longest one that does not fit
+  is a :class:`~hacrl_fed.config.BuildError` naming the org, the split and prompt id, the prompt's length, the budget
+  field and the context. To keep start-up fast only the :data:`CANDIDATES` prompts with the most content tokens of each
+  split are rendered with the chat template and measured exactly.
 * At every call (:func:`fits`), for prompts start-up could not see: the worker skips a training prompt that does
   not fit (no rollouts of it from this org; counted as ``gen/skipped_too_long``) and scores an evaluation prompt
   that does not fit as wrong (counted as ``eval/skipped_too_long``), logging a warning either way. The trainer
@@ -58,12 +58,13 @@ def fits(prompt_tokens: int, budget: int, context: int | None) -> bool:
 def _token_counts(tokenizer: Any, texts: Sequence[str]) -> list[int]:
     out: list[int] = []
     for i in range(0, len(texts), _CHUNK):
-        out.extend(len(ids) for ids in tokenizer(list(texts[i:i + _CHUNK]), add_special_tokens=False)["input_ids"])
+        out.extend(len(ids) for ids in tokenizer(list(texts[i : i + _CHUNK]), add_special_tokens=False)["input_ids"])
     return out
 
 
-def longest_prompt(task: Any, split: str, ids: Sequence[int], tokenizer: Any,
-                   render: Callable[[Any], str]) -> tuple[int, int] | None:
+def longest_prompt(
+    task: Any, split: str, ids: Sequence[int], tokenizer: Any, render: Callable[[Any], str]
+) -> tuple[int, int] | None:
     """``(prompt id, tokens)`` of the longest rendered prompt among ``ids`` (None for no ids).
 
     Ranks every prompt by the tokens of its messages' content, then renders the :data:`CANDIDATES` longest with
@@ -79,18 +80,34 @@ def longest_prompt(task: Any, split: str, ids: Sequence[int], tokenizer: Any,
     return prompts[ranked[best]].prompt_id, exact[best]
 
 
-def check_task_fits(org_id: str, task: Any, tokenizer: Any, render: Callable[[Any], str], context: int | None,
-                    source: str, *, max_new_tokens: int, eval_max_new_tokens: int, eval_ids: Sequence[int],
-                    scan_limit: int = SCAN_LIMIT) -> dict[str, int]:
+def check_task_fits(
+    org_id: str,
+    task: Any,
+    tokenizer: Any,
+    render: Callable[[Any], str],
+    context: int | None,
+    source: str,
+    *,
+    max_new_tokens: int,
+    eval_max_new_tokens: int,
+    eval_ids: Sequence[int],
+    scan_limit: int = SCAN_LIMIT,
+) -> dict[str, int]:
     """Raise :class:`BuildError` when a prompt the run can use does not fit the context with its budget (module
     docstring); otherwise ``{"train": longest train prompt, "test": longest eval prompt}`` in tokens.
 
     ``source`` names where ``context`` comes from (``max_position_embeddings``...); ``eval_ids``: the held-out
     prompt ids every evaluation uses."""
     out: dict[str, int] = {}
-    checks = (("test", list(eval_ids), "eval_max_new_tokens", eval_max_new_tokens),
-              ("train", range(task.size("train") if getattr(task, "in_memory", False)
-                              else min(task.size("train"), scan_limit)), "max_new_tokens", max_new_tokens))
+    checks = (
+        ("test", list(eval_ids), "eval_max_new_tokens", eval_max_new_tokens),
+        (
+            "train",
+            range(task.size("train") if getattr(task, "in_memory", False) else min(task.size("train"), scan_limit)),
+            "max_new_tokens",
+            max_new_tokens,
+        ),
+    )
     for split, ids, field, budget in checks:
         found = longest_prompt(task, split, ids, tokenizer, render)
         if found is None:
@@ -101,5 +118,6 @@ def check_task_fits(org_id: str, task: Any, tokenizer: Any, render: Callable[[An
             raise BuildError(
                 f"org {org_id!r}: {split} prompt {prompt_id} of task {task.name!r} is {length} tokens and "
                 f"generation.{field}={budget}: {length + budget} > the model's context of {context} tokens "
-                f"({source}); lower generation.{field}, shorten the prompts, or use a model with a longer context")
+                f"({source}); lower generation.{field}, shorten the prompts, or use a model with a longer context"
+            )
     return out

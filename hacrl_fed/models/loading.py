@@ -129,12 +129,11 @@ def load_tokenizer(source: str, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(
-            source, trust_remote_code=trust_remote_code, local_files_only=hub_offline()
-        )
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=hub_offline())
     except (OSError, ValueError) as err:
-        raise BuildError(f"could not load tokenizer from {source!r} (offline={hub_offline()}): "
-                         f"{_first_line(err)}") from err
+        raise BuildError(
+            f"could not load tokenizer from {source!r} (offline={hub_offline()}): {_first_line(err)}"
+        ) from err
     ensure_pad_token(tok)
     return tok
 
@@ -181,8 +180,9 @@ def load_model_and_tokenizer(model_cfg: ModelConfig, *, for_training: bool = Tru
             local_files_only=hub_offline(),
         )
     except (OSError, ValueError) as err:
-        raise BuildError(f"{model_field}: could not load model from {model_src!r} (offline={hub_offline()}): "
-                         f"{_first_line(err)}") from err
+        raise BuildError(
+            f"{model_field}: could not load model from {model_src!r} (offline={hub_offline()}): {_first_line(err)}"
+        ) from err
     _fit_embeddings(model, tokenizer, model_src)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if tokenizer.eos_token_id is not None:

@@ -133,19 +133,29 @@ def run_sft(
     for step in range(1, recipe.steps + 1):
         ids = [rng.randrange(n_train) for _ in range(recipe.batch_size)]
         batch = collate(_batch_examples(task, tokenizer, split, ids), tokenizer.pad_token_id)
-        losses.append(_sgd_step(model, opt, {k: v.to(device) for k, v in batch.items()}, lr_at(step - 1, recipe),
-                                recipe.grad_clip))
+        losses.append(
+            _sgd_step(
+                model, opt, {k: v.to(device) for k, v in batch.items()}, lr_at(step - 1, recipe), recipe.grad_clip
+            )
+        )
         if checking and step % recipe.check_every == 0:
             val_acc = greedy_accuracy(model, tokenizer, task, split, val_ids, max_new_tokens)["accuracy"]
             if log:
-                log(f"sft step {step}/{recipe.steps} loss {_tail_mean(losses):.4f} val accuracy {val_acc:.3f} "
-                    f"({time.perf_counter() - start:.0f}s)")
+                log(
+                    f"sft step {step}/{recipe.steps} loss {_tail_mean(losses):.4f} val accuracy {val_acc:.3f} "
+                    f"({time.perf_counter() - start:.0f}s)"
+                )
             if val_acc >= recipe.stop_at_accuracy:
                 break
         elif log and not checking and step % max(recipe.steps // 10, 1) == 0:
             log(f"sft step {step}/{recipe.steps} loss {_tail_mean(losses):.4f} ({time.perf_counter() - start:.0f}s)")
-    return {"loss_first": losses[0], "loss_last": _tail_mean(losses), "steps_done": float(step),
-            "val_accuracy": val_acc, "seconds": time.perf_counter() - start}
+    return {
+        "loss_first": losses[0],
+        "loss_last": _tail_mean(losses),
+        "steps_done": float(step),
+        "val_accuracy": val_acc,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def _tail_mean(values: list[float], k: int = 50) -> float:
@@ -166,18 +176,32 @@ def _sgd_step(model, opt, batch: dict[str, torch.Tensor], lr: float, grad_clip: 
 
 
 @torch.no_grad()
-def greedy_responses(model, tokenizer, prompt_texts: Sequence[str], max_new_tokens: int = 32,
-                     batch_size: int = 100) -> list[tuple[str, bool]]:
+def greedy_responses(
+    model, tokenizer, prompt_texts: Sequence[str], max_new_tokens: int = 32, batch_size: int = 100
+) -> list[tuple[str, bool]]:
     """Greedy-decode each prompt; returns ``(response_text, stopped)`` per prompt, special tokens skipped.
 
     ``stopped`` is True iff the response ended with EOS within ``max_new_tokens``.
     """
     eos, device, out = eos_token_id(tokenizer), next(model.parameters()).device, []
     for lo in range(0, len(prompt_texts), batch_size):
-        enc = tokenizer(list(prompt_texts[lo : lo + batch_size]), add_special_tokens=False, padding=True,
-                        return_tensors="pt", padding_side="left").to(device)
-        gen = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                             pad_token_id=tokenizer.pad_token_id, temperature=None, top_p=None, top_k=None)
+        enc = tokenizer(
+            list(prompt_texts[lo : lo + batch_size]),
+            add_special_tokens=False,
+            padding=True,
+            return_tensors="pt",
+            padding_side="left",
+        ).to(device)
+        gen = model.generate(
+            **enc,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=tokenizer.pad_token_id,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
         for row in gen[:, enc["input_ids"].shape[1] :].tolist():
             stopped = eos in row
             row = row[: row.index(eos)] if stopped else row
@@ -185,8 +209,9 @@ def greedy_responses(model, tokenizer, prompt_texts: Sequence[str], max_new_toke
     return out
 
 
-def greedy_accuracy(model, tokenizer, task, split: str, ids: Sequence[int], max_new_tokens: int = 32
-                    ) -> dict[str, float]:
+def greedy_accuracy(
+    model, tokenizer, task, split: str, ids: Sequence[int], max_new_tokens: int = 32
+) -> dict[str, float]:
     """Mean ``task.verify`` reward of greedy responses on ``ids`` of ``split``, plus the stop rate.
 
     Returns ``{"accuracy", "stop_rate", "num_prompts"}``.
@@ -195,5 +220,8 @@ def greedy_accuracy(model, tokenizer, task, split: str, ids: Sequence[int], max_
     texts = [render_prompt(tokenizer, p.messages) for p in prompts]
     results = greedy_responses(model, tokenizer, texts, max_new_tokens)
     rewards = [task.verify(resp, p.reference) for (resp, _), p in zip(results, prompts)]
-    return {"accuracy": sum(rewards) / len(rewards), "stop_rate": sum(s for _, s in results) / len(results),
-            "num_prompts": float(len(prompts))}
+    return {
+        "accuracy": sum(rewards) / len(rewards),
+        "stop_rate": sum(s for _, s in results) / len(results),
+        "num_prompts": float(len(prompts)),
+    }

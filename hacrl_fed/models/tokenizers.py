@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import string
 from collections.abc import Iterable
-
 from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

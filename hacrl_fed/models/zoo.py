@@ -71,13 +71,26 @@ class ZooEntry:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-_QWEN = dict(hidden_size=128, intermediate_size=320, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32)
+_QWEN = dict(
+    hidden_size=128,
+    intermediate_size=320,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
 _GPT2 = dict(n_embd=112, n_layer=5, n_head=4)
-_LLAMA = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=4, num_attention_heads=3,
-              num_key_value_heads=1, head_dim=32)
-_MICRO_QWEN = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=16)
+_LLAMA = dict(
+    hidden_size=96,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=32,
+)
+_MICRO_QWEN = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16
+)
 _MICRO_GPT2 = dict(n_embd=32, n_layer=1, n_head=2)
 
 # Demo agents: SFT stops at the first check whose greedy accuracy on 200 held-out *train* prompts reaches
@@ -88,17 +101,44 @@ _MICRO_SFT = dict(steps=60, lr=1e-2, batch_size=8, warmup_steps=10)
 ZOO: dict[str, ZooEntry] = {
     e.name: e
     for e in (
-        ZooEntry("qwen-char", "qwen3", _QWEN, "char",
-                 SFTRecipe(lr=3e-3, seed=1, stop_at_accuracy=0.40, **_DEMO_SFT), target_accuracy=(0.2, 0.5)),
-        ZooEntry("gpt2-bpe", "gpt2", _GPT2, "bpe",
-                 SFTRecipe(lr=2e-3, seed=2, stop_at_accuracy=0.30, **_DEMO_SFT), target_accuracy=(0.2, 0.5)),
-        ZooEntry("llama-bpe", "llama", _LLAMA, "bpe",
-                 SFTRecipe(lr=2e-3, seed=3, stop_at_accuracy=0.25, **_DEMO_SFT), target_accuracy=(0.2, 0.5)),
+        ZooEntry(
+            "qwen-char",
+            "qwen3",
+            _QWEN,
+            "char",
+            SFTRecipe(lr=3e-3, seed=1, stop_at_accuracy=0.40, **_DEMO_SFT),
+            target_accuracy=(0.2, 0.5),
+        ),
+        ZooEntry(
+            "gpt2-bpe",
+            "gpt2",
+            _GPT2,
+            "bpe",
+            SFTRecipe(lr=2e-3, seed=2, stop_at_accuracy=0.30, **_DEMO_SFT),
+            target_accuracy=(0.2, 0.5),
+        ),
+        ZooEntry(
+            "llama-bpe",
+            "llama",
+            _LLAMA,
+            "bpe",
+            SFTRecipe(lr=2e-3, seed=3, stop_at_accuracy=0.25, **_DEMO_SFT),
+            target_accuracy=(0.2, 0.5),
+        ),
         # Micro agents for tests: build in a few seconds, emit a mix of stopped and truncated responses.
-        ZooEntry("micro-qwen-char", "qwen3", _MICRO_QWEN, "char", SFTRecipe(**_MICRO_SFT),
-                 bpe_corpus_size=200, eval_size=16),
-        ZooEntry("micro-gpt2-bpe", "gpt2", _MICRO_GPT2, "bpe", SFTRecipe(**_MICRO_SFT),
-                 bpe_vocab_size=300, bpe_corpus_size=200, eval_size=16),
+        ZooEntry(
+            "micro-qwen-char", "qwen3", _MICRO_QWEN, "char", SFTRecipe(**_MICRO_SFT), bpe_corpus_size=200, eval_size=16
+        ),
+        ZooEntry(
+            "micro-gpt2-bpe",
+            "gpt2",
+            _MICRO_GPT2,
+            "bpe",
+            SFTRecipe(**_MICRO_SFT),
+            bpe_vocab_size=300,
+            bpe_corpus_size=200,
+            eval_size=16,
+        ),
     )
 }
 
@@ -127,18 +167,38 @@ def build_config(entry: ZooEntry, tokenizer):
     """A transformers config for ``entry.arch`` sized to the tokenizer, dropout off, special ids set."""
     from transformers import GPT2Config, LlamaConfig, Qwen3Config
 
-    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-               eos_token_id=tokenizer.eos_token_id)
+    ids = dict(
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
     vocab = len(tokenizer)
     if entry.arch == "qwen3":
-        return Qwen3Config(vocab_size=vocab, max_position_embeddings=256, tie_word_embeddings=True,
-                           attention_dropout=0.0, **entry.arch_kwargs, **ids)
+        return Qwen3Config(
+            vocab_size=vocab,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            attention_dropout=0.0,
+            **entry.arch_kwargs,
+            **ids,
+        )
     if entry.arch == "llama":
-        return LlamaConfig(vocab_size=vocab, max_position_embeddings=256, tie_word_embeddings=True,
-                           attention_dropout=0.0, **entry.arch_kwargs, **ids)
+        return LlamaConfig(
+            vocab_size=vocab,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            attention_dropout=0.0,
+            **entry.arch_kwargs,
+            **ids,
+        )
     if entry.arch == "gpt2":
-        return GPT2Config(vocab_size=vocab, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                          **entry.arch_kwargs, **ids)
+        return GPT2Config(
+            vocab_size=vocab,
+            n_positions=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **entry.arch_kwargs,
+            **ids,
+        )
     raise ValueError(f"zoo entry {entry.name!r}: arch={entry.arch!r} unknown; expected one of {ARCHS}")
 
 
@@ -188,18 +248,31 @@ def _build(entry: ZooEntry, out: Path, dtype: str, replace: bool) -> Path:
     tokenizer = build_tokenizer(entry.tokenizer, _bpe_corpus(task, entry.bpe_corpus_size), entry.bpe_vocab_size)
     torch.manual_seed(entry.sft.seed)
     model = AutoModelForCausalLM.from_config(build_config(entry, tokenizer), dtype=torch.float32)
-    log.info("zoo %s: %s + %s tokenizer, %d params, SFT %d steps", name, entry.arch, entry.tokenizer,
-             _num_params(model), entry.sft.steps)
-    sft_stats = run_sft(model, tokenizer, task, entry.sft, max_new_tokens=entry.eval_max_new_tokens,
-                        log=lambda msg: log.info("zoo %s: %s", name, msg))
+    log.info(
+        "zoo %s: %s + %s tokenizer, %d params, SFT %d steps",
+        name,
+        entry.arch,
+        entry.tokenizer,
+        _num_params(model),
+        entry.sft.steps,
+    )
+    sft_stats = run_sft(
+        model,
+        tokenizer,
+        task,
+        entry.sft,
+        max_new_tokens=entry.eval_max_new_tokens,
+        log=lambda msg: log.info("zoo %s: %s", name, msg),
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tmp.chmod(0o755)
     try:
         model.to(getattr(torch, dtype)).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        reloaded, tok = load_model_and_tokenizer(ModelConfig(path=str(tmp), device="cpu", dtype="float32"),
-                                                 for_training=False)
+        reloaded, tok = load_model_and_tokenizer(
+            ModelConfig(path=str(tmp), device="cpu", dtype="float32"), for_training=False
+        )
         ids = range(min(entry.eval_size, task.size(entry.eval_split)))
         acc = greedy_accuracy(reloaded, tok, task, entry.eval_split, ids, entry.eval_max_new_tokens)
         record = _record(entry, reloaded, dtype, acc, sft_stats, time.perf_counter() - start)
@@ -208,8 +281,14 @@ def _build(entry: ZooEntry, out: Path, dtype: str, replace: bool) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _check_target(entry, acc["accuracy"])
-    log.info("zoo %s: accuracy %.3f (stop rate %.2f) in %.0fs -> %s", name, acc["accuracy"], acc["stop_rate"],
-             record["build_seconds"], out)
+    log.info(
+        "zoo %s: accuracy %.3f (stop rate %.2f) in %.0fs -> %s",
+        name,
+        acc["accuracy"],
+        acc["stop_rate"],
+        record["build_seconds"],
+        out,
+    )
     return out
 
 
@@ -237,8 +316,13 @@ def _record(entry: ZooEntry, model, dtype: str, acc: dict, sft_stats: dict, seco
         "saved_dtype": dtype,
         "accuracy": acc["accuracy"],
         "stop_rate": acc["stop_rate"],
-        "eval": {"split": entry.eval_split, "num_prompts": int(acc["num_prompts"]),
-                 "max_new_tokens": entry.eval_max_new_tokens, "decoding": "greedy", "measured_dtype": "float32"},
+        "eval": {
+            "split": entry.eval_split,
+            "num_prompts": int(acc["num_prompts"]),
+            "max_new_tokens": entry.eval_max_new_tokens,
+            "decoding": "greedy",
+            "measured_dtype": "float32",
+        },
         "sft": sft_stats,
         "build_seconds": seconds,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
@@ -274,14 +358,20 @@ def resolve_zoo(name: str) -> Path:
     cached = cached_dir(name)
     if read_recipe(cached) is not None:
         if shipped is not None:
-            log.info("zoo %s: the shipped weights are from another recipe; using the cached build %s",
-                     entry.name, cached)
+            log.info(
+                "zoo %s: the shipped weights are from another recipe; using the cached build %s", entry.name, cached
+            )
         return cached
-    why = ("its shipped weights were built from another recipe "
-           f"({shipped.get('recipe_hash')}, the code's recipe is {entry.recipe_hash()})" if shipped is not None
-           else "it is neither shipped nor built")
-    raise BuildError(f"model.zoo={entry.name!r}: {why}; build it with `hacrl-fed zoo build {entry.name} --ship` "
-                     f"(into the package) or `hacrl-fed zoo build {entry.name}` (into the cache, {cached})")
+    why = (
+        "its shipped weights were built from another recipe "
+        f"({shipped.get('recipe_hash')}, the code's recipe is {entry.recipe_hash()})"
+        if shipped is not None
+        else "it is neither shipped nor built"
+    )
+    raise BuildError(
+        f"model.zoo={entry.name!r}: {why}; build it with `hacrl-fed zoo build {entry.name} --ship` "
+        f"(into the package) or `hacrl-fed zoo build {entry.name}` (into the cache, {cached})"
+    )
 
 
 def _dir_size(path: Path) -> int:
@@ -324,11 +414,12 @@ def main_zoo(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     dtype = args.dtype or ("float16" if args.ship else "float32")
     for entry in entries:
-        dest = (shipped_dir(entry.name) if args.ship else args.out / entry.name if args.out
-                else cached_dir(entry.name))
+        dest = shipped_dir(entry.name) if args.ship else args.out / entry.name if args.out else cached_dir(entry.name)
         path = build_agent(entry.name, dest, dtype=dtype)
         rec = read_recipe(path)
-        print(f"{entry.name}: params={rec['num_params']} accuracy={rec['accuracy']:.3f} "
-              f"stop_rate={rec['stop_rate']:.2f} build={rec['build_seconds']:.0f}s "
-              f"size={_dir_size(path) / 1e6:.2f}MB -> {path}")
+        print(
+            f"{entry.name}: params={rec['num_params']} accuracy={rec['accuracy']:.3f} "
+            f"stop_rate={rec['stop_rate']:.2f} build={rec['build_seconds']:.0f}s "
+            f"size={_dir_size(path) / 1e6:.2f}MB -> {path}"
+        )
     return 0

@@ -29,7 +29,8 @@ What signing does not hide: everything is readable by whoever relays the batch u
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NoReturn
+from collections.abc import Mapping
+from typing import Any, NoReturn
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -144,8 +145,11 @@ def _check_header(batch: RolloutBatch, run_id: str, round: int) -> None:
         _reject("wrong_round", f"batch from {batch.org_id!r} is for round {batch.round}, expected {round}")
     for i, r in enumerate(batch.rollouts):
         if r.org_id != batch.org_id or r.round != batch.round:
-            _reject("malformed", f"batch from {batch.org_id!r} round {batch.round}: rollouts[{i}] names org "
-                                 f"{str(r.org_id)[:64]!r} round {r.round}")
+            _reject(
+                "malformed",
+                f"batch from {batch.org_id!r} round {batch.round}: rollouts[{i}] names org "
+                f"{str(r.org_id)[:64]!r} round {r.round}",
+            )
 
 
 def _check_shapes(batch: RolloutBatch) -> None:

@@ -31,9 +31,10 @@ import re
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Union
+from typing import Any
 
 import yaml
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -85,8 +86,10 @@ def _raw_private(key: Ed25519PrivateKey | X25519PrivateKey) -> bytes:
 def check_org_id(org_id: Any, where: str = "org id") -> str:
     """``org_id`` if it is a valid org id (letters, digits, ``_.-``, at most 64, starting alphanumeric)."""
     if not isinstance(org_id, str) or not _ORG_ID.match(org_id):
-        raise IdentityError(f"{where}: {org_id!r} is not a valid org id (letters, digits, '_', '.', '-'; "
-                            "at most 64; starting with a letter or digit)")
+        raise IdentityError(
+            f"{where}: {org_id!r} is not a valid org id (letters, digits, '_', '.', '-'; "
+            "at most 64; starting with a letter or digit)"
+        )
     return org_id
 
 
@@ -116,8 +119,8 @@ class PublicIdentity:
         if len(parts) != 2 or not parts[0].startswith("ed25519:") or not parts[1].startswith("x25519:"):
             shown = text if len(text) <= 120 else text[:117] + "..."
             raise IdentityError(f"public identity: expected 'ed25519:<base64> x25519:<base64>', got {shown!r}")
-        sign = _unb64(parts[0][len("ed25519:"):], "public identity: ed25519 key")
-        box = _unb64(parts[1][len("x25519:"):], "public identity: x25519 key")
+        sign = _unb64(parts[0][len("ed25519:") :], "public identity: ed25519 key")
+        box = _unb64(parts[1][len("x25519:") :], "public identity: x25519 key")
         try:
             return cls(Ed25519PublicKey.from_public_bytes(sign), X25519PublicKey.from_public_bytes(box))
         except ValueError as err:
@@ -233,8 +236,10 @@ def _read_private_file(path: Path) -> bytes:
         if not stat.S_ISREG(st.st_mode):
             raise IdentityError(f"identity file {path} is not a regular file")
         if st.st_mode & 0o077:
-            raise IdentityError(f"identity file {path} is accessible by group or others (mode "
-                                f"{stat.S_IMODE(st.st_mode):04o}); private keys must be 0600: run 'chmod 600 {path}'")
+            raise IdentityError(
+                f"identity file {path} is accessible by group or others (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}); private keys must be 0600: run 'chmod 600 {path}'"
+            )
         return f.read(_MAX_FILE_BYTES + 1)
 
 
@@ -272,7 +277,7 @@ def load_identity(path: str | Path, org_id: str | None = None) -> OrgIdentity:
 # ----------------------------------------------------------------------------------------------- rosters
 
 Roster = Mapping[str, PublicIdentity]
-RosterSource = Union[str, os.PathLike, Mapping[str, Any]]
+RosterSource = str | os.PathLike | Mapping[str, Any]
 
 
 def _roster_entries(doc: Any, where: str) -> dict[str, PublicIdentity]:
@@ -416,6 +421,8 @@ def _exists_nonempty(path: Path) -> bool:
 def _existing_set(out_dir: Path, orgs: list[str]) -> Path:
     missing = _missing(out_dir, orgs)
     if missing:
-        raise IdentityError(f"{out_dir} holds an incomplete key set (missing: {', '.join(missing)}); "
-                            "pass overwrite=True to replace it with a fresh one")
+        raise IdentityError(
+            f"{out_dir} holds an incomplete key set (missing: {', '.join(missing)}); "
+            "pass overwrite=True to replace it with a fresh one"
+        )
     return roster_path(out_dir)

@@ -78,8 +78,10 @@ def load_org_identity(cfg: RunConfig, org_id: str, run_dir: str | Path) -> Any |
     elif sec.identity_file:
         path = Path(sec.identity_file.replace("{org}", org_id))
     else:
-        raise ConfigError(f"security.identity_file: not set, so org {org_id!r} has no signing key (the roster is "
-                          "pinned; point identity_file at this org's key from 'hacrl-fed keys')")
+        raise ConfigError(
+            f"security.identity_file: not set, so org {org_id!r} has no signing key (the roster is "
+            "pinned; point identity_file at this org's key from 'hacrl-fed keys')"
+        )
     try:
         identity = load_identity(path, org_id=org_id)
     except (IdentityError, OSError) as err:

@@ -57,12 +57,16 @@ class KeyToolError(ValueError):
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "hacrl-fed"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "hacrl-fed"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
 
 
 def parse_san(value: str) -> x509.GeneralName:
@@ -77,8 +81,9 @@ def parse_san(value: str) -> x509.GeneralName:
     return x509.DNSName(text.lower())
 
 
-def make_ca(common_name: str = "hacrl-fed CA",
-            days: int = CA_DAYS) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+def make_ca(
+    common_name: str = "hacrl-fed CA", days: int = CA_DAYS
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """A fresh CA: ECDSA P-256 key and a self-signed ``CA:TRUE, pathlen:0`` certificate valid ``days`` days."""
     if days < 1:
         raise KeyToolError(f"days must be >= 1, got {days}")
@@ -86,22 +91,41 @@ def make_ca(common_name: str = "hacrl-fed CA",
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
         x509.CertificateBuilder()
-        .subject_name(_name(common_name)).issuer_name(_name(common_name))
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - _CLOCK_SKEW).not_valid_after(_now() + dt.timedelta(days=days))
+        .subject_name(_name(common_name))
+        .issuer_name(_name(common_name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_now() - _CLOCK_SKEW)
+        .not_valid_after(_now() + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                     crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(ski, critical=False)
         .sign(key, hashes.SHA256())
     )
     return key, cert
 
 
-def _leaf_cert(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, common_name: str,
-               usage: x509.ObjectIdentifier, names: list[x509.GeneralName],
-               days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+def _leaf_cert(
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    common_name: str,
+    usage: x509.ObjectIdentifier,
+    names: list[x509.GeneralName],
+    days: int,
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """A P-256 key and a CA-signed end-entity certificate with extended key usage ``usage`` and SANs ``names``."""
     if days < 1:
         raise KeyToolError(f"days must be >= 1, got {days}")
@@ -110,20 +134,33 @@ def _leaf_cert(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, co
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     builder = (
         x509.CertificateBuilder()
-        .subject_name(_name(common_name)).issuer_name(ca_cert.subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - _CLOCK_SKEW).not_valid_after(not_after)
+        .subject_name(_name(common_name))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_now() - _CLOCK_SKEW)
+        .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
     )
     if names:
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     cert = (
-        builder
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        builder.add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
@@ -153,8 +190,9 @@ def client_name(org: str) -> str:
     return f"{org}-client"
 
 
-def make_client_cert(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, common_name: str,
-                     days: int = SERVER_DAYS) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+def make_client_cert(
+    ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, common_name: str, days: int = SERVER_DAYS
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """A TLS client key (P-256) and certificate signed by the CA: ``clientAuth``, subject CN ``common_name`` and
     the URI SAN ``urn:hacrl-fed:client:<common_name>`` (web-PKI client verifiers require a SAN)."""
     names = [x509.UniformResourceIdentifier(f"urn:hacrl-fed:client:{common_name}")]
@@ -168,8 +206,9 @@ def make_supernode_keypair(comment: str = "") -> tuple[bytes, bytes]:
     ``load_ssh_private_key`` and the public one with ``load_ssh_public_key``.
     """
     key = ec.generate_private_key(ec.SECP384R1())
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                serialization.NoEncryption())
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     if comment:
         public += b" " + comment.encode()
@@ -178,8 +217,9 @@ def make_supernode_keypair(comment: str = "") -> tuple[bytes, bytes]:
 
 def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     """Unencrypted PKCS#8 PEM of a private key (what ``--ssl-keyfile`` reads)."""
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def cert_pem(cert: x509.Certificate) -> bytes:
@@ -248,8 +288,15 @@ class KeyLayout:
 
     def org_files(self, org: str) -> list[Path]:
         """Every file made for ``org`` (TLS and SuperNode keys, and its identity key)."""
-        return [self.supernode_key(org), self.supernode_pub(org), self.worker_cert(org), self.worker_key(org),
-                self.worker_client_cert(org), self.worker_client_key(org), self.identity_key(org)]
+        return [
+            self.supernode_key(org),
+            self.supernode_pub(org),
+            self.worker_cert(org),
+            self.worker_key(org),
+            self.worker_client_cert(org),
+            self.worker_client_key(org),
+            self.identity_key(org),
+        ]
 
     def all_files(self, orgs: list[str]) -> list[Path]:
         files = [self.ca_cert, self.ca_key, self.server_cert, self.server_key, self.roster]
@@ -283,8 +330,9 @@ def _write(path: Path, data: bytes, mode: int) -> None:
     os.chmod(path, mode)  # the umask may have cleared bits of a 644 file
 
 
-def write_keys(out: str | Path, orgs: list[str], sans: list[str] | tuple[str, ...] = DEFAULT_SANS,
-               *, force: bool = False) -> KeyLayout:
+def write_keys(
+    out: str | Path, orgs: list[str], sans: list[str] | tuple[str, ...] = DEFAULT_SANS, *, force: bool = False
+) -> KeyLayout:
     """Create the CA, the SuperLink certificate, and per org a SuperNode key pair, a worker certificate, a worker
     client certificate and a signing identity, under ``out`` (see the module docstring for the layout).
 
@@ -318,8 +366,9 @@ def write_keys(out: str | Path, orgs: list[str], sans: list[str] | tuple[str, ..
     return layout
 
 
-def _tls_pair(key_path: Path, cert_path: Path, pair: tuple[ec.EllipticCurvePrivateKey, x509.Certificate]
-              ) -> dict[Path, bytes]:
+def _tls_pair(
+    key_path: Path, cert_path: Path, pair: tuple[ec.EllipticCurvePrivateKey, x509.Certificate]
+) -> dict[Path, bytes]:
     return {key_path: key_pem(pair[0]), cert_path: cert_pem(pair[1])}
 
 
@@ -352,14 +401,17 @@ def summary(layout: KeyLayout, orgs: list[str], sans: list[str] | tuple[str, ...
     for org in orgs:
         lines.append(f"  {d.supernode_key(org)}  {org}'s SuperNode auth key (mode 600) -> give only to {org}")
         lines.append(f"  {d.supernode_pub(org)}  {org}'s public key -> register it on the SuperLink")
-        lines.append(f"  {d.worker_cert(org)}, {d.worker_key(org).name}  {org}'s worker TLS certificate and key "
-                     f"(mode 600) -> give only to {org}")
-        lines.append(f"  {d.worker_client_cert(org)}, {d.worker_client_key(org).name}  client certificate "
-                     f"({client_name(org)}) and key for {org}'s SuperNode -> give only to {org}")
+        lines.append(
+            f"  {d.worker_cert(org)}, {d.worker_key(org).name}  {org}'s worker TLS certificate and key "
+            f"(mode 600) -> give only to {org}"
+        )
+        lines.append(
+            f"  {d.worker_client_cert(org)}, {d.worker_client_key(org).name}  client certificate "
+            f"({client_name(org)}) and key for {org}'s SuperNode -> give only to {org}"
+        )
     if d.roster.exists():
         lines.append(f"  {d.roster}  every org's public signing identity -> every organization")
-        lines += [f"  {d.identity_key(org)}  {org}'s signing identity (mode 600) -> give only to {org}"
-                  for org in orgs]
+        lines += [f"  {d.identity_key(org)}  {org}'s signing identity (mode 600) -> give only to {org}" for org in orgs]
     lines += [
         "next (see docs/DEPLOYMENT.md):",
         f"  coordinator: flower-superlink --ssl-ca-certfile {d.ca_cert} --ssl-certfile {d.server_cert} "
@@ -367,26 +419,38 @@ def summary(layout: KeyLayout, orgs: list[str], sans: list[str] | tuple[str, ...
     ]
     lines += [f"  coordinator: flwr supernode register {d.supernode_pub(org)} NAME" for org in orgs]
     org = orgs[0]
-    lines.append(f"  org {org}:    hacrl-fed worker --config RUN.yaml --org {org} "
-                 f"--listen unix:/PRIVATE/DIR/{org}.sock")
-    lines.append(f"     or TCP:   hacrl-fed worker --config RUN.yaml --org {org} --listen 127.0.0.1:50051 "
-                 f"--tls-cert {d.worker_cert(org)} --tls-key {d.worker_key(org)} --tls-ca {d.ca_cert} "
-                 f"--tls-client-name {client_name(org)}")
-    lines.append(f"  org {org}:    flower-supernode --superlink HOST:9093 --root-certificates ca.pem "
-                 f"--auth-supernode-private-key {org}.key "
-                 f"--node-config 'org=\"{org}\" worker=\"unix:/PRIVATE/DIR/{org}.sock\"'")
+    lines.append(
+        f"  org {org}:    hacrl-fed worker --config RUN.yaml --org {org} --listen unix:/PRIVATE/DIR/{org}.sock"
+    )
+    lines.append(
+        f"     or TCP:   hacrl-fed worker --config RUN.yaml --org {org} --listen 127.0.0.1:50051 "
+        f"--tls-cert {d.worker_cert(org)} --tls-key {d.worker_key(org)} --tls-ca {d.ca_cert} "
+        f"--tls-client-name {client_name(org)}"
+    )
+    lines.append(
+        f"  org {org}:    flower-supernode --superlink HOST:9093 --root-certificates ca.pem "
+        f"--auth-supernode-private-key {org}.key "
+        f'--node-config \'org="{org}" worker="unix:/PRIVATE/DIR/{org}.sock"\''
+    )
     return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hacrl-fed keys",
-                                description="Create a CA, SuperLink and worker TLS certificates, SuperNode auth keys "
-                                            "and org signing identities.")
+    p = argparse.ArgumentParser(
+        prog="hacrl-fed keys",
+        description="Create a CA, SuperLink and worker TLS certificates, SuperNode auth keys "
+        "and org signing identities.",
+    )
     p.add_argument("--out", required=True, help="output directory (created, mode 700)")
     p.add_argument("--orgs", required=True, help="comma-separated org ids: SuperNode, worker and identity keys each")
-    p.add_argument("--san", action="append", default=[], metavar="NAME_OR_IP",
-                   help="host name or IP the SuperNodes dial, for the SuperLink and worker certificates "
-                        "(repeatable); default: " + " ".join(DEFAULT_SANS))
+    p.add_argument(
+        "--san",
+        action="append",
+        default=[],
+        metavar="NAME_OR_IP",
+        help="host name or IP the SuperNodes dial, for the SuperLink and worker certificates "
+        "(repeatable); default: " + " ".join(DEFAULT_SANS),
+    )
     p.add_argument("--force", action="store_true", help="replace existing key files")
     return p
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
-from typing import Any, Mapping, NoReturn
+from collections.abc import Mapping
+from typing import NoReturn
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -70,13 +71,28 @@ def _nonce(position: int) -> bytes:
 
 
 def _response_ad(batch: RolloutBatch, rollout: Rollout) -> bytes:
-    return RESPONSE_DOMAIN + b"".join([_field(batch.run_id), _int(batch.round), _field(batch.org_id),
-                                       _int(rollout.prompt_id), _int(rollout.sample_index)])
+    return RESPONSE_DOMAIN + b"".join(
+        [
+            _field(batch.run_id),
+            _int(batch.round),
+            _field(batch.org_id),
+            _int(rollout.prompt_id),
+            _int(rollout.sample_index),
+        ]
+    )
 
 
 def _kek(shared: bytes, batch: RolloutBatch, recipient: str, ephemeral: bytes, recipient_public: bytes) -> bytes:
-    info = WRAP_INFO_DOMAIN + b"".join([_field(batch.run_id), _int(batch.round), _field(batch.org_id),
-                                        _field(recipient), _field(ephemeral), _field(recipient_public)])
+    info = WRAP_INFO_DOMAIN + b"".join(
+        [
+            _field(batch.run_id),
+            _int(batch.round),
+            _field(batch.org_id),
+            _field(recipient),
+            _field(ephemeral),
+            _field(recipient_public),
+        ]
+    )
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=WRAP_SALT, info=info).derive(shared)
 
 
@@ -123,8 +139,9 @@ def seal_batch(batch: RolloutBatch, recipients: Mapping[str, X25519PublicKey | P
     content_key = os.urandom(CONTENT_KEY_BYTES)
     aead = ChaCha20Poly1305(content_key)
     rollouts = tuple(
-        dataclasses.replace(r, response="", sealed_response=aead.encrypt(
-            _nonce(i), r.response.encode("utf-8"), _response_ad(batch, r)))
+        dataclasses.replace(
+            r, response="", sealed_response=aead.encrypt(_nonce(i), r.response.encode("utf-8"), _response_ad(batch, r))
+        )
         for i, r in enumerate(batch.rollouts)
     )
     keys = tuple(_wrap(content_key, batch, org, publics[org]) for org in sorted(publics))

@@ -8,9 +8,9 @@ math-verify), ``reasoning-gym`` (optional package, imported only when built).
     reward = task.verify(response_text, prompts[0].reference)
 """
 
-from hacrl_fed.tasks.base import TASKS, Task, TaskParams, get_task, register_task
 from hacrl_fed.tasks import arithmetic as _arithmetic  # noqa: F401  (registers "arithmetic")
 from hacrl_fed.tasks import jsonl_math as _jsonl_math  # noqa: F401  (registers "jsonl")
 from hacrl_fed.tasks import reasoning_gym as _reasoning_gym  # noqa: F401  (registers "reasoning-gym")
+from hacrl_fed.tasks.base import TASKS, Task, TaskParams, get_task, register_task
 
 __all__ = ["TASKS", "Task", "TaskParams", "get_task", "register_task"]

@@ -16,8 +16,8 @@ share one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pydantic import Field, field_validator
@@ -117,10 +117,8 @@ def extract_integer(text: str) -> int | None:
             m = NUMBER_RE.search(chunk)
             if m:
                 return _as_int(m)
-    last = None
-    for last in NUMBER_RE.finditer(text):
-        pass
-    return None if last is None else _as_int(last)
+    matches = list(NUMBER_RE.finditer(text))
+    return _as_int(matches[-1]) if matches else None
 
 
 def _as_int(m) -> int | None:

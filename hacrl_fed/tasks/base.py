@@ -13,9 +13,9 @@ Tasks register under a name (``register_task``) and are built with validated par
 from __future__ import annotations
 
 import hashlib
+import operator
 import re
 from abc import ABC, abstractmethod
-import operator
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -159,7 +159,10 @@ def normalize_minus(text: str) -> str:
 
 
 def number_strings(text: str) -> list[str]:
-    """Every number in ``text`` as a canonical string (sign kept, commas removed): ``"x=-1,234.5"`` → ``["-1234.5"]``."""
+    """Every number in ``text`` as a canonical string (sign kept, commas removed).
+
+    ``"x=-1,234.5"`` → ``["-1234.5"]``.
+    """
     out = []
     for m in NUMBER_RE.finditer(text):
         sign = "-" if m.group("sign") == "-" else ""
@@ -196,13 +199,13 @@ def after_last_marker(text: str, marker: str = "####") -> str | None:
 
 def after_answer_is(text: str, width: int = 64) -> str | None:
     """Up to ``width`` characters after the last "answer is" / "answer:" / "answer =" (any case); None if absent."""
-    last = None
-    for last in _ANSWER_IS_RE.finditer(text):
-        pass
-    return None if last is None else text[last.end() : last.end() + width].strip()
+    matches = list(_ANSWER_IS_RE.finditer(text))
+    if not matches:
+        return None
+    end = matches[-1].end()
+    return text[end : end + width].strip()
 
 
 def strip_trailing_period(text: str) -> str:
     """``"42."`` → ``"42"`` (also drops trailing spaces)."""
     return text.rstrip().rstrip(".").rstrip()
-

@@ -39,8 +39,8 @@ from hacrl_fed.tasks.base import (
     Task,
     TaskParams,
     after_answer_is,
-    check_split,
     after_last_marker,
+    check_split,
     last_boxed,
     normalize_minus,
     number_strings,
@@ -124,8 +124,9 @@ def load_rows(path: str, p: JsonlMathParams, param: str) -> list[Row]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise BuildError(f"{where}: not valid UTF-8 (byte {err.start + 1} of the line: "
-                                 f"{raw[err.start:err.start + 1]!r})") from None
+                raise BuildError(
+                    f"{where}: not valid UTF-8 (byte {err.start + 1} of the line: {raw[err.start : err.start + 1]!r})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -143,9 +144,7 @@ def load_rows(path: str, p: JsonlMathParams, param: str) -> list[Row]:
 def _row(obj: dict, where: str, p: JsonlMathParams) -> Row:
     for field, param in ((p.question_field, "question_field"), (p.answer_field, "answer_field")):
         if field not in obj:
-            raise BuildError(
-                f"{where}: missing field {field!r} (task.params.{param}); fields present: {sorted(obj)}"
-            )
+            raise BuildError(f"{where}: missing field {field!r} (task.params.{param}); fields present: {sorted(obj)}")
     question, answer = obj[p.question_field], obj[p.answer_field]
     if not isinstance(question, str) or not question.strip():
         raise BuildError(f"{where}: field {p.question_field!r} must be a non-empty string")

@@ -49,10 +49,8 @@ def import_reasoning_gym() -> Any:
 
 def extract_tagged_answer(response: str) -> str:
     """Content of the last ``<answer>...</answer>`` (stripped), else the whole stripped response."""
-    last = None
-    for last in _ANSWER_TAG_RE.finditer(response):
-        pass
-    return (last.group(1) if last else response).strip()
+    matches = list(_ANSWER_TAG_RE.finditer(response))
+    return (matches[-1].group(1) if matches else response).strip()
 
 
 @register_task("reasoning-gym")

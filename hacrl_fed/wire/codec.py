@@ -33,8 +33,9 @@ The codec checks shapes only; signatures and sealed text are checked by :mod:`ha
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from google.protobuf.message import DecodeError, Message
 
@@ -147,15 +148,23 @@ def _prompt_to(p: t.Prompt) -> pb.Prompt:
 
 def _sampling_to(s: t.SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        max_new_tokens=s.max_new_tokens, num_samples=s.num_samples, seed=s.seed,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_new_tokens=s.max_new_tokens,
+        num_samples=s.num_samples,
+        seed=s.seed,
     )
 
 
 def _plan_to(p: t.RoundPlan) -> pb.RoundPlan:
     return pb.RoundPlan(
-        schema_version=SCHEMA_VERSION, run_id=p.run_id, round=p.round, task=p.task,
-        prompts=[_prompt_to(x) for x in p.prompts], sampling=_sampling_to(p.sampling),
+        schema_version=SCHEMA_VERSION,
+        run_id=p.run_id,
+        round=p.round,
+        task=p.task,
+        prompts=[_prompt_to(x) for x in p.prompts],
+        sampling=_sampling_to(p.sampling),
     )
 
 
@@ -165,9 +174,16 @@ def _rollout_to(r: t.Rollout) -> pb.Rollout:
     if r.response and r.sealed_response:
         raise WireError("Rollout: both response and sealed_response are set (sealed text must clear response)")
     return pb.Rollout(
-        org_id=r.org_id, round=r.round, prompt_id=r.prompt_id, sample_index=r.sample_index,
-        response=r.response, finish_reason=_FINISH_TO_PB[r.finish_reason], reward=r.reward,
-        logprob_sum=r.logprob_sum, token_count=r.token_count, sealed_response=bytes(r.sealed_response),
+        org_id=r.org_id,
+        round=r.round,
+        prompt_id=r.prompt_id,
+        sample_index=r.sample_index,
+        response=r.response,
+        finish_reason=_FINISH_TO_PB[r.finish_reason],
+        reward=r.reward,
+        logprob_sum=r.logprob_sum,
+        token_count=r.token_count,
+        sealed_response=bytes(r.sealed_response),
     )
 
 
@@ -177,17 +193,28 @@ def _wrapped_to(w: t.WrappedKey) -> pb.WrappedKey:
 
 def _batch_to(b: t.RolloutBatch) -> pb.RolloutBatch:
     return pb.RolloutBatch(
-        schema_version=SCHEMA_VERSION, run_id=b.run_id, round=b.round, org_id=b.org_id,
-        rollouts=[_rollout_to(r) for r in b.rollouts], accuracy=b.accuracy, metrics=dict(b.metrics),
-        signature=bytes(b.signature), wrapped_keys=[_wrapped_to(w) for w in b.wrapped_keys],
+        schema_version=SCHEMA_VERSION,
+        run_id=b.run_id,
+        round=b.round,
+        org_id=b.org_id,
+        rollouts=[_rollout_to(r) for r in b.rollouts],
+        accuracy=b.accuracy,
+        metrics=dict(b.metrics),
+        signature=bytes(b.signature),
+        wrapped_keys=[_wrapped_to(w) for w in b.wrapped_keys],
     )
 
 
 def _train_req_to(r: t.TrainRequest) -> pb.TrainRequest:
     return pb.TrainRequest(
-        schema_version=SCHEMA_VERSION, run_id=r.run_id, round=r.round, org_id=r.org_id,
-        prompts=[_prompt_to(p) for p in r.prompts], foreign=[_rollout_to(x) for x in r.foreign],
-        capability=dict(r.capability), source_batches=[_batch_to(b) for b in r.source_batches],
+        schema_version=SCHEMA_VERSION,
+        run_id=r.run_id,
+        round=r.round,
+        org_id=r.org_id,
+        prompts=[_prompt_to(p) for p in r.prompts],
+        foreign=[_rollout_to(x) for x in r.foreign],
+        capability=dict(r.capability),
+        source_batches=[_batch_to(b) for b in r.source_batches],
     )
 
 
@@ -199,15 +226,24 @@ def _train_rep_to(r: t.TrainReport) -> pb.TrainReport:
 
 def _eval_req_to(r: t.EvalRequest) -> pb.EvalRequest:
     return pb.EvalRequest(
-        schema_version=SCHEMA_VERSION, run_id=r.run_id, round=r.round, task=r.task,
-        prompts=[_prompt_to(p) for p in r.prompts], max_new_tokens=r.max_new_tokens,
+        schema_version=SCHEMA_VERSION,
+        run_id=r.run_id,
+        round=r.round,
+        task=r.task,
+        prompts=[_prompt_to(p) for p in r.prompts],
+        max_new_tokens=r.max_new_tokens,
     )
 
 
 def _eval_rep_to(r: t.EvalReport) -> pb.EvalReport:
     return pb.EvalReport(
-        schema_version=SCHEMA_VERSION, run_id=r.run_id, round=r.round, org_id=r.org_id,
-        accuracy=r.accuracy, num_prompts=r.num_prompts, metrics=dict(r.metrics),
+        schema_version=SCHEMA_VERSION,
+        run_id=r.run_id,
+        round=r.round,
+        org_id=r.org_id,
+        accuracy=r.accuracy,
+        num_prompts=r.num_prompts,
+        metrics=dict(r.metrics),
     )
 
 
@@ -284,8 +320,11 @@ def _plan_from(m: pb.RoundPlan, where: str, lim: WireLimits) -> t.RoundPlan:
 
 def _rollout_from(m: pb.Rollout, where: str, lim: WireLimits) -> t.Rollout:
     if m.finish_reason not in _FINISH_FROM_PB:
-        _fail(f"{where}.finish_reason", f"unknown value {m.finish_reason} (expected stop={pb.FINISH_REASON_STOP} "
-              f"or length={pb.FINISH_REASON_LENGTH})")
+        _fail(
+            f"{where}.finish_reason",
+            f"unknown value {m.finish_reason} (expected stop={pb.FINISH_REASON_STOP} "
+            f"or length={pb.FINISH_REASON_LENGTH})",
+        )
     if m.response and m.sealed_response:
         _fail(where, "both response and sealed_response are set (sealed text must clear response)")
     return t.Rollout(
@@ -298,8 +337,9 @@ def _rollout_from(m: pb.Rollout, where: str, lim: WireLimits) -> t.Rollout:
         reward=_in_range(m.reward, f"{where}.reward", 0.0, 1.0),
         logprob_sum=_finite(m.logprob_sum, f"{where}.logprob_sum"),
         token_count=_at_least(m.token_count, f"{where}.token_count"),
-        sealed_response=_bytes(m.sealed_response, f"{where}.sealed_response",
-                               lim.max_text_chars + SEALED_OVERHEAD_BYTES),
+        sealed_response=_bytes(
+            m.sealed_response, f"{where}.sealed_response", lim.max_text_chars + SEALED_OVERHEAD_BYTES
+        ),
     )
 
 
@@ -423,16 +463,34 @@ def _ckpt_rep_from(m: pb.CheckpointReply, where: str, lim: WireLimits) -> str:
 # ------------------------------------------------------------------------------------------------ registry
 
 _TO_PROTO: dict[type, Callable[[Any], Message]] = {
-    t.ChatMessage: _chat_to, t.Prompt: _prompt_to, t.SamplingParams: _sampling_to, t.RoundPlan: _plan_to,
-    t.Rollout: _rollout_to, t.WrappedKey: _wrapped_to, t.RolloutBatch: _batch_to, t.TrainRequest: _train_req_to,
-    t.TrainReport: _train_rep_to, t.EvalRequest: _eval_req_to, t.EvalReport: _eval_rep_to,
+    t.ChatMessage: _chat_to,
+    t.Prompt: _prompt_to,
+    t.SamplingParams: _sampling_to,
+    t.RoundPlan: _plan_to,
+    t.Rollout: _rollout_to,
+    t.WrappedKey: _wrapped_to,
+    t.RolloutBatch: _batch_to,
+    t.TrainRequest: _train_req_to,
+    t.TrainReport: _train_rep_to,
+    t.EvalRequest: _eval_req_to,
+    t.EvalReport: _eval_rep_to,
 }
 _FROM_PROTO: dict[type[Message], Callable[[Any, str, WireLimits], Any]] = {
-    pb.ChatMessage: _chat_from, pb.Prompt: _prompt_from, pb.SamplingParams: _sampling_from,
-    pb.RoundPlan: _plan_from, pb.Rollout: _rollout_from, pb.WrappedKey: _wrapped_from, pb.RolloutBatch: _batch_from,
-    pb.TrainRequest: _train_req_from, pb.TrainReport: _train_rep_from, pb.EvalRequest: _eval_req_from,
-    pb.EvalReport: _eval_rep_from, pb.HealthRequest: _health_req_from, pb.HealthReply: _health_rep_from,
-    pb.CheckpointRequest: _ckpt_req_from, pb.CheckpointReply: _ckpt_rep_from,
+    pb.ChatMessage: _chat_from,
+    pb.Prompt: _prompt_from,
+    pb.SamplingParams: _sampling_from,
+    pb.RoundPlan: _plan_from,
+    pb.Rollout: _rollout_from,
+    pb.WrappedKey: _wrapped_from,
+    pb.RolloutBatch: _batch_from,
+    pb.TrainRequest: _train_req_from,
+    pb.TrainReport: _train_rep_from,
+    pb.EvalRequest: _eval_req_from,
+    pb.EvalReport: _eval_rep_from,
+    pb.HealthRequest: _health_req_from,
+    pb.HealthReply: _health_rep_from,
+    pb.CheckpointRequest: _ckpt_req_from,
+    pb.CheckpointReply: _ckpt_rep_from,
 }
 _PROTO_BY_NAME: dict[str, type[Message]] = {cls.DESCRIPTOR.name: cls for cls in _FROM_PROTO}
 _PROTO_BY_DATACLASS: dict[type, type[Message]] = {dc: _PROTO_BY_NAME[dc.__name__] for dc in _TO_PROTO}

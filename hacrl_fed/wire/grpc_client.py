@@ -45,9 +45,11 @@ class ClientTLS:
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """grpc credentials presenting the client certificate (ValueError naming an unreadable file)."""
-        return grpc.ssl_channel_credentials(root_certificates=read_pem(self.ca, "worker CA"),
-                                            private_key=read_pem(self.key, "client key"),
-                                            certificate_chain=read_pem(self.cert, "client certificate"))
+        return grpc.ssl_channel_credentials(
+            root_certificates=read_pem(self.ca, "worker CA"),
+            private_key=read_pem(self.key, "client key"),
+            certificate_chain=read_pem(self.cert, "client certificate"),
+        )
 
     def channel_options(self, address: str) -> list[tuple[str, str]]:
         """The target-name override for ``address`` (none when the address itself is to be checked)."""
@@ -60,13 +62,17 @@ def open_channel(address: str, tls: ClientTLS | None, options: list[tuple[str, o
     if tls is not None:
         return grpc.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options(address))
     if not is_local_address(address):
-        raise ValueError(f"worker address {address!r} is neither unix: nor loopback: plaintext is refused there; "
-                         "use mutual TLS (ClientTLS: worker CA, client certificate and key)")
+        raise ValueError(
+            f"worker address {address!r} is neither unix: nor loopback: plaintext is refused there; "
+            "use mutual TLS (ClientTLS: worker CA, client certificate and key)"
+        )
     return grpc.insecure_channel(address, options=options)
 
 
-_CAUSE_OF_STATUS = {grpc.StatusCode.DEADLINE_EXCEEDED: failures.TIMEOUT,
-                    grpc.StatusCode.UNAVAILABLE: failures.UNREACHABLE}
+_CAUSE_OF_STATUS = {
+    grpc.StatusCode.DEADLINE_EXCEEDED: failures.TIMEOUT,
+    grpc.StatusCode.UNAVAILABLE: failures.UNREACHABLE,
+}
 
 
 class WorkerCallError(Exception):
@@ -155,7 +161,7 @@ class GrpcWorkerClient:
             self._closed = True
             self._channel.close()
 
-    def __enter__(self) -> "GrpcWorkerClient":
+    def __enter__(self) -> GrpcWorkerClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -179,8 +185,12 @@ class GrpcWorkerClient:
     def _learn_org(self, info: dict[str, str]) -> dict[str, str]:
         reported = info.get("org_id", "")
         if self.org_id and reported and reported != self.org_id:
-            raise WorkerCallError("Health", grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"worker serves org {reported!r}, expected {self.org_id!r}", self.address)
+            raise WorkerCallError(
+                "Health",
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker serves org {reported!r}, expected {self.org_id!r}",
+                self.address,
+            )
         if not self.org_id:
             self.org_id = reported
         return info

@@ -45,10 +45,11 @@ import signal
 import stat
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
@@ -126,8 +127,9 @@ class WorkerTLS:
     def server_credentials(self) -> grpc.ServerCredentials:
         """grpc credentials requiring a client certificate signed by ``ca`` (ListenError for unreadable files)."""
         pair = (read_pem(self.key, "--tls-key"), read_pem(self.cert, "--tls-cert"))
-        return grpc.ssl_server_credentials([pair], root_certificates=read_pem(self.ca, "--tls-ca"),
-                                           require_client_auth=True)
+        return grpc.ssl_server_credentials(
+            [pair], root_certificates=read_pem(self.ca, "--tls-ca"), require_client_auth=True
+        )
 
 
 def tcp_host(address: str) -> str:
@@ -160,7 +162,7 @@ def is_local_address(address: str) -> bool:
 
 def unix_path(address: str) -> Path:
     """The socket path of ``unix:PATH`` / ``unix:///PATH``, absolute."""
-    path = address[len("unix://"):] if address.startswith("unix://") else address[len("unix:"):]
+    path = address[len("unix://") :] if address.startswith("unix://") else address[len("unix:") :]
     if not path:
         raise ListenError(f"listen address {address!r}: no socket path after 'unix:'")
     return Path(path).absolute()
@@ -175,14 +177,17 @@ def check_socket_dir(directory: Path) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise ListenError(f"socket directory {directory} is not a directory")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ListenError(f"socket directory {directory} is writable by group/others (mode "
-                          f"{stat.S_IMODE(st.st_mode):o}): use a private directory (chmod 700)")
+        raise ListenError(
+            f"socket directory {directory} is writable by group/others (mode "
+            f"{stat.S_IMODE(st.st_mode):o}): use a private directory (chmod 700)"
+        )
     if st.st_uid not in (os.getuid(), 0):
         raise ListenError(f"socket directory {directory} belongs to uid {st.st_uid}, not to this user")
 
 
-def check_listen(address: str, *, tls: WorkerTLS | None = None, insecure: bool = False,
-                 require_flag: bool = False) -> None:
+def check_listen(
+    address: str, *, tls: WorkerTLS | None = None, insecure: bool = False, require_flag: bool = False
+) -> None:
     """Refuse (ListenError) a listen address the link rules forbid (module docstring); binds nothing.
 
     ``require_flag`` (the CLI): plaintext loopback TCP needs ``insecure``; without it (the Python API) a
@@ -199,11 +204,15 @@ def check_listen(address: str, *, tls: WorkerTLS | None = None, insecure: bool =
     if tls is not None:
         return
     if not is_loopback_host(host):
-        raise ListenError(f"listen address {address!r} is not loopback: plaintext is refused there; add --tls-cert, "
-                          "--tls-key and --tls-ca (mutual TLS) or listen on unix:/PATH")
+        raise ListenError(
+            f"listen address {address!r} is not loopback: plaintext is refused there; add --tls-cert, "
+            "--tls-key and --tls-ca (mutual TLS) or listen on unix:/PATH"
+        )
     if require_flag and not insecure:
-        raise ListenError(f"listen address {address!r} is TCP without TLS: add --tls-cert, --tls-key and --tls-ca "
-                          "(mutual TLS), or --insecure (loopback only), or listen on unix:/PATH")
+        raise ListenError(
+            f"listen address {address!r} is TCP without TLS: add --tls-cert, --tls-key and --tls-ca "
+            "(mutual TLS), or --insecure (loopback only), or listen on unix:/PATH"
+        )
 
 
 def _prepare_socket_dir(path: Path) -> None:
@@ -252,8 +261,9 @@ _RPCS: dict[str, tuple[str, Callable[[Any], Any], str, bool]] = {
 class PolicyWorkerServicer:
     """Delegates each RPC (raw request bytes in, reply bytes out) to a WorkerAPI object, one model call at a time."""
 
-    def __init__(self, worker: Any, *, limits: codec.WireLimits = codec.DEFAULT_LIMITS,
-                 client_names: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, worker: Any, *, limits: codec.WireLimits = codec.DEFAULT_LIMITS, client_names: tuple[str, ...] = ()
+    ) -> None:
         self._worker = worker
         self._limits = limits
         self._client_names = tuple(client_names)
@@ -261,8 +271,9 @@ class PolicyWorkerServicer:
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """The ``hacrl_fed.v1.PolicyWorker`` handlers; requests stay bytes until :meth:`_serve` decodes them."""
-        handlers = {rpc: grpc.unary_unary_rpc_method_handler(self._handler(rpc), request_deserializer=bytes)
-                    for rpc in _RPCS}
+        handlers = {
+            rpc: grpc.unary_unary_rpc_method_handler(self._handler(rpc), request_deserializer=bytes) for rpc in _RPCS
+        }
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     def _handler(self, rpc: str) -> Callable[[bytes, Any], bytes]:
@@ -284,8 +295,13 @@ class PolicyWorkerServicer:
                 reply = encode(result).SerializeToString()
             except Exception as err:
                 raise _BadReply(f"worker returned an unencodable {rpc} reply: {err}") from err
-            log.log(logging.DEBUG if rpc == "Health" else logging.INFO, "%s%s ok in %.2f s", rpc, _round_of(arg),
-                    time.perf_counter() - start)
+            log.log(
+                logging.DEBUG if rpc == "Health" else logging.INFO,
+                "%s%s ok in %.2f s",
+                rpc,
+                _round_of(arg),
+                time.perf_counter() - start,
+            )
             return reply
         except Exception as err:
             code, details = self._fail(rpc, err)
@@ -324,8 +340,10 @@ class PolicyWorkerServicer:
         # up every server thread (then even Health would go unanswered)
         remaining = _remaining_s(context)
         if not self._lock.acquire(timeout=-1 if remaining is None else remaining):
-            raise _Abandoned("the caller's deadline passed while the worker was busy with another call",
-                             grpc.StatusCode.DEADLINE_EXCEEDED)
+            raise _Abandoned(
+                "the caller's deadline passed while the worker was busy with another call",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
         try:
             if not context.is_active():
                 raise _Abandoned("the client gave up while the worker was busy with another call")
@@ -353,8 +371,9 @@ def _stopped(err: CallCancelled, context) -> _Abandoned:
     """
     remaining = _remaining_s(context)
     if cancelled() == "deadline" or (remaining is not None and remaining < _DEADLINE_SLACK_S):
-        return _Abandoned(f"the caller's deadline passed; the worker stopped ({err})",
-                          grpc.StatusCode.DEADLINE_EXCEEDED)
+        return _Abandoned(
+            f"the caller's deadline passed; the worker stopped ({err})", grpc.StatusCode.DEADLINE_EXCEEDED
+        )
     return _Abandoned(f"the caller cancelled the call; the worker stopped ({err})")
 
 
@@ -435,8 +454,9 @@ def serve_worker(
     check_listen(address, tls=tls, insecure=insecure)
     credentials = tls.server_credentials() if tls is not None else None
     options = message_size_options(max_message_mb) + [("grpc.so_reuseport", 0)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="policy-worker"),
-                         options=options)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="policy-worker"), options=options
+    )
     servicer = PolicyWorkerServicer(worker, limits=limits, client_names=tls.client_names if tls else ())
     server.add_generic_rpc_handlers((servicer.generic_handler(),))
     bound = _bind(server, address, credentials)
@@ -463,8 +483,11 @@ def describe_worker(worker: Any) -> str:
         params = list(model.parameters())
         n, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
         size = f"{n / 1e6:.2f} M parameters" + (f" ({trainable / 1e6:.2f} M trainable)" if trainable != n else "")
-        parts += [size, f"device {params[0].device}" if params else "device ?",
-                  f"dtype {str(params[0].dtype).replace('torch.', '')}" if params else "dtype ?"]
+        parts += [
+            size,
+            f"device {params[0].device}" if params else "device ?",
+            f"dtype {str(params[0].dtype).replace('torch.', '')}" if params else "dtype ?",
+        ]
     gen = getattr(worker, "gen_cfg", None)
     if gen is not None:
         parts.append(f"engine {gen.engine}")
@@ -478,15 +501,28 @@ def describe_worker(worker: Any) -> str:
 
 def add_link_args(p: argparse.ArgumentParser) -> None:
     """The ``--listen`` / TLS / ``--insecure`` flags of ``hacrl-fed worker`` (also used by test stand-ins)."""
-    p.add_argument("--listen", required=True, metavar="ADDRESS",
-                   help="unix:/PATH (recommended), or HOST:PORT (port 0 = any free) with --tls-* or --insecure")
+    p.add_argument(
+        "--listen",
+        required=True,
+        metavar="ADDRESS",
+        help="unix:/PATH (recommended), or HOST:PORT (port 0 = any free) with --tls-* or --insecure",
+    )
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="this worker's TLS certificate (TCP listen)")
     p.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA certificate that signs the allowed clients")
-    p.add_argument("--tls-client-name", dest="tls_client_names", action="append", default=[], metavar="NAME",
-                   help="accept only client certificates with this common name (repeatable; e.g. acme-client)")
-    p.add_argument("--insecure", action="store_true",
-                   help="plaintext TCP; allowed only on a loopback host (127.0.0.0/8, ::1, localhost)")
+    p.add_argument(
+        "--tls-client-name",
+        dest="tls_client_names",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="accept only client certificates with this common name (repeatable; e.g. acme-client)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext TCP; allowed only on a loopback host (127.0.0.0/8, ::1, localhost)",
+    )
 
 
 def link_settings(args: argparse.Namespace) -> tuple[WorkerTLS | None, bool]:
@@ -509,8 +545,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="run config YAML (or a one-org config) naming this org")
     p.add_argument("--org", default=None, help="org id in the config (optional when it lists exactly one org)")
     add_link_args(p)
-    p.add_argument("--set", "--override", dest="overrides", action="append", default=[],
-                   metavar="SECTION.FIELD=VALUE", help="config override, as for hacrl-fed run (repeatable)")
+    p.add_argument(
+        "--set",
+        "--override",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="config override, as for hacrl-fed run (repeatable)",
+    )
     p.add_argument("--run-dir", default=None, help="passed to build_worker (where checkpoints go)")
     p.add_argument("--resume", action="store_true", help="passed to build_worker: resume from the latest checkpoint")
     p.add_argument("--max-message-mb", type=int, default=None, help="default: federation.max_message_mb")

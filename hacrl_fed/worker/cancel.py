@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextvars
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 
 class CallCancelled(RuntimeError):

@@ -23,7 +23,6 @@ from safetensors.torch import load_file, save_file
 
 from hacrl_fed.fsio import write_atomic
 
-
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")  # a run id that is a safe directory name
 
 
@@ -59,8 +58,9 @@ def checkpoint_round(path: Path) -> int:
     return int(json.loads((path / "state.json").read_text())["last_round"])
 
 
-def save_checkpoint(root: Path, round: int, model: torch.nn.Module, trainer_state: dict, extra: dict[str, Any],
-                    keep: int = 2) -> Path:
+def save_checkpoint(
+    root: Path, round: int, model: torch.nn.Module, trainer_state: dict, extra: dict[str, Any], keep: int = 2
+) -> Path:
     """Write a checkpoint for ``round`` and point ``LATEST`` at it; returns its directory."""
     root.mkdir(parents=True, exist_ok=True)
     out = root / f"round-{round:06d}"
@@ -117,8 +117,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> tuple[dict, dict[str,
     if unexpected or [k for k in missing if k not in weights]:
         real_missing = [k for k in missing if k not in weights]
         if unexpected or any("lm_head" not in k for k in real_missing):
-            raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing} "
-                               f"unexpected={unexpected}")
+            raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing} unexpected={unexpected}")
     blob = torch.load(path / "trainer.pt", weights_only=True)  # never unpickle arbitrary objects
     rng = blob["rng"]
     torch.set_rng_state(rng["torch"])

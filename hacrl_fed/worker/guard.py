@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from hacrl_fed.config import RunConfig, org_generation
 from hacrl_fed.coordinator.validation import Screened, screen_batch
@@ -56,12 +56,17 @@ def check_plan(cfg: RunConfig, org_id: str, plan: RoundPlan, *, last_round: int,
     if run_id is not None and plan.run_id != run_id:
         raise RequestRefused("wrong_run", f"worker {org_id!r} serves run {run_id!r}, not {plan.run_id!r}")
     if plan.round <= last_round:
-        raise StaleRoundError(f"worker {org_id!r} already trained round {last_round} of run {plan.run_id!r}; "
-                              f"refusing a plan for round {plan.round}")
+        raise StaleRoundError(
+            f"worker {org_id!r} already trained round {last_round} of run {plan.run_id!r}; "
+            f"refusing a plan for round {plan.round}"
+        )
     step = cfg.security.max_round_step
     if plan.round > last_round + step:
-        raise RequestRefused("round_too_far", f"round {plan.round} is more than security.max_round_step={step} "
-                             f"rounds after the last trained round {last_round}")
+        raise RequestRefused(
+            "round_too_far",
+            f"round {plan.round} is more than security.max_round_step={step} "
+            f"rounds after the last trained round {last_round}",
+        )
     gen, sp = org_generation(cfg, org_id), plan.sampling
     _at_most("num_samples", sp.num_samples, gen.num_samples, "generation.num_samples")
     _at_most("max_new_tokens", sp.max_new_tokens, gen.max_new_tokens, "generation.max_new_tokens")
@@ -81,8 +86,10 @@ def check_eval(cfg: RunConfig, org_id: str, request: EvalRequest, *, run_id: str
 def check_checkpoint(org_id: str, round: int, *, last_round: int) -> None:
     """A checkpoint is written only for the round this worker last trained."""
     if last_round == 0 or round != last_round:
-        raise RequestRefused("bad_checkpoint_round", f"worker {org_id!r} last trained round {last_round}; "
-                             f"refusing a checkpoint for round {round}")
+        raise RequestRefused(
+            "bad_checkpoint_round",
+            f"worker {org_id!r} last trained round {last_round}; refusing a checkpoint for round {round}",
+        )
 
 
 def _at_most(what: str, value: int, limit: int, field: str) -> None:
@@ -111,21 +118,26 @@ class SourceReport:
     def metrics(self, source: str) -> dict[str, float]:
         s = self.screened or Screened()
         rejected = self.rejected + s.rejected
-        out = {f"trust/{source}/received": float(self.received),
-               f"trust/{source}/accepted": float(0 if self.excluded else len(s.accepted)),
-               f"trust/{source}/checked": float(s.checked), f"trust/{source}/mismatches": float(s.mismatches),
-               f"trust/{source}/verified_reward_sum": float(s.verified_reward_sum),
-               f"trust/{source}/excluded": float(self.excluded)}
+        out = {
+            f"trust/{source}/received": float(self.received),
+            f"trust/{source}/accepted": float(0 if self.excluded else len(s.accepted)),
+            f"trust/{source}/checked": float(s.checked),
+            f"trust/{source}/mismatches": float(s.mismatches),
+            f"trust/{source}/verified_reward_sum": float(s.verified_reward_sum),
+            f"trust/{source}/excluded": float(self.excluded),
+        }
         out.update({f"trust/{source}/rejected/{why}": float(n) for why, n in rejected.items()})
         return out
 
 
-def source_plan(cfg: RunConfig, source: str, run_id: str, round: int, task: str,
-                prompts: tuple[Prompt, ...]) -> RoundPlan:
+def source_plan(
+    cfg: RunConfig, source: str, run_id: str, round: int, task: str, prompts: tuple[Prompt, ...]
+) -> RoundPlan:
     """The plan ``source`` answered, as this worker reconstructs it from its own config and this round's prompts."""
     gen = org_generation(cfg, source)
-    return RoundPlan(run_id, round, task, prompts,
-                     SamplingParams(max_new_tokens=gen.max_new_tokens, num_samples=gen.num_samples))
+    return RoundPlan(
+        run_id, round, task, prompts, SamplingParams(max_new_tokens=gen.max_new_tokens, num_samples=gen.num_samples)
+    )
 
 
 def max_foreign(cfg: RunConfig, org_id: str, n_prompts: int) -> int:
@@ -133,9 +145,14 @@ def max_foreign(cfg: RunConfig, org_id: str, n_prompts: int) -> int:
     return sum(n_prompts * org_generation(cfg, o.id).num_samples for o in cfg.orgs if o.id != org_id)
 
 
-def _sources_from_request(request: TrainRequest, org_id: str, *, signing: bool,
-                          open_source: Callable[[RolloutBatch], RolloutBatch] | None,
-                          reports: dict[str, SourceReport]) -> dict[str, RolloutBatch]:
+def _sources_from_request(
+    request: TrainRequest,
+    org_id: str,
+    *,
+    signing: bool,
+    open_source: Callable[[RolloutBatch], RolloutBatch] | None,
+    reports: dict[str, SourceReport],
+) -> dict[str, RolloutBatch]:
     """Foreign batches by source org: verified envelopes when signing, else the flat list grouped by org id."""
     batches: dict[str, RolloutBatch] = {}
     if signing:
@@ -162,10 +179,16 @@ def _sources_from_request(request: TrainRequest, org_id: str, *, signing: bool,
     return batches
 
 
-def screen_sources(cfg: RunConfig, org_id: str, request: TrainRequest, *, prompts: tuple[Prompt, ...], task: str,
-                   verify: Callable[[str, str], float] | None,
-                   open_source: Callable[[RolloutBatch], RolloutBatch] | None = None,
-                   ) -> tuple[list[Rollout], dict[str, float]]:
+def screen_sources(
+    cfg: RunConfig,
+    org_id: str,
+    request: TrainRequest,
+    *,
+    prompts: tuple[Prompt, ...],
+    task: str,
+    verify: Callable[[str, str], float] | None,
+    open_source: Callable[[RolloutBatch], RolloutBatch] | None = None,
+) -> tuple[list[Rollout], dict[str, float]]:
     """Foreign rollouts this worker will train on, and ``trust/...`` metrics saying what was dropped and why.
 
     ``prompts`` are this round's prompts as the worker received them in its own plan (never the train
@@ -188,8 +211,9 @@ def screen_sources(cfg: RunConfig, org_id: str, request: TrainRequest, *, prompt
             rep.rejected["unknown_org"] += max(len(batch.rollouts), 1)
             continue
         plan = source_plan(cfg, src, request.run_id, request.round, task, prompts)
-        rep.screened = screen_batch(batch, plan, src, verify=verify,
-                                    max_bytes_per_token=cfg.security.max_bytes_per_token)
+        rep.screened = screen_batch(
+            batch, plan, src, verify=verify, max_bytes_per_token=cfg.security.max_bytes_per_token
+        )
         if rep.screened.mismatch_rate > cfg.security.max_mismatch_rate:
             rep.excluded = True
             rep.rejected["source_excluded"] += len(rep.screened.accepted)
@@ -202,8 +226,10 @@ def _metrics(reports: Mapping[str, SourceReport]) -> dict[str, float]:
     out: dict[str, float] = {}
     for src, rep in reports.items():
         out.update(rep.metrics(src))
-    out["trust/foreign_accepted"] = float(sum(0 if r.excluded else len((r.screened or Screened()).accepted)
-                                              for r in reports.values()))
-    out["trust/foreign_rejected"] = float(sum(sum((r.rejected + (r.screened or Screened()).rejected).values())
-                                              for r in reports.values()))
+    out["trust/foreign_accepted"] = float(
+        sum(0 if r.excluded else len((r.screened or Screened()).accepted) for r in reports.values())
+    )
+    out["trust/foreign_rejected"] = float(
+        sum(sum((r.rejected + (r.screened or Screened()).rejected).values()) for r in reports.values())
+    )
     return out

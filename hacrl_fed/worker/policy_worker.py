@@ -48,20 +48,35 @@ from hacrl_fed.models.chat import eos_token_id, render_prompt
 from hacrl_fed.models.context import check_task_fits, context_length, fits
 from hacrl_fed.models.loading import load_model_and_tokenizer, model_sources
 from hacrl_fed.perf import PhaseMeter
-
 from hacrl_fed.scoring import response_token_ids
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.tasks import get_task
 from hacrl_fed.trainer import LocalTrainer, TrainRow
 from hacrl_fed.types import (
-    EvalReport, EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, TrainReport, TrainRequest,
+    EvalReport,
+    EvalRequest,
+    Prompt,
+    Rollout,
+    RolloutBatch,
+    RoundPlan,
+    TrainReport,
+    TrainRequest,
 )
 from hacrl_fed.worker.cancel import raise_if_cancelled
 from hacrl_fed.worker.checkpoint import (
-    checkpoint_round, latest_checkpoint, latest_run, load_checkpoint, run_checkpoint_root, save_checkpoint,
+    checkpoint_round,
+    latest_checkpoint,
+    latest_run,
+    load_checkpoint,
+    run_checkpoint_root,
+    save_checkpoint,
 )
 from hacrl_fed.worker.guard import (  # StaleRoundError is re-exported: callers import it from here
-    RequestRefused, StaleRoundError, check_checkpoint, check_eval, check_plan, screen_sources,
+    RequestRefused,
+    check_checkpoint,
+    check_eval,
+    check_plan,
+    screen_sources,
 )
 
 log = logging.getLogger(__name__)
@@ -98,15 +113,28 @@ class PolicyWorker:
         self.task = get_task(cfg.task.name, cfg.task.params, seed=cfg.seed)
         # prompts + token budget must fit the context: checked here where known, guarded per call (models.context)
         self.context, context_source = context_length(
-            self.model, self.gen_cfg.max_model_len if self.gen_cfg.engine == "vllm" else None)
-        check_task_fits(org_id, self.task, self.tokenizer, lambda p: render_prompt(self.tokenizer, p.messages),
-                        self.context, context_source, max_new_tokens=self.gen_cfg.max_new_tokens,
-                        eval_max_new_tokens=self.gen_cfg.eval_max_new_tokens,
-                        eval_ids=eval_ids(self.task.size("test"), cfg.task.eval_size))
+            self.model, self.gen_cfg.max_model_len if self.gen_cfg.engine == "vllm" else None
+        )
+        check_task_fits(
+            org_id,
+            self.task,
+            self.tokenizer,
+            lambda p: render_prompt(self.tokenizer, p.messages),
+            self.context,
+            context_source,
+            max_new_tokens=self.gen_cfg.max_new_tokens,
+            eval_max_new_tokens=self.gen_cfg.eval_max_new_tokens,
+            eval_ids=eval_ids(self.task.size("test"), cfg.task.eval_size),
+        )
         model_path, tokenizer_path = model_sources(org.model)
-        self.engine = build_engine(self.gen_cfg.engine, self.model, self.tokenizer,
-                                   EngineOptions.from_config(self.gen_cfg, seed=self.seed, model_path=model_path,
-                                                             tokenizer_path=tokenizer_path))
+        self.engine = build_engine(
+            self.gen_cfg.engine,
+            self.model,
+            self.tokenizer,
+            EngineOptions.from_config(
+                self.gen_cfg, seed=self.seed, model_path=model_path, tokenizer_path=tokenizer_path
+            ),
+        )
         self.eos_id = eos_token_id(self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_id
@@ -163,13 +191,19 @@ class PolicyWorker:
         if latest is not None:
             return "resume", latest, max(checkpoint_round(latest), self._trained.get(run_id, 0))
         if run_id in self._trained:
-            raise RequestRefused("wrong_run", f"worker {self.org_id!r} trained run {run_id!r} up to round "
-                                 f"{self._trained[run_id]} without a checkpoint: it cannot go back to it")
+            raise RequestRefused(
+                "wrong_run",
+                f"worker {self.org_id!r} trained run {run_id!r} up to round "
+                f"{self._trained[run_id]} without a checkpoint: it cannot go back to it",
+            )
         if self.run_id is None or first:
             return "fresh", None, 0
-        raise RequestRefused("wrong_run", f"worker {self.org_id!r} serves run {self.run_id!r}, not {run_id!r}: it "
-                             f"starts another run only at its beginning (round-0 evaluation or round-1 plan) or "
-                             f"resumes one it has a checkpoint of, and got {what}")
+        raise RequestRefused(
+            "wrong_run",
+            f"worker {self.org_id!r} serves run {self.run_id!r}, not {run_id!r}: it "
+            f"starts another run only at its beginning (round-0 evaluation or round-1 plan) or "
+            f"resumes one it has a checkpoint of, and got {what}",
+        )
 
     def _enter(self, run_id: str, how: str, checkpoint: Path | None, last_round: int) -> None:
         """Switch to ``run_id`` as :meth:`_route` decided."""
@@ -181,8 +215,12 @@ class PolicyWorker:
             log.info("worker %s resumed from %s (round %d)", self.org_id, checkpoint, last_round)
         else:
             if self.run_id is not None:
-                log.info("worker %s: run %s starts from the configured initial weights (it served run %s)",
-                         self.org_id, run_id, self.run_id)
+                log.info(
+                    "worker %s: run %s starts from the configured initial weights (it served run %s)",
+                    self.org_id,
+                    run_id,
+                    self.run_id,
+                )
             self._start_fresh()
         self.run_id, self.last_round, self._own = run_id, last_round, None
 
@@ -204,8 +242,11 @@ class PolicyWorker:
             raise RequestRefused("unknown_prompt", str(err)) from None
         for mine, theirs in zip(own, prompts):
             if mine != theirs:
-                raise RequestRefused("prompt_mismatch", f"{split} prompt {theirs.prompt_id} differs from this org's copy "
-                                     f"of task {self.task.name!r} (task name, params and seed must match the run's)")
+                raise RequestRefused(
+                    "prompt_mismatch",
+                    f"{split} prompt {theirs.prompt_id} differs from this org's copy "
+                    f"of task {self.task.name!r} (task name, params and seed must match the run's)",
+                )
 
     def _check_task(self, task: str) -> None:
         if task != self.task.name:
@@ -224,13 +265,23 @@ class PolicyWorker:
         perf = PhaseMeter(self._device())
         sp = plan.sampling
         texts = [self._render(p) for p in plan.prompts]
-        prompt_ids = dict(zip((p.prompt_id for p in plan.prompts),
-                              self.tokenizer(texts, add_special_tokens=False)["input_ids"]))
+        prompt_ids = dict(
+            zip((p.prompt_id for p in plan.prompts), self.tokenizer(texts, add_special_tokens=False)["input_ids"])
+        )
         keep = self._fitting(plan.prompts, prompt_ids, sp.max_new_tokens, "generation.max_new_tokens")
-        gens = self.engine.generate([texts[i] for i in keep], num_samples=sp.num_samples,
-                                    temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                                    max_new_tokens=sp.max_new_tokens,
-                                    seed=stable_seed(sp.seed, self.seed) % (2**31)) if keep else []
+        gens = (
+            self.engine.generate(
+                [texts[i] for i in keep],
+                num_samples=sp.num_samples,
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                top_k=sp.top_k,
+                max_new_tokens=sp.max_new_tokens,
+                seed=stable_seed(sp.seed, self.seed) % (2**31),
+            )
+            if keep
+            else []
+        )
         raise_if_cancelled("after generating")
         t1 = time.perf_counter()
         gen_perf = perf.lap("generate", sum(g.token_count for row in gens for g in row))
@@ -238,18 +289,41 @@ class PolicyWorker:
         for prompt, samples in zip([plan.prompts[i] for i in keep], gens):
             for j, g in enumerate(samples):
                 reward = float(self.task.verify(g.text, prompt.reference))
-                rollouts.append(Rollout(self.org_id, plan.round, prompt.prompt_id, j, g.text, g.finish_reason,
-                                        reward, g.logprob_sum, g.token_count))
-                rows.append(TrainRow(list(prompt_ids[prompt.prompt_id]), list(g.token_ids), reward,
-                                     prompt.prompt_id, 0, True, g.logprob_sum / max(g.token_count, 1),
-                                     list(g.token_log_probs)))
+                rollouts.append(
+                    Rollout(
+                        self.org_id,
+                        plan.round,
+                        prompt.prompt_id,
+                        j,
+                        g.text,
+                        g.finish_reason,
+                        reward,
+                        g.logprob_sum,
+                        g.token_count,
+                    )
+                )
+                rows.append(
+                    TrainRow(
+                        list(prompt_ids[prompt.prompt_id]),
+                        list(g.token_ids),
+                        reward,
+                        prompt.prompt_id,
+                        0,
+                        True,
+                        g.logprob_sum / max(g.token_count, 1),
+                        list(g.token_log_probs),
+                    )
+                )
         self._own = _OwnRound(plan.run_id, plan.round, plan.task, plan.prompts, sp.max_new_tokens, prompt_ids, rows)
         acc = sum(r.reward for r in rollouts) / max(len(rollouts), 1)
-        metrics = {"time/generate": t1 - t0, "time/verify": time.perf_counter() - t1,
-                   "gen/mean_tokens": sum(r.token_count for r in rollouts) / max(len(rollouts), 1),
-                   "gen/stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / max(len(rollouts), 1),
-                   "gen/skipped_too_long": float(len(plan.prompts) - len(keep)),
-                   **gen_perf}
+        metrics = {
+            "time/generate": t1 - t0,
+            "time/verify": time.perf_counter() - t1,
+            "gen/mean_tokens": sum(r.token_count for r in rollouts) / max(len(rollouts), 1),
+            "gen/stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / max(len(rollouts), 1),
+            "gen/skipped_too_long": float(len(plan.prompts) - len(keep)),
+            **gen_perf,
+        }
         return self._publish(RolloutBatch(plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics))
 
     def _publish(self, batch: RolloutBatch) -> RolloutBatch:
@@ -279,20 +353,32 @@ class PolicyWorker:
         """Score foreign rollouts with this model's tokenizer and run this round's update."""
         own = self._own
         if own is None or own.round != request.round:
-            raise RequestRefused("not_generated", f"train for round {request.round} but this worker generated "
-                                 f"{'nothing' if own is None else f'round {own.round}'}")
+            raise RequestRefused(
+                "not_generated",
+                f"train for round {request.round} but this worker generated "
+                f"{'nothing' if own is None else f'round {own.round}'}",
+            )
         if request.run_id != own.run_id:
-            raise RequestRefused("wrong_run", f"train for run {request.run_id!r} but round {own.round} was "
-                                 f"generated for run {own.run_id!r}")
+            raise RequestRefused(
+                "wrong_run",
+                f"train for run {request.run_id!r} but round {own.round} was generated for run {own.run_id!r}",
+            )
         if request.org_id != self.org_id:
-            raise RequestRefused("wrong_org", f"train request for org {request.org_id!r} sent to worker "
-                                 f"{self.org_id!r}")
+            raise RequestRefused(
+                "wrong_org", f"train request for org {request.org_id!r} sent to worker {self.org_id!r}"
+            )
         raise_if_cancelled("before training")
         t0 = time.perf_counter()
         perf = PhaseMeter(self._device())
-        foreign, trust = screen_sources(self.cfg, self.org_id, request, prompts=own.prompts, task=own.task,
-                                        verify=self.task.verify if self.cfg.security.reverify_rewards else None,
-                                        open_source=self._open_source if self.identity is not None else None)
+        foreign, trust = screen_sources(
+            self.cfg,
+            self.org_id,
+            request,
+            prompts=own.prompts,
+            task=own.task,
+            verify=self.task.verify if self.cfg.security.reverify_rewards else None,
+            open_source=self._open_source if self.identity is not None else None,
+        )
         t_trust = time.perf_counter()
         known = {o.id for o in self.cfg.orgs}
         agents = sorted({a for a in request.capability if a in known} | {self.org_id} | {r.org_id for r in foreign})
@@ -311,10 +397,17 @@ class PolicyWorker:
         self._own = None
         self.last_round, self._trained[request.run_id], self._pristine = request.round, request.round, False
         metrics.update(trust)
-        metrics.update({"time/trust": t_trust - t0, "time/score": t1 - t_trust, "time/train": time.perf_counter() - t1,
-                        "train/foreign_received": float(len(request.foreign) + sum(
-                            len(b.rollouts) for b in request.source_batches)),
-                        "train/foreign_unscored": float(dropped)})
+        metrics.update(
+            {
+                "time/trust": t_trust - t0,
+                "time/score": t1 - t_trust,
+                "time/train": time.perf_counter() - t1,
+                "train/foreign_received": float(
+                    len(request.foreign) + sum(len(b.rollouts) for b in request.source_batches)
+                ),
+                "train/foreign_unscored": float(dropped),
+            }
+        )
         return TrainReport(request.run_id, request.round, self.org_id, metrics)
 
     def _foreign_rows(self, foreign: list[Rollout], own: _OwnRound, agents: list[str]) -> tuple[list[TrainRow], int]:
@@ -325,39 +418,54 @@ class PolicyWorker:
         if not usable:
             return [], dropped
         # prompts: this round's rendered-and-tokenized ids from generate(); responses: the learner's tokens
-        responses = response_token_ids(self.tokenizer, [r.response for r in usable],
-                                       [r.finish_reason for r in usable], eos_token_id=self.eos_id)
+        responses = response_token_ids(
+            self.tokenizer, [r.response for r in usable], [r.finish_reason for r in usable], eos_token_id=self.eos_id
+        )
         cap = FOREIGN_LENGTH_FACTOR * own.max_new_tokens
         rows = []
         for r, resp in zip(usable, responses):
             if not resp or len(resp) > cap:  # kept with no tokens: counts in the group's baseline, not trained on
                 dropped += 1
                 resp = []
-            rows.append(TrainRow(own.prompt_ids[r.prompt_id], resp, float(r.reward), r.prompt_id,
-                                 agents.index(r.org_id), False, r.mean_log_prob))
+            rows.append(
+                TrainRow(
+                    own.prompt_ids[r.prompt_id],
+                    resp,
+                    float(r.reward),
+                    r.prompt_id,
+                    agents.index(r.org_id),
+                    False,
+                    r.mean_log_prob,
+                )
+            )
         return rows, dropped
 
     def evaluate(self, request: EvalRequest) -> EvalReport:
         """Greedy accuracy on held-out prompts."""
         self._check_task(request.task)
-        how, path, last = self._route(request.run_id, request.round == 0,
-                                      f"an evaluation at round {request.round}")
+        how, path, last = self._route(request.run_id, request.round == 0, f"an evaluation at round {request.round}")
         check_eval(self.cfg, self.org_id, request, run_id=request.run_id)
         self._check_prompts(request.prompts, "test")
         self._enter(request.run_id, how, path, last)
         t0 = time.perf_counter()
         texts = [self._render(p) for p in request.prompts]
-        lengths = dict(zip((p.prompt_id for p in request.prompts),
-                           self.tokenizer(texts, add_special_tokens=False)["input_ids"]))
+        lengths = dict(
+            zip((p.prompt_id for p in request.prompts), self.tokenizer(texts, add_special_tokens=False)["input_ids"])
+        )
         keep = self._fitting(request.prompts, lengths, request.max_new_tokens, "generation.eval_max_new_tokens")
         gens = self.engine.greedy([texts[i] for i in keep], max_new_tokens=request.max_new_tokens) if keep else []
         rewards = [0.0] * len(request.prompts)  # a prompt that does not fit the context counts as wrong
         for i, g in zip(keep, gens):
             rewards[i] = float(self.task.verify(g.text, request.prompts[i].reference))
         acc = sum(rewards) / max(len(rewards), 1)
-        return EvalReport(request.run_id, request.round, self.org_id, acc, len(rewards),
-                          {"time/eval": time.perf_counter() - t0,
-                           "skipped_too_long": float(len(request.prompts) - len(keep))})
+        return EvalReport(
+            request.run_id,
+            request.round,
+            self.org_id,
+            acc,
+            len(rewards),
+            {"time/eval": time.perf_counter() - t0, "skipped_too_long": float(len(request.prompts) - len(keep))},
+        )
 
     def _fitting(self, prompts, prompt_ids: dict, budget: int, field: str) -> list[int]:
         """Indices of ``prompts`` whose tokens plus ``budget`` fit the model's context (hacrl_fed.models.context);
@@ -365,25 +473,41 @@ class PolicyWorker:
         keep = [i for i, p in enumerate(prompts) if fits(len(prompt_ids[p.prompt_id]), budget, self.context)]
         if len(keep) < len(prompts):
             longest = max(len(prompt_ids[p.prompt_id]) for p in prompts)
-            log.warning("worker %s: skipped %d of %d prompts that do not fit the model's context of %s tokens with "
-                        "%s=%d (longest prompt %d tokens)", self.org_id, len(prompts) - len(keep), len(prompts),
-                        self.context, field, budget, longest)
+            log.warning(
+                "worker %s: skipped %d of %d prompts that do not fit the model's context of %s tokens with "
+                "%s=%d (longest prompt %d tokens)",
+                self.org_id,
+                len(prompts) - len(keep),
+                len(prompts),
+                self.context,
+                field,
+                budget,
+                longest,
+            )
         return keep
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def health(self) -> dict[str, str]:
-        return {"org_id": self.org_id, "status": "ok", "round": str(self.last_round),
-                "params": str(sum(p.numel() for p in self.model.parameters()))}
+        return {
+            "org_id": self.org_id,
+            "status": "ok",
+            "round": str(self.last_round),
+            "params": str(sum(p.numel() for p in self.model.parameters())),
+        }
 
     def checkpoint(self, round: int) -> str:
         """Checkpoint the round just trained into this run's folder, ``<run dir>/orgs/<org>/checkpoints/<run id>``."""
         check_checkpoint(self.org_id, round, last_round=self.last_round)
         assert self.run_id is not None  # last_round > 0: a run was trained
-        path = save_checkpoint(run_checkpoint_root(self.ckpt_base, self.run_id), round, self.model,
-                               self.trainer.state_dict(),
-                               {"org_id": self.org_id, "last_round": self.last_round, "run_id": self.run_id})
+        path = save_checkpoint(
+            run_checkpoint_root(self.ckpt_base, self.run_id),
+            round,
+            self.model,
+            self.trainer.state_dict(),
+            {"org_id": self.org_id, "last_round": self.last_round, "run_id": self.run_id},
+        )
         return str(path)
 
     def restore(self) -> int:
@@ -409,5 +533,13 @@ def _wrap_lora(model, trainer_cfg):
     except ImportError as err:  # pragma: no cover - peft is optional
         raise ImportError("trainer.lora.enabled needs peft: pip install 'hacrl-fed[lora]'") from err
     lc = trainer_cfg.lora
-    return get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                                            target_modules=lc.target_modules, task_type="CAUSAL_LM"))
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=lc.r,
+            lora_alpha=lc.alpha,
+            lora_dropout=lc.dropout,
+            target_modules=lc.target_modules,
+            task_type="CAUSAL_LM",
+        ),
+    )
