@@ -24,11 +24,12 @@ rc=0; env $(RUN_ENV) FLWR_HOME="$$flwr_home" $(1) || rc=$$?; \
 rm -rf "$$flwr_home"; exit $$rc
 endef
 
-.PHONY: help .venv test test-quick demo proto clean
+.PHONY: help .venv lint test test-quick demo proto clean
 
 help:
 	@echo "make demo        tiny federated HACPO run on CPU ($(DEMO_CONFIG))"
-	@echo "make test        the whole test suite, slow tests included (PYTEST_ARGS=... to narrow)"
+	@echo "make test        code checks (make lint), then the whole test suite, slow tests included (PYTEST_ARGS=...)"
+	@echo "make lint        ruff (lint + format check) and mypy on the package"
 	@echo "make test-quick  the suite without tests marked slow"
 	@echo "make proto       regenerate the protobuf/gRPC modules (scripts/gen_proto.sh)"
 	@echo "make clean       remove caches and build outputs (keeps .venv and runs/)"
@@ -39,7 +40,7 @@ help:
 # (package + dev tools importable) is adopted instead of reinstalled.
 $(STAMP): pyproject.toml
 	@if [ ! -f $@ ] && [ -x $(VENV)/bin/hacrl-fed ] && $(VPY) -c "import importlib.util as u, sys; \
-	sys.exit(any(u.find_spec(m) is None for m in ('hacrl_fed', 'torch', 'pytest', 'flwr')))" 2>/dev/null; then \
+	sys.exit(any(u.find_spec(m) is None for m in ('hacrl_fed', 'torch', 'pytest', 'flwr', 'ruff', 'mypy')))" 2>/dev/null; then \
 		echo "adopting the existing $(VENV) (delete $@ to force a reinstall)"; \
 	else \
 		set -e; \
@@ -50,7 +51,15 @@ $(STAMP): pyproject.toml
 	fi
 	@touch $@
 
-test: .venv
+# the code checks: sources that `make test` lints before it runs the suite (config in pyproject.toml)
+LINT_PATHS := hacrl_fed server client
+
+lint: .venv
+	$(VPY) -m ruff check $(LINT_PATHS)
+	$(VPY) -m ruff format --check $(LINT_PATHS)
+	$(VPY) -m mypy
+
+test: .venv lint
 	@$(call hermetic,$(VPY) -m pytest $(PYTEST_ARGS))
 
 test-quick: .venv

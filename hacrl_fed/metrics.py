@@ -31,8 +31,8 @@ def _clean(value: Any) -> float | None:
     """A metric value as a JSON-safe float (None for NaN/inf); raises TypeError for non-numbers."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"metric values must be numbers, got {type(value).__name__}")
-    value = float(value)
-    return value if math.isfinite(value) else None
+    number = float(value)
+    return number if math.isfinite(number) else None
 
 
 class RunLogger:
@@ -53,7 +53,7 @@ class RunLogger:
 
     def log(self, round: int, metrics: Mapping[str, float]) -> None:
         """Record ``metrics`` for ``round``: one JSONL line and one TensorBoard scalar per finite value."""
-        clean = {}
+        clean: dict[str, float | None] = {}
         for name, value in metrics.items():
             try:
                 clean[str(name)] = _clean(value)
@@ -63,9 +63,9 @@ class RunLogger:
         with self.path.open("a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
         if self._writer is not None:
-            for name, value in clean.items():
-                if value is not None:
-                    self._writer.add_scalar(name, value, global_step=int(round))
+            for name, scalar in clean.items():
+                if scalar is not None:
+                    self._writer.add_scalar(name, scalar, global_step=int(round))
             self._writer.flush()
 
     def close(self) -> None:

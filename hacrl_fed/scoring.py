@@ -180,13 +180,17 @@ def response_token_ids(
     ids = tokenizer(list(responses), add_special_tokens=False, split_special_tokens=True)["input_ids"]
     out = []
     for r, reason in zip(ids, finish_reasons):
-        r = list(r) + ([int(eos_token_id)] if reason == FINISH_STOP else [])
-        out.append(r if max_response_tokens is None else r[:max_response_tokens])
+        row = list(r)
+        if reason == FINISH_STOP:
+            if eos_token_id is None:
+                raise ValueError("a 'stop' response needs the learner's eos_token_id")
+            row.append(int(eos_token_id))
+        out.append(row if max_response_tokens is None else row[:max_response_tokens])
     return out
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = getattr(model, "get_base_model", lambda: model)()  # a PEFT wrapper forwards to its base model
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 

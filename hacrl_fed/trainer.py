@@ -33,6 +33,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -158,7 +159,7 @@ def checkpoint_layers(model: torch.nn.Module) -> int:
             return _forward(*args, **kwargs)
 
         layer.forward = checkpointed
-        layer._hacrl_checkpointed = True
+        setattr(layer, "_hacrl_checkpointed", True)  # noqa: B010 - mark the layer without a typed attribute
     return len(layers)
 
 
@@ -179,7 +180,7 @@ class LocalTrainer:
         self.optimizer = torch.optim.AdamW(
             self.master if self.master is not None else params,
             lr=trainer.lr,
-            betas=tuple(trainer.betas),
+            betas=(trainer.betas[0], trainer.betas[1]),
             weight_decay=trainer.weight_decay,
         )
         self.ref_model = None
@@ -191,7 +192,7 @@ class LocalTrainer:
             checkpoint_layers(model)  # after the deepcopy above (see checkpoint_layers)
 
     @staticmethod
-    def _master_weights(params: list[torch.Tensor], precision: str) -> list[torch.Tensor] | None:
+    def _master_weights(params: Sequence[torch.Tensor], precision: str) -> list[torch.Tensor] | None:
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
         if precision == "bf16-autocast" and dtypes not in ([], ["float32"]):
             raise ValueError(
@@ -310,7 +311,7 @@ class LocalTrainer:
             if self.spec.token_level:
                 if any(r.old_token_log_probs is None for r in micro):
                     raise ValueError(f"{self.algo.name} is token-level: every row needs old_token_log_probs")
-                old_tok = _pad([r.old_token_log_probs for r in micro], lp.shape[1]).to(lp.device)
+                old_tok = _pad([r.old_token_log_probs or [] for r in micro], lp.shape[1]).to(lp.device)
             inputs = PolicyLossInputs(
                 log_probs=lp,
                 response_mask=mask,
@@ -356,13 +357,15 @@ class LocalTrainer:
 
     def _kl_sum(self, batch, lp: Tensor, mask: Tensor, is_self: Tensor) -> Tensor:
         """Sum of k3 KL to the frozen reference over the self tokens of a micro-batch."""
+        if self.ref_model is None:
+            raise RuntimeError("KL needs the frozen reference model (algorithm.kl_beta > 0)")
         with torch.no_grad(), self._autocast(lp.device):
             ref_lp, _ = token_log_probs(self.ref_model, batch)
         self_mask = mask * is_self.to(device=mask.device, dtype=mask.dtype)[:, None]
         return (kl_k3(lp, ref_lp.to(lp.device), self.algo.max_abs_log_ratio) * self_mask).sum()
 
     def state_dict(self) -> dict:
-        state = {"optimizer": self.optimizer.state_dict()}
+        state: dict[str, Any] = {"optimizer": self.optimizer.state_dict()}
         if self.master is not None:
             state["master"] = [m.detach() for m in self.master]
         return state

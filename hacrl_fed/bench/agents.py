@@ -26,7 +26,7 @@ import torch
 
 from hacrl_fed.models import zoo
 from hacrl_fed.models.sft import SFTRecipe
-from hacrl_fed.models.zoo import ZooEntry, read_recipe
+from hacrl_fed.models.zoo import ZooEntry, built_recipe, read_recipe
 
 log = logging.getLogger("hacrl_fed.bench.agents")
 
@@ -136,7 +136,7 @@ def main_agents(argv: list[str] | None = None) -> int:
     if args.cmd == "list":
         for name, entry in BENCH_AGENTS.items():
             where = AGENTS_DIR / name
-            rec = read_recipe(where)
+            rec = read_recipe(where) or {}
             state = (
                 f"built (accuracy {rec['accuracy']:.3f}, {rec['num_params']} params)"
                 if is_built(where, name)
@@ -150,7 +150,7 @@ def main_agents(argv: list[str] | None = None) -> int:
         p.error(f"unknown agents {unknown}; known: {sorted(BENCH_AGENTS)}")
     for name in names:
         path = build(name, args.out / name if args.out else None)
-        rec = read_recipe(path)
+        rec = built_recipe(path)
         print(
             f"{name}: params={rec['num_params']} accuracy={rec['accuracy']:.3f} build={rec['build_seconds']:.0f}s "
             f"-> {path}"

@@ -332,6 +332,7 @@ def _git_version() -> dict[str, Any]:
 def machine_info() -> dict[str, Any]:
     import torch
 
+    cpus: int | None
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -636,7 +637,8 @@ def main_learning(argv: list[str] | None = None) -> int:
             print(f"  {status[c.key]:5s} {c.key}  (config {c.hash})")
     if args.list:
         return 0
-    failed, ran, times = [], 0, []
+    failed: list[str] = []
+    ran, times = 0, list[float]()
     for c in todo:
         if args.max_cells is not None and ran >= args.max_cells:
             print(f"stopping after {ran} cells (--max-cells)")

@@ -302,7 +302,7 @@ def main_peer(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     from hacrl_fed.bench.learning import _git_version, machine_info
 
-    result = {
+    result: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": machine_info(),
         "code": _git_version(),

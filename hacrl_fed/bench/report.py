@@ -19,6 +19,7 @@ import math
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ def acc_at_rollouts(curve: list[list[float]], budget: float) -> float | None:
     return pts[-1][1]
 
 
-def mean_std(values: list[float]) -> tuple[float | None, float | None]:
+def mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None]:
     vals = [v for v in values if v is not None and math.isfinite(v)]
     if not vals:
         return None, None
@@ -169,7 +170,8 @@ def accuracy_tables(by_method: dict[str, list[dict[str, Any]]], methods: list[st
                 if view == "rounds":
                     vals = [c["agents"][o]["accuracy_after"] for c in cells]
                 else:
-                    vals = [acc_at_rollouts(c["agents"][o]["curve"], budgets[o]) if budgets[o] else None for c in cells]
+                    budget = budgets[o]
+                    vals = [acc_at_rollouts(c["agents"][o]["curve"], budget) if budget else None for c in cells]
                 row.append(fmt_acc(vals, before))
                 g = mean_std([a - b for a, b in zip(vals, before) if a is not None and b is not None])[0]
                 if g is not None:
@@ -244,19 +246,16 @@ def targets(by_method: dict[str, list[dict[str, Any]]]) -> list[str]:
         + ", ".join(f"{o} {h:.3f} vs {x:.3f}" for o, h, x in per_agent if h is not None and x is not None)
         + ")"
     )
-    diffs = [
-        final("hacpo", o) - final("gspo", o)
-        for o in orgs
-        if final("hacpo", o) is not None and final("gspo", o) is not None
-    ]
+    pairs = [(final("hacpo", o), final("gspo", o)) for o in orgs]
+    diffs = [h - g for h, g in pairs if h is not None and g is not None]
     if diffs:
         gain = 100 * statistics.fmean(diffs)
         lines.append(
             f"- mean gain of HACPO over isolated GSPO ≥ +3 points: {'yes' if gain >= 3 else 'no'} ({gain:+.1f})"
         )
-    nv = [final("naive", o) for o in orgs]
-    hc = [final("hacpo", o) for o in orgs]
-    if all(v is not None for v in nv + hc):
+    nv = [v for o in orgs if (v := final("naive", o)) is not None]
+    hc = [v for o in orgs if (v := final("hacpo", o)) is not None]
+    if len(nv) == len(hc) == len(orgs):
         lines.append(
             f"- naive < HACPO (mean over agents): {'yes' if statistics.fmean(nv) < statistics.fmean(hc) else 'no'}"
             f" ({statistics.fmean(nv):.3f} vs {statistics.fmean(hc):.3f})"

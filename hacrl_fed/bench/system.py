@@ -231,9 +231,10 @@ def child_main(argv: Sequence[str]) -> int:
     info: dict[str, Any] = {"kind": args.kind}
     t0 = time.perf_counter()
     if args.kind == "flower":
-        from hacrl_fed.flower.simulation import quiet_logging, simulate
+        from hacrl_fed.flower.simulation import simulate
+        from hacrl_fed.lifecycle import setup_logging
 
-        quiet_logging("WARNING")
+        setup_logging("WARNING")
         simulate(args.config, list(args.overrides), run_dir=run_dir)
     else:
         from hacrl_fed.coordinator.loop import Coordinator
@@ -241,6 +242,7 @@ def child_main(argv: Sequence[str]) -> int:
 
         run_dir.mkdir(parents=True, exist_ok=True)
         procs = None
+        inner: Any
         if args.kind == "grpc":
             from hacrl_fed.coordinator.grpc_transport import GrpcTransport
             from hacrl_fed.coordinator.launcher import WorkerProcesses
@@ -265,7 +267,7 @@ def child_main(argv: Sequence[str]) -> int:
         meter = TextMeter(inner)
         try:
             with RunLogger(run_dir, tensorboard=False) as logger:
-                Coordinator(cfg, meter, run_dir, logger=logger).run()
+                Coordinator(cfg, meter, run_dir, logger=logger).run()  # type: ignore[arg-type]  # duck-typed wrapper
         finally:
             inner.close()
             if procs is not None:
@@ -454,8 +456,9 @@ def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900)
             "compute_s": dep_s.get(f"org/{o}/compute"),
             "inprocess_call_s": in_s.get(f"org/{o}/call"),
         }
-        if where[o]["call_s"] is not None and where[o]["compute_s"] is not None:
-            where[o]["outside_worker_s"] = where[o]["call_s"] - where[o]["compute_s"]
+        call_s, compute_s = where[o]["call_s"], where[o]["compute_s"]
+        if call_s is not None and compute_s is not None:
+            where[o]["outside_worker_s"] = call_s - compute_s
     return {
         "config": str(SMOKE),
         "rounds": rounds,

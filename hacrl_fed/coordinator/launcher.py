@@ -95,7 +95,7 @@ def write_resolved_config(config_path: str | Path, overrides: Mapping[str, Any] 
     """Load ``config_path`` with ``overrides`` (validated) and write the result as YAML to ``out``."""
     from hacrl_fed.config import load_config
 
-    cfg = load_config(config_path, overrides=overrides if isinstance(overrides, list) else dict(overrides))
+    cfg = load_config(config_path, overrides=dict(overrides) if isinstance(overrides, Mapping) else list(overrides))
     out.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return out
 

@@ -422,13 +422,12 @@ class Coordinator:
         accs: dict[str, float] = {}
         for org in requests:
             reply = replies.get(org)
-            ok = (
+            if not (
                 isinstance(reply, EvalReport)
                 and isinstance(reply.accuracy, (int, float))
                 and math.isfinite(reply.accuracy)
                 and 0.0 <= reply.accuracy <= 1.0
-            )
-            if not ok:
+            ):
                 log.warning("round %d: org %s failed to evaluate: %s", round, org, reply)
                 continue
             accs[org] = float(reply.accuracy)
@@ -473,7 +472,8 @@ class Coordinator:
         for org, why in failed.items():
             metrics[f"round/{org}/failed"] = 1.0
             metrics[f"round/{org}/failure/{why}"] = 1.0
-        accuracy = {org: accepted_accuracy(rs) for org, rs in accepted.items()}
+        # P_k(t) of every org with an accepted rollout (accepted holds no empty lists, so never None)
+        accuracy = {org: acc for org, rs in accepted.items() if (acc := accepted_accuracy(rs)) is not None}
         for org, rs in accepted.items():
             self.totals[org]["shared"] += len(rs)
         min_orgs = self.cfg.federation.min_orgs
@@ -511,7 +511,7 @@ class Coordinator:
             list(accepted),
             accuracy,
             trained,
-            metrics,  # type: ignore[arg-type]
+            metrics,
             {org: failed[org] for org in self.org_order if org in failed},
         )
 
@@ -527,7 +527,7 @@ class Coordinator:
             self.org_order,
         )
         if self.round == 0 and 0 not in self.eval_history:
-            start, metrics = time.perf_counter(), {}
+            start, metrics = time.perf_counter(), dict[str, float]()
             log.info(format_eval(0, self.evaluate(0, metrics)))
             self.wall_time_s += time.perf_counter() - start
             self._log(0, metrics)

@@ -112,10 +112,10 @@ def simulation_org(context: Context, cfg: RunConfig) -> str:
 
 
 def _check_same_process(context: Context, org: str) -> None:
-    here = {"pid": os.getpid(), "host": socket.gethostname()}
+    here: dict[str, int | str] = {"pid": os.getpid(), "host": socket.gethostname()}
     record = context.state.config_records.get(STATE_KEY)
     if record is None:
-        context.state.config_records[STATE_KEY] = ConfigRecord(here)
+        context.state.config_records[STATE_KEY] = ConfigRecord(here)  # type: ignore[arg-type]  # flwr wants its exact value union
         return
     seen = {"pid": record.get("pid"), "host": record.get("host")}
     if seen != here:

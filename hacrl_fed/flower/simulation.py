@@ -101,7 +101,7 @@ def load_apps(app_dir: Path) -> tuple[Any, Any]:
     server = importlib.import_module("server.app")
     client = importlib.import_module("client.app")
     for mod in (server, client):
-        if Path(mod.__file__).resolve().parents[1] != app_dir:
+        if mod.__file__ is None or Path(mod.__file__).resolve().parents[1] != app_dir:
             raise ImportError(f"{mod.__name__} was imported from {mod.__file__}, not from {app_dir}")
     return server.app, client.app
 

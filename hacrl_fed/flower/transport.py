@@ -107,8 +107,9 @@ def exchange(
     poll = FIRST_POLL_S
     while waiting:
         for reply in grid.pull_messages(list(waiting)):
-            node = waiting.pop(reply.metadata.reply_to_message_id, None)
-            if node is not None:
+            key = reply.metadata.reply_to_message_id
+            if key in waiting:
+                node = waiting.pop(key)
                 out[node] = (reply, time.monotonic() - start)
         left = start + timeout_s - time.monotonic()
         if not waiting or left <= 0 or (done is not None and done(out)):

@@ -187,7 +187,7 @@ def load_model_and_tokenizer(model_cfg: ModelConfig, *, for_training: bool = Tru
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if tokenizer.eos_token_id is not None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers types .to() through a decorator mypy misreads
     model.eval()
     if not for_training:
         model.requires_grad_(False)

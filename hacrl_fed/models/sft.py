@@ -145,7 +145,7 @@ def run_sft(
                     f"sft step {step}/{recipe.steps} loss {_tail_mean(losses):.4f} val accuracy {val_acc:.3f} "
                     f"({time.perf_counter() - start:.0f}s)"
                 )
-            if val_acc >= recipe.stop_at_accuracy:
+            if recipe.stop_at_accuracy is not None and val_acc >= recipe.stop_at_accuracy:
                 break
         elif log and not checking and step % max(recipe.steps // 10, 1) == 0:
             log(f"sft step {step}/{recipe.steps} loss {_tail_mean(losses):.4f} ({time.perf_counter() - start:.0f}s)")

@@ -95,8 +95,8 @@ _MICRO_GPT2 = dict(n_embd=32, n_layer=1, n_head=2)
 
 # Demo agents: SFT stops at the first check whose greedy accuracy on 200 held-out *train* prompts reaches
 # ``stop_at_accuracy`` (different per agent, so the federation starts heterogeneous in skill too).
-_DEMO_SFT = dict(steps=6000, batch_size=32, warmup_steps=100, check_every=100, val_size=200)
-_MICRO_SFT = dict(steps=60, lr=1e-2, batch_size=8, warmup_steps=10)
+_DEMO_SFT: dict[str, Any] = dict(steps=6000, batch_size=32, warmup_steps=100, check_every=100, val_size=200)
+_MICRO_SFT: dict[str, Any] = dict(steps=60, lr=1e-2, batch_size=8, warmup_steps=10)
 
 ZOO: dict[str, ZooEntry] = {
     e.name: e
@@ -163,6 +163,14 @@ def read_recipe(path: str | Path) -> dict[str, Any] | None:
     return json.loads(file.read_text()) if file.is_file() else None
 
 
+def built_recipe(path: str | Path) -> dict[str, Any]:
+    """:func:`read_recipe` of a dir that was just built; a missing recipe is a :class:`BuildError`."""
+    rec = read_recipe(path)
+    if rec is None:
+        raise BuildError(f"{Path(path) / RECIPE_FILE}: missing after the build")
+    return rec
+
+
 def build_config(entry: ZooEntry, tokenizer):
     """A transformers config for ``entry.arch`` sized to the tokenizer, dropout off, special ids set."""
     from transformers import GPT2Config, LlamaConfig, Qwen3Config
@@ -204,7 +212,7 @@ def build_config(entry: ZooEntry, tokenizer):
 
 def _bpe_corpus(task, size: int) -> list[str]:
     n = min(size, task.size("train"))
-    texts = []
+    texts: list[str] = []
     for p in task.prompts("train", list(range(n))):
         texts.extend(m.content for m in p.messages)
         texts.append(task.sft_target("train", p.prompt_id))
@@ -416,7 +424,7 @@ def main_zoo(argv: list[str] | None = None) -> int:
     for entry in entries:
         dest = shipped_dir(entry.name) if args.ship else args.out / entry.name if args.out else cached_dir(entry.name)
         path = build_agent(entry.name, dest, dtype=dtype)
-        rec = read_recipe(path)
+        rec = built_recipe(path)
         print(
             f"{entry.name}: params={rec['num_params']} accuracy={rec['accuracy']:.3f} "
             f"stop_rate={rec['stop_rate']:.2f} build={rec['build_seconds']:.0f}s "

@@ -195,7 +195,7 @@ def make_client_cert(
 ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """A TLS client key (P-256) and certificate signed by the CA: ``clientAuth``, subject CN ``common_name`` and
     the URI SAN ``urn:hacrl-fed:client:<common_name>`` (web-PKI client verifiers require a SAN)."""
-    names = [x509.UniformResourceIdentifier(f"urn:hacrl-fed:client:{common_name}")]
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(f"urn:hacrl-fed:client:{common_name}")]
     return _leaf_cert(ca_key, ca_cert, common_name, ExtendedKeyUsageOID.CLIENT_AUTH, names, days)
 
 

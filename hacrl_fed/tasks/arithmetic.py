@@ -167,7 +167,7 @@ class ArithmeticTask(Task):
         out = []
         for i in self.check_ids(split, ids):
             prob = self.problem(split, i)
-            msgs = (ChatMessage("user", prob.expression),)
+            msgs: tuple[ChatMessage, ...] = (ChatMessage("user", prob.expression),)
             if self.params.system_prompt:
                 msgs = (ChatMessage("system", self.params.system_prompt),) + msgs
             out.append(Prompt(prompt_id=i, messages=msgs, reference=str(prob.answer)))

@@ -320,7 +320,9 @@ class JsonlMathTask(Task):
         out = []
         for i in self.check_ids(split, ids):
             r = self._rows[split][i]
-            msgs = (ChatMessage("user", self.params.prompt_template.replace("{question}", r.question)),)
+            msgs: tuple[ChatMessage, ...] = (
+                ChatMessage("user", self.params.prompt_template.replace("{question}", r.question)),
+            )
             if self.params.system_prompt:
                 msgs = (ChatMessage("system", self.params.system_prompt),) + msgs
             out.append(Prompt(prompt_id=i, messages=msgs, reference=r.reference))

@@ -92,7 +92,7 @@ class ReasoningGymTask(Task):
         out = []
         for i in self.check_ids(split, ids):
             e = self._entries[split][i]
-            msgs = (ChatMessage("user", e["question"]),)
+            msgs: tuple[ChatMessage, ...] = (ChatMessage("user", e["question"]),)
             if self.params.system_prompt:
                 msgs = (ChatMessage("system", self.params.system_prompt),) + msgs
             ref = json.dumps({"answer": e["answer"], "metadata": e.get("metadata", {})}, default=str)

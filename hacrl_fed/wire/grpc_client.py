@@ -11,8 +11,10 @@ The link: a ``unix:`` socket or a loopback ``HOST:PORT`` may be plaintext; any o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -57,16 +59,18 @@ class ClientTLS:
         return [("grpc.ssl_target_name_override", name)] if name else []
 
 
-def open_channel(address: str, tls: ClientTLS | None, options: list[tuple[str, object]]) -> grpc.Channel:
+def open_channel(address: str, tls: ClientTLS | None, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
     """A channel to ``address``: mutual TLS with ``tls``, else plaintext, which only a local address may use."""
     if tls is not None:
-        return grpc.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options(address))
+        return grpc.secure_channel(
+            address, tls.channel_credentials(), options=[*options, *tls.channel_options(address)]
+        )
     if not is_local_address(address):
         raise ValueError(
             f"worker address {address!r} is neither unix: nor loopback: plaintext is refused there; "
             "use mutual TLS (ClientTLS: worker CA, client certificate and key)"
         )
-    return grpc.insecure_channel(address, options=options)
+    return grpc.insecure_channel(address, options=list(options))
 
 
 _CAUSE_OF_STATUS = {

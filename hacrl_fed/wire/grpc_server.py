@@ -305,7 +305,8 @@ class PolicyWorkerServicer:
             return reply
         except Exception as err:
             code, details = self._fail(rpc, err)
-        context.abort(code, details)
+        context.abort(code, details)  # raises: the RPC ends here with the status
+        raise AssertionError("grpc context.abort returned")  # unreachable; keeps the return type honest
 
     @staticmethod
     def _fail(rpc: str, err: Exception) -> tuple[grpc.StatusCode, str]:
@@ -475,7 +476,7 @@ def describe_worker(worker: Any) -> str:
     model, cfg = getattr(worker, "model", None), getattr(worker, "cfg", None)
     parts = [f"org {org}"]
     try:
-        source = cfg.org(org).model
+        source = cfg.org(org).model  # type: ignore[union-attr]  # a stand-in without cfg lands in the except
         parts.append(f"model zoo:{source.zoo}" if source.zoo else f"model {source.path}")
     except Exception:  # not a PolicyWorker (a stand-in): say what is known
         pass
