@@ -83,6 +83,36 @@ class AlgorithmConfig(_Section):
             "alpha: exponent of the stop-gradient importance weight on foreign rows, c * sg(c)^alpha (hacpo)"
         ),
     )
+    advantage_calibration: bool = Field(
+        True,
+        description=_d(
+            "capability-aware advantage baseline mu_k = mean(w(k, j) * R); false takes w = 1, the plain joint-group "
+            "mean (an ablation; hacpo)"
+        ),
+    )
+    capability_coefficient: bool = Field(
+        True,
+        description=_d(
+            "scale each foreign row's objective by v(j, k) = clamp(Phat_j / Phat_k); false takes v = 1 (an "
+            "ablation; hacpo)"
+        ),
+    )
+    cross_clip: bool = Field(
+        True,
+        description=_d(
+            "clip the foreign rows' ratio to the stepwise band [lower_m, 1]; false uses the unclipped ratio (an "
+            "ablation; hacpo)"
+        ),
+    )
+    logprob_norm: Literal["per_token", "per_byte"] = Field(
+        "per_token",
+        description=_d(
+            "how a foreign row's sequence log-probs enter its cross ratio: per_token (the paper: the learner's and "
+            "the source's means over their own tokens) or per_byte (both sums divided by the response's UTF-8 "
+            "bytes, comparable across tokenizers; beyond the paper). Own rows always use per-token means (hacpo, "
+            "naive)"
+        ),
+    )
     max_abs_log_ratio: float = Field(
         10.0, gt=0, description=_d("M: every log-ratio is clamped to [-M, M] before exp (all losses and the KL term)")
     )

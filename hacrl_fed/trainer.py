@@ -43,6 +43,7 @@ from hacrl_fed.algorithm import (
     PolicyLossInputs,
     advantage_metrics,
     cross_weights,
+    fractions_from_counts,
     get_advantage_estimator,
     get_algorithm,
     get_policy_loss,
@@ -63,6 +64,8 @@ class TrainRow:
 
     ``old_log_prob`` is ``lbar_old``: the learner's pre-update mean token log-prob for self rows, the source's
     published mean for cross rows. ``old_token_log_probs`` (self rows) feeds token-level losses (GRPO).
+    ``norm_length`` > 0 replaces the learner's token count as the divisor of its ``lbar`` of this row (with
+    ``algorithm.logprob_norm: per_byte`` a cross row's ``old_log_prob`` is then per byte too).
     """
 
     prompt_ids: list[int]
@@ -73,6 +76,7 @@ class TrainRow:
     is_self: bool
     old_log_prob: float
     old_token_log_probs: list[float] | None = None
+    norm_length: float = 0.0  # divisor of this row's lbar; 0: its token count (per_byte cross rows: UTF-8 bytes)
 
 
 def adapter_dropout_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -232,6 +236,7 @@ class LocalTrainer:
             ratio_min=self.algo.ratio_min,
             ratio_max=self.algo.ratio_max,
             eps=self.algo.adv_eps,
+            calibrate=self.algo.advantage_calibration,
         ).float()
 
     def update(
@@ -257,7 +262,7 @@ class LocalTrainer:
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0, "train/num_too_long": float(too_long)}
         sources = torch.tensor([r.source for r in rows])
-        if self.spec.cross_weights:
+        if self.spec.cross_weights and self.algo.capability_coefficient:
             v = cross_weights(capability, learner, sources, self.algo.ratio_min, self.algo.ratio_max)
         else:
             v = torch.ones(len(rows))
@@ -270,7 +275,7 @@ class LocalTrainer:
             # the adapters' dropout is on through forward and backward (gradient checkpointing recomputes in backward)
             with adapter_dropout(self.dropout):
                 acc.add(self._step(m, [rows[i] for i in picked], adv[picked], is_self[picked], v[picked]))
-        out = acc.result()
+        out = fractions_from_counts(acc.result())  # shares over the whole update, not means of per-step shares
         if names is not None:
             out.update(
                 advantage_metrics(adv_all, torch.tensor([r.source for r in all_rows]), names, prefix=self.algo.name)
@@ -320,6 +325,7 @@ class LocalTrainer:
                 is_self=is_self[sl],
                 cross_weight=v[sl],
                 old_token_log_probs=old_tok,
+                seq_lengths=torch.tensor([r.norm_length for r in micro], device=lp.device),
             )
             loss, metrics = self.loss_fn(inputs, m, self.loss_cfg)
             # exact mini-batch mean from micro-batch means: weight by rows (or tokens for token-mean GRPO)

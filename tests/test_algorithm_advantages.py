@@ -132,3 +132,15 @@ def test_registry_and_metrics():
     assert m == {"hacpo/adv_mean/a": 2.0, "hacpo/adv_mean/b": -1.0}
     with pytest.raises(KeyError, match="registered"):
         get_advantage_estimator("nope")
+
+
+def test_hacpo_advantages_without_calibration_is_the_plain_group_advantage():
+    """advantage_calibration false (w = 1): the joint-group baseline whatever the capability."""
+    torch.manual_seed(0)
+    rewards = (torch.rand(24) > 0.5).double()
+    groups, sources = torch.arange(24) % 4, torch.arange(24) % 3
+    for cap in ([0.2, 0.9, 0.5], [1.0, 1.0, 1.0], [0.05, 0.5, 0.99]):
+        a = hacpo_advantages(rewards, groups, sources, 0, cap, calibrate=False)
+        assert torch.allclose(a, group_advantages(rewards, groups))
+    assert not torch.allclose(hacpo_advantages(rewards, groups, sources, 0, [0.2, 0.9, 0.5]),
+                              group_advantages(rewards, groups))

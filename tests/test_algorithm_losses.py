@@ -8,7 +8,7 @@ import torch
 
 from hacrl_fed.algorithm import (
     PolicyLossConfig, PolicyLossInputs, cross_lower_bound, get_policy_loss, grpo_loss, gspo_loss,
-    hacpo_loss, kl_k3, sequence_mean_log_prob,
+    hacpo_loss, kl_k3, naive_loss, sequence_mean_log_prob,
 )
 
 CFG = PolicyLossConfig()
@@ -263,12 +263,13 @@ def test_pure_functions_default_to_the_config_defaults():
     assert defaults(cross_lower_bound) == {"delta": d.cross_clip_delta, "delta_step": d.cross_clip_step}
     assert defaults(kl_k3) == {"max_abs_log_ratio": d.max_abs_log_ratio}
     for fn in (gspo_loss, naive_loss):
-        assert {k: v for k, v in defaults(fn).items() if k != "prefix"} == {
+        assert {k: v for k, v in defaults(fn).items() if k not in ("prefix", "is_self")} == {
             "clip_low": d.self_clip_low, "clip_high": d.self_clip_high, "max_abs_log_ratio": d.max_abs_log_ratio}
     assert defaults(grpo_loss) == {"clip_low": d.grpo_clip_low, "clip_high": d.grpo_clip_high,
                                    "max_abs_log_ratio": d.max_abs_log_ratio, "loss_agg_mode": d.grpo_loss_agg_mode}
     assert defaults(hacpo_advantages) == {"reward_max": d.reward_max, "ratio_min": d.ratio_min,
-                                          "ratio_max": d.ratio_max, "eps": d.adv_eps}
+                                          "ratio_max": d.ratio_max, "eps": d.adv_eps,
+                                          "calibrate": d.advantage_calibration}
     assert defaults(group_advantages) == {"eps": d.adv_eps}
     for fn in (capability_ratios, cross_weights):
         assert defaults(fn) == {"ratio_min": d.ratio_min, "ratio_max": d.ratio_max}
@@ -278,3 +279,67 @@ def test_pure_functions_default_to_the_config_defaults():
     algo = AlgorithmConfig(capability_window=3, warmup_rounds=2, ratio_max=4.0)
     t = CapabilityTracker.from_algorithm(algo)
     assert (t.window, t.warmup_rounds, t.ratio_max) == (3, 2, 4.0)
+
+
+# -- switches beyond the paper and shares (docs/ALGORITHM.md "Switches beyond the paper") ------------------------
+
+
+def test_sequence_log_prob_per_given_length():
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    assert torch.allclose(sequence_mean_log_prob(lp, mask), torch.tensor([-2.0, -0.5]))
+    # lengths > 0 replace the token count; <= 0 keeps it
+    out = sequence_mean_log_prob(lp, mask, torch.tensor([12.0, 0.0]))
+    assert torch.allclose(out, torch.tensor([-6.0 / 12.0, -0.5]))
+    with pytest.raises(ValueError, match="lengths"):
+        sequence_mean_log_prob(lp, mask, torch.tensor([1.0]))
+
+
+def test_hacpo_cross_clip_off_uses_the_raw_ratio():
+    # one cross row far below the band: clipped, it has no gradient; unclipped, objective = s * s^alpha * v * A
+    lp = torch.tensor([-1.0, -3.0], requires_grad=True)
+    old = torch.tensor([-1.0, -2.0])
+    adv, is_self, v = torch.tensor([0.0, 2.0]), torch.tensor([True, False]), torch.tensor([1.0, 0.5])
+    cfg_off = PolicyLossConfig(cross_clip=False, alpha=1.0)
+    loss, m = hacpo_loss(lp, old, adv, is_self, v, 0, cfg_off)
+    s = math.exp(-1.0)
+    assert loss.item() == pytest.approx(-(s * s * 0.5 * 2.0) / 2)
+    loss.backward()
+    # d/dlp of -(s * sg(s) * v * A)/2 = -(s * sg(s) * v * A)/2 (ds/dlp = s)
+    assert lp.grad[1].item() == pytest.approx(-(s * s * 0.5 * 2.0) / 2)
+    assert m["hacpo/cross_in_band_frac"] == 1.0 and m["hacpo/cross_grad_frac"] == 1.0
+    lp2 = lp.detach().clone().requires_grad_(True)
+    loss_on, m_on = hacpo_loss(lp2, old, adv, is_self, v, 0, PolicyLossConfig())
+    loss_on.backward()
+    assert lp2.grad[1].item() == 0.0 and m_on["hacpo/cross_clip_low_frac"] == 1.0
+    assert m_on["hacpo/cross_grad_frac"] == 0.0
+
+
+def test_shares_are_recomputed_from_counts_and_dropped_over_empty_sets():
+    from hacrl_fed.algorithm import FRACTION_COUNTS, fractions_from_counts
+
+    summed = {"hacpo/num_cross": 8.0, "hacpo/num_cross_in_band": 2.0, "hacpo/cross_in_band_frac": 0.125,
+              "hacpo/num_self": 0.0, "hacpo/self_clip_low_frac": 0.0, "hacpo/num_self_clip_low": 0.0}
+    out = fractions_from_counts(summed)
+    assert out["hacpo/cross_in_band_frac"] == 0.25  # 2 of 8, not the mean of per-step shares
+    assert "hacpo/self_clip_low_frac" not in out
+    # every share a loss reports has its count and denominator in the table
+    lp, old = torch.tensor([-1.0, -1.2, -0.9]), torch.tensor([-1.0, -1.0, -1.0])
+    adv, is_self, v = torch.tensor([1.0, -1.0, 0.5]), torch.tensor([True, False, False]), torch.ones(3)
+    for _, metrics in (hacpo_loss(lp, old, adv, is_self, v, 0), naive_loss(lp, old, adv, is_self=is_self),
+                       gspo_loss(lp, old, adv)):
+        for k in metrics:
+            if k.endswith("_frac"):
+                num, den = FRACTION_COUNTS[k]
+                assert metrics[k] == pytest.approx(metrics[num] / metrics[den])
+
+
+def test_naive_reports_how_many_foreign_rows_carry_gradient():
+    # A > 0 with s far above the band: clipped (no gradient); A < 0 with s far above: gradient (one-sided clip)
+    lp = torch.tensor([0.0, -0.5, -0.5], requires_grad=True)
+    old = torch.tensor([0.0, -1.0, -1.0])
+    adv, is_self = torch.tensor([0.0, 1.0, -1.0]), torch.tensor([True, False, False])
+    loss, m = naive_loss(lp, old, adv, is_self=is_self)
+    loss.backward()
+    assert lp.grad[1].item() == 0.0 and lp.grad[2].item() != 0.0
+    assert m["naive/num_cross"] == 2 and m["naive/cross_grad_frac"] == 0.5

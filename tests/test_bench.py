@@ -104,14 +104,15 @@ def test_the_matrix_plans_every_cell():
     assert len(by[("three", "hacpo", 1)].config.orgs) == 3
     assert [a.name for a in by[("state", "hacpo", 0)].agents] == ["qwen-char-b"]
     assert by[("model", "alpha1", 0)].same_as == "hacpo"
-    for c in cells:  # a skipped ablation names the knob it waits for
-        if c.skip and not c.same_as:
-            assert c.skip.startswith("needs knob algorithm."), c.skip
+    # every ablation and the per-byte cells have their knobs now: nothing is skipped
+    assert not [c.key for c in cells if c.skip and not c.same_as]
+    assert by[("model", "hacpo_per_byte", 2)].config.algorithm.logprob_norm == "per_byte"
+    assert by[("model", "no_cross_clip", 0)].config.algorithm.cross_clip is False
     quick = learning.plan_cells(matrix, quick=True)
     assert quick and all(c.config.federation.rounds < gspo.federation.rounds for c in quick)
     assert all(c.config.federation.rounds == 5 for c in learning.plan_cells(matrix, only=["model/hacpo"], rounds=5))
     assert learning.field_exists("algorithm.alpha") and learning.field_exists("task.params.difficulty")
-    assert not learning.field_exists("algorithm.logprob_norm")
+    assert learning.field_exists("algorithm.logprob_norm") and not learning.field_exists("algorithm.no_such_knob")
 
 
 def test_accuracy_at_equal_rollouts_interpolates():

@@ -323,3 +323,85 @@ def test_lora_dropout_with_gradient_checkpointing_recomputes_the_same_mask():
         results.append([p.detach().clone() for p in model.parameters() if p.requires_grad])
     for a, b in zip(*results):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+# -- ablation switches and shares over the whole update (docs/ALGORITHM.md "Switches beyond the paper") -----------
+
+
+def _train_algo(algo: AlgorithmConfig, rows, capability, minibatch=6):
+    tok = tiny_char_tokenizer()
+    model = tiny_model("qwen3", tok, seed=1)
+    trainer = LocalTrainer(model, algo, TrainerConfig(lr=1e-2, minibatch_size=minibatch, micro_batch_size=4),
+                           tok.pad_token_id)
+    trainer.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    return model, trainer.update(rows, 0, capability)
+
+
+def _mixed_rows(n=12, seed=5):
+    """Rows whose groups hold self and cross rows (so the capability can move the baseline)."""
+    rows = _rows(n=n, seed=seed)
+    return [TrainRow(r.prompt_ids, r.response_ids, r.reward, i % 2, r.source, r.is_self, r.old_log_prob,
+                     r.old_token_log_probs) for i, r in enumerate(rows)]
+
+
+def test_without_both_capability_mechanisms_the_capability_has_no_effect():
+    rows = _mixed_rows()
+    off = AlgorithmConfig(name="hacpo", advantage_calibration=False, capability_coefficient=False, cross_clip=False)
+    a = _train_algo(off, rows, [0.5, 0.25, 1.0])[0]
+    b = _train_algo(off, rows, [0.9, 0.9, 0.1])[0]
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(x, y, atol=1e-7)
+    # each switch alone leaves the other mechanism reading the capability
+    for one in (AlgorithmConfig(name="hacpo", advantage_calibration=False, cross_clip=False),
+                AlgorithmConfig(name="hacpo", capability_coefficient=False, cross_clip=False)):
+        c = _train_algo(one, rows, [0.5, 0.25, 1.0])[0]
+        d = _train_algo(one, rows, [0.9, 0.9, 0.1])[0]
+        assert any(not torch.allclose(x, y, atol=1e-7) for x, y in zip(c.parameters(), d.parameters()))
+
+
+def test_cross_shares_are_over_cross_rows_not_averaged_with_self_only_steps():
+    rows = _rows(n=12, seed=2)  # 4 self rows, 8 cross rows; mini-batches of 4 put the self rows in one step
+    _, m = _train_algo(AlgorithmConfig(name="hacpo"), rows, [0.5, 0.25, 1.0], minibatch=4)
+    assert m["hacpo/num_cross"] == 8 and m["hacpo/num_self"] == 4
+    # every cross row is below, inside or above the band: the three shares sum to 1 over the update
+    total = m["hacpo/cross_clip_low_frac"] + m["hacpo/cross_in_band_frac"] + m["hacpo/cross_clip_high_frac"]
+    assert total == pytest.approx(1.0)
+    assert m["hacpo/cross_in_band_frac"] == pytest.approx(m["hacpo/num_cross_in_band"] / 8)
+    assert m["hacpo/self_clip_low_frac"] == pytest.approx(m["hacpo/num_self_clip_low"] / 4)
+
+
+def test_shares_over_an_empty_kind_are_absent():
+    rows = _rows(n=6, seed=1, cross=False)
+    _, m = _train_algo(AlgorithmConfig(name="hacpo"), rows, [0.5, 0.25, 1.0])
+    assert m["hacpo/num_self"] == 6 and "hacpo/num_cross" in m
+    assert not any(k.startswith("hacpo/cross_") and k.endswith("_frac") for k in m)
+
+
+def test_norm_length_divides_the_cross_row_log_prob():
+    """A row's lbar is sum/len(tokens), or sum/norm_length when set: with old = the same quantity the ratio is 1."""
+    tok = tiny_char_tokenizer()
+    model = tiny_model("qwen3", tok, seed=1)
+    from hacrl_fed.scoring import build_scoring_batch_from_ids, token_log_probs
+
+    prompt, resp = [5, 6, 7], [8, 9, 10, 11]
+    with torch.no_grad():
+        lp, mask = token_log_probs(model, build_scoring_batch_from_ids([prompt], [resp], tok.pad_token_id))
+    total = float(lp.sum())
+    rows = [TrainRow(prompt, resp, 1.0, 0, 0, True, total / 4, [float(x) for x in lp[0][mask[0].bool()]]),
+            TrainRow(prompt, resp, 0.0, 0, 0, True, total / 4, [float(x) for x in lp[0][mask[0].bool()]]),
+            TrainRow(prompt, resp, 1.0, 0, 1, False, total / 10.0, norm_length=10.0),  # per byte (10 bytes)
+            TrainRow(prompt, resp, 0.0, 0, 1, False, total / 4)]  # per token
+    trainer = LocalTrainer(model, AlgorithmConfig(name="hacpo"), TrainerConfig(lr=1e-9, minibatch_size=8,
+                                                                                 micro_batch_size=8), tok.pad_token_id)
+    m = trainer.update(rows, 0, [1.0, 1.0])
+    assert m["hacpo/cross_ratio_min"] == pytest.approx(1.0, abs=1e-5)
+    assert m["hacpo/cross_ratio_max"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_cross_clip_off_lets_out_of_band_cross_rows_carry_gradient():
+    rows = [r for r in _rows(n=12, seed=4) if not r.is_self] + [r for r in _rows(n=12, seed=4) if r.is_self]
+    on = _train_algo(AlgorithmConfig(name="hacpo"), rows, [1.0, 1.0, 1.0], minibatch=12)[1]
+    off = _train_algo(AlgorithmConfig(name="hacpo", cross_clip=False), rows, [1.0, 1.0, 1.0], minibatch=12)[1]
+    assert on["hacpo/cross_in_band_frac"] < 1.0  # these rows' published log-probs put some outside the band
+    assert off["hacpo/cross_in_band_frac"] == 1.0
+    assert off["hacpo/cross_grad_frac"] >= on["hacpo/cross_grad_frac"]

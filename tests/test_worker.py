@@ -224,3 +224,23 @@ def test_vllm_engine_gets_the_generation_section_and_sleeps_during_train(tmp_pat
     for name, p in llm.model.named_parameters():  # the engine generates with the updated weights
         assert torch.allclose(p, dict(a.model.named_parameters())[name].float())
     assert a.generate(plan_for(a, 2)).rollouts
+
+
+def test_per_byte_logprob_norm_divides_both_sides_by_the_response_bytes(tmp_path):
+    from hacrl_fed.types import Rollout
+
+    for norm in ("per_token", "per_byte"):
+        cfg = make_cfg()
+        cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"logprob_norm": norm})})
+        w = build_worker(cfg, "char", run_dir=tmp_path / norm)
+        plan = plan_for(w, 1)
+        w.generate(plan)
+        pid = plan.prompts[0].prompt_id
+        text = "12 é"  # 5 UTF-8 bytes
+        foreign = Rollout("bpe", 1, pid, 0, text, "length", 1.0, logprob_sum=-6.0, token_count=3)
+        rows, dropped = w._foreign_rows([foreign], w._own, ["char", "bpe"])
+        assert dropped == 0 and len(rows) == 1
+        if norm == "per_byte":
+            assert rows[0].norm_length == 5.0 and rows[0].old_log_prob == pytest.approx(-6.0 / 5)
+        else:
+            assert rows[0].norm_length == 0.0 and rows[0].old_log_prob == pytest.approx(-2.0)

@@ -14,9 +14,11 @@ from hacrl_fed.algorithm.advantages import (
 from hacrl_fed.algorithm.batching import minibatch_schedule, order_rows
 from hacrl_fed.algorithm.capability import CapabilityTracker
 from hacrl_fed.algorithm.losses import (
+    FRACTION_COUNTS,
     GRPO_AGG_MODES,
     PolicyLossConfig,
     cross_lower_bound,
+    fractions_from_counts,
     grpo_loss,
     gspo_loss,
     gspo_objective,
@@ -42,6 +44,7 @@ from hacrl_fed.algorithm.registry import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ALGORITHMS",
+    "FRACTION_COUNTS",
     "GRPO_AGG_MODES",
     "POLICY_LOSSES",
     "AlgorithmSpec",
@@ -52,6 +55,7 @@ __all__ = [
     "capability_ratios",
     "cross_lower_bound",
     "cross_weights",
+    "fractions_from_counts",
     "get_advantage_estimator",
     "get_algorithm",
     "get_policy_loss",

@@ -94,6 +94,7 @@ def hacpo_advantages(
     ratio_min: float = DEFAULTS.ratio_min,
     ratio_max: float = DEFAULTS.ratio_max,
     eps: float = DEFAULTS.adv_eps,
+    calibrate: bool = DEFAULTS.advantage_calibration,
 ) -> Tensor:
     """Capability-aware advantage of every row of the joint groups, for learner ``k`` (docs/ALGORITHM.md §2).
 
@@ -104,7 +105,8 @@ def hacpo_advantages(
       - ``A(y) = (R(y) - mu_k) / (std_bessel(R over g) + eps)``.
 
     Args: rewards [N], group_ids [N], source_ids [N] (agent indices), capability [n_agents] (Phat). Returns [N]
-    in the dtype of ``rewards`` (float32 for integer rewards).
+    in the dtype of ``rewards`` (float32 for integer rewards). ``calibrate=False`` takes ``w = 1`` for every row
+    (the ``algorithm.advantage_calibration`` ablation: the baseline is the plain joint-group mean).
     """
     r_in = torch.as_tensor(rewards)
     out_dtype = r_in.dtype if r_in.is_floating_point() else torch.float32
@@ -114,7 +116,9 @@ def hacpo_advantages(
     _check_rows(r, gid, src)
     if r.numel() == 0:
         return torch.zeros(0, dtype=out_dtype)
-    w = capability_ratios(capability, learner, src, ratio_min, ratio_max)
+    w = capability_ratios(capability, learner, src, ratio_min, ratio_max)  # validates the capability either way
+    if not calibrate:
+        w = torch.ones_like(w)
     g = _Groups(gid)
     n = g.count()
     mean = g.sum(r) / n  # plain joint-group mean

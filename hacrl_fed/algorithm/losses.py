@@ -28,8 +28,9 @@ class PolicyLossConfig:
 
     ``self_clip_*``: GSPO band ``[1 - low, 1 + high]`` on self rows (hacpo, gspo, naive); ``cross_clip_delta`` and
     ``cross_clip_step``: the stepwise cross band ``[min(1, 1 - delta + m * step), 1]``; ``alpha``: the exponent of
-    ``stopgrad(c)``; ``max_abs_log_ratio``: clamp of every log-ratio before ``exp``; ``grpo_clip_*``: GRPO's
-    token-level band; ``grpo_loss_agg_mode``: how GRPO averages over tokens (:data:`GRPO_AGG_MODES`).
+    ``stopgrad(c)``; ``cross_clip``: False takes ``c = s`` on cross rows (no band at all: an ablation);
+    ``max_abs_log_ratio``: clamp of every log-ratio before ``exp``; ``grpo_clip_*``: GRPO's token-level band;
+    ``grpo_loss_agg_mode``: how GRPO averages over tokens (:data:`GRPO_AGG_MODES`).
     """
 
     self_clip_low: float = DEFAULTS.self_clip_low
@@ -37,6 +38,7 @@ class PolicyLossConfig:
     cross_clip_delta: float = DEFAULTS.cross_clip_delta
     cross_clip_step: float = DEFAULTS.cross_clip_step
     alpha: float = DEFAULTS.alpha
+    cross_clip: bool = DEFAULTS.cross_clip
     max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio
     grpo_clip_low: float = DEFAULTS.grpo_clip_low
     grpo_clip_high: float = DEFAULTS.grpo_clip_high
@@ -48,14 +50,25 @@ class PolicyLossConfig:
         return cls(**{f.name: getattr(algo, f.name) for f in fields(cls)})
 
 
-def sequence_mean_log_prob(token_log_probs: Tensor, mask: Tensor) -> Tensor:
-    """``lbar = sum_t(lp[b,t] * mask[b,t]) / max(1, sum_t mask[b,t])``. token_log_probs [B,T], mask [B,T] → [B]."""
+def sequence_mean_log_prob(token_log_probs: Tensor, mask: Tensor, lengths: Tensor | None = None) -> Tensor:
+    """``lbar = sum_t(lp[b,t] * mask[b,t]) / max(1, n_b)``. token_log_probs [B,T], mask [B,T], lengths [B] → [B].
+
+    ``n_b`` is the row's token count ``sum_t mask[b,t]`` (the paper's per-token mean), or ``lengths[b]`` where
+    given and positive (``algorithm.logprob_norm: per_byte`` passes the response's UTF-8 bytes on cross rows;
+    a row with ``lengths[b] <= 0`` keeps its token count).
+    """
     if token_log_probs.shape != mask.shape or token_log_probs.dim() != 2:
         raise ValueError(
             f"token_log_probs and mask must both be [B, T], got {tuple(token_log_probs.shape)} and {tuple(mask.shape)}"
         )
     m = mask.to(token_log_probs.dtype)
-    return (token_log_probs * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    n = m.sum(-1)
+    if lengths is not None:
+        if lengths.shape != n.shape:
+            raise ValueError(f"lengths must be [B]={n.shape[0]}, got {tuple(lengths.shape)}")
+        lengths = lengths.to(device=n.device, dtype=n.dtype)
+        n = torch.where(lengths > 0, lengths, n)
+    return (token_log_probs * m).sum(-1) / n.clamp(min=1.0)  # lbar = sum(lp * mask) / n
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -84,8 +97,51 @@ def _stats(prefix: str, name: str, x: Tensor) -> dict[str, float]:
     }
 
 
-def _frac(x: Tensor) -> float:
-    return float(x.float().mean()) if x.numel() else 0.0
+def _fracs(prefix: str, fracs: dict[str, Tensor]) -> dict[str, float]:
+    """``{prefix/num_<name>: count, prefix/<name>_frac: share}`` per boolean tensor; nothing over an empty set.
+
+    The counts (``num_*`` keys sum over micro-batches and steps) let the trainer recompute every share over the
+    whole update (:func:`fractions_from_counts`, denominators in :data:`FRACTION_COUNTS`) instead of averaging
+    per-step shares (a self-only mini-batch would otherwise average a 0 into every cross share).
+    """
+    out: dict[str, float] = {}
+    for name, x in fracs.items():
+        if x.numel():
+            out[f"{prefix}/num_{name}"] = float(x.sum())
+            out[f"{prefix}/{name}_frac"] = float(x.float().mean())
+    return out
+
+
+def _fraction_table() -> dict[str, tuple[str, str]]:
+    table = {}
+    for prefix, den, names in (
+        ("hacpo", "num_self", ("self_clip_low", "self_clip_high")),
+        ("hacpo", "num_cross", ("cross_clip_low", "cross_clip_high", "cross_in_band", "cross_grad")),
+        ("gspo", "num_rows", ("clip_low", "clip_high")),
+        ("naive", "num_rows", ("clip_low", "clip_high")),
+        ("naive", "num_cross", ("cross_grad",)),
+        ("grpo", "num_tokens", ("clip_low", "clip_high")),
+    ):
+        table.update({f"{prefix}/{n}_frac": (f"{prefix}/num_{n}", f"{prefix}/{den}") for n in names})
+    return table
+
+
+# every share a loss reports -> (its count key, its denominator's count key)
+FRACTION_COUNTS: dict[str, tuple[str, str]] = _fraction_table()
+
+
+def fractions_from_counts(metrics: dict[str, float]) -> dict[str, float]:
+    """Every ``*_frac`` share recomputed from its summed counts: ``num_<name> / <denominator>``; a share whose
+    denominator is 0 or absent is dropped (a share of an empty set is not 0). Returns a new dict."""
+    out = dict(metrics)
+    for frac, (num, den) in FRACTION_COUNTS.items():
+        if frac not in out:
+            continue
+        if out.get(den, 0.0) > 0 and num in out:
+            out[frac] = out[num] / out[den]
+        else:
+            del out[frac]
+    return out
 
 
 def _check_seq_inputs(**tensors: Tensor) -> int:
@@ -121,6 +177,7 @@ def hacpo_loss(
       s = exp(clamp(lbar - lbar_old, -M, M))
       self:  min(s * A, clamp(s, 1 - self_clip_low, 1 + self_clip_high) * A)            (GSPO)
       cross: c * stopgrad(c) ** alpha * v * A,  c = clamp(s, lower_m, 1),  lower_m = min(1, 1 - delta + m * step)
+             (``config.cross_clip`` False: c = s, no band)
       loss = -mean over the N rows of the objective.
     """
     _check_seq_inputs(
@@ -138,27 +195,44 @@ def hacpo_loss(
     ratio = torch.exp(log_ratio)  # s = exp(lbar_new - lbar_old)
     self_obj = gspo_objective(ratio, adv, config.self_clip_low, config.self_clip_high)
     lower = cross_lower_bound(minibatch_index, config.cross_clip_delta, config.cross_clip_step)
-    c = torch.clamp(ratio, lower, 1.0)  # hard clamp: zero gradient outside [lower_m, 1]
+    c = torch.clamp(ratio, lower, 1.0) if config.cross_clip else ratio  # hard clamp: no gradient outside [lower_m, 1]
     cross_obj = c * c.detach() ** config.alpha * cross_weight.to(log_probs.dtype) * adv  # c * sg(c)^alpha * v * A
     objective = torch.where(is_self, self_obj, cross_obj)
     loss = -objective.mean()  # seq-mean (each lbar is already a token mean)
-    return loss, _hacpo_metrics(ratio, is_self, objective, lower, config)
+    return loss, _hacpo_metrics(ratio, is_self, adv, objective, lower, config)
 
 
 def _hacpo_metrics(
-    ratio: Tensor, is_self: Tensor, objective: Tensor, lower: float, config: PolicyLossConfig
+    ratio: Tensor, is_self: Tensor, adv: Tensor, objective: Tensor, lower: float, config: PolicyLossConfig
 ) -> dict[str, float]:
     s_self, s_cross = ratio[is_self].detach(), ratio[~is_self].detach()
+    a_cross = adv[~is_self].detach()
+    in_band = (s_cross >= lower) & (s_cross <= 1.0) if config.cross_clip else torch.ones_like(s_cross, dtype=torch.bool)
     m: dict[str, float] = {
         "hacpo/num_self": float(s_self.numel()),
         "hacpo/num_cross": float(s_cross.numel()),
         "hacpo/cross_lower_bound": lower,
-        "hacpo/self_clip_low_frac": _frac(s_self < 1.0 - config.self_clip_low),
-        "hacpo/self_clip_high_frac": _frac(s_self > 1.0 + config.self_clip_high),
-        "hacpo/cross_clip_low_frac": _frac(s_cross < lower),
-        "hacpo/cross_clip_high_frac": _frac(s_cross > 1.0),
-        "hacpo/cross_in_band_frac": _frac((s_cross >= lower) & (s_cross <= 1.0)),
     }
+    m.update(
+        _fracs(
+            "hacpo",
+            {
+                "self_clip_low": s_self < 1.0 - config.self_clip_low,
+                "self_clip_high": s_self > 1.0 + config.self_clip_high,
+            },
+        )
+    )
+    m.update(
+        _fracs(
+            "hacpo",
+            {
+                "cross_clip_low": s_cross < lower,
+                "cross_clip_high": s_cross > 1.0,
+                "cross_in_band": in_band,
+                "cross_grad": in_band & (a_cross != 0),  # cross rows that move the weights
+            },
+        )
+    )
     m.update(_stats("hacpo", "self_ratio", s_self))
     m.update(_stats("hacpo", "cross_ratio", s_cross))
     n = objective.numel()
@@ -176,21 +250,29 @@ def gspo_loss(
     clip_high: float = DEFAULTS.self_clip_high,
     max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio,
     prefix: str = "gspo",
+    is_self: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO (sequence-level IS) on every row: ``-mean(min(s A, clamp(s, 1-low, 1+high) A))``. Inputs [N].
 
     Used by ``gspo`` (own rows) and ``naive`` (every row against its source's ``lbar``, prefix ``naive``).
+    ``is_self`` [N] (optional) adds the foreign rows' own statistics (``<prefix>/cross_*``): how many of them
+    carry gradient, i.e. ``A != 0`` and the unclipped term is the minimum.
     """
     _check_seq_inputs(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
     log_ratio = torch.clamp(log_probs - old_log_probs.to(log_probs.dtype), -max_abs_log_ratio, max_abs_log_ratio)
     ratio = torch.exp(log_ratio)  # s = exp(lbar_new - lbar_old)
-    loss = -gspo_objective(ratio, advantages.to(log_probs.dtype), clip_low, clip_high).mean()
-    r = ratio.detach()
-    metrics = {
-        f"{prefix}/clip_low_frac": _frac(r < 1.0 - clip_low),
-        f"{prefix}/clip_high_frac": _frac(r > 1.0 + clip_high),
-        **_stats(prefix, "ratio", r),
-    }
+    adv = advantages.to(log_probs.dtype)
+    loss = -gspo_objective(ratio, adv, clip_low, clip_high).mean()
+    r, a = ratio.detach(), adv.detach()
+    metrics = {f"{prefix}/num_rows": float(r.numel()), **_stats(prefix, "ratio", r)}
+    metrics.update(_fracs(prefix, {"clip_low": r < 1.0 - clip_low, "clip_high": r > 1.0 + clip_high}))
+    if is_self is not None:
+        cross = ~is_self.to(torch.bool)
+        # the gradient of min(sA, clip(s)A) is nonzero iff A > 0 and s <= 1 + high, or A < 0 and s >= 1 - low
+        grad = ((a > 0) & (r <= 1.0 + clip_high)) | ((a < 0) & (r >= 1.0 - clip_low))
+        metrics[f"{prefix}/num_cross"] = float(cross.sum())
+        metrics.update(_stats(prefix, "cross_ratio", r[cross]))
+        metrics.update(_fracs(prefix, {"cross_grad": grad[cross]}))
     return loss, metrics
 
 
@@ -202,9 +284,11 @@ def naive_loss(
     clip_low: float = DEFAULTS.self_clip_low,
     clip_high: float = DEFAULTS.self_clip_high,
     max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio,
+    is_self: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """``naive`` sharing: GSPO's ratio and clip on every row (own and foreign) against its source's ``lbar``,
-    with none of HACPO's mechanisms (no capability weight, no stepwise band). Inputs [N]; metrics ``naive/...``."""
+    with none of HACPO's mechanisms (no capability weight, no stepwise band). Inputs [N]; metrics ``naive/...``
+    (``naive/cross_*`` too when ``is_self`` is given)."""
     return gspo_loss(
         log_probs,
         old_log_probs,
@@ -213,6 +297,7 @@ def naive_loss(
         clip_high=clip_high,
         max_abs_log_ratio=max_abs_log_ratio,
         prefix="naive",
+        is_self=is_self,
     )
 
 
@@ -250,11 +335,8 @@ def grpo_loss(
         raise ValueError(f"loss_agg_mode must be one of {GRPO_AGG_MODES}, got {loss_agg_mode!r}")
     sel = mask.bool()
     r = ratio.detach()[sel]
-    metrics = {
-        "grpo/clip_low_frac": _frac(r < 1.0 - clip_low),
-        "grpo/clip_high_frac": _frac(r > 1.0 + clip_high),
-        **_stats("grpo", "ratio", r),
-    }
+    metrics = {"grpo/num_tokens": float(r.numel()), **_stats("grpo", "ratio", r)}
+    metrics.update(_fracs("grpo", {"clip_low": r < 1.0 - clip_low, "clip_high": r > 1.0 + clip_high}))
     return loss, metrics
 
 

@@ -84,9 +84,11 @@ class PolicyLossInputs:
     is_self: Tensor
     cross_weight: Tensor
     old_token_log_probs: Tensor | None = None
+    seq_lengths: Tensor | None = None  # [B] divisor of each row's lbar (<= 0: its token count); see below
 
     def sequence_log_probs(self) -> Tensor:
-        return sequence_mean_log_prob(self.log_probs, self.response_mask)
+        """``lbar`` per row: token mean, or per ``seq_lengths`` unit (UTF-8 bytes under ``logprob_norm: per_byte``)."""
+        return sequence_mean_log_prob(self.log_probs, self.response_mask, self.seq_lengths)
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ def get_algorithm(name: str) -> AlgorithmSpec:
 
 @register_advantage_estimator("hacpo")
 def _adv_hacpo(rewards, group_ids, source_ids, learner, capability, **kw) -> Tensor:
+    """HACPO's capability-aware advantage (``calibrate=False``: ``w = 1``, the ``advantage_calibration`` ablation)."""
     return hacpo_advantages(rewards, group_ids, source_ids, learner, capability, **kw)
 
 
@@ -173,6 +176,7 @@ def _loss_naive(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLo
         clip_low=config.self_clip_low,
         clip_high=config.self_clip_high,
         max_abs_log_ratio=config.max_abs_log_ratio,
+        is_self=inputs.is_self,
     )
 
 

@@ -361,6 +361,18 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def _shares(per_round: dict[str, list[float]]) -> dict[str, float]:
+    """Each loss share (``hacpo/cross_in_band_frac`` ...) over the whole run: summed counts / summed denominators."""
+    from hacrl_fed.algorithm import FRACTION_COUNTS
+
+    out = {}
+    for frac, (num, den) in FRACTION_COUNTS.items():
+        total = sum(per_round.get(den, []))
+        if total > 0 and num in per_round:
+            out[frac] = sum(per_round[num]) / total
+    return out
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     tail = values[-max(1, len(values) // 4) :]
     return {
@@ -443,6 +455,7 @@ def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
             **{k: (round(v, 4) if k.startswith("time_") else int(v)) for k, v in sorted(sums.items())},
             "capability": _stats(capability) if capability else None,
             "stats": {k: _stats(v) for k, v in sorted(algo.items())},
+            "shares": _shares(algo),  # every *_frac over the whole run, from the summed counts
         }
     round_times = [float(by_round[t]["time/round"]) for t in rounds if "time/round" in by_round[t]]
     return {

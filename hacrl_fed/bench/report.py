@@ -106,7 +106,14 @@ def ratio_summary(method_cells: list[dict[str, Any]], org: str) -> str:
     algo = method_cells[0]["config"]["algorithm"]["name"]
 
     def m(key: str) -> float | None:
-        return mean_std([_stat(c["agents"][org], f"{algo}/{key}") for c in method_cells])[0]
+        """A share over each whole run (from its counts; older results: mean of per-round shares), or a mean
+        statistic; then the mean over seeds."""
+        vals = []
+        for c in method_cells:
+            agent = c["agents"][org]
+            share = (agent.get("shares") or {}).get(f"{algo}/{key}")
+            vals.append(share if share is not None else _stat(agent, f"{algo}/{key}"))
+        return mean_std(vals)[0]
 
     def f(x: float | None, digits: int = 2) -> str:
         return "–" if x is None else f"{x:.{digits}f}"
@@ -114,11 +121,15 @@ def ratio_summary(method_cells: list[dict[str, Any]], org: str) -> str:
     if algo == "hacpo":
         return (
             f"cross s̄ {f(m('cross_ratio_mean'), 3)}, in band {f(m('cross_in_band_frac'))}, "
-            f"below {f(m('cross_clip_low_frac'))}, above {f(m('cross_clip_high_frac'))}; "
-            f"self clip {f(m('self_clip_low_frac'))}/{f(m('self_clip_high_frac'))}"
+            f"below {f(m('cross_clip_low_frac'))}, above {f(m('cross_clip_high_frac'))}, "
+            f"with gradient {f(m('cross_grad_frac'))}; self clip {f(m('self_clip_low_frac'))}/"
+            f"{f(m('self_clip_high_frac'))}"
         )
     if algo == "naive":
-        return f"s̄ {f(m('ratio_mean'), 3)}, clip low/high {f(m('clip_low_frac'))}/{f(m('clip_high_frac'))}"
+        return (
+            f"cross s̄ {f(m('cross_ratio_mean'), 3)}, cross with gradient {f(m('cross_grad_frac'))}; "
+            f"all rows clip low/high {f(m('clip_low_frac'))}/{f(m('clip_high_frac'))}"
+        )
     return f"s̄ {f(m('ratio_mean'), 4)}, clip low/high {f(m('clip_low_frac'))}/{f(m('clip_high_frac'))}"
 
 

@@ -422,11 +422,14 @@ class PolicyWorker:
             self.tokenizer, [r.response for r in usable], [r.finish_reason for r in usable], eos_token_id=self.eos_id
         )
         cap = FOREIGN_LENGTH_FACTOR * own.max_new_tokens
+        per_byte = self.cfg.algorithm.logprob_norm == "per_byte"
         rows = []
         for r, resp in zip(usable, responses):
             if not resp or len(resp) > cap:  # kept with no tokens: counts in the group's baseline, not trained on
                 dropped += 1
                 resp = []
+            # per_byte: both sides' sequence log-prob is its sum over the response's UTF-8 bytes (>= 1)
+            n_bytes = float(max(len(r.response.encode("utf-8")), 1)) if per_byte else 0.0
             rows.append(
                 TrainRow(
                     own.prompt_ids[r.prompt_id],
@@ -435,7 +438,8 @@ class PolicyWorker:
                     r.prompt_id,
                     agents.index(r.org_id),
                     False,
-                    r.mean_log_prob,
+                    r.logprob_sum / n_bytes if per_byte else r.mean_log_prob,  # lbar_j per byte, or per token
+                    norm_length=n_bytes,
                 )
             )
         return rows, dropped
