@@ -192,3 +192,20 @@ def test_peer_summary():
     assert s["ours"]["completions_per_s"] == 128.0 and s["trl"]["completions_per_s"] == 64.0
     assert s["throughput_ratio_ours_over_trl"] == 2.0 and s["peak_rss_ratio_ours_over_trl"] == 0.625
     assert "| ours | 128.0 |" in peer.format_summary(s)
+
+
+@pytest.mark.slow
+def test_system_runs_every_transport_kind_once(tmp_path, capsys):
+    """`hacrl-fed bench system` end to end on the micro smoke config: in-process, gRPC workers and the Flower
+    simulation, one short run each (the numbers are not checked: nothing here is timed)."""
+    out = tmp_path / "system"
+    rc = system.main_system(["--config", "configs/smoke.yaml", "--transports", "inprocess", "grpc", "flower",
+                             "--rounds", "2", "--repeats", "1", "--eval-size", "4", "--scale-orgs",
+                             "--deploy-rounds", "0", "--out", str(out)])
+    assert rc == 0
+    result = json.loads((out / "system.json").read_text())
+    summary = result["transports"]["summary"]
+    assert set(summary) == {"inprocess", "grpc", "flower"}
+    for kind in ("inprocess", "grpc", "flower"):
+        assert summary[kind]["wall"] > 0, kind
+    assert "| transport |" in capsys.readouterr().out
