@@ -209,3 +209,15 @@ def test_system_runs_every_transport_kind_once(tmp_path, capsys):
     for kind in ("inprocess", "grpc", "flower"):
         assert summary[kind]["wall"] > 0, kind
     assert "| transport |" in capsys.readouterr().out
+
+
+def test_report_tells_commits_with_the_same_training_code_apart():
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    first = subprocess.run(["git", "rev-list", "--max-parents=0", "HEAD"], capture_output=True, text=True).stdout.split()
+    if not head or not first:
+        pytest.skip("not a git checkout")
+    assert report.same_training_code([head, head]) is True
+    assert report.same_training_code([first[0], head]) is False  # the first commit had another package
+    assert report.same_training_code([head, "0" * 40]) is None

@@ -133,6 +133,41 @@ def ratio_summary(method_cells: list[dict[str, Any]], org: str) -> str:
     return f"s̄ {f(m('ratio_mean'), 4)}, clip low/high {f(m('clip_low_frac'))}/{f(m('clip_high_frac'))}"
 
 
+def same_training_code(commits: Sequence[str], root: Path | None = None) -> bool | None:
+    """Whether every commit has the same ``hacrl_fed`` package apart from ``hacrl_fed/bench`` (the benchmark's
+    own scripts); None when git cannot tell (no checkout, unknown commit)."""
+    import subprocess
+
+    known = [c for c in commits if c and c != "?"]
+    if len(known) != len(commits):
+        return None
+    cwd = root or Path(__file__).resolve().parents[2]
+    for other in known[1:]:
+        try:
+            diff = subprocess.run(
+                ["git", "diff", "--quiet", known[0], other, "--", "hacrl_fed", ":(exclude)hacrl_fed/bench"],
+                cwd=cwd,
+                capture_output=True,
+                timeout=30,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if diff.returncode not in (0, 1):
+            return None
+        if diff.returncode == 1:
+            return False
+    return True
+
+
+def _mixed_note(commits: Sequence[str]) -> str:
+    if len(commits) < 2:
+        return ""
+    same = same_training_code(commits)
+    if same:
+        return " (several commits, the same training code: they differ only outside hacrl_fed or in hacrl_fed/bench)"
+    return " (MIXED: cells from commits whose training code differs)" if same is False else " (MIXED: several commits)"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -344,9 +379,7 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
     )
     if commits:
         lines += [
-            f"Code: {', '.join(x[:12] for x in commits)}"
-            f"{' (MIXED: cells from several commits)' if len(commits) > 1 else ''}; "
-            f"machine: {'; '.join(machines)}.",
+            f"Code: {', '.join(x[:12] for x in commits)}{_mixed_note(commits)}; machine: {'; '.join(machines)}.",
             "",
         ]
     groups = matrix.groups if matrix else {"main": {"settings": settings_order, "methods": list(MAIN_METHODS)}}
