@@ -73,11 +73,14 @@ from hacrl_fed.worker.checkpoint import (
 )
 from hacrl_fed.worker.guard import (  # StaleRoundError is re-exported: callers import it from here
     RequestRefused,
+    StaleRoundError,
     check_checkpoint,
     check_eval,
     check_plan,
     screen_sources,
 )
+
+__all__ = ["FOREIGN_LENGTH_FACTOR", "PolicyWorker", "RequestRefused", "StaleRoundError"]
 
 log = logging.getLogger(__name__)
 
