@@ -439,9 +439,8 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
         if skipped:
             lines += ["## Not run", ""] + [f"- `{k}`: {why}" for k, why in skipped.items()] + [""]
     lines += [
-        "Notes: the `hacpo/cross_*_frac` fractions are the logged per-round values; today they count "
-        "micro-batches without cross rows as 0, so they understate the share of cross rows (until the metric is "
-        "fixed in the algorithm).",
+        "Notes: every `*_frac` share is over all rows of its kind in the whole run (summed counts over summed "
+        "denominators, docs/METRICS.md); ratio means are means over rounds.",
         "",
     ]
     return "\n".join(lines)
