@@ -362,15 +362,13 @@ def machine_info() -> dict[str, Any]:
 
 
 def _shares(per_round: dict[str, list[float]]) -> dict[str, float]:
-    """Each loss share (``hacpo/cross_in_band_frac`` ...) over the whole run: summed counts / summed denominators."""
-    from hacrl_fed.algorithm import FRACTION_COUNTS
+    """Each loss share (``hacpo/cross_in_band_frac`` ...) over the whole run: the trainer's
+    :func:`~hacrl_fed.algorithm.fractions_from_counts` applied to the counts summed over rounds."""
+    from hacrl_fed.algorithm import FRACTION_COUNTS, fractions_from_counts
 
-    out = {}
-    for frac, (num, den) in FRACTION_COUNTS.items():
-        total = sum(per_round.get(den, []))
-        if total > 0 and num in per_round:
-            out[frac] = sum(per_round[num]) / total
-    return out
+    summed = {k: sum(v) for k, v in per_round.items()}
+    summed.update(dict.fromkeys(FRACTION_COUNTS, 0.0))  # every share, recomputed (or dropped) from its counts
+    return {k: v for k, v in fractions_from_counts(summed).items() if k in FRACTION_COUNTS}
 
 
 def _stats(values: list[float]) -> dict[str, float]:
