@@ -221,3 +221,24 @@ def test_report_tells_commits_with_the_same_training_code_apart():
     assert report.same_training_code([head, head]) is True
     assert report.same_training_code([first[0], head]) is False  # the first commit had another package
     assert report.same_training_code([head, "0" * 40]) is None
+    assert report.training_code_diff([head, head]) == []
+    assert "hacrl_fed/trainer.py" in report.training_code_diff([first[0], head])
+
+
+def test_paired_differences_pair_by_seed_and_agent():
+    def cell(seed, **acc):
+        return {"seed": seed, "agents": {o: {"accuracy_after": a} for o, a in acc.items()}}
+
+    by_method = {
+        "gspo": [cell(0, a=0.50, b=0.30), cell(1, a=0.60, b=0.20)],
+        "hacpo": [cell(0, a=0.56, b=0.40), cell(1, a=0.60, b=0.30), cell(2, a=0.9, b=0.9)],  # seed 2: no pair
+    }
+    d = report.paired_differences(by_method, ["gspo", "hacpo"], "gspo")
+    assert list(d) == ["hacpo"]
+    # differences: a +6, +0; b +10, +10 -> mean 6.5, sample std sqrt(67 / 3) = 4.7258, se 2.3629
+    assert d["hacpo"]["pairs"] == 4
+    assert d["hacpo"]["mean"] == pytest.approx(6.5)
+    assert d["hacpo"]["se"] == pytest.approx((67 / 3) ** 0.5 / 2)
+    assert d["hacpo"]["per_agent"] == pytest.approx({"a": 3.0, "b": 10.0})
+    table = report.paired_table(by_method, ["gspo", "hacpo"], "gspo")
+    assert "| `hacpo` | 4 | +6.5 ± 2.4 | +3.0 | +10.0 |" in table
