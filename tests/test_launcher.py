@@ -94,3 +94,15 @@ def test_bad_override_fails_before_any_process_starts(tmp_path, config_path):
     with pytest.raises(ConfigError, match="trainer.lr"):
         procs.start()
     assert procs.workers == {}
+
+
+def test_local_workers_share_the_cores(tmp_path, config_path, monkeypatch):
+    from hacrl_fed.coordinator.launcher import worker_threads
+
+    assert worker_threads(3, cpus=2) == 1 and worker_threads(2, cpus=16) == 8 and worker_threads(1, cpus=4) == 4
+    assert worker_threads(0, cpus=4) == 4
+    procs = WorkerProcesses(config_path, ["a", "b"], run_dir=tmp_path / "run", command=FAKE_WORKER)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert procs._env()["OMP_NUM_THREADS"] == str(worker_threads(2))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the operator's choice wins
+    assert procs._env()["OMP_NUM_THREADS"] == "3"
