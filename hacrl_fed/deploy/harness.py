@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hacrl_fed.coordinator.launcher import MAX_UNIX_SOCKET_PATH, private_dir
+from hacrl_fed.coordinator.launcher import MAX_UNIX_SOCKET_PATH, private_dir, worker_threads
 from hacrl_fed.lifecycle import OFFLINE_ENV
 from hacrl_fed.security.keys import KeyLayout, client_name
 
@@ -207,8 +207,17 @@ class Deployment:
             raise HarnessError(f"{name!r} not found in {self.bin_dir} nor on PATH (install hacrl-fed[flower])")
         return exe
 
-    def spawn(self, name: str, argv: Sequence[str], *, cwd: str | Path | None = None, home: str | None = None) -> Proc:
-        """Start ``argv`` with output to ``logs/<name>.log`` and :meth:`env` of ``home`` (default ``name``)."""
+    def spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        cwd: str | Path | None = None,
+        home: str | None = None,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> Proc:
+        """Start ``argv`` with output to ``logs/<name>.log`` and :meth:`env` of ``home`` (default ``name``) plus
+        ``extra_env``."""
         if any(p.name == name and p.alive() for p in self.procs):
             raise HarnessError(f"a process named {name!r} is already running")
         log_path = self.workdir / "logs" / f"{name}.log"
@@ -218,7 +227,7 @@ class Deployment:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env(home or name),
+                env={**self.env(home or name), **(extra_env or {})},
                 cwd=cwd,
             )
         proc = Proc(name, list(argv), log_path, popen)
@@ -705,7 +714,9 @@ def start_local(
             )
         return [*worker_argv(org, listen[org]), *worker_link_args(listen[org], org, worker_tls)]
 
-    workers = {org: dep.spawn(f"worker-{org}", argv(org)) for org in orgs}
+    # the workers share this machine's cores (launcher.worker_threads) unless OMP_NUM_THREADS is set
+    threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(worker_threads(len(orgs)))}
+    workers = {org: dep.spawn(f"worker-{org}", argv(org), extra_env=threads) for org in orgs}
     dep.start_superlink()
     dep.write_federation()
     if dep.tls is not None:
