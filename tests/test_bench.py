@@ -87,6 +87,24 @@ def test_learning_cell_runs_skips_on_rerun_and_reports(tmp_path, capsys):
     assert report.main_report(["--results", str(results), "--matrix", str(matrix), "--no-plots"]) == 0
 
 
+def test_a_cell_finished_meanwhile_by_another_run_is_not_rerun(tmp_path, capsys, monkeypatch):
+    matrix = _tiny_matrix(tmp_path)
+    calls = []
+
+    def status(cell, results):  # planned as todo, then found done when its turn comes (a parallel run wrote it)
+        calls.append(cell.key)
+        return "todo" if len(calls) == 1 else "done"
+
+    def run_cell(*a, **k):
+        raise AssertionError("a finished cell must not run again")
+
+    monkeypatch.setattr(learning, "cell_status", status)
+    monkeypatch.setattr(learning, "run_cell", run_cell)
+    args = ["bench", "learning", "--matrix", str(matrix), "--results", str(tmp_path / "r"), "--only", "tiny/gspo"]
+    assert cli_main([*args, "--no-report"]) == 0
+    assert "done tiny/gspo/seed0 (by another run meanwhile)" in capsys.readouterr().out
+
+
 def test_the_matrix_plans_every_cell():
     matrix = learning.load_matrix()
     assert set(matrix.settings) >= {"state", "size", "model", "three"}

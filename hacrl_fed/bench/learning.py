@@ -660,6 +660,9 @@ def main_learning(argv: list[str] | None = None) -> int:
                 "(hacrl-fed bench agents build ...)"
             )
             continue
+        if cell_status(c, results) == "done":  # finished meanwhile by another process on the same results
+            print(f"  done {c.key} (by another run meanwhile)")
+            continue
         eta = f", ~{statistics.fmean(times) * (len(todo) - ran) / 60:.0f} min left" if times else ""
         print(
             f"[{ran + 1}/{len(todo)}] {c.key}{' (config changed: rerun)' if status[c.key] == 'stale' else ''}{eta}",
