@@ -260,3 +260,20 @@ def test_paired_differences_pair_by_seed_and_agent():
     assert d["hacpo"]["per_agent"] == pytest.approx({"a": 3.0, "b": 10.0})
     table = report.paired_table(by_method, ["gspo", "hacpo"], "gspo")
     assert "| `hacpo` | 4 | +6.5 ± 2.4 | +3.0 | +10.0 |" in table
+
+
+def test_summary_table_rows_per_setting_and_method():
+    def cell(seed, **acc):
+        return {"seed": seed, "agents": {o: {"accuracy_after": a, "accuracy_before": 0.2} for o, a in acc.items()}}
+
+    data = {
+        ("s", "gspo"): [cell(0, a=0.30, b=0.40), cell(1, a=0.50, b=0.40)],
+        ("s", "hacpo"): [cell(0, a=0.40, b=0.40), cell(1, a=0.50, b=0.60)],
+        ("t", "hacpo"): [cell(0, a=0.25)],
+    }
+    lines = report.summary_table(data, ["s", "t"], ["gspo", "hacpo"])
+    assert "| setting | method | a | b | mean gain | Δ vs `gspo` |" in lines
+    assert "| `s` | `gspo` | 0.400 | 0.400 | +20.0 | – |" in lines
+    # hacpo - gspo per (seed, org): +10, 0, 0, +20 -> +7.5, sample std 9.574, se 4.787
+    assert "| `s` | `hacpo` | 0.450 | 0.500 | +27.5 | +7.5 ± 4.8 |" in lines
+    assert "| `t` | `hacpo` | 0.250 | – | +5.0 | – |" in lines
