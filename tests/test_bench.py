@@ -277,3 +277,8 @@ def test_summary_table_rows_per_setting_and_method():
     # hacpo - gspo per (seed, org): +10, 0, 0, +20 -> +7.5, sample std 9.574, se 4.787
     assert "| `s` | `hacpo` | 0.450 | 0.500 | +27.5 | +7.5 ± 4.8 |" in lines
     assert "| `t` | `hacpo` | 0.250 | – | +5.0 | – |" in lines
+
+
+def test_group_tables_compare_every_variant_with_hacpo():
+    shown = ["no_adv_calibration", "hacpo (= alpha1)", "hacpo_per_byte", "hacpo"]
+    assert report.group_variants(shown) == ["no_adv_calibration", "hacpo_per_byte"]

@@ -294,6 +294,11 @@ def paired_table(by_method: dict[str, list[dict[str, Any]]], methods: list[str],
     ]
 
 
+def group_variants(shown: Sequence[str]) -> list[str]:
+    """The rows of a group table other than the ``hacpo`` reference (shown as ``hacpo`` or ``hacpo (= alias)``)."""
+    return [k for k in shown if k != "hacpo" and not k.startswith("hacpo (= ")]
+
+
 def summary_table(
     data: dict[tuple[str, str], list[dict[str, Any]]], settings: list[str], methods: list[str]
 ) -> list[str]:
@@ -528,8 +533,7 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
                 continue
             lines += accuracy_tables(shown, list(shown))
             if by_method.get("hacpo"):  # each variant against the paper's form on the same seeds
-                variants = [k for k in shown if not k.startswith("hacpo")]
-                lines += paired_table({**shown, "hacpo": by_method["hacpo"]}, variants, "hacpo")
+                lines += paired_table({**shown, "hacpo": by_method["hacpo"]}, group_variants(shown), "hacpo")
             lines += cost_table(shown, list(shown))
             if plots and plot_setting(shown, list(shown), results / "curves" / f"{setting}-{g}.png", f"{setting}: {g}"):
                 lines += [f"![{setting} {g}](curves/{setting}-{g}.png)", ""]
