@@ -533,7 +533,7 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
                 continue
             lines += accuracy_tables(shown, list(shown))
             if by_method.get("hacpo"):  # each variant against the paper's form on the same seeds
-                lines += paired_table({**shown, "hacpo": by_method["hacpo"]}, group_variants(shown), "hacpo")
+                lines += paired_table({**shown, "hacpo": by_method["hacpo"]}, group_variants(list(shown)), "hacpo")
             lines += cost_table(shown, list(shown))
             if plots and plot_setting(shown, list(shown), results / "curves" / f"{setting}-{g}.png", f"{setting}: {g}"):
                 lines += [f"![{setting} {g}](curves/{setting}-{g}.png)", ""]
