@@ -49,6 +49,7 @@ from hacrl_fed.algorithm import (
     get_policy_loss,
     kl_k3,
     minibatch_schedule,
+    name_sources,
     order_rows,
 )
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
@@ -275,7 +276,8 @@ class LocalTrainer:
             # the adapters' dropout is on through forward and backward (gradient checkpointing recomputes in backward)
             with adapter_dropout(self.dropout):
                 acc.add(self._step(m, [rows[i] for i in picked], adv[picked], is_self[picked], v[picked]))
-        out = fractions_from_counts(acc.result())  # shares over the whole update, not means of per-step shares
+        # shares over the whole update (not means of per-step shares), per source pair too
+        out = fractions_from_counts(name_sources(acc.result(), names))
         if names is not None:
             out.update(
                 advantage_metrics(adv_all, torch.tensor([r.source for r in all_rows]), names, prefix=self.algo.name)
@@ -326,6 +328,7 @@ class LocalTrainer:
                 cross_weight=v[sl],
                 old_token_log_probs=old_tok,
                 seq_lengths=torch.tensor([r.norm_length for r in micro], device=lp.device),
+                source_ids=torch.tensor([r.source for r in micro], device=lp.device),
             )
             loss, metrics = self.loss_fn(inputs, m, self.loss_cfg)
             # exact mini-batch mean from micro-batch means: weight by rows (or tokens for token-mean GRPO)

@@ -263,7 +263,7 @@ def test_pure_functions_default_to_the_config_defaults():
     assert defaults(cross_lower_bound) == {"delta": d.cross_clip_delta, "delta_step": d.cross_clip_step}
     assert defaults(kl_k3) == {"max_abs_log_ratio": d.max_abs_log_ratio}
     for fn in (gspo_loss, naive_loss):
-        assert {k: v for k, v in defaults(fn).items() if k not in ("prefix", "is_self")} == {
+        assert {k: v for k, v in defaults(fn).items() if k not in ("prefix", "is_self", "source_ids")} == {
             "clip_low": d.self_clip_low, "clip_high": d.self_clip_high, "max_abs_log_ratio": d.max_abs_log_ratio}
     assert defaults(grpo_loss) == {"clip_low": d.grpo_clip_low, "clip_high": d.grpo_clip_high,
                                    "max_abs_log_ratio": d.max_abs_log_ratio, "loss_agg_mode": d.grpo_loss_agg_mode}
@@ -343,3 +343,35 @@ def test_naive_reports_how_many_foreign_rows_carry_gradient():
     loss.backward()
     assert lp.grad[1].item() == 0.0 and lp.grad[2].item() != 0.0
     assert m["naive/num_cross"] == 2 and m["naive/cross_grad_frac"] == 0.5
+
+
+def test_per_source_counts_split_the_cross_rows_by_source():
+    from hacrl_fed.algorithm import fractions_from_counts, name_sources
+
+    # rows: self; source 1 in the band; source 1 below; source 2 above; source 2 in the band with A = 0
+    old = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0])
+    lp = old + torch.log(torch.tensor([1.0, 0.9, 0.5, 1.5, 0.95]))
+    adv, is_self = torch.tensor([1.0, 1.0, -1.0, 1.0, 0.0]), torch.tensor([True, False, False, False, False])
+    src = torch.tensor([0, 1, 1, 2, 2])
+    _, m = hacpo_loss(lp, old, adv, is_self, torch.ones(5), 0, source_ids=src)
+    assert (m["hacpo/num_cross@1"], m["hacpo/num_cross_in_band@1"], m["hacpo/num_cross_clip_low@1"]) == (2, 1, 1)
+    assert (m["hacpo/num_cross@2"], m["hacpo/num_cross_clip_high@2"], m["hacpo/num_cross_grad@2"]) == (2, 1, 0)
+    assert m["hacpo/num_cross_grad@1"] == 1 and "hacpo/num_cross@0" not in m  # self rows have no source pair
+    out = fractions_from_counts(name_sources(m, ["acme", "globex", "initech"]))
+    assert out["hacpo/cross_in_band_frac/globex"] == 0.5 and out["hacpo/cross_clip_high_frac/initech"] == 0.5
+    assert out["hacpo/cross_grad_frac/initech"] == 0.0 and out["hacpo/cross_in_band_frac"] == 0.5
+    assert name_sources({"hacpo/num_cross@3": 1.0}, None) == {"hacpo/num_cross/src3": 1.0}
+    # naive: the same split of its gradient-carrying foreign rows
+    _, n = naive_loss(lp, old, adv, is_self=is_self, source_ids=src)
+    assert n["naive/num_cross@1"] == 2 and n["naive/num_cross_grad@1"] == 1 and n["naive/num_cross_grad@2"] == 0
+    # without source ids nothing per source is reported
+    _, plain = hacpo_loss(lp, old, adv, is_self, torch.ones(5), 0)
+    assert not any("@" in k for k in plain)
+
+
+def test_per_source_shares_without_rows_are_dropped():
+    from hacrl_fed.algorithm import fractions_from_counts
+
+    out = fractions_from_counts({"hacpo/num_cross/globex": 0.0, "hacpo/num_cross_in_band/globex": 0.0,
+                                 "hacpo/cross_in_band_frac/globex": 0.3})
+    assert "hacpo/cross_in_band_frac/globex" not in out

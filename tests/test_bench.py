@@ -282,3 +282,17 @@ def test_summary_table_rows_per_setting_and_method():
 def test_group_tables_compare_every_variant_with_hacpo():
     shown = ["no_adv_calibration", "hacpo (= alpha1)", "hacpo_per_byte", "hacpo"]
     assert report.group_variants(shown) == ["no_adv_calibration", "hacpo_per_byte"]
+
+
+def test_ratio_summary_splits_the_band_shares_by_source_with_three_orgs():
+    shares = {"hacpo/cross_in_band_frac": 0.5, "hacpo/cross_in_band_frac/globex": 0.25,
+              "hacpo/cross_in_band_frac/initech": 0.75, "hacpo/cross_clip_low_frac/globex": 0.75,
+              "hacpo/cross_clip_low_frac/initech": 0.25, "hacpo/cross_clip_high_frac/globex": 0.0,
+              "hacpo/cross_clip_high_frac/initech": 0.0, "hacpo/cross_grad_frac/globex": 0.2,
+              "hacpo/cross_grad_frac/initech": 0.7}
+    cell = {"config": {"algorithm": {"name": "hacpo"}}, "agents": {"acme": {"shares": shares, "stats": {}}}}
+    text = report.ratio_summary([cell], "acme")
+    assert "per source in band/below/above/with gradient: globex 0.25/0.75/0.00/0.20, initech 0.75/0.25/0.00/0.70" in text
+    two = {k: v for k, v in shares.items() if not k.endswith("/initech")}
+    cell2 = {"config": {"algorithm": {"name": "hacpo"}}, "agents": {"acme": {"shares": two, "stats": {}}}}
+    assert "per source" not in report.ratio_summary([cell2], "acme")  # one source: the pair is the whole line

@@ -405,3 +405,18 @@ def test_cross_clip_off_lets_out_of_band_cross_rows_carry_gradient():
     assert on["hacpo/cross_in_band_frac"] < 1.0  # these rows' published log-probs put some outside the band
     assert off["hacpo/cross_in_band_frac"] == 1.0
     assert off["hacpo/cross_grad_frac"] >= on["hacpo/cross_grad_frac"]
+
+
+def test_cross_shares_per_source_pair_add_up_to_the_whole_update():
+    rows = _rows(n=12, seed=2)  # cross rows from sources 1 and 2
+    tok = tiny_char_tokenizer()
+    trainer = LocalTrainer(tiny_model("qwen3", tok, seed=1), AlgorithmConfig(name="hacpo"),
+                           TrainerConfig(lr=1e-2, minibatch_size=4, micro_batch_size=4), tok.pad_token_id)
+    m = trainer.update(rows, 0, [0.5, 0.25, 1.0], names=["acme", "globex", "initech"])
+    assert m["hacpo/num_cross/globex"] + m["hacpo/num_cross/initech"] == m["hacpo/num_cross"] == 8
+    for kind in ("cross_in_band", "cross_clip_low", "cross_clip_high", "cross_grad"):
+        per = [m[f"hacpo/num_{kind}/{o}"] for o in ("globex", "initech")]
+        assert sum(per) == m[f"hacpo/num_{kind}"], kind
+        for o in ("globex", "initech"):
+            assert m[f"hacpo/{kind}_frac/{o}"] == pytest.approx(m[f"hacpo/num_{kind}/{o}"] / m[f"hacpo/num_cross/{o}"])
+    assert not any("@" in k for k in m)

@@ -26,6 +26,7 @@ from hacrl_fed.algorithm.losses import (
     kl_k3,
     masked_mean,
     naive_loss,
+    name_sources,
     sequence_mean_log_prob,
 )
 from hacrl_fed.algorithm.registry import (
@@ -56,6 +57,7 @@ __all__ = [
     "cross_lower_bound",
     "cross_weights",
     "fractions_from_counts",
+    "name_sources",
     "get_advantage_estimator",
     "get_algorithm",
     "get_policy_loss",

@@ -10,6 +10,7 @@ written); a run builds its :class:`PolicyLossConfig` once from its algorithm sec
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -112,6 +113,37 @@ def _fracs(prefix: str, fracs: dict[str, Tensor]) -> dict[str, float]:
     return out
 
 
+def _per_source(prefix: str, source_ids: Tensor | None, flags: dict[str, Tensor]) -> dict[str, float]:
+    """Per-source counts of foreign rows, ``{prefix/num_<name>@<j>: count}`` for each source index ``j`` present.
+
+    ``source_ids`` [C] and every flag [C] cover the foreign rows only; ``num_cross@<j>`` (their number) is always
+    added. The trainer renames ``@<j>`` to ``/<org>`` and derives the per-source shares from these counts
+    (:func:`fractions_from_counts`), so a share is over one (learner, source) pair's rows of the whole update.
+    """
+    if source_ids is None or source_ids.numel() == 0:
+        return {}
+    src = source_ids.detach().to("cpu", torch.long)
+    out: dict[str, float] = {}
+    for j in torch.unique(src).tolist():
+        sel = src == j
+        out[f"{prefix}/num_cross@{j}"] = float(sel.sum())
+        for name, x in flags.items():
+            out[f"{prefix}/num_{name}@{j}"] = float(x.detach().cpu()[sel].sum())
+    return out
+
+
+def name_sources(metrics: dict[str, float], names: Sequence[str] | None) -> dict[str, float]:
+    """``prefix/num_<name>@<j>`` keys renamed ``prefix/num_<name>/<names[j]>`` (``src<j>`` without names)."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        base, at, j = key.rpartition("@")
+        if at and j.isdigit():
+            idx = int(j)
+            key = f"{base}/{names[idx] if names is not None and idx < len(names) else f'src{idx}'}"
+        out[key] = value
+    return out
+
+
 def _fraction_table() -> dict[str, tuple[str, str]]:
     table = {}
     for prefix, den, names in (
@@ -132,15 +164,20 @@ FRACTION_COUNTS: dict[str, tuple[str, str]] = _fraction_table()
 
 def fractions_from_counts(metrics: dict[str, float]) -> dict[str, float]:
     """Every ``*_frac`` share recomputed from its summed counts: ``num_<name> / <denominator>``; a share whose
-    denominator is 0 or absent is dropped (a share of an empty set is not 0). Returns a new dict."""
+    denominator is 0 or absent is dropped (a share of an empty set is not 0). Per-source counts (keys ending in
+    ``/<org>``, e.g. ``hacpo/num_cross_in_band/globex`` over ``hacpo/num_cross/globex``) get their share too
+    (``hacpo/cross_in_band_frac/globex``). Returns a new dict."""
     out = dict(metrics)
     for frac, (num, den) in FRACTION_COUNTS.items():
-        if frac not in out:
-            continue
-        if out.get(den, 0.0) > 0 and num in out:
-            out[frac] = out[num] / out[den]
-        else:
-            del out[frac]
+        suffixes = [""] + [k[len(num) :] for k in metrics if k.startswith(num + "/")]
+        for sfx in suffixes:
+            share, count, total = frac + sfx, num + sfx, den + sfx
+            if share not in out and not sfx:
+                continue  # a whole-update share is only recomputed when the loss reported it
+            if out.get(total, 0.0) > 0 and count in out:
+                out[share] = out[count] / out[total]
+            else:
+                out.pop(share, None)
     return out
 
 
@@ -167,6 +204,7 @@ def hacpo_loss(
     cross_weight: Tensor,
     minibatch_index: int,
     config: PolicyLossConfig = PolicyLossConfig(),
+    source_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """HACPO loss of one mini-batch (sequence level). All inputs [N]; ``log_probs`` carries gradient.
 
@@ -179,6 +217,9 @@ def hacpo_loss(
       cross: c * stopgrad(c) ** alpha * v * A,  c = clamp(s, lower_m, 1),  lower_m = min(1, 1 - delta + m * step)
              (``config.cross_clip`` False: c = s, no band)
       loss = -mean over the N rows of the objective.
+
+    ``source_ids`` [N] (optional): each row's source index; adds per-source counts of the cross rows
+    (``hacpo/num_cross_in_band@<j>`` ..., see :func:`_per_source`).
     """
     _check_seq_inputs(
         log_probs=log_probs,
@@ -199,15 +240,29 @@ def hacpo_loss(
     cross_obj = c * c.detach() ** config.alpha * cross_weight.to(log_probs.dtype) * adv  # c * sg(c)^alpha * v * A
     objective = torch.where(is_self, self_obj, cross_obj)
     loss = -objective.mean()  # seq-mean (each lbar is already a token mean)
-    return loss, _hacpo_metrics(ratio, is_self, adv, objective, lower, config)
+    metrics = _hacpo_metrics(ratio, is_self, adv, objective, lower, config)
+    if source_ids is not None:
+        flags = _cross_flags(ratio[~is_self], adv[~is_self], lower, config)
+        metrics.update(_per_source("hacpo", source_ids[~is_self], flags))
+    return loss, metrics
+
+
+def _cross_flags(s_cross: Tensor, a_cross: Tensor, lower: float, config: PolicyLossConfig) -> dict[str, Tensor]:
+    """Where each cross row's ratio falls against the band ``[lower, 1]``, and whether it moves the weights. [C]."""
+    s_cross, a_cross = s_cross.detach(), a_cross.detach()
+    in_band = (s_cross >= lower) & (s_cross <= 1.0) if config.cross_clip else torch.ones_like(s_cross, dtype=torch.bool)
+    return {
+        "cross_clip_low": s_cross < lower,
+        "cross_clip_high": s_cross > 1.0,
+        "cross_in_band": in_band,
+        "cross_grad": in_band & (a_cross != 0),  # cross rows that move the weights
+    }
 
 
 def _hacpo_metrics(
     ratio: Tensor, is_self: Tensor, adv: Tensor, objective: Tensor, lower: float, config: PolicyLossConfig
 ) -> dict[str, float]:
     s_self, s_cross = ratio[is_self].detach(), ratio[~is_self].detach()
-    a_cross = adv[~is_self].detach()
-    in_band = (s_cross >= lower) & (s_cross <= 1.0) if config.cross_clip else torch.ones_like(s_cross, dtype=torch.bool)
     m: dict[str, float] = {
         "hacpo/num_self": float(s_self.numel()),
         "hacpo/num_cross": float(s_cross.numel()),
@@ -222,17 +277,7 @@ def _hacpo_metrics(
             },
         )
     )
-    m.update(
-        _fracs(
-            "hacpo",
-            {
-                "cross_clip_low": s_cross < lower,
-                "cross_clip_high": s_cross > 1.0,
-                "cross_in_band": in_band,
-                "cross_grad": in_band & (a_cross != 0),  # cross rows that move the weights
-            },
-        )
-    )
+    m.update(_fracs("hacpo", _cross_flags(ratio[~is_self], adv[~is_self], lower, config)))
     m.update(_stats("hacpo", "self_ratio", s_self))
     m.update(_stats("hacpo", "cross_ratio", s_cross))
     n = objective.numel()
@@ -251,12 +296,14 @@ def gspo_loss(
     max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio,
     prefix: str = "gspo",
     is_self: Tensor | None = None,
+    source_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO (sequence-level IS) on every row: ``-mean(min(s A, clamp(s, 1-low, 1+high) A))``. Inputs [N].
 
     Used by ``gspo`` (own rows) and ``naive`` (every row against its source's ``lbar``, prefix ``naive``).
     ``is_self`` [N] (optional) adds the foreign rows' own statistics (``<prefix>/cross_*``): how many of them
-    carry gradient, i.e. ``A != 0`` and the unclipped term is the minimum.
+    carry gradient, i.e. ``A != 0`` and the unclipped term is the minimum; with ``source_ids`` [N] also per source
+    (:func:`_per_source`).
     """
     _check_seq_inputs(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
     log_ratio = torch.clamp(log_probs - old_log_probs.to(log_probs.dtype), -max_abs_log_ratio, max_abs_log_ratio)
@@ -273,6 +320,8 @@ def gspo_loss(
         metrics[f"{prefix}/num_cross"] = float(cross.sum())
         metrics.update(_stats(prefix, "cross_ratio", r[cross]))
         metrics.update(_fracs(prefix, {"cross_grad": grad[cross]}))
+        if source_ids is not None:
+            metrics.update(_per_source(prefix, source_ids[cross], {"cross_grad": grad[cross]}))
     return loss, metrics
 
 
@@ -285,6 +334,7 @@ def naive_loss(
     clip_high: float = DEFAULTS.self_clip_high,
     max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio,
     is_self: Tensor | None = None,
+    source_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """``naive`` sharing: GSPO's ratio and clip on every row (own and foreign) against its source's ``lbar``,
     with none of HACPO's mechanisms (no capability weight, no stepwise band). Inputs [N]; metrics ``naive/...``
@@ -298,6 +348,7 @@ def naive_loss(
         max_abs_log_ratio=max_abs_log_ratio,
         prefix="naive",
         is_self=is_self,
+        source_ids=source_ids,
     )
 
 

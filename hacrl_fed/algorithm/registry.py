@@ -85,6 +85,7 @@ class PolicyLossInputs:
     cross_weight: Tensor
     old_token_log_probs: Tensor | None = None
     seq_lengths: Tensor | None = None  # [B] divisor of each row's lbar (<= 0: its token count); see below
+    source_ids: Tensor | None = None  # [B] each row's source index: per-source metrics of the cross rows
 
     def sequence_log_probs(self) -> Tensor:
         """``lbar`` per row: token mean, or per ``seq_lengths`` unit (UTF-8 bytes under ``logprob_norm: per_byte``)."""
@@ -148,6 +149,7 @@ def _loss_hacpo(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLo
         inputs.cross_weight,
         minibatch_index,
         config,
+        source_ids=inputs.source_ids,
     )
 
 
@@ -177,6 +179,7 @@ def _loss_naive(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLo
         clip_high=config.self_clip_high,
         max_abs_log_ratio=config.max_abs_log_ratio,
         is_self=inputs.is_self,
+        source_ids=inputs.source_ids,
     )
 
 

@@ -362,13 +362,18 @@ def machine_info() -> dict[str, Any]:
 
 
 def _shares(per_round: dict[str, list[float]]) -> dict[str, float]:
-    """Each loss share (``hacpo/cross_in_band_frac`` ...) over the whole run: the trainer's
-    :func:`~hacrl_fed.algorithm.fractions_from_counts` applied to the counts summed over rounds."""
+    """Each loss share (``hacpo/cross_in_band_frac`` ..., and per source ``hacpo/cross_in_band_frac/<org>``) over
+    the whole run: the trainer's :func:`~hacrl_fed.algorithm.fractions_from_counts` applied to the counts summed
+    over rounds."""
     from hacrl_fed.algorithm import FRACTION_COUNTS, fractions_from_counts
 
     summed = {k: sum(v) for k, v in per_round.items()}
     summed.update(dict.fromkeys(FRACTION_COUNTS, 0.0))  # every share, recomputed (or dropped) from its counts
-    return {k: v for k, v in fractions_from_counts(summed).items() if k in FRACTION_COUNTS}
+    return {
+        k: v
+        for k, v in fractions_from_counts(summed).items()
+        if k in FRACTION_COUNTS or k.rpartition("/")[0] in FRACTION_COUNTS
+    }
 
 
 def _stats(values: list[float]) -> dict[str, float]:

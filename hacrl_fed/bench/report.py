@@ -118,18 +118,30 @@ def ratio_summary(method_cells: list[dict[str, Any]], org: str) -> str:
     def f(x: float | None, digits: int = 2) -> str:
         return "–" if x is None else f"{x:.{digits}f}"
 
+    shared = [k for c in method_cells for k in (c["agents"][org].get("shares") or {})]
+    sources = sorted({k.rpartition("/")[2] for k in shared if k.count("/") == 2})  # hacpo/<share>/<source>
     if algo == "hacpo":
-        return (
+        text = (
             f"cross s̄ {f(m('cross_ratio_mean'), 3)}, in band {f(m('cross_in_band_frac'))}, "
             f"below {f(m('cross_clip_low_frac'))}, above {f(m('cross_clip_high_frac'))}, "
             f"with gradient {f(m('cross_grad_frac'))}; self clip {f(m('self_clip_low_frac'))}/"
             f"{f(m('self_clip_high_frac'))}"
         )
+        if len(sources) > 1:  # one pair per source (with two orgs the line above is that pair)
+            text += "; per source in band/below/above/with gradient: " + ", ".join(
+                f"{s} {f(m(f'cross_in_band_frac/{s}'))}/{f(m(f'cross_clip_low_frac/{s}'))}/"
+                f"{f(m(f'cross_clip_high_frac/{s}'))}/{f(m(f'cross_grad_frac/{s}'))}"
+                for s in sources
+            )
+        return text
     if algo == "naive":
-        return (
+        text = (
             f"cross s̄ {f(m('cross_ratio_mean'), 3)}, cross with gradient {f(m('cross_grad_frac'))}; "
             f"all rows clip low/high {f(m('clip_low_frac'))}/{f(m('clip_high_frac'))}"
         )
+        if len(sources) > 1:
+            text += "; with gradient per source: " + ", ".join(f"{s} {f(m(f'cross_grad_frac/{s}'))}" for s in sources)
+        return text
     return f"s̄ {f(m('ratio_mean'), 4)}, clip low/high {f(m('clip_low_frac'))}/{f(m('clip_high_frac'))}"
 
 
