@@ -210,6 +210,11 @@ def test_peer_summary():
     assert s["ours"]["completions_per_s"] == 128.0 and s["trl"]["completions_per_s"] == 64.0
     assert s["throughput_ratio_ours_over_trl"] == 2.0 and s["peak_rss_ratio_ours_over_trl"] == 0.625
     assert "| ours | 128.0 |" in peer.format_summary(s)
+    runs[0]["phases"] = {"generate": [5.0, 0.25, 0.25, 0.5], "update": [4.0, 0.75, 0.75, 1.5]}
+    s = peer.compare(runs)
+    assert s["ours"]["generate_s"] == 0.25 and s["ours"]["update_s"] == 0.75 and "generate_s" not in s["trl"]
+    assert "| ours | 128.0 | 1.000 | 0.250 | 0.750 |" in peer.format_summary(s)
+    assert "| trl | 64.0 | 2.000 | – | – |" in peer.format_summary(s)
 
 
 @pytest.mark.slow

@@ -164,6 +164,7 @@ def ours_main(argv: list[str]) -> int:
         t_setup = time.perf_counter() - t_start - t_import
         ids = [p["id"] for p in spec["prompts"]]
         batch_s, rewards = [], []
+        phases: dict[str, list[float]] = {"generate": [], "update": []}
         for i in range(int(spec["batches"])):
             prompts = tuple(task.prompts("train", ids[i * B : (i + 1) * B]))
             plan = RoundPlan(
@@ -175,8 +176,12 @@ def ours_main(argv: list[str]) -> int:
             )
             t0 = time.perf_counter()
             batch = worker.generate(plan)
+            t1 = time.perf_counter()
             worker.train(TrainRequest("peer-run", i + 1, "peer", prompts, (), {"peer": 1.0}))
-            batch_s.append(time.perf_counter() - t0)
+            t2 = time.perf_counter()
+            batch_s.append(t2 - t0)
+            phases["generate"].append(t1 - t0)  # sampling, the sampled tokens' log-probs, rewards
+            phases["update"].append(t2 - t1)  # old log-probs and the optimizer steps
             rewards.append(batch.accuracy)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -186,6 +191,7 @@ def ours_main(argv: list[str]) -> int:
             {
                 "side": "ours",
                 "batch_s": batch_s,
+                "phases": phases,
                 "completions_per_batch": B * G,
                 "import_s": t_import,
                 "setup_s": t_setup,
@@ -201,13 +207,17 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
     """Completions/s of one run: completions per batch over the median batch time, first batch left out."""
     times = run["batch_s"][1:] if len(run["batch_s"]) > 1 else run["batch_s"]
     med = statistics.median(times)
-    return {
+    out = {
         "completions_per_s": run["completions_per_batch"] / med,
         "median_batch_s": med,
         "peak_rss_mb": run["peak_rss_mb"],
         "import_s": run.get("import_s"),
         "setup_s": run.get("setup_s"),
     }
+    for phase, values in (run.get("phases") or {}).items():  # seconds per batch, first batch left out too
+        kept = values[1:] if len(values) > 1 else values
+        out[f"{phase}_s"] = statistics.median(kept) if kept else None
+    return out
 
 
 def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -217,9 +227,12 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
         s = [summarize_run(r) for r in runs if r["side"] == side]
         if s:
             out[side] = {
-                k: statistics.median([x[k] for x in s if x[k] is not None])
+                k: statistics.median([x[k] for x in s if x.get(k) is not None])
                 for k in ("completions_per_s", "median_batch_s", "peak_rss_mb", "import_s", "setup_s")
             }
+            for k in sorted({k for x in s for k in x if k.endswith("_s") and k not in out[side]}):
+                vals = [x[k] for x in s if x.get(k) is not None]
+                out[side][k] = statistics.median(vals) if vals else None
             out[side]["runs"] = len(s)
     if "ours" in out and "trl" in out:
         out["throughput_ratio_ours_over_trl"] = out["ours"]["completions_per_s"] / out["trl"]["completions_per_s"]
@@ -317,16 +330,23 @@ def main_peer(argv: list[str] | None = None) -> int:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
+    """The comparison as a Markdown table; ``generate s`` / ``update s``: median seconds per batch of generation
+    (sampling, the sampled tokens' log-probs, rewards) and of the update (old log-probs, optimizer steps)."""
     lines = [
-        "| side | completions/s | median batch s | peak RSS MiB | import s | setup s | runs |",
-        "|---|---|---|---|---|---|---|",
+        "| side | completions/s | median batch s | generate s | update s | peak RSS MiB | import s | setup s | runs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def f(x: float | None, digits: int) -> str:
+        return "–" if x is None else f"{x:.{digits}f}"
+
     for side in ("ours", "trl"):
         s = summary.get(side)
         if s:
             lines.append(
-                f"| {side} | {s['completions_per_s']:.1f} | {s['median_batch_s']:.3f} | {s['peak_rss_mb']:.0f} "
-                f"| {s['import_s']:.1f} | {s['setup_s']:.1f} | {s['runs']} |"
+                f"| {side} | {s['completions_per_s']:.1f} | {s['median_batch_s']:.3f} | {f(s.get('generate_s'), 3)} "
+                f"| {f(s.get('update_s'), 3)} | {s['peak_rss_mb']:.0f} | {f(s.get('import_s'), 1)} "
+                f"| {f(s.get('setup_s'), 1)} | {s['runs']} |"
             )
     if "throughput_ratio_ours_over_trl" in summary:
         lines.append(

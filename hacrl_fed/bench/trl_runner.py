@@ -132,10 +132,24 @@ def main(argv: list[str] | None = None) -> int:
         processing_class=tokenizer,
         callbacks=[Clock()],
     )
+    gen_s: list[float] = []
+    generate_and_score = trainer._generate_and_score_completions  # TRL 1.16: sampling, old log-probs, rewards
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return generate_and_score(*a, **kw)
+        finally:
+            gen_s.append(time.perf_counter() - t0)
+
+    trainer._generate_and_score_completions = timed_generate
     t_setup = time.perf_counter() - T_START - t_import
     trainer.train()
     # one generation batch = `steps` optimizer steps (its first step also generates and scores old log-probs)
     batch_s = [stamps[i + steps] - stamps[i] for i in range(0, len(stamps) - steps, steps)]
+    if len(gen_s) != len(batch_s):
+        raise RuntimeError(f"expected one generation per batch, timed {len(gen_s)} for {len(batch_s)} batches")
+    phases = {"generate": gen_s, "update": [b - g for b, g in zip(batch_s, gen_s)]}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     rewards = [float(h["reward"]) for h in trainer.state.log_history if "reward" in h]
     Path(args.out).write_text(
@@ -143,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "side": "trl",
                 "batch_s": batch_s,
+                "phases": phases,
                 "completions_per_batch": B * G,
                 "import_s": t_import,
                 "mean_reward": sum(rewards) / len(rewards) if rewards else None,
