@@ -123,12 +123,13 @@ def _per_source(prefix: str, source_ids: Tensor | None, flags: dict[str, Tensor]
     if source_ids is None or source_ids.numel() == 0:
         return {}
     src = source_ids.detach().to("cpu", torch.long)
+    cpu_flags = {name: x.detach().cpu() for name, x in flags.items()}
     out: dict[str, float] = {}
     for j in torch.unique(src).tolist():
         sel = src == j
         out[f"{prefix}/num_cross@{j}"] = float(sel.sum())
-        for name, x in flags.items():
-            out[f"{prefix}/num_{name}@{j}"] = float(x.detach().cpu()[sel].sum())
+        for name, x in cpu_flags.items():
+            out[f"{prefix}/num_{name}@{j}"] = float(x[sel].sum())
     return out
 
 
@@ -240,9 +241,9 @@ def hacpo_loss(
     cross_obj = c * c.detach() ** config.alpha * cross_weight.to(log_probs.dtype) * adv  # c * sg(c)^alpha * v * A
     objective = torch.where(is_self, self_obj, cross_obj)
     loss = -objective.mean()  # seq-mean (each lbar is already a token mean)
-    metrics = _hacpo_metrics(ratio, is_self, adv, objective, lower, config)
+    flags = _cross_flags(ratio[~is_self], adv[~is_self], lower, config)
+    metrics = _hacpo_metrics(ratio, is_self, objective, lower, flags, config)
     if source_ids is not None:
-        flags = _cross_flags(ratio[~is_self], adv[~is_self], lower, config)
         metrics.update(_per_source("hacpo", source_ids[~is_self], flags))
     return loss, metrics
 
@@ -260,7 +261,12 @@ def _cross_flags(s_cross: Tensor, a_cross: Tensor, lower: float, config: PolicyL
 
 
 def _hacpo_metrics(
-    ratio: Tensor, is_self: Tensor, adv: Tensor, objective: Tensor, lower: float, config: PolicyLossConfig
+    ratio: Tensor,
+    is_self: Tensor,
+    objective: Tensor,
+    lower: float,
+    cross_flags: dict[str, Tensor],
+    config: PolicyLossConfig,
 ) -> dict[str, float]:
     s_self, s_cross = ratio[is_self].detach(), ratio[~is_self].detach()
     m: dict[str, float] = {
@@ -277,7 +283,7 @@ def _hacpo_metrics(
             },
         )
     )
-    m.update(_fracs("hacpo", _cross_flags(ratio[~is_self], adv[~is_self], lower, config)))
+    m.update(_fracs("hacpo", cross_flags))
     m.update(_stats("hacpo", "self_ratio", s_self))
     m.update(_stats("hacpo", "cross_ratio", s_cross))
     n = objective.numel()
@@ -319,9 +325,10 @@ def gspo_loss(
         grad = ((a > 0) & (r <= 1.0 + clip_high)) | ((a < 0) & (r >= 1.0 - clip_low))
         metrics[f"{prefix}/num_cross"] = float(cross.sum())
         metrics.update(_stats(prefix, "cross_ratio", r[cross]))
-        metrics.update(_fracs(prefix, {"cross_grad": grad[cross]}))
+        cross_grad = {"cross_grad": grad[cross]}
+        metrics.update(_fracs(prefix, cross_grad))
         if source_ids is not None:
-            metrics.update(_per_source(prefix, source_ids[cross], {"cross_grad": grad[cross]}))
+            metrics.update(_per_source(prefix, source_ids[cross], cross_grad))
     return loss, metrics
 
 
