@@ -181,7 +181,7 @@ def ours_main(argv: list[str]) -> int:
             t2 = time.perf_counter()
             batch_s.append(t2 - t0)
             phases["generate"].append(t1 - t0)  # sampling, the sampled tokens' log-probs, rewards
-            phases["update"].append(t2 - t1)  # old log-probs and the optimizer steps
+            phases["update"].append(t2 - t1)  # the optimizer steps (forward and backward)
             rewards.append(batch.accuracy)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -331,7 +331,7 @@ def main_peer(argv: list[str] | None = None) -> int:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The comparison as a Markdown table; ``generate s`` / ``update s``: median seconds per batch of generation
-    (sampling, the sampled tokens' log-probs, rewards) and of the update (old log-probs, optimizer steps)."""
+    (sampling, the sampled tokens' log-probs, rewards) and of the update (the optimizer steps)."""
     lines = [
         "| side | completions/s | median batch s | generate s | update s | peak RSS MiB | import s | setup s | runs |",
         "|---|---|---|---|---|---|---|---|---|",

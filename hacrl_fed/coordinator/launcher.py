@@ -155,6 +155,14 @@ def worker_threads(num_workers: int, cpus: int | None = None) -> int:
     return max(1, cpus // max(1, num_workers))
 
 
+def worker_thread_env(num_workers: int) -> dict[str, str]:
+    """``{"OMP_NUM_THREADS": worker_threads(n)}`` for workers started on this machine, or ``{}`` when the
+    environment already sets ``OMP_NUM_THREADS`` (the operator's choice wins)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(worker_threads(num_workers))}
+
+
 class WorkerProcesses:
     """``with WorkerProcesses(cfg_path, ["a", "b"], run_dir=d) as addresses: ...`` → ``{org: address}``.
 
@@ -191,7 +199,7 @@ class WorkerProcesses:
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.setdefault("OMP_NUM_THREADS", str(worker_threads(len(self.org_ids))))
+        env.update(worker_thread_env(len(self.org_ids)))
         if self.die_with_parent:  # the worker also polls for its parent (PDEATHSIG alone proved unreliable)
             env[PARENT_PID_ENV] = str(os.getpid())
         root = str(Path(__file__).resolve().parents[2])  # so the child imports this very hacrl_fed

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hacrl_fed.coordinator.launcher import MAX_UNIX_SOCKET_PATH, private_dir, worker_threads
+from hacrl_fed.coordinator.launcher import MAX_UNIX_SOCKET_PATH, private_dir, worker_thread_env
 from hacrl_fed.lifecycle import OFFLINE_ENV
 from hacrl_fed.security.keys import KeyLayout, client_name
 
@@ -714,8 +714,7 @@ def start_local(
             )
         return [*worker_argv(org, listen[org]), *worker_link_args(listen[org], org, worker_tls)]
 
-    # the workers share this machine's cores (launcher.worker_threads) unless OMP_NUM_THREADS is set
-    threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(worker_threads(len(orgs)))}
+    threads = worker_thread_env(len(orgs))  # the workers share this machine's cores
     workers = {org: dep.spawn(f"worker-{org}", argv(org), extra_env=threads) for org in orgs}
     dep.start_superlink()
     dep.write_federation()
