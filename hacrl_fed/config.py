@@ -6,16 +6,22 @@ Every section forbids unknown keys, so a typo fails loudly with the dotted field
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import os
 import re
 import sys
 import tempfile
 import traceback
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hacrl_fed.limits import MAX_BYTES_PER_TOKEN, MAX_MESSAGE_MB
+from hacrl_fed.run_files import ERROR_LOG
 
 
 class ConfigError(ValueError):
@@ -346,7 +352,7 @@ class FederationConfig(_Section):
     )
     checkpoint_every: int = Field(0, ge=0, description="worker checkpoints every this many rounds; 0 = only at the end")
     max_failed_rounds: int = Field(3, ge=1, description=_d("consecutive rounds below min_orgs before the run aborts"))
-    max_message_mb: int = Field(256, ge=1, description="largest gRPC / Flower message, in MB")
+    max_message_mb: int = Field(MAX_MESSAGE_MB, ge=1, description="largest gRPC / Flower message, in MB")
 
 
 class SecurityConfig(_Section):
@@ -409,7 +415,9 @@ class SecurityConfig(_Section):
         1000, ge=1, description=_d("how far ahead of its last trained round a worker accepts a plan")
     )
     max_bytes_per_token: int = Field(
-        32, ge=4, description=_d("response text may hold at most max_new_tokens times this many UTF-8 bytes")
+        MAX_BYTES_PER_TOKEN,
+        ge=4,
+        description=_d("response text may hold at most max_new_tokens times this many UTF-8 bytes"),
     )
 
     @model_validator(mode="after")
@@ -487,6 +495,28 @@ def _merged(base: _Section, overrides: dict[str, Any], where: str) -> Any:
         return type(base).model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, prefix=where, header="")) from None
+
+
+def config_hash(
+    cfg: RunConfig, *, exclude: Collection[str] = ("run_dir",), relative_to: Path | None = None, digits: int = 8
+) -> str:
+    """The project's one config hash: the first ``digits`` hex digits of SHA-256 over the config as sorted JSON.
+
+    ``exclude`` names top-level fields left out (``run_dir`` by default: where a run lives is not what it is);
+    with ``relative_to``, absolute ``orgs[].model.path`` / ``.tokenizer`` under that folder are written relative to
+    it, so the same config hashes alike in every checkout (the benchmark's cells).
+    """
+    data = cfg.model_dump(mode="json", exclude=set(exclude))
+    if relative_to is not None:
+        for org in data["orgs"]:
+            for key in ("path", "tokenizer"):
+                value = org["model"].get(key)
+                if value and Path(value).is_absolute():
+                    try:
+                        org["model"][key] = str(Path(value).relative_to(relative_to))
+                    except ValueError:
+                        pass
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:digits]
 
 
 def org_trainer(cfg: RunConfig, org_id: str) -> TrainerConfig:
@@ -572,9 +602,6 @@ def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] |
         return RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
-
-
-ERROR_LOG = "error.log"
 
 
 def report_error(prog: str, err: BaseException, *, log_dir: str | Path | None = None) -> int:

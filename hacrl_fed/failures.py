@@ -4,7 +4,7 @@ The causes are the ``<why>`` of the metrics ``round/<org>/failure/<why>`` and ``
 (docs/METRICS.md):
 
 * ``stale_round``: the worker already trained that round of that run (its refusal ``RequestRefused`` with reason
-  ``stale_round``, e.g. :class:`~hacrl_fed.worker.policy_worker.StaleRoundError`);
+  ``stale_round``, e.g. :class:`~hacrl_fed.worker.guard.StaleRoundError`);
 * ``timeout``: no reply by the deadline;
 * ``unreachable``: no connection, or no worker / node for the org;
 * ``error``: anything else.

@@ -141,8 +141,8 @@ def build_model(out: Path, s: Settings, seed: int = 0) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, Qwen2Config
     from transformers.utils import logging as hf_logging
 
+    from hacrl_fed.models.catalog import shipped_dir
     from hacrl_fed.models.loading import load_tokenizer
-    from hacrl_fed.models.zoo import shipped_dir
 
     hf_logging.disable_progress_bar()
     tok = load_tokenizer(str(shipped_dir(TOKENIZER_ZOO)))

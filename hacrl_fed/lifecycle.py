@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from hacrl_fed.run_files import CONFIG_FILE, ERROR_LOG, INFO_FILE, STATE_FILE, SUMMARY_FILE
+
 log = logging.getLogger(__name__)
 
 # Flower's own switches: no telemetry, no update checks, no per-run environment installs (uv downloads).
@@ -51,8 +53,6 @@ OFFLINE_ENV = {**FLOWER_ENV, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "f
 # the real transport -> the federation.transport config value that selects it
 TRANSPORTS = {"inprocess": "inprocess", "grpc": "grpc", "flower-simulation": "flower", "flower-deployment": "flower"}
 
-CONFIG_FILE, INFO_FILE, SUMMARY_FILE, ERROR_FILE = "config.yaml", "run_info.json", "summary.txt", "error.log"
-STATE_FILE = "coordinator_state.json"  # written by the coordinator (hacrl_fed.coordinator.loop.STATE_FILE)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -336,7 +336,7 @@ class Run:
             return False
         interrupted = issubclass(exc_type, KeyboardInterrupt)
         if not interrupted:
-            self.error_log = self.run_dir / ERROR_FILE
+            self.error_log = self.run_dir / ERROR_LOG
             self.error_log.write_text("".join(traceback.format_exception(exc_type, exc, tb)))
         try:
             rounds = self.coordinator.round if self.coordinator is not None else None

@@ -19,10 +19,10 @@ import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from hacrl_fed.coordinator.loop import RunSummary
+from hacrl_fed.coordinator.results import RoundResult, RunSummary
+from hacrl_fed.run_files import METRICS_FILE
 
 EVAL_KEY = re.compile(r"^eval/(?P<org>[^/]+)/accuracy$")
 
@@ -44,7 +44,7 @@ class RunLogger:
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / "metrics.jsonl"
+        self.path = self.run_dir / METRICS_FILE
         self._writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # heavy import: only when asked for
@@ -82,7 +82,7 @@ class RunLogger:
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every record of ``run_dir/metrics.jsonl`` in file order (empty list when there is none)."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -169,8 +169,8 @@ def format_table(summary: RunSummary) -> str:
     return "\n".join(lines + [foot] + excluded)
 
 
-def format_round(result: Any, total: int, seconds: float, excluded: Mapping[str, str] | None = None) -> str:
-    """One progress line for a finished round (a :class:`~hacrl_fed.coordinator.loop.RoundResult`): batch reward
+def format_round(result: RoundResult, total: int, seconds: float, excluded: Mapping[str, str] | None = None) -> str:
+    """One progress line for a finished round (a :class:`~hacrl_fed.coordinator.results.RoundResult`): batch reward
     (mean verified reward of the accepted rollouts) per replying org, accepted / rejected rollouts per org, orgs
     that contributed nothing and why, orgs excluded from the pool, and the round's wall time."""
     m = result.metrics
@@ -227,7 +227,7 @@ def round_progress(total: int, *, enabled: bool = True):
 
     bar = tqdm(total=total, desc="rounds", unit="round", disable=not enabled, dynamic_ncols=True)
 
-    def on_round(result) -> None:
+    def on_round(result: RoundResult) -> None:
         if result.skipped:
             bar.set_postfix_str(f"round {result.round} skipped ({len(result.replied)} replies)")
         else:

@@ -48,9 +48,9 @@ def model_config(model_cfg: Any, source: str) -> Any:
 def preflight(cfg: RunConfig, org_ids: Sequence[str] | None = None) -> None:
     """Raise :class:`BuildError` for the first problem a worker of ``org_ids`` (default: every org) would refuse
     at start-up (module docstring). Loads tokenizers and model configs, never weights."""
-    from hacrl_fed.coordinator.sampler import eval_ids
     from hacrl_fed.models.context import check_task_fits, context_length
     from hacrl_fed.models.loading import load_tokenizer, model_sources
+    from hacrl_fed.plan.sampler import eval_ids
     from hacrl_fed.tasks import get_task
 
     task = get_task(cfg.task.name, cfg.task.params, seed=cfg.seed)

@@ -12,8 +12,10 @@ import pytest
 from helpers_fake_workers import FakeTask, FakeWorker, fake_config
 from hacrl_fed.algorithm import CapabilityTracker
 from hacrl_fed.coordinator.inprocess import InProcessTransport
-from hacrl_fed.coordinator.loop import STATE_FILE, Coordinator, FederationError, config_hash, make_run_id
-from hacrl_fed.coordinator.sampler import PromptSampler
+from hacrl_fed.config import config_hash
+from hacrl_fed.coordinator.loop import Coordinator, FederationError, make_run_id
+from hacrl_fed.run_files import STATE_FILE
+from hacrl_fed.plan.sampler import PromptSampler
 from hacrl_fed.metrics import RunLogger, plot_accuracy, read_metrics
 from hacrl_fed.types import Rollout, RoundPlan, SamplingParams
 

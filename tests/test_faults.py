@@ -33,7 +33,8 @@ from helpers_fake_workers import FakeTask, FakeWorker, fake_config
 from hacrl_fed.config import load_config
 from hacrl_fed.coordinator.grpc_transport import GrpcTransport
 from hacrl_fed.coordinator.inprocess import InProcessTransport
-from hacrl_fed.coordinator.loop import STATE_FILE, Coordinator
+from hacrl_fed.coordinator.loop import Coordinator
+from hacrl_fed.run_files import STATE_FILE
 
 MAX_FAILED_ROUNDS = 3  # federation.max_failed_rounds default
 from hacrl_fed.metrics import RunLogger, read_metrics
@@ -161,20 +162,19 @@ def micro_cfg(tmp_path: Path, **federation):
 # ------------------------------------------------------------------------------------ why an org is missing
 
 
-def test_failure_reason_names_the_cause_whatever_the_transport():
+def test_the_failure_cause_is_named_whatever_the_transport():
     """The cause is carried with the error (hacrl_fed.failures): produced once where the error crosses a process
     boundary (gRPC status details, Flower error reason), parsed once where it arrives; no message text is read."""
     import grpc
 
     from hacrl_fed import failures
-    from hacrl_fed.coordinator.loop import failure_reason
     from hacrl_fed.coordinator.transport import TransportTimeout
     from hacrl_fed.flower.node import NodeError
     from hacrl_fed.flower.transport import FlowerRemoteError, OrgUnavailable
     from hacrl_fed.wire.grpc_client import WorkerCallError, WorkerCallTimeout
     from hacrl_fed.wire.grpc_server import _details, status_for
     from hacrl_fed.worker.guard import RequestRefused
-    from hacrl_fed.worker.policy_worker import StaleRoundError
+    from hacrl_fed.worker.guard import StaleRoundError
 
     def over_grpc(err):  # what the worker's server sends and the client raises
         return WorkerCallError("Generate", status_for(err), _details(err), "x:1")
@@ -202,7 +202,7 @@ def test_failure_reason_names_the_cause_whatever_the_transport():
                   WorkerCallError("Generate", grpc.StatusCode.INVALID_ARGUMENT, "StaleRoundError: UNAVAILABLE:", "x")],
     }
     for why, errors in cases.items():
-        assert [failure_reason(e) for e in errors] == [why] * len(errors), why
+        assert [failures.cause_of(e) for e in errors] == [why] * len(errors), why
     assert over_grpc(stale).details.startswith("[stale_round] StaleRoundError: stale_round: worker 'a'")
     assert failures.parse("[timeout] x") == "timeout" and failures.parse("x [timeout]") is None
 
@@ -212,7 +212,7 @@ def test_policy_worker_refuses_a_round_it_already_trained_also_after_a_restore(t
     from hacrl_fed.types import RoundPlan, SamplingParams, TrainRequest
     from hacrl_fed.worker import build_worker
     from hacrl_fed.worker.guard import RequestRefused
-    from hacrl_fed.worker.policy_worker import StaleRoundError
+    from hacrl_fed.worker.guard import StaleRoundError
 
     cfg = micro_cfg(tmp_path)
     worker = build_worker(cfg, "a", run_dir=tmp_path)

@@ -52,6 +52,3 @@ def test_one_atomic_write_helper():
     pattern = re.compile(r"^def \w*write\w*atomic\w*\(", re.M)
     defs = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py") if pattern.search(p.read_text()))
     assert defs == ["fsio.py"]
-    from hacrl_fed.coordinator import loop
-
-    assert loop.write_json_atomic is fsio.write_json_atomic

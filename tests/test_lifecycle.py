@@ -20,7 +20,7 @@ import yaml
 import hacrl_fed.worker
 from hacrl_fed import cli, lifecycle
 from hacrl_fed.coordinator.inprocess import InProcessTransport
-from hacrl_fed.coordinator.loop import STATE_FILE
+from hacrl_fed.run_files import STATE_FILE
 from hacrl_fed.lifecycle import CLI_KEYS, FLWR_KEYS, OFFLINE_ENV, Run, RunDirError, check_run_dir
 from helpers_fake_workers import SCRIPT_SKILLS, FakeTask, FakeWorker, fake_config
 from test_flower_transport import APP_DIR, FakeGrid, flower_identity, sim_contexts, write_config  # noqa: F401
@@ -142,7 +142,6 @@ def test_rerun_errors_name_the_keys_of_the_entry_point(tmp_path):
         check_run_dir(tmp_path, False, FLWR_KEYS)
     with pytest.raises(RunDirError, match=r"^resume=true: no run to resume in"):
         check_run_dir(tmp_path / "empty", True, FLWR_KEYS)
-    assert lifecycle.STATE_FILE == STATE_FILE
 
 
 def test_flwr_run_into_a_used_run_dir_fails_with_one_line_and_no_traceback(tmp_path, monkeypatch):

@@ -20,13 +20,13 @@ import yaml
 
 from hacrl_fed import cli
 from hacrl_fed.config import load_config
-from hacrl_fed.coordinator.loop import STATE_FILE
+from hacrl_fed.run_files import STATE_FILE
 from hacrl_fed.security.identity import IDENTITY_DIR, provision
 from hacrl_fed.types import EvalRequest, RoundPlan, SamplingParams, TrainRequest
 from hacrl_fed.wire.grpc_server import serve_worker
 from hacrl_fed.worker import build_worker
 from hacrl_fed.worker.guard import RequestRefused
-from hacrl_fed.worker.policy_worker import StaleRoundError
+from hacrl_fed.worker.guard import StaleRoundError
 
 ORGS = {"acme": "qwen-char", "globex": "gpt2-bpe"}
 

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from hacrl_fed.coordinator.sampler import PromptSampler, eval_ids, stable_seed
+from hacrl_fed.plan.sampler import PromptSampler, eval_ids
+from hacrl_fed.seeding import stable_seed
 
 
 def test_same_seed_and_round_give_same_ids_across_instances():
@@ -46,7 +47,7 @@ def test_huge_task_size_is_fast_and_valid():
 
 def test_stable_across_processes():
     """String hashing is salted per process; the sampler must not depend on it."""
-    code = ("from hacrl_fed.coordinator.sampler import PromptSampler;"
+    code = ("from hacrl_fed.plan.sampler import PromptSampler;"
             "print(PromptSampler(10**6, seed=42).round_ids(9, 5))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123"}).stdout.strip()
@@ -77,10 +78,8 @@ def test_stable_seed_is_63_bit_and_part_sensitive():
 
 def test_one_stable_seed_with_pinned_values():
     """Pinned: a change of the hash would change every sampled prompt and rollout of every run."""
-    import hacrl_fed.coordinator.sampler as sampler
     import hacrl_fed.seeding as seeding
 
-    assert sampler.stable_seed is seeding.stable_seed  # one function, re-exported
     assert seeding.stable_seed("prompts", 0, 1) == 6433457419991822746
     assert seeding.stable_seed("sampling", 0, 3) == 2327693840640352191
     assert seeding.stable_seed(0, "org", "acme") == 6295138495604665783

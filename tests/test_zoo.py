@@ -10,7 +10,7 @@ import torch
 
 from hacrl_fed.config import BuildError, ModelConfig
 from hacrl_fed.models import load_model_and_tokenizer, render_prompt
-from hacrl_fed.models import zoo
+from hacrl_fed.models import catalog, zoo
 from hacrl_fed.models.sft import IGNORE, SFTRecipe, collate, encode_example, greedy_accuracy, lr_at, run_sft
 from hacrl_fed.models.tokenizers import build_tokenizer
 from hacrl_fed.tasks import get_task
@@ -22,7 +22,7 @@ MICRO = ("micro-qwen-char", "micro-gpt2-bpe")
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
     """No shipped assets and a private cache root."""
-    monkeypatch.setattr(zoo, "ASSETS_DIR", tmp_path / "assets")
+    monkeypatch.setattr(catalog, "ASSETS_DIR", tmp_path / "assets")
     monkeypatch.setenv("HACRL_FED_CACHE", str(tmp_path / "cache"))
     return tmp_path
 
@@ -36,17 +36,17 @@ def task():
 
 
 def test_zoo_has_heterogeneous_demo_agents():
-    entries = [zoo.get_entry(n) for n in DEMO]
+    entries = [catalog.get_entry(n) for n in DEMO]
     assert len({e.arch for e in entries}) == 3 and {e.tokenizer for e in entries} == {"char", "bpe"}
     assert all(e.target_accuracy for e in entries)
-    assert zoo.get_entry("zoo:qwen-char") is zoo.ZOO["qwen-char"]
+    assert catalog.get_entry("zoo:qwen-char") is catalog.ZOO["qwen-char"]
     with pytest.raises(BuildError, match="not a zoo agent.*qwen-char"):
-        zoo.get_entry("gpt5")
+        catalog.get_entry("gpt5")
 
 
 def test_recipe_hash_is_stable_and_tracks_every_field():
-    entry = zoo.ZOO["micro-qwen-char"]
-    assert entry.recipe_hash() == zoo.ZOO["micro-qwen-char"].recipe_hash()
+    entry = catalog.ZOO["micro-qwen-char"]
+    assert entry.recipe_hash() == catalog.ZOO["micro-qwen-char"].recipe_hash()
     assert len(entry.recipe_hash()) == 12
     changed = [
         dataclasses.replace(entry, sft=dataclasses.replace(entry.sft, seed=99)),
@@ -61,9 +61,9 @@ def test_build_config_per_arch():
     tok = build_tokenizer("char")
     for name, cls in (("micro-qwen-char", "Qwen3Config"), ("micro-gpt2-bpe", "GPT2Config"),
                       ("llama-bpe", "LlamaConfig")):
-        cfg = zoo.build_config(zoo.ZOO[name], tok)
+        cfg = zoo.build_config(catalog.ZOO[name], tok)
         assert type(cfg).__name__ == cls and cfg.vocab_size == 100 and cfg.eos_token_id == 1
-    bad = dataclasses.replace(zoo.ZOO["micro-qwen-char"], arch="mamba")
+    bad = dataclasses.replace(catalog.ZOO["micro-qwen-char"], arch="mamba")
     with pytest.raises(ValueError, match="arch='mamba'"):
         zoo.build_config(bad, tok)
 
@@ -99,7 +99,7 @@ def test_lr_schedule_warmup_then_cosine():
 def test_sft_lowers_the_response_loss(task):
     from transformers import AutoModelForCausalLM
 
-    entry = zoo.ZOO["micro-qwen-char"]
+    entry = catalog.ZOO["micro-qwen-char"]
     tok = build_tokenizer("char")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(zoo.build_config(entry, tok))
@@ -115,7 +115,7 @@ def test_sft_stops_at_the_wanted_validation_accuracy(task, monkeypatch):
     import hacrl_fed.models.sft as sft
 
     tok = build_tokenizer("char")
-    model = AutoModelForCausalLM.from_config(zoo.build_config(zoo.ZOO["micro-qwen-char"], tok))
+    model = AutoModelForCausalLM.from_config(zoo.build_config(catalog.ZOO["micro-qwen-char"], tok))
     checks, trained = [], set()
     real_batch = sft._batch_examples
 
@@ -144,8 +144,8 @@ def test_sft_stops_at_the_wanted_validation_accuracy(task, monkeypatch):
 @pytest.mark.parametrize("name", MICRO)
 def test_build_load_round_trip(name, isolated, task):
     out = zoo.build_agent(name, isolated / "out" / name)
-    rec = zoo.read_recipe(out)
-    entry = zoo.get_entry(name)
+    rec = catalog.read_recipe(out)
+    entry = catalog.get_entry(name)
     assert rec["recipe_hash"] == entry.recipe_hash() and rec["recipe"]["name"] == name
     assert rec["saved_dtype"] == "float32" and rec["num_params"] > 0
     assert 0.0 <= rec["accuracy"] <= 1.0 and rec["eval"]["num_prompts"] == entry.eval_size
@@ -168,7 +168,7 @@ def test_saved_weights_match_the_trained_model(tmp_path, task):
     """float32 save/load is exact; float16 save loads as float32 within fp16 rounding."""
     from transformers import AutoModelForCausalLM
 
-    entry = zoo.ZOO["micro-gpt2-bpe"]
+    entry = catalog.ZOO["micro-gpt2-bpe"]
     tok = build_tokenizer("bpe", zoo._bpe_corpus(task, 200), 300)
     model = AutoModelForCausalLM.from_config(zoo.build_config(entry, tok))
     run_sft(model, tok, task, SFTRecipe(steps=5, lr=1e-2, batch_size=4, warmup_steps=1))
@@ -187,16 +187,16 @@ def test_saved_weights_match_the_trained_model(tmp_path, task):
 def test_build_replace_or_keep_existing(isolated):
     out = isolated / "agent"
     out.mkdir()
-    (out / zoo.RECIPE_FILE).write_text(json.dumps({"recipe_hash": "someone else's"}))
+    (out / catalog.RECIPE_FILE).write_text(json.dumps({"recipe_hash": "someone else's"}))
     zoo.build_agent("micro-qwen-char", out, replace=False)
-    assert zoo.read_recipe(out) == {"recipe_hash": "someone else's"}
+    assert catalog.read_recipe(out) == {"recipe_hash": "someone else's"}
     assert not list(isolated.glob(".agent-*"))
     zoo.build_agent("micro-qwen-char", out)
-    assert zoo.read_recipe(out)["recipe_hash"] == zoo.ZOO["micro-qwen-char"].recipe_hash()
+    assert catalog.read_recipe(out)["recipe_hash"] == catalog.ZOO["micro-qwen-char"].recipe_hash()
     junk = isolated / "junk"
     (junk / "partial").mkdir(parents=True)  # no recipe: an interrupted copy, replaced even with replace=False
     zoo.build_agent("micro-qwen-char", junk, replace=False)
-    assert zoo.read_recipe(junk) is not None and not (junk / "partial").exists()
+    assert catalog.read_recipe(junk) is not None and not (junk / "partial").exists()
 
 
 def test_build_is_reproducible_bit_for_bit(isolated):
@@ -219,37 +219,37 @@ def test_resolve_never_builds_and_uses_a_cached_build(isolated, monkeypatch):
     monkeypatch.setattr(zoo, "build_agent", lambda *a, **k: pytest.fail("loading a model started a build"))
     with pytest.raises(BuildError, match=r"model.zoo='micro-qwen-char': it is neither shipped nor built; build it "
                                          r"with `hacrl-fed zoo build micro-qwen-char --ship`"):
-        zoo.resolve_zoo("zoo:micro-qwen-char")
+        catalog.resolve_zoo("zoo:micro-qwen-char")
     with pytest.raises(BuildError, match="hacrl-fed zoo build micro-qwen-char --ship"):
         load_model_and_tokenizer(ModelConfig(zoo="micro-qwen-char", device="cpu"))
-    entry = zoo.ZOO["micro-qwen-char"]
-    path = build("micro-qwen-char", zoo.cached_dir("micro-qwen-char"))  # the explicit build step
+    entry = catalog.ZOO["micro-qwen-char"]
+    path = build("micro-qwen-char", catalog.cached_dir("micro-qwen-char"))  # the explicit build step
     assert path == isolated / "cache" / "zoo" / f"micro-qwen-char-{entry.recipe_hash()}"
     monkeypatch.setattr(zoo, "build_agent", lambda *a, **k: pytest.fail("rebuilt a cached agent"))
-    assert zoo.resolve_zoo("micro-qwen-char") == path
+    assert catalog.resolve_zoo("micro-qwen-char") == path
     model, tok = load_model_and_tokenizer(ModelConfig(zoo="micro-qwen-char", device="cpu"))
     assert tok.chat_template and not model.training
     model, _ = load_model_and_tokenizer(ModelConfig(path="zoo:micro-qwen-char", device="cpu"))
 
 
 def test_resolve_prefers_matching_shipped_copy_and_refuses_a_stale_one(isolated, monkeypatch, capsys):
-    shipped = zoo.shipped_dir("micro-gpt2-bpe")
+    shipped = catalog.shipped_dir("micro-gpt2-bpe")
     shipped.mkdir(parents=True)
-    entry = zoo.ZOO["micro-gpt2-bpe"]
-    (shipped / zoo.RECIPE_FILE).write_text(json.dumps({"recipe_hash": entry.recipe_hash()}))
-    assert zoo.resolve_zoo("micro-gpt2-bpe") == shipped
-    (shipped / zoo.RECIPE_FILE).write_text(json.dumps({"recipe_hash": "stale"}))
+    entry = catalog.ZOO["micro-gpt2-bpe"]
+    (shipped / catalog.RECIPE_FILE).write_text(json.dumps({"recipe_hash": entry.recipe_hash()}))
+    assert catalog.resolve_zoo("micro-gpt2-bpe") == shipped
+    (shipped / catalog.RECIPE_FILE).write_text(json.dumps({"recipe_hash": "stale"}))
     monkeypatch.setattr(zoo, "build_agent", lambda *a, **k: pytest.fail("loading a model started a build"))
     with pytest.raises(BuildError, match=rf"shipped weights were built from another recipe \(stale, the code's "
                                          rf"recipe is {entry.recipe_hash()}\); build it with `hacrl-fed zoo build "
                                          rf"micro-gpt2-bpe --ship`"):
-        zoo.resolve_zoo("micro-gpt2-bpe")
+        catalog.resolve_zoo("micro-gpt2-bpe")
     assert zoo.main_zoo(["list"]) == 0
     assert "stale: hacrl-fed zoo build micro-gpt2-bpe --ship" in capsys.readouterr().out
-    cached = zoo.cached_dir("micro-gpt2-bpe")  # a cached build of the current recipe is used
+    cached = catalog.cached_dir("micro-gpt2-bpe")  # a cached build of the current recipe is used
     cached.mkdir(parents=True)
-    (cached / zoo.RECIPE_FILE).write_text(json.dumps({"recipe_hash": entry.recipe_hash()}))
-    assert zoo.resolve_zoo("micro-gpt2-bpe") == cached
+    (cached / catalog.RECIPE_FILE).write_text(json.dumps({"recipe_hash": entry.recipe_hash()}))
+    assert catalog.resolve_zoo("micro-gpt2-bpe") == cached
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------------
@@ -257,12 +257,12 @@ def test_resolve_prefers_matching_shipped_copy_and_refuses_a_stale_one(isolated,
 
 def test_main_zoo_build_out_and_list(isolated, capsys):
     assert zoo.main_zoo(["build", "micro-qwen-char", "--out", str(isolated / "o"), "--dtype", "float16"]) == 0
-    rec = zoo.read_recipe(isolated / "o" / "micro-qwen-char")
+    rec = catalog.read_recipe(isolated / "o" / "micro-qwen-char")
     assert rec["saved_dtype"] == "float16"
     assert "micro-qwen-char: params=" in capsys.readouterr().out
     assert zoo.main_zoo(["list"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in zoo.ZOO)
+    assert all(name in out for name in catalog.ZOO)
     with pytest.raises(SystemExit) as exc:
         zoo.main_zoo(["build", "nope"])
     assert exc.value.code == 2
@@ -273,11 +273,11 @@ def test_main_zoo_build_out_and_list(isolated, capsys):
 
 @pytest.mark.parametrize("name", DEMO + MICRO)
 def test_shipped_agent_is_current_small_and_fp16(name):
-    path = zoo.ASSETS_DIR / name
-    rec = zoo.read_recipe(path)
+    path = catalog.ASSETS_DIR / name
+    rec = catalog.read_recipe(path)
     assert rec is not None, f"{name} is not shipped: run `hacrl-fed zoo build {name} --ship`"
-    assert rec["recipe_hash"] == zoo.get_entry(name).recipe_hash(), f"{name} is stale: rebuild with --ship"
-    assert zoo.resolve_zoo(name) == path
+    assert rec["recipe_hash"] == catalog.get_entry(name).recipe_hash(), f"{name} is stale: rebuild with --ship"
+    assert catalog.resolve_zoo(name) == path
     assert rec["saved_dtype"] == "float16"
     assert sum(f.stat().st_size for f in path.iterdir()) < 2_000_000
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
@@ -288,8 +288,8 @@ def test_shipped_agent_is_current_small_and_fp16(name):
 def test_shipped_demo_agent_loads_offline_with_recorded_accuracy(name, task, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(zoo, "build_agent", lambda *a, **k: pytest.fail("shipped agent was rebuilt"))
-    entry = zoo.get_entry(name)
-    rec = zoo.read_recipe(zoo.ASSETS_DIR / name)
+    entry = catalog.get_entry(name)
+    rec = catalog.read_recipe(catalog.ASSETS_DIR / name)
     low, high = entry.target_accuracy
     assert low <= rec["accuracy"] <= high and rec["stop_rate"] > 0.9
     model, tok = load_model_and_tokenizer(ModelConfig(zoo=name, device="cpu", dtype="auto"))

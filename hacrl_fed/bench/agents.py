@@ -6,7 +6,7 @@ The shipped zoo (:mod:`hacrl_fed.models.zoo`) has one agent per architecture. Tw
   ``qwen-char``'s architecture and character tokenizer, SFT from another init seed, stopped at a lower accuracy;
 - **size heterogeneity** (same family, two sizes): ``qwen-char-small`` is a ~5x smaller Qwen3-style char model.
 
-Each recipe is a :class:`~hacrl_fed.models.zoo.ZooEntry`, built by the zoo's own build code (SFT on the arithmetic
+Each recipe is a :class:`~hacrl_fed.models.catalog.ZooEntry`, built by the zoo's own build code (SFT on the arithmetic
 task, one thread, greedy accuracy measured on 200 held-out prompts, ``zoo_recipe.json`` written beside the
 weights) into ``benchmarks/agents/<name>/`` (float16, like the shipped zoo). A benchmark config names it by that
 path (``model: {path: benchmarks/agents/qwen-char-b}``); :func:`ensure_agent` builds it there when absent or built
@@ -25,15 +25,23 @@ from pathlib import Path
 import torch
 
 from hacrl_fed.models import zoo
+from hacrl_fed.models.catalog import (
+    DEMO_SFT,
+    MICRO_QWEN_ARCH,
+    MICRO_SFT,
+    QWEN_ARCH,
+    ZooEntry,
+    built_recipe,
+    read_recipe,
+)
 from hacrl_fed.models.sft import SFTRecipe
-from hacrl_fed.models.zoo import ZooEntry, built_recipe, read_recipe
 
 log = logging.getLogger("hacrl_fed.bench.agents")
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS_DIR = ROOT / "benchmarks" / "agents"
 
-_QWEN = dict(zoo._QWEN)  # qwen-char's architecture (0.70 M params with the char vocabulary)
+_QWEN = dict(QWEN_ARCH)  # qwen-char's architecture (0.70 M params with the char vocabulary)
 _QWEN_SMALL = dict(
     hidden_size=64,
     intermediate_size=192,
@@ -42,7 +50,7 @@ _QWEN_SMALL = dict(
     num_key_value_heads=1,
     head_dim=32,
 )  # ~0.15 M params
-_SFT = zoo._DEMO_SFT  # the demo agents' SFT schedule
+_SFT = DEMO_SFT  # the demo agents' SFT schedule
 
 BENCH_AGENTS: dict[str, ZooEntry] = {
     e.name: e
@@ -69,9 +77,9 @@ BENCH_AGENTS: dict[str, ZooEntry] = {
         ZooEntry(
             "micro-qwen-char-b",
             "qwen3",
-            dict(zoo._MICRO_QWEN),
+            dict(MICRO_QWEN_ARCH),
             "char",
-            SFTRecipe(seed=5, **zoo._MICRO_SFT),
+            SFTRecipe(seed=5, **MICRO_SFT),
             bpe_corpus_size=200,
             eval_size=16,
         ),

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import gc
-import hashlib
 import json
 import logging
 import math
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from hacrl_fed.host import available_cpus
 
 log = logging.getLogger("hacrl_fed.bench.learning")
 
@@ -192,21 +193,6 @@ def _resolve_model_paths(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Path
     return raw, agents
 
 
-def portable_hash(cfg) -> str:
-    """First 12 hex digits of sha256 over the resolved config, ``run_dir`` and ``name`` excluded and model paths
-    under the repository given relative to it (the same cell hashes alike in every checkout)."""
-    data = cfg.model_dump(mode="json", exclude={"run_dir", "name"})
-    for org in data["orgs"]:
-        for key in ("path", "tokenizer"):
-            value = org["model"].get(key)
-            if value and Path(value).is_absolute():
-                try:
-                    org["model"][key] = str(Path(value).relative_to(ROOT))
-                except ValueError:
-                    pass
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
-
-
 def build_cell(
     matrix: Matrix,
     setting: str,
@@ -218,7 +204,7 @@ def build_cell(
     extra: dict[str, Any] | None = None,
 ) -> Cell:
     """One cell: its overrides, its config (or why it is skipped), its hash."""
-    from hacrl_fed.config import ConfigError, load_config
+    from hacrl_fed.config import ConfigError, config_hash, load_config
 
     cell = Cell(setting, method, seed, group)
     m = matrix.methods[method]
@@ -254,7 +240,7 @@ def build_cell(
         cell.skip = f"bad scale field: {err}"
         return cell
     cell.overrides = overrides
-    cell.hash = portable_hash(cell.config)
+    cell.hash = config_hash(cell.config, exclude=("run_dir", "name"), relative_to=ROOT, digits=12)
     return cell
 
 
@@ -332,11 +318,7 @@ def _git_version() -> dict[str, Any]:
 def machine_info() -> dict[str, Any]:
     import torch
 
-    cpus: int | None
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count()
+    cpus = available_cpus()
     mem = None
     try:
         mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
@@ -480,7 +462,8 @@ def run_cell(cell: Cell, results: Path, *, keep_runs: Path | None = None, allow_
     dir removed afterwards, or ``<keep_runs>/<setting>/<method>/seed<k>`` kept."""
     from hacrl_fed.bench.agents import ensure_agent
     from hacrl_fed.coordinator.inprocess import InProcessTransport
-    from hacrl_fed.coordinator.loop import Coordinator, write_json_atomic
+    from hacrl_fed.coordinator.loop import Coordinator
+    from hacrl_fed.fsio import write_json_atomic
     from hacrl_fed.metrics import RunLogger, read_metrics
     from hacrl_fed.worker import build_worker
 

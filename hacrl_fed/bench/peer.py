@@ -36,13 +36,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hacrl_fed.host import available_cpus
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def default_venv() -> Path:
     """``$HACRL_FED_CACHE/peer-trl-venv`` (default ``~/.cache/hacrl_fed/peer-trl-venv``): outside the checkout,
     whose files the Flower CLI scans when it packages the app."""
-    from hacrl_fed.models.zoo import cache_root
+    from hacrl_fed.models.catalog import cache_root
 
     return cache_root() / "peer-trl-venv"
 
@@ -77,8 +79,8 @@ def make_spec(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """The shared work: model dir, rendered prompts and references, GSPO and batch settings."""
     from transformers import AutoTokenizer
 
+    from hacrl_fed.models.catalog import resolve_zoo
     from hacrl_fed.models.chat import render_prompt
-    from hacrl_fed.models.zoo import resolve_zoo
     from hacrl_fed.tasks import get_task
 
     model_dir = resolve_zoo(args.model) if not Path(args.model).is_dir() else Path(args.model)
@@ -263,10 +265,7 @@ def main_peer(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     if args.threads is None:
-        try:
-            args.threads = len(os.sched_getaffinity(0))
-        except AttributeError:
-            args.threads = os.cpu_count() or 1
+        args.threads = available_cpus()
     if (args.prompts * args.samples) % args.steps:
         p.error("--prompts x --samples must divide into --steps optimizer steps")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

@@ -1,4 +1,6 @@
-"""The coordinator: round loop (:mod:`.loop`), prompt sampling, batch validation, and transports.
+"""The coordinator: round loop (:mod:`.loop`), its results (:mod:`.results`), the pool's trust checks
+(:mod:`.trust`), and transports. Prompt sampling and batch screening, shared with the workers, are in
+:mod:`hacrl_fed.plan`.
 
 Names are imported lazily so that ``import hacrl_fed.coordinator`` stays cheap and the gRPC transport (grpcio)
 and launcher load only when used.
@@ -12,11 +14,9 @@ from typing import Any
 _EXPORTS = {
     "Coordinator": "loop",
     "FederationError": "loop",
-    "RoundResult": "loop",
-    "RunSummary": "loop",
-    "OrgSummary": "loop",
-    "PromptSampler": "sampler",
-    "validate_batch": "validation",
+    "RoundResult": "results",
+    "RunSummary": "results",
+    "OrgSummary": "results",
     "Transport": "transport",
     "TransportTimeout": "transport",
     "InProcessTransport": "inprocess",

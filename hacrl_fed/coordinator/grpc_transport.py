@@ -17,6 +17,7 @@ from typing import Any
 
 from hacrl_fed.coordinator.transport import Transport, TransportTimeout
 from hacrl_fed.failures import NoWorker
+from hacrl_fed.limits import MAX_MESSAGE_MB
 from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.grpc_client import ClientTLS, GrpcWorkerClient
@@ -43,7 +44,7 @@ class GrpcTransport(Transport):
         self,
         addresses: Mapping[str, str],
         *,
-        max_message_mb: int = 256,
+        max_message_mb: int = MAX_MESSAGE_MB,
         tls: ClientTLS | Mapping[str, ClientTLS] | None = None,
     ):
         if not addresses:

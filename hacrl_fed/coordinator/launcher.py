@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 
 from hacrl_fed.config import BuildError
+from hacrl_fed.host import available_cpus
 
 READY = re.compile(r"^hacrl-fed worker (?P<org>\S+) listening on (?P<address>\S+)\s*$")
 DEFAULT_WORKER_COMMAND = (sys.executable, "-m", "hacrl_fed.cli", "worker")
@@ -148,10 +149,7 @@ def worker_threads(num_workers: int, cpus: int | None = None) -> int:
     The launcher sets ``OMP_NUM_THREADS`` to this unless the environment already sets it.
     """
     if cpus is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):  # not Linux
-            cpus = os.cpu_count() or 1
+        cpus = available_cpus()
     return max(1, cpus // max(1, num_workers))
 
 

@@ -23,33 +23,34 @@ Per round ``t`` (1-based):
 Orgs that fail a call are skipped for that phase and simply receive the next round's plan. Every gap is in the
 round's metrics: ``round/<org>/failed`` (1 when the org contributed no rollouts) with
 ``round/<org>/failure/<why>``, and ``round/<org>/train_failure/<why>`` for a failed train; ``<why>`` is
-:func:`failure_reason` (``timeout``, ``unreachable``, ``stale_round``, ``error``) or ``invalid`` (a reply without a
-single valid rollout). A worker refuses a round it already trained (``stale_round``: this coordinator restarted
-from a state older than the worker's), so no round is ever trained twice by one worker.
+:func:`hacrl_fed.failures.cause_of` (``timeout``, ``unreachable``, ``stale_round``, ``error``) or ``invalid`` (a
+reply without a single valid rollout). A worker refuses a round it already trained (``stale_round``: this
+coordinator restarted from a state older than the worker's), so no round is ever trained twice by one worker.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hacrl_fed import failures
 from hacrl_fed.algorithm import CapabilityTracker
-from hacrl_fed.config import BuildError, RunConfig, org_generation
-from hacrl_fed.coordinator.sampler import PromptSampler, eval_ids, stable_seed
+from hacrl_fed.config import BuildError, RunConfig, config_hash, org_generation
+from hacrl_fed.coordinator.results import OrgSummary, RoundResult, RunSummary
 from hacrl_fed.coordinator.transport import Transport
 from hacrl_fed.coordinator.trust import PoolGuard
-from hacrl_fed.coordinator.validation import accepted_accuracy
-from hacrl_fed.fsio import write_json_atomic  # the one atomic write (also imported from here by older code)
+from hacrl_fed.fsio import write_json_atomic
 from hacrl_fed.metrics import RunLogger, format_eval, format_round
+from hacrl_fed.plan.sampler import PromptSampler, eval_ids
+from hacrl_fed.plan.screening import accepted_accuracy
+from hacrl_fed.run_files import STATE_FILE
+from hacrl_fed.seeding import stable_seed
 from hacrl_fed.types import (
     EvalReport,
     EvalRequest,
@@ -64,7 +65,6 @@ from hacrl_fed.types import (
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "coordinator_state.json"
 STATE_VERSION = 1
 
 
@@ -72,55 +72,8 @@ class FederationError(RuntimeError):
     """The federation cannot make progress (too many consecutive rounds below ``min_orgs``)."""
 
 
-@dataclass
-class OrgSummary:
-    accuracy_before: float | None  # held-out accuracy at round 0
-    accuracy_after: float | None  # latest held-out accuracy
-    rollouts_shared: int  # this org's accepted rollouts (sent to the others)
-    rollouts_received: int  # foreign rollouts in this org's successful TrainRequests
-    time_s: float  # time spent in this org's calls (per transport timing)
-    excluded: str | None = None  # why the org was excluded from the pool (None: it was not)
-
-
-@dataclass
-class RunSummary:
-    run_id: str
-    run_dir: Path
-    rounds_completed: int
-    skipped_rounds: int
-    orgs: dict[str, OrgSummary]
-    eval_history: dict[int, dict[str, float]]
-    capability: dict[str, float]
-    wall_time_s: float
-
-
-@dataclass
-class RoundResult:
-    """What one round did (passed to ``on_round``)."""
-
-    round: int
-    skipped: bool
-    replied: list[str]  # orgs with at least one accepted rollout
-    accuracy: dict[str, float]  # P_k(t) of the replying orgs
-    trained: list[str]
-    metrics: dict[str, float] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)  # org -> why it contributed nothing (failure_reason)
-
-
 def _new_totals() -> dict[str, float]:
     return {"shared": 0, "received": 0, "time_s": 0.0, "trained_round": 0, "checkpoint_round": 0}
-
-
-def failure_reason(err: BaseException) -> str:
-    """A metrics-friendly category of an org's failed call, whatever the transport raised: the cause carried with
-    the error (:func:`hacrl_fed.failures.cause_of`: ``stale_round``, ``timeout``, ``unreachable`` or ``error``)."""
-    return failures.cause_of(err)
-
-
-def config_hash(cfg: RunConfig) -> str:
-    """First 8 hex digits of SHA-256 over the config (``run_dir`` excluded: where a run lives is not what it is)."""
-    data = cfg.model_dump(mode="json", exclude={"run_dir"})
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
 
 
 def make_run_id(cfg: RunConfig) -> str:
@@ -321,7 +274,7 @@ class Coordinator:
         for org in orgs:
             reply = replies.get(org, TimeoutError(f"no reply from {org!r}"))
             if isinstance(reply, Exception):
-                failed[org] = failure_reason(reply)
+                failed[org] = failures.cause_of(reply)
                 log.warning("round %d: org %s skipped (%s): %s", round, org, failed[org], reply)
                 continue
             ok = self._check_batch(round, org, reply, plans[org], metrics)
@@ -385,7 +338,7 @@ class Coordinator:
         for org, req in requests.items():
             reply = replies.get(org, TimeoutError(f"no reply from {org!r}"))
             if not isinstance(reply, TrainReport):
-                why = failure_reason(reply) if isinstance(reply, BaseException) else "error"
+                why = failures.cause_of(reply) if isinstance(reply, BaseException) else "error"
                 log.warning("round %d: org %s failed to train (%s): %s", round, org, why, reply)
                 metrics[f"round/{org}/train_failed"] = 1.0
                 metrics[f"round/{org}/train_failure/{why}"] = 1.0

@@ -5,7 +5,7 @@ Per round, each org's reply is
 1. verified against the pinned roster when ``security.signing`` is on (:func:`~hacrl_fed.security.envelope.
    verify_signed`): a forged, tampered, unknown-org, wrong-run or replayed (wrong-round) batch is dropped whole,
    counted as ``round/<org>/rejected/<reason>``;
-2. screened against the org's plan (:func:`~hacrl_fed.coordinator.validation.screen_batch`): bounds, exactly
+2. screened against the org's plan (:func:`~hacrl_fed.plan.screening.screen_batch`): bounds, exactly
    ``G`` samples per prompt, and — whenever the coordinator can read the text (not in coordinator-blind mode) —
    every claimed reward re-verified with the task's own verifier;
 3. excluded when its share of contradicted rewards passes ``security.max_mismatch_rate``: the org's batch is
@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hacrl_fed.config import RunConfig
-from hacrl_fed.coordinator.validation import Screened, screen_batch
+from hacrl_fed.plan.screening import Screened, screen_batch
 from hacrl_fed.types import Rollout, RolloutBatch, RoundPlan, TrainReport
 
 log = logging.getLogger(__name__)

@@ -21,12 +21,11 @@ from hacrl_fed.flower.settings import (
     run_dir_of,
 )
 from hacrl_fed.flower.transport import FlowerTransport, discover_orgs
-from hacrl_fed.lifecycle import CLI_KEYS, FLWR_KEYS, SUMMARY_FILE, Run, RunDirError, check_run_dir, setup_logging
+from hacrl_fed.lifecycle import CLI_KEYS, FLWR_KEYS, Run, RunDirError, check_run_dir, setup_logging
 
 log = logging.getLogger(__name__)
 
 PROGRESS_ENV = "HACRL_FED_PROGRESS"  # "1": the ServerApp shares a terminal with the user (hacrl-fed simulate)
-__all__ = ["PROGRESS_ENV", "SUMMARY_FILE", "RunRefused", "quiet_refusals", "run_federation"]
 
 
 class RunRefused(SettingsError):

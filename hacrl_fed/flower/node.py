@@ -41,6 +41,7 @@ from hacrl_fed.flower.settings import (
     read_settings,
     run_dir_of,
 )
+from hacrl_fed.limits import MAX_MESSAGE_MB
 from hacrl_fed.wire import codec
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ def worker_tls(node_config: Mapping[str, Any]) -> Any:
 def _deployment_worker(node_config: Mapping[str, Any], deadline_s: float | None) -> tuple[str, Any]:
     from hacrl_fed.wire.grpc_client import GrpcWorkerClient  # grpc only where it is used
 
-    max_mb = node_config.get(MAX_MB_KEY, 256)
+    max_mb = node_config.get(MAX_MB_KEY, MAX_MESSAGE_MB)
     if not isinstance(max_mb, int) or isinstance(max_mb, bool) or max_mb < 1:
         raise NodeError(f"node_config {MAX_MB_KEY!r}: expected a positive int, got {max_mb!r}")
     org = node_config[ORG_KEY]

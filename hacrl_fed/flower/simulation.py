@@ -31,7 +31,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hacrl_fed.lifecycle import FLOWER_ENV, SUMMARY_FILE, apply_env, setup_logging
+from hacrl_fed.host import available_cpus
+from hacrl_fed.lifecycle import FLOWER_ENV, apply_env, setup_logging
+from hacrl_fed.run_files import SUMMARY_FILE
 
 apply_env(FLOWER_ENV)  # before anything imports flwr (see the module docstring)
 
@@ -65,14 +67,6 @@ def find_app_dir(explicit: str | Path | None = None) -> Path:
         f"no Flower app (server/app.py and client/app.py) in {[str(c) for c in candidates]}; "
         "run from the repository root or pass --app-dir"
     )
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS / Windows
-        return os.cpu_count() or 1
 
 
 def detect_gpus() -> int:

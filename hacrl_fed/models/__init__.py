@@ -4,6 +4,7 @@ model, tokenizer = load_model_and_tokenizer(ModelConfig(zoo="qwen-char"))
 text = render_prompt(tokenizer, prompt.messages)
 """
 
+from hacrl_fed.models.catalog import ZOO, ZooEntry, get_entry, resolve_zoo
 from hacrl_fed.models.chat import eos_token_id, fallback_render, render_prompt
 from hacrl_fed.models.loading import (
     ensure_pad_token,
@@ -14,7 +15,7 @@ from hacrl_fed.models.loading import (
 )
 from hacrl_fed.models.sft import SFTRecipe, greedy_accuracy, run_sft
 from hacrl_fed.models.tokenizers import build_bpe_tokenizer, build_char_tokenizer, build_tokenizer
-from hacrl_fed.models.zoo import ZOO, ZooEntry, build_agent, get_entry, main_zoo, resolve_zoo
+from hacrl_fed.models.zoo import build_agent, main_zoo
 
 __all__ = [
     "ZOO",

@@ -96,7 +96,7 @@ def model_sources(model_cfg: ModelConfig) -> tuple[str, str]:
     if zoo_name is None and str(model_cfg.path).startswith("zoo:"):
         zoo_name = str(model_cfg.path)
     if zoo_name is not None:
-        from hacrl_fed.models.zoo import resolve_zoo
+        from hacrl_fed.models.catalog import resolve_zoo
 
         model_src = str(resolve_zoo(zoo_name))
     else:

@@ -40,6 +40,7 @@ from typing import Any
 from google.protobuf.message import DecodeError, Message
 
 from hacrl_fed import types as t
+from hacrl_fed.limits import MAX_MESSAGE_BYTES
 from hacrl_fed.v1 import worker_pb2 as pb
 
 SCHEMA_VERSION = 1  # written into every top-level message; receivers accept 1..SCHEMA_VERSION
@@ -60,7 +61,7 @@ class WireError(ValueError):
 class WireLimits:
     """Decode-time caps. Characters are counted on the decoded ``str``; bytes on the serialized message."""
 
-    max_message_bytes: int = 256 * 2**20  # one serialized message (matches the default gRPC limit we set)
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # one serialized message (the default gRPC limit we set)
     max_text_chars: int = 2**20  # responses, chat contents, references, health values
     max_name_chars: int = 256  # ids, roles, task names, metric / capability / health keys
     max_items: int = 2**20  # elements of any one repeated or map field

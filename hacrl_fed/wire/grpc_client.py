@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from hacrl_fed import failures
+from hacrl_fed.limits import MAX_MESSAGE_MB
 from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
 from hacrl_fed.v1 import worker_pb2_grpc
 from hacrl_fed.wire import codec
@@ -119,7 +120,7 @@ class GrpcWorkerClient:
         *,
         org_id: str | None = None,
         timeout_s: float | None = 600.0,
-        max_message_mb: int = 256,
+        max_message_mb: int = MAX_MESSAGE_MB,
         limits: codec.WireLimits = codec.DEFAULT_LIMITS,
         tls: ClientTLS | None = None,
     ) -> None:

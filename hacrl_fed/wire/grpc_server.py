@@ -54,6 +54,7 @@ from typing import Any
 import grpc
 
 from hacrl_fed import failures
+from hacrl_fed.limits import MAX_MESSAGE_MB
 from hacrl_fed.wire import codec
 from hacrl_fed.worker.cancel import CallCancelled, cancel_scope, cancelled
 
@@ -441,7 +442,7 @@ def serve_worker(
     *,
     tls: WorkerTLS | None = None,
     insecure: bool = False,
-    max_message_mb: int = 256,
+    max_message_mb: int = MAX_MESSAGE_MB,
     ready_event: threading.Event | None = None,
     max_threads: int = 4,
     limits: codec.WireLimits = codec.DEFAULT_LIMITS,

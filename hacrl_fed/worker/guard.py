@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 from hacrl_fed.config import RunConfig, org_generation
-from hacrl_fed.coordinator.validation import Screened, screen_batch
+from hacrl_fed.plan.screening import Screened, screen_batch
 from hacrl_fed.types import EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, SamplingParams, TrainRequest
 
 

@@ -5,9 +5,9 @@ Implements :class:`hacrl_fed.worker.api.WorkerAPI`. Each round: :meth:`generate`
 
 Every request is checked against the worker's own state and limits first (:mod:`hacrl_fed.worker.guard`):
 after ``train`` of round ``t`` of run ``R`` (remembered in checkpoints) it refuses plans of ``R`` for rounds
-``<= t`` (:class:`StaleRoundError`: a coordinator restarted from an older state; it counts the gap as
-``stale_round`` and the org rejoins at ``t + 1``) or too far ahead, trains only the round it generated, and
-checkpoints only the round it trained. Foreign rollouts are screened per source before any tokenization
+``<= t`` (:class:`~hacrl_fed.worker.guard.StaleRoundError`: a coordinator restarted from an older state; it counts
+the gap as ``stale_round`` and the org rejoins at ``t + 1``) or too far ahead, trains only the round it generated,
+and checkpoints only the round it trained. Foreign rollouts are screened per source before any tokenization
 (signature, decryption, plan bounds, exactly G per prompt, rewards re-verified with this org's own verifier).
 
 Run isolation: one long-lived worker serves run after run, each from the right starting point. It switches from
@@ -42,12 +42,12 @@ from pathlib import Path
 import torch
 
 from hacrl_fed.config import RunConfig, org_generation, org_trainer
-from hacrl_fed.coordinator.sampler import eval_ids
 from hacrl_fed.engines import EngineOptions, build_engine
 from hacrl_fed.models.chat import eos_token_id, render_prompt
 from hacrl_fed.models.context import check_task_fits, context_length, fits
 from hacrl_fed.models.loading import load_model_and_tokenizer, model_sources
 from hacrl_fed.perf import PhaseMeter
+from hacrl_fed.plan.sampler import eval_ids
 from hacrl_fed.scoring import response_token_ids
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.tasks import get_task
@@ -71,16 +71,13 @@ from hacrl_fed.worker.checkpoint import (
     run_checkpoint_root,
     save_checkpoint,
 )
-from hacrl_fed.worker.guard import (  # StaleRoundError is re-exported: callers import it from here
+from hacrl_fed.worker.guard import (
     RequestRefused,
-    StaleRoundError,
     check_checkpoint,
     check_eval,
     check_plan,
     screen_sources,
 )
-
-__all__ = ["FOREIGN_LENGTH_FACTOR", "PolicyWorker", "RequestRefused", "StaleRoundError"]
 
 log = logging.getLogger(__name__)
 

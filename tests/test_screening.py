@@ -1,4 +1,4 @@
-"""validate_batch / screen_batch: every bad-input case is dropped with its reason, good rollouts pass, a group is
+"""screen_batch: every bad-input case is dropped with its reason, good rollouts pass, a group is
 pooled only when all G samples pass, claimed rewards are re-verified, nothing raises."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from hacrl_fed.coordinator.validation import accepted_accuracy, screen_batch, validate_batch
+from hacrl_fed.plan.screening import accepted_accuracy, screen_batch
 from hacrl_fed.types import ChatMessage, Prompt, Rollout, RolloutBatch, RoundPlan, SamplingParams
 
 G = 3
@@ -18,6 +18,12 @@ PLAN = RoundPlan(
     prompts=tuple(Prompt(pid, (ChatMessage("user", f"q{pid}"),), str(pid)) for pid in (10, 20)),
     sampling=SamplingParams(max_new_tokens=MAX_NEW, num_samples=G),
 )
+
+
+def _accepted_rejected(*args, **kwargs):
+    """``(accepted, rejected)`` of :func:`screen_batch`."""
+    out = screen_batch(*args, **kwargs)
+    return out.accepted, out.rejected
 
 
 def good(pid: int = 10, idx: int = 0, **kw) -> Rollout:
@@ -35,7 +41,7 @@ def batch(*rollouts, **kw) -> RolloutBatch:
 
 def test_full_good_batch_accepted():
     rs = [good(pid, i, reward=float(i % 2)) for pid in (10, 20) for i in range(G)]
-    acc, rej = validate_batch(batch(*rs), PLAN, "a")
+    acc, rej = _accepted_rejected(batch(*rs), PLAN, "a")
     assert acc == rs and not rej
     assert accepted_accuracy(acc) == pytest.approx(2 / 6)
 
@@ -46,17 +52,17 @@ def test_full_good_batch_accepted():
     ("org_id", "b", "org_id_mismatch"),
 ])
 def test_header_mismatch_rejects_everything(field, value, reason):
-    acc, rej = validate_batch(batch(good(), good(20), **{field: value}), PLAN, "a")
+    acc, rej = _accepted_rejected(batch(good(), good(20), **{field: value}), PLAN, "a")
     assert acc == [] and rej == {reason: 2}
 
 
 def test_empty_or_garbage_batches_are_visible_and_do_not_raise():
-    acc, rej = validate_batch(batch(), PLAN, "a")
+    acc, rej = _accepted_rejected(batch(), PLAN, "a")
     assert acc == [] and not rej
-    acc, rej = validate_batch(batch(org_id="b"), PLAN, "a")
+    acc, rej = _accepted_rejected(batch(org_id="b"), PLAN, "a")
     assert acc == [] and rej == {"org_id_mismatch": 1}
     for garbage in (None, "nope", 3, dataclasses.replace(batch(), rollouts=None)):
-        acc, rej = validate_batch(garbage, PLAN, "a")  # type: ignore[arg-type]
+        acc, rej = _accepted_rejected(garbage, PLAN, "a")
         assert acc == [] and rej["malformed_batch"] >= 1
 
 
@@ -98,7 +104,7 @@ def test_bad_rollout_dropped_with_reason_and_spoils_its_group(changes, reason):
     """One bad sample of prompt 20: it is dropped with its reason, the other G-1 of that group with
     incomplete_group, and prompt 10's full group passes."""
     rest = [good(20, i) for i in range(G) if i != 1]
-    acc, rej = validate_batch(batch(*group(10), good(20, 1, **changes), *rest), PLAN, "a",
+    acc, rej = _accepted_rejected(batch(*group(10), good(20, 1, **changes), *rest), PLAN, "a",
                               max_bytes_per_token=BYTES_PER_TOKEN)
     assert acc == group(10) and rej == {reason: 1, "incomplete_group": G - 1}
 
@@ -108,7 +114,7 @@ def test_boundary_values_accepted():
             good(10, 1, logprob_sum=0.0, token_count=1, response="x" * 96),
             good(10, 2, response="\u00e9" * 48, reward=0.0),
             *group(20)]
-    acc, rej = validate_batch(batch(*edge), PLAN, "a", max_bytes_per_token=BYTES_PER_TOKEN)
+    acc, rej = _accepted_rejected(batch(*edge), PLAN, "a", max_bytes_per_token=BYTES_PER_TOKEN)
     assert acc == edge and not rej
 
 
@@ -168,7 +174,7 @@ def test_sealed_text_is_not_reverified_here():
 
 
 def test_non_rollout_items_are_malformed():
-    acc, rej = validate_batch(batch(*group(10), None, {"reward": 1}), PLAN, "a")
+    acc, rej = _accepted_rejected(batch(*group(10), None, {"reward": 1}), PLAN, "a")
     assert acc == group(10) and rej == {"malformed": 2}
 
 

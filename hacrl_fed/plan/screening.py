@@ -26,10 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hacrl_fed.limits import MAX_BYTES_PER_TOKEN
 from hacrl_fed.types import FINISH_REASONS, Rollout, RolloutBatch, RoundPlan
 
 LOGPROB_SLACK = 1e-4  # a sum of log-probs is <= 0; allow float noise from fused kernels
-DEFAULT_MAX_BYTES_PER_TOKEN = 32  # no tokenizer in use here has a token longer than this in UTF-8
 SEALED_OVERHEAD_BYTES = 64  # AEAD tag (and nonce) around sealed text
 REWARD_TOLERANCE = 1e-6  # |claimed - verified| above this is a mismatch
 
@@ -70,7 +70,7 @@ def _finite(x: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def max_response_bytes(plan: RoundPlan, max_bytes_per_token: int = DEFAULT_MAX_BYTES_PER_TOKEN) -> int:
+def max_response_bytes(plan: RoundPlan, max_bytes_per_token: int = MAX_BYTES_PER_TOKEN) -> int:
     """The text bound a plan allows: ``max_new_tokens * max_bytes_per_token`` UTF-8 bytes."""
     return plan.sampling.max_new_tokens * max_bytes_per_token
 
@@ -154,7 +154,7 @@ def screen_batch(
     org_id: str,
     *,
     verify: Verifier | None = None,
-    max_bytes_per_token: int = DEFAULT_MAX_BYTES_PER_TOKEN,
+    max_bytes_per_token: int = MAX_BYTES_PER_TOKEN,
 ) -> Screened:
     """Screen ``batch`` (``org_id``'s answer to ``plan``): see the module docstring for every reason.
 
@@ -200,19 +200,6 @@ def screen_batch(
     order = {id(r): i for i, r in enumerate(batch.rollouts)}
     out.accepted.sort(key=lambda r: order[id(r)])
     return out
-
-
-def validate_batch(
-    batch: RolloutBatch,
-    plan: RoundPlan,
-    org_id: str,
-    *,
-    verify: Verifier | None = None,
-    max_bytes_per_token: int = DEFAULT_MAX_BYTES_PER_TOKEN,
-) -> tuple[list[Rollout], Counter[str]]:
-    """``(accepted rollouts in arrival order, Counter of rejection reasons)``: :func:`screen_batch`, in short."""
-    out = screen_batch(batch, plan, org_id, verify=verify, max_bytes_per_token=max_bytes_per_token)
-    return out.accepted, out.rejected
 
 
 def _safe_len(batch: Any) -> int:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import random
 
-from hacrl_fed.seeding import stable_seed  # the project's one stable seed (re-exported here)
-
-__all__ = ["PromptSampler", "eval_ids", "stable_seed"]
+from hacrl_fed.seeding import stable_seed
 
 
 class PromptSampler:
