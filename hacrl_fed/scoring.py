@@ -96,7 +96,7 @@ def _positions(attention_mask: Tensor) -> Tensor:
 
 
 def build_scoring_batch_from_ids(
-    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int
+    prompt_token_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int
 ) -> ScoringBatch:
     """Pack exact token ids (e.g. an agent's own rollouts) into a :class:`ScoringBatch`.
 
@@ -104,20 +104,20 @@ def build_scoring_batch_from_ids(
     Responses may be empty (then nothing is scored for that row). ``pad_id`` fills padding only; masks come from
     the lengths, so a response may legitimately contain ``pad_id``.
     """
-    if len(prompt_ids) != len(response_ids):
-        raise ValueError(f"prompt_ids has {len(prompt_ids)} rows but response_ids has {len(response_ids)}")
+    if len(prompt_token_ids) != len(response_ids):
+        raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} rows but response_ids has {len(response_ids)}")
     if pad_id is None:
         raise ValueError("pad_id is None: the tokenizer needs a pad or EOS token")
-    for i, p in enumerate(prompt_ids):
+    for i, p in enumerate(prompt_token_ids):
         if len(p) == 0:
-            raise ValueError(f"prompt_ids[{i}] is empty: a prompt needs at least one token")
-    b = len(prompt_ids)
-    p_width = max((len(p) for p in prompt_ids), default=0)
+            raise ValueError(f"prompt_token_ids[{i}] is empty: a prompt needs at least one token")
+    b = len(prompt_token_ids)
+    p_width = max((len(p) for p in prompt_token_ids), default=0)
     t_width = max((len(r) for r in response_ids), default=0)
     ids = torch.full((b, p_width + t_width), int(pad_id), dtype=torch.long)
     attn = torch.zeros_like(ids)
     resp = torch.zeros_like(ids)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+    for i, (p, r) in enumerate(zip(prompt_token_ids, response_ids)):
         ids[i, p_width - len(p) : p_width] = torch.as_tensor(list(p), dtype=torch.long)
         ids[i, p_width : p_width + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
         attn[i, p_width - len(p) : p_width + len(r)] = 1
@@ -156,12 +156,12 @@ def build_scoring_batch(
     eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     if eos is None and FINISH_STOP in finish_reasons:
         raise ValueError("the tokenizer has no eos_token_id; pass eos_token_id to score 'stop' responses")
-    prompt_ids = tokenizer(list(prompt_texts), add_special_tokens=False)["input_ids"] if n else []
+    prompt_token_ids = tokenizer(list(prompt_texts), add_special_tokens=False)["input_ids"] if n else []
     full = response_token_ids(
         tokenizer, responses, finish_reasons, eos_token_id=eos, max_response_tokens=max_response_tokens
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    return build_scoring_batch_from_ids(prompt_ids, full, pad)
+    return build_scoring_batch_from_ids(prompt_token_ids, full, pad)
 
 
 def response_token_ids(
@@ -203,9 +203,9 @@ def token_log_probs(
 ) -> tuple[Tensor, Tensor]:
     """Per-token log-probs of the response tokens, in a left-aligned response view.
 
-    Returns ``(log_probs, mask)``, both float32 ``[B, T]`` with ``T = batch.response_width``: column ``j`` is
+    Returns ``(token_log_probs, mask)``, both float32 ``[B, T]`` with ``T = batch.response_width``: column ``j`` is
     response token ``j`` (``log p(x_{P+j} | x_{<P+j})``, temperature 1), ``mask`` is 1 where row ``i`` has a
-    ``j``-th token and ``log_probs`` is exactly 0 elsewhere. Carries gradient when grad is enabled. Runs the
+    ``j``-th token and ``token_log_probs`` is exactly 0 elsewhere. Carries gradient when grad is enabled. Runs the
     model in eval mode (no dropout) except for the ``dropout`` modules (the trainer passes its LoRA adapters'
     dropout), and restores every module's previous mode. Memory: logits only for the ``T + 1`` last
     columns when the model supports ``logits_to_keep``; one float32 ``[B, T, V]`` copy for the log-softmax.
@@ -239,7 +239,8 @@ def token_log_probs(
 
 
 def _micro_batches(model, batch: ScoringBatch, micro_batch_size: int) -> Iterator[tuple[int, Tensor, Tensor]]:
-    """Yield ``(first_row, log_probs, mask)`` for consecutive no-grad micro-batches of at most ``micro_batch_size``."""
+    """Yield ``(first_row, token_log_probs, mask)`` for consecutive no-grad micro-batches of at most
+    ``micro_batch_size`` rows."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     with torch.no_grad():

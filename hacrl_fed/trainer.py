@@ -42,7 +42,7 @@ from hacrl_fed.algorithm import (
     PolicyLossConfig,
     PolicyLossInputs,
     advantage_metrics,
-    cross_weights,
+    capability_coefficients,
     fractions_from_counts,
     get_advantage_estimator,
     get_algorithm,
@@ -63,19 +63,19 @@ log = logging.getLogger(__name__)
 class TrainRow:
     """One sequence in the learner's tokenization.
 
-    ``old_log_prob`` is ``lbar_old``: the learner's pre-update mean token log-prob for self rows, the source's
+    ``old_seq_log_prob`` is ``lbar_old``: the learner's pre-update mean token log-prob for self rows, the source's
     published mean for cross rows. ``old_token_log_probs`` (self rows) feeds token-level losses (GRPO).
     ``norm_length`` > 0 replaces the learner's token count as the divisor of its ``lbar`` of this row (with
-    ``algorithm.logprob_norm: per_byte`` a cross row's ``old_log_prob`` is then per byte too).
+    ``algorithm.logprob_norm: per_byte`` a cross row's ``old_seq_log_prob`` is then per byte too).
     """
 
-    prompt_ids: list[int]
+    prompt_token_ids: list[int]
     response_ids: list[int]
     reward: float
     group: int
     source: int
     is_self: bool
-    old_log_prob: float
+    old_seq_log_prob: float
     old_token_log_probs: list[float] | None = None
     norm_length: float = 0.0  # divisor of this row's lbar; 0: its token count (per_byte cross rows: UTF-8 bytes)
 
@@ -253,7 +253,7 @@ class LocalTrainer:
         adv_all = self.advantages(rows, learner, capability)
         all_rows = rows
         keep = [i for i, r in enumerate(rows) if r.response_ids]  # nothing to score in an empty response
-        scorable = [i for i in keep if fits(len(rows[i].prompt_ids), len(rows[i].response_ids), self.context)]
+        scorable = [i for i in keep if fits(len(rows[i].prompt_token_ids), len(rows[i].response_ids), self.context)]
         too_long = len(keep) - len(scorable)
         if too_long:
             log.warning(
@@ -263,19 +263,19 @@ class LocalTrainer:
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0, "train/num_too_long": float(too_long)}
         sources = torch.tensor([r.source for r in rows])
-        if self.spec.cross_weights and self.algo.capability_coefficient:
-            v = cross_weights(capability, learner, sources, self.algo.ratio_min, self.algo.ratio_max)
+        if self.spec.uses_capability_coefficient and self.algo.capability_coefficient:
+            v = capability_coefficients(capability, learner, sources, self.algo.ratio_min, self.algo.ratio_max)
         else:
             v = torch.ones(len(rows))
         is_self = torch.tensor([r.is_self for r in rows])
         perm = order_rows(is_self, sources).tolist()
         acc = _MetricAccumulator()
         schedule = minibatch_schedule(len(rows), self.cfg.minibatch_size, self.cfg.epochs)
-        for m, idx in schedule:
+        for step, idx in schedule:
             picked = [perm[i] for i in idx.tolist()]
             # the adapters' dropout is on through forward and backward (gradient checkpointing recomputes in backward)
             with adapter_dropout(self.dropout):
-                acc.add(self._step(m, [rows[i] for i in picked], adv[picked], is_self[picked], v[picked]))
+                acc.add(self._step(step, [rows[i] for i in picked], adv[picked], is_self[picked], v[picked]))
         # shares over the whole update (not means of per-step shares), per source pair too
         out = fractions_from_counts(name_sources(acc.result(), names))
         if names is not None:
@@ -295,8 +295,9 @@ class LocalTrainer:
         )
         return out
 
-    def _step(self, m: int, rows: list[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor) -> dict[str, float]:
-        """One optimizer step over one mini-batch, accumulated over micro-batches."""
+    def _step(self, step: int, rows: list[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor) -> dict[str, float]:
+        """Optimizer step ``step`` of the round (counted across epochs) over one mini-batch, accumulated over
+        micro-batches."""
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.model_params:  # the model's own grads (its params are not the optimizer's in bf16-master)
             p.grad = None
@@ -310,7 +311,7 @@ class LocalTrainer:
             sl = slice(s, s + self.cfg.micro_batch_size)
             micro = rows[sl]
             batch = build_scoring_batch_from_ids(
-                [r.prompt_ids for r in micro], [r.response_ids for r in micro], self.pad_id
+                [r.prompt_token_ids for r in micro], [r.response_ids for r in micro], self.pad_id
             )
             with self._autocast(device):
                 lp, mask = token_log_probs(self.model, batch, dropout=self.dropout)
@@ -320,17 +321,17 @@ class LocalTrainer:
                     raise ValueError(f"{self.algo.name} is token-level: every row needs old_token_log_probs")
                 old_tok = _pad([r.old_token_log_probs or [] for r in micro], lp.shape[1]).to(lp.device)
             inputs = PolicyLossInputs(
-                log_probs=lp,
+                token_log_probs=lp,
                 response_mask=mask,
-                old_log_probs=torch.tensor([r.old_log_prob for r in micro], device=lp.device),
+                old_seq_log_probs=torch.tensor([r.old_seq_log_prob for r in micro], device=lp.device),
                 advantages=adv[sl],
                 is_self=is_self[sl],
-                cross_weight=v[sl],
+                capability_coefficient=v[sl],
                 old_token_log_probs=old_tok,
                 seq_lengths=torch.tensor([r.norm_length for r in micro], device=lp.device),
                 source_ids=torch.tensor([r.source for r in micro], device=lp.device),
             )
-            loss, metrics = self.loss_fn(inputs, m, self.loss_cfg)
+            loss, metrics = self.loss_fn(inputs, step, self.loss_cfg)
             # exact mini-batch mean from micro-batch means: weight by rows (or tokens for token-mean GRPO)
             weight = float(mask.sum()) / total_tokens if self.by_tokens else len(micro) / len(rows)
             objective = loss * weight
@@ -359,7 +360,7 @@ class LocalTrainer:
                 "train/loss": loss_total,
                 "train/grad_norm": float(grad_norm),
                 "train/kl": kl_total,
-                "train/num_tokens": float(sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)),
+                "train/num_tokens": float(sum(len(r.prompt_token_ids) + len(r.response_ids) for r in rows)),
             }
         )
         return out

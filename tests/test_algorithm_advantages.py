@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hacrl_fed.algorithm import (
-    advantage_metrics, capability_ratios, cross_weights, get_advantage_estimator, group_advantages,
+    advantage_metrics, capability_ratios, capability_coefficients, get_advantage_estimator, group_advantages,
     hacpo_advantages,
 )
 
@@ -78,7 +78,7 @@ def test_equal_capability_reduces_to_group_normalisation():
 def test_capability_ratio_clamped_and_self_is_one():
     w = capability_ratios([1.0, 1e-8, 1e3], 0, torch.tensor([0, 1, 2]))
     assert w.tolist() == [1.0, 10.0, 0.1]
-    v = cross_weights([1.0, 1e-8, 1e3, 0.5], 0, torch.tensor([0, 1, 2, 3]))
+    v = capability_coefficients([1.0, 1e-8, 1e3, 0.5], 0, torch.tensor([0, 1, 2, 3]))
     assert torch.allclose(v, torch.tensor([1.0, 0.1, 10.0, 0.5]))
 
 

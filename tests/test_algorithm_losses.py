@@ -191,9 +191,9 @@ def _inputs(n=6, is_self=None, t=4):
     lp = (torch.randn(n, t) * 0.01 - 1).requires_grad_()
     old_tok = lp.detach() + torch.randn(n, t) * 1e-4
     return PolicyLossInputs(
-        log_probs=lp, response_mask=mask, old_log_probs=sequence_mean_log_prob(old_tok, mask),
+        token_log_probs=lp, response_mask=mask, old_seq_log_probs=sequence_mean_log_prob(old_tok, mask),
         advantages=torch.randn(n), is_self=torch.ones(n, dtype=torch.bool) if is_self is None else is_self,
-        cross_weight=torch.ones(n), old_token_log_probs=old_tok)
+        capability_coefficient=torch.ones(n), old_token_log_probs=old_tok)
 
 
 def test_registry_losses_dispatch():
@@ -250,7 +250,7 @@ def test_pure_functions_default_to_the_config_defaults():
     import inspect
 
     from hacrl_fed.algorithm import (
-        CapabilityTracker, capability_ratios, cross_weights, group_advantages, hacpo_advantages, kl_k3, naive_loss,
+        CapabilityTracker, capability_ratios, capability_coefficients, group_advantages, hacpo_advantages, kl_k3, naive_loss,
     )
     from hacrl_fed.config import AlgorithmConfig
 
@@ -271,7 +271,7 @@ def test_pure_functions_default_to_the_config_defaults():
                                           "ratio_max": d.ratio_max, "eps": d.adv_eps,
                                           "calibrate": d.advantage_calibration}
     assert defaults(group_advantages) == {"eps": d.adv_eps}
-    for fn in (capability_ratios, cross_weights):
+    for fn in (capability_ratios, capability_coefficients):
         assert defaults(fn) == {"ratio_min": d.ratio_min, "ratio_max": d.ratio_max}
     tracker = CapabilityTracker()
     assert (tracker.window, tracker.floor, tracker.ratio_min, tracker.ratio_max, tracker.warmup_rounds) == (

@@ -106,9 +106,9 @@ def _loss_inputs(all_self: bool) -> PolicyLossInputs:
     b, t = 4, 3
     lp = -torch.rand(b, t)
     return PolicyLossInputs(
-        log_probs=lp, response_mask=torch.ones(b, t), old_log_probs=lp.mean(-1) - 0.05 * torch.rand(b),
+        token_log_probs=lp, response_mask=torch.ones(b, t), old_seq_log_probs=lp.mean(-1) - 0.05 * torch.rand(b),
         advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
-        is_self=torch.tensor([True, True, all_self, all_self]), cross_weight=torch.ones(b),
+        is_self=torch.tensor([True, True, all_self, all_self]), capability_coefficient=torch.ones(b),
         old_token_log_probs=lp - 0.05)
 
 
@@ -130,7 +130,7 @@ def test_every_rejection_reason_is_documented():
     text = METRICS_MD.read_text()
     section = text[text.index("## Rejection reasons"):]
     documented = set(re.findall(r"`([a-z_]+)`", section))
-    sources = [ROOT / "hacrl_fed" / "coordinator" / "validation.py", ROOT / "hacrl_fed" / "coordinator" / "trust.py",
+    sources = [ROOT / "hacrl_fed" / "plan" / "screening.py", ROOT / "hacrl_fed" / "coordinator" / "trust.py",
                ROOT / "hacrl_fed" / "worker" / "guard.py"]
     in_code = set(REASONS)
     for path in sources:

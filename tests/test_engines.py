@@ -43,13 +43,13 @@ def char():
     return tiny_char_tokenizer()
 
 
-def prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
+def prompt_token_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
 
 def recompute(model, tokenizer, prompts: list[str], gens: list[list[Generation]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Published per-token log-probs vs a fresh scoring pass, both ``[N, T]`` (0-padded), N = prompts × samples."""
-    p_ids = prompt_ids(tokenizer, prompts)
+    p_ids = prompt_token_ids(tokenizer, prompts)
     flat_p = [p_ids[i] for i, row in enumerate(gens) for _ in row]
     flat_g = [g for row in gens for g in row]
     batch = build_scoring_batch_from_ids(flat_p, [g.token_ids for g in flat_g], tokenizer.pad_token_id)
@@ -78,7 +78,7 @@ def test_published_log_probs_equal_recompute(arch, from_generation, bpe):
     assert [len(row) for row in gens] == [3, 3, 3]
     published, fresh = recompute(model, bpe, prompts, gens)
     assert (published - fresh).abs().max() < 1e-4
-    p_ids = prompt_ids(bpe, prompts)
+    p_ids = prompt_token_ids(bpe, prompts)
     for i, row in enumerate(gens):
         for g in row:
             ref = unpadded(model, p_ids[i], g.token_ids)
@@ -146,7 +146,7 @@ def test_greedy_is_argmax_and_deterministic(char):
     prompts = [render(char, q) for q in QUESTIONS]
     first = engine.greedy(prompts, max_new_tokens=8)
     assert first == engine.greedy(prompts, max_new_tokens=8)
-    for p, g in zip(prompt_ids(char, prompts), first):
+    for p, g in zip(prompt_token_ids(char, prompts), first):
         with torch.no_grad():
             logits = model(torch.tensor([p + g.token_ids])).logits[0]
         argmax = logits[len(p) - 1 : len(p) - 1 + g.token_count].argmax(-1).tolist()
@@ -379,7 +379,7 @@ def test_vllm_greedy_is_argmax_with_ids_only(fake_vllm, tmp_path, char):
     first = engine.greedy(prompts, max_new_tokens=8)
     assert all(p.kwargs["temperature"] == 0.0 and p.kwargs["detokenize"] is False for p in engine._last_params)
     assert first == engine.greedy(prompts, max_new_tokens=8) and engine.greedy([], max_new_tokens=8) == []
-    for p, g in zip(prompt_ids(char, prompts), first):
+    for p, g in zip(prompt_token_ids(char, prompts), first):
         with torch.no_grad():
             logits = model(torch.tensor([p + g.token_ids])).logits[0]
         assert logits[len(p) - 1 : len(p) - 1 + g.token_count].argmax(-1).tolist() == g.token_ids

@@ -57,7 +57,7 @@ def test_from_ids_layout():
 
 
 def test_from_ids_rejects_bad_input():
-    with pytest.raises(ValueError, match=r"prompt_ids\[1\] is empty"):
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] is empty"):
         build_scoring_batch_from_ids([[1], []], [[2], [3]], pad_id=0)
     with pytest.raises(ValueError, match="rows"):
         build_scoring_batch_from_ids([[1]], [[2], [3]], pad_id=0)

@@ -89,7 +89,7 @@ def _trainer(precision="model", dtype=torch.float32, checkpointing=False, kl_bet
 def test_update_reports_tokens_trained():
     rows = _rows()
     _, met = _train("hacpo", 4, rows)
-    assert met["train/num_tokens"] == sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+    assert met["train/num_tokens"] == sum(len(r.prompt_token_ids) + len(r.response_ids) for r in rows)
 
 
 def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_update():
@@ -217,12 +217,12 @@ def test_trainer_asks_the_algorithm_spec_not_the_name(monkeypatch):
     from hacrl_fed.algorithm import ALGORITHMS, AlgorithmSpec
 
     calls = []
-    real = trainer_mod.cross_weights
-    monkeypatch.setattr(trainer_mod, "cross_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = trainer_mod.capability_coefficients
+    monkeypatch.setattr(trainer_mod, "capability_coefficients", lambda *a, **k: calls.append(1) or real(*a, **k))
     _train("hacpo", 4, _rows())
     assert calls  # hacpo's spec: capability cross weights
     calls.clear()
-    monkeypatch.setitem(ALGORITHMS, "hacpo", AlgorithmSpec("hacpo", "hacpo", uses_cross=True, cross_weights=False))
+    monkeypatch.setitem(ALGORITHMS, "hacpo", AlgorithmSpec("hacpo", "hacpo", uses_cross=True, uses_capability_coefficient=False))
     _, met = _train("hacpo", 4, _rows())
     assert not calls and met["train/num_cross"] > 0
     monkeypatch.setitem(ALGORITHMS, "gspo", AlgorithmSpec("group", "naive", uses_cross=True))
@@ -340,7 +340,7 @@ def _train_algo(algo: AlgorithmConfig, rows, capability, minibatch=6):
 def _mixed_rows(n=12, seed=5):
     """Rows whose groups hold self and cross rows (so the capability can move the baseline)."""
     rows = _rows(n=n, seed=seed)
-    return [TrainRow(r.prompt_ids, r.response_ids, r.reward, i % 2, r.source, r.is_self, r.old_log_prob,
+    return [TrainRow(r.prompt_token_ids, r.response_ids, r.reward, i % 2, r.source, r.is_self, r.old_seq_log_prob,
                      r.old_token_log_probs) for i, r in enumerate(rows)]
 
 

@@ -241,6 +241,6 @@ def test_per_byte_logprob_norm_divides_both_sides_by_the_response_bytes(tmp_path
         rows, dropped = w._foreign_rows([foreign], w._own, ["char", "bpe"])
         assert dropped == 0 and len(rows) == 1
         if norm == "per_byte":
-            assert rows[0].norm_length == 5.0 and rows[0].old_log_prob == pytest.approx(-6.0 / 5)
+            assert rows[0].norm_length == 5.0 and rows[0].old_seq_log_prob == pytest.approx(-6.0 / 5)
         else:
-            assert rows[0].norm_length == 0.0 and rows[0].old_log_prob == pytest.approx(-2.0)
+            assert rows[0].norm_length == 0.0 and rows[0].old_seq_log_prob == pytest.approx(-2.0)

@@ -1,13 +1,15 @@
 """HACPO and its baselines as pure tensor functions (no I/O, no flwr, no protobuf).
 
-See ``docs/ALGORITHM.md``. Vocabulary: ``log_probs``/``old_log_probs``/``advantages`` per sequence [N]
-(or per token [B, T] with ``response_mask``), ``group_ids``/``source_ids`` [N].
+See ``docs/ALGORITHM.md``. Vocabulary: ``seq_log_probs``/``old_seq_log_probs`` (``lbar``, one per sequence) and
+``advantages`` [N]; ``token_log_probs``/``old_token_log_probs`` per token [B, T] with ``response_mask``;
+``group_ids``/``source_ids`` [N]; ``capability_coefficient`` ``v(j, k)`` [N]; ``step``: the optimizer step of the
+round, counted across epochs.
 """
 
 from hacrl_fed.algorithm.advantages import (
     advantage_metrics,
+    capability_coefficients,
     capability_ratios,
-    cross_weights,
     group_advantages,
     hacpo_advantages,
 )
@@ -53,9 +55,9 @@ __all__ = [
     "PolicyLossConfig",
     "PolicyLossInputs",
     "advantage_metrics",
+    "capability_coefficients",
     "capability_ratios",
     "cross_lower_bound",
-    "cross_weights",
     "fractions_from_counts",
     "name_sources",
     "get_advantage_estimator",

@@ -154,7 +154,7 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = DEFAULT
     return torch.where(uniform[g.idx], torch.zeros_like(adv), adv).to(out_dtype)
 
 
-def cross_weights(
+def capability_coefficients(
     capability: Tensor | Sequence[float],
     learner: int,
     source_ids: Tensor,

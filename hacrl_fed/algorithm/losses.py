@@ -28,7 +28,8 @@ class PolicyLossConfig:
     """Every policy loss's knobs, named as in the ``algorithm`` config section (defaults: its defaults).
 
     ``self_clip_*``: GSPO band ``[1 - low, 1 + high]`` on self rows (hacpo, gspo, naive); ``cross_clip_delta`` and
-    ``cross_clip_step``: the stepwise cross band ``[min(1, 1 - delta + m * step), 1]``; ``alpha``: the exponent of
+    ``cross_clip_step``: the stepwise cross band ``[min(1, 1 - delta + m * cross_clip_step), 1]`` at optimizer step
+    ``m``; ``alpha``: the exponent of
     ``stopgrad(c)``; ``cross_clip``: False takes ``c = s`` on cross rows (no band at all: an ablation);
     ``max_abs_log_ratio``: clamp of every log-ratio before ``exp``; ``grpo_clip_*``: GRPO's token-level band;
     ``grpo_loss_agg_mode``: how GRPO averages over tokens (:data:`GRPO_AGG_MODES`).
@@ -79,12 +80,13 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def cross_lower_bound(
-    minibatch_index: int, delta: float = DEFAULTS.cross_clip_delta, delta_step: float = DEFAULTS.cross_clip_step
+    step: int, delta: float = DEFAULTS.cross_clip_delta, delta_step: float = DEFAULTS.cross_clip_step
 ) -> float:
-    """Stepwise lower clip bound of cross rows: ``lower_m = min(1, 1 - delta + m * delta_step)``."""
-    if minibatch_index < 0:
-        raise ValueError(f"minibatch_index must be >= 0, got {minibatch_index}")
-    return min(1.0, 1.0 - delta + minibatch_index * delta_step)
+    """Stepwise lower clip bound of cross rows at optimizer step ``m = step`` (0-based within the round, counted
+    across epochs): ``lower_m = min(1, 1 - delta + m * delta_step)``."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return min(1.0, 1.0 - delta + step * delta_step)
 
 
 def _stats(prefix: str, name: str, x: Tensor) -> dict[str, float]:
@@ -198,24 +200,25 @@ def gspo_objective(ratio: Tensor, advantages: Tensor, clip_low: float, clip_high
 
 
 def hacpo_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
+    seq_log_probs: Tensor,
+    old_seq_log_probs: Tensor,
     advantages: Tensor,
     is_self: Tensor,
-    cross_weight: Tensor,
-    minibatch_index: int,
+    capability_coefficient: Tensor,
+    step: int,
     config: PolicyLossConfig = PolicyLossConfig(),
     source_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """HACPO loss of one mini-batch (sequence level). All inputs [N]; ``log_probs`` carries gradient.
+    """HACPO loss of one mini-batch (sequence level). All inputs [N]; ``seq_log_probs`` carries gradient.
 
-    ``log_probs``: learner's current mean token log-prob ``lbar_k``; ``old_log_probs``: learner's pre-update
-    ``lbar`` for self rows, the source's published ``lbar_j`` for cross rows; ``cross_weight``: ``v(j,k)``
-    (ignored on self rows).
+    ``seq_log_probs``: learner's current mean token log-prob ``lbar_k``; ``old_seq_log_probs``: learner's pre-update
+    ``lbar`` for self rows, the source's published ``lbar_j`` for cross rows; ``capability_coefficient``: ``v(j,k)``
+    (ignored on self rows); ``step``: the optimizer step ``m`` of the round (0-based, counted across epochs).
 
       s = exp(clamp(lbar - lbar_old, -M, M))
       self:  min(s * A, clamp(s, 1 - self_clip_low, 1 + self_clip_high) * A)            (GSPO)
-      cross: c * stopgrad(c) ** alpha * v * A,  c = clamp(s, lower_m, 1),  lower_m = min(1, 1 - delta + m * step)
+      cross: c * stopgrad(c) ** alpha * v * A,  c = clamp(s, lower_m, 1),
+             lower_m = min(1, 1 - delta + m * cross_clip_step)
              (``config.cross_clip`` False: c = s, no band)
       loss = -mean over the N rows of the objective.
 
@@ -223,22 +226,23 @@ def hacpo_loss(
     (``hacpo/num_cross_in_band@<j>`` ..., see :func:`_per_source`).
     """
     _check_seq_inputs(
-        log_probs=log_probs,
-        old_log_probs=old_log_probs,
+        seq_log_probs=seq_log_probs,
+        old_seq_log_probs=old_seq_log_probs,
         advantages=advantages,
         is_self=is_self,
-        cross_weight=cross_weight,
+        capability_coefficient=capability_coefficient,
     )
     is_self = is_self.to(torch.bool)
-    adv = advantages.to(log_probs.dtype)
+    adv = advantages.to(seq_log_probs.dtype)
     log_ratio = torch.clamp(
-        log_probs - old_log_probs.to(log_probs.dtype), -config.max_abs_log_ratio, config.max_abs_log_ratio
+        seq_log_probs - old_seq_log_probs.to(seq_log_probs.dtype), -config.max_abs_log_ratio, config.max_abs_log_ratio
     )
     ratio = torch.exp(log_ratio)  # s = exp(lbar_new - lbar_old)
     self_obj = gspo_objective(ratio, adv, config.self_clip_low, config.self_clip_high)
-    lower = cross_lower_bound(minibatch_index, config.cross_clip_delta, config.cross_clip_step)
+    lower = cross_lower_bound(step, config.cross_clip_delta, config.cross_clip_step)
     c = torch.clamp(ratio, lower, 1.0) if config.cross_clip else ratio  # hard clamp: no gradient outside [lower_m, 1]
-    cross_obj = c * c.detach() ** config.alpha * cross_weight.to(log_probs.dtype) * adv  # c * sg(c)^alpha * v * A
+    v = capability_coefficient.to(seq_log_probs.dtype)
+    cross_obj = c * c.detach() ** config.alpha * v * adv  # c * sg(c)^alpha * v * A
     objective = torch.where(is_self, self_obj, cross_obj)
     loss = -objective.mean()  # seq-mean (each lbar is already a token mean)
     flags = _cross_flags(ratio[~is_self], adv[~is_self], lower, config)
@@ -293,8 +297,8 @@ def _hacpo_metrics(
 
 
 def gspo_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
+    seq_log_probs: Tensor,
+    old_seq_log_probs: Tensor,
     advantages: Tensor,
     *,
     clip_low: float = DEFAULTS.self_clip_low,
@@ -311,10 +315,12 @@ def gspo_loss(
     carry gradient, i.e. ``A != 0`` and the unclipped term is the minimum; with ``source_ids`` [N] also per source
     (:func:`_per_source`).
     """
-    _check_seq_inputs(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
-    log_ratio = torch.clamp(log_probs - old_log_probs.to(log_probs.dtype), -max_abs_log_ratio, max_abs_log_ratio)
+    _check_seq_inputs(seq_log_probs=seq_log_probs, old_seq_log_probs=old_seq_log_probs, advantages=advantages)
+    log_ratio = torch.clamp(
+        seq_log_probs - old_seq_log_probs.to(seq_log_probs.dtype), -max_abs_log_ratio, max_abs_log_ratio
+    )
     ratio = torch.exp(log_ratio)  # s = exp(lbar_new - lbar_old)
-    adv = advantages.to(log_probs.dtype)
+    adv = advantages.to(seq_log_probs.dtype)
     loss = -gspo_objective(ratio, adv, clip_low, clip_high).mean()
     r, a = ratio.detach(), adv.detach()
     metrics = {f"{prefix}/num_rows": float(r.numel()), **_stats(prefix, "ratio", r)}
@@ -333,8 +339,8 @@ def gspo_loss(
 
 
 def naive_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
+    seq_log_probs: Tensor,
+    old_seq_log_probs: Tensor,
     advantages: Tensor,
     *,
     clip_low: float = DEFAULTS.self_clip_low,
@@ -347,8 +353,8 @@ def naive_loss(
     with none of HACPO's mechanisms (no capability weight, no stepwise band). Inputs [N]; metrics ``naive/...``
     (``naive/cross_*`` too when ``is_self`` is given)."""
     return gspo_loss(
-        log_probs,
-        old_log_probs,
+        seq_log_probs,
+        old_seq_log_probs,
         advantages,
         clip_low=clip_low,
         clip_high=clip_high,
@@ -360,8 +366,8 @@ def naive_loss(
 
 
 def grpo_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
+    token_log_probs: Tensor,
+    old_token_log_probs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
     *,
@@ -370,20 +376,26 @@ def grpo_loss(
     max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio,
     loss_agg_mode: str = DEFAULTS.grpo_loss_agg_mode,
 ) -> tuple[Tensor, dict[str, float]]:
-    """GRPO token-level PPO-clip loss. log_probs, old_log_probs, response_mask [B,T]; advantages [B].
+    """GRPO token-level PPO-clip loss. token_log_probs, old_token_log_probs, response_mask [B,T]; advantages [B].
 
     r_t = exp(clamp(lp_t - old_lp_t, -M, M));  obj_t = min(r_t A, clamp(r_t, 1 - low, 1 + high) A)
     loss = -token-mean over all masked tokens (``"token-mean"``) or -mean over sequences of the per-sequence
     token mean (``"seq-mean-token-mean"``).
     """
-    if log_probs.dim() != 2 or old_log_probs.shape != log_probs.shape or response_mask.shape != log_probs.shape:
-        raise ValueError("log_probs, old_log_probs and response_mask must all be [B, T] of one shape")
-    if advantages.shape != log_probs.shape[:1]:
-        raise ValueError(f"advantages must be [B]={log_probs.shape[0]}, got {tuple(advantages.shape)}")
-    mask = response_mask.to(log_probs.dtype)
-    log_ratio = torch.clamp(log_probs - old_log_probs.to(log_probs.dtype), -max_abs_log_ratio, max_abs_log_ratio)
+    if (
+        token_log_probs.dim() != 2
+        or old_token_log_probs.shape != token_log_probs.shape
+        or response_mask.shape != token_log_probs.shape
+    ):
+        raise ValueError("token_log_probs, old_token_log_probs and response_mask must all be [B, T] of one shape")
+    if advantages.shape != token_log_probs.shape[:1]:
+        raise ValueError(f"advantages must be [B]={token_log_probs.shape[0]}, got {tuple(advantages.shape)}")
+    mask = response_mask.to(token_log_probs.dtype)
+    log_ratio = torch.clamp(
+        token_log_probs - old_token_log_probs.to(token_log_probs.dtype), -max_abs_log_ratio, max_abs_log_ratio
+    )
     ratio = torch.exp(log_ratio)
-    adv = advantages.to(log_probs.dtype)[:, None]
+    adv = advantages.to(token_log_probs.dtype)[:, None]
     obj = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv)
     if loss_agg_mode == "token-mean":
         loss = -masked_mean(obj, mask)
@@ -398,10 +410,14 @@ def grpo_loss(
     return loss, metrics
 
 
-def kl_k3(log_probs: Tensor, ref_log_probs: Tensor, max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio) -> Tensor:
+def kl_k3(
+    token_log_probs: Tensor, ref_token_log_probs: Tensor, max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio
+) -> Tensor:
     """k3 KL estimator per token: ``exp(r) - r - 1`` with ``r = clamp(ref_lp - lp, -M, M)``. Same shape as inputs.
 
-    Non-negative; its gradient w.r.t. ``log_probs`` is ``1 - exp(r)``.
+    Non-negative; its gradient w.r.t. ``token_log_probs`` is ``1 - exp(r)``.
     """
-    r = torch.clamp(ref_log_probs.to(log_probs.dtype) - log_probs, -max_abs_log_ratio, max_abs_log_ratio)
+    r = torch.clamp(
+        ref_token_log_probs.to(token_log_probs.dtype) - token_log_probs, -max_abs_log_ratio, max_abs_log_ratio
+    )
     return torch.exp(r) - r - 1.0  # k3 = e^r - r - 1

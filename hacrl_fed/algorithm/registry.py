@@ -5,7 +5,7 @@ Advantage estimators share one signature::
     fn(rewards[N], group_ids[N], source_ids[N], learner: int, capability[n_agents], *, reward_max, ratio_min,
        ratio_max, eps) -> advantages[N]
 
-Policy losses share one signature: ``fn(inputs: PolicyLossInputs, minibatch_index: int, config) -> (loss, metrics)``.
+Policy losses share one signature: ``fn(inputs: PolicyLossInputs, step: int, config) -> (loss, metrics)``.
 
 An algorithm (:class:`AlgorithmSpec`) names its advantage estimator and policy loss and says what the trainer must
 do for it (foreign rows or not, capability cross weights or not, token-level inputs and weighting or not), so the
@@ -71,25 +71,25 @@ def get_policy_loss(name: str) -> LossFn:
 
 @dataclass
 class PolicyLossInputs:
-    """One mini-batch. ``log_probs``/``response_mask``/``old_token_log_probs`` [B,T]; the rest [B].
+    """One mini-batch. ``token_log_probs``/``response_mask``/``old_token_log_probs`` [B,T]; the rest [B].
 
-    ``old_log_probs`` is the sequence mean ``lbar_old``: the learner's pre-update value on self rows, the source's
+    ``old_seq_log_probs`` is the sequence mean ``lbar_old``: the learner's pre-update value on self rows, the source's
     published value on cross rows. ``old_token_log_probs`` is needed by token-level losses (``grpo``) only.
     """
 
-    log_probs: Tensor
+    token_log_probs: Tensor
     response_mask: Tensor
-    old_log_probs: Tensor
+    old_seq_log_probs: Tensor
     advantages: Tensor
     is_self: Tensor
-    cross_weight: Tensor
+    capability_coefficient: Tensor  # [B] v(j, k) of each row (1 on self rows)
     old_token_log_probs: Tensor | None = None
     seq_lengths: Tensor | None = None  # [B] divisor of each row's lbar (<= 0: its token count); see below
     source_ids: Tensor | None = None  # [B] each row's source index: per-source metrics of the cross rows
 
-    def sequence_log_probs(self) -> Tensor:
+    def seq_log_probs(self) -> Tensor:
         """``lbar`` per row: token mean, or per ``seq_lengths`` unit (UTF-8 bytes under ``logprob_norm: per_byte``)."""
-        return sequence_mean_log_prob(self.log_probs, self.response_mask, self.seq_lengths)
+        return sequence_mean_log_prob(self.token_log_probs, self.response_mask, self.seq_lengths)
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class AlgorithmSpec:
     """What an algorithm is made of and what the trainer must do for it.
 
     ``advantage`` / ``loss``: registry names; ``uses_cross``: foreign rollouts enter the learner's batch;
-    ``cross_weights``: foreign rows carry the capability discrepancy coefficient ``v(j, k)`` (else 1);
+    ``uses_capability_coefficient``: foreign rows carry the capability discrepancy coefficient ``v(j, k)`` (else 1);
     ``token_level``: the loss works per token and needs each self row's old per-token log-probs; its
     micro-batches are then weighted by tokens when the loss averages over tokens (``token-mean``).
     """
@@ -105,7 +105,7 @@ class AlgorithmSpec:
     advantage: str
     loss: str
     uses_cross: bool
-    cross_weights: bool = False
+    uses_capability_coefficient: bool = False
     token_level: bool = False
 
     def weights_by_tokens(self, config: PolicyLossConfig) -> bool:
@@ -114,7 +114,7 @@ class AlgorithmSpec:
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
-    "hacpo": AlgorithmSpec("hacpo", "hacpo", uses_cross=True, cross_weights=True),
+    "hacpo": AlgorithmSpec("hacpo", "hacpo", uses_cross=True, uses_capability_coefficient=True),
     "gspo": AlgorithmSpec("group", "gspo", uses_cross=False),
     "grpo": AlgorithmSpec("group", "grpo", uses_cross=False, token_level=True),
     "naive": AlgorithmSpec("group", "naive", uses_cross=True),
@@ -140,26 +140,26 @@ def _adv_group(
 
 
 @register_policy_loss("hacpo")
-def _loss_hacpo(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLossConfig):
+def _loss_hacpo(inputs: PolicyLossInputs, step: int, config: PolicyLossConfig):
     return hacpo_loss(
-        inputs.sequence_log_probs(),
-        inputs.old_log_probs,
+        inputs.seq_log_probs(),
+        inputs.old_seq_log_probs,
         inputs.advantages,
         inputs.is_self,
-        inputs.cross_weight,
-        minibatch_index,
+        inputs.capability_coefficient,
+        step,
         config,
         source_ids=inputs.source_ids,
     )
 
 
 @register_policy_loss("gspo")
-def _loss_gspo(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLossConfig):
+def _loss_gspo(inputs: PolicyLossInputs, step: int, config: PolicyLossConfig):
     if not bool(inputs.is_self.all()):
         raise ValueError("gspo trains on the learner's own rows only; got cross rows")
     return gspo_loss(
-        inputs.sequence_log_probs(),
-        inputs.old_log_probs,
+        inputs.seq_log_probs(),
+        inputs.old_seq_log_probs,
         inputs.advantages,
         clip_low=config.self_clip_low,
         clip_high=config.self_clip_high,
@@ -169,11 +169,11 @@ def _loss_gspo(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLos
 
 
 @register_policy_loss("naive")
-def _loss_naive(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLossConfig):
+def _loss_naive(inputs: PolicyLossInputs, step: int, config: PolicyLossConfig):
     """Every row with GSPO's ratio and clip against its source's ``lbar`` (no weight, no stepwise band)."""
     return naive_loss(
-        inputs.sequence_log_probs(),
-        inputs.old_log_probs,
+        inputs.seq_log_probs(),
+        inputs.old_seq_log_probs,
         inputs.advantages,
         clip_low=config.self_clip_low,
         clip_high=config.self_clip_high,
@@ -184,13 +184,13 @@ def _loss_naive(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLo
 
 
 @register_policy_loss("grpo")
-def _loss_grpo(inputs: PolicyLossInputs, minibatch_index: int, config: PolicyLossConfig):
+def _loss_grpo(inputs: PolicyLossInputs, step: int, config: PolicyLossConfig):
     if inputs.old_token_log_probs is None:
         raise ValueError("grpo is token-level: PolicyLossInputs.old_token_log_probs is required")
     if not bool(inputs.is_self.all()):
         raise ValueError("grpo trains on the learner's own rows only; got cross rows")
     return grpo_loss(
-        inputs.log_probs,
+        inputs.token_log_probs,
         inputs.old_token_log_probs,
         inputs.advantages,
         inputs.response_mask,

@@ -167,9 +167,11 @@ class HFEngine(GenerationEngine):
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _run(self, prompt_ids: list[list[int]], max_new_tokens: int, sampling: dict) -> list[Generation]:
-        """One ``generate()`` call over ``prompt_ids`` (one sequence each) → one Generation per row."""
-        batch = build_scoring_batch_from_ids(prompt_ids, [[] for _ in prompt_ids], self.pad_id).to(self._device())
+    def _run(self, prompt_token_ids: list[list[int]], max_new_tokens: int, sampling: dict) -> list[Generation]:
+        """One ``generate()`` call over ``prompt_token_ids`` (one sequence each) → one Generation per row."""
+        batch = build_scoring_batch_from_ids(prompt_token_ids, [[] for _ in prompt_token_ids], self.pad_id).to(
+            self._device()
+        )
         with _bare_generation(self.model), torch.no_grad():
             out = self.model.generate(
                 input_ids=batch.input_ids,
@@ -187,7 +189,7 @@ class HFEngine(GenerationEngine):
         if self.logprobs_from_generation:
             log_probs = _logits_log_probs(out.logits, new_ids, [len(r) for r in responses])
         else:
-            scoring = build_scoring_batch_from_ids(prompt_ids, responses, self.pad_id)
+            scoring = build_scoring_batch_from_ids(prompt_token_ids, responses, self.pad_id)
             log_probs = per_token_log_probs(self.model, scoring, self.score_batch_size)
         return [
             Generation(decode_response(self.tokenizer, ids, reason), reason, ids, lp)

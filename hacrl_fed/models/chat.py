@@ -1,7 +1,7 @@
 """Rendering chat prompts with an agent's own template, and its EOS id.
 
 Every agent renders the shared task prompt with its *own* chat template; the response text is tokenized
-separately and appended (``prompt_ids + response_ids [+ eos]``), which is how both SFT and scoring see it.
+separately and appended (``prompt_token_ids + response_ids [+ eos]``), which is how both SFT and scoring see it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Supervised warm start of a zoo agent on a task's worked answers, and greedy held-out accuracy.
 
-One SFT example = ``prompt_ids + response_ids + [eos]`` where the prompt is the task prompt rendered with the
+One SFT example = ``prompt_token_ids + response_ids + [eos]`` where the prompt is the task prompt rendered with the
 agent's *own* chat template (:func:`render_prompt`) and the response is ``task.sft_target(...)``, tokenized
 separately without special tokens. Loss: token-mean cross-entropy over the response tokens and the EOS only
 (prompt positions are masked with ``-100``), so the model learns to stop (``finish_reason == "stop"``).
@@ -65,9 +65,9 @@ def lr_at(step: int, recipe: SFTRecipe) -> float:
 
 def encode_example(tokenizer, prompt_text: str, response: str) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` for one example; labels are ``-100`` on the prompt, the ids on response + EOS."""
-    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    prompt_token_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [eos_token_id(tokenizer)]
-    return prompt_ids + response_ids, [IGNORE] * len(prompt_ids) + response_ids
+    return prompt_token_ids + response_ids, [IGNORE] * len(prompt_token_ids) + response_ids
 
 
 def collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:

@@ -100,7 +100,7 @@ def _text_too_long(r: Rollout, max_bytes: int) -> bool | None:
     return len(r.response.encode("utf-8", "surrogatepass")) > max_bytes
 
 
-def rollout_problem(r: Any, plan: RoundPlan, org_id: str, prompt_ids: set[int], max_bytes: int) -> str | None:
+def rollout_problem(r: Any, plan: RoundPlan, org_id: str, planned_ids: set[int], max_bytes: int) -> str | None:
     """The first per-rollout reason (duplicates and rewards excluded: they need more context), or None.
 
     Bounds: reward finite in [0, 1]; logprob_sum finite and <= LOGPROB_SLACK; 1 <= token_count <=
@@ -112,7 +112,7 @@ def rollout_problem(r: Any, plan: RoundPlan, org_id: str, prompt_ids: set[int], 
         return "rollout_org_id_mismatch"
     if r.round != plan.round:
         return "rollout_round_mismatch"
-    if not _is_int(r.prompt_id) or r.prompt_id not in prompt_ids:
+    if not _is_int(r.prompt_id) or r.prompt_id not in planned_ids:
         return "unknown_prompt"
     if not _is_int(r.sample_index) or not 0 <= r.sample_index < plan.sampling.num_samples:
         return "bad_sample_index"
@@ -174,9 +174,9 @@ def screen_batch(
     seen: set[tuple[int, int]] = set()
     passed: dict[int, list[Rollout]] = {pid: [] for pid in references}
     failed_groups: set[int] = set()
-    prompt_ids = set(references)
+    planned_ids = set(references)
     for r in batch.rollouts:
-        reason = rollout_problem(r, plan, org_id, prompt_ids, max_bytes)
+        reason = rollout_problem(r, plan, org_id, planned_ids, max_bytes)
         if reason is None and (r.prompt_id, r.sample_index) in seen:
             reason = "duplicate"
         if reason is None:

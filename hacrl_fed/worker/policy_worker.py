@@ -94,7 +94,7 @@ class _OwnRound:
     task: str
     prompts: tuple[Prompt, ...]  # as this worker received them in its plan (references for re-verification)
     max_new_tokens: int
-    prompt_ids: dict[int, list[int]]  # prompt_id -> learner tokens of the rendered prompt
+    tokens_by_prompt: dict[int, list[int]]  # prompt_id -> learner tokens of the rendered prompt
     rows: list[TrainRow]
 
 
@@ -265,10 +265,10 @@ class PolicyWorker:
         perf = PhaseMeter(self._device())
         sp = plan.sampling
         texts = [self._render(p) for p in plan.prompts]
-        prompt_ids = dict(
+        tokens_by_prompt = dict(
             zip((p.prompt_id for p in plan.prompts), self.tokenizer(texts, add_special_tokens=False)["input_ids"])
         )
-        keep = self._fitting(plan.prompts, prompt_ids, sp.max_new_tokens, "generation.max_new_tokens")
+        keep = self._fitting(plan.prompts, tokens_by_prompt, sp.max_new_tokens, "generation.max_new_tokens")
         gens = (
             self.engine.generate(
                 [texts[i] for i in keep],
@@ -304,7 +304,7 @@ class PolicyWorker:
                 )
                 rows.append(
                     TrainRow(
-                        list(prompt_ids[prompt.prompt_id]),
+                        list(tokens_by_prompt[prompt.prompt_id]),
                         list(g.token_ids),
                         reward,
                         prompt.prompt_id,
@@ -314,7 +314,9 @@ class PolicyWorker:
                         list(g.token_log_probs),
                     )
                 )
-        self._own = _OwnRound(plan.run_id, plan.round, plan.task, plan.prompts, sp.max_new_tokens, prompt_ids, rows)
+        self._own = _OwnRound(
+            plan.run_id, plan.round, plan.task, plan.prompts, sp.max_new_tokens, tokens_by_prompt, rows
+        )
         acc = sum(r.reward for r in rollouts) / max(len(rollouts), 1)
         metrics = {
             "time/generate": t1 - t0,
@@ -413,7 +415,7 @@ class PolicyWorker:
     def _foreign_rows(self, foreign: list[Rollout], own: _OwnRound, agents: list[str]) -> tuple[list[TrainRow], int]:
         """Re-tokenize screened foreign responses with this learner's template and tokenizer (EOS iff the source
         stopped)."""
-        usable = [r for r in foreign if r.prompt_id in own.prompt_ids]
+        usable = [r for r in foreign if r.prompt_id in own.tokens_by_prompt]
         dropped = len(foreign) - len(usable)
         if not usable:
             return [], dropped
@@ -432,7 +434,7 @@ class PolicyWorker:
             n_bytes = float(max(len(r.response.encode("utf-8")), 1)) if per_byte else 0.0
             rows.append(
                 TrainRow(
-                    own.prompt_ids[r.prompt_id],
+                    own.tokens_by_prompt[r.prompt_id],
                     resp,
                     float(r.reward),
                     r.prompt_id,
@@ -471,12 +473,12 @@ class PolicyWorker:
             {"time/eval": time.perf_counter() - t0, "skipped_too_long": float(len(request.prompts) - len(keep))},
         )
 
-    def _fitting(self, prompts, prompt_ids: dict, budget: int, field: str) -> list[int]:
+    def _fitting(self, prompts, tokens_by_prompt: dict, budget: int, field: str) -> list[int]:
         """Indices of ``prompts`` whose tokens plus ``budget`` fit the model's context (hacrl_fed.models.context);
         the rest are skipped with a warning (and counted by the caller)."""
-        keep = [i for i, p in enumerate(prompts) if fits(len(prompt_ids[p.prompt_id]), budget, self.context)]
+        keep = [i for i, p in enumerate(prompts) if fits(len(tokens_by_prompt[p.prompt_id]), budget, self.context)]
         if len(keep) < len(prompts):
-            longest = max(len(prompt_ids[p.prompt_id]) for p in prompts)
+            longest = max(len(tokens_by_prompt[p.prompt_id]) for p in prompts)
             log.warning(
                 "worker %s: skipped %d of %d prompts that do not fit the model's context of %s tokens with "
                 "%s=%d (longest prompt %d tokens)",
