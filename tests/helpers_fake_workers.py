@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ class FakeWorker:
     reported_accuracy: float | None = None  # None: report the truth
     lie_rewards: bool = False  # claim reward 1.0 on every rollout (re-verification must catch it)
     delay_s: float = 0.0
+    hold: threading.Event | None = None  # set: generate() answers only once the event is set (at most 30 s)
     plans: list[RoundPlan] = field(default_factory=list)
     train_requests: list[TrainRequest] = field(default_factory=list)
     eval_requests: list[EvalRequest] = field(default_factory=list)
@@ -52,6 +54,8 @@ class FakeWorker:
 
     def generate(self, plan: RoundPlan) -> RolloutBatch:
         time.sleep(self.delay_s)
+        if self.hold is not None:
+            self.hold.wait(30)
         self.plans.append(plan)
         if plan.round in self.fail_generate_rounds:
             raise RuntimeError(f"{self.org_id} is down in round {plan.round}")

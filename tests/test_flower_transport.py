@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from uuid import uuid4
 
@@ -16,10 +15,11 @@ from flwr.app import ConfigRecord, Context, RecordDict
 from client.app import app as client_app
 from hacrl_fed.coordinator.transport import TransportTimeout
 from hacrl_fed.flower import node
+from hacrl_fed.flower import transport as flower_transport
 from hacrl_fed.flower.federation import run_federation
 from hacrl_fed.flower.settings import ENV_VAR, SettingsError
 from hacrl_fed.flower.transport import (
-    DiscoveryError, FlowerRemoteError, FlowerTransport, OrgUnavailable, assign_orgs, discover_orgs,
+    MAX_POLL_S, DiscoveryError, FlowerRemoteError, FlowerTransport, OrgUnavailable, assign_orgs, discover_orgs,
 )
 from hacrl_fed.types import ChatMessage, EvalRequest, Prompt, RoundPlan, SamplingParams, TrainRequest
 from hacrl_fed.wire import codec
@@ -158,14 +158,30 @@ def test_worker_failure_becomes_remote_error_for_that_org_only(tmp_path):
     assert "expected 'RoundPlan', got 'TrainRequest'" in str(bad_request["a"])
 
 
-def test_silent_refused_and_missing_orgs(tmp_path):
+class FakeClock:
+    """``time`` for the transport module: ``sleep`` advances ``monotonic`` at once and is recorded."""
+
+    def __init__(self):
+        self.now, self.sleeps = 0.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_silent_refused_and_missing_orgs(tmp_path, monkeypatch):
     contexts = sim_contexts(write_config(tmp_path, ("a", "b", "c")), 3)
     grid = FakeGrid(contexts)
     transport = FlowerTransport(grid, discover_orgs(grid, ["a", "b", "c"], 5))
     grid.silent, grid.refuse = {9017}, {9034}
-    start = time.monotonic()
+    clock = FakeClock()
+    monkeypatch.setattr(flower_transport, "time", clock)
     out = transport.generate({org: _plan() for org in ("a", "b", "c", "zeta")}, timeout_s=0.5)
-    assert 0.5 <= time.monotonic() - start < 2.0
+    # it waited for the silent node exactly until the deadline, in polls no longer than MAX_POLL_S
+    assert clock.now == pytest.approx(0.5) and max(clock.sleeps) <= MAX_POLL_S and len(clock.sleeps) < 20
     assert out["a"].org_id == "a"
     assert isinstance(out["b"], TransportTimeout) and "within 0.5 s" in str(out["b"])
     assert isinstance(out["c"], OrgUnavailable) and "refused" in str(out["c"])

@@ -33,7 +33,8 @@ def test_gpu_check_dry_run_end_to_end(tmp_path):
     for org in ("big", "tiny"):
         last = rounds["perf"][org]["round2"]
         for phase in ("generate", "score", "train"):
-            assert last[f"{phase}/tokens_per_s"] >= 0 and last[f"{phase}/peak_rss_mb"] > 0
+            rate = last[f"{phase}/tokens"] / last[f"{phase}/seconds"]
+            assert last[f"{phase}/tokens_per_s"] == pytest.approx(rate) and last[f"{phase}/peak_rss_mb"] > 0
         assert last["generate/tokens_per_s"] > 0 and last["train/tokens_per_s"] > 0
         err = rounds["logprob_error"][org]
         assert err["ok"] and err["tokens"] > 0 and err["max_abs"] <= err["tolerance"]["max_abs"]

@@ -10,7 +10,6 @@ tests/test_security_grpc.py, and the lying org also runs once through the Flower
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -57,6 +56,39 @@ def plan_for(worker, round_: int = 1, run_id: str = "run-1", **sampling) -> Roun
     prompts = tuple(worker.task.prompts("train", list(range(first, first + B))))
     sp = {"max_new_tokens": MAX_NEW, "num_samples": G, "seed": 7, **sampling}
     return RoundPlan(run_id, round_, "arithmetic", prompts, SamplingParams(**sp))
+
+
+def spy_on_work(monkeypatch, worker) -> list[tuple[str, object]]:
+    """Record the work ``worker`` does on a request, in order: ``("render", messages)`` for each prompt rendered,
+    ``("generate", n)`` per engine call, ``("verify", text)`` per reward check and ``("tokenize", texts)`` per
+    re-tokenization of foreign text. A refusal "before any work" leaves it empty."""
+    import hacrl_fed.worker.policy_worker as policy_worker
+
+    work: list[tuple[str, object]] = []
+    render, tokenize = policy_worker.render_prompt, policy_worker.response_token_ids
+    generate, verify = worker.engine.generate, worker.task.verify
+
+    def spy_render(tokenizer, messages, *a, **k):
+        work.append(("render", messages))
+        return render(tokenizer, messages, *a, **k)
+
+    def spy_tokenize(tokenizer, texts, *a, **k):
+        work.append(("tokenize", list(texts)))
+        return tokenize(tokenizer, texts, *a, **k)
+
+    def spy_generate(texts, *a, **k):
+        work.append(("generate", len(texts)))
+        return generate(texts, *a, **k)
+
+    def spy_verify(text, reference):
+        work.append(("verify", text))
+        return verify(text, reference)
+
+    monkeypatch.setattr(policy_worker, "render_prompt", spy_render)
+    monkeypatch.setattr(policy_worker, "response_token_ids", spy_tokenize)
+    monkeypatch.setattr(worker.engine, "generate", spy_generate)
+    monkeypatch.setattr(worker.task, "verify", spy_verify)
+    return work
 
 
 def key_of(run_dir, org):
@@ -303,15 +335,17 @@ def test_far_future_round_stale_run_and_checkpoint_attacks_are_refused(run_dir):
     ({"max_new_tokens": 10_000}, None, "max_new_tokens=10000 exceeds"),
     ({}, 50, "prompts=50 exceeds"),
 ])
-def test_plans_beyond_the_workers_limits_are_refused_at_once(run_dir, sampling, prompts, match):
+def test_plans_beyond_the_workers_limits_are_refused_at_once(run_dir, sampling, prompts, match, monkeypatch):
     w = build_worker(make_cfg(), "acme", run_dir=run_dir)
     plan = plan_for(w, **sampling)
     if prompts:
         plan = dataclasses.replace(plan, prompts=tuple(w.task.prompts("train", list(range(prompts)))))
-    start = time.perf_counter()
+    work = spy_on_work(monkeypatch, w)
     with pytest.raises(RequestRefused, match=match):
         w.generate(plan)
-    assert time.perf_counter() - start < 1.0
+    assert work == []  # refused before rendering, generating or verifying anything
+    w.generate(plan_for(w))  # the spies see real work: an honest plan renders, generates and verifies
+    assert {kind for kind, _ in work} == {"render", "generate", "verify"}
 
 
 def _foreign_case(case: str, plan, honest: tuple[Rollout, ...]) -> tuple[tuple[Rollout, ...], str]:
@@ -332,15 +366,19 @@ def _foreign_case(case: str, plan, honest: tuple[Rollout, ...]) -> tuple[tuple[R
 
 
 @pytest.mark.parametrize("case", ["huge_text", "flood", "copies", "positive_logprob", "wrong_round", "unknown_org"])
-def test_foreign_rollouts_are_bounded_by_the_plan_before_any_work(run_dir, case, via):
+def test_foreign_rollouts_are_bounded_by_the_plan_before_any_work(run_dir, case, via, monkeypatch):
     cfg = make_cfg(signing=False)  # the unsigned path: the worker still screens everything itself
     acme, globex = build_worker(cfg, "acme", run_dir=run_dir), build_worker(cfg, "globex", run_dir=run_dir)
     plan = plan_for(acme)
     acme.generate(plan)
     foreign, reason = _foreign_case(case, plan, globex.generate(plan).rollouts)
-    start = time.perf_counter()
+    work = spy_on_work(monkeypatch, acme)
     report = via.api(acme).train(TrainRequest(plan.run_id, 1, "acme", plan.prompts, foreign, {}))
-    assert time.perf_counter() - start < 20.0
+    verified = [text for kind, text in work if kind == "verify"]
+    tokenized = [text for kind, texts in work if kind == "tokenize" for text in texts]
+    bound = MAX_NEW * acme.cfg.security.max_bytes_per_token  # the plan's bound on a response's UTF-8 bytes
+    assert len(verified) <= G * B and all(len(t.encode()) <= bound for t in verified + tokenized)
+    assert len(tokenized) == report.metrics["trust/foreign_accepted"]  # only what passed was tokenized
     src = {"flood": "*", "unknown_org": "mallory"}.get(case, "globex")
     assert report.metrics.get(f"trust/{src}/rejected/{reason}", 0) >= 1, {k: v for k, v in report.metrics.items() if k.startswith("trust/")}
     assert report.metrics["train/num_self"] == G * B  # its own rollouts were still trained on

@@ -8,7 +8,6 @@ import operator
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -217,13 +216,30 @@ def test_arithmetic_verify_rewards_and_garbage():
     assert task.verify("blah " * 20000 + "#### 5", "5") == 1.0
 
 
-def test_arithmetic_verify_is_microseconds():
+def test_arithmetic_verify_scans_the_text_once_and_stops_at_the_first_rule(monkeypatch):
+    """The verifier is cheap by construction (it runs on every rollout, and on hostile text): one search of the
+    short chunk after ``####`` when there is one, one scan of the whole text when no rule applies."""
+    from hacrl_fed.tasks import arithmetic
+
+    real, scans = arithmetic.NUMBER_RE, []
+
+    class CountingPattern:
+        def search(self, text):
+            scans.append(("search", text))
+            return real.search(text)
+
+        def finditer(self, text):
+            scans.append(("finditer", text))
+            return real.finditer(text)
+
+    monkeypatch.setattr(arithmetic, "NUMBER_RE", CountingPattern())
     task = get_task("arithmetic")
-    response = "53-93=-40,-40-1=-41 #### -41"
-    start = time.perf_counter()
-    for _ in range(5000):
-        task.verify(response, "-41")
-    assert (time.perf_counter() - start) / 5000 < 200e-6
+    assert task.verify("53-93=-40,-40-1=-41 #### -41", "-41") == 1.0
+    assert [(kind, text.strip()) for kind, text in scans] == [("search", "-41")]
+    scans.clear()
+    long_text = "no answer here " * 10_000 + "7"
+    assert task.verify(long_text, "7") == 1.0
+    assert scans == [("finditer", long_text)]
 
 
 # ---------------------------------------------------------------------------------------------- jsonl math
@@ -353,11 +369,16 @@ def test_jsonl_path_is_required():
         ("}{\\frac{$$\\boxed{}####", "\\frac{1}{2}", 0.0),
     ],
 )
-def test_jsonl_verify(response, reference, reward):
+def test_jsonl_verify(response, reference, reward, monkeypatch):
+    from hacrl_fed.tasks import jsonl_math
+
     task = get_task("jsonl", {"path": GSM8K})
-    start = time.perf_counter()
+    real, parsed = jsonl_math._parse, []
+    monkeypatch.setattr(jsonl_math, "_parse", lambda s, timeout: parsed.append(s) or real(s, timeout))
     assert task.verify(response, reference) == reward
-    assert time.perf_counter() - start < 10  # includes the one-off math-verify/sympy import
+    assert [s for s in parsed if too_costly(s)] == []  # sympy only ever sees what the cost screen let through
+    if too_costly(extract_answer(response) or ""):
+        assert parsed == []  # power towers, huge exponents: refused by the screen, never parsed
 
 
 def test_jsonl_verify_never_raises_on_odd_types():
