@@ -109,11 +109,37 @@ def _gpu_skip_reason() -> str | None:
     return None
 
 
-_GATES: dict[str, Callable[[], str | None]] = {"vllm": _vllm_skip_reason, "gpu": _gpu_skip_reason}
+PROTOC_TOOLS = "1.70.0"  # scripts/gen_proto.sh's TOOLS_VERSION
+
+
+def _protoc_skip_reason() -> str | None:
+    """None when scripts/gen_proto.sh can run offline (its venv holds the pinned grpcio-tools) or may build it."""
+    if os.environ.get("HACRL_PROTOC_BUILD") == "1":
+        return None
+    root = Path(__file__).resolve().parents[1]
+    venv = Path(os.environ.get("HACRL_PROTOC_VENV", root / ".cache" / "protoc-venv"))
+    python = venv / "bin" / "python"
+    if python.exists():
+        import subprocess
+
+        code = "import importlib.metadata as m; print(m.version('grpcio-tools'))"
+        out = subprocess.run([str(python), "-c", code], capture_output=True, text=True).stdout.strip()
+        if out == PROTOC_TOOLS:
+            return None
+    return (f"no grpcio-tools=={PROTOC_TOOLS} in {venv}: `make proto` builds it once (needs the package index), or "
+            "set HACRL_PROTOC_BUILD=1 to let the test build it")
+
+
+_GATES: dict[str, Callable[[], str | None]] = {
+    "vllm": _vllm_skip_reason,
+    "gpu": _gpu_skip_reason,
+    "protoc": _protoc_skip_reason,
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked ``vllm`` / ``gpu`` when that hardware or package is missing (checked once, lazily)."""
+    """Skip tests marked ``vllm`` / ``gpu`` / ``protoc`` when that hardware or package is missing (checked once,
+    lazily)."""
     reasons: dict[str, str | None] = {}
     for item in items:
         for marker, probe in _GATES.items():
