@@ -187,13 +187,13 @@ class HFEngine(GenerationEngine):
         cut = [split_response(row, self.stop_ids) for row in new_ids.tolist()]
         responses = [ids for ids, _ in cut]
         if self.logprobs_from_generation:
-            log_probs = _logits_log_probs(out.logits, new_ids, [len(r) for r in responses])
+            token_log_probs = _logits_log_probs(out.logits, new_ids, [len(r) for r in responses])
         else:
             scoring = build_scoring_batch_from_ids(prompt_token_ids, responses, self.pad_id)
-            log_probs = per_token_log_probs(self.model, scoring, self.score_batch_size)
+            token_log_probs = per_token_log_probs(self.model, scoring, self.score_batch_size)
         return [
             Generation(decode_response(self.tokenizer, ids, reason), reason, ids, lp)
-            for (ids, reason), lp in zip(cut, log_probs)
+            for (ids, reason), lp in zip(cut, token_log_probs)
         ]
 
 
