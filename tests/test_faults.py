@@ -283,11 +283,10 @@ def test_worker_stuck_for_several_rounds_does_not_wedge_the_run(tmp_path, grpc_f
             release.set()
 
     cfg = fake_config(orgs=("a", "c"), rounds=5, eval_every=0, checkpoint_every=0, round_timeout_s=0.8)
-    start = time.monotonic()
     with RunLogger(tmp_path, tensorboard=False) as logger:
         summary = Coordinator(cfg, transport, tmp_path, logger=logger, task=FakeTask(), on_round=on_round).run()
     transport.close()
-    assert time.monotonic() - start < 20
+    # not wedged: c stayed stuck until round 4 was over (release), and rounds 2-4 went on without it
 
     rec = by_round(tmp_path)
     assert [rec[t]["round/c/failed"] for t in range(1, 6)] == [0.0, 1.0, 1.0, 1.0, 0.0]
