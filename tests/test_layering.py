@@ -2,7 +2,7 @@
 (lazy) or under ``if TYPE_CHECKING:``.
 
 * The worker side never imports the coordinator package: what both sides run (prompt sampling, batch screening)
-  lives below both, in ``hacrl_fed.plan``.
+  lives below both, in ``hacrl_fed.plan``, which imports neither.
 * ``hacrl_fed`` has no import cycle (the tooling that is being moved out of the package, ``hacrl_fed/bench``,
   ``hacrl_fed/gpu_check.py`` and ``hacrl_fed/deploy``, is left out).
 """
@@ -67,6 +67,14 @@ def test_the_worker_never_imports_the_coordinator():
         if m == "hacrl_fed.worker" or m.startswith("hacrl_fed.worker.")
     }
     assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def test_the_plan_package_sits_below_the_coordinator_and_the_worker():
+    above = ("hacrl_fed.coordinator", "hacrl_fed.worker")
+    plan = [m for m in MODULES if m == "hacrl_fed.plan" or m.startswith("hacrl_fed.plan.")]
+    assert len(plan) == 3
+    assert {m: sorted(d for d in imports_of(m) if d.startswith(above)) for m in plan} == {m: [] for m in plan}
+    assert "hacrl_fed.plan.screening" in imports_of("hacrl_fed.coordinator.trust")
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
