@@ -408,6 +408,14 @@ class SecurityConfig(_Section):
     max_round_step: int = Field(
         1000, ge=1, description=_d("how far ahead of its last trained round a worker accepts a plan")
     )
+    max_stale_rounds: int = Field(
+        2,
+        ge=1,
+        description=_d(
+            "a plan at most this many rounds behind a worker's last trained round is a coordinator restart "
+            "(stale_round); further behind, the worker was driven ahead by someone else (round_ahead, an attack)"
+        ),
+    )
     max_bytes_per_token: int = Field(
         32, ge=4, description=_d("response text may hold at most max_new_tokens times this many UTF-8 bytes")
     )

@@ -113,6 +113,8 @@ class TrainRequest:
     capability: dict[str, float]  # org_id -> Phat (effective: all 1.0 during warm-up)
     # The other orgs' batches verbatim (signed, possibly sealed), so the learner can verify end to end.
     source_batches: tuple[RolloutBatch, ...] = ()
+    # Unsigned ``foreign`` rollouts the codec counted without decoding them (signing on: they are ignored).
+    unread_foreign: int = 0
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ Decoding is the trust boundary, so every decoded field is checked (input hygiene
   carries both a non-empty ``response`` and a non-empty ``sealed_response`` (also refused when encoding);
 * wrapped keys (``RolloutBatch.wrapped_keys``): at most ``max_recipients``, recipients non-empty and distinct
   names, ``ephemeral_public`` exactly 32 bytes, ``wrapped`` at most 128 bytes;
-* ``TrainRequest.source_batches`` are checked like any ``RolloutBatch``.
+* ``TrainRequest.source_batches`` are checked like any ``RolloutBatch``; with
+  ``WireLimits.skip_unsigned_foreign`` (a worker with signing on, which ignores unsigned rollouts)
+  ``TrainRequest.foreign`` is only counted (``unread_foreign``), never converted.
 
 The codec checks shapes only; signatures and sealed text are checked by :mod:`hacrl_fed.security`.
 """
@@ -67,6 +69,8 @@ class WireLimits:
     max_signature_bytes: int = 1024
     max_path_chars: int = 4096  # checkpoint paths
     max_recipients: int = 1024  # wrapped keys of one batch
+    # signing on: TrainRequest.foreign (unsigned, ignored by the learner) is counted, not decoded (unread_foreign)
+    skip_unsigned_foreign: bool = False
 
 
 DEFAULT_LIMITS = WireLimits()
@@ -397,9 +401,10 @@ def _train_req_from(m: pb.TrainRequest, where: str, lim: WireLimits) -> t.TrainR
         round=_at_least(m.round, f"{where}.round"),
         org_id=_string(m.org_id, f"{where}.org_id", lim.max_name_chars, required=True),
         prompts=_prompts_from(m.prompts, f"{where}.prompts", lim),
-        foreign=_rollouts_from(m.foreign, f"{where}.foreign", lim),
+        foreign=() if lim.skip_unsigned_foreign else _rollouts_from(m.foreign, f"{where}.foreign", lim),
         capability=_float_map(m.capability, f"{where}.capability", lim, low=0.0),
         source_batches=_batches_from(m.source_batches, f"{where}.source_batches", lim),
+        unread_foreign=len(m.foreign) if lim.skip_unsigned_foreign else 0,
     )
 
 

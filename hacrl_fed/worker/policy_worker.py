@@ -74,6 +74,7 @@ from hacrl_fed.worker.checkpoint import (
 from hacrl_fed.worker.guard import (  # StaleRoundError is re-exported: callers import it from here
     RequestRefused,
     StaleRoundError,
+    check_capability,
     check_checkpoint,
     check_eval,
     check_plan,
@@ -201,9 +202,9 @@ class PolicyWorker:
             )
         if self.run_id is None or first:
             return "fresh", None, 0
-        raise RequestRefused(
+        raise RequestRefused(  # never names the run it serves: a caller could then drive that run
             "wrong_run",
-            f"worker {self.org_id!r} serves run {self.run_id!r}, not {run_id!r}: it "
+            f"worker {self.org_id!r} does not serve run {run_id!r}: it "
             f"starts another run only at its beginning (round-0 evaluation or round-1 plan) or "
             f"resumes one it has a checkpoint of, and got {what}",
         )
@@ -363,13 +364,13 @@ class PolicyWorker:
             )
         if request.run_id != own.run_id:
             raise RequestRefused(
-                "wrong_run",
-                f"train for run {request.run_id!r} but round {own.round} was generated for run {own.run_id!r}",
+                "wrong_run", f"train for run {request.run_id[:80]!r}, not the run round {own.round} was generated for"
             )
         if request.org_id != self.org_id:
             raise RequestRefused(
                 "wrong_org", f"train request for org {request.org_id!r} sent to worker {self.org_id!r}"
             )
+        check_capability(self.cfg, request.capability)
         raise_if_cancelled("before training")
         t0 = time.perf_counter()
         perf = PhaseMeter(self._device())
@@ -406,7 +407,7 @@ class PolicyWorker:
                 "time/score": t1 - t_trust,
                 "time/train": time.perf_counter() - t1,
                 "train/foreign_received": float(
-                    len(request.foreign) + sum(len(b.rollouts) for b in request.source_batches)
+                    len(request.foreign) + request.unread_foreign + sum(len(b.rollouts) for b in request.source_batches)
                 ),
                 "train/foreign_unscored": float(dropped),
             }
