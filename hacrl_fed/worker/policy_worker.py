@@ -328,9 +328,10 @@ class PolicyWorker:
             "gen/skipped_too_long": float(len(plan.prompts) - len(keep)),
             **gen_perf,
         }
-        return self._publish(RolloutBatch(plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics))
+        batch = RolloutBatch(plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics)
+        return self._publish(batch, sp.max_new_tokens * self.cfg.security.max_bytes_per_token)
 
-    def _publish(self, batch: RolloutBatch) -> RolloutBatch:
+    def _publish(self, batch: RolloutBatch, max_text_bytes: int) -> RolloutBatch:
         """Seal the text for the other orgs (coordinator-blind mode), then sign (encrypt-then-sign)."""
         if self.identity is None:
             return batch
@@ -339,7 +340,9 @@ class PolicyWorker:
 
         t0 = time.perf_counter()
         if self.cfg.security.encrypt:
-            batch = seal_batch(batch, {o: k for o, k in (self.roster or {}).items() if o != self.org_id})
+            recipients = {o: k for o, k in (self.roster or {}).items() if o != self.org_id}
+            pad_limit = max_text_bytes if self.cfg.security.pad_sealed else None
+            batch = seal_batch(batch, recipients, pad_limit=pad_limit)
         metrics = {**batch.metrics, "time/seal_sign": time.perf_counter() - t0}  # signing itself: ~0.1 ms
         return signed(replace(batch, metrics=metrics), self.identity)
 
@@ -351,7 +354,9 @@ class PolicyWorker:
         own = self._own
         assert own is not None and self.roster is not None and self.identity is not None
         batch = verify_signed(batch, self.roster, run_id=own.run_id, round=own.round)
-        return open_batch(batch, self.org_id, self.identity.box_key) if is_sealed(batch) else batch
+        if not is_sealed(batch):
+            return batch
+        return open_batch(batch, self.org_id, self.identity.box_key, padded=self.cfg.security.pad_sealed)
 
     def train(self, request: TrainRequest) -> TrainReport:
         """Score foreign rollouts with this model's tokenizer and run this round's update."""
