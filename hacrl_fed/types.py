@@ -123,6 +123,10 @@ class TrainReport:
     round: int
     org_id: str
     metrics: dict[str, float] = field(default_factory=dict)  # namespaced: "hacpo/...", "train/...", "time/..."
+    # Ed25519 by org_id's roster key (hacrl_fed.security.reports); b"" when unsigned.
+    signature: bytes = b""
+    # Blind mode: source org -> the content key of its batch this round, disclosed as evidence of mismatches.
+    disclosed_keys: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -332,3 +332,125 @@ def test_blind_mode_with_padding_trains_on_every_rollout(tmp_path):
     assert {len(r.sealed_response) - TAG_BYTES for b in seen for r in b.rollouts} <= buckets
     with pytest.raises(ConfigError, match="pad_sealed needs encrypt"):
         load_config({**cfg.model_dump(), "security": {"pad_sealed": True}})
+
+
+# ------------------------------------------------------------------------------------------ verdicts (blind)
+
+
+def _blind_cfg(orgs: tuple[str, ...]):
+    zoo = {"acme": "micro-qwen-char", "globex": "micro-gpt2-bpe", "initech": "micro-qwen-char"}
+    cfg = make_cfg(encrypt=True)
+    return load_config({**cfg.model_dump(), "orgs": [{"id": o, "model": {"zoo": zoo[o]}} for o in orgs]})
+
+
+class Framer(Hostile):
+    """Publishes honestly but reports that every rollout of ``victim`` contradicted its reward, signed with its own
+    valid key; ``evidence``: disclose the victim's real content key (it can unwrap it), or nothing."""
+
+    def __init__(self, worker, victim: str, run_dir, *, evidence: bool, sign: bool = True):
+        super().__init__(worker, lambda b: b)
+        self.victim, self.run_dir, self.evidence, self.sign = victim, run_dir, evidence, sign
+
+    def train(self, request):
+        from hacrl_fed.security.reports import sign_report
+        from hacrl_fed.security.sealing import content_key
+        from test_security_attacks import key_of
+
+        report = self.worker.train(request)
+        m = dict(report.metrics)
+        checked = m[f"trust/{self.victim}/checked"]
+        m[f"trust/{self.victim}/mismatches"], m[f"trust/{self.victim}/verified_reward_sum"] = checked, 0.0
+        me = key_of(self.run_dir, self.org_id)
+        batch = next(b for b in request.source_batches if b.org_id == self.victim)
+        keys = {self.victim: content_key(batch, self.org_id, me.box_key)} if self.evidence else {}
+        lie = dataclasses.replace(report, metrics=m, disclosed_keys=keys, signature=b"")
+        return sign_report(lie, me) if self.sign else lie
+
+
+@pytest.mark.parametrize("orgs,kind", [(("acme", "globex", "initech"), "inprocess"), (("acme", "globex"), "inprocess"),
+                                       (("acme", "globex", "initech"), "grpc")])
+def test_framing_with_evidence_excludes_the_accuser_not_the_framed_org(tmp_path, orgs, kind):
+    """Issue 20 Why 3: an org that publishes honestly but reports that another org's rollouts all contradicted
+    their rewards. It must disclose the batch's content key; the coordinator re-verifies and excludes the framer.
+    Over gRPC the signed report and its disclosed key cross the codec on both ends."""
+    from test_security_attacks import Via
+
+    cfg, run_dir = _blind_cfg(orgs), tmp_path / "run"
+    workers = {o: Hostile(build_worker(cfg, o, run_dir=run_dir), lambda b: b) for o in orgs}
+    workers["acme"] = Framer(workers["acme"].worker, "globex", run_dir, evidence=True)
+    via = Via(kind, tmp_path / "sock")
+    try:
+        coord = Coordinator(cfg, via.transport(workers), run_dir)
+        result = coord.run_round(1)
+    finally:
+        via.close()
+    m = result.metrics
+    assert m["round/acme/false_accusation"] == 1.0 and "false accusation against globex" in coord.guard.excluded["acme"]
+    assert "globex" not in coord.guard.excluded and m["round/globex/mismatch_rate"] == 0.0
+    assert m["round/globex/reverified_by_coordinator"] == G * B
+    assert coord.tracker.history("globex") == [pytest.approx(m["round/globex/accuracy"])]  # its claims stand
+    assert "acme" not in coord.live_orgs() and "globex" in coord.live_orgs()
+
+
+@pytest.mark.parametrize("orgs", [("acme", "globex", "initech"), ("acme", "globex")])
+@pytest.mark.parametrize("mode", ["no_evidence", "unsigned"])
+def test_framing_without_evidence_or_signature_is_ignored_and_counted(tmp_path, orgs, mode):
+    cfg, run_dir = _blind_cfg(orgs), tmp_path / "run"
+    workers = {o: Hostile(build_worker(cfg, o, run_dir=run_dir), lambda b: b) for o in orgs}
+    workers["acme"] = Framer(workers["acme"].worker, "globex", run_dir, evidence=mode == "unsigned",
+                             sign=mode != "unsigned")
+    coord = Coordinator(cfg, InProcessTransport(workers), run_dir)
+    m = coord.run_round(1).metrics
+    counter = "round/acme/unproven_accusation" if mode == "no_evidence" else "round/acme/report_rejected/bad_signature"
+    assert m[counter] == 1.0 and coord.guard.excluded == {} and "round/acme/false_accusation" not in m
+    if mode == "unsigned" and len(orgs) == 2:  # its one receiver's report does not count: no verdict this round
+        assert "round/globex/verified_accuracy" not in m and coord.tracker.history("globex") == []
+    else:  # the lie moved nothing
+        assert m["round/globex/verified_accuracy"] == pytest.approx(m["round/globex/accuracy"])
+        assert m["round/globex/mismatch_rate"] == 0.0
+
+
+def test_an_honest_learners_report_is_signed_and_a_tampered_one_fails(tmp_path):
+    from hacrl_fed.security.envelope import RejectedBatch
+    from hacrl_fed.security.reports import verify_report
+
+    cfg = make_cfg()
+    w = build_worker(cfg, "acme", run_dir=tmp_path / "run")
+    plan = plan_for(w)
+    w.generate(plan)
+    report = w.train(TrainRequest(plan.run_id, 1, "acme", plan.prompts, (), {}))
+    decoded = codec.decode(type(report), codec.encode(report))
+    assert verify_report(decoded, w.roster, run_id=plan.run_id, round=1) == report
+    forged = dataclasses.replace(report, metrics={**report.metrics, "trust/globex/mismatches": 16.0})
+    for bad, reason in [(forged, "bad_signature"), (dataclasses.replace(report, signature=b""), "bad_signature"),
+                        (dataclasses.replace(report, org_id="mallory"), "unknown_org")]:
+        with pytest.raises(RejectedBatch) as info:
+            verify_report(bad, w.roster, run_id=plan.run_id, round=1)
+        assert info.value.reason == reason
+    with pytest.raises(RejectedBatch, match="round 1, not 2"):
+        verify_report(report, w.roster, run_id=plan.run_id, round=2)  # a replayed report of another round
+
+
+def _sealed_lie(batch, run_dir, orgs):
+    """globex claims reward 1.0 everywhere on its real (sealed) responses, re-sealed and signed with its own key."""
+    from hacrl_fed.security.envelope import signed
+    from hacrl_fed.security.sealing import open_batch
+    from test_security_attacks import key_of
+
+    reader = next(o for o in orgs if o != batch.org_id)
+    plain = open_batch(batch, reader, key_of(run_dir, reader))
+    lied = dataclasses.replace(plain, rollouts=tuple(dataclasses.replace(r, reward=1.0) for r in plain.rollouts))
+    recipients = {o: key_of(run_dir, o).public() for o in orgs if o != batch.org_id}
+    return signed(seal_batch(dataclasses.replace(lied, signature=b""), recipients), key_of(run_dir, batch.org_id))
+
+
+def test_a_true_accusation_in_blind_mode_excludes_the_liar_with_the_coordinators_own_check(tmp_path):
+    orgs = ("acme", "globex", "initech")
+    cfg, run_dir = _blind_cfg(orgs), tmp_path / "run"
+    workers = {o: Hostile(build_worker(cfg, o, run_dir=run_dir), lambda b: b) for o in orgs}
+    workers["globex"] = Hostile(workers["globex"].worker, lambda b: _sealed_lie(b, run_dir, orgs))
+    coord = Coordinator(cfg, InProcessTransport(workers), run_dir)
+    m = coord.run_round(1).metrics
+    assert "re-verified by the coordinator" in coord.guard.excluded["globex"] and m["security/globex/excluded"] == 1.0
+    assert m["round/globex/mismatch_rate"] > 0.1 and m["round/globex/reverified_by_coordinator"] == G * B
+    assert set(coord.guard.excluded) == {"globex"} and "round/acme/false_accusation" not in m

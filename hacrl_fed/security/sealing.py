@@ -226,6 +226,28 @@ def _open(batch: RolloutBatch, org_id: str, box_key: X25519PrivateKey, padded: b
     return dataclasses.replace(batch, rollouts=rollouts, wrapped_keys=())
 
 
+def content_key(batch: RolloutBatch, org_id: str, box_key: X25519PrivateKey) -> bytes:
+    """The batch's 32-byte content key, unwrapped by recipient ``org_id``: what a learner discloses as evidence
+    (TrainReport.disclosed_keys) so the coordinator can open that one batch. RejectedBatch when it does not
+    unwrap."""
+    return _unwrap(batch, org_id, box_key)
+
+
+def open_with_content_key(batch: RolloutBatch, key: bytes, *, padded: bool = False) -> RolloutBatch:
+    """Open a sealed ``batch`` with its content key itself (the coordinator, given a disclosed key). A wrong key
+    fails every rollout's authentication tag: RejectedBatch (``undecryptable``)."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) != CONTENT_KEY_BYTES:
+        _undecryptable(batch, "coordinator", f"a disclosed content key must be {CONTENT_KEY_BYTES} bytes")
+    aead = ChaCha20Poly1305(bytes(key))
+    try:
+        rollouts = tuple(_open_rollout(aead, batch, i, r, "coordinator", padded) for i, r in enumerate(batch.rollouts))
+    except RejectedBatch:
+        raise
+    except Exception as err:  # noqa: BLE001 - odd field types
+        raise RejectedBatch("undecryptable", f"{type(err).__name__}: {err}") from None
+    return dataclasses.replace(batch, rollouts=rollouts, wrapped_keys=())
+
+
 def open_batch(
     batch: RolloutBatch, org_id: str, box_key: X25519PrivateKey | OrgIdentity, *, padded: bool = False
 ) -> RolloutBatch:

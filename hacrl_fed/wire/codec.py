@@ -25,6 +25,8 @@ Decoding is the trust boundary, so every decoded field is checked (input hygiene
   carries both a non-empty ``response`` and a non-empty ``sealed_response`` (also refused when encoding);
 * wrapped keys (``RolloutBatch.wrapped_keys``): at most ``max_recipients``, recipients non-empty and distinct
   names, ``ephemeral_public`` exactly 32 bytes, ``wrapped`` at most 128 bytes;
+* ``TrainReport.signature`` at most ``max_signature_bytes``; ``TrainReport.disclosed_keys`` at most
+  ``max_recipients`` entries of at most 64 bytes;
 * ``TrainRequest.source_batches`` are checked like any ``RolloutBatch``; with
   ``WireLimits.skip_unsigned_foreign`` (a worker with signing on, which ignores unsigned rollouts)
   ``TrainRequest.foreign`` is only counted (``unread_foreign``), never converted.
@@ -224,7 +226,13 @@ def _train_req_to(r: t.TrainRequest) -> pb.TrainRequest:
 
 def _train_rep_to(r: t.TrainReport) -> pb.TrainReport:
     return pb.TrainReport(
-        schema_version=SCHEMA_VERSION, run_id=r.run_id, round=r.round, org_id=r.org_id, metrics=dict(r.metrics)
+        schema_version=SCHEMA_VERSION,
+        run_id=r.run_id,
+        round=r.round,
+        org_id=r.org_id,
+        metrics=dict(r.metrics),
+        signature=bytes(r.signature),
+        disclosed_keys={k: bytes(v) for k, v in r.disclosed_keys.items()},
     )
 
 
@@ -415,7 +423,19 @@ def _train_rep_from(m: pb.TrainReport, where: str, lim: WireLimits) -> t.TrainRe
         round=_at_least(m.round, f"{where}.round"),
         org_id=_string(m.org_id, f"{where}.org_id", lim.max_name_chars, required=True),
         metrics=_float_map(m.metrics, f"{where}.metrics", lim),
+        signature=_bytes(m.signature, f"{where}.signature", lim.max_signature_bytes),
+        disclosed_keys=_key_map(m.disclosed_keys, f"{where}.disclosed_keys", lim),
     )
+
+
+def _key_map(m: Mapping[str, bytes], where: str, lim: WireLimits) -> dict[str, bytes]:
+    """Disclosed content keys: at most ``max_recipients`` entries, org-id keys, values at most 64 bytes."""
+    if len(m) > lim.max_recipients:
+        _fail(where, f"{len(m)} entries exceed the cap of {lim.max_recipients}")
+    return {
+        _string(k, f"{where} key {k[:40]!r}", lim.max_name_chars, required=True): _bytes(v, f"{where}[{k!r}]", 64)
+        for k, v in m.items()
+    }
 
 
 def _eval_req_from(m: pb.EvalRequest, where: str, lim: WireLimits) -> t.EvalRequest:

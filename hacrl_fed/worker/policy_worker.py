@@ -417,7 +417,35 @@ class PolicyWorker:
                 "train/foreign_unscored": float(dropped),
             }
         )
-        return TrainReport(request.run_id, request.round, self.org_id, metrics)
+        return self._sign_report(
+            TrainReport(request.run_id, request.round, self.org_id, metrics, disclosed_keys=self._evidence(request, trust))
+        )
+
+    def _evidence(self, request: TrainRequest, trust: dict[str, float]) -> dict[str, bytes]:
+        """Blind mode: the content key of every source batch in which this learner found reward mismatches, so
+        the coordinator can open that batch and check the verdict itself (SECURITY.md)."""
+        if not self.cfg.security.encrypt or self.identity is None:
+            return {}
+        from hacrl_fed.security.envelope import RejectedBatch
+        from hacrl_fed.security.sealing import content_key
+
+        keys = {}
+        for batch in request.source_batches:
+            src = str(getattr(batch, "org_id", ""))
+            if trust.get(f"trust/{src}/mismatches", 0.0) > 0 and src not in keys:
+                try:
+                    keys[src] = content_key(batch, self.org_id, self.identity.box_key)
+                except RejectedBatch:  # its batch did not open here either: nothing to disclose
+                    continue
+        return keys
+
+    def _sign_report(self, report: TrainReport) -> TrainReport:
+        """Sign the report with this org's identity (signing on), so its verdicts on other orgs count."""
+        if self.identity is None:
+            return report
+        from hacrl_fed.security.reports import sign_report
+
+        return sign_report(report, self.identity)
 
     def _foreign_rows(self, foreign: list[Rollout], own: _OwnRound, agents: list[str]) -> tuple[list[TrainRow], int]:
         """Re-tokenize screened foreign responses with this learner's template and tokenizer (EOS iff the source
