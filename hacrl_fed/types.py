@@ -117,6 +117,10 @@ class TrainRequest:
     unread_foreign: int = 0
 
 
+# Dataclass fields the receiving codec fills in and that never travel (tests/test_proto_drift.py).
+LOCAL_ONLY_FIELDS: dict[str, tuple[str, ...]] = {"TrainRequest": ("unread_foreign",)}
+
+
 @dataclass(frozen=True)
 class TrainReport:
     run_id: str

@@ -3,7 +3,8 @@
 Each worker listens on ``unix:<run_dir>/sock/<org>.sock`` (the directory is made 0700, the worker makes the socket
 0600), or, when that path is too long for a Unix socket, on ``127.0.0.1:0`` (a free loopback TCP port, plaintext:
 started with ``--insecure`` and a fresh link secret, ``<run_dir>/sock/<org>.secret`` (0600), passed as
-``--secret-file``; :attr:`WorkerProcesses.secrets` gives the secrets to :class:`GrpcTransport`). It logs stdout+stderr to ``<run_dir>/logs/<org>.log``, and is ready once it prints
+``--secret-file``; :attr:`WorkerProcesses.secrets` gives the secrets to :class:`GrpcTransport`). It logs
+stdout+stderr to ``<run_dir>/logs/<org>.log``, and is ready once it prints
 ``hacrl-fed worker <org> listening on <address>``; that printed address is the one to dial. Stopping sends
 SIGTERM to each PID, waits ``grace_s`` and SIGKILLs what is left; it runs on ``close()``, on context-manager exit
 and at interpreter exit.

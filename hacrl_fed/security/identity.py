@@ -307,10 +307,6 @@ def _distinct_keys(roster: Mapping[str, PublicIdentity], where: str) -> None:
             seen[raw] = org
 
 
-def _raw_public(key: Any) -> bytes:
-    return key.public_bytes(Encoding.Raw, PublicFormat.Raw)
-
-
 class _DuplicateOrg(Exception):
     """A roster file that lists one org twice."""
 

@@ -23,8 +23,8 @@ What the coordinator (or any non-recipient) still sees: run id, round, source or
 metrics, and per rollout the prompt id, sample index, finish reason, reward, log-prob sum, token count and the
 ciphertext, whose length is the UTF-8 length of the text plus 16 — or, with ``security.pad_sealed``, only the
 size bucket of the text (the next power of two above its length, at least 64 bytes, at most the plan's text bound
-plus one: ISO/IEC 7816-4 padding, a ``0x80`` byte then zeros, inside the ciphertext). It never sees the text. This module does no
-I/O; randomness comes from the OS (``os.urandom`` and the key generators).
+plus one: ISO/IEC 7816-4 padding, a ``0x80`` byte then zeros, inside the ciphertext). It never sees the text.
+This module does no I/O; randomness comes from the OS (``os.urandom`` and the key generators).
 """
 
 from __future__ import annotations
@@ -171,7 +171,9 @@ def seal_batch(
     aead = ChaCha20Poly1305(content_key)
     rollouts = tuple(
         dataclasses.replace(
-            r, response="", sealed_response=aead.encrypt(_nonce(i), _plain(r.response, pad_limit), _response_ad(batch, r))
+            r,
+            response="",
+            sealed_response=aead.encrypt(_nonce(i), _plain(r.response, pad_limit), _response_ad(batch, r)),
         )
         for i, r in enumerate(batch.rollouts)
     )

@@ -10,8 +10,9 @@ signed batch of ``prompts × G`` rollouts) or its ``EvalRequest`` (``task.eval_s
 
 and the bound is the larger of the two (at most ``federation.max_message_mb``). ``PROMPT_BYTES`` is the room
 for one prompt (chat messages and reference, as UTF-8, 64 KiB): a task whose prompts are longer gets its requests
-refused by gRPC (RESOURCE_EXHAUSTED). The demo config (3 orgs, P = 8, G = 8, 64 new tokens) gives about 1.6 MiB instead of a flat 256 MiB: a
-256 MiB message is refused by gRPC before it is read into Python (no peak memory for it).
+refused by gRPC (RESOURCE_EXHAUSTED). ``configs/demo.yaml`` gives 13.5 MiB (its 200 eval prompts' room
+dominates; a train request needs at most 2.7 MiB) and ``configs/smoke.yaml`` 2.0 MiB, instead of a flat 256 MiB:
+a larger message is refused by gRPC before it is read into Python.
 """
 
 from __future__ import annotations

@@ -55,7 +55,9 @@ def read_secret_file(path: str | Path) -> str:
     except OSError as err:
         raise SecretError(f"secret file {path}: cannot read it ({err.strerror or err})") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise SecretError(f"secret file {path} is readable by group/others (mode {stat.S_IMODE(st.st_mode):o}): chmod 600")
+        raise SecretError(
+            f"secret file {path} is readable by group/others (mode {stat.S_IMODE(st.st_mode):o}): chmod 600"
+        )
     if len(text) != 2 * SECRET_BYTES or any(c not in "0123456789abcdef" for c in text):
         raise SecretError(f"secret file {path} does not hold a secret (64 hex characters)")
     return text

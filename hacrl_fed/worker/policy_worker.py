@@ -418,7 +418,9 @@ class PolicyWorker:
             }
         )
         return self._sign_report(
-            TrainReport(request.run_id, request.round, self.org_id, metrics, disclosed_keys=self._evidence(request, trust))
+            TrainReport(
+                request.run_id, request.round, self.org_id, metrics, disclosed_keys=self._evidence(request, trust)
+            )
         )
 
     def _evidence(self, request: TrainRequest, trust: dict[str, float]) -> dict[str, bytes]:
