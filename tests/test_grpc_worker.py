@@ -363,6 +363,8 @@ sys.exit(main_worker(sys.argv[1:]))
 
 
 def test_main_worker_serves_until_sigterm(tmp_path):
+    from hacrl_fed.wire.link_secret import read_secret_file
+
     cfg = tmp_path / "run.yaml"
     cfg.write_text(_RUN_YAML)
     code = _LAUNCH.format(tests=str(REPO / "tests"))
@@ -372,10 +374,13 @@ def test_main_worker_serves_until_sigterm(tmp_path):
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 60)
         assert ready, "worker printed nothing within 60 s"
+        secret_line = proc.stdout.readline().strip()  # --insecure: a fresh link secret, its path printed first
+        assert secret_line.startswith("hacrl-fed worker beta link secret in "), (secret_line, proc.stderr.read())
         line = proc.stdout.readline().strip()
         assert line.startswith("hacrl-fed worker beta listening on 127.0.0.1:"), (line, proc.stderr.read())
         address = line.rsplit(" ", 1)[1]
-        with GrpcWorkerClient(address, org_id="beta", timeout_s=10) as client:
+        secret = read_secret_file(secret_line.rsplit(" in ", 1)[1])
+        with GrpcWorkerClient(address, org_id="beta", timeout_s=10, secret=secret) as client:
             assert client.health()["org_id"] == "beta"
             assert client.generate(_plan()) == FakeWorker("beta").generate(_plan())
         proc.send_signal(signal.SIGTERM)
