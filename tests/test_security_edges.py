@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -152,6 +153,7 @@ def test_a_hand_started_insecure_worker_needs_its_printed_secret(tmp_path):
             with GrpcWorkerClient(address, timeout_s=10, secret=wrong) as stranger:
                 err = _status(stranger.health)
                 assert err.code == grpc.StatusCode.UNAUTHENTICATED
+        shutil.rmtree(path.parent)  # the private temp dir the worker made for its secret
     finally:
         proc.terminate()
         proc.wait(10)
