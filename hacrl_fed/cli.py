@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ORG=ADDRESS",
         help="use an already-running worker (HOST:PORT or unix:/PATH) instead of starting one",
     )
+    run.add_argument(
+        "--worker-secret",
+        dest="worker_secrets",
+        action="append",
+        default=[],
+        metavar="ORG=FILE",
+        help="the link secret file an --insecure worker printed (hacrl-fed worker ORG link secret in FILE)",
+    )
     run.add_argument("--run-dir", default=None, help="default: <config run_dir>/<config name>")
     run.add_argument("--resume", action="store_true", help="continue the run in --run-dir after its last round")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -126,6 +134,22 @@ def parse_worker_addresses(items: list[str], org_ids: list[str]) -> dict[str, st
     return out
 
 
+def worker_secrets(items: list[str], org_ids: list[str]) -> dict[str, str]:
+    """``["a=/path/a.secret"]`` → ``{"a": <the secret in that file>}`` (the link secrets of ``--insecure`` workers)."""
+    from hacrl_fed.wire.link_secret import read_secret_file
+
+    out = {}
+    for item in items:
+        org, sep, path = item.partition("=")
+        if not sep or org not in org_ids or not path:
+            raise UsageError(f"--worker-secret {item!r} must look like ORG=FILE with ORG in the config ({org_ids})")
+        try:
+            out[org] = read_secret_file(path)
+        except ValueError as err:
+            raise UsageError(f"--worker-secret {org}={path}: {err}") from None
+    return out
+
+
 def _worker_flags(run_dir: Path, resume: bool) -> list[str]:
     """``hacrl-fed worker`` flags so each worker checkpoints under the run dir (and resumes with the run)."""
     return ["--run-dir", str(run_dir)] + (["--resume"] if resume else [])
@@ -138,6 +162,7 @@ def _grpc_transport(args: argparse.Namespace, cfg, run_dir: Path, stack: ExitSta
     org_ids = [o.id for o in cfg.orgs]
     if args.workers:
         addresses = parse_worker_addresses(args.workers, org_ids)  # checked before the run started
+        secrets = worker_secrets(args.worker_secrets, org_ids)
     else:
         procs = WorkerProcesses(
             args.config,
@@ -148,8 +173,8 @@ def _grpc_transport(args: argparse.Namespace, cfg, run_dir: Path, stack: ExitSta
             worker_args=_worker_flags(run_dir, args.resume),
         )
         stack.callback(procs.close)
-        addresses = procs.start()
-    transport = GrpcTransport(addresses, max_message_mb=cfg.federation.max_message_mb)
+        addresses, secrets = procs.start(), procs.secrets
+    transport = GrpcTransport(addresses, max_message_mb=cfg.federation.max_message_mb, secrets=secrets)
     stack.callback(transport.close)
     ready = transport.wait_ready(args.ready_timeout_s)
     bad = {org: err for org, err in ready.items() if isinstance(err, Exception)}

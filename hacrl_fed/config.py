@@ -414,6 +414,21 @@ class SecurityConfig(_Section):
     max_round_step: int = Field(
         1000, ge=1, description=_d("how far ahead of its last trained round a worker accepts a plan")
     )
+    pad_sealed: bool = Field(
+        False,
+        description=_d(
+            "coordinator-blind mode: pad each sealed text to a power-of-two size bucket (at most the plan's text "
+            "bound), so the coordinator does not see each response's exact length"
+        ),
+    )
+    max_stale_rounds: int = Field(
+        2,
+        ge=1,
+        description=_d(
+            "a plan at most this many rounds behind a worker's last trained round is a coordinator restart "
+            "(stale_round); further behind, the worker was driven ahead by someone else (round_ahead, an attack)"
+        ),
+    )
     max_bytes_per_token: int = Field(
         MAX_BYTES_PER_TOKEN,
         ge=4,
@@ -426,6 +441,8 @@ class SecurityConfig(_Section):
             raise ValueError("set at most one of 'roster' and 'roster_file'")
         if self.encrypt and not self.signing:
             raise ValueError("encrypt needs signing (encrypt-then-sign)")
+        if self.pad_sealed and not self.encrypt:
+            raise ValueError("pad_sealed needs encrypt (only sealed text is padded)")
         if self.encrypt and not self.reverify_rewards:
             raise ValueError("encrypt needs reverify_rewards (capability comes from receivers' verification)")
         return self

@@ -5,6 +5,9 @@ The causes are the ``<why>`` of the metrics ``round/<org>/failure/<why>`` and ``
 
 * ``stale_round``: the worker already trained that round of that run (its refusal ``RequestRefused`` with reason
   ``stale_round``, e.g. :class:`~hacrl_fed.worker.guard.StaleRoundError`);
+* ``round_ahead``: the worker trained that run further than any restart of the coordinator explains (its refusal
+  with reason ``round_ahead``, :class:`~hacrl_fed.worker.guard.RoundAheadError`): another client drove it
+  ahead, an attack, not a restart;
 * ``timeout``: no reply by the deadline;
 * ``unreachable``: no connection, or no worker / node for the org;
 * ``error``: anything else.
@@ -24,7 +27,8 @@ from __future__ import annotations
 import re
 
 STALE_ROUND, TIMEOUT, UNREACHABLE, ERROR = "stale_round", "timeout", "unreachable", "error"
-CAUSES = (STALE_ROUND, TIMEOUT, UNREACHABLE, ERROR)
+ROUND_AHEAD = "round_ahead"
+CAUSES = (STALE_ROUND, ROUND_AHEAD, TIMEOUT, UNREACHABLE, ERROR)
 _PREFIX = re.compile(r"^\[(" + "|".join(CAUSES) + r")\] ")
 
 

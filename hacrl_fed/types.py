@@ -113,6 +113,12 @@ class TrainRequest:
     capability: dict[str, float]  # org_id -> Phat (effective: all 1.0 during warm-up)
     # The other orgs' batches verbatim (signed, possibly sealed), so the learner can verify end to end.
     source_batches: tuple[RolloutBatch, ...] = ()
+    # Unsigned ``foreign`` rollouts the codec counted without decoding them (signing on: they are ignored).
+    unread_foreign: int = 0
+
+
+# Dataclass fields the receiving codec fills in and that never travel (tests/test_proto_drift.py).
+LOCAL_ONLY_FIELDS: dict[str, tuple[str, ...]] = {"TrainRequest": ("unread_foreign",)}
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,10 @@ class TrainReport:
     round: int
     org_id: str
     metrics: dict[str, float] = field(default_factory=dict)  # namespaced: "hacpo/...", "train/...", "time/..."
+    # Ed25519 by org_id's roster key (hacrl_fed.security.reports); b"" when unsigned.
+    signature: bytes = b""
+    # Blind mode: source org -> the content key of its batch this round, disclosed as evidence of mismatches.
+    disclosed_keys: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     import signal
     import threading
 
-    from hacrl_fed.wire.grpc_server import add_link_args, link_settings, serve_worker
+    from hacrl_fed.wire.grpc_server import add_link_args, link_secret, link_settings, serve_worker
 
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
@@ -139,6 +139,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         tls, insecure = link_settings(args)
+        secret = link_secret(args, args.org)
     except ValueError as err:
         p.exit(2, f"fake worker: {err}\n")
     load_config(args.config)  # fail like the real worker on a bad config
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_sigterm else (lambda *_: stop.set()))
     server = serve_worker(FakeWorker(args.org, SCRIPT_SKILLS.get(args.org, 0.5)), args.listen, tls=tls,
-                          insecure=insecure)
+                          insecure=insecure, secret=secret)
     if not args.silent:
         print(f"hacrl-fed worker {args.org} listening on {server.address}", flush=True)
     while not stop.wait(0.1):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -363,6 +364,10 @@ sys.exit(main_worker(sys.argv[1:]))
 
 
 def test_main_worker_serves_until_sigterm(tmp_path):
+    from hacrl_fed.config import load_config
+    from hacrl_fed.wire.bounds import max_request_bytes
+    from hacrl_fed.wire.link_secret import read_secret_file
+
     cfg = tmp_path / "run.yaml"
     cfg.write_text(_RUN_YAML)
     code = _LAUNCH.format(tests=str(REPO / "tests"))
@@ -372,14 +377,25 @@ def test_main_worker_serves_until_sigterm(tmp_path):
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 60)
         assert ready, "worker printed nothing within 60 s"
+        secret_line = proc.stdout.readline().strip()  # --insecure: a fresh link secret, its path printed first
+        assert secret_line.startswith("hacrl-fed worker beta link secret in "), (secret_line, proc.stderr.read())
         line = proc.stdout.readline().strip()
         assert line.startswith("hacrl-fed worker beta listening on 127.0.0.1:"), (line, proc.stderr.read())
         address = line.rsplit(" ", 1)[1]
-        with GrpcWorkerClient(address, org_id="beta", timeout_s=10) as client:
+        secret_file = Path(secret_line.rsplit(" in ", 1)[1])
+        secret = read_secret_file(secret_file)
+        with GrpcWorkerClient(address, org_id="beta", timeout_s=10, secret=secret) as client:
             assert client.health()["org_id"] == "beta"
             assert client.generate(_plan()) == FakeWorker("beta").generate(_plan())
+            # the receive limit is what the config's plans can need (hacrl_fed.wire.bounds), not 256 MiB
+            bound = max_request_bytes(load_config(cfg, overrides=["federation.rounds=3"]), "beta")
+            huge = t.EvalRequest("r", 0, "arithmetic", (t.Prompt(0, (t.ChatMessage("user", "7" * bound),), "7"),), 8)
+            with pytest.raises(WorkerCallError) as info:
+                client.evaluate(huge)
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
+        shutil.rmtree(secret_file.parent)  # the private temp dir the worker made for its secret
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -7,12 +7,14 @@ import stat
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 
 from helpers_fake_workers import fake_config
 from hacrl_fed.coordinator.grpc_transport import GrpcTransport
 from hacrl_fed.coordinator.launcher import WorkerProcesses, WorkerStartError, link_args, listen_address
+from hacrl_fed.wire.grpc_client import WorkerCallError
 
 FAKE_WORKER = [sys.executable, str(Path(__file__).with_name("helpers_fake_workers.py"))]
 
@@ -77,13 +79,22 @@ def test_long_run_dir_falls_back_to_a_free_tcp_port(tmp_path, config_path):
     assert listen_address(deep, "a") == "127.0.0.1:0"
     assert listen_address(Path("/tmp/r"), "a") == "unix:/tmp/r/sock/a.sock"
     assert link_args("127.0.0.1:0") == ["--insecure"] and link_args("unix:/tmp/r/sock/a.sock") == []
-    with WorkerProcesses(config_path, ["a"], run_dir=deep, command=FAKE_WORKER, ready_timeout_s=60) as addresses:
+    assert link_args("127.0.0.1:0", Path("/s")) == ["--insecure", "--secret-file", "/s"]
+    procs = WorkerProcesses(config_path, ["a"], run_dir=deep, command=FAKE_WORKER, ready_timeout_s=60)
+    with procs as addresses:
         assert addresses["a"].startswith("127.0.0.1:")  # the worker accepted loopback TCP: --insecure was passed
-        transport = GrpcTransport(addresses)
+        secret_file = deep / "sock" / "a.secret"  # a fresh per-launch link secret, owner-only
+        assert stat.S_IMODE(os.stat(secret_file).st_mode) == 0o600
+        assert secret_file.read_text().strip() == procs.secrets["a"]
+        assert f"link secret in {secret_file}" in (deep / "logs" / "a.log").read_text()
+        transport, stranger = GrpcTransport(addresses, secrets=procs.secrets), GrpcTransport(addresses)
         try:
             assert transport.wait_ready(10.0)["a"]["org_id"] == "a"
+            refused = stranger.wait_ready(10.0)["a"]  # another local process, without the secret
+            assert isinstance(refused, WorkerCallError) and refused.code == grpc.StatusCode.UNAUTHENTICATED
         finally:
             transport.close()
+            stranger.close()
 
 
 def test_bad_override_fails_before_any_process_starts(tmp_path, config_path):

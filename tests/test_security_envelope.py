@@ -460,9 +460,10 @@ def test_public_identity_text_is_strict(text, pattern):
 
 
 def test_roster_round_trip(tmp_path, roster):
-    path = save_roster(tmp_path / "roster.yaml", {**roster, "123": roster["acme"]})
+    numeric = generate_identity("123").public()  # one key per org: a shared key is refused (test_security_edges)
+    path = save_roster(tmp_path / "roster.yaml", {**roster, "123": numeric})
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
-    assert load_roster(path) == {**roster, "123": roster["acme"]}  # "123" stays a string id
+    assert load_roster(path) == {**roster, "123": numeric}  # "123" stays a string id
     assert load_roster(str(path)) == load_roster({o: p.to_text() for o, p in load_roster(path).items()})
     assert load_roster({"acme": roster["acme"]}) == {"acme": roster["acme"]}
 

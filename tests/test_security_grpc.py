@@ -130,7 +130,7 @@ def test_blind_mode_no_rollout_text_reaches_the_coordinator_process(tmp_path):
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     procs = WorkerProcesses(config, ["acme", "globex"], run_dir=run_dir, worker_args=["--run-dir", str(run_dir)])
     try:
-        transport = RecordingTransport(procs.start())
+        transport = RecordingTransport(procs.start(), secrets=procs.secrets)  # secrets: when TCP (long tmp path)
         assert all(not isinstance(v, Exception) for v in transport.wait_ready(120).values())
         coord = Coordinator(cfg, transport, run_dir)
         result = coord.run_round(1)

@@ -254,7 +254,8 @@ def child_main(argv: Sequence[str]) -> int:
                 overrides=list(args.overrides),
                 worker_args=["--run-dir", str(run_dir)],
             )
-            inner = GrpcTransport(procs.start(), max_message_mb=cfg.federation.max_message_mb)
+            addresses = procs.start()
+            inner = GrpcTransport(addresses, max_message_mb=cfg.federation.max_message_mb, secrets=procs.secrets)
             bad = {o: e for o, e in inner.wait_ready(600).items() if isinstance(e, Exception)}
             if bad:
                 raise RuntimeError(f"workers not ready: {bad}")

@@ -38,6 +38,8 @@ class GrpcTransport(Transport):
 
     ``tls``: mutual TLS for every worker (one :class:`ClientTLS`) or per org (``{org: ClientTLS}``); an org
     without one is dialled in plaintext, which only a ``unix:`` or loopback address allows (ValueError otherwise).
+    ``secrets``: ``{org: link secret}`` for workers started with ``--insecure``
+    (:attr:`~hacrl_fed.coordinator.launcher.WorkerProcesses.secrets`).
     """
 
     def __init__(
@@ -46,13 +48,21 @@ class GrpcTransport(Transport):
         *,
         max_message_mb: int = MAX_MESSAGE_MB,
         tls: ClientTLS | Mapping[str, ClientTLS] | None = None,
+        secrets: Mapping[str, str] | None = None,
     ):
         if not addresses:
             raise ValueError("GrpcTransport needs at least one worker address")
         self.addresses = dict(addresses)
         per_org = tls if isinstance(tls, Mapping) else {org: tls for org in self.addresses}
         self.clients = {
-            org: GrpcWorkerClient(addr, org_id=org, timeout_s=None, max_message_mb=max_message_mb, tls=per_org.get(org))
+            org: GrpcWorkerClient(
+                addr,
+                org_id=org,
+                timeout_s=None,
+                max_message_mb=max_message_mb,
+                tls=per_org.get(org),
+                secret=(secrets or {}).get(org),
+            )
             for org, addr in self.addresses.items()
         }
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="grpc-transport")

@@ -2,7 +2,9 @@
 
 Each worker listens on ``unix:<run_dir>/sock/<org>.sock`` (the directory is made 0700, the worker makes the socket
 0600), or, when that path is too long for a Unix socket, on ``127.0.0.1:0`` (a free loopback TCP port, plaintext:
-started with ``--insecure``). It logs stdout+stderr to ``<run_dir>/logs/<org>.log``, and is ready once it prints
+started with ``--insecure`` and a fresh link secret, ``<run_dir>/sock/<org>.secret`` (0600), passed as
+``--secret-file``; :attr:`WorkerProcesses.secrets` gives the secrets to :class:`GrpcTransport`). It logs
+stdout+stderr to ``<run_dir>/logs/<org>.log``, and is ready once it prints
 ``hacrl-fed worker <org> listening on <address>``; that printed address is the one to dial. Stopping sends
 SIGTERM to each PID, waits ``grace_s`` and SIGKILLs what is left; it runs on ``close()``, on context-manager exit
 and at interpreter exit.
@@ -39,6 +41,7 @@ import yaml
 
 from hacrl_fed.config import BuildError
 from hacrl_fed.host import available_cpus
+from hacrl_fed.wire.link_secret import create_secret_file
 
 READY = re.compile(r"^hacrl-fed worker (?P<org>\S+) listening on (?P<address>\S+)\s*$")
 DEFAULT_WORKER_COMMAND = (sys.executable, "-m", "hacrl_fed.cli", "worker")
@@ -83,9 +86,12 @@ def listen_address(run_dir: Path, org_id: str) -> str:
     return f"unix:{path}" if len(str(path)) <= MAX_UNIX_SOCKET_PATH else "127.0.0.1:0"
 
 
-def link_args(listen: str) -> list[str]:
-    """Flags ``hacrl-fed worker`` needs for ``listen``: none for a unix socket, ``--insecure`` for loopback TCP."""
-    return [] if listen.startswith("unix:") else ["--insecure"]
+def link_args(listen: str, secret_file: Path | None = None) -> list[str]:
+    """Flags ``hacrl-fed worker`` needs for ``listen``: none for a unix socket, ``--insecure`` (and the link secret
+    file ``--secret-file``) for loopback TCP."""
+    if listen.startswith("unix:"):
+        return []
+    return ["--insecure"] + (["--secret-file", str(secret_file)] if secret_file is not None else [])
 
 
 def private_dir(path: Path) -> Path:
@@ -193,6 +199,7 @@ class WorkerProcesses:
         self.die_with_parent = die_with_parent
         self.workers: dict[str, _Worker] = {}
         self.addresses: dict[str, str] = {}
+        self.secrets: dict[str, str] = {}  # org -> link secret of a loopback TCP worker (pass to GrpcTransport)
         self.exit_codes: dict[str, int | None] = {}  # filled by close()
 
     def _env(self) -> dict[str, str]:
@@ -216,8 +223,12 @@ class WorkerProcesses:
         try:
             for org in self.org_ids:
                 listen = listen_address(self.run_dir, org)
+                secret_file = None
                 if listen.startswith("unix:"):
                     Path(listen[5:]).unlink(missing_ok=True)  # a stale socket from a killed run
+                else:  # loopback TCP: a fresh per-launch secret (0600, in the 0700 sock dir)
+                    secret_file = self.run_dir / "sock" / f"{org}.secret"
+                    self.secrets[org] = create_secret_file(secret_file)
                 argv = [
                     *self.command,
                     "--config",
@@ -226,7 +237,7 @@ class WorkerProcesses:
                     org,
                     "--listen",
                     listen,
-                    *link_args(listen),
+                    *link_args(listen, secret_file),
                     *self.worker_args,
                 ]
                 if self.die_with_parent:

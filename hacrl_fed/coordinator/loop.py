@@ -351,7 +351,7 @@ class Coordinator:
             trained.append(org)
             reports[org] = reply
         if self.guard.blind:  # capability from what the receivers verified (the coordinator cannot read text)
-            verified = self.guard.receiver_verified(round, reports, list(accepted), metrics)
+            verified = self.guard.receiver_verified(round, reports, accepted, metrics)
             if verified:
                 self.tracker.update(verified)
         return trained

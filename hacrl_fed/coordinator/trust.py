@@ -17,15 +17,16 @@ every receiver verifies them end to end and the coordinator cannot put words in 
 off it is the flat list of accepted rollouts (``TrainRequest.foreign``).
 
 Capability uses verified rewards only: the coordinator's own re-verification, or — in coordinator-blind mode,
-where it cannot read the text — the rewards the receivers verified and reported back (``trust/<source>/...``
-in their TrainReports; the median over receivers). Blind mode therefore updates the capability table after
-each round's training: the table a round trains with covers the rounds before it.
+where it cannot read the text — the receivers' verdicts, which count only when checkable
+(:meth:`PoolGuard.receiver_verified`): reports signed by their org; no accusation, the source's claimed rewards
+stand; an accusation comes with the batch's content key, so the coordinator re-verifies that batch itself and
+excludes the liar or the false accuser. Blind mode therefore updates the capability table after each round's
+training: the table a round trains with covers the rounds before it.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -45,6 +46,7 @@ class PoolGuard:
         self.verify = verify if cfg.security.reverify_rewards else None
         self.excluded: dict[str, str] = {}  # org -> why (for logs, metrics and the final table)
         self.signed: dict[str, RolloutBatch] = {}  # this round's accepted orgs' batches, verbatim
+        self.plans: dict[str, RoundPlan] = {}  # the plan each of them answered (to re-verify a disputed batch)
 
     @property
     def blind(self) -> bool:
@@ -68,7 +70,7 @@ class PoolGuard:
             out.rejected["excluded_org"] += len(out.accepted)
             out.accepted = []
         if out.accepted:
-            self.signed[org] = batch
+            self.signed[org], self.plans[org] = batch, plan
         metrics[f"round/{org}/shortfall"] = float(out.shortfall)
         if out.checked:
             metrics[f"round/{org}/mismatch_rate"] = out.mismatch_rate
@@ -107,30 +109,110 @@ class PoolGuard:
         return tuple(r for org in others for r in accepted[org]), ()
 
     def new_round(self) -> None:
-        self.signed = {}
+        self.signed, self.plans = {}, {}
 
     # -- blind mode: what the receivers verified ---------------------------------------------------------------
 
     def receiver_verified(
-        self, round: int, reports: Mapping[str, TrainReport], sources: list[str], metrics: dict[str, float]
+        self,
+        round: int,
+        reports: Mapping[str, TrainReport],
+        accepted: Mapping[str, list[Rollout]],
+        metrics: dict[str, float],
     ) -> dict[str, float]:
-        """``{source: verified accuracy}`` (median over receivers); excludes sources the receivers caught lying."""
+        """``{source: verified accuracy}`` for blind mode; excludes a source proven to lie, or its false accuser.
+
+        Only reports signed by their org count (:func:`~hacrl_fed.security.reports.verify_report`; else
+        ``round/<org>/report_rejected/<reason>``). With no accusation, a source's accuracy is the mean of its
+        accepted claimed rewards (visible to the coordinator; a learner's own count cannot move it). A learner
+        reporting mismatches in a source's batch must disclose that batch's content key: the coordinator opens the
+        batch it relayed and re-verifies every accepted rollout itself. Mismatch rate above
+        ``security.max_mismatch_rate``: the source is excluded; an accuser claiming more mismatches than the
+        coordinator found is excluded (``round/<accuser>/false_accusation``); an accusation without a key that
+        opens the batch is ignored (``round/<accuser>/unproven_accusation``).
+        """
+        valid = self._signed_reports(round, reports, metrics)
         accuracy: dict[str, float] = {}
-        for src in sources:
-            accs, rates = [], []
-            for learner, rep in reports.items():
-                checked = float(rep.metrics.get(f"trust/{src}/checked", 0.0)) if learner != src else 0.0
-                if checked > 0:
-                    accs.append(float(rep.metrics.get(f"trust/{src}/verified_reward_sum", 0.0)) / checked)
-                    rates.append(float(rep.metrics.get(f"trust/{src}/mismatches", 0.0)) / checked)
-            if not accs:
+        for src, rollouts in accepted.items():
+            receivers = {org: rep for org, rep in valid.items() if org != src}
+            if not rollouts or not any(rep.metrics.get(f"trust/{src}/checked", 0.0) > 0 for rep in receivers.values()):
                 continue
-            rate = statistics.median(rates)
-            metrics[f"round/{src}/verified_accuracy"] = accuracy[src] = statistics.median(accs)
-            metrics[f"round/{src}/mismatch_rate"] = rate
-            if rate > self.cfg.security.max_mismatch_rate:
-                self.exclude(round, src, f"receivers found reward mismatch rate {rate:.2f} in round {round}")
+            accusers = {org: rep for org, rep in receivers.items() if rep.metrics.get(f"trust/{src}/mismatches", 0.0)}
+            own = self._reverify(src, accusers, metrics) if accusers else None
+            if own is None or not own.checked:
+                accuracy[src] = sum(float(r.reward) for r in rollouts) / len(rollouts)
+                metrics[f"round/{src}/mismatch_rate"] = 0.0
+            else:
+                accuracy[src] = own.verified_reward_sum / own.checked
+                metrics[f"round/{src}/mismatch_rate"] = own.mismatch_rate
+                metrics[f"round/{src}/reverified_by_coordinator"] = float(own.checked)
+                self._judge(round, src, own, accusers, metrics)
+            metrics[f"round/{src}/verified_accuracy"] = accuracy[src]
         return accuracy
+
+    def _signed_reports(
+        self, round: int, reports: Mapping[str, TrainReport], metrics: dict[str, float]
+    ) -> dict[str, TrainReport]:
+        """The reports whose signature verifies against the roster (all of them when signing is off)."""
+        if self.roster is None:
+            return dict(reports)
+        from hacrl_fed.security.envelope import RejectedBatch
+        from hacrl_fed.security.reports import verify_report
+
+        out = {}
+        for org, rep in reports.items():
+            try:
+                verify_report(rep, self.roster, run_id=getattr(rep, "run_id", ""), round=round)
+            except RejectedBatch as err:
+                log.warning("round %d: ignoring the verdicts of %s: its report %s", round, org, err)
+                metrics[f"round/{org}/report_rejected/{err.reason}"] = 1.0
+                continue
+            if rep.org_id != org:
+                metrics[f"round/{org}/report_rejected/wrong_org"] = 1.0
+                continue
+            out[org] = rep
+        return out
+
+    def _reverify(self, src: str, accusers: Mapping[str, TrainReport], metrics: dict[str, float]) -> Screened | None:
+        """Open ``src``'s relayed batch with the first disclosed key that opens it and re-verify it; None when no
+        accuser's evidence opens it (each such accusation is counted as unproven)."""
+        from hacrl_fed.security.envelope import RejectedBatch
+        from hacrl_fed.security.sealing import open_with_content_key
+
+        batch, plan = self.signed.get(src), self.plans.get(src)
+        for org, rep in accusers.items():
+            key = rep.disclosed_keys.get(src)
+            if batch is None or plan is None or key is None:
+                continue
+            try:
+                opened = open_with_content_key(batch, key, padded=self.cfg.security.pad_sealed)
+            except RejectedBatch:
+                continue
+            log.info("re-verifying the batch of %s with the content key %s disclosed", src, org)
+            bound = self.cfg.security.max_bytes_per_token
+            return screen_batch(opened, plan, src, verify=self.verify, max_bytes_per_token=bound)
+        for org in accusers:
+            metrics[f"round/{org}/unproven_accusation"] = metrics.get(f"round/{org}/unproven_accusation", 0.0) + 1
+            log.warning("ignoring the verdict of %s on %s: no disclosed key opens that batch", org, src)
+        return None
+
+    def _judge(
+        self, round: int, src: str, own: Screened, accusers: Mapping[str, TrainReport], metrics: dict[str, float]
+    ) -> None:
+        """The coordinator's own count decides: exclude the source when it lied, else each false accuser."""
+        if own.mismatch_rate > self.cfg.security.max_mismatch_rate:
+            why = f"reward mismatch {own.mismatches}/{own.checked} in round {round}, re-verified by the coordinator"
+            self.exclude(round, src, why)
+        for org, rep in accusers.items():
+            claimed = float(rep.metrics.get(f"trust/{src}/mismatches", 0.0))
+            if claimed > own.mismatches:
+                metrics[f"round/{org}/false_accusation"] = 1.0
+                self.exclude(
+                    round,
+                    org,
+                    f"false accusation against {src} in round {round} ({claimed:g} mismatches claimed, "
+                    f"{own.mismatches} found by the coordinator)",
+                )
 
     # -- state -------------------------------------------------------------------------------------------------
 

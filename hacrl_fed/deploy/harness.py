@@ -586,13 +586,16 @@ def toml_table(values: Mapping[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------ for people
 
 
-def worker_link_args(listen: str, org: str, tls: KeyLayout | None = None) -> list[str]:
+def worker_link_args(
+    listen: str, org: str, tls: KeyLayout | None = None, secret_file: str | Path | None = None
+) -> list[str]:
     """``hacrl-fed worker`` flags for ``listen``: none for ``unix:``; with ``tls``, mutual TLS with ``org``'s
-    worker certificate, accepting only ``org``'s client certificate; else ``--insecure`` (loopback only)."""
+    worker certificate, accepting only ``org``'s client certificate; else ``--insecure`` (loopback only) with the
+    link secret ``secret_file`` (:mod:`hacrl_fed.wire.link_secret`)."""
     if listen.startswith("unix:"):
         return []
     if tls is None:
-        return ["--insecure"]
+        return ["--insecure"] + (["--secret-file", str(secret_file)] if secret_file is not None else [])
     return [
         "--tls-cert",
         str(tls.worker_cert(org)),
@@ -605,11 +608,15 @@ def worker_link_args(listen: str, org: str, tls: KeyLayout | None = None) -> lis
     ]
 
 
-def worker_node_config(listen: str, org: str, tls: KeyLayout | None = None) -> dict[str, str]:
+def worker_node_config(
+    listen: str, org: str, tls: KeyLayout | None = None, secret_file: str | Path | None = None
+) -> dict[str, str]:
     """The SuperNode node_config entries matching :func:`worker_link_args`: ``org``'s client certificate for TCP
-    with ``tls``, else none."""
-    if listen.startswith("unix:") or tls is None:
+    with ``tls``, the link secret file for ``--insecure`` TCP, else none."""
+    if listen.startswith("unix:"):
         return {}
+    if tls is None:
+        return {"worker-secret-file": str(secret_file)} if secret_file is not None else {}
     return {
         "worker-ca": str(tls.ca_cert),
         "worker-cert": str(tls.worker_client_cert(org)),
@@ -625,6 +632,7 @@ def worker_command(
     listen: str = f"{HOST}:0",
     overrides: Sequence[str] = (),
     tls: KeyLayout | None = None,
+    secret_file: str | Path | None = None,
 ) -> list[str]:
     """``hacrl-fed worker`` argv (this interpreter) for ``org`` on ``listen`` with :func:`worker_link_args`.
 
@@ -641,7 +649,7 @@ def worker_command(
         org,
         "--listen",
         listen,
-        *worker_link_args(listen, org, tls),
+        *worker_link_args(listen, org, tls, secret_file),
     ]
     for item in overrides:
         argv += ["--set", item]
@@ -701,6 +709,13 @@ def start_local(
     """
     listen, link = worker_listen(dep, orgs, worker_link)
     worker_tls = dep.tls if link == "tls" else None
+    secrets: dict[str, Path | None] = {org: None for org in orgs}
+    if link == "insecure":  # plaintext loopback: a fresh per-launch secret per worker (0600, in a 0700 dir)
+        from hacrl_fed.wire.link_secret import create_secret_file
+
+        for org in orgs:
+            secrets[org] = private_dir(dep.workdir / "secrets") / f"{org}.secret"
+            create_secret_file(secrets[org])  # type: ignore[arg-type]
 
     def argv(org: str) -> list[str]:
         if worker_argv is None:
@@ -711,8 +726,9 @@ def start_local(
                 listen=listen[org],
                 overrides=overrides,
                 tls=worker_tls,
+                secret_file=secrets[org],
             )
-        return [*worker_argv(org, listen[org]), *worker_link_args(listen[org], org, worker_tls)]
+        return [*worker_argv(org, listen[org]), *worker_link_args(listen[org], org, worker_tls, secrets[org])]
 
     threads = worker_thread_env(len(orgs))  # the workers share this machine's cores
     workers = {org: dep.spawn(f"worker-{org}", argv(org), extra_env=threads) for org in orgs}
@@ -723,7 +739,10 @@ def start_local(
             dep.register_supernode(dep.tls.supernode_pub(org))
     nodes = {
         org: dep.start_supernode(
-            org, listen[org], wait=False, worker_config=worker_node_config(listen[org], org, worker_tls)
+            org,
+            listen[org],
+            wait=False,
+            worker_config=worker_node_config(listen[org], org, worker_tls, secrets[org]),
         )
         for org in orgs
     }

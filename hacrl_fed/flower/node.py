@@ -7,7 +7,8 @@ How a node learns its mode and org (``context.node_config``):
   ``worker`` (:class:`~hacrl_fed.wire.grpc_client.GrpcWorkerClient`). No model is ever loaded here: Flower starts a
   fresh ClientApp process per message. Optional ``max-message-mb`` (default 256) caps gRPC message sizes.
   ``worker-ca``, ``worker-cert``, ``worker-key`` (PEM paths, all three or none; optional ``worker-server-name``)
-  switch the channel to mutual TLS; without them ``worker`` must be a ``unix:`` socket or a loopback address.
+  switch the channel to mutual TLS; without them ``worker`` must be a ``unix:`` socket or a loopback address, and
+  ``worker-secret-file`` names the link secret of a worker started with ``--insecure``.
 * **simulation** (Flower Simulation Engine): node_config holds only ``partition-id`` / ``num-partitions``.
   Partition ``i`` is the ``i``-th org of the run config (``config-path`` in the run config, see
   :mod:`hacrl_fed.flower.settings`). The worker is in-process, built once per (run, org) by the
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 ORG_KEY, WORKER_KEY, MAX_MB_KEY = "org", "worker", "max-message-mb"
 TLS_KEYS = ("worker-ca", "worker-cert", "worker-key")  # mutual TLS to the worker: CA, client cert, client key
 SERVER_NAME_KEY = "worker-server-name"
+SECRET_KEY = "worker-secret-file"  # the link secret of a worker started with --insecure (hacrl_fed.wire.link_secret)
 PARTITION_KEY = "partition-id"
 STATE_KEY = "hacrl.simulation"  # context.state config record: the process serving this node's org
 
@@ -194,12 +196,21 @@ def _deployment_worker(node_config: Mapping[str, Any], deadline_s: float | None)
     if not isinstance(max_mb, int) or isinstance(max_mb, bool) or max_mb < 1:
         raise NodeError(f"node_config {MAX_MB_KEY!r}: expected a positive int, got {max_mb!r}")
     org = node_config[ORG_KEY]
+    secret = None
+    if SECRET_KEY in node_config:
+        from hacrl_fed.wire.link_secret import read_secret_file
+
+        try:
+            secret = read_secret_file(_text(node_config, SECRET_KEY))
+        except ValueError as err:
+            raise NodeError(f"node_config {SECRET_KEY!r}: {err}") from None
     client = GrpcWorkerClient(
         _text(node_config, WORKER_KEY),
         org_id=org,
         timeout_s=deadline_s,
         max_message_mb=max_mb,
         tls=worker_tls(node_config),
+        secret=secret,
     )
     return org, client
 

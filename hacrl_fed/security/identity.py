@@ -292,7 +292,38 @@ def _roster_entries(doc: Any, where: str) -> dict[str, PublicIdentity]:
             out[org] = value if isinstance(value, PublicIdentity) else PublicIdentity.from_text(value)
         except IdentityError as err:
             raise IdentityError(f"{where}: org {org!r}: {err}") from None
+    _distinct_keys(out, where)
     return out
+
+
+def _distinct_keys(roster: Mapping[str, PublicIdentity], where: str) -> None:
+    """One key, one org: the holder of a key listed for two orgs could speak for both (IdentityError)."""
+    for kind in ("sign", "box"):
+        seen: dict[bytes, str] = {}
+        for org, entry in roster.items():
+            raw = _raw_public(getattr(entry, kind))
+            if raw in seen:
+                raise IdentityError(f"{where}: orgs {seen[raw]!r} and {org!r} share one {kind} key (one key per org)")
+            seen[raw] = org
+
+
+class _DuplicateOrg(Exception):
+    """A roster file that lists one org twice."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe YAML loader that refuses a mapping listing one key twice (YAML would keep the last silently)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    keys = [loader.construct_object(k, deep=deep) for k, _ in node.value]
+    dup = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if dup is not None:
+        raise _DuplicateOrg(f"org {dup!r} is listed twice (line {node.start_mark.line + 1})")
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
 def load_roster(source: RosterSource) -> dict[str, PublicIdentity]:
@@ -311,7 +342,9 @@ def load_roster(source: RosterSource) -> dict[str, PublicIdentity]:
     if len(data) > _MAX_FILE_BYTES:
         raise IdentityError(f"roster {path} is larger than {_MAX_FILE_BYTES} bytes")
     try:
-        doc = yaml.safe_load(data)
+        doc = yaml.load(data, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader that also refuses duplicate keys
+    except _DuplicateOrg as err:
+        raise IdentityError(f"roster {path}: {err}") from None
     except yaml.YAMLError as err:
         raise IdentityError(f"roster {path} is not valid YAML ({err})") from None
     return _roster_entries(doc, f"roster {path}")

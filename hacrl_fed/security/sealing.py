@@ -21,8 +21,10 @@ decrypts (:func:`open_batch` trusts the header fields it binds, so call it on a 
 
 What the coordinator (or any non-recipient) still sees: run id, round, source org, recipients, accuracy,
 metrics, and per rollout the prompt id, sample index, finish reason, reward, log-prob sum, token count and the
-ciphertext, whose length is the UTF-8 length of the text plus 16. It never sees the text. This module does no
-I/O; randomness comes from the OS (``os.urandom`` and the key generators).
+ciphertext, whose length is the UTF-8 length of the text plus 16 — or, with ``security.pad_sealed``, only the
+size bucket of the text (the next power of two above its length, at least 64 bytes, at most the plan's text bound
+plus one: ISO/IEC 7816-4 padding, a ``0x80`` byte then zeros, inside the ciphertext). It never sees the text.
+This module does no I/O; randomness comes from the OS (``os.urandom`` and the key generators).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ RESPONSE_DOMAIN = b"hacrl-fed/v1/sealed-response\x00"
 WRAP_SALT = b"hacrl-fed/v1/wrap\x00"
 WRAP_INFO_DOMAIN = b"hacrl-fed/v1/wrap-info\x00"
 _ZERO_NONCE = bytes(NONCE_BYTES)
+MIN_BUCKET = 64  # the smallest padded size (security.pad_sealed)
 
 
 def _field(value: str | bytes) -> bytes:
@@ -120,13 +123,41 @@ def is_sealed(batch: RolloutBatch) -> bool:
     return bool(batch.wrapped_keys) or any(r.sealed_response for r in batch.rollouts)
 
 
-def seal_batch(batch: RolloutBatch, recipients: Mapping[str, X25519PublicKey | PublicIdentity]) -> RolloutBatch:
+def padded_size(n: int, limit: int) -> int:
+    """The bucket a text of ``n`` bytes is padded to (marker included): the next power of two ``>= n + 1``, at
+    least :data:`MIN_BUCKET`, at most ``limit + 1`` (the plan's text bound plus the marker), never below
+    ``n + 1``."""
+    bucket = max(MIN_BUCKET, 1 << n.bit_length())  # a power of two > n
+    return max(n + 1, min(bucket, limit + 1))
+
+
+def pad(text: bytes, limit: int) -> bytes:
+    """``text`` + ``0x80`` + zero bytes up to :func:`padded_size` (ISO/IEC 7816-4 padding)."""
+    return text + b"\x80" + bytes(padded_size(len(text), limit) - len(text) - 1)
+
+
+def unpad(data: bytes) -> bytes:
+    """Inverse of :func:`pad`; ValueError when ``data`` carries no padding marker."""
+    body = data.rstrip(b"\x00")
+    if not body.endswith(b"\x80"):
+        raise ValueError("no padding marker")
+    return body[:-1]
+
+
+def seal_batch(
+    batch: RolloutBatch,
+    recipients: Mapping[str, X25519PublicKey | PublicIdentity],
+    *,
+    pad_limit: int | None = None,
+) -> RolloutBatch:
     """Encrypt every rollout's text for ``recipients`` (org id -> X25519 public key or PublicIdentity).
 
     Returns the batch with ``response = ""`` and ``sealed_response`` set on every rollout, one
     :class:`WrappedKey` per recipient (sorted by org id) and an empty ``signature`` (sign after sealing).
-    Raises ValueError for an already sealed batch, no recipients or an unusable recipient key, TypeError for a
-    recipient value of the wrong type.
+    ``pad_limit`` (``security.pad_sealed``: the plan's text bound in bytes): every text is padded to a size
+    bucket before encryption (:func:`padded_size`), so a relay sees only the bucket, not the exact length; open
+    with ``padded=True``. Raises ValueError for an already sealed batch, no recipients or an unusable recipient
+    key, TypeError for a recipient value of the wrong type.
     """
     if is_sealed(batch):
         raise ValueError(f"batch from {batch.org_id!r} round {batch.round} is already sealed")
@@ -140,12 +171,19 @@ def seal_batch(batch: RolloutBatch, recipients: Mapping[str, X25519PublicKey | P
     aead = ChaCha20Poly1305(content_key)
     rollouts = tuple(
         dataclasses.replace(
-            r, response="", sealed_response=aead.encrypt(_nonce(i), r.response.encode("utf-8"), _response_ad(batch, r))
+            r,
+            response="",
+            sealed_response=aead.encrypt(_nonce(i), _plain(r.response, pad_limit), _response_ad(batch, r)),
         )
         for i, r in enumerate(batch.rollouts)
     )
     keys = tuple(_wrap(content_key, batch, org, publics[org]) for org in sorted(publics))
     return dataclasses.replace(batch, rollouts=rollouts, wrapped_keys=keys, signature=b"")
+
+
+def _plain(text: str, pad_limit: int | None) -> bytes:
+    raw = text.encode("utf-8")
+    return raw if pad_limit is None else pad(raw, pad_limit)
 
 
 def _undecryptable(batch: RolloutBatch, org_id: str, why: str) -> NoReturn:
@@ -167,41 +205,69 @@ def _unwrap(batch: RolloutBatch, org_id: str, box_key: X25519PrivateKey) -> byte
     return content_key
 
 
-def _open_rollout(aead: ChaCha20Poly1305, batch: RolloutBatch, i: int, r: Rollout, org_id: str) -> Rollout:
+def _open_rollout(
+    aead: ChaCha20Poly1305, batch: RolloutBatch, i: int, r: Rollout, org_id: str, padded: bool
+) -> Rollout:
     if not r.sealed_response or r.response:
         _undecryptable(batch, org_id, f"rollouts[{i}] carries no sealed text (or plaintext next to it)")
     try:
-        text = aead.decrypt(_nonce(i), bytes(r.sealed_response), _response_ad(batch, r)).decode("utf-8")
-    except Exception:  # noqa: BLE001 - InvalidTag, bad UTF-8
-        _undecryptable(batch, org_id, f"rollouts[{i}] does not decrypt (tampered or moved)")
+        plain = aead.decrypt(_nonce(i), bytes(r.sealed_response), _response_ad(batch, r))
+        text = (unpad(plain) if padded else plain).decode("utf-8")
+    except Exception:  # noqa: BLE001 - InvalidTag, no padding marker, bad UTF-8
+        _undecryptable(batch, org_id, f"rollouts[{i}] does not decrypt (tampered, moved, or padding mismatch)")
     return dataclasses.replace(r, response=text, sealed_response=b"")
 
 
-def _open(batch: RolloutBatch, org_id: str, box_key: X25519PrivateKey) -> RolloutBatch:
+def _open(batch: RolloutBatch, org_id: str, box_key: X25519PrivateKey, padded: bool) -> RolloutBatch:
     if not isinstance(batch, RolloutBatch):
         raise RejectedBatch("malformed", f"expected a RolloutBatch, got {type(batch).__name__}")
     if not is_sealed(batch):
         return batch
     aead = ChaCha20Poly1305(_unwrap(batch, org_id, box_key))
-    rollouts = tuple(_open_rollout(aead, batch, i, r, org_id) for i, r in enumerate(batch.rollouts))
+    rollouts = tuple(_open_rollout(aead, batch, i, r, org_id, padded) for i, r in enumerate(batch.rollouts))
     return dataclasses.replace(batch, rollouts=rollouts, wrapped_keys=())
 
 
-def open_batch(batch: RolloutBatch, org_id: str, box_key: X25519PrivateKey | OrgIdentity) -> RolloutBatch:
+def content_key(batch: RolloutBatch, org_id: str, box_key: X25519PrivateKey) -> bytes:
+    """The batch's 32-byte content key, unwrapped by recipient ``org_id``: what a learner discloses as evidence
+    (TrainReport.disclosed_keys) so the coordinator can open that one batch. RejectedBatch when it does not
+    unwrap."""
+    return _unwrap(batch, org_id, box_key)
+
+
+def open_with_content_key(batch: RolloutBatch, key: bytes, *, padded: bool = False) -> RolloutBatch:
+    """Open a sealed ``batch`` with its content key itself (the coordinator, given a disclosed key). A wrong key
+    fails every rollout's authentication tag: RejectedBatch (``undecryptable``)."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) != CONTENT_KEY_BYTES:
+        _undecryptable(batch, "coordinator", f"a disclosed content key must be {CONTENT_KEY_BYTES} bytes")
+    aead = ChaCha20Poly1305(bytes(key))
+    try:
+        rollouts = tuple(_open_rollout(aead, batch, i, r, "coordinator", padded) for i, r in enumerate(batch.rollouts))
+    except RejectedBatch:
+        raise
+    except Exception as err:  # noqa: BLE001 - odd field types
+        raise RejectedBatch("undecryptable", f"{type(err).__name__}: {err}") from None
+    return dataclasses.replace(batch, rollouts=rollouts, wrapped_keys=())
+
+
+def open_batch(
+    batch: RolloutBatch, org_id: str, box_key: X25519PrivateKey | OrgIdentity, *, padded: bool = False
+) -> RolloutBatch:
     """Decrypt a sealed ``batch`` as recipient ``org_id`` with its X25519 private key (or its OrgIdentity).
 
     Returns the batch with plaintext ``response``, empty ``sealed_response`` and no ``wrapped_keys``; the
     ``signature`` is kept (it covers the sealed form, so verify before opening). A batch that is not sealed is
     returned unchanged. Raises :class:`RejectedBatch` (``undecryptable``: no key wrapped for ``org_id``, a wrong
     key, tampered or moved ciphertext, a rollout without sealed text, bad UTF-8; ``malformed``: not a batch) and
-    TypeError for a ``box_key`` of the wrong type.
+    TypeError for a ``box_key`` of the wrong type. ``padded``: the texts were sealed with ``pad_limit`` (the
+    run's ``security.pad_sealed``); a mismatch either way is ``undecryptable``.
     """
     if isinstance(box_key, OrgIdentity):
         box_key = box_key.box_key
     if not isinstance(box_key, X25519PrivateKey):
         raise TypeError(f"expected an X25519PrivateKey or OrgIdentity, got {type(box_key).__name__}")
     try:
-        return _open(batch, org_id, box_key)
+        return _open(batch, org_id, box_key, padded)
     except RejectedBatch:
         raise
     except Exception as err:  # noqa: BLE001 - odd field types in an in-process batch

@@ -156,7 +156,7 @@ class TrainRequest(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., foreign: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., capability: _Optional[_Mapping[str, float]] = ..., source_batches: _Optional[_Iterable[_Union[RolloutBatch, _Mapping]]] = ...) -> None: ...
 
 class TrainReport(_message.Message):
-    __slots__ = ("schema_version", "run_id", "round", "org_id", "metrics")
+    __slots__ = ("schema_version", "run_id", "round", "org_id", "metrics", "signature", "disclosed_keys")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -164,17 +164,28 @@ class TrainReport(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class DisclosedKeysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    DISCLOSED_KEYS_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     run_id: str
     round: int
     org_id: str
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    signature: bytes
+    disclosed_keys: _containers.ScalarMap[str, bytes]
+    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., signature: _Optional[bytes] = ..., disclosed_keys: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class EvalRequest(_message.Message):
     __slots__ = ("schema_version", "run_id", "round", "task", "prompts", "max_new_tokens")

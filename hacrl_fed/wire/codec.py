@@ -25,7 +25,11 @@ Decoding is the trust boundary, so every decoded field is checked (input hygiene
   carries both a non-empty ``response`` and a non-empty ``sealed_response`` (also refused when encoding);
 * wrapped keys (``RolloutBatch.wrapped_keys``): at most ``max_recipients``, recipients non-empty and distinct
   names, ``ephemeral_public`` exactly 32 bytes, ``wrapped`` at most 128 bytes;
-* ``TrainRequest.source_batches`` are checked like any ``RolloutBatch``.
+* ``TrainReport.signature`` at most ``max_signature_bytes``; ``TrainReport.disclosed_keys`` at most
+  ``max_recipients`` entries of at most 64 bytes;
+* ``TrainRequest.source_batches`` are checked like any ``RolloutBatch``; with
+  ``WireLimits.skip_unsigned_foreign`` (a worker with signing on, which ignores unsigned rollouts)
+  ``TrainRequest.foreign`` is only counted (``unread_foreign``), never converted.
 
 The codec checks shapes only; signatures and sealed text are checked by :mod:`hacrl_fed.security`.
 """
@@ -68,6 +72,8 @@ class WireLimits:
     max_signature_bytes: int = 1024
     max_path_chars: int = 4096  # checkpoint paths
     max_recipients: int = 1024  # wrapped keys of one batch
+    # signing on: TrainRequest.foreign (unsigned, ignored by the learner) is counted, not decoded (unread_foreign)
+    skip_unsigned_foreign: bool = False
 
 
 DEFAULT_LIMITS = WireLimits()
@@ -221,7 +227,13 @@ def _train_req_to(r: t.TrainRequest) -> pb.TrainRequest:
 
 def _train_rep_to(r: t.TrainReport) -> pb.TrainReport:
     return pb.TrainReport(
-        schema_version=SCHEMA_VERSION, run_id=r.run_id, round=r.round, org_id=r.org_id, metrics=dict(r.metrics)
+        schema_version=SCHEMA_VERSION,
+        run_id=r.run_id,
+        round=r.round,
+        org_id=r.org_id,
+        metrics=dict(r.metrics),
+        signature=bytes(r.signature),
+        disclosed_keys={k: bytes(v) for k, v in r.disclosed_keys.items()},
     )
 
 
@@ -398,9 +410,10 @@ def _train_req_from(m: pb.TrainRequest, where: str, lim: WireLimits) -> t.TrainR
         round=_at_least(m.round, f"{where}.round"),
         org_id=_string(m.org_id, f"{where}.org_id", lim.max_name_chars, required=True),
         prompts=_prompts_from(m.prompts, f"{where}.prompts", lim),
-        foreign=_rollouts_from(m.foreign, f"{where}.foreign", lim),
+        foreign=() if lim.skip_unsigned_foreign else _rollouts_from(m.foreign, f"{where}.foreign", lim),
         capability=_float_map(m.capability, f"{where}.capability", lim, low=0.0),
         source_batches=_batches_from(m.source_batches, f"{where}.source_batches", lim),
+        unread_foreign=len(m.foreign) if lim.skip_unsigned_foreign else 0,
     )
 
 
@@ -411,7 +424,19 @@ def _train_rep_from(m: pb.TrainReport, where: str, lim: WireLimits) -> t.TrainRe
         round=_at_least(m.round, f"{where}.round"),
         org_id=_string(m.org_id, f"{where}.org_id", lim.max_name_chars, required=True),
         metrics=_float_map(m.metrics, f"{where}.metrics", lim),
+        signature=_bytes(m.signature, f"{where}.signature", lim.max_signature_bytes),
+        disclosed_keys=_key_map(m.disclosed_keys, f"{where}.disclosed_keys", lim),
     )
+
+
+def _key_map(m: Mapping[str, bytes], where: str, lim: WireLimits) -> dict[str, bytes]:
+    """Disclosed content keys: at most ``max_recipients`` entries, org-id keys, values at most 64 bytes."""
+    if len(m) > lim.max_recipients:
+        _fail(where, f"{len(m)} entries exceed the cap of {lim.max_recipients}")
+    return {
+        _string(k, f"{where} key {k[:40]!r}", lim.max_name_chars, required=True): _bytes(v, f"{where}[{k!r}]", 64)
+        for k, v in m.items()
+    }
 
 
 def _eval_req_from(m: pb.EvalRequest, where: str, lim: WireLimits) -> t.EvalRequest:

@@ -24,6 +24,7 @@ from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, Tr
 from hacrl_fed.v1 import worker_pb2_grpc
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.grpc_server import is_local_address, message_size_options, read_pem
+from hacrl_fed.wire.link_secret import call_metadata
 
 # Reconnect quickly after a worker (re)start instead of gRPC's default 1 s .. 120 s exponential backoff.
 _RECONNECT_OPTIONS = [
@@ -112,6 +113,7 @@ class GrpcWorkerClient:
     ``org_id`` is the org expected at that address ("" until learned from :meth:`health` / :meth:`wait_ready`,
     which also check that a given ``org_id`` matches the worker's). ``timeout_s=None`` means no deadline.
     ``tls`` switches the channel to mutual TLS; without it the address must be local (``unix:`` or loopback).
+    ``secret``: the worker's link secret (:mod:`hacrl_fed.wire.link_secret`), sent with every call.
     """
 
     def __init__(
@@ -123,8 +125,10 @@ class GrpcWorkerClient:
         max_message_mb: int = MAX_MESSAGE_MB,
         limits: codec.WireLimits = codec.DEFAULT_LIMITS,
         tls: ClientTLS | None = None,
+        secret: str | None = None,
     ) -> None:
         self.address = address
+        self._metadata = call_metadata(secret)
         self.org_id = org_id or ""
         self.timeout_s = timeout_s
         self._limits = limits
@@ -182,7 +186,9 @@ class GrpcWorkerClient:
             raise WorkerCallError(rpc, grpc.StatusCode.CANCELLED, "client is closed", self.address)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            reply = getattr(self._stub, rpc)(request, timeout=timeout, wait_for_ready=wait_for_ready)
+            reply = getattr(self._stub, rpc)(
+                request, timeout=timeout, wait_for_ready=wait_for_ready, metadata=self._metadata
+            )
         except grpc.RpcError as err:
             raise _call_error(rpc, err, self.address) from None
         return codec.from_proto(reply, limits=self._limits)

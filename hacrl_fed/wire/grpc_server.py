@@ -13,7 +13,9 @@ The link (who may call the worker):
 * ``--listen HOST:PORT`` needs mutual TLS, ``--tls-cert PEM --tls-key PEM --tls-ca PEM`` (the worker's
   certificate and key, and the CA that signs allowed clients; a client without a certificate from that CA fails
   the handshake), optionally pinned to client certificate common names with ``--tls-client-name NAME``; or, on a
-  loopback host only (127.0.0.0/8, ``::1``, ``localhost``), ``--insecure``. Anything else exits 2.
+  loopback host only (127.0.0.0/8, ``::1``, ``localhost``), ``--insecure``, and then every call must carry the
+  per-launch link secret (``--secret-file``, :mod:`hacrl_fed.wire.link_secret`): another local process cannot
+  drive the worker. Anything else exits 2.
 * The Python API (:func:`serve_worker`) takes ``tls=WorkerTLS(...)`` / ``insecure=``; a plaintext loopback TCP
   address is allowed there without ``insecure`` (tests), a non-loopback one never.
 
@@ -33,6 +35,9 @@ Behaviour:
   -> FAILED_PRECONDITION, all logged as one line; anything else -> INTERNAL, logged with its traceback. A reply
   the codec cannot encode is the worker's fault: INTERNAL.
 * Message size limits (send and receive) are raised to ``max_message_mb`` on the server; the client does the same.
+  ``hacrl-fed worker`` lowers the receive limit to what its plan can need (:func:`hacrl_fed.wire.bounds.
+  max_request_bytes`), so an oversized request is refused before it is read into memory, and with signing on the
+  unsigned ``TrainRequest.foreign`` (ignored then) is counted, never decoded.
 """
 
 from __future__ import annotations
@@ -446,18 +451,34 @@ def serve_worker(
     ready_event: threading.Event | None = None,
     max_threads: int = 4,
     limits: codec.WireLimits = codec.DEFAULT_LIMITS,
+    secret: str | None = None,
+    max_receive_bytes: int | None = None,
 ) -> WorkerServer:
     """Start serving ``worker`` on ``address`` (``unix:/path/sock``, or ``HOST:PORT`` with ``tls`` / on loopback).
 
     Returns the started server (``.address`` is where it listens); stop it with ``server.stop(grace)``.
     ``ready_event`` is set once it accepts calls. SO_REUSEPORT is off, so a taken port fails loudly. Raises
     :class:`ListenError` (a ValueError) for an address or TLS setting the link rules refuse (module docstring).
+    ``secret``: every call must carry it (:mod:`hacrl_fed.wire.link_secret`), else UNAUTHENTICATED.
+    ``max_receive_bytes``: gRPC's receive limit, below ``max_message_mb`` (the plan's bound,
+    :func:`hacrl_fed.wire.bounds.max_request_bytes`): a larger request is refused (RESOURCE_EXHAUSTED) before
+    it is decoded.
     """
     check_listen(address, tls=tls, insecure=insecure)
     credentials = tls.server_credentials() if tls is not None else None
     options = message_size_options(max_message_mb) + [("grpc.so_reuseport", 0)]
+    if max_receive_bytes is not None:
+        receive = ("grpc.max_receive_message_length", min(max_receive_bytes, max_message_mb * 2**20))
+        options = [receive if k == receive[0] else (k, v) for k, v in options]
+    interceptors = []
+    if secret is not None:
+        from hacrl_fed.wire.link_secret import SecretInterceptor
+
+        interceptors.append(SecretInterceptor(secret))
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="policy-worker"), options=options
+        futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="policy-worker"),
+        options=options,
+        interceptors=interceptors,
     )
     servicer = PolicyWorkerServicer(worker, limits=limits, client_names=tls.client_names if tls else ())
     server.add_generic_rpc_handlers((servicer.generic_handler(),))
@@ -523,7 +544,15 @@ def add_link_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--insecure",
         action="store_true",
-        help="plaintext TCP; allowed only on a loopback host (127.0.0.0/8, ::1, localhost)",
+        help="plaintext TCP; allowed only on a loopback host (127.0.0.0/8, ::1, localhost); every call must carry "
+        "the link secret (--secret-file)",
+    )
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="FILE",
+        help="the link secret (mode 0600) every call must carry; read when it exists, else created; with "
+        "--insecure and no --secret-file a fresh one is created and its path printed",
     )
 
 
@@ -540,6 +569,19 @@ def link_settings(args: argparse.Namespace) -> tuple[WorkerTLS | None, bool]:
     if tls is not None:
         tls.server_credentials()  # unreadable files fail now, before a model is loaded
     return tls, args.insecure
+
+
+def link_secret(args: argparse.Namespace, org: str) -> str | None:
+    """The link secret from :func:`add_link_args` flags: ``--secret-file`` (read, or created), or for
+    ``--insecure`` a fresh one whose path is printed (``hacrl-fed worker ORG link secret in PATH``); None for a
+    unix socket or mutual TLS without ``--secret-file``. SecretError (a ValueError) for an unusable file."""
+    if args.secret_file is None and not args.insecure:
+        return None
+    from hacrl_fed.wire.link_secret import worker_secret
+
+    secret, path = worker_secret(args.secret_file)
+    print(f"hacrl-fed worker {org} link secret in {path}", flush=True)
+    return secret
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -611,8 +653,19 @@ def main_worker(argv: list[str] | None = None) -> int:
     worker = build_worker(cfg, org_id, **extra)
     log.info("hacrl-fed worker serves %s", describe_worker(worker))
     max_mb = args.max_message_mb or cfg.federation.max_message_mb
+    from hacrl_fed.wire.bounds import max_request_bytes
+
     try:
-        server = serve_worker(worker, args.listen, tls=tls, insecure=insecure, max_message_mb=max_mb)
+        server = serve_worker(
+            worker,
+            args.listen,
+            tls=tls,
+            insecure=insecure,
+            max_message_mb=max_mb,
+            secret=link_secret(args, org_id),
+            max_receive_bytes=max_request_bytes(cfg, org_id),
+            limits=codec.WireLimits(skip_unsigned_foreign=cfg.security.signing),
+        )
     except (ValueError, RuntimeError) as err:
         _close(worker)
         parser.exit(2, f"hacrl-fed worker: {err}\n")

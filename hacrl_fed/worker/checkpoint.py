@@ -74,7 +74,10 @@ def save_checkpoint(
     (tmp / "state.json").write_text(json.dumps({"round": round, **extra}, indent=2, sort_keys=True))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-    latest = latest_checkpoint(root)
+    try:
+        latest = latest_checkpoint(root)
+    except CheckpointRefused:  # a marker pointing out of the root is replaced, never followed
+        latest = None
     if latest is None or _round_of(latest) <= round:  # LATEST only moves forward
         write_atomic(root / "LATEST", out.name)
     older = sorted(p for p in root.glob("round-*") if _round_of(p) < round)
@@ -102,11 +105,25 @@ def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+CHECKPOINT_NAME = re.compile(r"^round-[0-9]{6,}$")
+
+
+class CheckpointRefused(RuntimeError):
+    """A ``LATEST`` marker that does not name a checkpoint directly inside its root (a path outside it, a link)."""
+
+
 def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint ``root/LATEST`` names, None when there is none; :class:`CheckpointRefused` when it names
+    anything but a ``round-NNNNNN`` directory directly inside ``root`` (``../x``, an absolute path, a symlink)."""
     marker = root / "LATEST"
     if not marker.is_file():
         return None
-    path = root / marker.read_text().strip()
+    name = marker.read_text(errors="replace").strip()
+    if not CHECKPOINT_NAME.match(name):
+        raise CheckpointRefused(f"{marker} names {name[:80]!r}, not a round-NNNNNN checkpoint inside {root}")
+    path = root / name
+    if path.is_symlink() or (path.exists() and path.resolve().parent != root.resolve()):
+        raise CheckpointRefused(f"{marker}: {name} is a link out of {root}; refusing to resume from it")
     return path if path.is_dir() else None
 
 

@@ -8,7 +8,11 @@ does not fit its own state and configured limits:
   request, from its configured initial weights (:mod:`hacrl_fed.worker.policy_worker`); anything else is
   ``wrong_run``, and so is a train request for another run than the round it generated;
 * rounds only forward: a plan's round is after the last trained one and at most ``security.max_round_step``
-  ahead of it; ``train`` only for the round it generated; ``checkpoint`` only for the round it last trained;
+  ahead of it; a plan at most ``security.max_stale_rounds`` rounds behind is a coordinator restart
+  (``stale_round``), one further behind means another client drove the worker ahead (``round_ahead``, counted as
+  an attack); ``train`` only for the round it generated; ``checkpoint`` only for the round it last trained;
+* no plan or eval request without prompts (``empty_plan``); the capability table of a train request has at most
+  one entry per configured org and none for others (``bad_capability``);
 * plan size: ``num_samples``, ``max_new_tokens`` and the number of prompts at most the worker's own configured
   values (``generation.num_samples``, ``generation.max_new_tokens``, ``federation.prompts_per_round``); eval
   requests at most ``task.eval_size`` prompts and ``generation.eval_max_new_tokens`` tokens.
@@ -34,13 +38,15 @@ from hacrl_fed.types import EvalRequest, Prompt, Rollout, RolloutBatch, RoundPla
 class RequestRefused(ValueError):
     """A request that does not fit the worker's state or limits; ``reason`` is a short metrics-friendly code.
 
-    ``failure_cause`` (:mod:`hacrl_fed.failures`): how the coordinator counts the refusal, ``stale_round`` for
-    that reason, else ``error``; it travels with the error over gRPC and Flower."""
+    ``failure_cause`` (:mod:`hacrl_fed.failures`): how the coordinator counts the refusal, ``stale_round`` or
+    ``round_ahead`` for those reasons, else ``error``; it travels with the error over gRPC and Flower.
+    No message names the run the worker serves (only the request's own run id), so a caller with a wrong run id
+    learns nothing about the run it could then drive."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
-        self.failure_cause = "stale_round" if reason == "stale_round" else "error"
+        self.failure_cause = reason if reason in ("stale_round", "round_ahead") else "error"
 
 
 class StaleRoundError(RequestRefused):
@@ -51,15 +57,35 @@ class StaleRoundError(RequestRefused):
         super().__init__("stale_round", message)
 
 
+class RoundAheadError(RequestRefused):
+    """A plan more than ``security.max_stale_rounds`` rounds behind what this worker trained in that run: no
+    restart of the coordinator explains it (it saves its state every round, so a restarted one is at most one
+    round behind its workers); someone else drove this worker ahead. Counted as ``round_ahead``, not as a
+    restart."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("round_ahead", message)
+
+
 def check_plan(cfg: RunConfig, org_id: str, plan: RoundPlan, *, last_round: int, run_id: str | None) -> None:
-    """Refuse a plan for another run, a stale or far-future round, or one larger than this org's limits."""
+    """Refuse a plan for another run, a stale or far-future round, an empty one, or one larger than this org's
+    limits."""
     if run_id is not None and plan.run_id != run_id:
-        raise RequestRefused("wrong_run", f"worker {org_id!r} serves run {run_id!r}, not {plan.run_id!r}")
+        raise RequestRefused("wrong_run", f"worker {org_id!r} does not serve run {plan.run_id[:80]!r}")
     if plan.round <= last_round:
+        behind = last_round - plan.round + 1
+        if behind > cfg.security.max_stale_rounds:
+            raise RoundAheadError(
+                f"worker {org_id!r} trained {behind} rounds of run {plan.run_id[:80]!r} beyond this plan's round "
+                f"{plan.round} (security.max_stale_rounds={cfg.security.max_stale_rounds}): not a restart; "
+                "another client drove this worker ahead"
+            )
         raise StaleRoundError(
-            f"worker {org_id!r} already trained round {last_round} of run {plan.run_id!r}; "
+            f"worker {org_id!r} already trained round {last_round} of run {plan.run_id[:80]!r}; "
             f"refusing a plan for round {plan.round}"
         )
+    if not plan.prompts:
+        raise RequestRefused("empty_plan", "the plan lists no prompts")
     step = cfg.security.max_round_step
     if plan.round > last_round + step:
         raise RequestRefused(
@@ -77,7 +103,9 @@ def check_plan(cfg: RunConfig, org_id: str, plan: RoundPlan, *, last_round: int,
 def check_eval(cfg: RunConfig, org_id: str, request: EvalRequest, *, run_id: str | None) -> None:
     """Refuse an eval request of another run or beyond this org's eval limits."""
     if run_id is not None and request.run_id != run_id:
-        raise RequestRefused("wrong_run", f"worker {org_id!r} serves run {run_id!r}, not {request.run_id!r}")
+        raise RequestRefused("wrong_run", f"worker {org_id!r} does not serve run {request.run_id[:80]!r}")
+    if not request.prompts:
+        raise RequestRefused("empty_plan", "the eval request lists no prompts")
     gen = org_generation(cfg, org_id)
     _at_most("max_new_tokens", request.max_new_tokens, gen.eval_max_new_tokens, "generation.eval_max_new_tokens")
     _at_most("prompts", len(request.prompts), cfg.task.eval_size, "task.eval_size")
@@ -90,6 +118,16 @@ def check_checkpoint(org_id: str, round: int, *, last_round: int) -> None:
             "bad_checkpoint_round",
             f"worker {org_id!r} last trained round {last_round}; refusing a checkpoint for round {round}",
         )
+
+
+def check_capability(cfg: RunConfig, capability: Mapping[str, float]) -> None:
+    """The capability table is bounded by the run's orgs: at most one entry per configured org, none for others."""
+    orgs = {o.id for o in cfg.orgs}
+    if len(capability) > len(orgs):
+        raise RequestRefused("bad_capability", f"{len(capability)} capability entries for {len(orgs)} orgs")
+    unknown = sorted(k for k in capability if k not in orgs)
+    if unknown:
+        raise RequestRefused("bad_capability", f"capability entries for orgs not in the run: {unknown[:4]}")
 
 
 def _at_most(what: str, value: int, limit: int, field: str) -> None:
@@ -156,8 +194,9 @@ def _sources_from_request(
     """Foreign batches by source org: verified envelopes when signing, else the flat list grouped by org id."""
     batches: dict[str, RolloutBatch] = {}
     if signing:
-        if request.foreign:
-            reports.setdefault("coordinator", SourceReport()).rejected["unsigned"] += len(request.foreign)
+        unsigned = len(request.foreign) + request.unread_foreign
+        if unsigned:
+            reports.setdefault("coordinator", SourceReport()).rejected["unsigned"] += unsigned
         for batch in request.source_batches:
             src = str(getattr(batch, "org_id", "?"))[:64]
             rep = reports.setdefault(src, SourceReport())

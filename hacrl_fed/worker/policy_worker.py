@@ -73,6 +73,7 @@ from hacrl_fed.worker.checkpoint import (
 )
 from hacrl_fed.worker.guard import (
     RequestRefused,
+    check_capability,
     check_checkpoint,
     check_eval,
     check_plan,
@@ -198,9 +199,9 @@ class PolicyWorker:
             )
         if self.run_id is None or first:
             return "fresh", None, 0
-        raise RequestRefused(
+        raise RequestRefused(  # never names the run it serves: a caller could then drive that run
             "wrong_run",
-            f"worker {self.org_id!r} serves run {self.run_id!r}, not {run_id!r}: it "
+            f"worker {self.org_id!r} does not serve run {run_id!r}: it "
             f"starts another run only at its beginning (round-0 evaluation or round-1 plan) or "
             f"resumes one it has a checkpoint of, and got {what}",
         )
@@ -326,9 +327,10 @@ class PolicyWorker:
             "gen/skipped_too_long": float(len(plan.prompts) - len(keep)),
             **gen_perf,
         }
-        return self._publish(RolloutBatch(plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics))
+        batch = RolloutBatch(plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics)
+        return self._publish(batch, sp.max_new_tokens * self.cfg.security.max_bytes_per_token)
 
-    def _publish(self, batch: RolloutBatch) -> RolloutBatch:
+    def _publish(self, batch: RolloutBatch, max_text_bytes: int) -> RolloutBatch:
         """Seal the text for the other orgs (coordinator-blind mode), then sign (encrypt-then-sign)."""
         if self.identity is None:
             return batch
@@ -337,7 +339,9 @@ class PolicyWorker:
 
         t0 = time.perf_counter()
         if self.cfg.security.encrypt:
-            batch = seal_batch(batch, {o: k for o, k in (self.roster or {}).items() if o != self.org_id})
+            recipients = {o: k for o, k in (self.roster or {}).items() if o != self.org_id}
+            pad_limit = max_text_bytes if self.cfg.security.pad_sealed else None
+            batch = seal_batch(batch, recipients, pad_limit=pad_limit)
         metrics = {**batch.metrics, "time/seal_sign": time.perf_counter() - t0}  # signing itself: ~0.1 ms
         return signed(replace(batch, metrics=metrics), self.identity)
 
@@ -349,7 +353,9 @@ class PolicyWorker:
         own = self._own
         assert own is not None and self.roster is not None and self.identity is not None
         batch = verify_signed(batch, self.roster, run_id=own.run_id, round=own.round)
-        return open_batch(batch, self.org_id, self.identity.box_key) if is_sealed(batch) else batch
+        if not is_sealed(batch):
+            return batch
+        return open_batch(batch, self.org_id, self.identity.box_key, padded=self.cfg.security.pad_sealed)
 
     def train(self, request: TrainRequest) -> TrainReport:
         """Score foreign rollouts with this model's tokenizer and run this round's update."""
@@ -362,13 +368,13 @@ class PolicyWorker:
             )
         if request.run_id != own.run_id:
             raise RequestRefused(
-                "wrong_run",
-                f"train for run {request.run_id!r} but round {own.round} was generated for run {own.run_id!r}",
+                "wrong_run", f"train for run {request.run_id[:80]!r}, not the run round {own.round} was generated for"
             )
         if request.org_id != self.org_id:
             raise RequestRefused(
                 "wrong_org", f"train request for org {request.org_id!r} sent to worker {self.org_id!r}"
             )
+        check_capability(self.cfg, request.capability)
         raise_if_cancelled("before training")
         t0 = time.perf_counter()
         perf = PhaseMeter(self._device())
@@ -405,12 +411,42 @@ class PolicyWorker:
                 "time/score": t1 - t_trust,
                 "time/train": time.perf_counter() - t1,
                 "train/foreign_received": float(
-                    len(request.foreign) + sum(len(b.rollouts) for b in request.source_batches)
+                    len(request.foreign) + request.unread_foreign + sum(len(b.rollouts) for b in request.source_batches)
                 ),
                 "train/foreign_unscored": float(dropped),
             }
         )
-        return TrainReport(request.run_id, request.round, self.org_id, metrics)
+        return self._sign_report(
+            TrainReport(
+                request.run_id, request.round, self.org_id, metrics, disclosed_keys=self._evidence(request, trust)
+            )
+        )
+
+    def _evidence(self, request: TrainRequest, trust: dict[str, float]) -> dict[str, bytes]:
+        """Blind mode: the content key of every source batch in which this learner found reward mismatches, so
+        the coordinator can open that batch and check the verdict itself (SECURITY.md)."""
+        if not self.cfg.security.encrypt or self.identity is None:
+            return {}
+        from hacrl_fed.security.envelope import RejectedBatch
+        from hacrl_fed.security.sealing import content_key
+
+        keys = {}
+        for batch in request.source_batches:
+            src = str(getattr(batch, "org_id", ""))
+            if trust.get(f"trust/{src}/mismatches", 0.0) > 0 and src not in keys:
+                try:
+                    keys[src] = content_key(batch, self.org_id, self.identity.box_key)
+                except RejectedBatch:  # its batch did not open here either: nothing to disclose
+                    continue
+        return keys
+
+    def _sign_report(self, report: TrainReport) -> TrainReport:
+        """Sign the report with this org's identity (signing on), so its verdicts on other orgs count."""
+        if self.identity is None:
+            return report
+        from hacrl_fed.security.reports import sign_report
+
+        return sign_report(report, self.identity)
 
     def _foreign_rows(self, foreign: list[Rollout], own: _OwnRound, agents: list[str]) -> tuple[list[TrainRow], int]:
         """Re-tokenize screened foreign responses with this learner's template and tokenizer (EOS iff the source
