@@ -126,6 +126,11 @@ def test_the_matrix_plans_every_cell():
     assert not [c.key for c in cells if c.skip and not c.same_as]
     assert by[("model", "hacpo_per_byte", 2)].config.algorithm.logprob_norm == "per_byte"
     assert by[("model", "no_cross_clip", 0)].config.algorithm.cross_clip is False
+    sel = by[("three", "hacpo_per_byte_max_variance", 0)].config
+    assert sel.trainer.selection.rule == "max_variance" and sel.trainer.selection.budget_multiple == 1.0
+    assert sel.algorithm.logprob_norm == "per_byte"
+    assert by[("state", "hacpo_successes", 1)].config.trainer.selection.rule == "successes"
+    assert by[("state", "hacpo", 0)].config.trainer.selection.rule == "all"
     quick = learning.plan_cells(matrix, quick=True)
     assert quick and all(c.config.federation.rounds < gspo.federation.rounds for c in quick)
     assert all(c.config.federation.rounds == 5 for c in learning.plan_cells(matrix, only=["model/hacpo"], rounds=5))
@@ -149,10 +154,12 @@ def test_summarize_cell_from_records():
     records = [{"round": 0, "eval/a/accuracy": 0.25},
                {"round": 1, "round/a/rollouts_received": 16.0, "a/train/num_rows": 32.0, "a/train/num_self": 16.0,
                 "a/train/num_cross": 16.0, "a/hacpo/cross_ratio_mean": 0.8, "time/call/generate/a": 1.0,
-                "time/round": 2.0},
+                "time/round": 2.0, "a/select/b/offered": 16.0, "a/select/b/selected": 6.0,
+                "a/select/b/dropped_rule": 10.0, "a/select/selected": 6.0},
                {"round": 2, "round/a/rollouts_received": 16.0, "a/train/num_rows": 32.0, "a/train/num_self": 16.0,
                 "a/train/num_cross": 16.0, "a/hacpo/cross_ratio_mean": 0.9, "eval/a/accuracy": 0.5,
-                "time/call/train/a": 0.5, "time/round": 4.0}]
+                "time/call/train/a": 0.5, "time/round": 4.0, "a/select/b/offered": 16.0, "a/select/b/selected": 4.0,
+                "a/select/b/dropped_rule": 12.0, "a/select/selected": 4.0}]
     s = learning.summarize_cell(cfg, records)
     a = s["agents"]["a"]
     assert (a["accuracy_before"], a["accuracy_after"], a["gain"]) == (0.25, 0.5, 0.25)
@@ -162,6 +169,8 @@ def test_summarize_cell_from_records():
     assert a["stats"]["hacpo/cross_ratio_mean"]["late_mean"] == pytest.approx(0.9)
     assert a["time_calls_s"] == pytest.approx(1.5)
     assert s["rounds"] == 2 and s["round_time_s"]["mean"] == 3.0
+    assert a["selection"] == {"select/b/dropped_rule": 22, "select/b/offered": 32, "select/b/selected": 10,
+                              "select/selected": 10}
 
 
 def _round(t: int, wall: float, **extra) -> dict:
