@@ -196,6 +196,8 @@ def test_system_aggregation():
     assert r["trust"] == pytest.approx(0.014) and r["exchange"] == pytest.approx(0.03)
     assert r["coordinator"] == pytest.approx(4.0 - 2.0 - 1.0) and r["rollouts"] == 16.0 and r["foreign"] == 16.0
     assert r["org/a/peak_rss_mb"] == 301.0
+    assert r["train_share"] == pytest.approx(0.25) and r["org/a/generate"] == pytest.approx(0.2)
+    assert r["org/a/train"] == pytest.approx(0.16) and r["org/a/update"] == pytest.approx(0.1)
     warm = system.warm(rows)
     assert [w["round"] for w in warm] == [2, 3]  # the first round of a run is left out
     s = system.summarize_rows(warm)
@@ -208,6 +210,15 @@ def test_system_aggregation():
     text = system.format_tables({"transports": {"rounds": 3, "repeats": 1, "summary": {"grpc": s},
                                                 "overhead_vs_inprocess": {"grpc": 1.2}, "wire": {"grpc": w}}})
     assert "| grpc | 1.500 | 1.20 |" in text and "| grpc | 100 | 200 | 20.0 | 5.0 | 10.0 |" in text
+    assert system.selection_overrides("uniform:1") == ["trainer.selection.rule=uniform",
+                                                       "trainer.selection.budget_multiple=1.0"]
+    assert system.selection_overrides("all") == ["trainer.selection.rule=all"]
+    row = {"round_wall_s": 2.0, "coordinator_s_per_round": 0.1, "train_share": 0.5, "per_org_call_s": 0.3,
+           "per_org_compute_s": 0.2, "per_org_generate_s": 0.05, "per_org_train_s": 0.125, "per_org_update_s": 0.1,
+           "per_org_foreign_selected": 16.0, "coordinator_peak_rss_mb": 500.0, "worker_peak_rss_mb": {"a": None}}
+    text = system.format_tables({"scaling": {"transport": "inprocess", "rounds": 4,
+                                             "variants": {"uniform:1": {"set": [], "orgs": {"32": row}}}}})
+    assert "selection uniform:1" in text and "| 32 | 2.000 | 0.50 | 0.050 | 0.125 | 0.100 | 16 |" in text
 
 
 def test_peer_summary():

@@ -16,9 +16,11 @@
    foreign rollout (protobuf for gRPC, message payloads for Flower) next to the mean UTF-8 size of a response's
    text (measured by the in-process and gRPC runs; the same seed gives the same text on every transport).
 3. **Scaling** with 2, 4 and 8 orgs of micro agents (alternating ``micro-qwen-char`` and ``micro-gpt2-bpe``) over
-   gRPC (one worker process per org): per-org call time and compute per round, the coordinator's own time per
-   round, and peak RSS per process (the coordinator's from its own ``getrusage``, each worker's from the
-   ``perf/*/peak_rss_mb`` it reports).
+   gRPC (one worker process per org; ``--scale-transport inprocess`` in one process): per-org call time and compute
+   per round, per-org generate and train time (the train call: screening, scoring, update), the train phase's share
+   of the round, the foreign rows each org trained on, the coordinator's own time per round, and peak RSS per
+   process (the coordinator's from its own ``getrusage``, each worker's from the ``perf/*/peak_rss_mb`` it
+   reports). ``--scale-selection all uniform:1`` repeats it per ``trainer.selection`` (rule, budget multiple).
 4. **Flower deployment engine** on loopback (SuperLink + one SuperNode per org + policy workers, insecure, through
    :mod:`hacrl_fed.deploy.harness`) with the micro agents of ``configs/smoke.yaml``: its median round time minus
    the in-process median of the same config (the fixed cost per round), where it goes (per org and phase: call
@@ -104,12 +106,18 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
         for phase in ("generate", "train"):
             if rec.get(f"bytes/{phase}/total") is not None:
                 row[f"bytes_{phase}"] = float(rec[f"bytes/{phase}/total"])
+        row["train_share"] = row["train_fanout"] / row["wall"] if row["wall"] > 0 else 0.0
         for o in orgs:
             calls = _sum(rec, [f"time/call/generate/{o}", f"time/call/train/{o}"])
             compute = _sum(
                 rec, [f"{o}/time/{p}" for p in ("generate", "verify", "seal_sign", "trust", "score", "train")]
             )
             row[f"org/{o}/call"], row[f"org/{o}/compute"] = calls, compute
+            row[f"org/{o}/generate"] = _sum(rec, [f"{o}/time/generate"])
+            row[f"org/{o}/train"] = _sum(rec, [f"{o}/time/{p}" for p in ("trust", "score", "train")])  # the train call
+            row[f"org/{o}/update"] = _sum(rec, [f"{o}/time/train"])
+            if rec.get(f"{o}/select/selected") is not None:
+                row[f"org/{o}/selected"] = float(rec[f"{o}/select/selected"])
             peaks = [
                 float(v)
                 for k, v in rec.items()
@@ -390,31 +398,60 @@ def scaling_config(n: int, work: Path) -> Path:
     return path
 
 
-def bench_scaling(counts: Sequence[int], rounds: int, work: Path, transport: str = "grpc", log=print) -> dict[str, Any]:
-    out = {}
-    for n in counts:
-        log(f"  scaling: {n} orgs over {transport} ...")
-        cfg = scaling_config(n, work)
-        res = run_child(
-            transport,
-            cfg,
-            [f"federation.rounds={rounds}", "federation.eval_every=0", "task.eval_size=8"],
-            work,
-            f"scale-{n}",
-        )
-        s = summarize_rows(warm(res["rows"]))
-        orgs = sorted({k.split("/")[1] for k in s if k.startswith("org/")})
-        out[str(n)] = {
-            "round_wall_s": s["wall"],
-            "coordinator_s_per_round": s["coordinator"],
-            "per_org_call_s": statistics.median([s[f"org/{o}/call"] for o in orgs]) if orgs else None,
-            "per_org_compute_s": statistics.median([s[f"org/{o}/compute"] for o in orgs]) if orgs else None,
-            "coordinator_peak_rss_mb": res["info"]["coordinator_peak_rss_mb"],
-            "worker_peak_rss_mb": {o: s.get(f"org/{o}/peak_rss_mb") for o in orgs},
-            "setup_s": res["info"].get("setup_s"),
-            "rounds": s["n_rounds"],
-        }
-    return {"transport": transport, "rounds": rounds, "orgs": out}
+def selection_overrides(spec: str) -> list[str]:
+    """``RULE`` or ``RULE:MULTIPLE`` (``uniform:1``) as config overrides of every org's ``trainer.selection``."""
+    rule, _, multiple = spec.partition(":")
+    out = [f"trainer.selection.rule={rule}"]
+    return out + [f"trainer.selection.budget_multiple={float(multiple)}"] if multiple else out
+
+
+def _median_over(s: Mapping[str, float], orgs: Sequence[str], field: str) -> float | None:
+    values = [s[f"org/{o}/{field}"] for o in orgs if f"org/{o}/{field}" in s]
+    return statistics.median(values) if values else None
+
+
+def bench_scaling(
+    counts: Sequence[int],
+    rounds: int,
+    work: Path,
+    transport: str = "grpc",
+    log=print,
+    selections: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Each org count once per selection spec (``all``, ``uniform:1``: :func:`selection_overrides`; none: the
+    config's own), per-org medians of the warm rounds."""
+    variants = {spec: selection_overrides(spec) for spec in selections} or {"config": []}
+    out: dict[str, Any] = {}
+    for label, extra in variants.items():
+        out[label] = {"set": extra, "orgs": {}}
+        for n in counts:
+            log(f"  scaling: {n} orgs over {transport}, selection {label} ...")
+            cfg = scaling_config(n, work)
+            res = run_child(
+                transport,
+                cfg,
+                [f"federation.rounds={rounds}", "federation.eval_every=0", "task.eval_size=8", *extra],
+                work,
+                f"scale-{n}",
+            )
+            s = summarize_rows(warm(res["rows"]))
+            orgs = sorted({k.split("/")[1] for k in s if k.startswith("org/")})
+            out[label]["orgs"][str(n)] = {
+                "round_wall_s": s["wall"],
+                "coordinator_s_per_round": s["coordinator"],
+                "train_share": s["train_share"],  # the train phase's share of the round's wall time
+                "per_org_call_s": _median_over(s, orgs, "call"),
+                "per_org_compute_s": _median_over(s, orgs, "compute"),
+                "per_org_generate_s": _median_over(s, orgs, "generate"),
+                "per_org_train_s": _median_over(s, orgs, "train"),  # the train call: screening, scoring, update
+                "per_org_update_s": _median_over(s, orgs, "update"),
+                "per_org_foreign_selected": _median_over(s, orgs, "selected"),
+                "coordinator_peak_rss_mb": res["info"]["coordinator_peak_rss_mb"],
+                "worker_peak_rss_mb": {o: s.get(f"org/{o}/peak_rss_mb") for o in orgs},
+                "setup_s": res["info"].get("setup_s"),
+                "rounds": s["n_rounds"],
+            }
+    return {"transport": transport, "rounds": rounds, "variants": out}
 
 
 def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900) -> dict[str, Any]:
@@ -523,21 +560,27 @@ def format_tables(result: Mapping[str, Any]) -> str:
         lines.append("")
     sc = result.get("scaling")
     if sc:
-        lines += [
-            f"Scaling over {sc['transport']} (micro agents, medians per round):",
-            "",
-            "| orgs | round s | coordinator s | per-org call s | per-org compute s | coordinator peak MiB "
-            "| worker peak MiB (max) |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for n, s in sc["orgs"].items():
-            peaks = [v for v in s["worker_peak_rss_mb"].values() if v is not None]
-            lines.append(
-                f"| {n} | {_f(s['round_wall_s'])} | {_f(s['coordinator_s_per_round'])} | {_f(s['per_org_call_s'])} "
-                f"| {_f(s['per_org_compute_s'])} | {_f(s['coordinator_peak_rss_mb'], 0)} "
-                f"| {_f(max(peaks) if peaks else None, 0)} |"
-            )
-        lines.append("")
+        variants = sc.get("variants") or {"config": {"set": [], "orgs": sc.get("orgs", {})}}  # older results
+        for label, var in variants.items():
+            lines += [
+                f"Scaling over {sc['transport']}, selection {label} (micro agents, medians per round; per-org "
+                "train = the train call: screening, scoring, update):",
+                "",
+                "| orgs | round s | train share | per-org generate s | per-org train s | per-org update s "
+                "| foreign rows per org | coordinator s | per-org call s | coordinator peak MiB "
+                "| worker peak MiB (max) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            for n, s in var["orgs"].items():
+                peaks = [v for v in s["worker_peak_rss_mb"].values() if v is not None]
+                lines.append(
+                    f"| {n} | {_f(s['round_wall_s'])} | {_f(s.get('train_share'), 2)} "
+                    f"| {_f(s.get('per_org_generate_s'))} | {_f(s.get('per_org_train_s'))} "
+                    f"| {_f(s.get('per_org_update_s'))} | {_f(s.get('per_org_foreign_selected'), 0)} "
+                    f"| {_f(s['coordinator_s_per_round'])} | {_f(s['per_org_call_s'])} "
+                    f"| {_f(s['coordinator_peak_rss_mb'], 0)} | {_f(max(peaks) if peaks else None, 0)} |"
+                )
+            lines.append("")
     dp = result.get("deployment")
     if dp:
         lines += [
@@ -584,6 +627,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-orgs", type=int, nargs="*", default=[2, 4, 8], help="org counts (none: skip)")
     p.add_argument("--scale-rounds", type=int, default=3)
     p.add_argument("--scale-transport", choices=("grpc", "inprocess"), default="grpc")
+    p.add_argument(
+        "--scale-selection",
+        nargs="*",
+        default=[],
+        metavar="RULE[:MULTIPLE]",
+        help="run the scaling case once per trainer.selection (rule, and budget_multiple after a colon: all "
+        "uniform:1); none: the config's own",
+    )
     p.add_argument("--deploy-rounds", type=int, default=3, help="rounds on the deployment engine (0: skip)")
     p.add_argument(
         "--set",
@@ -620,7 +671,9 @@ def main_system(argv: list[str] | None = None) -> int:
                 args.config, args.transports, args.rounds, args.repeats, args.eval_size, extra, work, log
             )
         if args.scale_orgs:
-            result["scaling"] = bench_scaling(args.scale_orgs, args.scale_rounds, work, args.scale_transport, log)
+            result["scaling"] = bench_scaling(
+                args.scale_orgs, args.scale_rounds, work, args.scale_transport, log, args.scale_selection
+            )
         if args.deploy_rounds:
             result["deployment"] = bench_deployment(args.deploy_rounds, work, log)
     finally:
