@@ -183,9 +183,6 @@ class LoraConfig(_Section):
     )
 
 
-SELECTION_RULES = ("all", "uniform", "nonzero_advantage", "successes", "learner_failed", "max_variance")
-
-
 class SelectionConfig(_Section):
     """Which screened foreign rows a learner trains on (hacrl_fed/algorithm/selection.py, docs/ALGORITHM.md
     "Selecting foreign rows"): a rule and an optional budget of foreign rows per round."""

@@ -198,6 +198,14 @@ def test_config_validation_names_the_field(selection, message):
         load_config({"name": "x", "orgs": ORGS, "trainer": {"selection": selection}})
 
 
+def test_config_rules_are_the_selection_modules_rules():
+    from typing import get_args
+
+    from hacrl_fed.config import SelectionConfig
+
+    assert get_args(SelectionConfig.model_fields["rule"].annotation) == RULES
+
+
 def test_config_per_org_override():
     orgs = [ORGS[0], {**ORGS[1], "trainer": {"selection": {"rule": "uniform", "budget_multiple": 1.0}}}]
     cfg = load_config({"name": "x", "orgs": orgs})

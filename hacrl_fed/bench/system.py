@@ -182,19 +182,24 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 class TextMeter:
-    """Wraps a transport: counts the rollouts and response-text bytes of every generate reply (delegates
-    everything else, ``last_call_seconds`` / ``last_call_bytes`` included)."""
+    """Wraps a transport: counts the rollouts and response-text bytes of every generate reply, and this process's
+    CPU seconds of every generate and train fan-out (in-process: every org's compute, which runs here; robust to
+    other load on a shared machine, unlike wall time) (delegates everything else, ``last_call_seconds`` /
+    ``last_call_bytes`` included)."""
 
     def __init__(self, inner: Any):
         self.inner = inner
         self.rollouts = 0
         self.text_bytes = 0
+        self.cpu_s: dict[str, list[float]] = {"generate": [], "train": []}  # one entry per fan-out (round)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def generate(self, plans, timeout_s):
+        t0 = time.process_time()
         replies = self.inner.generate(plans, timeout_s)
+        self.cpu_s["generate"].append(time.process_time() - t0)
         for reply in replies.values():
             for r in getattr(reply, "rollouts", ()) or ():
                 self.rollouts += 1
@@ -202,7 +207,10 @@ class TextMeter:
         return replies
 
     def train(self, requests, timeout_s):
-        return self.inner.train(requests, timeout_s)
+        t0 = time.process_time()
+        replies = self.inner.train(requests, timeout_s)
+        self.cpu_s["train"].append(time.process_time() - t0)
+        return replies
 
     def evaluate(self, requests, timeout_s):
         return self.inner.evaluate(requests, timeout_s)
@@ -280,7 +288,7 @@ def child_main(argv: Sequence[str]) -> int:
             inner.close()
             if procs is not None:
                 procs.close()
-        info.update(rollouts_seen=meter.rollouts, text_bytes=meter.text_bytes)
+        info.update(rollouts_seen=meter.rollouts, text_bytes=meter.text_bytes, cpu_s=meter.cpu_s)
     info["wall_s"] = time.perf_counter() - t0
     info["coordinator_peak_rss_mb"] = _peak_rss_self_mb()
     Path(args.out).write_text(json.dumps(info))
@@ -410,6 +418,21 @@ def _median_over(s: Mapping[str, float], orgs: Sequence[str], field: str) -> flo
     return statistics.median(values) if values else None
 
 
+def cpu_summary(cpu_s: Mapping[str, Sequence[float]], n: int) -> dict[str, float]:
+    """In-process CPU seconds per round (one entry per fan-out; the first round left out when there are 3 or
+    more): the medians of generate and train per org, and of train's share of generate + train."""
+    gen, train = list(cpu_s.get("generate") or ()), list(cpu_s.get("train") or ())
+    pairs = list(zip(gen, train))
+    pairs = pairs[1:] if len(pairs) >= 3 else pairs
+    if not pairs:
+        return {}
+    return {
+        "cpu_per_org_generate_s": statistics.median(g for g, _ in pairs) / n,
+        "cpu_per_org_train_s": statistics.median(t for _, t in pairs) / n,
+        "cpu_train_share": statistics.median(t / (g + t) if g + t > 0 else 0.0 for g, t in pairs),
+    }
+
+
 def bench_scaling(
     counts: Sequence[int],
     rounds: int,
@@ -436,7 +459,9 @@ def bench_scaling(
             )
             s = summarize_rows(warm(res["rows"]))
             orgs = sorted({k.split("/")[1] for k in s if k.startswith("org/")})
+            cpu = cpu_summary(res["info"].get("cpu_s") or {}, n) if transport == "inprocess" else {}
             out[label]["orgs"][str(n)] = {
+                **cpu,
                 "round_wall_s": s["wall"],
                 "coordinator_s_per_round": s["coordinator"],
                 "train_share": s["train_share"],  # the train phase's share of the round's wall time
@@ -567,9 +592,9 @@ def format_tables(result: Mapping[str, Any]) -> str:
                 "train = the train call: screening, scoring, update):",
                 "",
                 "| orgs | round s | train share | per-org generate s | per-org train s | per-org update s "
-                "| foreign rows per org | coordinator s | per-org call s | coordinator peak MiB "
-                "| worker peak MiB (max) |",
-                "|---|---|---|---|---|---|---|---|---|---|---|",
+                "| foreign rows per org | CPU: per-org generate s | CPU: per-org train s | CPU: train share "
+                "| coordinator s | per-org call s | coordinator peak MiB | worker peak MiB (max) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for n, s in var["orgs"].items():
                 peaks = [v for v in s["worker_peak_rss_mb"].values() if v is not None]
@@ -577,6 +602,8 @@ def format_tables(result: Mapping[str, Any]) -> str:
                     f"| {n} | {_f(s['round_wall_s'])} | {_f(s.get('train_share'), 2)} "
                     f"| {_f(s.get('per_org_generate_s'))} | {_f(s.get('per_org_train_s'))} "
                     f"| {_f(s.get('per_org_update_s'))} | {_f(s.get('per_org_foreign_selected'), 0)} "
+                    f"| {_f(s.get('cpu_per_org_generate_s'))} | {_f(s.get('cpu_per_org_train_s'))} "
+                    f"| {_f(s.get('cpu_train_share'), 2)} "
                     f"| {_f(s['coordinator_s_per_round'])} | {_f(s['per_org_call_s'])} "
                     f"| {_f(s['coordinator_peak_rss_mb'], 0)} | {_f(max(peaks) if peaks else None, 0)} |"
                 )
