@@ -444,10 +444,9 @@ def bench_scaling(
     """Each org count once per selection spec (``all``, ``uniform:1``: :func:`selection_overrides`; none: the
     config's own), per-org medians of the warm rounds."""
     variants = {spec: selection_overrides(spec) for spec in selections} or {"config": []}
-    out: dict[str, Any] = {}
-    for label, extra in variants.items():
-        out[label] = {"set": extra, "orgs": {}}
-        for n in counts:
+    out: dict[str, Any] = {label: {"set": extra, "orgs": {}} for label, extra in variants.items()}
+    for n in counts:  # the variants of one org count back to back, so drift of the machine hits them alike
+        for label, extra in variants.items():
             log(f"  scaling: {n} orgs over {transport}, selection {label} ...")
             cfg = scaling_config(n, work)
             res = run_child(
