@@ -26,14 +26,16 @@ budget keeps first):
   variance, which is convex in each reward), so the ``q + 1`` splits are compared exactly; ties keep more high
   rewards. It has no filter: every row it leaves out counts under the budget.
 
-Determinism: each row's place in a seeded order is ``stable_seed(seed, source, prompt_id, sample_index)``
-(:mod:`hacrl_fed.seeding`), so a selection depends on the seed and the rows, not on their arrival order.
+Determinism: the seeded order of the rows is their canonical order (by source, prompt id, sample index) shuffled by
+``random.Random(seed)``; a seeded order of prompts sorts them by ``stable_seed(seed, "prompt", prompt_id)``
+(:mod:`hacrl_fed.seeding`). A selection depends on the seed and the rows, not on their arrival order.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import random
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -127,8 +129,11 @@ def select_rows(
     if rule == "all":
         everything = tuple(range(n))
         return Selection(everything, everything)
-    keys = [stable_seed(seed, str(source_ids[i]), int(prompt_ids[i]), int(sample_indices[i])) for i in range(n)]
-    by_key = sorted(range(n), key=lambda i: (keys[i], i))  # a seeded order of the rows
+    by_key = sorted(range(n), key=lambda i: (str(source_ids[i]), int(prompt_ids[i]), int(sample_indices[i]), i))
+    random.Random(seed).shuffle(by_key)  # a seeded order of the rows (canonical first: arrival order plays no part)
+    keys = [0] * n
+    for rank, i in enumerate(by_key):
+        keys[i] = rank
     if rule == "max_variance":
         assert budget is not None
         return Selection(
@@ -157,16 +162,25 @@ def _groups(prompt_ids: Sequence[int]) -> dict[int, list[int]]:
     return out
 
 
+def _exact_sum(values: Iterable[float]) -> Fraction:
+    """The exact sum of floats (each distinct value converted to a Fraction once: rewards take few values)."""
+    counts: dict[float, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return sum((Fraction(v) * c for v, c in counts.items()), Fraction(0))
+
+
 def _nonzero_advantage(
     rewards: Sequence[float], prompt_ids: Sequence[int], own_rewards: Mapping[int, Sequence[float]]
 ) -> list[bool]:
     """Per row: its reward differs from the exact mean over own + offered rows of its prompt (``R·n != Σ R``)."""
     keep = [False] * len(rewards)
     for p, rows in _groups(prompt_ids).items():
-        pool = [Fraction(r) for r in own_rewards.get(p, ())] + [Fraction(rewards[i]) for i in rows]
-        total, size = sum(pool, Fraction(0)), len(pool)
+        own = own_rewards.get(p, ())
+        total, size = _exact_sum([*own, *(rewards[i] for i in rows)]), len(own) + len(rows)
+        off_mean = {v: Fraction(v) * size != total for v in {rewards[i] for i in rows}}
         for i in rows:
-            keep[i] = Fraction(rewards[i]) * size != total
+            keep[i] = off_mean[rewards[i]]
     return keep
 
 
@@ -182,10 +196,10 @@ def _learner_failed(
     groups = _groups(prompt_ids)
     own_mean: dict[int, Fraction] = {}
     for p, rows in groups.items():
-        own = [Fraction(r) for r in own_rewards.get(p, ())]
-        mean = sum(own, Fraction(0)) / len(own) if own else Fraction(0)
-        best = max([*own, *(Fraction(rewards[i]) for i in rows)])
-        if mean < best:
+        own = own_rewards.get(p, ())
+        mean = _exact_sum(own) / len(own) if own else Fraction(0)
+        best = max([*own, *(rewards[i] for i in rows)])  # a float max is exact
+        if mean < Fraction(best):
             own_mean[p] = mean
     prompts = sorted(own_mean, key=lambda p: (own_mean[p], stable_seed(seed, "prompt", p), p))
     rank = {p: k for k, p in enumerate(prompts)}
@@ -209,6 +223,15 @@ def _quotas(sizes: Mapping[int, int], budget: int, seed: int) -> dict[int, int]:
     return quota
 
 
+def _prefix_sums(values: Sequence[Fraction]) -> tuple[list[Fraction], list[Fraction]]:
+    """``(sums, sums of squares)`` of the first ``k`` values, ``k = 0..len(values)``."""
+    sums, squares = [Fraction(0)], [Fraction(0)]
+    for v in values:
+        sums.append(sums[-1] + v)
+        squares.append(squares[-1] + v * v)
+    return sums, squares
+
+
 def _max_variance(
     rewards: Sequence[float],
     prompt_ids: Sequence[int],
@@ -229,12 +252,16 @@ def _max_variance(
             chosen += rows
             continue
         ranked = sorted(rows, key=lambda i: (-rewards[i], keys[i], i))  # high to low; equal rewards: seeded
-        own = [Fraction(r) for r in own_rewards.get(p, ())]
+        exact = {v: Fraction(v) for v in {rewards[i] for i in ranked}}
+        top_s, top_q = _prefix_sums([exact[rewards[i]] for i in ranked[:q]])  # the i highest, i = 0..q
+        bot_s, bot_q = _prefix_sums([exact[rewards[i]] for i in reversed(ranked[-q:])])  # the k lowest
+        own_s = _exact_sum(own_rewards.get(p, ()))
+        own_q = sum((Fraction(r) ** 2 for r in own_rewards.get(p, ())), Fraction(0))
+        size = len(own_rewards.get(p, ())) + q
         best_i, best = q, None
         for i in range(q, -1, -1):  # i highest + (q - i) lowest; ties keep more high rewards (the first found)
-            pool = own + [Fraction(rewards[j]) for j in ranked[:i] + ranked[len(ranked) - (q - i) :]]
-            size, total = len(pool), sum(pool, Fraction(0))
-            spread = size * sum((x * x for x in pool), Fraction(0)) - total * total  # size² × population variance
+            total = own_s + top_s[i] + bot_s[q - i]
+            spread = size * (own_q + top_q[i] + bot_q[q - i]) - total * total  # size² × population variance
             if best is None or spread > best:
                 best_i, best = i, spread
         chosen += ranked[:best_i] + ranked[len(ranked) - (q - best_i) :]
