@@ -198,6 +198,7 @@ def test_system_aggregation():
     assert r["org/a/peak_rss_mb"] == 301.0
     assert r["train_share"] == pytest.approx(0.25) and r["org/a/generate"] == pytest.approx(0.2)
     assert r["org/a/train"] == pytest.approx(0.16) and r["org/a/update"] == pytest.approx(0.1)
+    assert r["org/a/screen"] == pytest.approx(0.01)
     warm = system.warm(rows)
     assert [w["round"] for w in warm] == [2, 3]  # the first round of a run is left out
     s = system.summarize_rows(warm)
@@ -216,11 +217,12 @@ def test_system_aggregation():
     cpu = system.cpu_summary({"generate": [9.0, 1.0, 2.0, 1.0], "train": [9.0, 3.0, 2.0, 1.0]}, 2)  # round 1 left out
     assert cpu == {"cpu_per_org_generate_s": 0.5, "cpu_per_org_train_s": 1.0, "cpu_train_share": 0.5}
     row = {"round_wall_s": 2.0, "coordinator_s_per_round": 0.1, "train_share": 0.5, "per_org_call_s": 0.3,
-           "per_org_compute_s": 0.2, "per_org_generate_s": 0.05, "per_org_train_s": 0.125, "per_org_update_s": 0.1,
+           "per_org_compute_s": 0.2, "per_org_generate_s": 0.05, "per_org_train_s": 0.125, "per_org_screen_s": 0.02,
+           "per_org_update_s": 0.1,
            "per_org_foreign_selected": 16.0, "coordinator_peak_rss_mb": 500.0, "worker_peak_rss_mb": {"a": None}}
     text = system.format_tables({"scaling": {"transport": "inprocess", "rounds": 4,
                                              "variants": {"uniform:1": {"set": [], "orgs": {"32": row}}}}})
-    assert "selection uniform:1" in text and "| 32 | 2.000 | 0.50 | 0.050 | 0.125 | 0.100 | 16 |" in text
+    assert "selection uniform:1" in text and "| 32 | 2.000 | 0.50 | 0.050 | 0.125 | 0.020 | 0.100 | 16 |" in text
 
 
 def test_peer_summary():

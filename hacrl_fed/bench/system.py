@@ -116,6 +116,7 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
             row[f"org/{o}/generate"] = _sum(rec, [f"{o}/time/generate"])
             row[f"org/{o}/train"] = _sum(rec, [f"{o}/time/{p}" for p in ("trust", "score", "train")])  # the train call
             row[f"org/{o}/update"] = _sum(rec, [f"{o}/time/train"])
+            row[f"org/{o}/screen"] = _sum(rec, [f"{o}/time/trust"])
             if rec.get(f"{o}/select/selected") is not None:
                 row[f"org/{o}/selected"] = float(rec[f"{o}/select/selected"])
             peaks = [
@@ -469,6 +470,7 @@ def bench_scaling(
                 "per_org_generate_s": _median_over(s, orgs, "generate"),
                 "per_org_train_s": _median_over(s, orgs, "train"),  # the train call: screening, scoring, update
                 "per_org_update_s": _median_over(s, orgs, "update"),
+                "per_org_screen_s": _median_over(s, orgs, "screen"),  # verifying and screening foreign rollouts
                 "per_org_foreign_selected": _median_over(s, orgs, "selected"),
                 "coordinator_peak_rss_mb": res["info"]["coordinator_peak_rss_mb"],
                 "worker_peak_rss_mb": {o: s.get(f"org/{o}/peak_rss_mb") for o in orgs},
@@ -590,17 +592,18 @@ def format_tables(result: Mapping[str, Any]) -> str:
                 f"Scaling over {sc['transport']}, selection {label} (micro agents, medians per round; per-org "
                 "train = the train call: screening, scoring, update):",
                 "",
-                "| orgs | round s | train share | per-org generate s | per-org train s | per-org update s "
-                "| foreign rows per org | CPU: per-org generate s | CPU: per-org train s | CPU: train share "
-                "| coordinator s | per-org call s | coordinator peak MiB | worker peak MiB (max) |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+                "| orgs | round s | train share | per-org generate s | per-org train s | of which screening s "
+                "| of which update s | foreign rows per org | CPU: per-org generate s | CPU: per-org train s "
+                "| CPU: train share | coordinator s | per-org call s | coordinator peak MiB | worker peak MiB (max) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for n, s in var["orgs"].items():
                 peaks = [v for v in s["worker_peak_rss_mb"].values() if v is not None]
                 lines.append(
                     f"| {n} | {_f(s['round_wall_s'])} | {_f(s.get('train_share'), 2)} "
                     f"| {_f(s.get('per_org_generate_s'))} | {_f(s.get('per_org_train_s'))} "
-                    f"| {_f(s.get('per_org_update_s'))} | {_f(s.get('per_org_foreign_selected'), 0)} "
+                    f"| {_f(s.get('per_org_screen_s'))} | {_f(s.get('per_org_update_s'))} "
+                    f"| {_f(s.get('per_org_foreign_selected'), 0)} "
                     f"| {_f(s.get('cpu_per_org_generate_s'))} | {_f(s.get('cpu_per_org_train_s'))} "
                     f"| {_f(s.get('cpu_train_share'), 2)} "
                     f"| {_f(s['coordinator_s_per_round'])} | {_f(s['per_org_call_s'])} "
