@@ -214,8 +214,19 @@ def test_system_aggregation():
     assert system.selection_overrides("uniform:1") == ["trainer.selection.rule=uniform",
                                                        "trainer.selection.budget_multiple=1.0"]
     assert system.selection_overrides("all") == ["trainer.selection.rule=all"]
-    cpu = system.cpu_summary({"generate": [9.0, 1.0, 2.0, 1.0], "train": [9.0, 3.0, 2.0, 1.0]}, 2)  # round 1 left out
-    assert cpu == {"cpu_per_org_generate_s": 0.5, "cpu_per_org_train_s": 1.0, "cpu_train_share": 0.5}
+    cpu = system.cpu_summary({"generate": [9.0, 1.0, 2.0, 1.0], "train": [9.0, 3.0, 2.0, 1.0],
+                              "train/update": [5.0, 1.0, 1.0, 0.5]}, 2)  # round 1 left out
+    assert cpu == {"cpu_per_org_generate_s": 0.5, "cpu_per_org_train_s": 1.0, "cpu_train_share": 0.5,
+                   "cpu_per_org_update_s": 0.5}
+    phases, calls = system.CpuPhases(), []
+
+    class Owner:
+        def work(self, x):
+            calls.append(x)
+            return x * 2
+
+    phases.wrap(Owner, "work", "update")
+    assert Owner().work(3) == 6 and calls == [3] and set(phases.take()) == {"update"} and phases.take() == {}
     row = {"round_wall_s": 2.0, "coordinator_s_per_round": 0.1, "train_share": 0.5, "per_org_call_s": 0.3,
            "per_org_compute_s": 0.2, "per_org_generate_s": 0.05, "per_org_train_s": 0.125, "per_org_screen_s": 0.02,
            "per_org_update_s": 0.1,

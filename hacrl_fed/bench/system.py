@@ -182,17 +182,42 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------ child runs
 
 
+class CpuPhases:
+    """In-process runs: this process's CPU seconds inside chosen functions (:meth:`wrap`), summed until
+    :meth:`take` (the learners' screening and update, per train fan-out)."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = {}
+
+    def wrap(self, owner: Any, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.process_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.current[phase] = self.current.get(phase, 0.0) + time.process_time() - t0
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        out, self.current = self.current, {}
+        return out
+
+
 class TextMeter:
     """Wraps a transport: counts the rollouts and response-text bytes of every generate reply, and this process's
     CPU seconds of every generate and train fan-out (in-process: every org's compute, which runs here; robust to
     other load on a shared machine, unlike wall time) (delegates everything else, ``last_call_seconds`` /
     ``last_call_bytes`` included)."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: Any, phases: CpuPhases | None = None):
         self.inner = inner
         self.rollouts = 0
         self.text_bytes = 0
         self.cpu_s: dict[str, list[float]] = {"generate": [], "train": []}  # one entry per fan-out (round)
+        self.phases = phases
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -209,8 +234,13 @@ class TextMeter:
 
     def train(self, requests, timeout_s):
         t0 = time.process_time()
+        if self.phases is not None:
+            self.phases.take()
         replies = self.inner.train(requests, timeout_s)
         self.cpu_s["train"].append(time.process_time() - t0)
+        if self.phases is not None:
+            for phase, seconds in self.phases.take().items():
+                self.cpu_s.setdefault(f"train/{phase}", []).append(seconds)
         return replies
 
     def evaluate(self, requests, timeout_s):
@@ -281,7 +311,15 @@ def child_main(argv: Sequence[str]) -> int:
 
             inner = InProcessTransport({o.id: build_worker(cfg, o.id, run_dir=run_dir) for o in cfg.orgs})
         info["setup_s"] = time.perf_counter() - t0
-        meter = TextMeter(inner)
+        phases = None
+        if args.kind == "inprocess":  # the learners run here: split their train calls' CPU time
+            from hacrl_fed.trainer import LocalTrainer
+            from hacrl_fed.worker import policy_worker
+
+            phases = CpuPhases()
+            phases.wrap(policy_worker, "screen_sources", "screen")
+            phases.wrap(LocalTrainer, "update", "update")
+        meter = TextMeter(inner, phases)
         try:
             with RunLogger(run_dir, tensorboard=False) as logger:
                 Coordinator(cfg, meter, run_dir, logger=logger).run()  # type: ignore[arg-type]  # duck-typed wrapper
@@ -424,14 +462,20 @@ def cpu_summary(cpu_s: Mapping[str, Sequence[float]], n: int) -> dict[str, float
     more): the medians of generate and train per org, and of train's share of generate + train."""
     gen, train = list(cpu_s.get("generate") or ()), list(cpu_s.get("train") or ())
     pairs = list(zip(gen, train))
-    pairs = pairs[1:] if len(pairs) >= 3 else pairs
+    skip = 1 if len(pairs) >= 3 else 0
+    pairs = pairs[skip:]
     if not pairs:
         return {}
-    return {
+    out = {
         "cpu_per_org_generate_s": statistics.median(g for g, _ in pairs) / n,
         "cpu_per_org_train_s": statistics.median(t for _, t in pairs) / n,
         "cpu_train_share": statistics.median(t / (g + t) if g + t > 0 else 0.0 for g, t in pairs),
     }
+    for phase in ("screen", "update"):  # inside the train calls (CpuPhases)
+        values = list(cpu_s.get(f"train/{phase}") or ())[skip:]
+        if values:
+            out[f"cpu_per_org_{phase}_s"] = statistics.median(values) / n
+    return out
 
 
 def bench_scaling(
@@ -594,8 +638,9 @@ def format_tables(result: Mapping[str, Any]) -> str:
                 "",
                 "| orgs | round s | train share | per-org generate s | per-org train s | of which screening s "
                 "| of which update s | foreign rows per org | CPU: per-org generate s | CPU: per-org train s "
-                "| CPU: train share | coordinator s | per-org call s | coordinator peak MiB | worker peak MiB (max) |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+                "| CPU: of which screening s | CPU: of which update s | CPU: train share | coordinator s "
+                "| per-org call s | coordinator peak MiB | worker peak MiB (max) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for n, s in var["orgs"].items():
                 peaks = [v for v in s["worker_peak_rss_mb"].values() if v is not None]
@@ -605,6 +650,7 @@ def format_tables(result: Mapping[str, Any]) -> str:
                     f"| {_f(s.get('per_org_screen_s'))} | {_f(s.get('per_org_update_s'))} "
                     f"| {_f(s.get('per_org_foreign_selected'), 0)} "
                     f"| {_f(s.get('cpu_per_org_generate_s'))} | {_f(s.get('cpu_per_org_train_s'))} "
+                    f"| {_f(s.get('cpu_per_org_screen_s'))} | {_f(s.get('cpu_per_org_update_s'))} "
                     f"| {_f(s.get('cpu_train_share'), 2)} "
                     f"| {_f(s['coordinator_s_per_round'])} | {_f(s['per_org_call_s'])} "
                     f"| {_f(s['coordinator_peak_rss_mb'], 0)} | {_f(max(peaks) if peaks else None, 0)} |"
