@@ -66,6 +66,16 @@ def test_learner_failed_budget_takes_the_lowest_own_mean_first():
     assert pick("learner_failed", budget=1).selected in ((8,), (9,))
 
 
+def test_learner_failed_breaks_ties_between_prompts_by_seed():
+    # prompts 3 and 4 both have own mean 0 and a foreign success: which one a budget of 1 serves is the seed's
+    pool = [(1.0, 3, "b", 0), (1.0, 4, "b", 0)]
+    own = {3: [0.0, 0.0], 4: [0.0, 0.0]}
+    picks = {pick("learner_failed", budget=1, seed=s, pool=pool, own=own).selected for s in range(12)}
+    assert picks == {(0,), (1,)}
+    assert pick("learner_failed", budget=1, seed=4, pool=pool, own=own) == pick(
+        "learner_failed", budget=1, seed=4, pool=pool, own=own)
+
+
 def test_learner_failed_counts_a_prompt_without_own_rows_as_failed():
     pool = [(1.0, 5, "b", 0), (0.0, 5, "b", 1)]
     assert pick("learner_failed", pool=pool, own={}).selected == (0, 1)
