@@ -11,9 +11,9 @@ overrides, ``seed=<k>`` and the command line's ``--rounds`` / ``--set``, run in 
 ``<results>/<setting>/<method>/seed<k>.json`` (:func:`summarize_cell`: per agent held-out greedy accuracy before,
 after and along the run with the rollouts generated so far, rollouts generated, sequences trained on, time per
 phase, the algorithm's ratio and clip statistics over the rounds, the foreign rows offered / selected / left out by
-the rule and by the budget per source summed over the rounds (``selection``); for the cell its resolved config, its hash, the
-code version and the machine). A rerun skips every cell whose JSON holds the same config hash, so the matrix can
-run in pieces, in any order, across sessions; a cell whose config changed is rerun and its JSON replaced.
+the rule and by the budget per source summed over the rounds (``selection``); for the cell its resolved config, its
+hash, the code version and the machine). A rerun skips every cell whose JSON holds the same config hash, so the
+matrix can run in pieces, in any order, across sessions; a cell whose config changed is rerun and its JSON replaced.
 At the end the report (:mod:`hacrl_fed.bench.report`) is rewritten from every JSON found.
 """
 
