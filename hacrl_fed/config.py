@@ -189,6 +189,46 @@ class LoraConfig(_Section):
     )
 
 
+class SelectionConfig(_Section):
+    """Which screened foreign rows a learner trains on (hacrl_fed/algorithm/selection.py, docs/ALGORITHM.md
+    "Selecting foreign rows"): a rule and an optional budget of foreign rows per round."""
+
+    rule: Literal["all", "uniform", "nonzero_advantage", "successes", "learner_failed", "max_variance"] = Field(
+        "all",
+        description=_d(
+            "all (every screened foreign row: the paper), uniform (a seeded uniform sample of the budget), "
+            "nonzero_advantage (rows whose reward differs from their joint group's mean), successes (rows with "
+            "reward > 0), learner_failed (rows of prompts where the learner's own mean reward is below the best "
+            "reward in the pool, lowest own mean first), max_variance (per prompt the subset of its share of the "
+            "budget that maximizes the joint group's reward variance: PODS)"
+        ),
+    )
+    budget: int | None = Field(
+        None,
+        ge=0,
+        description=_d("at most this many foreign rows per round (null: no budget); not with budget_multiple"),
+    )
+    budget_multiple: float | None = Field(
+        None,
+        ge=0,
+        description=_d(
+            "at most floor(this x the learner's own rows of the round) foreign rows per round (null: no budget); "
+            "not with budget"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _budget(self) -> SelectionConfig:
+        if self.budget is not None and self.budget_multiple is not None:
+            raise ValueError("budget and budget_multiple are exclusive: set one of them (the other null)")
+        budgeted = self.budget is not None or self.budget_multiple is not None
+        if self.rule == "all" and budgeted:
+            raise ValueError("rule all keeps every foreign row: a budget needs another rule (uniform samples one)")
+        if self.rule in ("uniform", "max_variance") and not budgeted:
+            raise ValueError(f"rule {self.rule} picks a subset of the budget's size: set budget or budget_multiple")
+        return self
+
+
 class TrainerConfig(_Section):
     """The local update of each org (hacrl_fed/trainer.py); an org may override any field under orgs[].trainer."""
 
@@ -220,6 +260,10 @@ class TrainerConfig(_Section):
         description=_d(
             "recompute each decoder layer's activations during backward: activation memory ~1/num_layers, ~30% slower"
         ),
+    )
+    selection: SelectionConfig = Field(
+        default_factory=SelectionConfig,
+        description=_d("which screened foreign rows the learner trains on, picked before they are tokenized or scored"),
     )
 
 

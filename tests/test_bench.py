@@ -126,6 +126,11 @@ def test_the_matrix_plans_every_cell():
     assert not [c.key for c in cells if c.skip and not c.same_as]
     assert by[("model", "hacpo_per_byte", 2)].config.algorithm.logprob_norm == "per_byte"
     assert by[("model", "no_cross_clip", 0)].config.algorithm.cross_clip is False
+    sel = by[("three", "hacpo_per_byte_max_variance", 0)].config
+    assert sel.trainer.selection.rule == "max_variance" and sel.trainer.selection.budget_multiple == 1.0
+    assert sel.algorithm.logprob_norm == "per_byte"
+    assert by[("state", "hacpo_successes", 1)].config.trainer.selection.rule == "successes"
+    assert by[("state", "hacpo", 0)].config.trainer.selection.rule == "all"
     quick = learning.plan_cells(matrix, quick=True)
     assert quick and all(c.config.federation.rounds < gspo.federation.rounds for c in quick)
     assert all(c.config.federation.rounds == 5 for c in learning.plan_cells(matrix, only=["model/hacpo"], rounds=5))
@@ -149,10 +154,12 @@ def test_summarize_cell_from_records():
     records = [{"round": 0, "eval/a/accuracy": 0.25},
                {"round": 1, "round/a/rollouts_received": 16.0, "a/train/num_rows": 32.0, "a/train/num_self": 16.0,
                 "a/train/num_cross": 16.0, "a/hacpo/cross_ratio_mean": 0.8, "time/call/generate/a": 1.0,
-                "time/round": 2.0},
+                "time/round": 2.0, "a/select/b/offered": 16.0, "a/select/b/selected": 6.0,
+                "a/select/b/dropped_rule": 10.0, "a/select/selected": 6.0},
                {"round": 2, "round/a/rollouts_received": 16.0, "a/train/num_rows": 32.0, "a/train/num_self": 16.0,
                 "a/train/num_cross": 16.0, "a/hacpo/cross_ratio_mean": 0.9, "eval/a/accuracy": 0.5,
-                "time/call/train/a": 0.5, "time/round": 4.0}]
+                "time/call/train/a": 0.5, "time/round": 4.0, "a/select/b/offered": 16.0, "a/select/b/selected": 4.0,
+                "a/select/b/dropped_rule": 12.0, "a/select/selected": 4.0}]
     s = learning.summarize_cell(cfg, records)
     a = s["agents"]["a"]
     assert (a["accuracy_before"], a["accuracy_after"], a["gain"]) == (0.25, 0.5, 0.25)
@@ -162,6 +169,8 @@ def test_summarize_cell_from_records():
     assert a["stats"]["hacpo/cross_ratio_mean"]["late_mean"] == pytest.approx(0.9)
     assert a["time_calls_s"] == pytest.approx(1.5)
     assert s["rounds"] == 2 and s["round_time_s"]["mean"] == 3.0
+    assert a["selection"] == {"select/b/dropped_rule": 22, "select/b/offered": 32, "select/b/selected": 10,
+                              "select/selected": 10}
 
 
 def _round(t: int, wall: float, **extra) -> dict:
@@ -187,6 +196,9 @@ def test_system_aggregation():
     assert r["trust"] == pytest.approx(0.014) and r["exchange"] == pytest.approx(0.03)
     assert r["coordinator"] == pytest.approx(4.0 - 2.0 - 1.0) and r["rollouts"] == 16.0 and r["foreign"] == 16.0
     assert r["org/a/peak_rss_mb"] == 301.0
+    assert r["train_share"] == pytest.approx(0.25) and r["org/a/generate"] == pytest.approx(0.2)
+    assert r["org/a/train"] == pytest.approx(0.16) and r["org/a/update"] == pytest.approx(0.1)
+    assert r["org/a/screen"] == pytest.approx(0.01)
     warm = system.warm(rows)
     assert [w["round"] for w in warm] == [2, 3]  # the first round of a run is left out
     s = system.summarize_rows(warm)
@@ -199,6 +211,29 @@ def test_system_aggregation():
     text = system.format_tables({"transports": {"rounds": 3, "repeats": 1, "summary": {"grpc": s},
                                                 "overhead_vs_inprocess": {"grpc": 1.2}, "wire": {"grpc": w}}})
     assert "| grpc | 1.500 | 1.20 |" in text and "| grpc | 100 | 200 | 20.0 | 5.0 | 10.0 |" in text
+    assert system.selection_overrides("uniform:1") == ["trainer.selection.rule=uniform",
+                                                       "trainer.selection.budget_multiple=1.0"]
+    assert system.selection_overrides("all") == ["trainer.selection.rule=all"]
+    cpu = system.cpu_summary({"generate": [9.0, 1.0, 2.0, 1.0], "train": [9.0, 3.0, 2.0, 1.0],
+                              "train/update": [5.0, 1.0, 1.0, 0.5]}, 2)  # round 1 left out
+    assert cpu == {"cpu_per_org_generate_s": 0.5, "cpu_per_org_train_s": 1.0, "cpu_train_share": 0.5,
+                   "cpu_per_org_update_s": 0.5}
+    phases, calls = system.CpuPhases(), []
+
+    class Owner:
+        def work(self, x):
+            calls.append(x)
+            return x * 2
+
+    phases.wrap(Owner, "work", "update")
+    assert Owner().work(3) == 6 and calls == [3] and set(phases.take()) == {"update"} and phases.take() == {}
+    row = {"round_wall_s": 2.0, "coordinator_s_per_round": 0.1, "train_share": 0.5, "per_org_call_s": 0.3,
+           "per_org_compute_s": 0.2, "per_org_generate_s": 0.05, "per_org_train_s": 0.125, "per_org_screen_s": 0.02,
+           "per_org_update_s": 0.1,
+           "per_org_foreign_selected": 16.0, "coordinator_peak_rss_mb": 500.0, "worker_peak_rss_mb": {"a": None}}
+    text = system.format_tables({"scaling": {"transport": "inprocess", "rounds": 4,
+                                             "variants": {"uniform:1": {"set": [], "orgs": {"32": row}}}}})
+    assert "selection uniform:1" in text and "| 32 | 2.000 | 0.50 | 0.050 | 0.125 | 0.020 | 0.100 | 16 |" in text
 
 
 def test_peer_summary():

@@ -124,6 +124,18 @@ def test_every_policy_loss_metric_is_documented(name, patterns):
     assert not missing, f"{name} loss metrics missing from docs/METRICS.md: {missing}"
 
 
+def test_every_selection_count_is_documented(patterns):
+    """The docs run uses rule ``all``; a budgeted rule adds ``select/budget``: every key of both is documented."""
+    from hacrl_fed.algorithm.selection import select_rows
+
+    sel = select_rows([1.0, 0.0, 1.0], [1, 1, 2], ["globex", "globex", "initech"], [0, 1, 0], {1: [0.0]},
+                      "successes", 1, 0)
+    keys = {f"acme/{k}" for k in sel.metrics(["globex", "globex", "initech"], 1)}
+    assert "acme/select/budget" in keys and "acme/select/initech/dropped_budget" in keys
+    missing = undocumented(keys, patterns)
+    assert not missing, f"selection metrics missing from docs/METRICS.md: {missing}"
+
+
 def test_every_rejection_reason_is_documented():
     from hacrl_fed.security.envelope import REASONS
 

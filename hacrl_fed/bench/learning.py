@@ -10,9 +10,10 @@ overrides, ``seed=<k>`` and the command line's ``--rounds`` / ``--set``, run in 
 :class:`~hacrl_fed.coordinator.loop.Coordinator` over in-process workers. It writes
 ``<results>/<setting>/<method>/seed<k>.json`` (:func:`summarize_cell`: per agent held-out greedy accuracy before,
 after and along the run with the rollouts generated so far, rollouts generated, sequences trained on, time per
-phase, the algorithm's ratio and clip statistics over the rounds; for the cell its resolved config, its hash, the
-code version and the machine). A rerun skips every cell whose JSON holds the same config hash, so the matrix can
-run in pieces, in any order, across sessions; a cell whose config changed is rerun and its JSON replaced.
+phase, the algorithm's ratio and clip statistics over the rounds, the foreign rows offered / selected / left out by
+the rule and by the budget per source summed over the rounds (``selection``); for the cell its resolved config, its
+hash, the code version and the machine). A rerun skips every cell whose JSON holds the same config hash, so the
+matrix can run in pieces, in any order, across sessions; a cell whose config changed is rerun and its JSON replaced.
 At the end the report (:mod:`hacrl_fed.bench.report`) is rewritten from every JSON found.
 """
 
@@ -381,6 +382,7 @@ def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
         sums: dict[str, float] = {}
         algo: dict[str, list[float]] = {}
         capability = []
+        selection: dict[str, float] = {}  # select/<source>/<count> and select/<count>, summed over rounds
         for t in rounds:
             rec = by_round[t]
             generated += float(rec.get(f"round/{org}/rollouts_received", 0.0))
@@ -419,6 +421,8 @@ def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
                     continue
                 rest = key[len(prefix) :]
                 head = rest.split("/", 1)[0]
+                if head == "select":
+                    selection[rest] = selection.get(rest, 0.0) + float(value)
                 if head in ALGOS or rest in (
                     "train/loss",
                     "train/grad_norm",
@@ -441,6 +445,7 @@ def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
             "capability": _stats(capability) if capability else None,
             "stats": {k: _stats(v) for k, v in sorted(algo.items())},
             "shares": _shares(algo),  # every *_frac over the whole run, from the summed counts
+            "selection": {k: int(v) for k, v in sorted(selection.items())},  # foreign rows offered/selected/dropped
         }
     round_times = [float(by_round[t]["time/round"]) for t in rounds if "time/round" in by_round[t]]
     return {

@@ -16,9 +16,11 @@
    foreign rollout (protobuf for gRPC, message payloads for Flower) next to the mean UTF-8 size of a response's
    text (measured by the in-process and gRPC runs; the same seed gives the same text on every transport).
 3. **Scaling** with 2, 4 and 8 orgs of micro agents (alternating ``micro-qwen-char`` and ``micro-gpt2-bpe``) over
-   gRPC (one worker process per org): per-org call time and compute per round, the coordinator's own time per
-   round, and peak RSS per process (the coordinator's from its own ``getrusage``, each worker's from the
-   ``perf/*/peak_rss_mb`` it reports).
+   gRPC (one worker process per org; ``--scale-transport inprocess`` in one process): per-org call time and compute
+   per round, per-org generate and train time (the train call: screening, scoring, update), the train phase's share
+   of the round, the foreign rows each org trained on, the coordinator's own time per round, and peak RSS per
+   process (the coordinator's from its own ``getrusage``, each worker's from the ``perf/*/peak_rss_mb`` it
+   reports). ``--scale-selection all uniform:1`` repeats it per ``trainer.selection`` (rule, budget multiple).
 4. **Flower deployment engine** on loopback (SuperLink + one SuperNode per org + policy workers, insecure, through
    :mod:`hacrl_fed.deploy.harness`) with the micro agents of ``configs/smoke.yaml``: its median round time minus
    the in-process median of the same config (the fixed cost per round), where it goes (per org and phase: call
@@ -104,12 +106,19 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
         for phase in ("generate", "train"):
             if rec.get(f"bytes/{phase}/total") is not None:
                 row[f"bytes_{phase}"] = float(rec[f"bytes/{phase}/total"])
+        row["train_share"] = row["train_fanout"] / row["wall"] if row["wall"] > 0 else 0.0
         for o in orgs:
             calls = _sum(rec, [f"time/call/generate/{o}", f"time/call/train/{o}"])
             compute = _sum(
                 rec, [f"{o}/time/{p}" for p in ("generate", "verify", "seal_sign", "trust", "score", "train")]
             )
             row[f"org/{o}/call"], row[f"org/{o}/compute"] = calls, compute
+            row[f"org/{o}/generate"] = _sum(rec, [f"{o}/time/generate"])
+            row[f"org/{o}/train"] = _sum(rec, [f"{o}/time/{p}" for p in ("trust", "score", "train")])  # the train call
+            row[f"org/{o}/update"] = _sum(rec, [f"{o}/time/train"])
+            row[f"org/{o}/screen"] = _sum(rec, [f"{o}/time/trust"])
+            if rec.get(f"{o}/select/selected") is not None:
+                row[f"org/{o}/selected"] = float(rec[f"{o}/select/selected"])
             peaks = [
                 float(v)
                 for k, v in rec.items()
@@ -173,20 +182,50 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------ child runs
 
 
-class TextMeter:
-    """Wraps a transport: counts the rollouts and response-text bytes of every generate reply (delegates
-    everything else, ``last_call_seconds`` / ``last_call_bytes`` included)."""
+class CpuPhases:
+    """In-process runs: this process's CPU seconds inside chosen functions (:meth:`wrap`), summed until
+    :meth:`take` (the learners' screening and update, per train fan-out)."""
 
-    def __init__(self, inner: Any):
+    def __init__(self) -> None:
+        self.current: dict[str, float] = {}
+
+    def wrap(self, owner: Any, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.process_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.current[phase] = self.current.get(phase, 0.0) + time.process_time() - t0
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        out, self.current = self.current, {}
+        return out
+
+
+class TextMeter:
+    """Wraps a transport: counts the rollouts and response-text bytes of every generate reply, and this process's
+    CPU seconds of every generate and train fan-out (in-process: every org's compute, which runs here; robust to
+    other load on a shared machine, unlike wall time) (delegates everything else, ``last_call_seconds`` /
+    ``last_call_bytes`` included)."""
+
+    def __init__(self, inner: Any, phases: CpuPhases | None = None):
         self.inner = inner
         self.rollouts = 0
         self.text_bytes = 0
+        self.cpu_s: dict[str, list[float]] = {"generate": [], "train": []}  # one entry per fan-out (round)
+        self.phases = phases
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def generate(self, plans, timeout_s):
+        t0 = time.process_time()
         replies = self.inner.generate(plans, timeout_s)
+        self.cpu_s["generate"].append(time.process_time() - t0)
         for reply in replies.values():
             for r in getattr(reply, "rollouts", ()) or ():
                 self.rollouts += 1
@@ -194,7 +233,15 @@ class TextMeter:
         return replies
 
     def train(self, requests, timeout_s):
-        return self.inner.train(requests, timeout_s)
+        t0 = time.process_time()
+        if self.phases is not None:
+            self.phases.take()
+        replies = self.inner.train(requests, timeout_s)
+        self.cpu_s["train"].append(time.process_time() - t0)
+        if self.phases is not None:
+            for phase, seconds in self.phases.take().items():
+                self.cpu_s.setdefault(f"train/{phase}", []).append(seconds)
+        return replies
 
     def evaluate(self, requests, timeout_s):
         return self.inner.evaluate(requests, timeout_s)
@@ -265,7 +312,15 @@ def child_main(argv: Sequence[str]) -> int:
 
             inner = InProcessTransport({o.id: build_worker(cfg, o.id, run_dir=run_dir) for o in cfg.orgs})
         info["setup_s"] = time.perf_counter() - t0
-        meter = TextMeter(inner)
+        phases = None
+        if args.kind == "inprocess":  # the learners run here: split their train calls' CPU time
+            from hacrl_fed.trainer import LocalTrainer
+            from hacrl_fed.worker import policy_worker
+
+            phases = CpuPhases()
+            phases.wrap(policy_worker, "screen_sources", "screen")
+            phases.wrap(LocalTrainer, "update", "update")
+        meter = TextMeter(inner, phases)
         try:
             with RunLogger(run_dir, tensorboard=False) as logger:
                 Coordinator(cfg, meter, run_dir, logger=logger).run()  # type: ignore[arg-type]  # duck-typed wrapper
@@ -273,7 +328,7 @@ def child_main(argv: Sequence[str]) -> int:
             inner.close()
             if procs is not None:
                 procs.close()
-        info.update(rollouts_seen=meter.rollouts, text_bytes=meter.text_bytes)
+        info.update(rollouts_seen=meter.rollouts, text_bytes=meter.text_bytes, cpu_s=meter.cpu_s)
     info["wall_s"] = time.perf_counter() - t0
     info["coordinator_peak_rss_mb"] = _peak_rss_self_mb()
     Path(args.out).write_text(json.dumps(info))
@@ -391,31 +446,83 @@ def scaling_config(n: int, work: Path) -> Path:
     return path
 
 
-def bench_scaling(counts: Sequence[int], rounds: int, work: Path, transport: str = "grpc", log=print) -> dict[str, Any]:
-    out = {}
-    for n in counts:
-        log(f"  scaling: {n} orgs over {transport} ...")
-        cfg = scaling_config(n, work)
-        res = run_child(
-            transport,
-            cfg,
-            [f"federation.rounds={rounds}", "federation.eval_every=0", "task.eval_size=8"],
-            work,
-            f"scale-{n}",
-        )
-        s = summarize_rows(warm(res["rows"]))
-        orgs = sorted({k.split("/")[1] for k in s if k.startswith("org/")})
-        out[str(n)] = {
-            "round_wall_s": s["wall"],
-            "coordinator_s_per_round": s["coordinator"],
-            "per_org_call_s": statistics.median([s[f"org/{o}/call"] for o in orgs]) if orgs else None,
-            "per_org_compute_s": statistics.median([s[f"org/{o}/compute"] for o in orgs]) if orgs else None,
-            "coordinator_peak_rss_mb": res["info"]["coordinator_peak_rss_mb"],
-            "worker_peak_rss_mb": {o: s.get(f"org/{o}/peak_rss_mb") for o in orgs},
-            "setup_s": res["info"].get("setup_s"),
-            "rounds": s["n_rounds"],
-        }
-    return {"transport": transport, "rounds": rounds, "orgs": out}
+def selection_overrides(spec: str) -> list[str]:
+    """``RULE`` or ``RULE:MULTIPLE`` (``uniform:1``) as config overrides of every org's ``trainer.selection``."""
+    rule, _, multiple = spec.partition(":")
+    out = [f"trainer.selection.rule={rule}"]
+    return out + [f"trainer.selection.budget_multiple={float(multiple)}"] if multiple else out
+
+
+def _median_over(s: Mapping[str, float], orgs: Sequence[str], field: str) -> float | None:
+    values = [s[f"org/{o}/{field}"] for o in orgs if f"org/{o}/{field}" in s]
+    return statistics.median(values) if values else None
+
+
+def cpu_summary(cpu_s: Mapping[str, Sequence[float]], n: int) -> dict[str, float]:
+    """In-process CPU seconds per round (one entry per fan-out; the first round left out when there are 3 or
+    more): the medians of generate and train per org, and of train's share of generate + train."""
+    gen, train = list(cpu_s.get("generate") or ()), list(cpu_s.get("train") or ())
+    pairs = list(zip(gen, train))
+    skip = 1 if len(pairs) >= 3 else 0
+    pairs = pairs[skip:]
+    if not pairs:
+        return {}
+    out = {
+        "cpu_per_org_generate_s": statistics.median(g for g, _ in pairs) / n,
+        "cpu_per_org_train_s": statistics.median(t for _, t in pairs) / n,
+        "cpu_train_share": statistics.median(t / (g + t) if g + t > 0 else 0.0 for g, t in pairs),
+    }
+    for phase in ("screen", "update"):  # inside the train calls (CpuPhases)
+        values = list(cpu_s.get(f"train/{phase}") or ())[skip:]
+        if values:
+            out[f"cpu_per_org_{phase}_s"] = statistics.median(values) / n
+    return out
+
+
+def bench_scaling(
+    counts: Sequence[int],
+    rounds: int,
+    work: Path,
+    transport: str = "grpc",
+    log=print,
+    selections: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Each org count once per selection spec (``all``, ``uniform:1``: :func:`selection_overrides`; none: the
+    config's own), per-org medians of the warm rounds."""
+    variants = {spec: selection_overrides(spec) for spec in selections} or {"config": []}
+    out: dict[str, Any] = {label: {"set": extra, "orgs": {}} for label, extra in variants.items()}
+    for n in counts:  # the variants of one org count back to back, so drift of the machine hits them alike
+        for label, extra in variants.items():
+            log(f"  scaling: {n} orgs over {transport}, selection {label} ...")
+            cfg = scaling_config(n, work)
+            res = run_child(
+                transport,
+                cfg,
+                [f"federation.rounds={rounds}", "federation.eval_every=0", "task.eval_size=8", *extra],
+                work,
+                f"scale-{n}",
+            )
+            s = summarize_rows(warm(res["rows"]))
+            orgs = sorted({k.split("/")[1] for k in s if k.startswith("org/")})
+            cpu = cpu_summary(res["info"].get("cpu_s") or {}, n) if transport == "inprocess" else {}
+            out[label]["orgs"][str(n)] = {
+                **cpu,
+                "round_wall_s": s["wall"],
+                "coordinator_s_per_round": s["coordinator"],
+                "train_share": s["train_share"],  # the train phase's share of the round's wall time
+                "per_org_call_s": _median_over(s, orgs, "call"),
+                "per_org_compute_s": _median_over(s, orgs, "compute"),
+                "per_org_generate_s": _median_over(s, orgs, "generate"),
+                "per_org_train_s": _median_over(s, orgs, "train"),  # the train call: screening, scoring, update
+                "per_org_update_s": _median_over(s, orgs, "update"),
+                "per_org_screen_s": _median_over(s, orgs, "screen"),  # verifying and screening foreign rollouts
+                "per_org_foreign_selected": _median_over(s, orgs, "selected"),
+                "coordinator_peak_rss_mb": res["info"]["coordinator_peak_rss_mb"],
+                "worker_peak_rss_mb": {o: s.get(f"org/{o}/peak_rss_mb") for o in orgs},
+                "setup_s": res["info"].get("setup_s"),
+                "rounds": s["n_rounds"],
+            }
+    return {"transport": transport, "rounds": rounds, "variants": out}
 
 
 def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900) -> dict[str, Any]:
@@ -524,21 +631,32 @@ def format_tables(result: Mapping[str, Any]) -> str:
         lines.append("")
     sc = result.get("scaling")
     if sc:
-        lines += [
-            f"Scaling over {sc['transport']} (micro agents, medians per round):",
-            "",
-            "| orgs | round s | coordinator s | per-org call s | per-org compute s | coordinator peak MiB "
-            "| worker peak MiB (max) |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for n, s in sc["orgs"].items():
-            peaks = [v for v in s["worker_peak_rss_mb"].values() if v is not None]
-            lines.append(
-                f"| {n} | {_f(s['round_wall_s'])} | {_f(s['coordinator_s_per_round'])} | {_f(s['per_org_call_s'])} "
-                f"| {_f(s['per_org_compute_s'])} | {_f(s['coordinator_peak_rss_mb'], 0)} "
-                f"| {_f(max(peaks) if peaks else None, 0)} |"
-            )
-        lines.append("")
+        variants = sc.get("variants") or {"config": {"set": [], "orgs": sc.get("orgs", {})}}  # older results
+        for label, var in variants.items():
+            lines += [
+                f"Scaling over {sc['transport']}, selection {label} (micro agents, medians per round; per-org "
+                "train = the train call: screening, scoring, update):",
+                "",
+                "| orgs | round s | train share | per-org generate s | per-org train s | of which screening s "
+                "| of which update s | foreign rows per org | CPU: per-org generate s | CPU: per-org train s "
+                "| CPU: of which screening s | CPU: of which update s | CPU: train share | coordinator s "
+                "| per-org call s | coordinator peak MiB | worker peak MiB (max) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            for n, s in var["orgs"].items():
+                peaks = [v for v in s["worker_peak_rss_mb"].values() if v is not None]
+                lines.append(
+                    f"| {n} | {_f(s['round_wall_s'])} | {_f(s.get('train_share'), 2)} "
+                    f"| {_f(s.get('per_org_generate_s'))} | {_f(s.get('per_org_train_s'))} "
+                    f"| {_f(s.get('per_org_screen_s'))} | {_f(s.get('per_org_update_s'))} "
+                    f"| {_f(s.get('per_org_foreign_selected'), 0)} "
+                    f"| {_f(s.get('cpu_per_org_generate_s'))} | {_f(s.get('cpu_per_org_train_s'))} "
+                    f"| {_f(s.get('cpu_per_org_screen_s'))} | {_f(s.get('cpu_per_org_update_s'))} "
+                    f"| {_f(s.get('cpu_train_share'), 2)} "
+                    f"| {_f(s['coordinator_s_per_round'])} | {_f(s['per_org_call_s'])} "
+                    f"| {_f(s['coordinator_peak_rss_mb'], 0)} | {_f(max(peaks) if peaks else None, 0)} |"
+                )
+            lines.append("")
     dp = result.get("deployment")
     if dp:
         lines += [
@@ -585,6 +703,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-orgs", type=int, nargs="*", default=[2, 4, 8], help="org counts (none: skip)")
     p.add_argument("--scale-rounds", type=int, default=3)
     p.add_argument("--scale-transport", choices=("grpc", "inprocess"), default="grpc")
+    p.add_argument(
+        "--scale-selection",
+        nargs="*",
+        default=[],
+        metavar="RULE[:MULTIPLE]",
+        help="run the scaling case once per trainer.selection (rule, and budget_multiple after a colon: all "
+        "uniform:1); none: the config's own",
+    )
     p.add_argument("--deploy-rounds", type=int, default=3, help="rounds on the deployment engine (0: skip)")
     p.add_argument(
         "--set",
@@ -621,7 +747,9 @@ def main_system(argv: list[str] | None = None) -> int:
                 args.config, args.transports, args.rounds, args.repeats, args.eval_size, extra, work, log
             )
         if args.scale_orgs:
-            result["scaling"] = bench_scaling(args.scale_orgs, args.scale_rounds, work, args.scale_transport, log)
+            result["scaling"] = bench_scaling(
+                args.scale_orgs, args.scale_rounds, work, args.scale_transport, log, args.scale_selection
+            )
         if args.deploy_rounds:
             result["deployment"] = bench_deployment(args.deploy_rounds, work, log)
     finally:

@@ -8,7 +8,9 @@ after ``train`` of round ``t`` of run ``R`` (remembered in checkpoints) it refus
 ``<= t`` (:class:`~hacrl_fed.worker.guard.StaleRoundError`: a coordinator restarted from an older state; it counts
 the gap as ``stale_round`` and the org rejoins at ``t + 1``) or too far ahead, trains only the round it generated,
 and checkpoints only the round it trained. Foreign rollouts are screened per source before any tokenization
-(signature, decryption, plan bounds, exactly G per prompt, rewards re-verified with this org's own verifier).
+(signature, decryption, plan bounds, exactly G per prompt, rewards re-verified with this org's own verifier), then
+selected by the org's ``trainer.selection`` rule and budget (:mod:`hacrl_fed.algorithm.selection`): only the
+selected ones are re-tokenized and scored.
 
 Run isolation: one long-lived worker serves run after run, each from the right starting point. It switches from
 the run it serves to another run ``S`` only
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from hacrl_fed.algorithm.selection import select_rollouts
 from hacrl_fed.config import RunConfig, org_generation, org_trainer
 from hacrl_fed.engines import EngineOptions, build_engine
 from hacrl_fed.models.chat import eos_token_id, render_prompt
@@ -394,6 +397,10 @@ class PolicyWorker:
         capability = [float(request.capability.get(a, 1.0)) for a in agents]
         for row in own.rows:
             row.source = learner
+        sel = self.trainer_cfg.selection  # the learner's own choice of foreign rows, before any tokenization
+        foreign, selected = select_rollouts(
+            foreign, own.rows, sel.rule, sel.budget, sel.budget_multiple, stable_seed(self.seed, "select", own.round)
+        )
         foreign_rows, dropped = self._foreign_rows(foreign, own, agents)
         score_perf = perf.lap("score", sum(len(r.response_ids) for r in foreign_rows))
         raise_if_cancelled("before the update")
@@ -405,6 +412,7 @@ class PolicyWorker:
         self._own = None
         self.last_round, self._trained[request.run_id], self._pristine = request.round, request.round, False
         metrics.update(trust)
+        metrics.update(selected)
         metrics.update(
             {
                 "time/trust": t_trust - t0,

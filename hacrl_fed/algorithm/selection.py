@@ -1,0 +1,301 @@
+"""Which screened foreign rows a learner trains on: a rule and a budget (docs/ALGORITHM.md "Selecting foreign rows").
+
+Pure functions of rewards and groups alone (no torch, no I/O, no text): they run in the worker after screening and
+before re-tokenization and scoring, so a row left out is never tokenized, scored or trained on. ``N`` offered
+foreign rows, each with a reward, a prompt id (its joint group), a source (the org that produced it) and a sample
+index; the learner's own rewards per prompt; a rule; a budget (``None``: none); a seed.
+
+Rules (``trainer.selection.rule``); each is a *filter* (which rows are eligible) and an *order* (which eligible rows a
+budget keeps first):
+
+- ``all``: every row, no budget (the paper's HACPO; the identity).
+- ``uniform``: every row eligible; a budget keeps a seeded uniform sample of that size.
+- ``nonzero_advantage``: rows whose reward differs from the mean reward of their joint group over the learner's own
+  rows and *all* offered foreign rows of that prompt (exact arithmetic): the rows whose plain joint-group advantage is
+  not zero. A uniform group drops all its foreign rows. Budget: seeded uniform sample of the eligible.
+- ``successes``: rows with reward > 0. Budget: seeded uniform sample of the eligible.
+- ``learner_failed``: rows of the prompts where the learner's own mean reward is below the best reward in that
+  prompt's pool (own + offered): the learner has room to improve there and the pool shows it. A prompt the learner
+  has no own rows for counts as own mean 0. Budget: prompts by own mean reward, lowest first (ties in a seeded
+  order), the rows of a prompt in a seeded order.
+- ``max_variance`` (PODS, arXiv 2504.13818): needs a budget. The budget is shared between prompts round-robin (each
+  prompt in a seeded order takes one slot while it has rows left: as even as the rows allow), and each prompt keeps
+  the subset of its offered rows of that size that maximizes the reward variance of its joint group as trained (own
+  rows + kept foreign rows). As in PODS, a maximizing subset is always the ``i`` highest and ``q - i`` lowest rewards
+  for some ``i`` (a kept row strictly between two left-out ones can be swapped for one of them without lowering the
+  variance, which is convex in each reward), so the ``q + 1`` splits are compared exactly; ties keep more high
+  rewards. It has no filter: every row it leaves out counts under the budget.
+
+Determinism: the seeded order of the rows is their canonical order (by source, prompt id, sample index) shuffled by
+``random.Random(seed)``; a seeded order of prompts sorts them by ``stable_seed(seed, "prompt", prompt_id)``
+(:mod:`hacrl_fed.seeding`). A selection depends on the seed and the rows, not on their arrival order.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from hacrl_fed.seeding import stable_seed
+
+RULES = ("all", "uniform", "nonzero_advantage", "successes", "learner_failed", "max_variance")
+NEEDS_BUDGET = ("uniform", "max_variance")
+COUNTS = ("offered", "selected", "dropped_rule", "dropped_budget")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a rule kept: ``eligible`` (indices into the offered rows that passed the rule's filter) and
+    ``selected`` (those the budget kept), both ascending."""
+
+    eligible: tuple[int, ...]
+    selected: tuple[int, ...]
+
+    def metrics(self, source_ids: Sequence[Any], budget: int | None = None) -> dict[str, float]:
+        """``select/<source>/{offered,selected,dropped_rule,dropped_budget}`` per source of the offered rows (every
+        source, zeros included), the same four totals as ``select/<count>``, and ``select/budget`` when there is
+        one."""
+        eligible, selected = set(self.eligible), set(self.selected)
+        per: dict[str, dict[str, float]] = {}
+        for i, src in enumerate(source_ids):
+            c = per.setdefault(str(src), dict.fromkeys(COUNTS, 0.0))
+            c["offered"] += 1
+            c["selected" if i in selected else "dropped_budget" if i in eligible else "dropped_rule"] += 1
+        out: dict[str, float] = {}
+        totals = dict.fromkeys(COUNTS, 0.0)
+        for src, c in sorted(per.items()):
+            for k in COUNTS:
+                out[f"select/{src}/{k}"] = c[k]
+                totals[k] += c[k]
+        out.update({f"select/{k}": v for k, v in totals.items()})
+        if budget is not None:
+            out["select/budget"] = float(budget)
+        return out
+
+
+def resolve_budget(budget: int | None, budget_multiple: float | None, own_rows: int) -> int | None:
+    """Foreign rows allowed this round: ``budget``, or ``floor(budget_multiple × own_rows)``, or ``None`` (no
+    budget). Raises ValueError when both are set or either is negative."""
+    if budget is not None and budget_multiple is not None:
+        raise ValueError("budget and budget_multiple are exclusive")
+    if budget is not None:
+        if budget < 0:
+            raise ValueError(f"budget must be >= 0, got {budget}")
+        return int(budget)
+    if budget_multiple is not None:
+        if not math.isfinite(budget_multiple) or budget_multiple < 0:
+            raise ValueError(f"budget_multiple must be finite and >= 0, got {budget_multiple}")
+        return math.floor(budget_multiple * own_rows)
+    return None
+
+
+def select_rows(
+    rewards: Sequence[float],
+    prompt_ids: Sequence[int],
+    source_ids: Sequence[Any],
+    sample_indices: Sequence[int],
+    own_rewards: Mapping[int, Sequence[float]],
+    rule: str,
+    budget: int | None,
+    seed: int,
+) -> Selection:
+    """The offered foreign rows a learner trains on (module docstring: rules, budget, order, determinism).
+
+    Args: per offered row (``N`` each) its reward, prompt id, source and sample index; ``own_rewards``: the
+    learner's own rewards per prompt id; ``rule`` one of :data:`RULES`; ``budget``: most rows kept (``None``: no
+    budget; required by ``uniform`` and ``max_variance``, refused by ``all``); ``seed``: any int.
+    Returns a :class:`Selection` (indices into the ``N`` rows, ascending).
+    """
+    n = len(rewards)
+    if not len(prompt_ids) == len(source_ids) == len(sample_indices) == n:
+        raise ValueError(
+            f"rewards, prompt_ids, source_ids and sample_indices must have the same length, got "
+            f"{n}, {len(prompt_ids)}, {len(source_ids)}, {len(sample_indices)}"
+        )
+    if rule not in RULES:
+        raise ValueError(f"unknown selection rule {rule!r} (one of {', '.join(RULES)})")
+    if budget is not None and budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    if rule == "all" and budget is not None:
+        raise ValueError("rule all keeps every row: a budget needs another rule")
+    if rule in NEEDS_BUDGET and budget is None:
+        raise ValueError(f"rule {rule} needs a budget")
+    if not all(math.isfinite(r) for r in rewards):
+        raise ValueError("rewards must be finite")
+    if rule == "all":
+        everything = tuple(range(n))
+        return Selection(everything, everything)
+    by_key = sorted(range(n), key=lambda i: (str(source_ids[i]), int(prompt_ids[i]), int(sample_indices[i]), i))
+    random.Random(seed).shuffle(by_key)  # a seeded order of the rows (canonical first: arrival order plays no part)
+    keys = [0] * n
+    for rank, i in enumerate(by_key):
+        keys[i] = rank
+    if rule == "max_variance":
+        assert budget is not None
+        return Selection(
+            tuple(range(n)), tuple(sorted(_max_variance(rewards, prompt_ids, own_rewards, budget, seed, keys)))
+        )
+    if rule == "uniform":
+        eligible = list(range(n))
+        order = by_key
+    elif rule == "successes":
+        eligible = [i for i in range(n) if rewards[i] > 0]
+        order = [i for i in by_key if rewards[i] > 0]
+    elif rule == "nonzero_advantage":
+        keep = _nonzero_advantage(rewards, prompt_ids, own_rewards)
+        eligible = [i for i in range(n) if keep[i]]
+        order = [i for i in by_key if keep[i]]
+    else:  # learner_failed
+        eligible, order = _learner_failed(rewards, prompt_ids, own_rewards, seed, by_key)
+    chosen = order if budget is None else order[:budget]
+    return Selection(tuple(eligible), tuple(sorted(chosen)))
+
+
+def _groups(prompt_ids: Sequence[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for i, p in enumerate(prompt_ids):
+        out.setdefault(int(p), []).append(i)
+    return out
+
+
+def _exact_sum(values: Iterable[float]) -> Fraction:
+    """The exact sum of floats (each distinct value converted to a Fraction once: rewards take few values)."""
+    counts: dict[float, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return sum((Fraction(v) * c for v, c in counts.items()), Fraction(0))
+
+
+def _nonzero_advantage(
+    rewards: Sequence[float], prompt_ids: Sequence[int], own_rewards: Mapping[int, Sequence[float]]
+) -> list[bool]:
+    """Per row: its reward differs from the exact mean over own + offered rows of its prompt (``R·n != Σ R``)."""
+    keep = [False] * len(rewards)
+    for p, rows in _groups(prompt_ids).items():
+        own = own_rewards.get(p, ())
+        total, size = _exact_sum([*own, *(rewards[i] for i in rows)]), len(own) + len(rows)
+        off_mean = {v: Fraction(v) * size != total for v in {rewards[i] for i in rows}}
+        for i in rows:
+            keep[i] = off_mean[rewards[i]]
+    return keep
+
+
+def _learner_failed(
+    rewards: Sequence[float],
+    prompt_ids: Sequence[int],
+    own_rewards: Mapping[int, Sequence[float]],
+    seed: int,
+    by_key: list[int],
+) -> tuple[list[int], list[int]]:
+    """Eligible rows (prompts where the learner's own mean is below the pool's best reward) and their order
+    (own mean ascending, ties by a seeded prompt order; within a prompt the seeded row order)."""
+    groups = _groups(prompt_ids)
+    own_mean: dict[int, Fraction] = {}
+    for p, rows in groups.items():
+        own = own_rewards.get(p, ())
+        mean = _exact_sum(own) / len(own) if own else Fraction(0)
+        best = max([*own, *(rewards[i] for i in rows)])  # a float max is exact
+        if mean < Fraction(best):
+            own_mean[p] = mean
+    prompts = sorted(own_mean, key=lambda p: (own_mean[p], stable_seed(seed, "prompt", p), p))
+    rank = {p: k for k, p in enumerate(prompts)}
+    eligible = [i for i in range(len(rewards)) if int(prompt_ids[i]) in rank]
+    position = {i: k for k, i in enumerate(by_key)}
+    order = sorted(eligible, key=lambda i: (rank[int(prompt_ids[i])], position[i]))
+    return eligible, order
+
+
+def _quotas(sizes: Mapping[int, int], budget: int, seed: int) -> dict[int, int]:
+    """Share ``budget`` between prompts round-robin (a seeded prompt order, one slot per prompt per pass while it
+    has rows left)."""
+    order = sorted(sizes, key=lambda p: (stable_seed(seed, "prompt", p), p))
+    quota = dict.fromkeys(order, 0)
+    left = min(budget, sum(sizes.values()))
+    while left > 0:
+        for p in order:
+            if left > 0 and quota[p] < sizes[p]:
+                quota[p] += 1
+                left -= 1
+    return quota
+
+
+def _prefix_sums(values: Sequence[Fraction]) -> tuple[list[Fraction], list[Fraction]]:
+    """``(sums, sums of squares)`` of the first ``k`` values, ``k = 0..len(values)``."""
+    sums, squares = [Fraction(0)], [Fraction(0)]
+    for v in values:
+        sums.append(sums[-1] + v)
+        squares.append(squares[-1] + v * v)
+    return sums, squares
+
+
+def _max_variance(
+    rewards: Sequence[float],
+    prompt_ids: Sequence[int],
+    own_rewards: Mapping[int, Sequence[float]],
+    budget: int,
+    seed: int,
+    keys: Sequence[int],
+) -> list[int]:
+    """Per prompt, the ``q`` offered rows (its quota) maximizing the variance of own + kept rewards."""
+    groups = _groups(prompt_ids)
+    quota = _quotas({p: len(rows) for p, rows in groups.items()}, budget, seed)
+    chosen: list[int] = []
+    for p, rows in groups.items():
+        q = quota[p]
+        if q == 0:
+            continue
+        if q >= len(rows):
+            chosen += rows
+            continue
+        ranked = sorted(rows, key=lambda i: (-rewards[i], keys[i], i))  # high to low; equal rewards: seeded
+        exact = {v: Fraction(v) for v in {rewards[i] for i in ranked}}
+        top_s, top_q = _prefix_sums([exact[rewards[i]] for i in ranked[:q]])  # the i highest, i = 0..q
+        bot_s, bot_q = _prefix_sums([exact[rewards[i]] for i in reversed(ranked[-q:])])  # the k lowest
+        own_s = _exact_sum(own_rewards.get(p, ()))
+        own_q = sum((Fraction(r) ** 2 for r in own_rewards.get(p, ())), Fraction(0))
+        size = len(own_rewards.get(p, ())) + q
+        best_i, best = q, None
+        for i in range(q, -1, -1):  # i highest + (q - i) lowest; ties keep more high rewards (the first found)
+            total = own_s + top_s[i] + bot_s[q - i]
+            spread = size * (own_q + top_q[i] + bot_q[q - i]) - total * total  # size² × population variance
+            if best is None or spread > best:
+                best_i, best = i, spread
+        chosen += ranked[:best_i] + ranked[len(ranked) - (q - best_i) :]
+    return chosen
+
+
+def select_rollouts(
+    foreign: Sequence[Any],
+    own: Sequence[Any],
+    rule: str,
+    budget: int | None,
+    budget_multiple: float | None,
+    seed: int,
+) -> tuple[list[Any], dict[str, float]]:
+    """The worker's hook: the screened foreign rollouts (``.reward``, ``.prompt_id``, ``.org_id``,
+    ``.sample_index``) this learner trains on, in their arrival order, and the ``select/...`` counts. ``own``: the
+    learner's own rows of the round (``.group`` = prompt id, ``.reward``); a ``budget_multiple`` counts them.
+    Rule ``all`` without a budget returns the rollouts unchanged."""
+    limit = resolve_budget(budget, budget_multiple, len(own))
+    own_rewards: dict[int, list[float]] = {}
+    for row in own:
+        own_rewards.setdefault(int(row.group), []).append(float(row.reward))
+    sources = [r.org_id for r in foreign]
+    picked = select_rows(
+        [float(r.reward) for r in foreign],
+        [int(r.prompt_id) for r in foreign],
+        sources,
+        [int(r.sample_index) for r in foreign],
+        own_rewards,
+        rule,
+        limit,
+        seed,
+    )
+    metrics = picked.metrics(sources, limit)
+    if rule == "all":
+        return list(foreign), metrics
+    return [foreign[i] for i in picked.selected], metrics
