@@ -6,3 +6,12 @@ They import the library; nothing in the library imports them (tests/test_layers.
 line's ``hacrl-fed bench`` and ``hacrl-fed deploy-local`` load them, lazily. Inputs (configs, results directories)
 come from arguments or the working directory, never from where this package is installed.
 """
+
+from pathlib import Path
+
+
+def code_path() -> str:
+    """The folder this package is imported from (a checkout's root, or site-packages): what a tool's child process
+    puts first on ``PYTHONPATH`` to import the same ``hacrl_tools`` (and, in a checkout, the same ``hacrl_fed``).
+    Only code is found this way; inputs come from arguments or the working directory."""
+    return str(Path(__file__).resolve().parent.parent)

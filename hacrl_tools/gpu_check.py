@@ -1,4 +1,4 @@
-"""One prepared GPU check: ``scripts/gpu_check.sh`` (= ``python -m hacrl_fed.gpu_check``), nothing downloaded.
+"""One prepared GPU check: ``scripts/gpu_check.sh`` (= ``python -m hacrl_tools.gpu_check``), nothing downloaded.
 
 Steps, each timed and recorded in one JSON (``--out DIR``/``gpu_check.json``) and a short printed table:
 
