@@ -147,7 +147,7 @@ def _worker_cli(tmp_path: Path, capsys, *link: str) -> tuple[int, str]:
     (["--listen", "nowhere"], "must be HOST:PORT or unix:/PATH"),
 ])
 def test_cli_refuses_a_bad_link_with_one_line_and_exit_2(tmp_path, capsys, monkeypatch, link, message):
-    import hacrl_fed.wire.grpc_server as gs
+    import hacrl_fed.cli.worker as gs
 
     monkeypatch.setattr(gs, "serve_worker", lambda *a, **k: pytest.fail("must be refused before binding"))
     code, err = _worker_cli(tmp_path, capsys, *link)
@@ -225,12 +225,12 @@ def test_mtls_over_a_unix_socket_and_plaintext_clients_refused(servers, keys, tm
 
 def test_cli_serves_mtls_when_given_the_keys(tmp_path, keys, monkeypatch):
     """``hacrl-fed worker --listen 127.0.0.1:0 --tls-*``: the flags reach serve_worker as a WorkerTLS."""
-    import hacrl_fed.wire.grpc_server as gs
+    import hacrl_fed.cli.worker as gs
     import hacrl_fed.worker as w
 
     seen = {}
 
-    class Stop(Exception):
+    class Stop(BaseException):  # not an Exception: the command would report it as a failed run (exit 1)
         pass
 
     def fake_serve(worker, address, **kw):
