@@ -59,12 +59,13 @@ def run_command(
     """
     from hacrl_fed.config import ConfigError, report_error
 
+    reported: tuple[type[BaseException], ...] = (ConfigError, *bad_input)
     try:
         return int(work() or 0)
     except UsageError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return USAGE
-    except (ConfigError, *bad_input) as err:
+    except reported as err:
         return report_error(prog, err, log_dir=log_dir() if log_dir is not None else None)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted{interrupted}", file=sys.stderr)

@@ -14,7 +14,9 @@ PROG = "hacrl-fed gpu-check"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = parser("gpu-check", "One prepared GPU check (builds a model, gpu tests, federated rounds, vLLM where it works).")
+    p = parser(
+        "gpu-check", "One prepared GPU check (builds a model, gpu tests, federated rounds, vLLM where it works)."
+    )
     p.add_argument("--dry-run", action="store_true", help="every step on CPU with a micro model (seconds)")
     p.add_argument("--out", type=Path, default=Path("gpu-check"), help="where gpu_check.json goes (./gpu-check)")
     p.add_argument("--work-dir", type=Path, default=None, help="models and run dirs (default: a temp dir, removed)")
