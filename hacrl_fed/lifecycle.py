@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Mapping
@@ -159,32 +160,84 @@ def progress_shown(requested: bool, stream: Any = None) -> bool:
 CONSOLE_LOGGERS = ("hacrl_fed", "", "flwr")  # hacrl-fed's own handler, the root's (other libraries), Flower's
 
 
+class _AboveBar:
+    """``sys.stderr`` / ``sys.stdout`` while the bar is shown: whole lines only, each written with the bar cleared
+    first and drawn again after (a warning, a ``print``, Ray's forwarded worker output); a partial line waits for its
+    end. Everything else (``isatty``, ``fileno``, ``encoding``) is the wrapped stream's."""
+
+    def __init__(self, stream: Any, bar: Any) -> None:
+        self._stream, self._bar, self._pending = stream, bar, ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending += text
+            if "\n" not in self._pending:
+                return len(text)
+            lines, _, self._pending = self._pending.rpartition("\n")
+        self._emit(lines + "\n")
+        return len(text)
+
+    def _emit(self, text: str) -> None:
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode(file=self._bar.fp):
+            self._stream.write(text)
+            self._stream.flush()
+
+    def flush(self) -> None:  # a partial line stays pending: written now, it would share the bar's line
+        self._stream.flush()
+
+    def close_line(self) -> None:
+        """Write what is pending (at the end, the bar no longer shown)."""
+        with self._lock:
+            rest, self._pending = self._pending, ""
+        if rest:
+            self._stream.write(rest)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 @contextmanager
 def logs_above(bar: Any, loggers: tuple[str, ...] = CONSOLE_LOGGERS) -> Iterator[None]:
-    """While the tqdm ``bar`` is shown, every console handler of ``loggers`` writes a record with the bar cleared
-    first and drawn again after, so a log line never shares a terminal line with the bar.
+    """While the tqdm ``bar`` is shown, nothing shares a terminal line with it: every console handler of
+    ``loggers`` writes a record with the bar cleared first and drawn again after, and so does whatever else writes
+    to ``sys.stderr`` / ``sys.stdout`` (warnings, prints, Ray's worker output), a whole line at a time.
 
-    The handlers themselves stay (their level, filter and format); only their ``emit`` is wrapped, and restored on
-    exit. The bar is cleared on the stream it draws on (``bar.fp``), even when ``sys.stderr`` was swapped since.
+    The handlers stay (their level, filter and format); only their ``emit`` is wrapped, and restored on exit. The
+    bar is cleared on the stream it draws on (``bar.fp``), even when ``sys.stderr`` was swapped since it was made.
+    Handlers that write to whatever ``sys.stderr`` is (hacrl-fed's own) go through the wrapped stream instead.
     """
     from tqdm import tqdm
 
+    streams = {"stderr": _AboveBar(sys.stderr, bar), "stdout": _AboveBar(sys.stdout, bar)}
+    before = {name: getattr(sys, name) for name in streams}
     wrapped = []
     for name in loggers:
         for handler in logging.getLogger(name or None).handlers:
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-                if "emit" in vars(handler):  # already wrapped (a logger shares a handler)
-                    continue
+            if not isinstance(handler, logging.StreamHandler) or isinstance(
+                handler, (logging.FileHandler, _StderrHandler)
+            ):
+                continue
+            if "emit" in vars(handler):  # already wrapped (a logger shares a handler)
+                continue
 
-                def emit(record: logging.LogRecord, _emit: Any = handler.emit) -> None:
-                    with tqdm.external_write_mode(file=bar.fp):
-                        _emit(record)
+            def emit(record: logging.LogRecord, _emit: Any = handler.emit) -> None:
+                with tqdm.external_write_mode(file=bar.fp):
+                    _emit(record)
 
-                handler.emit = emit  # type: ignore[method-assign]
-                wrapped.append(handler)
+            handler.emit = emit  # type: ignore[method-assign]
+            wrapped.append(handler)
+    for name, stream in streams.items():
+        setattr(sys, name, stream)
     try:
         yield
     finally:
+        for name, stream in streams.items():
+            if getattr(sys, name) is stream:  # not swapped again meanwhile
+                setattr(sys, name, before[name])
+            stream.close_line()
         for handler in wrapped:
             del handler.emit
 

@@ -83,12 +83,16 @@ def _run_with_progress(tmp_path, monkeypatch, stream, rounds=4):
     from hacrl_fed.lifecycle import Run, setup_logging
     from helpers_fake_workers import fake_config
 
-    class NoisyWorker(FakeWorker):  # another library warns while a round runs, through a root console handler
+    class NoisyWorker(FakeWorker):  # while a round runs: another library's log record, a print to each stream
         def train(self, request):
             logging.getLogger("some.library").warning("training round %d", request.round)
+            print(f"(pid=1) worker says {request.round}", file=sys.stderr)  # as Ray forwards a worker's output
+            print(f"printed {request.round}", end="")  # in two writes: one line
+            print()
             return super().train(request)
 
     monkeypatch.setattr(sys, "stderr", stream)
+    monkeypatch.setattr(sys, "stdout", stream)  # a terminal shows both
     setup_logging("INFO")
     library = logging.StreamHandler(stream)
     library.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
@@ -99,6 +103,7 @@ def _run_with_progress(tmp_path, monkeypatch, stream, rounds=4):
     transport = InProcessTransport({"a": NoisyWorker("a", 0.5)})
     with Run(cfg, tmp_path / "r", transport="inprocess", progress=True) as run:
         run.execute(transport, task=FakeTask())
+    assert sys.stderr is stream and sys.stdout is stream  # given back
     return stream.getvalue()
 
 
@@ -112,6 +117,8 @@ def test_on_a_terminal_log_lines_print_above_the_bar(tmp_path, monkeypatch):
     for line in screen:
         assert not ("rounds:" in line and ("INFO " in line or "WARNING " in line)), line
     assert sum(line.startswith("WARNING some.library: training round") for line in screen) == 4
+    assert [line for line in screen if "worker says" in line] == [f"(pid=1) worker says {t}" for t in range(1, 5)]
+    assert [line for line in screen if "printed" in line] == [f"printed {t}" for t in range(1, 5)]
 
 
 def test_elsewhere_plain_lines_and_no_bar(tmp_path, monkeypatch):
@@ -120,6 +127,7 @@ def test_elsewhere_plain_lines_and_no_bar(tmp_path, monkeypatch):
     lines = text.splitlines()
     assert sum(" round " in line and "/4 in " in line for line in lines) == 4
     assert sum(line == f"WARNING some.library: training round {t}" for t in range(1, 5) for line in lines) == 4
+    assert sum(line.startswith("(pid=1) worker says") for line in lines) == 4
 
 
 def test_the_bar_only_on_a_terminal():
