@@ -233,3 +233,24 @@ def test_tools_commands_say_in_one_line_when_the_tools_are_absent(tmp_path, monk
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "the tools package 'hacrl_tools' is not installed" in err, err
+
+
+def test_from_a_checkout_the_tools_are_found_in_the_working_directory(tmp_path, monkeypatch):
+    """An install that left hacrl_tools out (an older editable install): the checkout in the cwd provides it."""
+    from hacrl_fed.cli.common import load_tools
+
+    checkout = tmp_path / "checkout"
+    (checkout / "hacrl_tools").mkdir(parents=True)
+    (checkout / "hacrl_tools" / "__init__.py").write_text("")
+    (checkout / "hacrl_tools" / "probe.py").write_text("WHERE = 'checkout'\n")
+    for mod in [m for m in sys.modules if m == "hacrl_tools" or m.startswith("hacrl_tools.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != repo])
+    monkeypatch.chdir(checkout)
+    try:
+        assert load_tools("probe", "hacrl-fed bench").WHERE == "checkout"
+        assert sys.path[0] == str(checkout)
+    finally:  # the real hacrl_tools comes back (monkeypatch restores what it removed)
+        for mod in [m for m in sys.modules if m == "hacrl_tools" or m.startswith("hacrl_tools.")]:
+            del sys.modules[mod]

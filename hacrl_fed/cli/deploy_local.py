@@ -17,7 +17,11 @@ PROG = "hacrl-fed deploy-local"
 
 
 def build_parser(harness: ModuleType) -> argparse.ArgumentParser:
-    p = parser("deploy-local", __doc__.split("\n\n")[0] if __doc__ else None)
+    p = parser(
+        "deploy-local",
+        "A real SuperLink, SuperNodes and policy workers on loopback; one run submitted with flwr run. Exit 0 iff "
+        "the run ends finished:completed.",
+    )
     p.add_argument("--config", required=True, help="hacrl-fed run config YAML")
     p.add_argument("--tls", action="store_true", help="TLS + SuperNode auth with fresh keys in WORKDIR/keys")
     p.add_argument(
