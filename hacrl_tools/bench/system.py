@@ -31,7 +31,6 @@ functions (:func:`phase_rows`, :func:`summarize_rows`, :func:`overhead`, :func:`
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -42,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -214,16 +213,25 @@ def _peak_rss_self_mb() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
+@dataclass(frozen=True)
+class ChildRun:
+    """What :func:`run_child` asks its child process (``_child SPEC_JSON``) to run."""
+
+    kind: str  # one of TRANSPORTS
+    config: str
+    run_dir: str
+    out: str  # where the child writes its report (JSON)
+    overrides: list[str]
+
+
 def child_main(argv: Sequence[str]) -> int:
-    """``_child --kind inprocess|grpc|flower --config C --run-dir D --out J [--set k=v ...]``: one run in this
-    process (the coordinator's), then its peak RSS and text counts to ``J``."""
-    p = argparse.ArgumentParser(prog="hacrl_tools.bench.system _child")
-    p.add_argument("--kind", choices=TRANSPORTS, required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--set", dest="overrides", nargs="*", default=[])
-    args = p.parse_args(list(argv))
+    """``_child SPEC_JSON`` (a :class:`ChildRun`): one run in this process (the coordinator's), then its peak RSS
+    and text counts to ``out``."""
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m hacrl_tools.bench.system _child SPEC_JSON")
+    args = ChildRun(**json.loads(argv[0]))
+    if args.kind not in TRANSPORTS:
+        raise SystemExit(f"_child: kind {args.kind!r} is not one of {TRANSPORTS}")
     import logging
 
     logging.basicConfig(level=logging.WARNING)
@@ -297,22 +305,8 @@ def run_child(
         shutil.rmtree(run_dir)
     out = work / f"{name}.child.json"
     home = Path(tempfile.mkdtemp(prefix="flwr-home-"))
-    cmd = [
-        sys.executable,
-        "-m",
-        "hacrl_tools.bench.system",
-        "_child",
-        "--kind",
-        kind,
-        "--config",
-        str(config),
-        "--run-dir",
-        str(run_dir),
-        "--out",
-        str(out),
-        "--set",
-        *overrides,
-    ]
+    spec = ChildRun(kind, str(config), str(run_dir), str(out), list(overrides))
+    cmd = [sys.executable, "-m", "hacrl_tools.bench.system", "_child", json.dumps(asdict(spec))]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(home), timeout=timeout_s)

@@ -23,7 +23,6 @@ side, and ours / TRL. Writes ``<out>/trl.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -110,13 +109,12 @@ def make_spec(args: TrlOptions, path: Path) -> dict[str, Any]:
 
 
 def ours_main(argv: list[str]) -> int:
-    """``_ours --spec S --out O``: the same work through our policy worker (run in a fresh process)."""
+    """``_ours SPEC OUT``: the same work through our policy worker (run in a fresh process)."""
     t_start = time.perf_counter()
-    p = argparse.ArgumentParser()
-    p.add_argument("--spec", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    spec = json.loads(Path(args.spec).read_text())
+    if len(argv) != 2:
+        raise SystemExit("usage: python -m hacrl_tools.bench.trl _ours SPEC OUT")
+    spec_path, out_path = argv
+    spec = json.loads(Path(spec_path).read_text())
     import torch
 
     from hacrl_fed.config import load_config
@@ -187,7 +185,7 @@ def ours_main(argv: list[str]) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    Path(args.out).write_text(
+    Path(out_path).write_text(
         json.dumps(
             {
                 "side": "ours",
@@ -287,18 +285,14 @@ def run_trl(args: TrlOptions) -> int:
                         "-m",
                         "hacrl_tools.bench.trl",
                         "_ours",
-                        "--spec",
                         str(spec_path),
-                        "--out",
                         str(out),
                     ]
                 else:
                     cmd = [
                         str(trl_py),
                         str(Path(__file__).with_name("trl_runner.py")),
-                        "--spec",
                         str(spec_path),
-                        "--out",
                         str(out),
                     ]
                 log(f"  trl: run {rep + 1}/{args.repeats}, {side} ...")
