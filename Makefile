@@ -29,7 +29,7 @@ endef
 help:
 	@echo "make demo        tiny federated HACPO run on CPU ($(DEMO_CONFIG))"
 	@echo "make test        code checks (make lint), then the whole test suite, slow tests included (PYTEST_ARGS=...)"
-	@echo "make lint        ruff (lint + format check) and mypy on the package"
+	@echo "make lint        ruff (lint + format check) and mypy on the packages (hacrl_fed, hacrl_tools)"
 	@echo "make test-quick  the suite without tests marked slow"
 	@echo "make proto       regenerate the protobuf/gRPC modules (scripts/gen_proto.sh)"
 	@echo "make clean       remove caches and build outputs (keeps .venv and runs/)"
@@ -52,7 +52,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 # the code checks: sources that `make test` lints before it runs the suite (config in pyproject.toml)
-LINT_PATHS := hacrl_fed server client
+LINT_PATHS := hacrl_fed hacrl_tools server client
 
 lint: .venv
 	$(VPY) -m ruff check $(LINT_PATHS)

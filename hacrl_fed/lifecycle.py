@@ -29,10 +29,11 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Mapping
-from contextlib import ExitStack
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -145,6 +146,102 @@ def setup_logging(
         logging.getLogger(name).setLevel(others)
 
 
+def progress_shown(requested: bool, stream: Any = None) -> bool:
+    """Whether the per-round bar is drawn: only when asked and ``stream`` (default ``sys.stderr``, where the bar and
+    the log lines go) is a terminal. Anywhere else (a pipe, a file, CI) the run logs plain lines, one per round."""
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(requested and callable(isatty) and isatty())
+    except ValueError:  # a closed stream
+        return False
+
+
+CONSOLE_LOGGERS = ("hacrl_fed", "", "flwr")  # hacrl-fed's own handler, the root's (other libraries), Flower's
+
+
+class _AboveBar:
+    """``sys.stderr`` / ``sys.stdout`` while the bar is shown: whole lines only, each written with the bar cleared
+    first and drawn again after (a warning, a ``print``, Ray's forwarded worker output); a partial line waits for its
+    end. Everything else (``isatty``, ``fileno``, ``encoding``) is the wrapped stream's."""
+
+    def __init__(self, stream: Any, bar: Any) -> None:
+        self._stream, self._bar, self._pending = stream, bar, ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending += text
+            if "\n" not in self._pending:
+                return len(text)
+            lines, _, self._pending = self._pending.rpartition("\n")
+        self._emit(lines + "\n")
+        return len(text)
+
+    def _emit(self, text: str) -> None:
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode(file=self._bar.fp):
+            self._stream.write(text)
+            self._stream.flush()
+
+    def flush(self) -> None:  # a partial line stays pending: written now, it would share the bar's line
+        self._stream.flush()
+
+    def close_line(self) -> None:
+        """Write what is pending (at the end, the bar no longer shown)."""
+        with self._lock:
+            rest, self._pending = self._pending, ""
+        if rest:
+            self._stream.write(rest)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def logs_above(bar: Any, loggers: tuple[str, ...] = CONSOLE_LOGGERS) -> Iterator[None]:
+    """While the tqdm ``bar`` is shown, nothing shares a terminal line with it: every console handler of
+    ``loggers`` writes a record with the bar cleared first and drawn again after, and so does whatever else writes
+    to ``sys.stderr`` / ``sys.stdout`` (warnings, prints, Ray's worker output), a whole line at a time.
+
+    The handlers stay (their level, filter and format); only their ``emit`` is wrapped, and restored on exit. The
+    bar is cleared on the stream it draws on (``bar.fp``), even when ``sys.stderr`` was swapped since it was made.
+    Handlers that write to whatever ``sys.stderr`` is (hacrl-fed's own) go through the wrapped stream instead.
+    """
+    from tqdm import tqdm
+
+    streams = {"stderr": _AboveBar(sys.stderr, bar), "stdout": _AboveBar(sys.stdout, bar)}
+    before = {name: getattr(sys, name) for name in streams}
+    wrapped = []
+    for name in loggers:
+        for handler in logging.getLogger(name or None).handlers:
+            if not isinstance(handler, logging.StreamHandler) or isinstance(
+                handler, (logging.FileHandler, _StderrHandler)
+            ):
+                continue
+            if "emit" in vars(handler):  # already wrapped (a logger shares a handler)
+                continue
+
+            def emit(record: logging.LogRecord, _emit: Any = handler.emit) -> None:
+                with tqdm.external_write_mode(file=bar.fp):
+                    _emit(record)
+
+            handler.emit = emit  # type: ignore[method-assign]
+            wrapped.append(handler)
+    for name, stream in streams.items():
+        setattr(sys, name, stream)
+    try:
+        yield
+    finally:
+        for name, stream in streams.items():
+            if getattr(sys, name) is stream:  # not swapped again meanwhile
+                setattr(sys, name, before[name])
+            stream.close_line()
+        for handler in wrapped:
+            del handler.emit
+
+
 def apply_env(env: Mapping[str, str], environ: Any = None) -> dict[str, str]:
     """Set each variable of ``env`` that ``environ`` (default ``os.environ``) does not set yet; what was set."""
     environ = os.environ if environ is None else environ
@@ -171,8 +268,9 @@ class Run:
         print(run.table)
 
     ``transport``: one of :data:`TRANSPORTS`; ``keys``: how the entry point names resume / run dir (errors);
-    ``progress``: a per-round progress bar on stderr (log lines print above it); ``flower_run_id``: recorded next
-    to the hacrl run id; ``entry``: the command, for ``run_info.json``.
+    ``progress``: a per-round progress bar on stderr when that is a terminal (log lines print above it; plain lines
+    elsewhere, :func:`progress_shown`); ``flower_run_id``: recorded next to the hacrl run id; ``entry``: the
+    command, for ``run_info.json``.
     """
 
     def __init__(
@@ -276,12 +374,11 @@ class Run:
             self.write_config()
             self._write_info("starting")
             self.logger = self._stack.enter_context(RunLogger(self.run_dir, tensorboard=self.tensorboard))
-            self._bar, self._on_round = round_progress(self.cfg.federation.rounds, enabled=self.progress)
+            shown = progress_shown(self.progress)  # a bar on a terminal; plain log lines anywhere else
+            self._bar, self._on_round = round_progress(self.cfg.federation.rounds, enabled=shown)
             self._stack.callback(self._bar.close)
-            if self.progress:
-                from tqdm.contrib.logging import logging_redirect_tqdm
-
-                self._stack.enter_context(logging_redirect_tqdm(loggers=[logging.getLogger("hacrl_fed")]))
+            if shown:
+                self._stack.enter_context(logs_above(self._bar))
         except BaseException:
             self._stack.close()
             raise

@@ -44,4 +44,4 @@ if [ ${#missing[@]} -gt 0 ]; then
     fi
 fi
 
-exec "$PY" -m hacrl_fed.gpu_check "$@"
+exec "$PY" -m hacrl_fed.cli gpu-check "$@"

@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     import signal
     import threading
 
-    from hacrl_fed.wire.grpc_server import add_link_args, link_secret, link_settings, serve_worker
+    from hacrl_fed.cli.worker import add_link_args, link_secret, link_settings
+    from hacrl_fed.wire.grpc_server import serve_worker
 
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hacrl_fed.bench import learning, peer, report, system
 from hacrl_fed.cli import main as cli_main
+from hacrl_tools.bench import learning, report, system, trl
+from hacrl_tools.bench import matrix as bench_matrix
 
 TINY = {
     "name": "tiny", "seed": 0, "algorithm": {"name": "hacpo"},
@@ -84,7 +85,7 @@ def test_learning_cell_runs_skips_on_rerun_and_reports(tmp_path, capsys):
     assert "At equal generated rollouts" in text and "cross s̄" in text
     assert "`tiny/per_byte`: needs knob algorithm.no_such_knob" in text
     assert (results / "curves" / "tiny.png").stat().st_size > 1000
-    assert report.main_report(["--results", str(results), "--matrix", str(matrix), "--no-plots"]) == 0
+    assert cli_main(["bench", "report", "--results", str(results), "--matrix", str(matrix), "--no-plots"]) == 0
 
 
 def test_a_cell_finished_meanwhile_by_another_run_is_not_rerun(tmp_path, capsys, monkeypatch):
@@ -106,9 +107,9 @@ def test_a_cell_finished_meanwhile_by_another_run_is_not_rerun(tmp_path, capsys,
 
 
 def test_the_matrix_plans_every_cell():
-    matrix = learning.load_matrix()
+    matrix = bench_matrix.load_matrix()
     assert set(matrix.settings) >= {"state", "size", "model", "three"}
-    cells = learning.plan_cells(matrix)
+    cells = bench_matrix.plan_cells(matrix)
     main = [c for c in cells if c.group == "main"]
     assert {c.method for c in main} == {"grpo", "gspo", "gspo_x2", "naive", "hacpo"}
     assert all(c.skip is None and c.config is not None for c in main), [c.skip for c in main if c.skip]
@@ -131,11 +132,11 @@ def test_the_matrix_plans_every_cell():
     assert sel.algorithm.logprob_norm == "per_byte"
     assert by[("state", "hacpo_successes", 1)].config.trainer.selection.rule == "successes"
     assert by[("state", "hacpo", 0)].config.trainer.selection.rule == "all"
-    quick = learning.plan_cells(matrix, quick=True)
+    quick = bench_matrix.plan_cells(matrix, quick=True)
     assert quick and all(c.config.federation.rounds < gspo.federation.rounds for c in quick)
-    assert all(c.config.federation.rounds == 5 for c in learning.plan_cells(matrix, only=["model/hacpo"], rounds=5))
-    assert learning.field_exists("algorithm.alpha") and learning.field_exists("task.params.difficulty")
-    assert learning.field_exists("algorithm.logprob_norm") and not learning.field_exists("algorithm.no_such_knob")
+    assert all(c.config.federation.rounds == 5 for c in bench_matrix.plan_cells(matrix, only=["model/hacpo"], rounds=5))
+    assert bench_matrix.field_exists("algorithm.alpha") and bench_matrix.field_exists("task.params.difficulty")
+    assert bench_matrix.field_exists("algorithm.logprob_norm") and not bench_matrix.field_exists("algorithm.no_such_knob")
 
 
 def test_accuracy_at_equal_rollouts_interpolates():
@@ -236,20 +237,20 @@ def test_system_aggregation():
     assert "selection uniform:1" in text and "| 32 | 2.000 | 0.50 | 0.050 | 0.125 | 0.020 | 0.100 | 16 |" in text
 
 
-def test_peer_summary():
+def test_trl_summary():
     runs = [{"side": "ours", "batch_s": [9.0, 1.0, 1.0, 2.0], "completions_per_batch": 128, "peak_rss_mb": 500.0,
              "import_s": 2.0, "setup_s": 1.0},
             {"side": "trl", "batch_s": [9.0, 2.0, 2.0], "completions_per_batch": 128, "peak_rss_mb": 800.0,
              "import_s": 5.0, "setup_s": 2.0}]
-    s = peer.compare(runs)
+    s = trl.compare(runs)
     assert s["ours"]["completions_per_s"] == 128.0 and s["trl"]["completions_per_s"] == 64.0
     assert s["throughput_ratio_ours_over_trl"] == 2.0 and s["peak_rss_ratio_ours_over_trl"] == 0.625
-    assert "| ours | 128.0 |" in peer.format_summary(s)
+    assert "| ours | 128.0 |" in trl.format_summary(s)
     runs[0]["phases"] = {"generate": [5.0, 0.25, 0.25, 0.5], "update": [4.0, 0.75, 0.75, 1.5]}
-    s = peer.compare(runs)
+    s = trl.compare(runs)
     assert s["ours"]["generate_s"] == 0.25 and s["ours"]["update_s"] == 0.75 and "generate_s" not in s["trl"]
-    assert "| ours | 128.0 | 1.000 | 0.250 | 0.750 |" in peer.format_summary(s)
-    assert "| trl | 64.0 | 2.000 | – | – |" in peer.format_summary(s)
+    assert "| ours | 128.0 | 1.000 | 0.250 | 0.750 |" in trl.format_summary(s)
+    assert "| trl | 64.0 | 2.000 | – | – |" in trl.format_summary(s)
 
 
 @pytest.mark.slow
@@ -257,9 +258,9 @@ def test_system_runs_every_transport_kind_once(tmp_path, capsys):
     """`hacrl-fed bench system` end to end on the micro smoke config: in-process, gRPC workers and the Flower
     simulation, one short run each (the numbers are not checked: nothing here is timed)."""
     out = tmp_path / "system"
-    rc = system.main_system(["--config", "configs/smoke.yaml", "--transports", "inprocess", "grpc", "flower",
-                             "--rounds", "2", "--repeats", "1", "--eval-size", "4", "--scale-orgs",
-                             "--deploy-rounds", "0", "--out", str(out)])
+    rc = cli_main(["bench", "system", "--config", "configs/smoke.yaml", "--transports", "inprocess", "grpc", "flower",
+                   "--rounds", "2", "--repeats", "1", "--eval-size", "4", "--scale-orgs",
+                   "--deploy-rounds", "0", "--out", str(out)])
     assert rc == 0
     result = json.loads((out / "system.json").read_text())
     summary = result["transports"]["summary"]
@@ -269,18 +270,39 @@ def test_system_runs_every_transport_kind_once(tmp_path, capsys):
     assert "| transport |" in capsys.readouterr().out
 
 
-def test_report_tells_commits_with_the_same_training_code_apart():
+def _git(repo: Path, *args: str) -> str:
     import subprocess
 
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    first = subprocess.run(["git", "rev-list", "--max-parents=0", "HEAD"], capture_output=True, text=True).stdout.split()
-    if not head or not first:
-        pytest.skip("not a git checkout")
-    assert report.same_training_code([head, head]) is True
-    assert report.same_training_code([first[0], head]) is False  # the first commit had another package
-    assert report.same_training_code([head, "0" * 40]) is None
-    assert report.training_code_diff([head, head]) == []
-    assert "hacrl_fed/trainer.py" in report.training_code_diff([first[0], head])
+    cmd = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args]
+    return subprocess.run(cmd, cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_report_tells_commits_with_the_same_training_code_apart(tmp_path):
+    """On a git repository this test builds (no history of the checkout needed): a change under hacrl_fed/bench
+    (where the benchmark scripts lived) is not a training-code change; one in hacrl_fed is."""
+    repo = tmp_path / "repo"
+    (repo / "hacrl_fed" / "bench").mkdir(parents=True)
+    (repo / "hacrl_fed" / "trainer.py").write_text("LR = 1\n")
+    (repo / "hacrl_fed" / "bench" / "learning.py").write_text("A = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "first")
+    first = _git(repo, "rev-parse", "HEAD")
+    (repo / "hacrl_fed" / "bench" / "learning.py").write_text("A = 2\n")
+    (repo / "README.md").write_text("docs\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "bench and docs only")
+    bench_only = _git(repo, "rev-parse", "HEAD")
+    (repo / "hacrl_fed" / "trainer.py").write_text("LR = 2\n")
+    _git(repo, "commit", "-qam", "training code")
+    head = _git(repo, "rev-parse", "HEAD")
+    assert report.same_training_code([first, bench_only], repo) is True
+    assert report.training_code_diff([first, bench_only], repo) == []
+    assert report.same_training_code([first, bench_only, head], repo) is False
+    assert report.training_code_diff([first, head], repo) == ["hacrl_fed/trainer.py"]
+    assert report.same_training_code([head, "0" * 40], repo) is None  # an unknown commit: git cannot tell
+    assert report.same_training_code([head, "?"], repo) is None
+    assert report.same_training_code([first, head], tmp_path) is None  # not a checkout
 
 
 def test_paired_differences_pair_by_seed_and_agent():

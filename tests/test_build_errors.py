@@ -92,7 +92,7 @@ def test_run_build_error_exits_2_with_error_log_in_the_run_dir(tmp_path, capsys)
 
 
 def test_simulate_and_deploy_local_check_before_starting_anything(tmp_path, capsys, monkeypatch):
-    import hacrl_fed.deploy.harness as harness
+    import hacrl_tools.deploy_local as harness
 
     monkeypatch.setattr(harness, "Deployment", lambda *a, **k: pytest.fail("started a deployment"))
     config, message = _case(tmp_path, "invalid UTF-8")

@@ -147,13 +147,13 @@ def test_run_grpc_launching_workers(tmp_path, config_path, monkeypatch, capsys):
     assert yaml.safe_load((run_dir / "worker_config.yaml").read_text())["federation"]["rounds"] == 3
 
 
-def test_delegated_subcommands_get_their_argv(monkeypatch):
-    import hacrl_fed.models.zoo as zoo
-    import hacrl_fed.wire.grpc_server as grpc_server
+def test_each_command_gets_its_argv(monkeypatch):
+    import hacrl_fed.cli.worker as worker
+    import hacrl_fed.cli.zoo as zoo
 
     seen = {}
-    monkeypatch.setattr(zoo, "main_zoo", lambda argv: seen.setdefault("zoo", argv) and 0)
-    monkeypatch.setattr(grpc_server, "main_worker", lambda argv: seen.setdefault("worker", argv) and 3)
+    monkeypatch.setattr(zoo, "main", lambda argv: seen.setdefault("zoo", argv) and 0)
+    monkeypatch.setattr(worker, "main", lambda argv: seen.setdefault("worker", argv) and 3)
     assert cli.main(["zoo", "build", "all"]) == 0
     assert cli.main(["worker", "--config", "x.yaml", "--org", "a"]) == 3
     assert seen == {"zoo": ["build", "all"], "worker": ["--config", "x.yaml", "--org", "a"]}
@@ -165,3 +165,92 @@ def test_python_dash_m_entry_point():
     assert out.returncode == 0 and "simulate" in out.stdout and "run" in out.stdout
     bare = subprocess.run([sys.executable, "-m", "hacrl_fed.cli"], capture_output=True, text=True, timeout=60)
     assert bare.returncode == 2
+
+
+def _parsers():
+    """Every command parser that takes overrides, built as the command builds it."""
+    import hacrl_tools.bench.learning
+    import hacrl_tools.bench.system
+    import hacrl_tools.deploy_local
+    from hacrl_fed.cli import bench, config, deploy_local, run, simulate, worker
+
+    return {
+        "run": (run.build_parser(), ["c.yaml"]),
+        "worker": (worker.build_parser(), ["--config", "c.yaml", "--listen", "unix:/x"]),
+        "simulate": (simulate.build_parser(), ["c.yaml"]),
+        "config": (config.build_parser(), ["--config", "c.yaml"]),
+        "deploy-local": (deploy_local.build_parser(hacrl_tools.deploy_local), ["--config", "c.yaml"]),
+        "bench learning": (bench.learning_parser(hacrl_tools.bench.learning), []),
+        "bench system": (bench.system_parser(hacrl_tools.bench.system), []),
+    }
+
+
+@pytest.mark.parametrize("name", list(_parsers()))
+def test_set_has_one_meaning_in_every_command(name):
+    parser, required = _parsers()[name]
+    args = parser.parse_args([*required, "--set", "a=1", "b=2", "--set", "c=3"])
+    assert args.overrides == ["a=1", "b=2", "c=3"]
+    assert parser.parse_args(required).overrides == []
+
+
+def test_exit_code_rules(capsys):
+    from hacrl_fed.cli.common import UsageError, run_command
+    from hacrl_fed.config import BuildError
+
+    def boom(err):
+        def work():
+            raise err
+        return work
+
+    assert run_command("p", lambda: None) == 0 and run_command("p", lambda: 3) == 3
+    assert run_command("p", boom(UsageError("bad --x"))) == 2
+    assert capsys.readouterr().err.strip() == "p: error: bad --x"
+    assert run_command("p", boom(BuildError("model.path: missing"))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("p: error: model.path: missing (traceback in ") and len(err.splitlines()) == 1
+    Path(err.rsplit("traceback in ", 1)[1].rstrip(")")).unlink()
+    assert run_command("p", boom(KeyError("k")), bad_input=(KeyError,)) == 2
+    Path(capsys.readouterr().err.rsplit("traceback in ", 1)[1].strip().rstrip(")")).unlink()
+    assert run_command("p", boom(RuntimeError("down")), failure_detail=lambda: " (see x.log)") == 1
+    assert capsys.readouterr().err.strip() == "p: failed: RuntimeError: down (see x.log)"
+    assert run_command("p", boom(KeyboardInterrupt()), interrupted=" (resume)") == 1
+    assert capsys.readouterr().err.strip() == "p: interrupted (resume)"
+
+
+def test_tools_commands_say_in_one_line_when_the_tools_are_absent(tmp_path, monkeypatch, capsys):
+    class NoTools:  # a Python without the hacrl_tools package: its import finds nothing
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name == "hacrl_tools":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    for mod in [m for m in sys.modules if m == "hacrl_tools" or m.startswith("hacrl_tools.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setattr(sys, "meta_path", [NoTools, *sys.meta_path])
+    monkeypatch.chdir(tmp_path)  # not a checkout
+    for argv in (["bench", "report"], ["deploy-local", "--config", "c.yaml"], ["gpu-check", "--dry-run"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "the tools package 'hacrl_tools' is not installed" in err, err
+
+
+def test_from_a_checkout_the_tools_are_found_in_the_working_directory(tmp_path, monkeypatch):
+    """An install that left hacrl_tools out (an older editable install): the checkout in the cwd provides it."""
+    from hacrl_fed.cli.common import load_tools
+
+    checkout = tmp_path / "checkout"
+    (checkout / "hacrl_tools").mkdir(parents=True)
+    (checkout / "hacrl_tools" / "__init__.py").write_text("")
+    (checkout / "hacrl_tools" / "probe.py").write_text("WHERE = 'checkout'\n")
+    for mod in [m for m in sys.modules if m == "hacrl_tools" or m.startswith("hacrl_tools.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != repo])
+    monkeypatch.chdir(checkout)
+    try:
+        assert load_tools("probe", "hacrl-fed bench").WHERE == "checkout"
+        assert sys.path[0] == str(checkout)
+    finally:  # the real hacrl_tools comes back (monkeypatch restores what it removed)
+        for mod in [m for m in sys.modules if m == "hacrl_tools" or m.startswith("hacrl_tools.")]:
+            del sys.modules[mod]

@@ -420,7 +420,7 @@ def test_paper_recipes_load_with_the_paper_hyper_parameters(name, org_ids):
 
 
 def test_every_config_field_has_a_description():
-    from hacrl_fed.config_cli import iter_fields
+    from hacrl_fed.config_describe import iter_fields
 
     names = [name for name, _, _ in iter_fields()]
     assert {"algorithm.grpo_loss_agg_mode", "trainer.lora.dropout", "orgs[].model.zoo", "security.roster"} <= set(
@@ -433,7 +433,7 @@ def test_every_config_field_has_a_description():
 
 def test_config_describe_lists_every_field_with_type_default_and_description(capsys):
     from hacrl_fed.cli import main
-    from hacrl_fed.config_cli import iter_fields
+    from hacrl_fed.config_describe import iter_fields
 
     assert main(["config", "--describe"]) == 0
     out = capsys.readouterr().out

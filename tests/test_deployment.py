@@ -34,8 +34,9 @@ from pathlib import Path
 
 import pytest
 
-from hacrl_fed.deploy.harness import (
-    HOST, Deployment, HarnessError, descendants, identity_overrides, main_local, process_table, run_local,
+from hacrl_fed.cli.deploy_local import main as main_local
+from hacrl_tools.deploy_local import (
+    HOST, Deployment, HarnessError, descendants, identity_overrides, process_table, run_local,
     start_local, toml_table, worker_command, worker_link_args, worker_listen, worker_node_config,
 )
 from hacrl_fed.security.keys import KeyLayout, write_keys

@@ -635,7 +635,7 @@ def make_flaky_worker(cfg, org_id, *, run_dir, resume=False):
 @pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_flower_simulation_skips_an_org_whose_worker_raised_and_takes_it_back(tmp_path):
-    from hacrl_fed.flower.simulation import main_simulate
+    from hacrl_fed.cli.simulate import main as main_simulate
 
     fed = {"rounds": 3, "prompts_per_round": 2, "eval_every": 0, "min_orgs": 1, "round_timeout_s": 60.0}
     data = {"name": "sim-faults", "seed": 5, "run_dir": str(tmp_path / "runs"),

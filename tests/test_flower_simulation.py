@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from hacrl_fed.flower.settings import ENV_VAR
-from hacrl_fed.flower.simulation import backend_config, find_app_dir, main_simulate
+from hacrl_fed.cli.simulate import main as main_simulate
+from hacrl_fed.flower.simulation import backend_config, find_app_dir
 from helpers_fake_workers import FakeWorker
 
 SKILLS = {"a": 0.25, "b": 0.75}

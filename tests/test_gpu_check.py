@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hacrl_fed import gpu_check
+from hacrl_tools import gpu_check
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,8 @@ from hacrl_fed.v1 import worker_pb2_grpc
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.codec import WireError
 from hacrl_fed.wire.grpc_client import GrpcWorkerClient, WorkerCallError, WorkerCallTimeout
-from hacrl_fed.wire.grpc_server import main_worker, serve_worker
+from hacrl_fed.cli.worker import main as main_worker
+from hacrl_fed.wire.grpc_server import serve_worker
 from hacrl_fed.worker.api import WorkerAPI
 
 REPO = Path(__file__).resolve().parents[1]
@@ -358,7 +359,7 @@ def build(cfg, org_id, **kw):
     assert cfg.federation.rounds == 3 and kw == {{"run_dir": "runs/x", "resume": True}}, (cfg.federation, kw)
     return FakeWorker(org_id)
 w.build_worker = build
-from hacrl_fed.wire.grpc_server import main_worker
+from hacrl_fed.cli.worker import main as main_worker
 sys.exit(main_worker(sys.argv[1:]))
 """
 

@@ -18,8 +18,9 @@ from cryptography.hazmat.primitives.serialization import load_pem_private_key, l
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from cryptography.x509.verification import PolicyBuilder, Store
 
+from hacrl_fed.cli.keys import main as main_keys
 from hacrl_fed.security.keys import (
-    KeyLayout, KeyToolError, client_name, main_keys, make_ca, make_client_cert, make_server_cert,
+    KeyLayout, KeyToolError, client_name, make_ca, make_client_cert, make_server_cert,
     make_supernode_keypair, parse_orgs, parse_san, write_keys,
 )
 

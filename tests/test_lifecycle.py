@@ -228,7 +228,7 @@ def _make_env(text: str) -> dict[str, str]:
 
 
 def test_one_offline_environment(tmp_path):
-    from hacrl_fed.deploy.harness import Deployment
+    from hacrl_tools.deploy_local import Deployment
 
     import conftest
 

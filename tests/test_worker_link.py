@@ -19,8 +19,9 @@ from hacrl_fed import types as t
 from hacrl_fed.security.keys import KeyLayout, cert_pem, key_pem, make_ca, make_client_cert, write_keys
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.grpc_client import ClientTLS, GrpcWorkerClient, WorkerCallError, WorkerCallTimeout
+from hacrl_fed.cli.worker import main as main_worker
 from hacrl_fed.wire.grpc_server import (
-    SERVICE, ListenError, WorkerTLS, check_listen, is_local_address, main_worker, serve_worker,
+    SERVICE, ListenError, WorkerTLS, check_listen, is_local_address, serve_worker,
 )
 from hacrl_fed.worker.cancel import raise_if_cancelled
 from helpers_fake_workers import FakeWorker
@@ -147,7 +148,7 @@ def _worker_cli(tmp_path: Path, capsys, *link: str) -> tuple[int, str]:
     (["--listen", "nowhere"], "must be HOST:PORT or unix:/PATH"),
 ])
 def test_cli_refuses_a_bad_link_with_one_line_and_exit_2(tmp_path, capsys, monkeypatch, link, message):
-    import hacrl_fed.wire.grpc_server as gs
+    import hacrl_fed.cli.worker as gs
 
     monkeypatch.setattr(gs, "serve_worker", lambda *a, **k: pytest.fail("must be refused before binding"))
     code, err = _worker_cli(tmp_path, capsys, *link)
@@ -225,12 +226,12 @@ def test_mtls_over_a_unix_socket_and_plaintext_clients_refused(servers, keys, tm
 
 def test_cli_serves_mtls_when_given_the_keys(tmp_path, keys, monkeypatch):
     """``hacrl-fed worker --listen 127.0.0.1:0 --tls-*``: the flags reach serve_worker as a WorkerTLS."""
-    import hacrl_fed.wire.grpc_server as gs
+    import hacrl_fed.cli.worker as gs
     import hacrl_fed.worker as w
 
     seen = {}
 
-    class Stop(Exception):
+    class Stop(BaseException):  # not an Exception: the command would report it as a failed run (exit 1)
         pass
 
     def fake_serve(worker, address, **kw):

@@ -10,6 +10,7 @@ import torch
 
 from hacrl_fed.config import BuildError, ModelConfig
 from hacrl_fed.models import load_model_and_tokenizer, render_prompt
+from hacrl_fed.cli.zoo import main as zoo_main
 from hacrl_fed.models import catalog, zoo
 from hacrl_fed.models.sft import IGNORE, SFTRecipe, collate, encode_example, greedy_accuracy, lr_at, run_sft
 from hacrl_fed.models.tokenizers import build_tokenizer
@@ -244,7 +245,7 @@ def test_resolve_prefers_matching_shipped_copy_and_refuses_a_stale_one(isolated,
                                          rf"recipe is {entry.recipe_hash()}\); build it with `hacrl-fed zoo build "
                                          rf"micro-gpt2-bpe --ship`"):
         catalog.resolve_zoo("micro-gpt2-bpe")
-    assert zoo.main_zoo(["list"]) == 0
+    assert zoo_main(["list"]) == 0
     assert "stale: hacrl-fed zoo build micro-gpt2-bpe --ship" in capsys.readouterr().out
     cached = catalog.cached_dir("micro-gpt2-bpe")  # a cached build of the current recipe is used
     cached.mkdir(parents=True)
@@ -256,15 +257,15 @@ def test_resolve_prefers_matching_shipped_copy_and_refuses_a_stale_one(isolated,
 
 
 def test_main_zoo_build_out_and_list(isolated, capsys):
-    assert zoo.main_zoo(["build", "micro-qwen-char", "--out", str(isolated / "o"), "--dtype", "float16"]) == 0
+    assert zoo_main(["build", "micro-qwen-char", "--out", str(isolated / "o"), "--dtype", "float16"]) == 0
     rec = catalog.read_recipe(isolated / "o" / "micro-qwen-char")
     assert rec["saved_dtype"] == "float16"
     assert "micro-qwen-char: params=" in capsys.readouterr().out
-    assert zoo.main_zoo(["list"]) == 0
+    assert zoo_main(["list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in catalog.ZOO)
     with pytest.raises(SystemExit) as exc:
-        zoo.main_zoo(["build", "nope"])
+        zoo_main(["build", "nope"])
     assert exc.value.code == 2
 
 

@@ -19,7 +19,7 @@ called :meth:`WorkerProcesses.start`: start workers from a thread that lives as 
 The workers on one machine share its cores: each gets ``OMP_NUM_THREADS = max(1, cores // workers)`` (torch's
 intra-op threads) unless the environment sets ``OMP_NUM_THREADS`` already (:func:`worker_threads`).
 
-``main_worker`` takes no ``--set``: with overrides the launcher writes the resolved config to
+The workers get no ``--set``: with overrides the launcher writes the resolved config to
 ``<run_dir>/worker_config.yaml`` and starts the workers from it.
 """
 

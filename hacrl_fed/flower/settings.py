@@ -13,7 +13,7 @@ Keys (``[tool.flwr.app.config]`` in ``pyproject.toml``, or ``flwr run . -c 'key=
   ``federation.round_timeout_s``.
 
 ``flwr.simulation.run_simulation`` (behind ``hacrl-fed simulate``) has no way to pass a run config in flwr 1.42:
-both apps see an empty ``context.run_config``. :func:`hacrl_fed.flower.simulation.main_simulate` therefore puts
+both apps see an empty ``context.run_config``. :func:`hacrl_fed.flower.simulation.simulate` therefore puts
 the same keys, JSON-encoded, in the environment variable :data:`ENV_VAR` before Ray starts (Ray's worker
 processes inherit the driver's environment); values found there override the run config's.
 """

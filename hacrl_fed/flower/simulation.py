@@ -11,7 +11,8 @@ One virtual SuperNode per org (partition ``i`` = ``orgs[i]``), the repository's 
 * Exactly one ClientApp actor (Ray ``num_cpus`` = the actor's ``num_cpus`` = the CPUs this process may use; all
   GPUs too): in-process workers are cached per process, and Ray hands each message to whichever actor is idle.
   Orgs therefore run one after another, each with all cores (Ray sets ``OMP_NUM_THREADS`` to the actor's CPUs).
-* A ServerApp exception is re-raised by ``run_simulation``; :func:`main_simulate` then returns 1.
+* A ServerApp exception is re-raised by ``run_simulation``; ``hacrl-fed simulate`` (:mod:`hacrl_fed.cli.simulate`)
+  then exits 1.
 * Flower's switches of :data:`hacrl_fed.lifecycle.FLOWER_ENV` (no telemetry, update checks or per-run installs)
   are set, where unset, when this module is imported: Flower reads some of them when it is first imported.
 * The ServerApp runs the shared run lifecycle (:mod:`hacrl_fed.lifecycle`, transport ``flower-simulation``):
@@ -20,7 +21,6 @@ One virtual SuperNode per org (partition ``i`` = ``orgs[i]``), the repository's 
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import logging
@@ -32,17 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from hacrl_fed.host import available_cpus
-from hacrl_fed.lifecycle import FLOWER_ENV, apply_env, setup_logging
-from hacrl_fed.run_files import SUMMARY_FILE
+from hacrl_fed.lifecycle import FLOWER_ENV, apply_env
 
 apply_env(FLOWER_ENV)  # before anything imports flwr (see the module docstring)
 
-from hacrl_fed.config import ConfigError, load_config, parse_overrides, report_error  # noqa: E402
+from hacrl_fed.config import load_config, parse_overrides  # noqa: E402
 from hacrl_fed.flower.federation import PROGRESS_ENV  # noqa: E402
 from hacrl_fed.flower.settings import (  # noqa: E402
     ENV_VAR,
     AppSettings,
-    SettingsError,
     check_run_dir,
     run_dir_of,
     to_run_config,
@@ -165,75 +163,3 @@ def simulate(
                 os.environ[key] = value
     log.info("simulation finished in %.1f s; run dir %s", time.perf_counter() - start, run_path)
     return run_path
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hacrl-fed simulate", description="Run a federation on Flower's Simulation Engine (one node per org)."
-    )
-    p.add_argument("config", help="YAML run config")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set federation.rounds=3 trainer.lr=1e-5",
-    )
-    p.add_argument("--run-dir", help="run directory (default: <run_dir>/<name> of the config)")
-    p.add_argument("--resume", action="store_true", help="continue the run in the run directory")
-    p.add_argument("--num-cpus", type=int, help="CPUs for the simulation (default: all this process may use)")
-    p.add_argument("--num-gpus", type=int, help="GPUs for the simulation (default: all CUDA devices)")
-    p.add_argument("--app-dir", help="directory with server/ and client/ (default: cwd or the source checkout)")
-    p.add_argument(
-        "--worker-factory",
-        default="",
-        metavar="MODULE:CALLABLE",
-        help="build in-process workers with this instead of hacrl_fed.worker:build_worker",
-    )
-    p.add_argument(
-        "--discovery-timeout",
-        type=float,
-        default=0.0,
-        help="seconds to wait for every org's node (default: federation.round_timeout_s)",
-    )
-    p.add_argument("--verbose", action="store_true", help="Flower debug logging")
-    p.add_argument("--log-level", default="INFO", help="hacrl-fed's log level (other libraries log warnings only)")
-    p.add_argument("--no-progress", action="store_true", help="no per-round progress bar")
-    return p
-
-
-def main_simulate(argv: Sequence[str] | None = None) -> int:
-    """CLI entry: 0 on success, 2 on a bad config or argument, 1 when the run failed."""
-    args = build_parser().parse_args(argv)
-    args.overrides = [kv for group in args.overrides for kv in group]  # --set a=1 b=2 --set c=3
-    setup_logging(args.log_level, verbose=args.verbose)
-    try:
-        run_path = simulate(
-            args.config,
-            args.overrides,
-            run_dir=args.run_dir,
-            resume=args.resume,
-            app_dir=args.app_dir,
-            num_cpus=args.num_cpus,
-            num_gpus=args.num_gpus,
-            worker_factory=args.worker_factory,
-            discovery_timeout_s=args.discovery_timeout,
-            verbose=args.verbose,
-            progress=not args.no_progress,
-        )
-    except ConfigError as err:  # configuration or build-time: one line, the traceback in a log file
-        return report_error("hacrl-fed simulate", err)
-    except (SettingsError, FileNotFoundError, ValueError) as err:
-        print(f"hacrl-fed simulate: error: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:
-        log.exception("simulation failed")
-        print(f"hacrl-fed simulate: the run failed: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
-    summary = run_path / SUMMARY_FILE
-    if summary.is_file():
-        print(summary.read_text().rstrip())
-    print(f"hacrl-fed simulate: done; outputs in {run_path} (metrics.jsonl, tb/, accuracy.png)")
-    return 0

@@ -15,7 +15,7 @@ from hacrl_fed.models.loading import (
 )
 from hacrl_fed.models.sft import SFTRecipe, greedy_accuracy, run_sft
 from hacrl_fed.models.tokenizers import build_bpe_tokenizer, build_char_tokenizer, build_tokenizer
-from hacrl_fed.models.zoo import build_agent, main_zoo
+from hacrl_fed.models.zoo import build_agent
 
 __all__ = [
     "ZOO",
@@ -32,7 +32,6 @@ __all__ = [
     "greedy_accuracy",
     "load_model_and_tokenizer",
     "load_tokenizer",
-    "main_zoo",
     "render_prompt",
     "resolve_device",
     "resolve_dtype",

@@ -27,7 +27,6 @@ certificates carry ``clientAuth`` instead and a URI SAN (workers check their com
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import ipaddress
 import os
@@ -433,45 +432,3 @@ def summary(layout: KeyLayout, orgs: list[str], sans: list[str] | tuple[str, ...
         f'--node-config \'org="{org}" worker="unix:/PRIVATE/DIR/{org}.sock"\''
     )
     return "\n".join(lines)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hacrl-fed keys",
-        description="Create a CA, SuperLink and worker TLS certificates, SuperNode auth keys "
-        "and org signing identities.",
-    )
-    p.add_argument("--out", required=True, help="output directory (created, mode 700)")
-    p.add_argument("--orgs", required=True, help="comma-separated org ids: SuperNode, worker and identity keys each")
-    p.add_argument(
-        "--san",
-        action="append",
-        default=[],
-        metavar="NAME_OR_IP",
-        help="host name or IP the SuperNodes dial, for the SuperLink and worker certificates "
-        "(repeatable); default: " + " ".join(DEFAULT_SANS),
-    )
-    p.add_argument("--force", action="store_true", help="replace existing key files")
-    return p
-
-
-def main_keys(argv: list[str] | None = None) -> int:
-    """``hacrl-fed keys``: write the keys (see module docstring) and print what was written; 2 on bad input."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    sans = args.san or list(DEFAULT_SANS)
-    try:
-        orgs = parse_orgs(args.orgs)
-        for s in sans:
-            parse_san(s)
-        layout = write_keys(args.out, orgs, sans, force=args.force)
-    except KeyToolError as err:  # bad input: one line naming it, the traceback in a log file, exit 2
-        from hacrl_fed.config import report_error
-
-        return report_error("hacrl-fed keys", err)
-    print(summary(layout, orgs, sans))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main_keys())

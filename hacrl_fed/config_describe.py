@@ -1,17 +1,15 @@
-"""``hacrl-fed config``: what every config field means, and what a config file resolves to.
+"""What every config field means, and what a config file resolves to (the ``hacrl-fed config`` command,
+:mod:`hacrl_fed.cli.config`):
 
 - ``hacrl-fed config --describe``: every section and field of the run config (:mod:`hacrl_fed.config`) with its
   type, constraints, default and description.
 - ``hacrl-fed config --describe --config RUN.yaml [--set key=value ...]``: the same, with each field's resolved
   value in that config (``*`` marks a value other than the default; per-org values are listed by org).
 - ``hacrl-fed config --config RUN.yaml [--set key=value ...]``: the resolved, validated config as YAML.
-
-Exit codes: 0, or 2 for a config that does not validate (one line naming the field).
 """
 
 from __future__ import annotations
 
-import argparse
 import enum
 import textwrap
 import types
@@ -22,14 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from hacrl_fed.config import (
-    ConfigError,
-    RunConfig,
-    load_config,
-    org_generation,
-    org_trainer,
-    report_error,
-)
+from hacrl_fed.config import RunConfig, org_generation, org_trainer
 
 WIDTH = 100
 _UNSET = object()
@@ -164,48 +155,3 @@ def describe(cfg: RunConfig | None = None, width: int = WIDTH) -> str:
             textwrap.wrap(desc, width=width, initial_indent=indent + "    ", subsequent_indent=indent + "    ")
         )
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hacrl-fed config", description="Describe the run config's fields, or show what a config file resolves to."
-    )
-    p.add_argument("--describe", action="store_true", help="every section and field: type, default, description")
-    p.add_argument("--config", help="a run config YAML: show its resolved values (validated)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set federation.rounds=3",
-    )
-    return p
-
-
-def main_config(argv: list[str] | None = None) -> int:
-    """``hacrl-fed config``: see the module docstring. Returns the exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    overrides = [kv for group in args.overrides for kv in group]
-    if not args.describe and not args.config:
-        parser.print_usage()
-        print("hacrl-fed config: give --describe, --config FILE, or both")
-        return 2
-    if overrides and not args.config:
-        parser.error("--set needs --config")
-    cfg = None
-    if args.config:
-        try:
-            cfg = load_config(args.config, overrides=overrides)
-        except ConfigError as err:
-            return report_error("hacrl-fed config", err)
-    if args.describe:
-        print(describe(cfg))
-    else:
-        import yaml
-
-        assert cfg is not None  # --config was given
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
-    return 0

@@ -13,7 +13,6 @@ the reason (a missing config knob, an identical config).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -23,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hacrl_fed.bench.learning import MATRIX, RESULTS, Matrix, load_matrix, plan_cells
+from hacrl_tools.bench.matrix import Matrix, load_matrix, plan_cells
 
 MAIN_METHODS = ("grpo", "gspo", "gspo_x2", "naive", "hacpo")
 
@@ -146,14 +145,15 @@ def ratio_summary(method_cells: list[dict[str, Any]], org: str) -> str:
 
 
 def training_code_diff(commits: Sequence[str], root: Path | None = None) -> list[str] | None:
-    """The files of the ``hacrl_fed`` package, ``hacrl_fed/bench`` (the benchmark's own scripts) excluded, that
-    differ between the first commit and any other; None when git cannot tell (no checkout, unknown commit)."""
+    """The files of the ``hacrl_fed`` package, ``hacrl_fed/bench`` (where the benchmark's own scripts lived before
+    ``hacrl_tools``) excluded, that differ between the first commit and any other, in the git checkout at ``root``
+    (default: the working directory); None when git cannot tell (no checkout, unknown commit)."""
     import subprocess
 
     known = [c for c in commits if c and c != "?"]
     if len(known) != len(commits):
         return None
-    cwd = root or Path(__file__).resolve().parents[2]
+    cwd = root  # None: the working directory (a checkout)
     changed: set[str] = set()
     for other in known[1:]:
         try:
@@ -580,10 +580,8 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
 
 
 def _rel(path: Path) -> str:
-    from hacrl_fed.bench.learning import ROOT
-
     try:
-        return str(Path(path).resolve().relative_to(ROOT))
+        return str(Path(path).resolve().relative_to(Path.cwd()))
     except ValueError:
         return str(path)
 
@@ -597,14 +595,11 @@ def write_report(results: str | Path, matrix: Matrix | None = None, *, plots: bo
     return out
 
 
-def main_report(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hacrl-fed bench report", description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", type=Path, default=RESULTS)
-    p.add_argument("--matrix", type=Path, default=MATRIX)
-    p.add_argument("--no-plots", action="store_true")
-    args = p.parse_args(argv)
-    matrix = load_matrix(args.matrix) if args.matrix and Path(args.matrix).is_file() else None
-    out = write_report(args.results, matrix, plots=not args.no_plots)
+def print_report(results: Path, matrix: Path | None, *, plots: bool = True) -> int:
+    """``hacrl-fed bench report``: rewrite and print ``<results>/REPORT.md`` (the matrix file, where it exists,
+    names the cells that did not run)."""
+    m = load_matrix(matrix) if matrix and Path(matrix).is_file() else None
+    out = write_report(results, m, plots=plots)
     print(out.read_text())
     print(f"report: {out}", file=sys.stderr)
     return 0

@@ -1,6 +1,4 @@
-"""``hacrl-fed``: the command line.
-
-- ``hacrl-fed run CONFIG [--transport inprocess|grpc] [--set key=value ...] [--worker ORG=ADDRESS ...]
+"""``hacrl-fed run CONFIG [--transport inprocess|grpc] [--set key=value ...] [--worker ORG=ADDRESS ...]
   [--run-dir DIR] [--resume] [--no-progress]``: a federated run driven by the coordinator in this process.
   ``inprocess`` builds every org's worker here; ``grpc`` starts one ``hacrl-fed worker`` subprocess per org (or
   dials the already-running workers given with ``--worker``). Writes what every entry point writes
@@ -8,61 +6,28 @@
   ``coordinator_state.json``, ``accuracy.png``, ``summary.txt``, ``error.log`` on failure) to the run dir (default
   ``<run_dir>/<name>`` from the config), logs one line per round, and prints the final per-org table and the
   run dir's absolute path.
-- ``hacrl-fed worker ...``: serve one org's policy worker over gRPC (:func:`hacrl_fed.wire.grpc_server.main_worker`).
-- ``hacrl-fed zoo ...``: build / list the tiny built-in models (:func:`hacrl_fed.models.zoo.main_zoo`).
-- ``hacrl-fed simulate CONFIG ...``: the Flower Simulation Engine (:func:`hacrl_fed.flower.simulation.main_simulate`).
-- ``hacrl-fed config --describe [--config FILE]``: every config field with its type, default and description
-  (:func:`hacrl_fed.config_cli.main_config`).
 
-Exit codes: 0 success, 1 the run failed, 2 bad usage, configuration or build-time error (one line naming the bad
-field or file; :class:`~hacrl_fed.config.BuildError` and every ``ConfigError``, in every command, with the
-traceback in a log file).
+Exit codes as every command (:mod:`hacrl_fed.cli.common`): 0, 1 the run failed, 2 bad usage, configuration or
+build-time error.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 import traceback
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
+from hacrl_fed.cli.common import UsageError, add_set_flag, parser, run_command
 from hacrl_fed.lifecycle import CLI_KEYS, RunDirError, check_run_dir, setup_logging
 
 log = logging.getLogger("hacrl_fed.cli")
 
-# subcommand -> (module, function, help); each gets the remaining argv and parses it itself
-DELEGATES = {
-    "worker": ("hacrl_fed.wire.grpc_server", "main_worker", "serve one org's policy worker over gRPC"),
-    "zoo": ("hacrl_fed.models.zoo", "main_zoo", "build or list the tiny built-in agent models"),
-    "simulate": ("hacrl_fed.flower.simulation", "main_simulate", "run on the Flower Simulation Engine"),
-    "keys": (
-        "hacrl_fed.security.keys",
-        "main_keys",
-        "make TLS certs (SuperLink, worker link), SuperNode auth keys and org identities",
-    ),
-    "deploy-local": ("hacrl_fed.deploy.harness", "main_local", "a real SuperLink + SuperNodes + workers on loopback"),
-    "config": ("hacrl_fed.config_cli", "main_config", "describe every config field (--describe) or resolve a config"),
-    "bench": (
-        "hacrl_fed.bench",
-        "main_bench",
-        "benchmarks: learning matrix, report, system costs, TRL peer (BENCHMARKS.md)",
-    ),
-}
-
-
-class UsageError(Exception):
-    """Bad arguments or configuration: exit code 2."""
-
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hacrl-fed", description="Federated RL from verifiable rewards (HACPO).")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    run = sub.add_parser("run", help="run a federation with the coordinator in this process")
+    run = parser("run", "Run a federation with the coordinator in this process.")
     run.add_argument("config", help="run config YAML")
     run.add_argument(
         "--transport",
@@ -70,15 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: federation.transport of the config (grpc when --worker is given)",
     )
-    run.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set federation.rounds=3 trainer.lr=1e-5",
-    )
+    add_set_flag(run)
     run.add_argument(
         "--worker",
         dest="workers",
@@ -100,25 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--ready-timeout-s", type=float, default=600.0, help="how long workers may take to start")
     run.add_argument("--log-level", default="INFO")
-    for name, (_, _, help_text) in DELEGATES.items():
-        sub.add_parser(name, help=help_text, add_help=False)
-    return parser
-
-
-def _delegate(name: str, argv: list[str]) -> int:
-    module, func, _ = DELEGATES[name]
-    try:
-        entry: Callable[[list[str]], Any] = getattr(importlib.import_module(module), func)
-    except ImportError as err:
-        print(f"hacrl-fed {name}: unavailable ({err})", file=sys.stderr)
-        return 1
-    from hacrl_fed.config import ConfigError, report_error
-
-    try:
-        rc = entry(argv)
-    except ConfigError as err:  # configuration or build-time (BuildError): one line, traceback in a log, exit 2
-        return report_error(f"hacrl-fed {name}", err)
-    return int(rc or 0)
+    return run
 
 
 def parse_worker_addresses(items: list[str], org_ids: list[str]) -> dict[str, str]:
@@ -200,7 +139,6 @@ def _inprocess_transport(cfg, run_dir: Path, resume: bool, stack: ExitStack):
 def _resolve_run(args: argparse.Namespace):
     from hacrl_fed.config import ConfigError, load_config
 
-    args.overrides = [kv for group in args.overrides for kv in group]  # --set a=1 b=2 --set c=3
     try:
         cfg = load_config(args.config, overrides=args.overrides)
     except ConfigError as err:
@@ -249,33 +187,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``hacrl-fed`` console script; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in DELEGATES:
-        return _delegate(argv[0], argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command != "run":
-        parser.print_help(sys.stderr)
-        return 2
+    """``hacrl-fed run``; returns the exit code."""
+    args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
-    from hacrl_fed.config import ConfigError, report_error
 
-    try:
-        return cmd_run(args)
-    except UsageError as err:
-        print(f"hacrl-fed run: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("hacrl-fed run: interrupted (continue with --resume)", file=sys.stderr)
-        return 1
-    except ConfigError as err:  # found while building models or tasks (BuildError): exit 2, traceback kept
+    def run_dir() -> Path | None:  # where a build-time error's traceback goes: the run dir, once it holds one
         run = getattr(args, "lifecycle", None)
-        return report_error("hacrl-fed run", err, log_dir=run.run_dir if run is not None and run.error_log else None)
-    except Exception as err:  # the run failed: one line here, the traceback in the run dir's error.log
-        detail = _save_traceback(args)
-        print(f"hacrl-fed run: failed: {type(err).__name__}: {err}{detail}", file=sys.stderr)
-        return 1
+        return run.run_dir if run is not None and run.error_log else None
+
+    return run_command(
+        "hacrl-fed run",
+        lambda: cmd_run(args),
+        log_dir=run_dir,
+        failure_detail=lambda: _save_traceback(args),
+        interrupted=" (continue with --resume)",
+    )
 
 
 def _save_traceback(args: argparse.Namespace) -> str:
@@ -285,7 +211,3 @@ def _save_traceback(args: argparse.Namespace) -> str:
         return f" (traceback in {run.error_log})"
     traceback.print_exc()
     return ""
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,7 +22,7 @@
    process (the coordinator's from its own ``getrusage``, each worker's from the ``perf/*/peak_rss_mb`` it
    reports). ``--scale-selection all uniform:1`` repeats it per ``trainer.selection`` (rule, budget multiple).
 4. **Flower deployment engine** on loopback (SuperLink + one SuperNode per org + policy workers, insecure, through
-   :mod:`hacrl_fed.deploy.harness`) with the micro agents of ``configs/smoke.yaml``: its median round time minus
+   :mod:`hacrl_tools.deploy_local`) with the micro agents of ``configs/smoke.yaml``: its median round time minus
    the in-process median of the same config (the fixed cost per round), where it goes (per org and phase: call
    time vs the worker's compute, i.e. queueing and the per-message ClientApp process), and the one-off start-up
    times of the processes.
@@ -33,7 +33,6 @@ functions (:func:`phase_rows`, :func:`summarize_rows`, :func:`overhead`, :func:`
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -44,15 +43,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "configs" / "demo.yaml"
-SMOKE = ROOT / "configs" / "smoke.yaml"
-OUT = ROOT / "benchmarks" / "system"
+from hacrl_tools import code_path
+
+# relative to the working directory (the repository root when run from a checkout)
+DEMO = Path("configs") / "demo.yaml"
+SMOKE = Path("configs") / "smoke.yaml"
+OUT = Path("benchmarks") / "system"
 TRANSPORTS = ("inprocess", "grpc", "flower")
 MICRO = ("micro-qwen-char", "micro-gpt2-bpe")
 PHASES = ("generate", "verify", "score", "train", "trust", "exchange", "coordinator")
@@ -258,16 +260,25 @@ def _peak_rss_self_mb() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
+@dataclass(frozen=True)
+class ChildRun:
+    """What :func:`run_child` asks its child process (``_child SPEC_JSON``) to run."""
+
+    kind: str  # one of TRANSPORTS
+    config: str
+    run_dir: str
+    out: str  # where the child writes its report (JSON)
+    overrides: list[str]
+
+
 def child_main(argv: Sequence[str]) -> int:
-    """``_child --kind inprocess|grpc|flower --config C --run-dir D --out J [--set k=v ...]``: one run in this
-    process (the coordinator's), then its peak RSS and text counts to ``J``."""
-    p = argparse.ArgumentParser(prog="hacrl_fed.bench.system _child")
-    p.add_argument("--kind", choices=TRANSPORTS, required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--set", dest="overrides", nargs="*", default=[])
-    args = p.parse_args(list(argv))
+    """``_child SPEC_JSON`` (a :class:`ChildRun`): one run in this process (the coordinator's), then its peak RSS
+    and text counts to ``out``."""
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m hacrl_tools.bench.system _child SPEC_JSON")
+    args = ChildRun(**json.loads(argv[0]))
+    if args.kind not in TRANSPORTS:
+        raise SystemExit(f"_child: kind {args.kind!r} is not one of {TRANSPORTS}")
     import logging
 
     logging.basicConfig(level=logging.WARNING)
@@ -337,7 +348,7 @@ def child_main(argv: Sequence[str]) -> int:
 
 def child_env(flwr_home: Path) -> dict[str, str]:
     env = {**os.environ, **QUIET_ENV, "FLWR_HOME": str(flwr_home), "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (code_path(), env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -350,25 +361,11 @@ def run_child(
         shutil.rmtree(run_dir)
     out = work / f"{name}.child.json"
     home = Path(tempfile.mkdtemp(prefix="flwr-home-"))
-    cmd = [
-        sys.executable,
-        "-m",
-        "hacrl_fed.bench.system",
-        "_child",
-        "--kind",
-        kind,
-        "--config",
-        str(config),
-        "--run-dir",
-        str(run_dir),
-        "--out",
-        str(out),
-        "--set",
-        *overrides,
-    ]
+    spec = ChildRun(kind, str(config), str(run_dir), str(out), list(overrides))
+    cmd = [sys.executable, "-m", "hacrl_tools.bench.system", "_child", json.dumps(asdict(spec))]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(home), timeout=timeout_s, cwd=ROOT)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(home), timeout=timeout_s)
     finally:
         shutil.rmtree(home, ignore_errors=True)
     if proc.returncode != 0:
@@ -527,7 +524,7 @@ def bench_scaling(
 
 def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900) -> dict[str, Any]:
     """The Flower deployment engine on loopback with the smoke config vs the same config in-process."""
-    from hacrl_fed.deploy.harness import Deployment, identity_overrides, start_local
+    from hacrl_tools.deploy_local import Deployment, identity_overrides, start_local
 
     base = [f"federation.rounds={rounds}", "federation.eval_every=0", "task.eval_size=8"]
     log("  deployment: in-process baseline ...")
@@ -546,7 +543,8 @@ def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900)
             started = time.perf_counter() - t0
             t1 = time.perf_counter()
             run_id = dep.submit(
-                ROOT, {"config-path": str(SMOKE), "overrides": " ".join(overrides), "run-dir": str(run_dir)}
+                Path.cwd(),
+                {"config-path": str(SMOKE.absolute()), "overrides": " ".join(overrides), "run-dir": str(run_dir)},
             )
             info = dep.wait_run(run_id, timeout_s)
             run_s = time.perf_counter() - t1
@@ -687,52 +685,32 @@ def format_tables(result: Mapping[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------ command
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hacrl-fed bench system", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", type=Path, default=DEMO, help="config of the transport comparison (default demo)")
-    p.add_argument("--rounds", type=int, default=4, help="rounds per transport run")
-    p.add_argument("--repeats", type=int, default=2, help="runs per transport (order rotated each repeat)")
-    p.add_argument("--eval-size", type=int, default=20, help="held-out prompts evaluated before and after")
-    p.add_argument(
-        "--transports",
-        nargs="*",
-        choices=TRANSPORTS,
-        default=list(TRANSPORTS),
-        help="transports to compare (none: skip the comparison)",
-    )
-    p.add_argument("--scale-orgs", type=int, nargs="*", default=[2, 4, 8], help="org counts (none: skip)")
-    p.add_argument("--scale-rounds", type=int, default=3)
-    p.add_argument("--scale-transport", choices=("grpc", "inprocess"), default="grpc")
-    p.add_argument(
-        "--scale-selection",
-        nargs="*",
-        default=[],
-        metavar="RULE[:MULTIPLE]",
-        help="run the scaling case once per trainer.selection (rule, and budget_multiple after a colon: all "
-        "uniform:1); none: the config's own",
-    )
-    p.add_argument("--deploy-rounds", type=int, default=3, help="rounds on the deployment engine (0: skip)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra overrides of the transport comparison's config",
-    )
-    p.add_argument("--out", type=Path, default=OUT, help="where system.json goes (default benchmarks/system)")
-    p.add_argument("--keep-work", action="store_true", help="keep the run dirs (a temp dir, printed)")
-    return p
+@dataclass(frozen=True)
+class SystemOptions:
+    """What ``hacrl-fed bench system`` was asked (:mod:`hacrl_fed.cli.bench` parses it; defaults there)."""
+
+    config: Path
+    rounds: int
+    repeats: int
+    eval_size: int
+    transports: list[str]
+    scale_orgs: list[int]
+    scale_rounds: int
+    scale_transport: str
+    scale_selection: list[str]
+    deploy_rounds: int
+    overrides: list[str]
+    out: Path
+    keep_work: bool
 
 
-def main_system(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+def run_system(opts: SystemOptions) -> int:
+    """Every part asked for (transports, scaling, deployment), ``<out>/system.json`` and the printed tables."""
+    opts.out.mkdir(parents=True, exist_ok=True)
     # scratch outside the checkout: `flwr run` scans the app dir (the repository) when it packages the app
     work = Path(tempfile.mkdtemp(prefix="hacrl-bench-system-"))
-    extra = [kv for group in args.overrides for kv in group]
-    from hacrl_fed.bench.learning import _git_version, machine_info
+    extra = list(opts.overrides)
+    from hacrl_tools.bench.learning import _git_version, machine_info
 
     result: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -742,29 +720,29 @@ def main_system(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        if args.transports:
+        if opts.transports:
             result["transports"] = bench_transports(
-                args.config, args.transports, args.rounds, args.repeats, args.eval_size, extra, work, log
+                opts.config, opts.transports, opts.rounds, opts.repeats, opts.eval_size, extra, work, log
             )
-        if args.scale_orgs:
+        if opts.scale_orgs:
             result["scaling"] = bench_scaling(
-                args.scale_orgs, args.scale_rounds, work, args.scale_transport, log, args.scale_selection
+                opts.scale_orgs, opts.scale_rounds, work, opts.scale_transport, log, opts.scale_selection
             )
-        if args.deploy_rounds:
-            result["deployment"] = bench_deployment(args.deploy_rounds, work, log)
+        if opts.deploy_rounds:
+            result["deployment"] = bench_deployment(opts.deploy_rounds, work, log)
     finally:
         result["wall_s"] = time.perf_counter() - t0
-        (args.out / "system.json").write_text(json.dumps(result, indent=1, sort_keys=True))
-        if args.keep_work:
+        (opts.out / "system.json").write_text(json.dumps(result, indent=1, sort_keys=True))
+        if opts.keep_work:
             print(f"run dirs kept in {work}", file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
     print(format_tables(result))
-    print(f"system.json: {args.out / 'system.json'} ({result['wall_s']:.0f} s)")
+    print(f"system.json: {opts.out / 'system.json'} ({result['wall_s']:.0f} s)")
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the child process of run_child (not a command)
     if len(sys.argv) > 1 and sys.argv[1] == "_child":
         raise SystemExit(child_main(sys.argv[2:]))
-    raise SystemExit(main_system(sys.argv[1:]))
+    raise SystemExit("usage: hacrl-fed bench system (this module's own entry is run_child's child process)")

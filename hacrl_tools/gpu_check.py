@@ -1,4 +1,4 @@
-"""One prepared GPU check: ``scripts/gpu_check.sh`` (= ``python -m hacrl_fed.gpu_check``), nothing downloaded.
+"""One prepared GPU check: ``scripts/gpu_check.sh`` (= ``hacrl-fed gpu-check``), nothing downloaded.
 
 Steps, each timed and recorded in one JSON (``--out DIR``/``gpu_check.json``) and a short printed table:
 
@@ -22,7 +22,6 @@ when a step failed.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
@@ -41,7 +40,6 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_ZOO = "llama-bpe"
 HEAD_SCALE = 8.0  # in-vocabulary head rows x this: their logits outweigh the 151k zero rows (>95% of samples)
 
@@ -326,11 +324,11 @@ def run_rounds(model_dir: Path, work: Path, s: Settings, engine: str) -> dict[st
     return out
 
 
-def run_pytest(marker: str, files: list[str], work: Path, timeout_s: int) -> dict[str, Any]:
-    """``pytest -m marker files`` in a subprocess (repo root); counts from its JUnit XML."""
+def run_pytest(marker: str, files: list[str], work: Path, timeout_s: int, repo: Path) -> dict[str, Any]:
+    """``pytest -m marker files`` in a subprocess in ``repo`` (the checkout's root); counts from its JUnit XML."""
     import importlib.util
 
-    missing = [f for f in files if not (REPO_ROOT / f).is_file()]
+    missing = [f for f in files if not (repo / f).is_file()]
     if missing:
         return {"status": "skipped", "reason": f"test files not found: {missing}"}
     if importlib.util.find_spec("pytest") is None:
@@ -338,7 +336,7 @@ def run_pytest(marker: str, files: list[str], work: Path, timeout_s: int) -> dic
     xml = work / f"junit-{marker}.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", marker, *files, "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
     try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"status": "failed", "reason": f"timed out after {timeout_s} s"}
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
@@ -459,7 +457,21 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Options:
+    """What ``hacrl-fed gpu-check`` (``scripts/gpu_check.sh``) was asked; :mod:`hacrl_fed.cli.gpu_check` parses it."""
+
+    dry_run: bool
+    out: Path
+    work_dir: Path | None
+    keep_work: bool
+    budget_s: float
+    skip_tests: bool
+    skip_vllm: bool
+    repo: Path  # the checkout whose tests/ the pytest steps run (scripts/gpu_check.sh: its root)
+
+
+def run(args: Options) -> dict[str, Any]:
     s = Settings.for_run(args.dry_run)
     if not s.dry_run and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device (torch.cuda.is_available() is False); use --dry-run on CPU")
@@ -481,7 +493,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "gpu tests",
                 start,
                 args.budget_s,
-                lambda: run_pytest("gpu", ["tests/test_gpu.py"], work, s.pytest_timeout_s),
+                lambda: run_pytest("gpu", ["tests/test_gpu.py"], work, s.pytest_timeout_s, args.repo),
             )
         if built:
             _step(results, "rounds (hf)", start, args.budget_s, lambda: run_rounds(model_dir, work, s, "hf"))
@@ -498,7 +510,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "vllm tests",
                     start,
                     args.budget_s,
-                    lambda: run_pytest("vllm", ["tests/test_engines.py"], work, s.pytest_timeout_s),
+                    lambda: run_pytest("vllm", ["tests/test_engines.py"], work, s.pytest_timeout_s, args.repo),
                 )
             if built:
                 _step(results, "rounds (vllm)", start, args.budget_s, lambda: run_rounds(model_dir, work, s, "vllm"))
@@ -511,27 +523,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dry-run", action="store_true", help="every step on CPU with a micro model (seconds)")
-    p.add_argument("--out", default="gpu-check", help="where gpu_check.json goes (default: ./gpu-check)")
-    p.add_argument("--work-dir", default=None, help="models and run dirs (default: a temp dir, removed at the end)")
-    p.add_argument("--keep-work", action="store_true", help="keep the temporary work dir")
-    p.add_argument("--budget-s", type=float, default=540.0, help="start no step after this many seconds")
-    p.add_argument("--skip-tests", action="store_true", help="no pytest steps")
-    p.add_argument("--skip-vllm", action="store_true", help="no vLLM steps even where vllm imports")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def check(opts: Options) -> int:
+    """Every step (:func:`run`), then the table; 0 when no step failed, else 1."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    results = run(args)
+    results = run(opts)
     print(format_table(results))
-    print(f"results in {Path(args.out) / 'gpu_check.json'}")
+    print(f"results in {Path(opts.out) / 'gpu_check.json'}")
     return 0 if results["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

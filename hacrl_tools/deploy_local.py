@@ -1,9 +1,10 @@
 """A process harness for a real Flower deployment on one machine: SuperLink, SuperNodes, policy workers, runs.
 
-Used by ``tests/test_deployment.py`` and by people (``python -m hacrl_fed.deploy.harness --config C.yaml``, see
-:func:`main_local`). Everything listens on 127.0.0.1 only, on free ports, except the policy workers: by default
-they listen on unix sockets in ``<workdir>/sock`` (mode 0700); see :func:`start_local` for the TCP fall-backs
-(mutual TLS with the harness's keys, or ``--insecure`` loopback). Each process
+Used by ``tests/test_deployment.py`` and by people (``hacrl-fed deploy-local --config C.yaml``,
+:mod:`hacrl_fed.cli.deploy_local`, see :func:`run_local`). Everything listens on 127.0.0.1 only, on free ports,
+except the policy workers: by default they listen on unix sockets in ``<workdir>/sock`` (mode 0700); see
+:func:`start_local` for the TCP fall-backs (mutual TLS with the harness's keys, or ``--insecure`` loopback).
+Each process
 
 * logs stdout + stderr to ``<workdir>/logs/<name>.log``;
 * gets its own ``FLWR_HOME`` (``<workdir>/homes/<name>``; the ``flwr`` CLI uses ``homes/cli`` and its
@@ -24,7 +25,6 @@ id; ``flwr list NAME --run-id ID --format json`` reports ``status`` (terminal va
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -814,43 +814,3 @@ def run_local(
     if status == "finished:completed" and summary.is_file():
         out(summary.read_text().rstrip())  # the final table, last
     return 0 if status == "finished:completed" else 1
-
-
-def main_local(argv: list[str] | None = None) -> int:
-    """``hacrl-fed deploy-local``: :func:`run_local` from the command line.
-
-    ``hacrl-fed deploy-local --config configs/smoke.yaml [--tls] [--worker-link auto|unix|tls|insecure]
-    [--workdir DIR] [--set federation.rounds=2 ...] [--app .] [--timeout-s 1800]``. Exit 0 iff the run ends
-    ``finished:completed``; 2 for ``--worker-link tls`` without ``--tls``.
-    """
-    p = argparse.ArgumentParser(prog="hacrl-fed deploy-local", description=main_local.__doc__)
-    p.add_argument("--config", required=True, help="hacrl-fed run config YAML")
-    p.add_argument("--tls", action="store_true", help="TLS + SuperNode auth with fresh keys in WORKDIR/keys")
-    p.add_argument(
-        "--worker-link",
-        choices=WORKER_LINKS,
-        default="auto",
-        help="how SuperNodes reach workers: unix sockets in WORKDIR/sock (auto, when the paths fit), "
-        "tls (mutual TLS on loopback TCP; needs --tls) or insecure (plaintext loopback TCP)",
-    )
-    p.add_argument("--workdir", default=None, help="logs, homes, keys and the run dir (default: a temp dir)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--app", default=".", help="the Flower app directory (holding pyproject.toml)")
-    p.add_argument("--timeout-s", type=float, default=1800.0)
-    args = p.parse_args(argv)
-    if args.worker_link == "tls" and not args.tls:
-        p.exit(2, f"{p.prog}: --worker-link tls needs --tls (the worker certificates come with the keys)\n")
-    return run_local(
-        args.config,
-        workdir=args.workdir,
-        tls=args.tls,
-        worker_link=args.worker_link,
-        overrides=args.overrides,
-        app=args.app,
-        timeout_s=args.timeout_s,
-        out=lambda text: print(text, flush=True),
-    )
-
-
-if __name__ == "__main__":
-    raise SystemExit(main_local())

@@ -1,6 +1,6 @@
-"""``hacrl-fed bench peer``: our GSPO update against TRL's ``GRPOTrainer`` on the same work, side by side.
+"""``hacrl-fed bench trl``: our GSPO update against TRL's ``GRPOTrainer`` on the same work, side by side.
 
-    hacrl-fed bench peer [--batches 6] [--repeats 3] [--model qwen-char] [--out benchmarks/peer]
+    hacrl-fed bench trl [--batches 6] [--repeats 3] [--model qwen-char] [--out benchmarks/trl]
 
 The same tiny model (zoo ``qwen-char`` by default), the same prompts (arithmetic train ids 0.., rendered with the
 model's own chat template), the same batch (16 prompts x 8 samples, 32 new tokens at temperature 1, 2 optimizer
@@ -10,7 +10,7 @@ steps of 64 sequences per batch, AdamW at a constant learning rate, grad-norm cl
 - **ours**: one :class:`~hacrl_fed.worker.policy_worker.PolicyWorker` (``algorithm.name=gspo``, signing off since
   TRL signs nothing) driven through ``generate`` (sampling, log-probs, verification) and ``train`` (the update);
 - **TRL**: ``GRPOTrainer`` with ``importance_sampling_level="sequence"`` and every relevant option set explicitly
-  (:mod:`hacrl_fed.bench.trl_runner`), in its own virtual environment that this command creates on first use
+  (:mod:`hacrl_tools.bench.trl_runner`), in its own virtual environment that this command creates on first use
   (``~/.cache/hacrl_fed/peer-trl-venv``: CPU torch pinned first, ``pip install torch==2.13.0``, so that pip never
   pulls a CUDA build; then
   ``trl``, the same ``transformers`` as ours, and ``pydantic`` for the shared answer check).
@@ -18,12 +18,11 @@ steps of 64 sequences per batch, AdamW at a constant learning rate, grad-norm cl
 Runs alternate (ours, TRL, ours, TRL, ...), each in a fresh process with the same torch thread count. Per run: the
 wall time of each batch (generation + update; the first batch is left out as warm-up), completions per second =
 completions per batch / median batch time, and the process's peak RSS. Reported: medians over the runs of each
-side, and ours / TRL. Writes ``<out>/peer.json``.
+side, and ours / TRL. Writes ``<out>/trl.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -33,12 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hacrl_fed.host import available_cpus
-
-ROOT = Path(__file__).resolve().parents[2]
+from hacrl_tools import code_path
 
 
 def default_venv() -> Path:
@@ -49,7 +48,7 @@ def default_venv() -> Path:
     return cache_root() / "peer-trl-venv"
 
 
-OUT = ROOT / "benchmarks" / "peer"
+OUT = Path("benchmarks") / "trl"  # relative to the working directory
 TORCH_PIN = "torch==2.13.0"
 TRL_PIN = "trl==1.16.0"
 STAMP = ".hacrl-peer-installed"
@@ -75,7 +74,7 @@ def ensure_venv(venv: Path, *, trl_pin: str = TRL_PIN, log=print) -> Path:
     return py
 
 
-def make_spec(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+def make_spec(args: TrlOptions, path: Path) -> dict[str, Any]:
     """The shared work: model dir, rendered prompts and references, GSPO and batch settings."""
     from transformers import AutoTokenizer
 
@@ -111,13 +110,12 @@ def make_spec(args: argparse.Namespace, path: Path) -> dict[str, Any]:
 
 
 def ours_main(argv: list[str]) -> int:
-    """``_ours --spec S --out O``: the same work through our policy worker (run in a fresh process)."""
+    """``_ours SPEC OUT``: the same work through our policy worker (run in a fresh process)."""
     t_start = time.perf_counter()
-    p = argparse.ArgumentParser()
-    p.add_argument("--spec", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    spec = json.loads(Path(args.spec).read_text())
+    if len(argv) != 2:
+        raise SystemExit("usage: python -m hacrl_tools.bench.trl _ours SPEC OUT")
+    spec_path, out_path = argv
+    spec = json.loads(Path(spec_path).read_text())
     import torch
 
     from hacrl_fed.config import load_config
@@ -188,7 +186,7 @@ def ours_main(argv: list[str]) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    Path(args.out).write_text(
+    Path(out_path).write_text(
         json.dumps(
             {
                 "side": "ours",
@@ -242,37 +240,35 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def main_peer(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hacrl-fed bench peer", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen-char", help="zoo agent name or a model dir (default qwen-char)")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per batch (B)")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt (G)")
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps per batch")
-    p.add_argument("--batches", type=int, default=6, help="batches per run (the first is warm-up)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per side, alternating")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: all cores)")
-    p.add_argument(
-        "--venv",
-        type=Path,
-        default=None,
-        help="the TRL venv (default ~/.cache/hacrl_fed/peer-trl-venv; created when missing)",
-    )
-    p.add_argument("--trl", default=TRL_PIN, help=f"TRL requirement (default {TRL_PIN})")
-    p.add_argument("--sides", nargs="+", choices=("ours", "trl"), default=["ours", "trl"])
-    p.add_argument("--out", type=Path, default=OUT)
-    args = p.parse_args(argv)
+@dataclass
+class TrlOptions:
+    """What ``hacrl-fed bench trl`` was asked (:mod:`hacrl_fed.cli.bench` parses and checks it; defaults there)."""
+
+    model: str
+    prompts: int
+    samples: int
+    steps: int
+    batches: int
+    repeats: int
+    max_new_tokens: int
+    lr: float
+    seed: int
+    threads: int | None
+    venv: Path | None
+    trl: str
+    sides: list[str]
+    out: Path
+
+
+def run_trl(args: TrlOptions) -> int:
+    """Both sides on the same work, alternating, ``repeats`` runs each; ``<out>/trl.json`` and a table."""
     if args.threads is None:
         args.threads = available_cpus()
-    if (args.prompts * args.samples) % args.steps:
-        p.error("--prompts x --samples must divide into --steps optimizer steps")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="hacrl-peer-"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH")) if x)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (code_path(), env.get("PYTHONPATH")) if x)
     try:
         trl_py = ensure_venv(args.venv or default_venv(), trl_pin=args.trl, log=log) if "trl" in args.sides else None
         spec_path = work / "spec.json"
@@ -285,24 +281,20 @@ def main_peer(argv: list[str] | None = None) -> int:
                     cmd = [
                         sys.executable,
                         "-m",
-                        "hacrl_fed.bench.peer",
+                        "hacrl_tools.bench.trl",
                         "_ours",
-                        "--spec",
                         str(spec_path),
-                        "--out",
                         str(out),
                     ]
                 else:
                     cmd = [
                         str(trl_py),
-                        str(ROOT / "hacrl_fed" / "bench" / "trl_runner.py"),
-                        "--spec",
+                        str(Path(__file__).with_name("trl_runner.py")),
                         str(spec_path),
-                        "--out",
                         str(out),
                     ]
-                log(f"  peer: run {rep + 1}/{args.repeats}, {side} ...")
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
+                log(f"  trl: run {rep + 1}/{args.repeats}, {side} ...")
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
                 if proc.returncode != 0:
                     raise RuntimeError(f"{side} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
                 run = json.loads(out.read_text())
@@ -312,7 +304,7 @@ def main_peer(argv: list[str] | None = None) -> int:
                 log(f"    {s['completions_per_s']:.1f} completions/s, peak RSS {s['peak_rss_mb']:.0f} MiB")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    from hacrl_fed.bench.learning import _git_version, machine_info
+    from hacrl_tools.bench.learning import _git_version, machine_info
 
     result: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -322,9 +314,9 @@ def main_peer(argv: list[str] | None = None) -> int:
         "runs": runs,
         "summary": compare(runs),
     }
-    (args.out / "peer.json").write_text(json.dumps(result, indent=1))
+    (args.out / "trl.json").write_text(json.dumps(result, indent=1))
     print(format_summary(result["summary"]))
-    print(f"peer.json: {args.out / 'peer.json'}")
+    print(f"trl.json: {args.out / 'trl.json'}")
     return 0
 
 
@@ -355,7 +347,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the "ours" side's child process of run_trl (not a command)
     if len(sys.argv) > 1 and sys.argv[1] == "_ours":
         raise SystemExit(ours_main(sys.argv[2:]))
-    raise SystemExit(main_peer(sys.argv[1:]))
+    raise SystemExit("usage: hacrl-fed bench trl (this module's own entry is the _ours child process)")

@@ -18,7 +18,6 @@ from another recipe. Estimated build times on one core: ``qwen-char-b`` ~10 min,
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 
@@ -38,8 +37,7 @@ from hacrl_fed.models.sft import SFTRecipe
 
 log = logging.getLogger("hacrl_fed.bench.agents")
 
-ROOT = Path(__file__).resolve().parents[2]
-AGENTS_DIR = ROOT / "benchmarks" / "agents"
+AGENTS_DIR = Path("benchmarks") / "agents"  # relative to the working directory (the repository root)
 
 _QWEN = dict(QWEN_ARCH)  # qwen-char's architecture (0.70 M params with the char vocabulary)
 _QWEN_SMALL = dict(
@@ -129,35 +127,29 @@ def ensure_agent(path: str | Path, *, allow_build: bool = True) -> Path:
     return build(name, path)
 
 
-def main_agents(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="hacrl-fed bench agents", description="Build or list the benchmark's extra agents."
-    )
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="recipes, hashes, and whether each is built")
-    b = sub.add_parser("build", help="build agents (SFT warm start) into benchmarks/agents/")
-    b.add_argument("names", nargs="+", help=f"names or 'all' ({', '.join(BENCH_AGENTS)})")
-    b.add_argument("--out", type=Path, help="write DIR/<name> instead of benchmarks/agents/<name>")
-    args = p.parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    if args.cmd == "list":
-        for name, entry in BENCH_AGENTS.items():
-            where = AGENTS_DIR / name
-            rec = read_recipe(where) or {}
-            state = (
-                f"built (accuracy {rec['accuracy']:.3f}, {rec['num_params']} params)"
-                if is_built(where, name)
-                else "not built"
-            )
-            print(f"{name:18s} {entry.arch:6s} {entry.tokenizer:5s} {entry.recipe_hash()} {state}")
-        return 0
-    names = [n for n in BENCH_AGENTS if not n.startswith("micro-")] if args.names == ["all"] else args.names
+def list_agents() -> int:
+    """``hacrl-fed bench agents list``: each recipe, its hash, and whether it is built under ``AGENTS_DIR``."""
+    for name, entry in BENCH_AGENTS.items():
+        where = AGENTS_DIR / name
+        rec = read_recipe(where) or {}
+        state = (
+            f"built (accuracy {rec['accuracy']:.3f}, {rec['num_params']} params)"
+            if is_built(where, name)
+            else "not built"
+        )
+        print(f"{name:18s} {entry.arch:6s} {entry.tokenizer:5s} {entry.recipe_hash()} {state}")
+    return 0
+
+
+def build_agents(names: list[str], out: Path | None = None) -> int:
+    """``hacrl-fed bench agents build NAME... | all``: build each (``all``: every non-micro recipe) into
+    ``out/<name>`` or ``AGENTS_DIR/<name>``. Raises ``KeyError`` for an unknown name, before building any."""
+    names = [n for n in BENCH_AGENTS if not n.startswith("micro-")] if names == ["all"] else names
     unknown = [n for n in names if n not in BENCH_AGENTS]
     if unknown:
-        p.error(f"unknown agents {unknown}; known: {sorted(BENCH_AGENTS)}")
+        raise KeyError(f"unknown agents {unknown}; known: {sorted(BENCH_AGENTS)}")
     for name in names:
-        path = build(name, args.out / name if args.out else None)
+        path = build(name, out / name if out else None)
         rec = built_recipe(path)
         print(
             f"{name}: params={rec['num_params']} accuracy={rec['accuracy']:.3f} build={rec['build_seconds']:.0f}s "

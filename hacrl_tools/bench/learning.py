@@ -14,15 +14,12 @@ phase, the algorithm's ratio and clip statistics over the rounds, the foreign ro
 the rule and by the budget per source summed over the rounds (``selection``); for the cell its resolved config, its
 hash, the code version and the machine). A rerun skips every cell whose JSON holds the same config hash, so the
 matrix can run in pieces, in any order, across sessions; a cell whose config changed is rerun and its JSON replaced.
-At the end the report (:mod:`hacrl_fed.bench.report`) is rewritten from every JSON found.
+At the end the report (:mod:`hacrl_tools.bench.report`) is rewritten from every JSON found.
 """
 
 from __future__ import annotations
 
-import argparse
-import fnmatch
 import gc
-import json
 import logging
 import math
 import os
@@ -33,274 +30,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hacrl_fed.host import available_cpus
+from hacrl_tools.bench.matrix import QUICK_RESULTS, RESULTS, Cell, MatrixError, cell_status, load_matrix, plan_cells
+from hacrl_tools.bench.report import write_report
 
 log = logging.getLogger("hacrl_fed.bench.learning")
 
-ROOT = Path(__file__).resolve().parents[2]
-MATRIX = ROOT / "configs" / "bench" / "matrix.yaml"
-RESULTS = ROOT / "benchmarks" / "results"
-QUICK_RESULTS = ROOT / "benchmarks" / "results-quick"
 SCHEMA = 1
 # A cell's run dir lives outside the checkout (a temp dir, removed after the cell): `flwr run .` packages the
 # repository and refuses deep directory trees such as a run's checkpoints.
 ALGOS = ("hacpo", "gspo", "grpo", "naive")
-
-
-# ------------------------------------------------------------------------------------------------ the matrix
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str
-    set: dict[str, Any] = field(default_factory=dict)
-    scale: dict[str, float] = field(default_factory=dict)
-    same_as: str | None = None
-    about: str = ""
-
-
-@dataclass
-class Matrix:
-    path: Path
-    settings: dict[str, dict[str, Any]]  # name -> {"config": Path, "about": str}
-    methods: dict[str, Method]
-    groups: dict[str, dict[str, list[str]]]  # name -> {"settings": [...], "methods": [...]}
-    seeds: list[int]
-    quick: dict[str, Any]
-
-    def setting_config(self, setting: str) -> Path:
-        return self.settings[setting]["config"]
-
-
-class MatrixError(ValueError):
-    """A malformed matrix file (the message names the entry)."""
-
-
-def load_matrix(path: str | Path = MATRIX) -> Matrix:
-    """Parse and check a matrix YAML (see ``configs/bench/matrix.yaml``); config paths are relative to it."""
-    path = Path(path)
-    data = yaml.safe_load(path.read_text()) or {}
-    settings = {}
-    for name, s in (data.get("settings") or {}).items():
-        if not isinstance(s, dict) or "config" not in s:
-            raise MatrixError(f"{path}: settings.{name} needs a 'config'")
-        cfg = Path(s["config"])
-        settings[name] = {"config": cfg if cfg.is_absolute() else path.parent / cfg, "about": s.get("about", "")}
-    methods = {}
-    for name, m in (data.get("methods") or {}).items():
-        m = m or {}
-        unknown = set(m) - {"set", "scale", "same_as", "about"}
-        if unknown:
-            raise MatrixError(f"{path}: methods.{name}: unknown keys {sorted(unknown)}")
-        methods[name] = Method(
-            name, dict(m.get("set") or {}), dict(m.get("scale") or {}), m.get("same_as"), m.get("about", "")
-        )
-    for m in methods.values():
-        if m.same_as is not None and m.same_as not in methods:
-            raise MatrixError(f"{path}: methods.{m.name}.same_as={m.same_as!r} is not a method")
-    groups = {}
-    for name, g in (data.get("groups") or {}).items():
-        g = {"settings": list(g.get("settings") or []), "methods": list(g.get("methods") or [])}
-        for s in g["settings"]:
-            if s not in settings:
-                raise MatrixError(f"{path}: groups.{name}: unknown setting {s!r}")
-        for m in g["methods"]:
-            if m not in methods:
-                raise MatrixError(f"{path}: groups.{name}: unknown method {m!r}")
-        groups[name] = g
-    seeds = [int(s) for s in data.get("seeds") or [0, 1, 2]]
-    return Matrix(path, settings, methods, groups, seeds, dict(data.get("quick") or {}))
-
-
-# ------------------------------------------------------------------------------------------------ cells
-
-
-@dataclass
-class Cell:
-    setting: str
-    method: str
-    seed: int
-    group: str
-    overrides: dict[str, Any] = field(default_factory=dict)
-    config: Any = None  # RunConfig, None when skipped
-    config_dict: dict[str, Any] | None = None  # the setting's YAML with bench agent paths made absolute
-    agents: list[Path] = field(default_factory=list)  # bench agent dirs this cell needs built
-    skip: str | None = None  # why it does not run
-    same_as: str | None = None
-    hash: str | None = None
-
-    @property
-    def key(self) -> str:
-        return f"{self.setting}/{self.method}/seed{self.seed}"
-
-    def path(self, results: Path) -> Path:
-        return Path(results) / self.setting / self.method / f"seed{self.seed}.json"
-
-
-def field_exists(dotted: str) -> bool:
-    """Whether ``dotted`` (``algorithm.alpha``) names a field of the run config (``seed``, ``orgs`` included)."""
-    from pydantic import BaseModel
-
-    from hacrl_fed.config import RunConfig
-
-    model: Any = RunConfig
-    parts = dotted.split(".")
-    for i, part in enumerate(parts):
-        fields = getattr(model, "model_fields", None)
-        if fields is None or part not in fields:
-            # a dict-valued field (task.params, vllm_kwargs) takes any key below it
-            return model is dict
-        ann = fields[part].annotation
-        if i == len(parts) - 1:
-            return True
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        elif getattr(ann, "__origin__", None) is dict or ann is dict:
-            model = dict
-        else:
-            return False
-    return True
-
-
-def _get_dotted(data: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        data = getattr(data, part)
-    return data
-
-
-def _resolve_model_paths(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Path]]:
-    """The setting's YAML with every relative ``model.path`` made absolute (relative to the repository root), and
-    the bench agent dirs among them (built on demand by :func:`hacrl_fed.bench.agents.ensure_agent`)."""
-    from hacrl_fed.bench.agents import agent_name
-
-    raw = json.loads(json.dumps(raw))
-    agents = []
-    for org in raw.get("orgs") or []:
-        model = org.get("model") or {}
-        if model.get("path"):
-            p = Path(model["path"]).expanduser()
-            p = p if p.is_absolute() else ROOT / p
-            if agent_name(p) is not None:
-                agents.append(p)
-            if p.exists() or agent_name(p) is not None:
-                model["path"] = str(p)
-    return raw, agents
-
-
-def build_cell(
-    matrix: Matrix,
-    setting: str,
-    method: str,
-    seed: int,
-    group: str,
-    *,
-    rounds: int | None = None,
-    extra: dict[str, Any] | None = None,
-) -> Cell:
-    """One cell: its overrides, its config (or why it is skipped), its hash."""
-    from hacrl_fed.config import ConfigError, config_hash, load_config
-
-    cell = Cell(setting, method, seed, group)
-    m = matrix.methods[method]
-    if m.same_as is not None:
-        cell.same_as = m.same_as
-        cell.skip = f"same config as {m.same_as} (reported from its cells)"
-        return cell
-    raw = yaml.safe_load(matrix.setting_config(setting).read_text()) or {}
-    raw, cell.agents = _resolve_model_paths(raw)
-    cell.config_dict = raw
-    overrides: dict[str, Any] = dict(m.set)
-    missing = [k for k in overrides if not field_exists(k)]
-    if missing:
-        cell.overrides = overrides
-        cell.skip = "needs knob " + ", ".join(missing) + " (not a config field yet)"
-        return cell
-    overrides.update(extra or {})
-    if rounds is not None:
-        overrides["federation.rounds"] = int(rounds)
-    overrides["seed"] = int(seed)
-    overrides["name"] = f"bench-{setting}-{method}"
-    try:
-        base = load_config(raw, {k: v for k, v in overrides.items() if k not in m.scale})
-        for key, factor in m.scale.items():
-            value = _get_dotted(base, key) * factor
-            overrides[key] = int(round(value)) if isinstance(_get_dotted(base, key), int) else value
-        cell.config = load_config(raw, overrides)
-    except ConfigError as err:
-        cell.overrides = overrides
-        cell.skip = f"config refused: {err}"
-        return cell
-    except AttributeError as err:
-        cell.skip = f"bad scale field: {err}"
-        return cell
-    cell.overrides = overrides
-    cell.hash = config_hash(cell.config, exclude=("run_dir", "name"), relative_to=ROOT, digits=12)
-    return cell
-
-
-def _match(patterns: list[str], setting: str, method: str, group: str) -> bool:
-    if not patterns:
-        return True
-    for pat in patterns:
-        if "/" in pat:
-            s_pat, _, m_pat = pat.partition("/")
-            if fnmatch.fnmatchcase(setting, s_pat or "*") and fnmatch.fnmatchcase(method, m_pat or "*"):
-                return True
-        elif fnmatch.fnmatchcase(setting, pat) or fnmatch.fnmatchcase(group, pat):
-            return True
-    return False
-
-
-def plan_cells(
-    matrix: Matrix,
-    *,
-    only: Iterable[str] = (),
-    seeds: Iterable[int] | None = None,
-    rounds: int | None = None,
-    extra: dict[str, Any] | None = None,
-    quick: bool = False,
-) -> list[Cell]:
-    """Every cell of the matrix (or of ``matrix.quick``) selected by ``only`` (``SETTING``, ``GROUP``,
-    ``SETTING/METHOD``, shell patterns allowed), in group, setting, method, seed order, without duplicates."""
-    only = list(only)
-    q = matrix.quick if quick else {}
-    extra = {**(q.get("set") or {}), **(extra or {})}
-    seed_list = list(seeds) if seeds is not None else list(q.get("seeds") or matrix.seeds)
-    cells, seen = [], set()
-    for group, g in matrix.groups.items():
-        for setting in g["settings"]:
-            if quick and setting not in (q.get("settings") or []):
-                continue
-            for method in g["methods"]:
-                if quick and method not in (q.get("methods") or []):
-                    continue
-                if not _match(only, setting, method, group) or (setting, method) in seen:
-                    continue
-                seen.add((setting, method))
-                for seed in seed_list:
-                    cells.append(build_cell(matrix, setting, method, seed, group, rounds=rounds, extra=extra))
-    return cells
-
-
-def cell_status(cell: Cell, results: Path) -> str:
-    """``skip`` | ``done`` (a JSON with this config hash exists) | ``stale`` (another config) | ``todo``."""
-    if cell.skip is not None:
-        return "skip"
-    path = cell.path(results)
-    if not path.is_file():
-        return "todo"
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return "stale"
-    return "done" if old.get("config_hash") == cell.hash else "stale"
 
 
 # ------------------------------------------------------------------------------------------------ one cell
@@ -308,7 +51,7 @@ def cell_status(cell: Cell, results: Path) -> str:
 
 def _git_version() -> dict[str, Any]:
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=20).stdout.strip()
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=20).stdout.strip()
 
     try:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "hacrl_fed"))}
@@ -465,12 +208,12 @@ def _quiet() -> None:
 def run_cell(cell: Cell, results: Path, *, keep_runs: Path | None = None, allow_build: bool = True) -> dict[str, Any]:
     """Run ``cell`` in-process and write its JSON (atomically); returns the JSON's content. The run dir is a temp
     dir removed afterwards, or ``<keep_runs>/<setting>/<method>/seed<k>`` kept."""
-    from hacrl_fed.bench.agents import ensure_agent
     from hacrl_fed.coordinator.inprocess import InProcessTransport
     from hacrl_fed.coordinator.loop import Coordinator
     from hacrl_fed.fsio import write_json_atomic
     from hacrl_fed.metrics import RunLogger, read_metrics
     from hacrl_fed.worker import build_worker
+    from hacrl_tools.bench.agents import ensure_agent
 
     if cell.skip is not None or cell.config is None:
         raise ValueError(f"{cell.key} does not run: {cell.skip}")
@@ -559,69 +302,41 @@ def describe(result: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------ command
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hacrl-fed bench learning",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--matrix", type=Path, default=MATRIX, help="matrix YAML (default configs/bench/matrix.yaml)")
-    p.add_argument(
-        "--results",
-        type=Path,
-        default=None,
-        help="results dir (default benchmarks/results, with --quick benchmarks/results-quick)",
-    )
-    p.add_argument(
-        "--only",
-        action="append",
-        default=[],
-        metavar="SETTING[/METHOD]",
-        help="run only these cells: a setting, a group, or setting/method (shell patterns; repeatable)",
-    )
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the matrix's seeds")
-    p.add_argument("--rounds", type=int, default=None, help="override federation.rounds of every cell")
-    p.add_argument("--quick", action="store_true", help="the matrix's reduced 'quick' selection")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field in every cell (part of the cell's config hash)",
-    )
-    p.add_argument("--list", action="store_true", help="print the plan (done / to run / skipped) and exit")
-    p.add_argument("--no-build", action="store_true", help="skip cells whose bench agents are not built yet")
-    p.add_argument("--no-report", action="store_true", help="do not rewrite the report at the end")
-    p.add_argument(
-        "--keep-runs",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="keep each cell's run dir (metrics.jsonl, checkpoints) as DIR/<setting>/<method>/seed<k>; keep DIR "
-        "outside the repository (flwr run packages it)",
-    )
-    p.add_argument("--max-cells", type=int, default=None, help="stop after running this many cells")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, i.e. all cores)")
-    return p
+@dataclass(frozen=True)
+class LearningOptions:
+    """What ``hacrl-fed bench learning`` was asked (:mod:`hacrl_fed.cli.bench` parses it; defaults there)."""
+
+    matrix: Path
+    results: Path | None  # None: RESULTS, or QUICK_RESULTS with quick
+    only: list[str]
+    seeds: list[int] | None
+    rounds: int | None
+    quick: bool
+    overrides: list[str]  # KEY=VALUE, applied to every cell (part of its config hash)
+    list_only: bool
+    no_build: bool
+    no_report: bool
+    keep_runs: Path | None
+    max_cells: int | None
+    threads: int | None
 
 
-def main_learning(argv: list[str] | None = None) -> int:
+def run_matrix(opts: LearningOptions) -> int:
+    """Run every cell of the plan that is not done yet (one JSON each), then rewrite the report; the exit code
+    (2: a bad matrix or override, or no cell matches; 1: some cell failed)."""
     from hacrl_fed.config import ConfigError, parse_overrides
 
-    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet()
-    if args.threads:
+    if opts.threads:
         import torch
 
-        torch.set_num_threads(args.threads)
-    results = args.results or (QUICK_RESULTS if args.quick else RESULTS)
+        torch.set_num_threads(opts.threads)
+    results = opts.results or (QUICK_RESULTS if opts.quick else RESULTS)
     try:
-        matrix = load_matrix(args.matrix)
-        extra = parse_overrides([kv for group in args.overrides for kv in group])
-        cells = plan_cells(matrix, only=args.only, seeds=args.seeds, rounds=args.rounds, extra=extra, quick=args.quick)
+        matrix = load_matrix(opts.matrix)
+        extra = parse_overrides(list(opts.overrides))
+        cells = plan_cells(matrix, only=opts.only, seeds=opts.seeds, rounds=opts.rounds, extra=extra, quick=opts.quick)
     except (MatrixError, ConfigError, OSError) as err:
         print(f"hacrl-fed bench learning: error: {err}", file=sys.stderr)
         return 2
@@ -637,17 +352,17 @@ def main_learning(argv: list[str] | None = None) -> int:
     for c in cells:
         if status[c.key] == "skip":
             print(f"  skip {c.key}: {c.skip}")
-        elif args.list:
+        elif opts.list_only:
             print(f"  {status[c.key]:5s} {c.key}  (config {c.hash})")
-    if args.list:
+    if opts.list_only:
         return 0
     failed: list[str] = []
     ran, times = 0, list[float]()
     for c in todo:
-        if args.max_cells is not None and ran >= args.max_cells:
+        if opts.max_cells is not None and ran >= opts.max_cells:
             print(f"stopping after {ran} cells (--max-cells)")
             break
-        if args.no_build and any(not _built(a) for a in c.agents):
+        if opts.no_build and any(not _built(a) for a in c.agents):
             print(
                 f"  skip {c.key}: needs bench agents {[a.name for a in c.agents if not _built(a)]} "
                 "(hacrl-fed bench agents build ...)"
@@ -662,7 +377,7 @@ def main_learning(argv: list[str] | None = None) -> int:
             flush=True,
         )
         try:
-            result = run_cell(c, results, keep_runs=args.keep_runs, allow_build=not args.no_build)
+            result = run_cell(c, results, keep_runs=opts.keep_runs, allow_build=not opts.no_build)
         except KeyboardInterrupt:
             print("interrupted: finished cells are kept; rerun the same command to continue", file=sys.stderr)
             return 1
@@ -673,9 +388,7 @@ def main_learning(argv: list[str] | None = None) -> int:
         ran += 1
         times.append(result["wall_time_s"])
         print(f"    {describe(result)}", flush=True)
-    if not args.no_report:
-        from hacrl_fed.bench.report import write_report
-
+    if not opts.no_report:
         report = write_report(results, matrix)
         print(f"report: {report}")
     if failed:
@@ -685,7 +398,7 @@ def main_learning(argv: list[str] | None = None) -> int:
 
 
 def _built(agent: Path) -> bool:
-    from hacrl_fed.bench.agents import agent_name, is_built
+    from hacrl_tools.bench.agents import agent_name, is_built
 
     name = agent_name(agent)
     return name is not None and is_built(agent, name)

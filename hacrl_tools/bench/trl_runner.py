@@ -1,11 +1,11 @@
-"""The TRL side of ``hacrl-fed bench peer``: GSPO with TRL's ``GRPOTrainer`` on the work described by a spec file.
+"""The TRL side of ``hacrl-fed bench trl``: GSPO with TRL's ``GRPOTrainer`` on the work described by a spec file.
 
-Runs inside the peer's own virtual environment (CPU torch, TRL, transformers, pydantic), not hacrl-fed's: only
-:mod:`hacrl_fed.tasks` is imported from this checkout, for the same answer check as our verifier.
+Runs inside its own virtual environment (CPU torch, TRL, transformers, pydantic), not hacrl-fed's: only
+:mod:`hacrl_fed.tasks` is imported (from this checkout, on PYTHONPATH), for the same answer check as our verifier.
 
-    <venv>/bin/python hacrl_fed/bench/trl_runner.py --spec SPEC.json --out OUT.json
+    <venv>/bin/python hacrl_tools/bench/trl_runner.py SPEC.json OUT.json
 
-The spec (written by :mod:`hacrl_fed.bench.peer`) holds the model directory, the rendered prompt texts (our chat
+The spec (written by :mod:`hacrl_tools.bench.trl`) holds the model directory, the rendered prompt texts (our chat
 template, so both sides condition on the same text) with their references, and the GSPO settings. Every option
 that matters is set explicitly below, since TRL's defaults are not GSPO's (its default loss is ``dapo``, epsilon
 0.2, token-level importance sampling, a linearly decaying learning rate).
@@ -13,7 +13,6 @@ that matters is set explicitly below, since TRL's defaults are not GSPO's (its d
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import sys
@@ -22,15 +21,14 @@ import time
 from pathlib import Path
 
 T_START = time.perf_counter()
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--spec", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    spec = json.loads(Path(args.spec).read_text())
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        raise SystemExit("usage: trl_runner.py SPEC OUT")
+    spec_path, out_path = argv
+    spec = json.loads(Path(spec_path).read_text())
 
     import torch
     import transformers
@@ -39,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    sys.path.insert(0, str(ROOT))
-    from hacrl_fed.tasks.arithmetic import extract_integer
+    from hacrl_fed.tasks.arithmetic import extract_integer  # on PYTHONPATH: set by hacrl_tools.bench.trl
 
     torch.set_num_threads(int(spec["threads"]))
     torch.manual_seed(int(spec["seed"]))
@@ -152,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     phases = {"generate": gen_s, "update": [b - g for b, g in zip(batch_s, gen_s)]}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     rewards = [float(h["reward"]) for h in trainer.state.log_history if "reward" in h]
-    Path(args.out).write_text(
+    Path(out_path).write_text(
         json.dumps(
             {
                 "side": "trl",

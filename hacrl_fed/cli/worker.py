@@ -1,0 +1,177 @@
+"""``hacrl-fed worker --config RUN.yaml [--org ID] --listen ADDRESS [LINK FLAGS] [--set K=V ...] [--run-dir DIR]
+[--resume]``: build one org's worker (:func:`hacrl_fed.worker.build_worker`) and serve it over gRPC
+(:func:`hacrl_fed.wire.grpc_server.serve_worker`) until SIGTERM / SIGINT; the link rules are those of
+:mod:`hacrl_fed.wire.grpc_server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from hacrl_fed.cli.common import USAGE, add_set_flag, parser, run_command
+from hacrl_fed.wire.grpc_server import ListenError, WorkerTLS, check_listen, describe_worker, serve_worker
+
+log = logging.getLogger("hacrl_fed.wire.grpc_server")
+PROG = "hacrl-fed worker"
+
+
+def add_link_args(p: argparse.ArgumentParser) -> None:
+    """The ``--listen`` / TLS / ``--insecure`` flags of ``hacrl-fed worker`` (also used by test stand-ins)."""
+    p.add_argument(
+        "--listen",
+        required=True,
+        metavar="ADDRESS",
+        help="unix:/PATH (recommended), or HOST:PORT (port 0 = any free) with --tls-* or --insecure",
+    )
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="this worker's TLS certificate (TCP listen)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA certificate that signs the allowed clients")
+    p.add_argument(
+        "--tls-client-name",
+        dest="tls_client_names",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="accept only client certificates with this common name (repeatable; e.g. acme-client)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext TCP; allowed only on a loopback host (127.0.0.0/8, ::1, localhost); every call must carry "
+        "the link secret (--secret-file)",
+    )
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="FILE",
+        help="the link secret (mode 0600) every call must carry; read when it exists, else created; with "
+        "--insecure and no --secret-file a fresh one is created and its path printed",
+    )
+
+
+def link_settings(args: argparse.Namespace) -> tuple[WorkerTLS | None, bool]:
+    """``(tls, insecure)`` from :func:`add_link_args` flags, checked against ``args.listen`` (ListenError)."""
+    given = {"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--tls-ca": args.tls_ca}
+    missing = [flag for flag, value in given.items() if not value]
+    if len(missing) not in (0, 3):
+        raise ListenError(f"--tls-cert, --tls-key and --tls-ca go together: missing {', '.join(missing)}")
+    if missing and args.tls_client_names:
+        raise ListenError("--tls-client-name needs --tls-cert, --tls-key and --tls-ca")
+    tls = None if missing else WorkerTLS(args.tls_cert, args.tls_key, args.tls_ca, tuple(args.tls_client_names))
+    check_listen(args.listen, tls=tls, insecure=args.insecure, require_flag=True)
+    if tls is not None:
+        tls.server_credentials()  # unreadable files fail now, before a model is loaded
+    return tls, args.insecure
+
+
+def link_secret(args: argparse.Namespace, org: str) -> str | None:
+    """The link secret from :func:`add_link_args` flags: ``--secret-file`` (read, or created), or for
+    ``--insecure`` a fresh one whose path is printed (``hacrl-fed worker ORG link secret in PATH``); None for a
+    unix socket or mutual TLS without ``--secret-file``. SecretError (a ValueError) for an unusable file."""
+    if args.secret_file is None and not args.insecure:
+        return None
+    from hacrl_fed.wire.link_secret import worker_secret
+
+    secret, path = worker_secret(args.secret_file)
+    print(f"hacrl-fed worker {org} link secret in {path}", flush=True)
+    return secret
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = parser("worker", "Serve one organization's policy worker.")
+    p.add_argument("--config", required=True, help="run config YAML (or a one-org config) naming this org")
+    p.add_argument("--org", default=None, help="org id in the config (optional when it lists exactly one org)")
+    add_link_args(p)
+    add_set_flag(p, "--override", help="config override, as for hacrl-fed run")
+    p.add_argument("--run-dir", default=None, help="passed to build_worker (where checkpoints go)")
+    p.add_argument("--resume", action="store_true", help="passed to build_worker: resume from the latest checkpoint")
+    p.add_argument("--max-message-mb", type=int, default=None, help="default: federation.max_message_mb")
+    p.add_argument("--grace-s", type=float, default=10.0, help="how long a stop waits for in-flight calls")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _pick_org(cfg: Any, org: str | None) -> str:
+    ids = [o.id for o in cfg.orgs]
+    if org is None:
+        if len(ids) != 1:
+            raise ValueError(f"--org is required: the config lists {len(ids)} orgs {ids}")
+        return ids[0]
+    if org not in ids:
+        raise ValueError(f"--org {org!r} is not in the config (orgs: {ids})")
+    return org
+
+
+def _close(worker: Any) -> None:
+    close = getattr(worker, "close", None)
+    if callable(close):
+        close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hacrl-fed worker``: build this org's worker, serve it, stop gracefully on SIGTERM / SIGINT.
+
+    Prints ``hacrl-fed worker <org> listening on <address>`` (flushed) once it accepts calls. Exits 2, with one
+    line on stderr, for a bad config or org, or a listen address / TLS setting the link rules refuse.
+    """
+    p = build_parser()
+    args = p.parse_args(argv)
+    from hacrl_fed.lifecycle import setup_logging
+
+    setup_logging(args.log_level)
+    return run_command(PROG, lambda: serve(args, p))
+
+
+def serve(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    """The command's work: check the link and config, build the worker, serve until stopped."""
+    from hacrl_fed.config import ConfigError, load_config
+
+    try:
+        tls, insecure = link_settings(args)
+        cfg = load_config(args.config, overrides=args.overrides)
+        org_id = _pick_org(cfg, args.org)
+    except (ConfigError, ValueError) as err:
+        p.exit(USAGE, f"{PROG}: {err}\n")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    from hacrl_fed.worker import build_worker  # heavy (torch, model); only the real entry point needs it
+
+    extra = {"run_dir": args.run_dir} if args.run_dir is not None else {}
+    if args.resume:
+        extra["resume"] = True
+    worker = build_worker(cfg, org_id, **extra)
+    log.info("hacrl-fed worker serves %s", describe_worker(worker))
+    max_mb = args.max_message_mb or cfg.federation.max_message_mb
+    from hacrl_fed.wire import codec
+    from hacrl_fed.wire.bounds import max_request_bytes
+
+    try:
+        server = serve_worker(
+            worker,
+            args.listen,
+            tls=tls,
+            insecure=insecure,
+            max_message_mb=max_mb,
+            secret=link_secret(args, org_id),
+            max_receive_bytes=max_request_bytes(cfg, org_id),
+            limits=codec.WireLimits(skip_unsigned_foreign=cfg.security.signing),
+        )
+    except (ValueError, RuntimeError) as err:
+        _close(worker)
+        p.exit(USAGE, f"{PROG}: {err}\n")
+    print(f"hacrl-fed worker {org_id} listening on {server.address}", flush=True)  # the one ready line
+    parent = os.environ.get("HACRL_FED_PARENT_PID")  # set by the launcher: stop when it is gone
+    while not stop.wait(0.5):
+        if parent and os.getppid() != int(parent):
+            log.warning("launcher (pid %s) is gone: stopping", parent)
+            break
+    log.info("stopping (grace %.1f s)", args.grace_s)
+    server.stop(args.grace_s).wait()
+    _close(worker)
+    return 0

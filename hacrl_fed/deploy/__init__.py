@@ -1,1 +1,0 @@
-"""Running hacrl-fed on a real Flower deployment: the local process harness (:mod:`hacrl_fed.deploy.harness`)."""

@@ -1,0 +1,273 @@
+"""The benchmark matrix (``configs/bench/matrix.yaml``): settings x methods x seeds, planned into cells.
+
+Shared by the matrix runner (:mod:`hacrl_tools.bench.learning`) and the report (:mod:`hacrl_tools.bench.report`),
+which both import it (neither imports the other for it). Default paths are relative to the working directory (run
+from the repository root, or pass ``--matrix`` / ``--results``); a setting's relative ``model.path`` is resolved
+against the working directory too.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# relative to the working directory (the repository root when run from a checkout)
+MATRIX = Path("configs") / "bench" / "matrix.yaml"
+RESULTS = Path("benchmarks") / "results"
+QUICK_RESULTS = Path("benchmarks") / "results-quick"
+
+
+# ------------------------------------------------------------------------------------------------ the matrix
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    set: dict[str, Any] = field(default_factory=dict)
+    scale: dict[str, float] = field(default_factory=dict)
+    same_as: str | None = None
+    about: str = ""
+
+
+@dataclass
+class Matrix:
+    path: Path
+    settings: dict[str, dict[str, Any]]  # name -> {"config": Path, "about": str}
+    methods: dict[str, Method]
+    groups: dict[str, dict[str, list[str]]]  # name -> {"settings": [...], "methods": [...]}
+    seeds: list[int]
+    quick: dict[str, Any]
+
+    def setting_config(self, setting: str) -> Path:
+        return self.settings[setting]["config"]
+
+
+class MatrixError(ValueError):
+    """A malformed matrix file (the message names the entry)."""
+
+
+def load_matrix(path: str | Path = MATRIX) -> Matrix:
+    """Parse and check a matrix YAML (see ``configs/bench/matrix.yaml``); config paths are relative to it."""
+    path = Path(path)
+    data = yaml.safe_load(path.read_text()) or {}
+    settings = {}
+    for name, s in (data.get("settings") or {}).items():
+        if not isinstance(s, dict) or "config" not in s:
+            raise MatrixError(f"{path}: settings.{name} needs a 'config'")
+        cfg = Path(s["config"])
+        settings[name] = {"config": cfg if cfg.is_absolute() else path.parent / cfg, "about": s.get("about", "")}
+    methods = {}
+    for name, m in (data.get("methods") or {}).items():
+        m = m or {}
+        unknown = set(m) - {"set", "scale", "same_as", "about"}
+        if unknown:
+            raise MatrixError(f"{path}: methods.{name}: unknown keys {sorted(unknown)}")
+        methods[name] = Method(
+            name, dict(m.get("set") or {}), dict(m.get("scale") or {}), m.get("same_as"), m.get("about", "")
+        )
+    for m in methods.values():
+        if m.same_as is not None and m.same_as not in methods:
+            raise MatrixError(f"{path}: methods.{m.name}.same_as={m.same_as!r} is not a method")
+    groups = {}
+    for name, g in (data.get("groups") or {}).items():
+        g = {"settings": list(g.get("settings") or []), "methods": list(g.get("methods") or [])}
+        for s in g["settings"]:
+            if s not in settings:
+                raise MatrixError(f"{path}: groups.{name}: unknown setting {s!r}")
+        for m in g["methods"]:
+            if m not in methods:
+                raise MatrixError(f"{path}: groups.{name}: unknown method {m!r}")
+        groups[name] = g
+    seeds = [int(s) for s in data.get("seeds") or [0, 1, 2]]
+    return Matrix(path, settings, methods, groups, seeds, dict(data.get("quick") or {}))
+
+
+# ------------------------------------------------------------------------------------------------ cells
+
+
+@dataclass
+class Cell:
+    setting: str
+    method: str
+    seed: int
+    group: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    config: Any = None  # RunConfig, None when skipped
+    config_dict: dict[str, Any] | None = None  # the setting's YAML with bench agent paths made absolute
+    agents: list[Path] = field(default_factory=list)  # bench agent dirs this cell needs built
+    skip: str | None = None  # why it does not run
+    same_as: str | None = None
+    hash: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.setting}/{self.method}/seed{self.seed}"
+
+    def path(self, results: Path) -> Path:
+        return Path(results) / self.setting / self.method / f"seed{self.seed}.json"
+
+
+def field_exists(dotted: str) -> bool:
+    """Whether ``dotted`` (``algorithm.alpha``) names a field of the run config (``seed``, ``orgs`` included)."""
+    from pydantic import BaseModel
+
+    from hacrl_fed.config import RunConfig
+
+    model: Any = RunConfig
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            # a dict-valued field (task.params, vllm_kwargs) takes any key below it
+            return model is dict
+        ann = fields[part].annotation
+        if i == len(parts) - 1:
+            return True
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        elif getattr(ann, "__origin__", None) is dict or ann is dict:
+            model = dict
+        else:
+            return False
+    return True
+
+
+def _get_dotted(data: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = getattr(data, part)
+    return data
+
+
+def _resolve_model_paths(raw: dict[str, Any]) -> tuple[dict[str, Any], list[Path]]:
+    """The setting's YAML with every relative ``model.path`` made absolute (relative to the working directory: the
+    repository root), and the bench agent dirs among them (built on demand by
+    :func:`hacrl_tools.bench.agents.ensure_agent`)."""
+    from hacrl_tools.bench.agents import agent_name
+
+    raw = json.loads(json.dumps(raw))
+    agents = []
+    for org in raw.get("orgs") or []:
+        model = org.get("model") or {}
+        if model.get("path"):
+            p = Path(model["path"]).expanduser()
+            p = p if p.is_absolute() else Path.cwd() / p
+            if agent_name(p) is not None:
+                agents.append(p)
+            if p.exists() or agent_name(p) is not None:
+                model["path"] = str(p)
+    return raw, agents
+
+
+def build_cell(
+    matrix: Matrix,
+    setting: str,
+    method: str,
+    seed: int,
+    group: str,
+    *,
+    rounds: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Cell:
+    """One cell: its overrides, its config (or why it is skipped), its hash."""
+    from hacrl_fed.config import ConfigError, config_hash, load_config
+
+    cell = Cell(setting, method, seed, group)
+    m = matrix.methods[method]
+    if m.same_as is not None:
+        cell.same_as = m.same_as
+        cell.skip = f"same config as {m.same_as} (reported from its cells)"
+        return cell
+    raw = yaml.safe_load(matrix.setting_config(setting).read_text()) or {}
+    raw, cell.agents = _resolve_model_paths(raw)
+    cell.config_dict = raw
+    overrides: dict[str, Any] = dict(m.set)
+    missing = [k for k in overrides if not field_exists(k)]
+    if missing:
+        cell.overrides = overrides
+        cell.skip = "needs knob " + ", ".join(missing) + " (not a config field yet)"
+        return cell
+    overrides.update(extra or {})
+    if rounds is not None:
+        overrides["federation.rounds"] = int(rounds)
+    overrides["seed"] = int(seed)
+    overrides["name"] = f"bench-{setting}-{method}"
+    try:
+        base = load_config(raw, {k: v for k, v in overrides.items() if k not in m.scale})
+        for key, factor in m.scale.items():
+            value = _get_dotted(base, key) * factor
+            overrides[key] = int(round(value)) if isinstance(_get_dotted(base, key), int) else value
+        cell.config = load_config(raw, overrides)
+    except ConfigError as err:
+        cell.overrides = overrides
+        cell.skip = f"config refused: {err}"
+        return cell
+    except AttributeError as err:
+        cell.skip = f"bad scale field: {err}"
+        return cell
+    cell.overrides = overrides
+    cell.hash = config_hash(cell.config, exclude=("run_dir", "name"), relative_to=Path.cwd(), digits=12)
+    return cell
+
+
+def _match(patterns: list[str], setting: str, method: str, group: str) -> bool:
+    if not patterns:
+        return True
+    for pat in patterns:
+        if "/" in pat:
+            s_pat, _, m_pat = pat.partition("/")
+            if fnmatch.fnmatchcase(setting, s_pat or "*") and fnmatch.fnmatchcase(method, m_pat or "*"):
+                return True
+        elif fnmatch.fnmatchcase(setting, pat) or fnmatch.fnmatchcase(group, pat):
+            return True
+    return False
+
+
+def plan_cells(
+    matrix: Matrix,
+    *,
+    only: Iterable[str] = (),
+    seeds: Iterable[int] | None = None,
+    rounds: int | None = None,
+    extra: dict[str, Any] | None = None,
+    quick: bool = False,
+) -> list[Cell]:
+    """Every cell of the matrix (or of ``matrix.quick``) selected by ``only`` (``SETTING``, ``GROUP``,
+    ``SETTING/METHOD``, shell patterns allowed), in group, setting, method, seed order, without duplicates."""
+    only = list(only)
+    q = matrix.quick if quick else {}
+    extra = {**(q.get("set") or {}), **(extra or {})}
+    seed_list = list(seeds) if seeds is not None else list(q.get("seeds") or matrix.seeds)
+    cells, seen = [], set()
+    for group, g in matrix.groups.items():
+        for setting in g["settings"]:
+            if quick and setting not in (q.get("settings") or []):
+                continue
+            for method in g["methods"]:
+                if quick and method not in (q.get("methods") or []):
+                    continue
+                if not _match(only, setting, method, group) or (setting, method) in seen:
+                    continue
+                seen.add((setting, method))
+                for seed in seed_list:
+                    cells.append(build_cell(matrix, setting, method, seed, group, rounds=rounds, extra=extra))
+    return cells
+
+
+def cell_status(cell: Cell, results: Path) -> str:
+    """``skip`` | ``done`` (a JSON with this config hash exists) | ``stale`` (another config) | ``todo``."""
+    if cell.skip is not None:
+        return "skip"
+    path = cell.path(results)
+    if not path.is_file():
+        return "todo"
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return "stale"
+    return "done" if old.get("config_hash") == cell.hash else "stale"
