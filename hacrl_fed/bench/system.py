@@ -89,6 +89,7 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
             "wall": float(rec["time/round"]),
             "generate_fanout": float(rec.get("time/generate") or 0.0),
             "train_fanout": float(rec.get("time/train") or 0.0),
+            "step_fanout": float(rec.get("time/step") or 0.0),  # federation.protocol: fused
             "generate": _sum(rec, [f"{o}/time/generate" for o in orgs]),
             "verify": _sum(rec, [f"{o}/time/verify" for o in orgs]),
             "score": _sum(rec, [f"{o}/time/score" for o in orgs]),
@@ -97,15 +98,16 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
             "exchange": _sum(rec, [k for k in rec if k.startswith("time/exchange/")]),
             "coordinator": float(rec["time/round"])
             - float(rec.get("time/generate") or 0.0)
-            - float(rec.get("time/train") or 0.0),
+            - float(rec.get("time/train") or 0.0)
+            - float(rec.get("time/step") or 0.0),
             "rollouts": _sum(rec, [f"round/{o}/rollouts_received" for o in orgs]),
             "foreign": _sum(rec, [f"{o}/train/foreign_received" for o in orgs]),
         }
-        for phase in ("generate", "train"):
+        for phase in ("generate", "train", "step"):
             if rec.get(f"bytes/{phase}/total") is not None:
                 row[f"bytes_{phase}"] = float(rec[f"bytes/{phase}/total"])
         for o in orgs:
-            calls = _sum(rec, [f"time/call/generate/{o}", f"time/call/train/{o}"])
+            calls = _sum(rec, [f"time/call/{phase}/{o}" for phase in ("generate", "train", "step")])
             compute = _sum(
                 rec, [f"{o}/time/{p}" for p in ("generate", "verify", "seal_sign", "trust", "score", "train")]
             )

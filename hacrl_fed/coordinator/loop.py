@@ -488,7 +488,9 @@ class Coordinator:
             if verified:
                 self.tracker.update(verified)
 
-    def _close_round(self, rd: _Round) -> RoundResult:
+    def _close_round(self, rd: _Round, started: float | None = None) -> RoundResult:
+        """The round's summary metrics and result. ``started``: where ``time/round`` starts (default: the round's
+        opening; fused: the end of the round before, so consecutive rounds do not overlap)."""
         metrics = rd.metrics
         metrics.update({f"capability/{org}": v for org, v in self.capability_table().items()})
         metrics.update(self.guard.metrics(self.org_order))
@@ -497,7 +499,7 @@ class Coordinator:
                 "round/orgs_replied": float(len(rd.accepted)),
                 "round/orgs_trained": float(len(rd.trained)),
                 "round/skipped": float(rd.skipped),
-                "time/round": time.perf_counter() - rd.t0,
+                "time/round": time.perf_counter() - (rd.t0 if started is None else started),
             }
         )
         metrics.update({f"round/{org}/messages": float(rd.messages[org]) for org in self.org_order})
@@ -685,7 +687,7 @@ class Coordinator:
             reports, batches = self._step(last, rd)
             if last is not None:
                 self._take_reports(last, reports)
-                self._finish(last.round, self._close_round(last), mark)
+                self._finish(last.round, self._close_round(last, mark), mark)
                 mark = time.perf_counter()
             if rd is not None:
                 self._take_batches(rd, batches)
