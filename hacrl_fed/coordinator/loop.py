@@ -20,6 +20,12 @@ Per round ``t`` (1-based):
    end; ``coordinator_state.json`` (atomic) after every round, so ``resume=True`` continues at the next round
    with the same prompts and capability history.
 
+How the steps travel (``federation.protocol``): ``fused`` (default) sends one message per org and round, the
+TrainRequest of round ``t - 1`` with the RoundPlan of round ``t`` (:class:`StepRequest`; the worker trains, then
+generates); round ``t - 1`` is finished (reports, evaluation, checkpoints, state) before round ``t``'s batches are
+screened. ``two_message`` sends the plans, then the train requests. Both give the same numbers
+(docs/ARCHITECTURE.md "One round").
+
 Orgs that fail a call are skipped for that phase and simply receive the next round's plan. Every gap is in the
 round's metrics: ``round/<org>/failed`` (1 when the org contributed no rollouts) with
 ``round/<org>/failure/<why>``, and ``round/<org>/train_failure/<why>`` for a failed train; ``<why>`` is
