@@ -325,7 +325,9 @@ def test_killed_worker_process_run_goes_on_with_min_orgs_and_a_restarted_worker_
     from hacrl_fed import cli
     from hacrl_fed.coordinator import loop
 
-    config, run_dir = micro_config(tmp_path, rounds=6, min_orgs=2), tmp_path / "run"
+    # two messages a round: the kill lands between round 1's train and round 2's plan (with the fused protocol
+    # the two travel together; test_fused.py covers its failures)
+    config, run_dir = micro_config(tmp_path, rounds=6, min_orgs=2, protocol="two_message"), tmp_path / "run"
     killed: list[int] = []
     restarted: list[subprocess.Popen] = []
 
