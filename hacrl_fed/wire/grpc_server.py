@@ -21,11 +21,13 @@ Behaviour:
 
 * Requests arrive as raw bytes and are decoded (and checked) by :func:`hacrl_fed.wire.codec.decode` before the
   worker sees them: undecodable bytes or a failed check -> INVALID_ARGUMENT naming the problem, logged as one line.
-* Generate / Train / Evaluate / Checkpoint run one at a time under a lock (the worker owns one model); a call
-  whose client gave up while waiting for the lock is dropped (CANCELLED) instead of run. A running call is inside
-  :func:`hacrl_fed.worker.cancel.cancel_scope`, so worker code that calls ``raise_if_cancelled()`` stops once the
-  client cancels or its deadline passes (CANCELLED / DEADLINE_EXCEEDED). Health skips the lock so a busy worker
-  still answers it: ``worker.health()`` must be cheap and thread-safe.
+* One handler per operation of :data:`hacrl_fed.wire.operations.OPERATIONS` (the service name and message kinds
+  come from the generated descriptor). Generate / Train / Evaluate / Checkpoint / Step run one at a time under a
+  lock (the worker owns one model); a call whose client gave up while waiting for the lock is dropped (CANCELLED)
+  instead of run. A running call is inside :func:`hacrl_fed.worker.cancel.cancel_scope`, so worker code that
+  calls ``raise_if_cancelled()`` stops once the client cancels or its deadline passes (CANCELLED /
+  DEADLINE_EXCEEDED). Health skips the lock so a busy worker still answers it: ``worker.health()`` must be cheap
+  and thread-safe.
 * Every call is logged as one line: a successful one at INFO with its rpc, round and seconds (Health only at
   DEBUG: clients poll it), a failed one as below.
 * Worker exceptions become gRPC statuses carrying ``"<ExceptionType>: <message>"`` (never a traceback):
