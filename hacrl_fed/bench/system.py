@@ -102,6 +102,7 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
             - float(rec.get("time/step") or 0.0),
             "rollouts": _sum(rec, [f"round/{o}/rollouts_received" for o in orgs]),
             "foreign": _sum(rec, [f"{o}/train/foreign_received" for o in orgs]),
+            "messages": _sum(rec, [f"round/{o}/messages" for o in orgs]),  # the transport's counter, all orgs
         }
         for phase in ("generate", "train", "step"):
             if rec.get(f"bytes/{phase}/total") is not None:
@@ -472,12 +473,13 @@ def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900)
         "fixed_cost_per_round_s": dep_s["wall"] - in_s["wall"],
         "generate_fanout_s": dep_s["generate_fanout"],
         "train_fanout_s": dep_s["train_fanout"],
+        "step_fanout_s": dep_s["step_fanout"],
         "coordinator_s": dep_s["coordinator"],
         "exchange_s": dep_s["exchange"],
         "per_org": where,
-        "clientapp_messages_per_round": 2 * len(orgs),
+        "clientapp_messages_per_round": dep_s["messages"],
         # every message runs in a new flwr-clientapp process: the time outside the workers, per message
-        "outside_worker_s_per_message": dep_s["exchange"] / (2 * len(orgs)),
+        "outside_worker_s_per_message": dep_s["exchange"] / max(dep_s["messages"], 1.0),
     }
 
 
@@ -549,6 +551,7 @@ def format_tables(result: Mapping[str, Any]) -> str:
             f"fixed cost {_f(dp['fixed_cost_per_round_s'], 2)} s per round "
             f"({dp['clientapp_messages_per_round']} ClientApp messages per round)",
             f"- generate fan-out {_f(dp['generate_fanout_s'], 2)} s, train fan-out {_f(dp['train_fanout_s'], 2)} s, "
+            f"fused step fan-out {_f(dp.get('step_fanout_s'), 2)} s, "
             f"coordinator {_f(dp['coordinator_s'], 3)} s, exchange (call minus worker compute, all orgs) "
             f"{_f(dp['exchange_s'], 2)} s, i.e. {_f(dp['outside_worker_s_per_message'], 2)} s per ClientApp "
             "message (each message starts a new flwr-clientapp process)",
