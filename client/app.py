@@ -1,8 +1,9 @@
 """Flower ClientApp: forwards each message to this org's policy worker and replies with the result.
 
-Message types served (see :mod:`hacrl_fed.flower.records`): ``query.generate``, ``train``, ``evaluate``,
-``query.health``, ``query.checkpoint``. Which org this node is and where its worker lives comes from
-``context.node_config`` (:mod:`hacrl_fed.flower.node`):
+Message types served: one handler per operation of :data:`hacrl_fed.wire.operations.OPERATIONS`
+(``query.generate``, ``train``, ``evaluate``, ``query.health``, ``query.checkpoint``, and ``train.step``, the fused
+round: the train request of one round and the plan of the next, forwarded to the worker as one call).
+Which org this node is and where its worker lives comes from ``context.node_config`` (:mod:`hacrl_fed.flower.node`):
 
 * deployment: ``flower-supernode ... --node-config 'org="acme" worker="127.0.0.1:50051"'`` (gRPC worker);
 * simulation: no ``worker`` key; partition ``i`` is the ``i``-th org of the run config, served in-process.
@@ -22,8 +23,8 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from hacrl_fed import failures
-from hacrl_fed.flower import node, records
-from hacrl_fed.flower.records import Operation
+from hacrl_fed.flower import node
+from hacrl_fed.wire.operations import OPERATIONS, Operation
 
 APP_DIR = Path(__file__).resolve().parents[1]
 log = logging.getLogger(__name__)
@@ -48,26 +49,13 @@ def _respond(op: Operation, msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
-@app.query("generate")
-def generate(msg: Message, context: Context) -> Message:
-    return _respond(records.GENERATE, msg, context)
+def _register(op: Operation) -> None:
+    """Route ``op.message_type`` (``<category>[.<action>]``) to a handler serving ``op``."""
+    category, _, action = op.message_type.partition(".")
+    decorator = getattr(app, category)  # app.train / app.evaluate / app.query
+    handler = decorator(action) if action else decorator()
+    handler(lambda msg, context: _respond(op, msg, context))
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    return _respond(records.TRAIN, msg, context)
-
-
-@app.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
-    return _respond(records.EVALUATE, msg, context)
-
-
-@app.query("health")
-def health(msg: Message, context: Context) -> Message:
-    return _respond(records.HEALTH, msg, context)
-
-
-@app.query("checkpoint")
-def checkpoint(msg: Message, context: Context) -> Message:
-    return _respond(records.CHECKPOINT, msg, context)
+for _op in OPERATIONS.values():
+    _register(_op)

@@ -394,6 +394,13 @@ class FederationConfig(_Section):
             "or flwr run)"
         ),
     )
+    protocol: Literal["fused", "two_message"] = Field(
+        "fused",
+        description=_d(
+            "fused: one message per org per round (round r-1's train request with round r's plan; the worker trains, "
+            "then generates); two_message: a generate message, then a train message (same numbers)"
+        ),
+    )
     checkpoint_every: int = Field(0, ge=0, description="worker checkpoints every this many rounds; 0 = only at the end")
     max_failed_rounds: int = Field(3, ge=1, description=_d("consecutive rounds below min_orgs before the run aborts"))
     max_message_mb: int = Field(MAX_MESSAGE_MB, ge=1, description="largest gRPC / Flower message, in MB")

@@ -150,3 +150,29 @@ class EvalReport:
     accuracy: float
     num_prompts: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """Coordinator → org, once per round in the fused protocol (``federation.protocol: fused``).
+
+    ``train`` is round ``r - 1``'s TrainRequest (None in round 1, or when the org did not train that round),
+    ``plan`` round ``r``'s RoundPlan (None after the last round); at least one is set. The worker trains, then
+    generates with its updated weights: the same order of work as a Train followed by the next Generate.
+    """
+
+    train: TrainRequest | None = None
+    plan: RoundPlan | None = None
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """The worker's reply to a :class:`StepRequest`: per half sent, its reply or why it failed, never both.
+
+    ``train_error`` / ``generate_error`` are :func:`hacrl_fed.failures.describe` texts (``[cause] Type: message``).
+    """
+
+    report: TrainReport | None = None
+    batch: RolloutBatch | None = None
+    train_error: str = ""
+    generate_error: str = ""

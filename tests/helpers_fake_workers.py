@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 
 from hacrl_fed.config import load_config
 from hacrl_fed.types import (
-    ChatMessage, EvalReport, EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, TrainReport, TrainRequest,
+    ChatMessage, EvalReport, EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, StepReply, StepRequest,
+    TrainReport, TrainRequest,
 )
+from hacrl_fed.worker.api import run_step
 
 
 class FakeTask:
@@ -93,6 +95,10 @@ class FakeWorker:
     def checkpoint(self, round: int) -> str:
         self.checkpoints.append(round)
         return f"/tmp/fake/{self.org_id}/round-{round}"
+
+    def step(self, request: StepRequest) -> StepReply:
+        """The fused round: train, then generate (the real worker's order), each half failing alone."""
+        return run_step(self, request)
 
 
 def fake_config(orgs=("a", "b", "c"), *, security=None, **federation):

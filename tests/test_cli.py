@@ -128,7 +128,7 @@ def test_run_grpc_with_running_workers(tmp_path, config_path, capsys):
     assert rc == 0 and [r.round for r in workers["b"].train_requests] == [1, 2]
     assert "rounds (0 skipped)" in capsys.readouterr().out
     rec = json.loads((tmp_path / "o" / "metrics.jsonl").read_text().splitlines()[1])
-    assert rec["bytes/generate/a"] > 0
+    assert rec["bytes/step/a"] > 0 and rec["round/a/messages"] == 1.0
 
 
 def test_run_grpc_launching_workers(tmp_path, config_path, monkeypatch, capsys):

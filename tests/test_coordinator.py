@@ -90,7 +90,7 @@ def test_end_to_end_pooling_capability_schedule_and_outputs(tmp_path):
     assert r1["round/c/accuracy_discrepancy"] == pytest.approx(0.2)
     assert r1["capability/b"] == pytest.approx(0.5)
     assert r1["a/hacpo/loss"] == pytest.approx(0.1) and r1["a/hacpo/foreign"] == 20
-    assert {"time/generate", "time/train", "time/round"} <= set(r1)
+    assert {"time/step", "time/round"} <= set(r1) and r1["round/a/messages"] == 1  # fused: one message a round
     assert "eval/a/accuracy" in records[0] and "eval/a/accuracy" not in r1 and "eval/b/accuracy" in records[2]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert plot_accuracy(tmp_path).stat().st_size > 1000
@@ -162,9 +162,15 @@ class CrashAt(InProcessTransport):
             raise KeyboardInterrupt("simulated crash")
         return super().generate(plans, timeout_s)
 
+    def step(self, requests, timeout_s):  # the fused protocol: the message carrying round crash_round's plan
+        if any(r.plan is not None and r.plan.round == self.crash_round for r in requests.values()):
+            raise KeyboardInterrupt("simulated crash")
+        return super().step(requests, timeout_s)
 
-def test_resume_after_crash_equals_uninterrupted_run(tmp_path):
-    cfg = fake_config(rounds=5, eval_every=2)
+
+@pytest.mark.parametrize("protocol", ["two_message", "fused"])
+def test_resume_after_crash_equals_uninterrupted_run(tmp_path, protocol):
+    cfg = fake_config(rounds=5, eval_every=2, protocol=protocol)
     full_workers = make_workers()
     full, _ = run(cfg, full_workers, tmp_path / "full")
 
@@ -172,7 +178,9 @@ def test_resume_after_crash_equals_uninterrupted_run(tmp_path):
     coord = Coordinator(cfg, CrashAt(first, crash_round=4), tmp_path / "split", task=FakeTask())
     with pytest.raises(KeyboardInterrupt):
         coord.run()
-    assert json.loads((tmp_path / "split" / STATE_FILE).read_text())["round"] == 3
+    # fused: the crashed message also carried round 3's train requests, so round 3 is not finished either
+    done = 3 if protocol == "two_message" else 2
+    assert json.loads((tmp_path / "split" / STATE_FILE).read_text())["round"] == done
     with pytest.raises(FileExistsError, match="resume"):
         Coordinator(cfg, InProcessTransport(first), tmp_path / "split", task=FakeTask())
     second = make_workers()
@@ -183,7 +191,7 @@ def test_resume_after_crash_equals_uninterrupted_run(tmp_path):
 
     assert {p.run_id for p in second["a"].plans} == {coord.run_id}  # the resumed run kept its id
     for org in SKILLS:
-        plans = first[org].plans[:3] + second[org].plans
+        plans = first[org].plans[:done] + second[org].plans
         assert same_run(plans) == same_run(full_workers[org].plans)
         reqs = first[org].train_requests + second[org].train_requests
         assert same_run(reqs) == same_run(full_workers[org].train_requests)
@@ -286,8 +294,10 @@ def test_grpc_transport_runs_the_loop(tmp_path, grpc_workers):
     assert summary.capability == pytest.approx({"a": 0.25, "b": 0.75})
     assert workers["a"].checkpoints == [2]
     rec = read_metrics(tmp_path)[1]
-    assert rec["bytes/generate/a"] > 0 and rec["bytes/train/b"] > 0
-    assert rec["bytes/generate/total"] == rec["bytes/generate/a"] + rec["bytes/generate/b"]
+    assert rec["bytes/step/a"] > 0 and rec["bytes/step/b"] > 0
+    assert rec["bytes/step/total"] == rec["bytes/step/a"] + rec["bytes/step/b"]
+    assert transport.messages_sent == {("step", "a"): 3, ("step", "b"): 3, ("evaluate", "a"): 2,
+                                       ("evaluate", "b"): 2, ("checkpoint", "a"): 1, ("checkpoint", "b"): 1}
 
 
 def test_grpc_transport_timeout_and_dead_worker_are_values(grpc_workers):
@@ -310,12 +320,13 @@ def test_grpc_transport_timeout_and_dead_worker_are_values(grpc_workers):
     assert set(transport.last_call_bytes) == {"a"}
 
 
-def test_phase_timings_include_exchange_overhead(tmp_path):
+@pytest.mark.parametrize("protocol, phases", [("two_message", ("generate", "train")), ("fused", ("step",))])
+def test_phase_timings_include_exchange_overhead(tmp_path, protocol, phases):
     workers = make_workers()
     with RunLogger(tmp_path, tensorboard=False) as logger:
-        run(fake_config(rounds=1), workers, tmp_path, logger=logger)
+        run(fake_config(rounds=1, protocol=protocol), workers, tmp_path, logger=logger)
     rec = read_metrics(tmp_path)[1]
-    for phase in ("generate", "train"):
+    for phase in phases:
         assert rec["time/" + phase] > 0
         for org in "abc":  # the fake workers report no time of their own: all of the call is exchange
             assert rec[f"time/exchange/{phase}/{org}"] == rec[f"time/call/{phase}/{org}"] > 0

@@ -244,14 +244,39 @@ def test_insecure_deployment_with_real_workers(tmp_path):
         assert re.search(rf"hacrl-fed worker serves org {org}, model zoo:micro-\S+, [\d.]+ M parameters, "
                          r"device \w+, dtype \w+", worker_log), worker_log[-2000:]
         assert worker_log.count("listening on unix:") == 1
-        assert re.search(r"Generate round 1 ok in [\d.]+ s", worker_log) and "Train round 2 ok in" in worker_log
+        # fused rounds: one Step call per round (plan 1 alone, train 1 with plan 2, the last train alone)
+        assert re.search(r"Step plan round 1 ok in [\d.]+ s", worker_log), worker_log[-2000:]
+        assert "Step train round 1 plan round 2 ok in" in worker_log and "Step train round 2 ok in" in worker_log
     for org in ORGS:  # the real workers did the work: their own timings came back through Flower
         assert metrics[1][f"{org}/time/generate"] > 0
         assert addresses[org] == f"unix:{tmp_path / 'dep' / 'sock' / f'{org}.sock'}"
         assert "listening on unix:" in (tmp_path / "dep" / "logs" / f"worker-{org}.log").read_text()
     assert socket_modes == {org: 0o600 for org in ORGS}
+    assert all(metrics[1][f"round/{org}/messages"] == 1.0 for org in ORGS)  # one Flower message per org and round
     _report(tmp_path, "insecure-real-workers", dep, up_s=up_s, run_s=run_s, total_s=time.monotonic() - t0,
             round_times={t: {k: v for k, v in m.items() if k.startswith("time/")} for t, m in metrics.items()})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_deployment_fused_and_two_message_protocols_give_identical_numbers(tmp_path):
+    """One deployment (SuperLink, SuperNodes, real workers serving run after run from their initial weights): the
+    same seeded run with each protocol gives identical per-round rewards, counts, losses and accuracies."""
+    learned = {}
+    with Deployment(tmp_path / "dep") as dep:
+        identities = identity_overrides(tmp_path / "identity_set", ORGS)
+        start_local(dep, SMOKE, ORGS, overrides=identities)
+        for protocol in ("two_message", "fused"):
+            _submit_and_wait(dep, tmp_path / protocol, (*identities, f"federation.protocol={protocol}"))
+            learned[protocol] = {t: {k: v for k, v in m.items() if k != "wall_time"
+                                     and not {"time", "bytes", "messages", "perf"} & set(k.split("/"))}
+                                 for t, m in _metrics(tmp_path / protocol).items()}
+            messages = _metrics(tmp_path / protocol)[1]
+            assert all(messages[f"round/{o}/messages"] == (2.0 if protocol == "two_message" else 1.0) for o in ORGS)
+    assert dep.leftovers() == {}
+    assert learned["fused"] == learned["two_message"]
+    assert all(f"{o}/train/loss" in learned["fused"][ROUNDS] and f"eval/{o}/accuracy" in learned["fused"][ROUNDS]
+               for o in ORGS)
 
 
 @pytest.mark.slow

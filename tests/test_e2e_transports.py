@@ -49,3 +49,39 @@ def test_inprocess_grpc_and_flower_simulation_agree(tmp_path):
             assert set(got[rnd]) >= set(metrics), (name, rnd, set(metrics) - set(got[rnd]))
             for key, value in metrics.items():
                 assert got[rnd][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, rnd, key)
+
+
+def _learning(run_dir: Path) -> dict[int, dict[str, float]]:
+    """Every per-round metric that depends on weights and data (no timings, sizes, message counts, wall clocks)."""
+    out: dict[int, dict[str, float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        keep = {k: v for k, v in rec.items()
+                if not {"time", "bytes", "messages", "wall_time", "perf"} & set(k.split("/"))}
+        out.setdefault(rec["round"], {}).update(keep)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("transport", ["inprocess", "grpc", "flower-simulation"])
+def test_fused_and_two_message_protocols_give_identical_numbers(tmp_path, transport):
+    """The same seeded run with federation.protocol fused and two_message: identical rewards, accepted / rejected
+    counts, losses and final accuracies (exact equality), and one message per org per round with fused."""
+    for protocol in ("two_message", "fused"):
+        run_dir, extra = tmp_path / protocol, [f"federation.protocol={protocol}"]
+        if transport == "flower-simulation":
+            simulate(CONFIG, OVERRIDES + extra, run_dir=run_dir)
+        else:
+            _cli_run(run_dir, "--set", extra[0], *(["--transport", "grpc"] if transport == "grpc" else []))
+    two, fused = _learning(tmp_path / "two_message"), _learning(tmp_path / "fused")
+    assert sorted(two) == [0, 1, 2] and any(k.endswith("train/loss") for k in two[2])
+    for key in ("round/acme/accuracy", "round/acme/rollouts_accepted", "round/acme/rollouts_rejected",
+                "acme/train/loss", "eval/acme/accuracy"):
+        assert key in two[2], key
+    assert fused == two
+    sent = {protocol: {t: {k: v for k, v in json.loads(line).items() if k.endswith("/messages")}
+                       for t, line in enumerate((tmp_path / protocol / "metrics.jsonl").read_text().splitlines())}
+            for protocol in ("two_message", "fused")}
+    assert all(v == 2.0 for m in list(sent["two_message"].values())[1:] for v in m.values())
+    assert sent["fused"][1] and all(v == 1.0 for v in sent["fused"][1].values())  # round 1 of 2: one message

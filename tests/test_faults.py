@@ -250,7 +250,8 @@ def test_late_org_is_skipped_and_its_late_reply_never_reaches_the_next_round(tmp
         if result.round == 2:  # c's round-2 reply is produced while round 3's plan waits for c
             threading.Timer(0.3, release.set).start()
 
-    cfg = fake_config(rounds=3, eval_every=0, checkpoint_every=0, round_timeout_s=1.5)
+    # two messages a round: c's late generate reply lands while round 3's plan waits (test_fused.py: one message)
+    cfg = fake_config(rounds=3, eval_every=0, checkpoint_every=0, round_timeout_s=1.5, protocol="two_message")
     with RunLogger(tmp_path, tensorboard=False) as logger:
         coord = Coordinator(cfg, transport, tmp_path, logger=logger, task=FakeTask(), on_round=on_round)
         summary = coord.run()
@@ -282,7 +283,8 @@ def test_worker_stuck_for_several_rounds_does_not_wedge_the_run(tmp_path, grpc_f
         if result.round == 4:
             release.set()
 
-    cfg = fake_config(orgs=("a", "c"), rounds=5, eval_every=0, checkpoint_every=0, round_timeout_s=0.8)
+    cfg = fake_config(orgs=("a", "c"), rounds=5, eval_every=0, checkpoint_every=0, round_timeout_s=0.8,
+                      protocol="two_message")
     with RunLogger(tmp_path, tensorboard=False) as logger:
         summary = Coordinator(cfg, transport, tmp_path, logger=logger, task=FakeTask(), on_round=on_round).run()
     transport.close()
@@ -322,7 +324,9 @@ def test_killed_worker_process_run_goes_on_with_min_orgs_and_a_restarted_worker_
     from hacrl_fed import cli
     from hacrl_fed.coordinator import loop
 
-    config, run_dir = micro_config(tmp_path, rounds=6, min_orgs=2), tmp_path / "run"
+    # two messages a round: the kill lands between round 1's train and round 2's plan (with the fused protocol
+    # the two travel together; test_fused.py covers its failures)
+    config, run_dir = micro_config(tmp_path, rounds=6, min_orgs=2, protocol="two_message"), tmp_path / "run"
     killed: list[int] = []
     restarted: list[subprocess.Popen] = []
 
@@ -421,6 +425,19 @@ class Recorder(InProcessTransport):
                                                   if not isinstance(out[org], Exception))
         return out
 
+    def step(self, requests, timeout_s):  # the fused protocol: the same records, from the halves of each reply
+        out = super().step(requests, timeout_s)
+        for org, req in requests.items():
+            reply = out[org]
+            if req.train is not None and getattr(reply, "report", None) is not None:
+                self.log.setdefault("trained", []).append((req.train.round, org))
+            if req.plan is not None:
+                self.log.setdefault("prompts", {})[req.plan.round] = [p.prompt_id for p in req.plan.prompts]
+                self.log.setdefault("rollouts", {})[req.plan.round, org] = (
+                    type(reply).__name__ if isinstance(reply, Exception) else reply.batch.rollouts
+                    if reply.batch is not None else reply.generate_error.split("] ")[-1].split(":")[0])
+        return out
+
     def checkpoint(self, org_ids, round, timeout_s):
         if self.crash == (round, "before"):
             raise KeyboardInterrupt(f"coordinator killed before the round-{round} checkpoint")
@@ -449,7 +466,7 @@ def run_micro(cfg, run_dir: Path, log: dict, *, resume=False, workers=None, cras
 def learning_metrics(run_dir: Path) -> dict[int, dict]:
     """Per round: the metrics that depend on weights and data (no timings, sizes, wall clocks or perf/ metrics)."""
     return {t: {k: v for k, v in rec.items() if not k.startswith(("time", "bytes", "wall_time"))
-                and "/time/" not in k and "/perf/" not in k}
+                and "/time/" not in k and "/perf/" not in k and not k.endswith("/messages")}
             for t, rec in by_round(run_dir).items()}
 
 

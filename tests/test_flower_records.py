@@ -11,6 +11,7 @@ from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_conte
 from hacrl_fed import types as t
 from hacrl_fed.flower import records
 from hacrl_fed.flower.records import RecordError
+from hacrl_fed.wire.operations import OPERATIONS
 from hacrl_fed.v1 import worker_pb2 as pb
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.codec import WireError, WireLimits
@@ -68,11 +69,11 @@ def test_health_and_checkpoint_round_trip():
 
 
 def test_operations_route_to_flower_message_types():
-    assert {op.name: op.message_type for op in records.OPERATIONS.values()} == {
+    assert {op.name: op.message_type for op in OPERATIONS.values()} == {
         "generate": "query.generate", "train": "train", "evaluate": "evaluate",
-        "health": "query.health", "checkpoint": "query.checkpoint",
+        "health": "query.health", "checkpoint": "query.checkpoint", "step": "train.step",
     }
-    for op in records.OPERATIONS.values():  # every kind is a real hacrl_fed.v1 message
+    for op in OPERATIONS.values():  # every kind is a real hacrl_fed.v1 message
         assert codec.proto_class(op.request_kind).DESCRIPTOR.name == op.request_kind
         assert codec.proto_class(op.reply_kind).DESCRIPTOR.name == op.reply_kind
 

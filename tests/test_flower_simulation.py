@@ -90,14 +90,15 @@ def test_two_rounds_over_the_simulation_engine(tmp_path, capsys):
     assert [r["round"] for r in records] == [0, 1, 2]
     for rec in records[1:]:
         for org in SKILLS:
-            assert rec[f"bytes/generate/{org}"] > 0 and rec[f"bytes/train/{org}"] > 0
+            assert rec[f"bytes/step/{org}"] > 0  # one fused message a round (two in the last: its train alone)
+            assert rec[f"round/{org}/messages"] == (1.0 if rec["round"] < 2 else 2.0)
             assert rec[f"round/{org}/failed"] == 0.0 and rec[f"round/{org}/rollouts_accepted"] == 4.0
             assert rec[f"{org}/hacpo/foreign"] == 4.0  # the honest other org's rollouts, never the liar's
     # the lying org: caught by re-verification in round 1, excluded from the pool, honest orgs trained that round
     r1, r2 = records[1], records[2]
     assert r1[f"round/{LIAR}/rejected/reward_mismatch"] == 2.0 and r1[f"round/{LIAR}/rollouts_accepted"] == 0.0
     assert r1[f"security/{LIAR}/excluded"] == 1.0 and r1[f"round/{LIAR}/failure/excluded"] == 1.0
-    assert r2[f"round/{LIAR}/failure/excluded"] == 1.0 and f"bytes/generate/{LIAR}" not in r2
+    assert r2[f"round/{LIAR}/failure/excluded"] == 1.0 and f"bytes/step/{LIAR}" not in r2
     assert r1["round/orgs_trained"] == 2.0
     state = json.loads((run_dir / "coordinator_state.json").read_text())
     assert state["round"] == 2

@@ -279,9 +279,11 @@ def test_run_federation_runs_the_coordinator(tmp_path, monkeypatch):
     assert summary.rounds_completed == 3 and summary.skipped_rounds == 0
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [rec["round"] for rec in lines] == [0, 1, 2, 3]
-    assert all(rec[f"bytes/generate/{org}"] > 0 for rec in lines[1:] for org in "abc")
-    types = [m.metadata.message_type for m in grid.pushed]
-    assert types.count("query.generate") == 9 and types.count("train") == 9 and types.count("evaluate") == 12
+    assert all(rec[f"bytes/step/{org}"] > 0 for rec in lines[1:] for org in "abc")
+    assert all(rec[f"round/{org}/messages"] == (1 if rec["round"] < 3 else 2) for rec in lines[1:] for org in "abc")
+    types = [m.metadata.message_type for m in grid.pushed]  # fused: 3 rounds = 3 plans + 1 closing train, per org
+    assert types.count("train.step") == 12 and types.count("query.generate") == 0 and types.count("train") == 0
+    assert types.count("evaluate") == 12
     assert types.count("query.checkpoint") == 3 and types[:3] == ["query.health"] * 3
 
 

@@ -122,7 +122,7 @@ def test_failure_leaves_error_log_and_a_failed_status(tmp_path):
     cfg = fake_config(orgs=("a",), rounds=2)
     run = Run(cfg, tmp_path / "r", transport="inprocess")
     transport = InProcessTransport({"a": FakeWorker("a", 0.5)})
-    transport.train = lambda requests, timeout_s: (_ for _ in ()).throw(RuntimeError("transport blew up"))
+    transport.step = lambda requests, timeout_s: (_ for _ in ()).throw(RuntimeError("transport blew up"))
     with pytest.raises(RuntimeError, match="transport blew up"):
         with run:
             run.execute(transport, task=FakeTask())

@@ -29,7 +29,7 @@ PROTO = REPO / "proto" / "hacrl_fed" / "v1" / "worker.proto"
 SCRIPT = REPO / "scripts" / "gen_proto.sh"
 GENERATED = ("worker_pb2.py", "worker_pb2.pyi", "worker_pb2_grpc.py")
 MIRRORED = (t.ChatMessage, t.Prompt, t.SamplingParams, t.RoundPlan, t.Rollout, t.WrappedKey, t.RolloutBatch,
-            t.TrainRequest, t.TrainReport, t.EvalRequest, t.EvalReport)
+            t.TrainRequest, t.TrainReport, t.EvalRequest, t.EvalReport, t.StepRequest, t.StepReply)
 
 _FIELD = re.compile(r"^\s*(?:repeated\s+)?(?:map<[^>]+>|[\w.]+)\s+(\w+)\s*=\s*(\d+)\s*;", re.M)
 _TYPED_FIELD = re.compile(r"^\s*(repeated\s+)?(map<[^>]+>|[\w.]+)\s+(\w+)\s*=\s*(\d+)\s*;", re.M)
@@ -134,7 +134,7 @@ def test_descriptors_match_the_proto_source():
     service = pb.DESCRIPTOR.services_by_name["PolicyWorker"]
     rpcs = re.findall(r"rpc\s+(\w+)\((\w+)\)\s+returns\s+\((\w+)\)", _proto_blocks("service")["PolicyWorker"])
     assert [(m.name, m.input_type.name, m.output_type.name) for m in service.methods] == rpcs
-    assert [r[0] for r in rpcs] == ["Generate", "Train", "Evaluate", "Health", "Checkpoint"]
+    assert [r[0] for r in rpcs] == ["Generate", "Train", "Evaluate", "Health", "Checkpoint", "Step"]
 
 
 @pytest.mark.parametrize("dc", MIRRORED, ids=lambda c: c.__name__)
@@ -147,7 +147,7 @@ def test_every_dataclass_field_has_a_proto_field(dc):
 
 def test_top_level_messages_are_versioned_and_keep_room_to_grow():
     for name in ("RoundPlan", "RolloutBatch", "TrainRequest", "TrainReport", "EvalRequest", "EvalReport",
-                 "HealthRequest", "HealthReply", "CheckpointRequest", "CheckpointReply"):
+                 "HealthRequest", "HealthReply", "CheckpointRequest", "CheckpointReply", "StepRequest", "StepReply"):
         field = pb.DESCRIPTOR.message_types_by_name[name].fields_by_name["schema_version"]
         assert field.number == 1, name
     from google.protobuf import descriptor_pb2

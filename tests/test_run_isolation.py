@@ -75,6 +75,9 @@ class Recording:
     def train(self, request):
         return self._call("train", request)
 
+    def step(self, request):
+        return self._call("step", request)
+
     def evaluate(self, request):
         with self.turn:
             report = self.worker.evaluate(request)

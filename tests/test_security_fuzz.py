@@ -12,13 +12,13 @@ Properties (hypothesis, derandomized, so every run checks the same cases):
 
 Generated cases (max_examples x parametrizations; each test reaches its max_examples, as
 ``--hypothesis-show-statistics`` shows):
-  arbitrary bytes per kind      15 kinds x 250 =  3,750
-  mutated encodings per kind    15 kinds x 200 =  3,000
+  arbitrary bytes per kind      17 kinds x 250 =  4,250
+  mutated encodings per kind    17 kinds x 200 =  3,400
   verify_batch on bytes                        =  1,000
   verify_batch on mutations  2 envelopes x 2000 =  4,000
   open_batch on mutations                      =  2,000
   open_batch on forged seals                   =    500
-  total                                        = 14,250   (about 20 s on one core)
+  total                                        = 15,150   (about 20 s on one core)
 """
 
 from __future__ import annotations
@@ -111,6 +111,10 @@ def _valid_encodings() -> dict[str, bytes]:
         t.EvalRequest(RUN, ROUND, "arithmetic", (prompt,), 8),
         t.EvalReport(RUN, ROUND, "beta", 0.5, 2, {"eval/x": 1.0}),
     ]
+    objects += [  # the fused round: a train request with the next plan, a report with the next (sealed) batch
+        t.StepRequest(train=objects[7], plan=dataclasses.replace(objects[6], round=ROUND + 1)),
+        t.StepReply(report=objects[8], batch=batch, train_error="", generate_error=""),
+    ]
     out = {type(o).__name__: codec.encode(o) for o in objects}
     out["HealthRequest"] = codec.encode(codec.health_request())
     out["HealthReply"] = codec.encode(codec.health_reply_to_proto({"org_id": "beta", "status": "ok"}))
@@ -123,7 +127,7 @@ VALID = _valid_encodings()
 
 
 def test_fixtures_cover_every_kind_and_are_valid():
-    assert sorted(VALID) == KINDS and len(KINDS) == 15 and TOTAL == 14_250
+    assert sorted(VALID) == KINDS and len(KINDS) == 17 and TOTAL == 15_150
     for kind, data in VALID.items():
         codec.decode(kind, data)
     assert verify_batch(SEALED_ENVELOPE, ROSTER, run_id=RUN, round=ROUND) == codec.decode(t.RolloutBatch,

@@ -114,6 +114,12 @@ class RecordingTransport(GrpcTransport):
         self.seen += [codec.encode(r) for r in requests.values()]
         return super().train(requests, timeout_s)
 
+    def step(self, requests, timeout_s):  # the fused protocol: the requests and the replies' batches
+        self.seen += [codec.encode(r) for r in requests.values()]
+        replies = super().step(requests, timeout_s)
+        self.seen += [codec.encode(r.batch) for r in replies.values() if getattr(r, "batch", None) is not None]
+        return replies
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)

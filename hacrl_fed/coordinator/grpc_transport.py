@@ -18,9 +18,20 @@ from typing import Any
 from hacrl_fed.coordinator.transport import Transport, TransportTimeout
 from hacrl_fed.failures import NoWorker
 from hacrl_fed.limits import MAX_MESSAGE_MB
-from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
+from hacrl_fed.types import (
+    EvalReport,
+    EvalRequest,
+    RolloutBatch,
+    RoundPlan,
+    StepReply,
+    StepRequest,
+    TrainReport,
+    TrainRequest,
+)
 from hacrl_fed.wire import codec
+from hacrl_fed.wire import operations as ops
 from hacrl_fed.wire.grpc_client import ClientTLS, GrpcWorkerClient
+from hacrl_fed.wire.operations import Operation
 
 _EXTRA_WAIT_S = 5.0  # beyond the gRPC deadline, before the transport itself gives up on a stuck client call
 
@@ -111,19 +122,26 @@ class GrpcTransport(Transport):
                 self.last_call_bytes[org] = message_bytes(items[org]) + message_bytes(reply)
         return results
 
+    def _call(self, op: Operation, items: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+        """One ``op`` message per org, each with the round deadline ``timeout_s`` (counted in messages_sent)."""
+        self.count_messages(op.name, [org for org in items if org in self.clients])
+        method = op.name
+        return self._fan_out(items, lambda c, item: getattr(c, method)(item, timeout_s=timeout_s), timeout_s)
+
     def generate(self, plans: Mapping[str, RoundPlan], timeout_s: float) -> dict[str, RolloutBatch | Exception]:
-        return self._fan_out(plans, lambda c, plan: c.generate(plan, timeout_s=timeout_s), timeout_s)
+        return self._call(ops.GENERATE, plans, timeout_s)
 
     def train(self, requests: Mapping[str, TrainRequest], timeout_s: float) -> dict[str, TrainReport | Exception]:
-        return self._fan_out(requests, lambda c, req: c.train(req, timeout_s=timeout_s), timeout_s)
+        return self._call(ops.TRAIN, requests, timeout_s)
 
     def evaluate(self, requests: Mapping[str, EvalRequest], timeout_s: float) -> dict[str, EvalReport | Exception]:
-        return self._fan_out(requests, lambda c, req: c.evaluate(req, timeout_s=timeout_s), timeout_s)
+        return self._call(ops.EVALUATE, requests, timeout_s)
 
     def checkpoint(self, org_ids: list[str], round: int, timeout_s: float) -> dict[str, str | Exception]:
-        return self._fan_out(
-            {org: round for org in org_ids}, lambda c, r: c.checkpoint(r, timeout_s=timeout_s), timeout_s
-        )
+        return self._call(ops.CHECKPOINT, {org: round for org in org_ids}, timeout_s)
+
+    def step(self, requests: Mapping[str, StepRequest], timeout_s: float) -> dict[str, StepReply | Exception]:
+        return self._call(ops.STEP, requests, timeout_s)
 
     def close(self) -> None:
         """Close every channel and the thread pool (idempotent)."""

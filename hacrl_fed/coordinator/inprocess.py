@@ -9,12 +9,23 @@ hung worker means a bug, not a network problem. Any ``Exception`` a worker raise
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from hacrl_fed.coordinator.transport import Transport
 from hacrl_fed.failures import NoWorker
-from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
+from hacrl_fed.types import (
+    EvalReport,
+    EvalRequest,
+    RolloutBatch,
+    RoundPlan,
+    StepReply,
+    StepRequest,
+    TrainReport,
+    TrainRequest,
+)
+from hacrl_fed.wire import operations as ops
+from hacrl_fed.wire.operations import Operation
 from hacrl_fed.worker.api import WorkerAPI
 
 
@@ -34,7 +45,7 @@ class InProcessTransport(Transport):
     def org_ids(self) -> list[str]:
         return list(self.workers)
 
-    def _fan_out(self, items: Mapping[str, Any], call: Callable[[WorkerAPI, Any], Any]) -> dict[str, Any]:
+    def _fan_out(self, op: Operation, items: Mapping[str, Any]) -> dict[str, Any]:
         results: dict[str, Any] = {}
         self.last_call_seconds = {}
         for org, item in items.items():
@@ -43,24 +54,28 @@ class InProcessTransport(Transport):
             if worker is None:
                 results[org] = NoWorker(f"no in-process worker for org {org!r}")
             else:
+                self.count_messages(op.name, [org])
                 try:
-                    results[org] = call(worker, item)
+                    results[org] = op.call(worker, item)
                 except Exception as err:  # one org's failure must not stop the round
                     results[org] = err
             self.last_call_seconds[org] = time.perf_counter() - start
         return results
 
     def generate(self, plans: Mapping[str, RoundPlan], timeout_s: float) -> dict[str, RolloutBatch | Exception]:
-        return self._fan_out(plans, lambda w, plan: w.generate(plan))
+        return self._fan_out(ops.GENERATE, plans)
 
     def train(self, requests: Mapping[str, TrainRequest], timeout_s: float) -> dict[str, TrainReport | Exception]:
-        return self._fan_out(requests, lambda w, req: w.train(req))
+        return self._fan_out(ops.TRAIN, requests)
 
     def evaluate(self, requests: Mapping[str, EvalRequest], timeout_s: float) -> dict[str, EvalReport | Exception]:
-        return self._fan_out(requests, lambda w, req: w.evaluate(req))
+        return self._fan_out(ops.EVALUATE, requests)
 
     def checkpoint(self, org_ids: list[str], round: int, timeout_s: float) -> dict[str, str | Exception]:
-        return self._fan_out({org: round for org in org_ids}, lambda w, r: w.checkpoint(r))
+        return self._fan_out(ops.CHECKPOINT, {org: round for org in org_ids})
+
+    def step(self, requests: Mapping[str, StepRequest], timeout_s: float) -> dict[str, StepReply | Exception]:
+        return self._fan_out(ops.STEP, requests)
 
     def close(self) -> None:
         """Call ``close()`` on workers that have one (releases models / engines)."""

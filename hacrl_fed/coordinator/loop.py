@@ -20,6 +20,12 @@ Per round ``t`` (1-based):
    end; ``coordinator_state.json`` (atomic) after every round, so ``resume=True`` continues at the next round
    with the same prompts and capability history.
 
+How the steps travel (``federation.protocol``): ``fused`` (default) sends one message per org and round, the
+TrainRequest of round ``t - 1`` with the RoundPlan of round ``t`` (:class:`StepRequest`; the worker trains, then
+generates); round ``t - 1`` is finished (reports, evaluation, checkpoints, state) before round ``t``'s batches are
+screened. ``two_message`` sends the plans, then the train requests. Both give the same numbers
+(docs/ARCHITECTURE.md "One round").
+
 Orgs that fail a call are skipped for that phase and simply receive the next round's plan. Every gap is in the
 round's metrics: ``round/<org>/failed`` (1 when the org contributed no rollouts) with
 ``round/<org>/failure/<why>``, and ``round/<org>/train_failure/<why>`` for a failed train; ``<why>`` is
@@ -35,7 +41,9 @@ import logging
 import math
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +67,8 @@ from hacrl_fed.types import (
     RolloutBatch,
     RoundPlan,
     SamplingParams,
+    StepReply,
+    StepRequest,
     TrainReport,
     TrainRequest,
 )
@@ -70,6 +80,58 @@ STATE_VERSION = 1
 
 class FederationError(RuntimeError):
     """The federation cannot make progress (too many consecutive rounds below ``min_orgs``)."""
+
+
+_ROUND_OPERATIONS = ("generate", "train", "step")  # the messages counted in round/<org>/messages
+
+
+@dataclass
+class _Round:
+    """A round in flight: its plans, what came back, its train requests and who trained."""
+
+    round: int
+    t0: float
+    metrics: dict[str, float]
+    failed: dict[str, str]  # org -> why it contributed nothing
+    plans: dict[str, RoundPlan]
+    accepted: dict[str, list[Rollout]] = field(default_factory=dict)
+    accuracy: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False
+    requests: dict[str, TrainRequest] = field(default_factory=dict)
+    trained: list[str] = field(default_factory=list)
+    messages: Counter[str] = field(default_factory=Counter)  # round-traffic messages sent to each org (transport)
+
+
+class StepHalfFailed(RuntimeError):
+    """One half of a fused reply failed at the worker (``StepReply.train_error`` / ``generate_error``);
+    ``failure_cause`` is the cause the worker put in front of the text (:func:`hacrl_fed.failures.parse`)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.failure_cause = failures.parse(text) or failures.ERROR
+
+
+def _split_reply(request: StepRequest, reply: Any) -> tuple[Any, Any]:
+    """``(train outcome, generate outcome)`` of a fused reply: the TrainReport / RolloutBatch or an exception, for
+    each half the request carried (None for a half it did not carry). A failed call fails both of its halves: the
+    coordinator cannot tell how far the worker got (docs/ARCHITECTURE.md, "One round")."""
+    if isinstance(reply, Exception):
+        return (reply if request.train is not None else None), (reply if request.plan is not None else None)
+    if not isinstance(reply, StepReply):
+        bad = TypeError(f"a step reply must be a StepReply, got {type(reply).__name__}")
+        return (bad if request.train is not None else None), (bad if request.plan is not None else None)
+
+    def half(sent: object, value: object, error: str, what: str) -> Any:
+        if sent is None:
+            return None
+        if value is not None:
+            return value
+        return StepHalfFailed(error) if error else ValueError(f"the step reply carries no {what}")
+
+    return (
+        half(request.train, reply.report, reply.train_error, "train report"),
+        half(request.plan, reply.batch, reply.generate_error, "rollout batch"),
+    )
 
 
 def _new_totals() -> dict[str, float]:
@@ -248,10 +310,10 @@ class Coordinator:
                 self.totals[org]["time_s"] += float(secs)
                 metrics[f"time/call/{phase}/{org}"] = float(secs)
         sizes = getattr(self.transport, "last_call_bytes", None) or {}
-        for org, n in sizes.items():
-            metrics[f"bytes/{phase}/{org}"] = float(n)
+        for org, n in sizes.items():  # summed: the fused protocol's last round has two step messages
+            metrics[f"bytes/{phase}/{org}"] = metrics.get(f"bytes/{phase}/{org}", 0.0) + float(n)
         if sizes:
-            metrics[f"bytes/{phase}/total"] = float(sum(sizes.values()))
+            metrics[f"bytes/{phase}/total"] = metrics.get(f"bytes/{phase}/total", 0.0) + float(sum(sizes.values()))
 
     def capability_table(self) -> dict[str, float]:
         """``{org: Phat}`` over every configured org as the workers should use it (1.0 during warm-up)."""
@@ -259,30 +321,61 @@ class Coordinator:
 
     # -- phases ------------------------------------------------------------------------------------------------
 
-    def _generate(self, round: int, orgs: list[str], metrics: dict[str, float], failed: dict[str, str]):
-        """Send plans, validate replies; returns (plans, {org: accepted rollouts} of the replying orgs).
-
-        Orgs without accepted rollouts are added to ``failed`` (org -> why).
-        """
-        prompts = self.round_prompts(round)
+    def _open_round(self, round: int) -> _Round:
+        """Who gets round ``round``'s plan (the live orgs) and who is already out of it (excluded, unreachable)."""
+        orgs = self.live_orgs()
+        self.guard.new_round()
+        failed = {
+            org: ("excluded" if org in self.guard.excluded else "unreachable")
+            for org in self.org_order
+            if org not in orgs
+        }  # excluded, or no connection right now
+        unreachable = sorted(org for org, why in failed.items() if why == "unreachable")
+        if unreachable:
+            log.warning("round %d: orgs %s are not reachable", round, unreachable)
+        prompts = self.round_prompts(round) if orgs else ()
         plans = {org: self.plan_for(round, org, prompts) for org in orgs}
-        t0 = time.perf_counter()
-        replies = self.transport.generate(plans, self.cfg.federation.round_timeout_s)
-        metrics["time/generate"] = time.perf_counter() - t0
-        self._account("generate", metrics)
-        accepted: dict[str, list[Rollout]] = {}
-        for org in orgs:
+        return _Round(round, time.perf_counter(), {}, failed, plans)
+
+    def _take_batches(self, rd: _Round, replies: Mapping[str, Any]) -> None:
+        """Verify and screen the replies to ``rd``'s plans, update capability, build its train requests (unless
+        fewer than ``min_orgs`` orgs replied: then the round's training is skipped)."""
+        round, metrics, failed = rd.round, rd.metrics, rd.failed
+        for org, plan in rd.plans.items():
             reply = replies.get(org, TimeoutError(f"no reply from {org!r}"))
-            if isinstance(reply, Exception):
+            if org in self.guard.excluded:  # excluded after its plan went out (fused: by the last round's reports)
+                failed[org] = "excluded"
+            elif isinstance(reply, Exception):
                 failed[org] = failures.cause_of(reply)
                 log.warning("round %d: org %s skipped (%s): %s", round, org, failed[org], reply)
-                continue
-            ok = self._check_batch(round, org, reply, plans[org], metrics)
-            if ok:
-                accepted[org] = ok
+            elif ok := self._check_batch(round, org, reply, plan, metrics):
+                rd.accepted[org] = ok
             else:
                 failed[org] = "excluded" if org in self.guard.excluded else "invalid"
-        return plans, accepted
+        for org, why in failed.items():
+            metrics[f"round/{org}/failed"] = 1.0
+            metrics[f"round/{org}/failure/{why}"] = 1.0
+        # P_k(t) of every org with an accepted rollout (accepted holds no empty lists, so never None)
+        rd.accuracy = {org: acc for org, rs in rd.accepted.items() if (acc := accepted_accuracy(rs)) is not None}
+        for org, rs in rd.accepted.items():
+            self.totals[org]["shared"] += len(rs)
+        min_orgs = self.cfg.federation.min_orgs
+        rd.skipped = len(rd.accepted) < min_orgs
+        if rd.skipped:
+            self.skipped_rounds += 1
+            self.consecutive_failures += 1
+            log.warning(
+                "round %d: only %d valid replies (%s), min_orgs=%d: skipping training",
+                round,
+                len(rd.accepted),
+                sorted(rd.accepted),
+                min_orgs,
+            )
+            return
+        self.consecutive_failures = 0
+        if not self.guard.blind:
+            self.tracker.update(rd.accuracy)
+        rd.requests = self._train_requests(round, next(iter(rd.plans.values())).prompts, rd.accepted)
 
     def _check_batch(
         self, round: int, org: str, batch: RolloutBatch, plan: RoundPlan, metrics: dict[str, float]
@@ -313,10 +406,10 @@ class Coordinator:
             _exchange_time("generate", org, getattr(batch, "metrics", {}) or {}, metrics)
         return ok
 
-    def _train(
-        self, round: int, prompts: tuple[Prompt, ...], accepted: Mapping[str, list[Rollout]], metrics: dict[str, float]
-    ) -> list[str]:
-        """One TrainRequest per replying org (foreign = the others' accepted rollouts); returns who trained."""
+    def _train_requests(
+        self, round: int, prompts: tuple[Prompt, ...], accepted: Mapping[str, list[Rollout]]
+    ) -> dict[str, TrainRequest]:
+        """One TrainRequest per replying org (foreign = the others' accepted rollouts)."""
         table = self.capability_table()
         requests = {}
         for org in accepted:
@@ -330,12 +423,12 @@ class Coordinator:
                 capability=dict(table),
                 source_batches=sources,
             )
-        t0 = time.perf_counter()
-        replies = self.transport.train(requests, self.cfg.federation.round_timeout_s)
-        metrics["time/train"] = time.perf_counter() - t0
-        self._account("train", metrics)
-        trained, reports = [], {}
-        for org, req in requests.items():
+        return requests
+
+    def _take_reports(self, rd: _Round, replies: Mapping[str, Any]) -> None:
+        """Record the train replies of ``rd``'s requests: who trained, their metrics (blind mode: capability)."""
+        round, metrics, reports = rd.round, rd.metrics, {}
+        for org, req in rd.requests.items():
             reply = replies.get(org, TimeoutError(f"no reply from {org!r}"))
             if not isinstance(reply, TrainReport):
                 why = failures.cause_of(reply) if isinstance(reply, BaseException) else "error"
@@ -348,13 +441,37 @@ class Coordinator:
             _exchange_time("train", org, reply.metrics, metrics)
             self.totals[org]["received"] += len(req.foreign) + sum(len(b.rollouts) for b in req.source_batches)
             self.totals[org]["trained_round"] = round
-            trained.append(org)
+            rd.trained.append(org)
             reports[org] = reply
         if self.guard.blind:  # capability from what the receivers verified (the coordinator cannot read text)
-            verified = self.guard.receiver_verified(round, reports, accepted, metrics)
+            verified = self.guard.receiver_verified(round, reports, rd.accepted, metrics)
             if verified:
                 self.tracker.update(verified)
-        return trained
+
+    def _close_round(self, rd: _Round, started: float | None = None) -> RoundResult:
+        """The round's summary metrics and result. ``started``: where ``time/round`` starts (default: the round's
+        opening; fused: the end of the round before, so consecutive rounds do not overlap)."""
+        metrics = rd.metrics
+        metrics.update({f"capability/{org}": v for org, v in self.capability_table().items()})
+        metrics.update(self.guard.metrics(self.org_order))
+        metrics.update(
+            {
+                "round/orgs_replied": float(len(rd.accepted)),
+                "round/orgs_trained": float(len(rd.trained)),
+                "round/skipped": float(rd.skipped),
+                "time/round": time.perf_counter() - (rd.t0 if started is None else started),
+            }
+        )
+        metrics.update({f"round/{org}/messages": float(rd.messages[org]) for org in self.org_order})
+        return RoundResult(
+            rd.round,
+            rd.skipped,
+            list(rd.accepted),
+            rd.accuracy,
+            rd.trained,
+            metrics,
+            {org: rd.failed[org] for org in self.org_order if org in rd.failed},
+        )
 
     def evaluate(self, round: int, metrics: dict[str, float]) -> dict[str, float]:
         """Greedy held-out accuracy of every reachable org; recorded in ``eval_history[round]``."""
@@ -408,76 +525,97 @@ class Coordinator:
     # -- the loop ----------------------------------------------------------------------------------------------
 
     def run_round(self, round: int) -> RoundResult:
-        """Generate → validate → (capability, train) for ``round``; raises FederationError after too many gaps."""
-        t0 = time.perf_counter()
-        metrics: dict[str, float] = {}
-        orgs = self.live_orgs()
-        self.guard.new_round()
-        failed = {
-            org: ("excluded" if org in self.guard.excluded else "unreachable")
+        """Generate → validate → (capability, train) for ``round`` with two messages per org (``two_message``)."""
+        rd = self._open_round(round)
+        timeout = self.cfg.federation.round_timeout_s
+        replies: dict[str, Any] = {}
+        if rd.plans:
+            t0 = time.perf_counter()
+            replies = self._counted(rd, lambda: self.transport.generate(rd.plans, timeout))
+            rd.metrics["time/generate"] = time.perf_counter() - t0
+            self._account("generate", rd.metrics)
+        self._take_batches(rd, replies)
+        if not rd.skipped:
+            t0 = time.perf_counter()
+            replies = self._counted(rd, lambda: self.transport.train(rd.requests, timeout))
+            rd.metrics["time/train"] = time.perf_counter() - t0
+            self._account("train", rd.metrics)
+            self._take_reports(rd, replies)
+        return self._close_round(rd)
+
+    def _step(self, last: _Round | None, rd: _Round | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One fused message per org (``fused``): ``last``'s train requests with ``rd``'s plans. Returns the
+        replies split into ``({org: train outcome}, {org: generate outcome})`` (:func:`_split_reply`); the
+        message's timing and traffic go to ``rd``'s metrics (to ``last``'s for the closing train-only message)."""
+        trains = last.requests if last is not None else {}
+        plans = rd.plans if rd is not None else {}
+        requests = {
+            org: StepRequest(train=trains.get(org), plan=plans.get(org))
             for org in self.org_order
-            if org not in orgs
-        }  # excluded, or no connection right now
-        unreachable = sorted(org for org, why in failed.items() if why == "unreachable")
-        if unreachable:
-            log.warning("round %d: orgs %s are not reachable", round, unreachable)
-        plans, accepted = self._generate(round, orgs, metrics, failed) if orgs else ({}, {})
-        for org, why in failed.items():
-            metrics[f"round/{org}/failed"] = 1.0
-            metrics[f"round/{org}/failure/{why}"] = 1.0
-        # P_k(t) of every org with an accepted rollout (accepted holds no empty lists, so never None)
-        accuracy = {org: acc for org, rs in accepted.items() if (acc := accepted_accuracy(rs)) is not None}
-        for org, rs in accepted.items():
-            self.totals[org]["shared"] += len(rs)
-        min_orgs = self.cfg.federation.min_orgs
-        skipped = len(accepted) < min_orgs
-        trained: list[str] = []
-        if skipped:
-            self.skipped_rounds += 1
-            self.consecutive_failures += 1
-            log.warning(
-                "round %d: only %d valid replies (%s), min_orgs=%d: skipping training",
-                round,
-                len(accepted),
-                sorted(accepted),
-                min_orgs,
+            if org in trains or org in plans
+        }
+        owner = rd if rd is not None else last
+        if owner is None or not requests:
+            return {}, {}
+        # each half keeps its own round_timeout_s, as it had as a message of its own
+        halves = 2 if any(r.train is not None and r.plan is not None for r in requests.values()) else 1
+        t0 = time.perf_counter()
+        replies = self._counted(
+            owner, lambda: self.transport.step(requests, self.cfg.federation.round_timeout_s * halves)
+        )
+        owner.metrics["time/step"] = owner.metrics.get("time/step", 0.0) + time.perf_counter() - t0
+        self._account("step", owner.metrics)
+        reports, batches = {}, {}
+        for org, request in requests.items():
+            reports[org], batches[org] = _split_reply(request, replies.get(org, TimeoutError(f"no reply from {org!r}")))
+            parts = [getattr(reports[org], "metrics", None), getattr(batches[org], "metrics", None)]
+            _exchange_time("step", org, {k: v for m in parts if m for k, v in m.items()}, owner.metrics)
+        return reports, batches
+
+    def _counted(self, rd: _Round, send: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``send()``, adding the round-traffic messages the transport counted for it to ``rd.messages``."""
+        before = self.transport.messages_sent.copy()
+        out = send()
+        after = self.transport.messages_sent
+        for op in _ROUND_OPERATIONS:
+            for org in self.org_order:
+                rd.messages[org] += after[op, org] - before[op, org]
+        return out
+
+    def _finish(self, t: int, result: RoundResult, start: float) -> None:
+        """Evaluation, worker checkpoints, log line, metrics, state and ``on_round`` after round ``t``."""
+        fed = self.cfg.federation
+        accs = None
+        if (fed.eval_every and t % fed.eval_every == 0) or t == fed.rounds:
+            accs = self.evaluate(t, result.metrics)
+        if (fed.checkpoint_every and t % fed.checkpoint_every == 0) or t == fed.rounds:
+            self.checkpoint_workers(t, result.metrics)
+        self.round = t
+        self.wall_time_s += time.perf_counter() - start
+        log.info(format_round(result, fed.rounds, time.perf_counter() - start, self.guard.excluded))
+        if accs is not None:
+            log.info(format_eval(t, accs, self.eval_history.get(0)))
+        self._log(t, result.metrics)
+        self._save_state()
+        if self.on_round is not None:
+            self.on_round(result)
+        if self.consecutive_failures >= fed.max_failed_rounds:
+            raise FederationError(
+                f"{self.consecutive_failures} consecutive rounds (up to round {t}) had fewer than "
+                f"federation.min_orgs={fed.min_orgs} valid replies; last round: {result.replied or 'none'}"
             )
-        else:
-            self.consecutive_failures = 0
-            if not self.guard.blind:
-                self.tracker.update(accuracy)
-            prompts = next(iter(plans.values())).prompts
-            trained = self._train(round, prompts, accepted, metrics)
-        metrics.update({f"capability/{org}": v for org, v in self.capability_table().items()})
-        metrics.update(self.guard.metrics(self.org_order))
-        metrics.update(
-            {
-                "round/orgs_replied": float(len(accepted)),
-                "round/orgs_trained": float(len(trained)),
-                "round/skipped": float(skipped),
-                "time/round": time.perf_counter() - t0,
-            }
-        )
-        return RoundResult(
-            round,
-            skipped,
-            list(accepted),
-            accuracy,
-            trained,
-            metrics,
-            {org: failed[org] for org in self.org_order if org in failed},
-        )
 
     def run(self) -> RunSummary:
         """Run (or resume) until ``federation.rounds``; returns the summary."""
         fed = self.cfg.federation
         log.info(
-            "run %s (%s): rounds %d to %d, orgs %s",
+            "run %s (%s): rounds %d to %d, orgs %s, %s protocol",
             self.run_id,
             f"resumed after round {self.round}" if self.round else "new",
             self.round + 1,
             fed.rounds,
             self.org_order,
+            fed.protocol,
         )
         if self.round == 0 and 0 not in self.eval_history:
             start, metrics = time.perf_counter(), dict[str, float]()
@@ -485,29 +623,35 @@ class Coordinator:
             self.wall_time_s += time.perf_counter() - start
             self._log(0, metrics)
             self._save_state()
-        for t in range(self.round + 1, fed.rounds + 1):
-            start = time.perf_counter()
-            result = self.run_round(t)
-            accs = None
-            if (fed.eval_every and t % fed.eval_every == 0) or t == fed.rounds:
-                accs = self.evaluate(t, result.metrics)
-            if (fed.checkpoint_every and t % fed.checkpoint_every == 0) or t == fed.rounds:
-                self.checkpoint_workers(t, result.metrics)
-            self.round = t
-            self.wall_time_s += time.perf_counter() - start
-            log.info(format_round(result, fed.rounds, time.perf_counter() - start, self.guard.excluded))
-            if accs is not None:
-                log.info(format_eval(t, accs, self.eval_history.get(0)))
-            self._log(t, result.metrics)
-            self._save_state()
-            if self.on_round is not None:
-                self.on_round(result)
-            if self.consecutive_failures >= fed.max_failed_rounds:
-                raise FederationError(
-                    f"{self.consecutive_failures} consecutive rounds (up to round {t}) had fewer than "
-                    f"federation.min_orgs={fed.min_orgs} valid replies; last round: {result.replied or 'none'}"
-                )
+        if fed.protocol == "fused":
+            self._run_fused()
+        else:
+            for t in range(self.round + 1, fed.rounds + 1):
+                start = time.perf_counter()
+                self._finish(t, self.run_round(t), start)
         return self.summary()
+
+    def _run_fused(self) -> None:
+        """Rounds as one message per org: the message of round ``t`` carries round ``t - 1``'s train requests and
+        round ``t``'s plans (round ``self.round + 1``: plans alone; after the last round: train requests alone).
+
+        Round ``t - 1`` is finished (its train reports, evaluation, checkpoints, state) before round ``t``'s
+        batches are screened, so the saved state after round ``t - 1`` holds nothing of round ``t`` and a resumed
+        run sends round ``t``'s plan again, exactly as the two-message protocol does.
+        """
+        fed = self.cfg.federation
+        last: _Round | None = None
+        mark = time.perf_counter()
+        for t in range(self.round + 1, fed.rounds + 2):
+            rd = self._open_round(t) if t <= fed.rounds else None
+            reports, batches = self._step(last, rd)
+            if last is not None:
+                self._take_reports(last, reports)
+                self._finish(last.round, self._close_round(last, mark), mark)
+                mark = time.perf_counter()
+            if rd is not None:
+                self._take_batches(rd, batches)
+            last = rd
 
     def _log(self, round: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:

@@ -3,15 +3,29 @@
 A transport fans a request out to orgs and collects what comes back by a deadline. Per org the result is either
 the reply dataclass or an ``Exception`` (timeout, connection error, remote error): the round loop decides what a
 missing org means (skip it, check ``min_orgs``), never the transport.
+
+The operations are those of :data:`hacrl_fed.wire.operations.OPERATIONS`; ``step`` is the fused round
+(``federation.protocol: fused``: round ``r - 1``'s train request and round ``r``'s plan in one message per org).
+Every transport counts the messages it sends, per operation and org, in :attr:`Transport.messages_sent`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
-from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
+from hacrl_fed.types import (
+    EvalReport,
+    EvalRequest,
+    RolloutBatch,
+    RoundPlan,
+    StepReply,
+    StepRequest,
+    TrainReport,
+    TrainRequest,
+)
 
 R = TypeVar("R")
 Replies = dict[str, "R | Exception"]
@@ -37,6 +51,18 @@ class Transport(ABC):
 
     @abstractmethod
     def checkpoint(self, org_ids: list[str], round: int, timeout_s: float) -> dict[str, str | Exception]: ...
+
+    @abstractmethod
+    def step(self, requests: Mapping[str, StepRequest], timeout_s: float) -> dict[str, StepReply | Exception]: ...
+
+    @property
+    def messages_sent(self) -> Counter[tuple[str, str]]:
+        """``{(operation, org): messages sent}`` over this transport's life (every transport counts its own)."""
+        return self.__dict__.setdefault("_messages_sent", Counter())
+
+    def count_messages(self, operation: str, orgs: Iterable[str]) -> None:
+        """Count one ``operation`` message to each of ``orgs`` (called by the fan-outs, once per message sent)."""
+        self.messages_sent.update((operation, org) for org in orgs)
 
     def close(self) -> None:  # noqa: B027 - optional hook: a transport with nothing to release keeps this no-op
         """Release connections / stop processes this transport started."""

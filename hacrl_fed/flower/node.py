@@ -34,7 +34,6 @@ from flwr.app import ConfigRecord, Context, RecordDict
 
 from hacrl_fed.config import RunConfig
 from hacrl_fed.flower import records
-from hacrl_fed.flower.records import Operation
 from hacrl_fed.flower.settings import (
     DEFAULT_WORKER_FACTORY,
     AppSettings,
@@ -43,7 +42,8 @@ from hacrl_fed.flower.settings import (
     run_dir_of,
 )
 from hacrl_fed.limits import MAX_MESSAGE_MB
-from hacrl_fed.wire import codec
+from hacrl_fed.wire import operations as ops
+from hacrl_fed.wire.operations import Operation
 
 log = logging.getLogger(__name__)
 
@@ -216,18 +216,18 @@ def _deployment_worker(node_config: Mapping[str, Any], deadline_s: float | None)
 
 
 def _call(op: Operation, worker: Any, request: Any, org: str, mode: str) -> Any:
-    """Run ``op`` on ``worker``; returns what :func:`records.pack` accepts. A reply naming another org fails."""
-    if op is records.HEALTH:
-        info = dict(worker.health())
+    """Run ``op`` on ``worker``; returns its reply as a protobuf message. A reply naming another org fails."""
+    reply = op.call(worker, request)
+    if op is ops.HEALTH:
+        info = dict(reply)
         if info.get("org_id", org) != org:
             raise NodeError(f"the worker reports org {info['org_id']!r}; this node serves {org!r}")
-        return codec.health_reply_to_proto({**info, "org_id": org, "node_mode": mode})
-    if op is records.CHECKPOINT:
-        return codec.checkpoint_reply_to_proto(worker.checkpoint(request))
-    reply = getattr(worker, op.name)(request)
-    if getattr(reply, "org_id", org) != org:  # RolloutBatch / TrainReport / EvalReport name their org
-        raise NodeError(f"the worker answered as org {reply.org_id!r}; this node serves {org!r}")
-    return reply
+        reply = {**info, "org_id": org, "node_mode": mode}
+    # RolloutBatch / TrainReport / EvalReport name their org, and so do the halves of a StepReply
+    for part in (reply, getattr(reply, "report", None), getattr(reply, "batch", None)):
+        if getattr(part, "org_id", org) != org:
+            raise NodeError(f"the worker answered as org {part.org_id!r}; this node serves {org!r}")  # type: ignore[union-attr]
+    return op.encode_reply(reply)
 
 
 def _serve(op: Operation, content: RecordDict, org: str, mode: str, worker: Any) -> RecordDict:

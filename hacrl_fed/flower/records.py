@@ -8,23 +8,14 @@ Layout of every request and reply content::
 :func:`hacrl_fed.wire.codec.encode`'s deterministic serialization, decoded (and checked field by field) with
 :func:`hacrl_fed.wire.codec.decode`. Nothing else travels: no pickles, no nested records.
 
-The five operations and their Flower message types (``<category>.<action>``, category train/evaluate/query; the
-ClientApp routes ``train`` to ``@app.train()``, ``query.generate`` to ``@app.query("generate")`` ...):
-
-=============  ======================  ===================  =================
-operation      message type            request kind         reply kind
-=============  ======================  ===================  =================
-generate       ``query.generate``      RoundPlan            RolloutBatch
-train          ``train``               TrainRequest         TrainReport
-evaluate       ``evaluate``            EvalRequest          EvalReport
-health         ``query.health``        HealthRequest        HealthReply
-checkpoint     ``query.checkpoint``    CheckpointRequest    CheckpointReply
-=============  ======================  ===================  =================
+Which message type carries which operation (``<category>.<action>``, category train/evaluate/query; the ClientApp
+routes ``train`` to ``@app.train()``, ``query.generate`` to ``@app.query("generate")``, ``train.step`` to
+``@app.train("step")`` ...) and which kinds its request and reply hold come from the one table of the operations,
+:data:`hacrl_fed.wire.operations.OPERATIONS`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import ConfigRecord, RecordDict
@@ -38,24 +29,6 @@ PAYLOAD_KEY = "payload"
 
 class RecordError(ValueError):
     """A Flower message content that is not a well-formed hacrl-fed record (names what is wrong)."""
-
-
-@dataclass(frozen=True)
-class Operation:
-    """One request/reply exchange: its Flower message type and the protobuf kinds of request and reply."""
-
-    name: str
-    message_type: str
-    request_kind: str
-    reply_kind: str
-
-
-GENERATE = Operation("generate", "query.generate", "RoundPlan", "RolloutBatch")
-TRAIN = Operation("train", "train", "TrainRequest", "TrainReport")
-EVALUATE = Operation("evaluate", "evaluate", "EvalRequest", "EvalReport")
-HEALTH = Operation("health", "query.health", "HealthRequest", "HealthReply")
-CHECKPOINT = Operation("checkpoint", "query.checkpoint", "CheckpointRequest", "CheckpointReply")
-OPERATIONS = {op.name: op for op in (GENERATE, TRAIN, EVALUATE, HEALTH, CHECKPOINT)}
 
 
 def kind_of(obj: Any) -> str:

@@ -36,9 +36,19 @@ from flwr.app import Message
 from hacrl_fed import failures
 from hacrl_fed.coordinator.transport import Transport, TransportTimeout
 from hacrl_fed.flower import records
-from hacrl_fed.flower.records import Operation
-from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
+from hacrl_fed.types import (
+    EvalReport,
+    EvalRequest,
+    RolloutBatch,
+    RoundPlan,
+    StepReply,
+    StepRequest,
+    TrainReport,
+    TrainRequest,
+)
 from hacrl_fed.wire import codec
+from hacrl_fed.wire import operations as ops
+from hacrl_fed.wire.operations import Operation
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +148,8 @@ def query_health(
 ) -> dict[int, dict[str, str] | Exception]:
     """``query.health`` to every node: ``{node_id: health info (with "org_id") | Exception}``."""
     contents = {node: records.pack(codec.health_request()) for node in node_ids}
-    replies = exchange(grid, records.HEALTH, contents, timeout_s, group_id="health", **kw)
-    return {node: decode_reply(records.HEALTH, f"node {node}", reply) for node, (reply, _) in replies.items()}
+    replies = exchange(grid, ops.HEALTH, contents, timeout_s, group_id="health", **kw)
+    return {node: decode_reply(ops.HEALTH, f"node {node}", reply) for node, (reply, _) in replies.items()}
 
 
 @dataclass
@@ -179,7 +189,7 @@ def assign_orgs(
 
 
 def _orgs_answered(replies: Mapping[int, tuple[Any, float]]) -> set[str]:
-    infos = (decode_reply(records.HEALTH, "", reply) for reply, _ in replies.values())
+    infos = (decode_reply(ops.HEALTH, "", reply) for reply, _ in replies.values())
     return {info.get("org_id", "") for info in infos if isinstance(info, dict)}
 
 
@@ -318,6 +328,7 @@ class FlowerTransport(Transport):
                 out[org] = err
                 continue
             sent_bytes[org] = records.payload_size(contents[node_of[org]])
+        self.count_messages(op.name, sent_bytes)
         replies = exchange(
             self.grid,
             op,
@@ -337,25 +348,28 @@ class FlowerTransport(Transport):
         return out
 
     def generate(self, plans: Mapping[str, RoundPlan], timeout_s: float) -> dict[str, RolloutBatch | Exception]:
-        return self._call(records.GENERATE, plans, timeout_s, _group(plans))
+        return self._call(ops.GENERATE, plans, timeout_s, _group(plans))
 
     def train(self, requests: Mapping[str, TrainRequest], timeout_s: float) -> dict[str, TrainReport | Exception]:
-        return self._call(records.TRAIN, requests, timeout_s, _group(requests))
+        return self._call(ops.TRAIN, requests, timeout_s, _group(requests))
 
     def evaluate(self, requests: Mapping[str, EvalRequest], timeout_s: float) -> dict[str, EvalReport | Exception]:
-        return self._call(records.EVALUATE, requests, timeout_s, _group(requests))
+        return self._call(ops.EVALUATE, requests, timeout_s, _group(requests))
 
     def checkpoint(self, org_ids: list[str], round: int, timeout_s: float) -> dict[str, str | Exception]:
         request = codec.checkpoint_request_to_proto(round)
-        return self._call(records.CHECKPOINT, {org: request for org in org_ids}, timeout_s, str(round))
+        return self._call(ops.CHECKPOINT, {org: request for org in org_ids}, timeout_s, str(round))
+
+    def step(self, requests: Mapping[str, StepRequest], timeout_s: float) -> dict[str, StepReply | Exception]:
+        return self._call(ops.STEP, requests, timeout_s, _group(requests))
 
     def health(self, org_ids: list[str], timeout_s: float) -> dict[str, dict[str, str] | Exception]:
         """``query.health`` to the given orgs: ``{org: health info | Exception}``."""
         request = codec.health_request()
-        return self._call(records.HEALTH, {org: request for org in org_ids}, timeout_s, "health")
+        return self._call(ops.HEALTH, {org: request for org in org_ids}, timeout_s, "health")
 
 
 def _group(requests: Mapping[str, Any]) -> str:
     """Flower group id of a call: the round of its requests ("" if none)."""
-    rounds = {getattr(r, "round", None) for r in requests.values()}
+    rounds = {getattr(r, "round", None) or getattr(getattr(r, "plan", None), "round", None) for r in requests.values()}
     return str(rounds.pop()) if len(rounds) == 1 else ""

@@ -60,6 +60,11 @@ class PolicyWorkerStub(object):
                 request_serializer=hacrl__fed_dot_v1_dot_worker__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=hacrl__fed_dot_v1_dot_worker__pb2.CheckpointReply.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/hacrl_fed.v1.PolicyWorker/Step',
+                request_serializer=hacrl__fed_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=hacrl__fed_dot_v1_dot_worker__pb2.StepReply.FromString,
+                _registered_method=True)
 
 
 class PolicyWorkerServicer(object):
@@ -96,6 +101,13 @@ class PolicyWorkerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Step(self, request, context):
+        """the fused round (federation.protocol: fused)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PolicyWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +135,11 @@ def add_PolicyWorkerServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=hacrl__fed_dot_v1_dot_worker__pb2.CheckpointRequest.FromString,
                     response_serializer=hacrl__fed_dot_v1_dot_worker__pb2.CheckpointReply.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=hacrl__fed_dot_v1_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=hacrl__fed_dot_v1_dot_worker__pb2.StepReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +278,33 @@ class PolicyWorker(object):
             '/hacrl_fed.v1.PolicyWorker/Checkpoint',
             hacrl__fed_dot_v1_dot_worker__pb2.CheckpointRequest.SerializeToString,
             hacrl__fed_dot_v1_dot_worker__pb2.CheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hacrl_fed.v1.PolicyWorker/Step',
+            hacrl__fed_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+            hacrl__fed_dot_v1_dot_worker__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,

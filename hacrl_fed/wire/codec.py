@@ -29,7 +29,10 @@ Decoding is the trust boundary, so every decoded field is checked (input hygiene
   ``max_recipients`` entries of at most 64 bytes;
 * ``TrainRequest.source_batches`` are checked like any ``RolloutBatch``; with
   ``WireLimits.skip_unsigned_foreign`` (a worker with signing on, which ignores unsigned rollouts)
-  ``TrainRequest.foreign`` is only counted (``unread_foreign``), never converted.
+  ``TrainRequest.foreign`` is only counted (``unread_foreign``), never converted;
+* ``StepRequest`` (the fused round) carries a ``train`` or a ``plan`` or both, each checked as its own message;
+  ``StepReply`` never carries both a half's reply and its error (``report`` / ``train_error``, ``batch`` /
+  ``generate_error``).
 
 The codec checks shapes only; signatures and sealed text are checked by :mod:`hacrl_fed.security`.
 """
@@ -260,6 +263,30 @@ def _eval_rep_to(r: t.EvalReport) -> pb.EvalReport:
     )
 
 
+def _step_req_to(r: t.StepRequest) -> pb.StepRequest:
+    if r.train is None and r.plan is None:
+        raise WireError("StepRequest: neither train nor plan is set")
+    msg = pb.StepRequest(schema_version=SCHEMA_VERSION)
+    if r.train is not None:
+        msg.train.CopyFrom(_train_req_to(r.train))
+    if r.plan is not None:
+        msg.plan.CopyFrom(_plan_to(r.plan))
+    return msg
+
+
+def _step_rep_to(r: t.StepReply) -> pb.StepReply:
+    if r.report is not None and r.train_error:
+        raise WireError("StepReply: both report and train_error are set")
+    if r.batch is not None and r.generate_error:
+        raise WireError("StepReply: both batch and generate_error are set")
+    msg = pb.StepReply(schema_version=SCHEMA_VERSION, train_error=r.train_error, generate_error=r.generate_error)
+    if r.report is not None:
+        msg.report.CopyFrom(_train_rep_to(r.report))
+    if r.batch is not None:
+        msg.batch.CopyFrom(_batch_to(r.batch))
+    return msg
+
+
 def health_request() -> pb.HealthRequest:
     """An empty, versioned ``HealthRequest``."""
     return pb.HealthRequest(schema_version=SCHEMA_VERSION)
@@ -462,6 +489,30 @@ def _eval_rep_from(m: pb.EvalReport, where: str, lim: WireLimits) -> t.EvalRepor
     )
 
 
+def _step_req_from(m: pb.StepRequest, where: str, lim: WireLimits) -> t.StepRequest:
+    _check_version(m, where)
+    if not (m.HasField("train") or m.HasField("plan")):
+        _fail(where, "neither train nor plan is set")
+    return t.StepRequest(
+        train=_train_req_from(m.train, f"{where}.train", lim) if m.HasField("train") else None,
+        plan=_plan_from(m.plan, f"{where}.plan", lim) if m.HasField("plan") else None,
+    )
+
+
+def _step_rep_from(m: pb.StepReply, where: str, lim: WireLimits) -> t.StepReply:
+    _check_version(m, where)
+    if m.HasField("report") and m.train_error:
+        _fail(where, "both report and train_error are set")
+    if m.HasField("batch") and m.generate_error:
+        _fail(where, "both batch and generate_error are set")
+    return t.StepReply(
+        report=_train_rep_from(m.report, f"{where}.report", lim) if m.HasField("report") else None,
+        batch=_batch_from(m.batch, f"{where}.batch", lim) if m.HasField("batch") else None,
+        train_error=_string(m.train_error, f"{where}.train_error", lim.max_text_chars),
+        generate_error=_string(m.generate_error, f"{where}.generate_error", lim.max_text_chars),
+    )
+
+
 def _health_req_from(m: pb.HealthRequest, where: str, lim: WireLimits) -> None:
     _check_version(m, where)
 
@@ -500,6 +551,8 @@ _TO_PROTO: dict[type, Callable[[Any], Message]] = {
     t.TrainReport: _train_rep_to,
     t.EvalRequest: _eval_req_to,
     t.EvalReport: _eval_rep_to,
+    t.StepRequest: _step_req_to,
+    t.StepReply: _step_rep_to,
 }
 _FROM_PROTO: dict[type[Message], Callable[[Any, str, WireLimits], Any]] = {
     pb.ChatMessage: _chat_from,
@@ -513,6 +566,8 @@ _FROM_PROTO: dict[type[Message], Callable[[Any, str, WireLimits], Any]] = {
     pb.TrainReport: _train_rep_from,
     pb.EvalRequest: _eval_req_from,
     pb.EvalReport: _eval_rep_from,
+    pb.StepRequest: _step_req_from,
+    pb.StepReply: _step_rep_from,
     pb.HealthRequest: _health_req_from,
     pb.HealthReply: _health_rep_from,
     pb.CheckpointRequest: _ckpt_req_from,

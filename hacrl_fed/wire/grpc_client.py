@@ -20,11 +20,22 @@ import grpc
 
 from hacrl_fed import failures
 from hacrl_fed.limits import MAX_MESSAGE_MB
-from hacrl_fed.types import EvalReport, EvalRequest, RolloutBatch, RoundPlan, TrainReport, TrainRequest
+from hacrl_fed.types import (
+    EvalReport,
+    EvalRequest,
+    RolloutBatch,
+    RoundPlan,
+    StepReply,
+    StepRequest,
+    TrainReport,
+    TrainRequest,
+)
 from hacrl_fed.v1 import worker_pb2_grpc
 from hacrl_fed.wire import codec
+from hacrl_fed.wire import operations as ops
 from hacrl_fed.wire.grpc_server import is_local_address, message_size_options, read_pem
 from hacrl_fed.wire.link_secret import call_metadata
+from hacrl_fed.wire.operations import Operation
 
 # Reconnect quickly after a worker (re)start instead of gRPC's default 1 s .. 120 s exponential backoff.
 _RECONNECT_OPTIONS = [
@@ -140,19 +151,22 @@ class GrpcWorkerClient:
     # -- WorkerAPI ---------------------------------------------------------------------------------------------
 
     def generate(self, plan: RoundPlan, *, timeout_s: float | None = None) -> RolloutBatch:
-        return self._call("Generate", codec.to_proto(plan), timeout_s)
+        return self._call(ops.GENERATE, plan, timeout_s)
 
     def train(self, request: TrainRequest, *, timeout_s: float | None = None) -> TrainReport:
-        return self._call("Train", codec.to_proto(request), timeout_s)
+        return self._call(ops.TRAIN, request, timeout_s)
 
     def evaluate(self, request: EvalRequest, *, timeout_s: float | None = None) -> EvalReport:
-        return self._call("Evaluate", codec.to_proto(request), timeout_s)
+        return self._call(ops.EVALUATE, request, timeout_s)
 
     def health(self, *, timeout_s: float | None = None) -> dict[str, str]:
-        return self._learn_org(self._call("Health", codec.health_request(), timeout_s))
+        return self._learn_org(self._call(ops.HEALTH, None, timeout_s))
 
     def checkpoint(self, round: int, *, timeout_s: float | None = None) -> str:
-        return self._call("Checkpoint", codec.checkpoint_request_to_proto(round), timeout_s)
+        return self._call(ops.CHECKPOINT, round, timeout_s)
+
+    def step(self, request: StepRequest, *, timeout_s: float | None = None) -> StepReply:
+        return self._call(ops.STEP, request, timeout_s)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -161,7 +175,7 @@ class GrpcWorkerClient:
 
         Raises :class:`WorkerCallTimeout` if it does not answer within ``timeout_s``.
         """
-        info = self._call("Health", codec.health_request(), timeout_s, wait_for_ready=True)
+        info = self._call(ops.HEALTH, None, timeout_s, wait_for_ready=True)
         return self._learn_org(info)
 
     def close(self) -> None:
@@ -181,16 +195,17 @@ class GrpcWorkerClient:
 
     # -- internals ---------------------------------------------------------------------------------------------
 
-    def _call(self, rpc: str, request, timeout_s: float | None, *, wait_for_ready: bool = False):
+    def _call(self, op: Operation, request: Any, timeout_s: float | None, *, wait_for_ready: bool = False) -> Any:
         if self._closed:
-            raise WorkerCallError(rpc, grpc.StatusCode.CANCELLED, "client is closed", self.address)
+            raise WorkerCallError(op.rpc, grpc.StatusCode.CANCELLED, "client is closed", self.address)
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        message = op.encode_request(request)
         try:
-            reply = getattr(self._stub, rpc)(
-                request, timeout=timeout, wait_for_ready=wait_for_ready, metadata=self._metadata
+            reply = getattr(self._stub, op.rpc)(
+                message, timeout=timeout, wait_for_ready=wait_for_ready, metadata=self._metadata
             )
         except grpc.RpcError as err:
-            raise _call_error(rpc, err, self.address) from None
+            raise _call_error(op.rpc, err, self.address) from None
         return codec.from_proto(reply, limits=self._limits)
 
     def _learn_org(self, info: dict[str, str]) -> dict[str, str]:

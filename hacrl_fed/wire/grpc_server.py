@@ -23,11 +23,13 @@ Behaviour:
 
 * Requests arrive as raw bytes and are decoded (and checked) by :func:`hacrl_fed.wire.codec.decode` before the
   worker sees them: undecodable bytes or a failed check -> INVALID_ARGUMENT naming the problem, logged as one line.
-* Generate / Train / Evaluate / Checkpoint run one at a time under a lock (the worker owns one model); a call
-  whose client gave up while waiting for the lock is dropped (CANCELLED) instead of run. A running call is inside
-  :func:`hacrl_fed.worker.cancel.cancel_scope`, so worker code that calls ``raise_if_cancelled()`` stops once the
-  client cancels or its deadline passes (CANCELLED / DEADLINE_EXCEEDED). Health skips the lock so a busy worker
-  still answers it: ``worker.health()`` must be cheap and thread-safe.
+* One handler per operation of :data:`hacrl_fed.wire.operations.OPERATIONS` (the service name and message kinds
+  come from the generated descriptor). Generate / Train / Evaluate / Checkpoint / Step run one at a time under a
+  lock (the worker owns one model); a call whose client gave up while waiting for the lock is dropped (CANCELLED)
+  instead of run. A running call is inside :func:`hacrl_fed.worker.cancel.cancel_scope`, so worker code that
+  calls ``raise_if_cancelled()`` stops once the client cancels or its deadline passes (CANCELLED /
+  DEADLINE_EXCEEDED). Health skips the lock so a busy worker still answers it: ``worker.health()`` must be cheap
+  and thread-safe.
 * Every call is logged as one line: a successful one at INFO with its rpc, round and seconds (Health only at
   DEBUG: clients poll it), a failed one as below.
 * Worker exceptions become gRPC statuses carrying ``"<ExceptionType>: <message>"`` (never a traceback):
@@ -59,11 +61,11 @@ import grpc
 from hacrl_fed import failures
 from hacrl_fed.limits import MAX_MESSAGE_MB
 from hacrl_fed.wire import codec
+from hacrl_fed.wire.operations import BY_RPC, SERVICE
 from hacrl_fed.worker.cancel import CallCancelled, cancel_scope, cancelled
 
 log = logging.getLogger(__name__)
 
-SERVICE = "hacrl_fed.v1.PolicyWorker"
 MAX_DETAILS_CHARS = 2000  # status details travel in trailing metadata (about 8 KiB allowed by default)
 _MAX_MESSAGE_MB = 2047  # gRPC lengths are signed 32-bit ints
 _NO_DEADLINE_S = 1e9  # grpc reports "no deadline" as a huge time_remaining() (about 9.2e18 s)
@@ -252,16 +254,6 @@ def _remaining_s(context) -> float | None:
     return None if remaining is None or remaining > _NO_DEADLINE_S else max(0.0, remaining)
 
 
-# rpc -> (request message name, reply encoder, worker method, locked)
-_RPCS: dict[str, tuple[str, Callable[[Any], Any], str, bool]] = {
-    "Generate": ("RoundPlan", codec.to_proto, "generate", True),
-    "Train": ("TrainRequest", codec.to_proto, "train", True),
-    "Evaluate": ("EvalRequest", codec.to_proto, "evaluate", True),
-    "Checkpoint": ("CheckpointRequest", codec.checkpoint_reply_to_proto, "checkpoint", True),
-    "Health": ("HealthRequest", codec.health_reply_to_proto, "health", False),
-}
-
-
 class PolicyWorkerServicer:
     """Delegates each RPC (raw request bytes in, reply bytes out) to a WorkerAPI object, one model call at a time."""
 
@@ -274,9 +266,10 @@ class PolicyWorkerServicer:
         self._lock = threading.Lock()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
-        """The ``hacrl_fed.v1.PolicyWorker`` handlers; requests stay bytes until :meth:`_serve` decodes them."""
+        """The ``hacrl_fed.v1.PolicyWorker`` handlers, one per operation of :mod:`hacrl_fed.wire.operations`;
+        requests stay bytes until :meth:`_serve` decodes them."""
         handlers = {
-            rpc: grpc.unary_unary_rpc_method_handler(self._handler(rpc), request_deserializer=bytes) for rpc in _RPCS
+            rpc: grpc.unary_unary_rpc_method_handler(self._handler(rpc), request_deserializer=bytes) for rpc in BY_RPC
         }
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
@@ -284,19 +277,18 @@ class PolicyWorkerServicer:
         return lambda data, context: self._serve(rpc, data, context)
 
     def _invoke(self, rpc: str, arg: Any) -> Any:
-        method = getattr(self._worker, _RPCS[rpc][2])
-        return method() if rpc == "Health" else method(arg)
+        return BY_RPC[rpc].call(self._worker, arg)
 
     def _serve(self, rpc: str, data: bytes, context) -> bytes:
         """Authorize -> decode -> (lock + cancel scope) -> call -> encode; a failure aborts with a mapped status."""
-        kind, encode, _, locked = _RPCS[rpc]
+        op = BY_RPC[rpc]
         start = time.perf_counter()
         try:
             self._authorize(context)
-            arg = codec.decode(kind, data, limits=self._limits)
-            result = self._locked_call(rpc, arg, context) if locked else self._invoke(rpc, arg)
+            arg = codec.decode(op.request_kind, data, limits=self._limits)
+            result = self._locked_call(rpc, arg, context) if op.locked else self._invoke(rpc, arg)
             try:
-                reply = encode(result).SerializeToString()
+                reply = op.encode_reply(result).SerializeToString()
             except Exception as err:
                 raise _BadReply(f"worker returned an unencodable {rpc} reply: {err}") from err
             log.log(
@@ -365,6 +357,9 @@ def _round_of(request: Any) -> str:
     """`` round N`` (or ``run R round N``) for a decoded request, "" when it names no round."""
     if isinstance(request, int) and not isinstance(request, bool):  # a CheckpointRequest decodes to its round
         return f" round {request}"
+    halves = [getattr(request, half, None) for half in ("train", "plan")]  # a StepRequest: its halves' rounds
+    if any(halves):
+        return "".join(f" {name} round {h.round}" for name, h in zip(("train", "plan"), halves) if h is not None)
     round_ = getattr(request, "round", None)
     return "" if round_ is None else f" round {round_}"
 

@@ -13,6 +13,9 @@ does not fit its own state and configured limits:
   an attack); ``train`` only for the round it generated; ``checkpoint`` only for the round it last trained;
 * no plan or eval request without prompts (``empty_plan``); the capability table of a train request has at most
   one entry per configured org and none for others (``bad_capability``);
+* a fused round (``StepRequest``): the train request is for this org and the plan is of the same run and the
+  round right after it (``step_mismatch``); the plan is checked against the limits below before the train half
+  starts, and each half then passes its own checks;
 * plan size: ``num_samples``, ``max_new_tokens`` and the number of prompts at most the worker's own configured
   values (``generation.num_samples``, ``generation.max_new_tokens``, ``federation.prompts_per_round``); eval
   requests at most ``task.eval_size`` prompts and ``generation.eval_max_new_tokens`` tokens.
@@ -32,7 +35,16 @@ from collections.abc import Callable, Mapping
 
 from hacrl_fed.config import RunConfig, org_generation
 from hacrl_fed.plan.screening import Screened, screen_batch
-from hacrl_fed.types import EvalRequest, Prompt, Rollout, RolloutBatch, RoundPlan, SamplingParams, TrainRequest
+from hacrl_fed.types import (
+    EvalRequest,
+    Prompt,
+    Rollout,
+    RolloutBatch,
+    RoundPlan,
+    SamplingParams,
+    StepRequest,
+    TrainRequest,
+)
 
 
 class RequestRefused(ValueError):
@@ -109,6 +121,24 @@ def check_eval(cfg: RunConfig, org_id: str, request: EvalRequest, *, run_id: str
     gen = org_generation(cfg, org_id)
     _at_most("max_new_tokens", request.max_new_tokens, gen.eval_max_new_tokens, "generation.eval_max_new_tokens")
     _at_most("prompts", len(request.prompts), cfg.task.eval_size, "task.eval_size")
+
+
+def check_step(org_id: str, request: StepRequest) -> None:
+    """A fused round (:class:`StepRequest`) holds a train request for this org and the plan of the round right
+    after it, of the same run; each half is then checked as its own request would be."""
+    train, plan = request.train, request.plan
+    if train is None and plan is None:
+        raise RequestRefused("empty_step", "the step request carries neither a train request nor a plan")
+    if train is not None and train.org_id != org_id:
+        raise RequestRefused("wrong_org", f"train request for org {train.org_id!r} sent to worker {org_id!r}")
+    if train is None or plan is None:
+        return
+    if plan.run_id != train.run_id:
+        raise RequestRefused("step_mismatch", f"train of run {train.run_id!r} with a plan of run {plan.run_id!r}")
+    if plan.round != train.round + 1:
+        raise RequestRefused(
+            "step_mismatch", f"train of round {train.round} with a plan for round {plan.round}, not {train.round + 1}"
+        )
 
 
 def check_checkpoint(org_id: str, round: int, *, last_round: int) -> None:

@@ -1,7 +1,8 @@
 """An organization's policy worker: owns the private model, generates and verifies rollouts, trains locally.
 
 Implements :class:`hacrl_fed.worker.api.WorkerAPI`. Each round: :meth:`generate` (pre-update weights) then
-:meth:`train` (own rollouts of that round + foreign ones). Only text, rewards and sequence log-probs leave it.
+:meth:`train` (own rollouts of that round + foreign ones); with the fused protocol one :meth:`step` call does
+round ``r - 1``'s train and round ``r``'s generate. Only text, rewards and sequence log-probs leave it.
 
 Every request is checked against the worker's own state and limits first (:mod:`hacrl_fed.worker.guard`):
 after ``train`` of round ``t`` of run ``R`` (remembered in checkpoints) it refuses plans of ``R`` for rounds
@@ -62,9 +63,12 @@ from hacrl_fed.types import (
     Rollout,
     RolloutBatch,
     RoundPlan,
+    StepReply,
+    StepRequest,
     TrainReport,
     TrainRequest,
 )
+from hacrl_fed.worker.api import run_step
 from hacrl_fed.worker.cancel import raise_if_cancelled
 from hacrl_fed.worker.checkpoint import (
     checkpoint_round,
@@ -80,6 +84,7 @@ from hacrl_fed.worker.guard import (
     check_checkpoint,
     check_eval,
     check_plan,
+    check_step,
     screen_sources,
 )
 
@@ -455,6 +460,18 @@ class PolicyWorker:
         from hacrl_fed.security.reports import sign_report
 
         return sign_report(report, self.identity)
+
+    def step(self, request: StepRequest) -> StepReply:
+        """The fused round: :meth:`train` on round ``r - 1``'s request, then :meth:`generate` on round ``r``'s plan
+        with the updated weights (:func:`hacrl_fed.worker.api.run_step`). The request is refused whole, before any
+        work, when its halves do not belong together or the plan is outside this org's limits."""
+        check_step(self.org_id, request)
+        train, plan = request.train, request.plan
+        if train is not None and plan is not None:  # the plan as generate() will check it once the train is done
+            self._check_task(plan.task)
+            check_plan(self.cfg, self.org_id, plan, last_round=train.round, run_id=self.run_id)
+            self._check_prompts(plan.prompts, "train")
+        return run_step(self, request)
 
     def _foreign_rows(self, foreign: list[Rollout], own: _OwnRound, agents: list[str]) -> tuple[list[TrainRow], int]:
         """Re-tokenize screened foreign responses with this learner's template and tokenizer (EOS iff the source

@@ -93,6 +93,7 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
             "wall": float(rec["time/round"]),
             "generate_fanout": float(rec.get("time/generate") or 0.0),
             "train_fanout": float(rec.get("time/train") or 0.0),
+            "step_fanout": float(rec.get("time/step") or 0.0),  # federation.protocol: fused
             "generate": _sum(rec, [f"{o}/time/generate" for o in orgs]),
             "verify": _sum(rec, [f"{o}/time/verify" for o in orgs]),
             "score": _sum(rec, [f"{o}/time/score" for o in orgs]),
@@ -101,16 +102,18 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
             "exchange": _sum(rec, [k for k in rec if k.startswith("time/exchange/")]),
             "coordinator": float(rec["time/round"])
             - float(rec.get("time/generate") or 0.0)
-            - float(rec.get("time/train") or 0.0),
+            - float(rec.get("time/train") or 0.0)
+            - float(rec.get("time/step") or 0.0),
             "rollouts": _sum(rec, [f"round/{o}/rollouts_received" for o in orgs]),
             "foreign": _sum(rec, [f"{o}/train/foreign_received" for o in orgs]),
+            "messages": _sum(rec, [f"round/{o}/messages" for o in orgs]),  # the transport's counter, all orgs
         }
-        for phase in ("generate", "train"):
+        for phase in ("generate", "train", "step"):
             if rec.get(f"bytes/{phase}/total") is not None:
                 row[f"bytes_{phase}"] = float(rec[f"bytes/{phase}/total"])
         row["train_share"] = row["train_fanout"] / row["wall"] if row["wall"] > 0 else 0.0
         for o in orgs:
-            calls = _sum(rec, [f"time/call/generate/{o}", f"time/call/train/{o}"])
+            calls = _sum(rec, [f"time/call/{phase}/{o}" for phase in ("generate", "train", "step")])
             compute = _sum(
                 rec, [f"{o}/time/{p}" for p in ("generate", "verify", "seal_sign", "trust", "score", "train")]
             )
@@ -576,12 +579,13 @@ def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900)
         "fixed_cost_per_round_s": dep_s["wall"] - in_s["wall"],
         "generate_fanout_s": dep_s["generate_fanout"],
         "train_fanout_s": dep_s["train_fanout"],
+        "step_fanout_s": dep_s["step_fanout"],
         "coordinator_s": dep_s["coordinator"],
         "exchange_s": dep_s["exchange"],
         "per_org": where,
-        "clientapp_messages_per_round": 2 * len(orgs),
+        "clientapp_messages_per_round": dep_s["messages"],
         # every message runs in a new flwr-clientapp process: the time outside the workers, per message
-        "outside_worker_s_per_message": dep_s["exchange"] / (2 * len(orgs)),
+        "outside_worker_s_per_message": dep_s["exchange"] / max(dep_s["messages"], 1.0),
     }
 
 
@@ -664,6 +668,7 @@ def format_tables(result: Mapping[str, Any]) -> str:
             f"fixed cost {_f(dp['fixed_cost_per_round_s'], 2)} s per round "
             f"({dp['clientapp_messages_per_round']} ClientApp messages per round)",
             f"- generate fan-out {_f(dp['generate_fanout_s'], 2)} s, train fan-out {_f(dp['train_fanout_s'], 2)} s, "
+            f"fused step fan-out {_f(dp.get('step_fanout_s'), 2)} s, "
             f"coordinator {_f(dp['coordinator_s'], 3)} s, exchange (call minus worker compute, all orgs) "
             f"{_f(dp['exchange_s'], 2)} s, i.e. {_f(dp['outside_worker_s_per_message'], 2)} s per ClientApp "
             "message (each message starts a new flwr-clientapp process)",
