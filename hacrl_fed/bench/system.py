@@ -52,6 +52,7 @@ DEMO = ROOT / "configs" / "demo.yaml"
 SMOKE = ROOT / "configs" / "smoke.yaml"
 OUT = ROOT / "benchmarks" / "system"
 TRANSPORTS = ("inprocess", "grpc", "flower")
+POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
 MICRO = ("micro-qwen-char", "micro-gpt2-bpe")
 PHASES = ("generate", "verify", "score", "train", "trust", "exchange", "coordinator")
 QUIET_ENV = {
@@ -417,9 +418,25 @@ def bench_scaling(counts: Sequence[int], rounds: int, work: Path, transport: str
     return {"transport": transport, "rounds": rounds, "orgs": out}
 
 
-def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900) -> dict[str, Any]:
-    """The Flower deployment engine on loopback with the smoke config vs the same config in-process."""
-    from hacrl_fed.deploy.harness import Deployment, identity_overrides, start_local
+def bench_deployment(
+    rounds: int,
+    work: Path,
+    log=print,
+    timeout_s: float = 900,
+    *,
+    task_poll_s: float | None = None,
+    reply_poll_s: float | None = None,
+) -> dict[str, Any]:
+    """The Flower deployment engine on loopback with the smoke config vs the same config in-process.
+
+    ``task_poll_s`` sets the SuperExecs' ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` and ``reply_poll_s`` the ServerApp's
+    ``reply-poll`` (None: the harness's and the app's defaults). The SuperNodes log at ``FLWR_LOG_LEVEL=DEBUG``
+    (timestamps): ``timeline`` is :func:`hacrl_fed.bench.deploy_timeline.timeline` of their logs, the median
+    seconds of each piece of a round message's cycle.
+    """
+    from hacrl_fed.bench.deploy_timeline import timeline
+    from hacrl_fed.deploy.harness import FAST_POLL_ENV, Deployment, identity_overrides, start_local
+    from hacrl_fed.flower.settings import REPLY_POLL_S
 
     base = [f"federation.rounds={rounds}", "federation.eval_every=0", "task.eval_size=8"]
     log("  deployment: in-process baseline ...")
@@ -431,18 +448,23 @@ def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900)
     overrides = [*base, *identity_overrides(dep_dir / "identity_set", orgs)]
     run_dir = dep_dir / "run"
     log("  deployment: SuperLink + SuperNodes + workers on loopback ...")
+    env = {"FLWR_LOG_LEVEL": "DEBUG"}
+    if task_poll_s is not None:
+        env[POLL_ENV] = str(task_poll_s)
+    run_config: dict[str, Any] = {"config-path": str(SMOKE), "overrides": " ".join(overrides), "run-dir": str(run_dir)}
+    if reply_poll_s is not None:
+        run_config["reply-poll"] = reply_poll_s
     t0 = time.perf_counter()
     try:
-        with Deployment(dep_dir) as dep:
+        with Deployment(dep_dir, extra_env=env) as dep:
             start_local(dep, SMOKE, orgs, overrides=overrides)
             started = time.perf_counter() - t0
             t1 = time.perf_counter()
-            run_id = dep.submit(
-                ROOT, {"config-path": str(SMOKE), "overrides": " ".join(overrides), "run-dir": str(run_dir)}
-            )
+            run_id = dep.submit(ROOT, run_config)
             info = dep.wait_run(run_id, timeout_s)
             run_s = time.perf_counter() - t1
             processes = dep.timings()
+            pieces = timeline(p.log_text() for p in dep.procs if p.name.startswith("supernode-"))
         if info.get("status") != "finished:completed":
             raise RuntimeError(f"deployment run ended {info.get('status')}")
         rows = phase_rows(read_records(run_dir))
@@ -462,6 +484,9 @@ def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900)
     return {
         "config": str(SMOKE),
         "rounds": rounds,
+        "task_poll_s": float(env.get(POLL_ENV) or os.environ.get(POLL_ENV) or FAST_POLL_ENV[POLL_ENV]),
+        "reply_poll_s": REPLY_POLL_S if reply_poll_s is None else reply_poll_s,
+        "timeline": pieces,
         "start_s": started,
         "run_s": run_s,
         "processes": processes,
@@ -562,7 +587,45 @@ def format_tables(result: Mapping[str, Any]) -> str:
             + ", ".join(f"{k} {v:.1f}" for k, v in ready.items())
         )
         lines.append("")
+        lines += format_timelines(result.get("deployment_variants") or [dp])
     return "\n".join(lines)
+
+
+def format_timelines(variants: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One column per deployment run: the median seconds of each piece of a round message's cycle
+    (:mod:`hacrl_fed.bench.deploy_timeline`), then the run's fixed cost per round and per message."""
+    from hacrl_fed.bench.deploy_timeline import PIECES
+
+    runs = [v for v in variants if v.get("timeline", {}).get("messages")]
+    if not runs:
+        return []
+    head = [f"task poll {_f(v['task_poll_s'], 2)} s, reply poll {_f(v['reply_poll_s'], 2)} s" for v in runs]
+    lines = [
+        "Where a round message's seconds go (medians over the SuperNodes' round messages, from their DEBUG logs):",
+        "",
+        "| piece | " + " | ".join(head) + " |",
+        "|---" * (len(runs) + 1) + "|",
+    ]
+    for piece in [p for p, _, _ in PIECES] + ["cycle"]:
+        lines.append(f"| {piece} | " + " | ".join(_f(v["timeline"].get(piece)) for v in runs) + " |")
+    lines.append("| messages | " + " | ".join(_f(v["timeline"]["messages"], 0) for v in runs) + " |")
+    per_org = [max(v["clientapp_messages_per_round"] // max(len(v["per_org"]), 1), 1) for v in runs]
+    per_msg = [v["fixed_cost_per_round_s"] / n for v, n in zip(runs, per_org)]  # an org's messages run in turn
+    lines.append("| fixed cost / round | " + " | ".join(_f(v["fixed_cost_per_round_s"], 2) for v in runs) + " |")
+    lines.append("| fixed cost / message | " + " | ".join(_f(x, 2) for x in per_msg) + " |")
+    return [*lines, ""]
+
+
+def parse_variant(text: str) -> tuple[float | None, float | None]:
+    """``TASK/REPLY`` (seconds; ``-`` = default) -> ``(task_poll_s, reply_poll_s)``; ValueError naming the flag."""
+    parts = text.split("/")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        task, reply = (None if x in ("-", "") else float(x) for x in parts)
+    except ValueError:
+        raise ValueError(f"--deploy-variants: {text!r} is not TASK/REPLY (seconds or -)") from None
+    return task, reply
 
 
 # ------------------------------------------------------------------------------------------------ command
@@ -585,6 +648,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-rounds", type=int, default=3)
     p.add_argument("--scale-transport", choices=("grpc", "inprocess"), default="grpc")
     p.add_argument("--deploy-rounds", type=int, default=3, help="rounds on the deployment engine (0: skip)")
+    p.add_argument(
+        "--deploy-variants",
+        nargs="+",
+        default=["-/-"],
+        metavar="TASK/REPLY",
+        help="deployment runs, one per TASK/REPLY: the SuperExec task poll and the ServerApp reply poll in seconds "
+        "(- = default), e.g. 1.0/0.2 -/-; run in this order",
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -622,7 +693,13 @@ def main_system(argv: list[str] | None = None) -> int:
         if args.scale_orgs:
             result["scaling"] = bench_scaling(args.scale_orgs, args.scale_rounds, work, args.scale_transport, log)
         if args.deploy_rounds:
-            result["deployment"] = bench_deployment(args.deploy_rounds, work, log)
+            variants = [
+                bench_deployment(args.deploy_rounds, work, log, task_poll_s=task, reply_poll_s=reply)
+                for task, reply in map(parse_variant, args.deploy_variants)
+            ]
+            result["deployment"] = variants[-1]
+            if len(variants) > 1:
+                result["deployment_variants"] = variants
     finally:
         result["wall_s"] = time.perf_counter() - t0
         (args.out / "system.json").write_text(json.dumps(result, indent=1, sort_keys=True))
