@@ -99,9 +99,14 @@ def pieces(messages: Iterable[Mapping[str, Any]], skip_types: frozenset[str] = N
 
 
 def summarize(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Median of every piece (and ``cycle``) over ``rows``, with ``messages``: how many rows."""
-    keys = [p for p, _, _ in PIECES] + ["cycle"]
-    out = {k: statistics.median(r[k] for r in rows) for k in keys} if rows else {}
+    """Median of every piece (and ``cycle``) over ``rows``, the standard error of its mean as ``<piece>_se``
+    (0 for one row), and ``messages``: how many rows."""
+    out: dict[str, float] = {}
+    for key in [p for p, _, _ in PIECES] + ["cycle"]:
+        values = [r[key] for r in rows]
+        if values:
+            out[key] = statistics.median(values)
+            out[f"{key}_se"] = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
     return {**out, "messages": float(len(rows))}
 
 

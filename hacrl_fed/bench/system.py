@@ -601,13 +601,15 @@ def format_timelines(variants: Sequence[Mapping[str, Any]]) -> list[str]:
         return []
     head = [f"task poll {_f(v['task_poll_s'], 2)} s, reply poll {_f(v['reply_poll_s'], 2)} s" for v in runs]
     lines = [
-        "Where a round message's seconds go (medians over the SuperNodes' round messages, from their DEBUG logs):",
+        "Where a round message's seconds go (median ± standard error of the mean over the SuperNodes' round "
+        "messages, from their DEBUG logs):",
         "",
         "| piece | " + " | ".join(head) + " |",
         "|---" * (len(runs) + 1) + "|",
     ]
     for piece in [p for p, _, _ in PIECES] + ["cycle"]:
-        lines.append(f"| {piece} | " + " | ".join(_f(v["timeline"].get(piece)) for v in runs) + " |")
+        cells = (f"{_f(v['timeline'].get(piece))} ± {_f(v['timeline'].get(piece + '_se'))}" for v in runs)
+        lines.append(f"| {piece} | " + " | ".join(cells) + " |")
     lines.append("| messages | " + " | ".join(_f(v["timeline"]["messages"], 0) for v in runs) + " |")
     per_org = [max(v["clientapp_messages_per_round"] // max(len(v["per_org"]), 1), 1) for v in runs]
     per_msg = [v["fixed_cost_per_round_s"] / n for v, n in zip(runs, per_org)]  # an org's messages run in turn

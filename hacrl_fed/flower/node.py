@@ -27,11 +27,10 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import ConfigRecord, Context, RecordDict
 
-from hacrl_fed.config import RunConfig
 from hacrl_fed.flower import records
 from hacrl_fed.flower.records import Operation
 from hacrl_fed.flower.settings import (
@@ -42,6 +41,9 @@ from hacrl_fed.flower.settings import (
     run_dir_of,
 )
 from hacrl_fed.wire import codec
+
+if TYPE_CHECKING:  # deployment mode never needs the run config: keep it out of the per-message ClientApp process
+    from hacrl_fed.config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hacrl_fed.config import RunConfig, load_config, parse_overrides
+if TYPE_CHECKING:  # the config module costs ~20 ms to import, paid by every deployment ClientApp process otherwise
+    from hacrl_fed.config import RunConfig
 
 ENV_VAR = "HACRL_FED_FLOWER_RUN_CONFIG"
 DEFAULT_WORKER_FACTORY = "hacrl_fed.worker:build_worker"
@@ -116,6 +117,8 @@ def resolve_config_path(path: str, app_dir: Path) -> Path:
 
 def load_run_config(settings: AppSettings, app_dir: Path) -> RunConfig:
     """The validated hacrl-fed :class:`RunConfig` named by ``settings`` (overrides applied)."""
+    from hacrl_fed.config import load_config, parse_overrides
+
     return load_config(resolve_config_path(settings.config_path, app_dir), parse_overrides(settings.overrides))
 
 
