@@ -619,14 +619,15 @@ def format_timelines(variants: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def parse_variant(text: str) -> tuple[float | None, float | None]:
-    """``TASK/REPLY`` (seconds; ``-`` = default) -> ``(task_poll_s, reply_poll_s)``; ValueError naming the flag."""
-    parts = text.split("/")
+    """``TASK/REPLY`` (seconds, or ``default``) or ``default`` -> ``(task_poll_s, reply_poll_s)``, None = default
+    (argparse's type for ``--deploy-variants``: its error is the one-line usage error, exit 2)."""
+    parts = ["default", "default"] if text == "default" else text.split("/")
     try:
         if len(parts) != 2:
             raise ValueError
-        task, reply = (None if x in ("-", "") else float(x) for x in parts)
+        task, reply = (None if x == "default" else float(x) for x in parts)
     except ValueError:
-        raise ValueError(f"--deploy-variants: {text!r} is not TASK/REPLY (seconds or -)") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not TASK/REPLY (seconds or 'default') nor 'default'") from None
     return task, reply
 
 
@@ -653,10 +654,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--deploy-variants",
         nargs="+",
-        default=["-/-"],
+        type=parse_variant,
+        default=[(None, None)],
         metavar="TASK/REPLY",
         help="deployment runs, one per TASK/REPLY: the SuperExec task poll and the ServerApp reply poll in seconds "
-        "(- = default), e.g. 1.0/0.2 -/-; run in this order",
+        "('default' for either or both), e.g. 1.0/0.2 default; run in this order",
     )
     p.add_argument(
         "--set",
@@ -697,7 +699,7 @@ def main_system(argv: list[str] | None = None) -> int:
         if args.deploy_rounds:
             variants = [
                 bench_deployment(args.deploy_rounds, work, log, task_poll_s=task, reply_poll_s=reply)
-                for task, reply in map(parse_variant, args.deploy_variants)
+                for task, reply in args.deploy_variants
             ]
             result["deployment"] = variants[-1]
             if len(variants) > 1:
