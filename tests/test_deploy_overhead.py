@@ -281,3 +281,20 @@ def test_the_clientapp_module_does_not_import_torch_or_the_run_config():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_bench_prints_one_breakdown_column_per_deployment_run():
+    from hacrl_fed.bench.system import format_timelines, parse_variant
+
+    summary = deploy_timeline.timeline([LOG])
+    runs = [
+        {"task_poll_s": 1.0, "reply_poll_s": 0.2, "timeline": summary, "fixed_cost_per_round_s": 10.0,
+         "clientapp_messages_per_round": 4, "per_org": {"a": {}, "b": {}}},
+        {"task_poll_s": 0.1, "reply_poll_s": 0.1, "timeline": {"messages": 0.0}},  # no timeline: left out
+    ]
+    lines = format_timelines(runs)
+    assert "task poll 1.00 s, reply poll 0.20 s" in lines[2] and "0.10 s" not in lines[2]
+    assert any(line.startswith("| superexec_poll | 0.890 ± 0.000 |") for line in lines)
+    assert any(line.startswith("| fixed cost / message | 5.00 |") for line in lines)  # 2 messages per org, in turn
+    assert format_timelines([runs[1]]) == []
+    assert parse_variant("default") == (None, None) and parse_variant("1.0/default") == (1.0, None)
