@@ -22,8 +22,10 @@
 4. **Flower deployment engine** on loopback (SuperLink + one SuperNode per org + policy workers, insecure, through
    :mod:`hacrl_fed.deploy.harness`) with the micro agents of ``configs/smoke.yaml``: its median round time minus
    the in-process median of the same config (the fixed cost per round), where it goes (per org and phase: call
-   time vs the worker's compute, i.e. queueing and the per-message ClientApp process), and the one-off start-up
-   times of the processes.
+   time vs the worker's compute, i.e. queueing and the per-message ClientApp process), the one-off start-up
+   times of the processes, and where one round message's seconds go, piece by piece, from the SuperNodes' DEBUG
+   logs (:mod:`hacrl_fed.bench.deploy_timeline`). ``--deploy-variants TASK/REPLY ...`` repeats the case with other
+   SuperExec task polls and ServerApp reply polls (seconds, ``default``), one column each.
 
 Writes ``<out>/system.json`` and prints the tables. Nothing here is timed by the test suite; the aggregation
 functions (:func:`phase_rows`, :func:`summarize_rows`, :func:`overhead`, :func:`wire_bytes`) are tested.
