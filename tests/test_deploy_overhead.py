@@ -298,3 +298,20 @@ def test_bench_prints_one_breakdown_column_per_deployment_run():
     assert any(line.startswith("| fixed cost / message | 5.00 |") for line in lines)  # 2 messages per org, in turn
     assert format_timelines([runs[1]]) == []
     assert parse_variant("default") == (None, None) and parse_variant("1.0/default") == (1.0, None)
+
+
+def test_the_transport_keeps_a_running_count_of_ignored_replies():
+    from hacrl_fed.flower.transport import FlowerRemoteError, FlowerTransport
+
+    clock = Clock()  # replies due at once: the first pull has them all, nothing sleeps
+
+    def script(ids):
+        err = reply(ids[1], 0, error=True)
+        err.error = SimpleNamespace(code=5, reason="node unavailable")
+        return [(0.0, reply("stray", 1)), (0.0, reply(ids[1], 2)), (0.0, err)]
+
+    transport = FlowerTransport(ScriptedGrid(clock, script, loose=True), {1: "a"})
+    for call in (1, 2):
+        out = transport.health(["a"], timeout_s=5.0)
+        assert isinstance(out["a"], FlowerRemoteError) and out["a"].failure_cause == "unreachable"
+        assert transport.ignored_replies == {"unknown": call, "wrong_node": call}
