@@ -9,6 +9,8 @@ Each process
 * logs stdout + stderr to ``<workdir>/logs/<name>.log``;
 * gets its own ``FLWR_HOME`` (``<workdir>/homes/<name>``; the ``flwr`` CLI uses ``homes/cli`` and its
   ``config.toml``) and :data:`QUIET_ENV` (no telemetry, update checks, per-run ``uv`` installs or hub access);
+* gets :data:`FAST_POLL_ENV` unless the environment sets those variables itself (the SuperExec that each
+  SuperNode starts looks for a ClientApp task every 0.1 s instead of every second: up to 0.9 s less per message);
 * is started with this interpreter's ``bin`` directory first on ``PATH`` (``flower-superlink`` spawns
   ``flower-superexec`` by name) and stopped by PID: SIGTERM, ``grace_s``, SIGKILL; then the same for whatever
   descendants it had (``flower-superexec``, ``flwr-serverapp``, ``flwr-clientapp``) when the stop began.
@@ -46,6 +48,8 @@ from hacrl_fed.security.keys import KeyLayout, client_name
 
 HOST = "127.0.0.1"
 QUIET_ENV = {**OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}  # hacrl_fed.lifecycle's offline environment, unbuffered
+# flwr 1.42's SuperExec sleeps FLWR_SUPEREXEC_TASK_POLL_INTERVAL s (default 1.0, bounds 0.01-60) between task polls
+FAST_POLL_ENV = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}
 SUPERNODE_READY = re.compile(r"SuperNode ID: (?P<node_id>\d+)")
 RUN_STARTED = re.compile(r"Successfully started run (?P<run_id>\d+)")
 WORKER_READY = re.compile(r"hacrl-fed worker (?P<org>\S+) listening on (?P<address>\S+)")
@@ -166,7 +170,8 @@ class Deployment:
     """SuperLink + SuperNodes + workers on loopback, and the ``flwr`` CLI pointed at them. A context manager.
 
     ``tls`` (a :class:`~hacrl_fed.security.keys.KeyLayout` from ``hacrl-fed keys``) switches everything to TLS
-    with SuperNode authentication; without it everything is ``--insecure``.
+    with SuperNode authentication; without it everything is ``--insecure``. ``extra_env`` goes into every
+    process's environment last (the benchmark sets ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` or ``FLWR_LOG_LEVEL``).
     """
 
     def __init__(
@@ -178,6 +183,7 @@ class Deployment:
         grace_s: float = 8.0,
         cli_timeout_s: float = 120.0,
         bin_dir: Path | None = None,
+        extra_env: Mapping[str, str] | None = None,
     ):
         self.workdir = Path(workdir).absolute()
         self.tls = tls
@@ -185,6 +191,7 @@ class Deployment:
         self.grace_s = grace_s
         self.cli_timeout_s = cli_timeout_s
         self.bin_dir = bin_dir or flwr_bin_dir()
+        self.extra_env = dict(extra_env or {})
         self.procs: list[Proc] = []
         self.superlink: Proc | None = None
         self.superlink_port: int | None = None
@@ -195,11 +202,12 @@ class Deployment:
     # -- environment and spawning
 
     def env(self, name: str) -> dict[str, str]:
-        """Environment of process ``name``: ours + :data:`QUIET_ENV` + its own FLWR_HOME + bin dir on PATH."""
+        """Environment of process ``name``: :data:`FAST_POLL_ENV` + ours + :data:`QUIET_ENV` + its own FLWR_HOME + bin
+        dir on PATH + ``extra_env``."""
         home = self.workdir / "homes" / name
         home.mkdir(parents=True, exist_ok=True)
         path = os.pathsep.join([str(self.bin_dir), os.environ.get("PATH", "")])
-        return {**os.environ, **QUIET_ENV, "FLWR_HOME": str(home), "PATH": path}
+        return {**FAST_POLL_ENV, **os.environ, **QUIET_ENV, "FLWR_HOME": str(home), "PATH": path, **self.extra_env}
 
     def _exe(self, name: str) -> str:
         exe = shutil.which(name, path=str(self.bin_dir)) or shutil.which(name)

@@ -98,6 +98,15 @@ def system_parser(tool: ModuleType) -> argparse.ArgumentParser:
         "uniform:1); none: the config's own",
     )
     p.add_argument("--deploy-rounds", type=int, default=3, help="rounds on the deployment engine (0: skip)")
+    p.add_argument(
+        "--deploy-variants",
+        nargs="+",
+        type=tool.parse_variant,
+        default=[(None, None)],
+        metavar="TASK/REPLY",
+        help="deployment runs, one per TASK/REPLY: the SuperExec task poll and the ServerApp reply poll in seconds "
+        "('default' for either or both), e.g. 1.0/0.2 default; run in this order",
+    )
     add_set_flag(p, help="extra overrides of the transport comparison's config")
     p.add_argument("--out", type=Path, default=tool.OUT, help=f"where system.json goes (default {tool.OUT})")
     p.add_argument("--keep-work", action="store_true", help="keep the run dirs (a temp dir, printed)")

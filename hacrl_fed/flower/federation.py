@@ -97,9 +97,10 @@ def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path, f
         expected = [o.id for o in cfg.orgs]
         timeout = discovery_timeout_of(settings, cfg)
         log.info("hacrl-fed: waiting up to %g s for orgs %s", timeout, expected)
-        org_by_node = discover_orgs(grid, expected, timeout, min_orgs=cfg.federation.min_orgs)
+        poll = settings.reply_poll_s
+        org_by_node = discover_orgs(grid, expected, timeout, min_orgs=cfg.federation.min_orgs, max_poll_s=poll)
         log.info("hacrl-fed: nodes %s", org_by_node)
-        transport = FlowerTransport(grid, org_by_node, expected_orgs=expected)
+        transport = FlowerTransport(grid, org_by_node, expected_orgs=expected, max_poll_s=poll)
         try:
             summary = run.execute(transport)
         finally:

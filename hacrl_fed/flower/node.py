@@ -28,11 +28,10 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import ConfigRecord, Context, RecordDict
 
-from hacrl_fed.config import RunConfig
 from hacrl_fed.flower import records
 from hacrl_fed.flower.settings import (
     DEFAULT_WORKER_FACTORY,
@@ -44,6 +43,9 @@ from hacrl_fed.flower.settings import (
 from hacrl_fed.limits import MAX_MESSAGE_MB
 from hacrl_fed.wire import operations as ops
 from hacrl_fed.wire.operations import Operation
+
+if TYPE_CHECKING:  # deployment mode never needs the run config: keep it out of the per-message ClientApp process
+    from hacrl_fed.config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,9 @@ Keys (``[tool.flwr.app.config]`` in ``pyproject.toml``, or ``flwr run . -c 'key=
   :func:`hacrl_fed.worker.build_worker`'s signature (tests pass fakes here); "" = ``build_worker``.
 * ``discovery-timeout`` (float seconds): how long the ServerApp waits for the orgs' nodes; 0 = the YAML's
   ``federation.round_timeout_s``.
+* ``reply-poll`` (float seconds, default 0.1, at most 10): the ServerApp's longest wait between two pulls of
+  replies from the SuperLink (:func:`hacrl_fed.flower.transport.exchange`); a reply waits at most this long to
+  be noticed, at one cheap pull per ``reply-poll`` while the orgs work.
 
 ``flwr.simulation.run_simulation`` (behind ``hacrl-fed simulate``) has no way to pass a run config in flwr 1.42:
 both apps see an empty ``context.run_config``. :func:`hacrl_fed.flower.simulation.simulate` therefore puts
@@ -25,12 +28,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hacrl_fed.config import RunConfig, load_config, parse_overrides
+if TYPE_CHECKING:  # the config module costs ~20 ms to import, paid by every deployment ClientApp process otherwise
+    from hacrl_fed.config import RunConfig
 
 ENV_VAR = "HACRL_FED_FLOWER_RUN_CONFIG"
 DEFAULT_WORKER_FACTORY = "hacrl_fed.worker:build_worker"
+REPLY_POLL_S, MAX_REPLY_POLL_S = 0.1, 10.0  # ``reply-poll``: default and bound (seconds)
 
 
 class SettingsError(ValueError):
@@ -45,6 +50,7 @@ class AppSettings:
     resume: bool = False
     worker_factory: str = ""
     discovery_timeout_s: float = 0.0
+    reply_poll_s: float = REPLY_POLL_S
 
 
 _KEYS: dict[str, tuple[str, type]] = {  # run-config key -> (field, type)
@@ -54,6 +60,7 @@ _KEYS: dict[str, tuple[str, type]] = {  # run-config key -> (field, type)
     "resume": ("resume", bool),
     "worker-factory": ("worker_factory", str),
     "discovery-timeout": ("discovery_timeout_s", float),
+    "reply-poll": ("reply_poll_s", float),
 }
 
 
@@ -87,6 +94,8 @@ def read_settings(run_config: Mapping[str, Any], environ: Mapping[str, str] = os
         raise SettingsError("run config 'config-path' is missing or empty (set it in [tool.flwr.app.config])")
     if fields.get("discovery_timeout_s", 0.0) < 0:
         raise SettingsError(f"run config 'discovery-timeout': {fields['discovery_timeout_s']} is negative")
+    if not 0 < fields.get("reply_poll_s", REPLY_POLL_S) <= MAX_REPLY_POLL_S:
+        raise SettingsError(f"run config 'reply-poll': {fields['reply_poll_s']} is not in (0, {MAX_REPLY_POLL_S:g}] s")
     return AppSettings(**fields)
 
 
@@ -108,6 +117,8 @@ def resolve_config_path(path: str, app_dir: Path) -> Path:
 
 def load_run_config(settings: AppSettings, app_dir: Path) -> RunConfig:
     """The validated hacrl-fed :class:`RunConfig` named by ``settings`` (overrides applied)."""
+    from hacrl_fed.config import load_config, parse_overrides
+
     return load_config(resolve_config_path(settings.config_path, app_dir), parse_overrides(settings.overrides))
 
 

@@ -2,9 +2,12 @@
 
 One Flower message per org and call (types and record layout in :mod:`hacrl_fed.flower.records`), pushed with
 ``grid.push_messages`` and collected with ``grid.pull_messages`` until every reply arrived or ``timeout_s``
-passed. Polling starts at 50 ms and backs off to ``max_poll_s`` (0.2 s): ``grid.send_and_receive`` polls the
-deployment SuperLink only every 3 s, which would add up to 3 s to every phase of every round (with a 1 s cap,
-simulated phases ended on the backoff schedule, up to ~0.9 s late). Per org the result is
+passed, all in :func:`exchange`. Polling starts at 50 ms and backs off to ``max_poll_s`` (default 0.1 s, the run
+config's ``reply-poll``): ``grid.send_and_receive`` polls the deployment SuperLink only every 3 s, which would add
+up to 3 s to every phase of every round (with a 1 s cap, simulated phases ended on the backoff schedule, up to
+~0.9 s late). Replies are matched to requests by ``reply_to_message_id``; a reply to no message of the call, a
+second reply to one, or a content reply from another node than the one addressed is ignored and counted
+(:class:`FlowerTransport`'s ``ignored_replies``). Per org the result is
 
 * the decoded reply (checked field by field by :mod:`hacrl_fed.wire.codec`);
 * :class:`~hacrl_fed.coordinator.transport.TransportTimeout` when no reply came by the deadline;
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +58,8 @@ log = logging.getLogger(__name__)
 
 FIRST_POLL_S = 0.05
 POLL_BACKOFF = 1.5
-MAX_POLL_S = 0.2  # a reply waits at most this long to be noticed; one cheap pull per 0.2 s in steady state
+MAX_POLL_S = 0.1  # a reply waits at most this long to be noticed; one cheap pull per 0.1 s in steady state
+IGNORED_REASONS = ("unknown", "duplicate", "wrong_node")  # why exchange() ignored a pulled reply
 
 
 NODE_UNAVAILABLE = 5  # flwr.common.constant.ErrorCode.NODE_UNAVAILABLE
@@ -92,14 +97,22 @@ def exchange(
     ttl_grace_s: float = 30.0,
     max_poll_s: float = MAX_POLL_S,
     done: Callable[[dict[int, tuple[Any, float]]], bool] | None = None,
+    ignored: Counter[str] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> dict[int, tuple[Any, float]]:
     """Send one ``op`` message per node (``{node_id: RecordDict}``) and collect replies until ``timeout_s``.
 
     Returns ``{node_id: (reply Message | Exception, seconds until pulled)}`` for every node in ``contents``:
-    :class:`TransportTimeout` for missing replies, :class:`OrgUnavailable` for messages the SuperLink refused.
-    ``done(replies so far)`` returning True stops waiting early (the rest then count as timed out).
+    :class:`TransportTimeout` for missing replies (a reply the SuperLink gets after the deadline is never pulled),
+    :class:`OrgUnavailable` for messages the SuperLink refused. ``done(replies so far)`` returning True stops
+    waiting early (the rest then count as timed out). Pulls happen after 50 ms, then 1.5x longer waits up to
+    ``max_poll_s``, and once more at the deadline. A pulled reply that answers no message of this call
+    (``unknown``), answers one already answered (``duplicate``), or carries content from another node than the
+    one addressed (``wrong_node``; Flower's own error replies come from the SuperLink) is dropped and counted in
+    ``ignored``. ``clock`` / ``sleep`` are injectable for tests.
     """
-    start = time.monotonic()
+    start = clock()
     messages = {
         node: Message(
             content, dst_node_id=node, message_type=op.message_type, group_id=group_id, ttl=timeout_s + ttl_grace_s
@@ -114,21 +127,42 @@ def exchange(
             waiting[msg.metadata.message_id] = node
         else:
             out[node] = (OrgUnavailable(f"the SuperLink refused the {op.message_type} message to node {node}"), 0.0)
-    poll = FIRST_POLL_S
+    answered: dict[str, int] = {}
+    skipped: Counter[str] = Counter()
+    poll = min(FIRST_POLL_S, max_poll_s)
     while waiting:
         for reply in grid.pull_messages(list(waiting)):
+            why = _mismatch(reply, waiting, answered)
+            if why:
+                skipped[why] += 1
+                continue
             key = reply.metadata.reply_to_message_id
-            if key in waiting:
-                node = waiting.pop(key)
-                out[node] = (reply, time.monotonic() - start)
-        left = start + timeout_s - time.monotonic()
+            node = answered[key] = waiting.pop(key)
+            out[node] = (reply, clock() - start)
+        left = start + timeout_s - clock()
         if not waiting or left <= 0 or (done is not None and done(out)):
             break
-        time.sleep(min(poll, left))
+        sleep(min(poll, left))
         poll = min(poll * POLL_BACKOFF, max_poll_s)
     for node in waiting.values():
         out[node] = (TransportTimeout(f"node {node}: no reply to {op.message_type} within {timeout_s:g} s"), timeout_s)
+    if skipped:
+        log.warning("%s: ignored pulled replies %s", op.message_type, dict(skipped))
+        if ignored is not None:
+            ignored.update(skipped)
     return out
+
+
+def _mismatch(reply: Any, waiting: Mapping[str, int], answered: Mapping[str, int]) -> str:
+    """Why a pulled ``reply`` is not one :func:`exchange` waits for (one of :data:`IGNORED_REASONS`), or ""."""
+    key = getattr(reply.metadata, "reply_to_message_id", "")
+    if key in answered:
+        return "duplicate"
+    if key not in waiting:
+        return "unknown"
+    if reply.metadata.src_node_id != waiting[key] and not reply.has_error():
+        return "wrong_node"
+    return ""
 
 
 def decode_reply(op: Operation, source: str, reply: Any, limits: codec.WireLimits = codec.DEFAULT_LIMITS) -> Any:
@@ -251,7 +285,8 @@ class FlowerTransport(Transport):
 
     ``expected_orgs`` (default: the orgs of ``org_by_node``) fixes which orgs may join later and the order of
     :meth:`org_ids`; ``rejoin_timeout_s`` bounds the health query sent to nodes that connect mid-run, and a node
-    whose query failed is asked again only after ``retry_failed_s``.
+    whose query failed is asked again only after ``retry_failed_s``. ``max_poll_s``: the longest wait between two
+    pulls of replies (:func:`exchange`); ``ignored_replies`` counts, by reason, the pulled replies it dropped.
     """
 
     def __init__(
@@ -277,6 +312,7 @@ class FlowerTransport(Transport):
         self.limits = limits
         self.last_call_bytes: dict[str, int] = {}
         self.last_call_seconds: dict[str, float] = {}
+        self.ignored_replies: Counter[str] = Counter()  # pulled replies exchange() dropped, by reason
 
     @property
     def org_by_node(self) -> dict[int, str]:
@@ -297,7 +333,9 @@ class FlowerTransport(Transport):
         )
         if not fresh:
             return
-        infos = query_health(self.grid, fresh, self.rejoin_timeout_s, max_poll_s=self.max_poll_s)
+        infos = query_health(
+            self.grid, fresh, self.rejoin_timeout_s, max_poll_s=self.max_poll_s, ignored=self.ignored_replies
+        )
         got = assign_orgs(infos, self.expected_orgs, self._org_by_node)
         for node, org in got.new.items():
             log.info("Flower node %s joined as org %s", node, org)
@@ -337,6 +375,7 @@ class FlowerTransport(Transport):
             group_id=group_id,
             ttl_grace_s=self.ttl_grace_s,
             max_poll_s=self.max_poll_s,
+            ignored=self.ignored_replies,
         )
         self.last_call_bytes, self.last_call_seconds = {}, {}
         for node, (reply, seconds) in replies.items():

@@ -24,8 +24,10 @@
 4. **Flower deployment engine** on loopback (SuperLink + one SuperNode per org + policy workers, insecure, through
    :mod:`hacrl_tools.deploy_local`) with the micro agents of ``configs/smoke.yaml``: its median round time minus
    the in-process median of the same config (the fixed cost per round), where it goes (per org and phase: call
-   time vs the worker's compute, i.e. queueing and the per-message ClientApp process), and the one-off start-up
-   times of the processes.
+   time vs the worker's compute, i.e. queueing and the per-message ClientApp process), the one-off start-up
+   times of the processes, and where one round message's seconds go, piece by piece, from the SuperNodes' DEBUG
+   logs (:mod:`hacrl_tools.bench.deploy_timeline`). ``--deploy-variants TASK/REPLY ...`` repeats the case with other
+   SuperExec task polls and ServerApp reply polls (seconds, ``default``), one column each.
 
 Writes ``<out>/system.json`` and prints the tables. Nothing here is timed by the test suite; the aggregation
 functions (:func:`phase_rows`, :func:`summarize_rows`, :func:`overhead`, :func:`wire_bytes`) are tested.
@@ -56,6 +58,7 @@ DEMO = Path("configs") / "demo.yaml"
 SMOKE = Path("configs") / "smoke.yaml"
 OUT = Path("benchmarks") / "system"
 TRANSPORTS = ("inprocess", "grpc", "flower")
+POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
 MICRO = ("micro-qwen-char", "micro-gpt2-bpe")
 PHASES = ("generate", "verify", "score", "train", "trust", "exchange", "coordinator")
 QUIET_ENV = {
@@ -525,9 +528,25 @@ def bench_scaling(
     return {"transport": transport, "rounds": rounds, "variants": out}
 
 
-def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900) -> dict[str, Any]:
-    """The Flower deployment engine on loopback with the smoke config vs the same config in-process."""
-    from hacrl_tools.deploy_local import Deployment, identity_overrides, start_local
+def bench_deployment(
+    rounds: int,
+    work: Path,
+    log=print,
+    timeout_s: float = 900,
+    *,
+    task_poll_s: float | None = None,
+    reply_poll_s: float | None = None,
+) -> dict[str, Any]:
+    """The Flower deployment engine on loopback with the smoke config vs the same config in-process.
+
+    ``task_poll_s`` sets the SuperExecs' ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` and ``reply_poll_s`` the ServerApp's
+    ``reply-poll`` (None: the harness's and the app's defaults). The SuperNodes log at ``FLWR_LOG_LEVEL=DEBUG``
+    (timestamps): ``timeline`` is :func:`hacrl_tools.bench.deploy_timeline.timeline` of their logs, the median
+    seconds of each piece of a round message's cycle.
+    """
+    from hacrl_fed.flower.settings import REPLY_POLL_S
+    from hacrl_tools.bench.deploy_timeline import timeline
+    from hacrl_tools.deploy_local import FAST_POLL_ENV, Deployment, identity_overrides, start_local
 
     base = [f"federation.rounds={rounds}", "federation.eval_every=0", "task.eval_size=8"]
     log("  deployment: in-process baseline ...")
@@ -539,19 +558,27 @@ def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900)
     overrides = [*base, *identity_overrides(dep_dir / "identity_set", orgs)]
     run_dir = dep_dir / "run"
     log("  deployment: SuperLink + SuperNodes + workers on loopback ...")
+    env = {"FLWR_LOG_LEVEL": "DEBUG"}
+    if task_poll_s is not None:
+        env[POLL_ENV] = str(task_poll_s)
+    run_config: dict[str, Any] = {
+        "config-path": str(SMOKE.absolute()),
+        "overrides": " ".join(overrides),
+        "run-dir": str(run_dir),
+    }
+    if reply_poll_s is not None:
+        run_config["reply-poll"] = reply_poll_s
     t0 = time.perf_counter()
     try:
-        with Deployment(dep_dir) as dep:
+        with Deployment(dep_dir, extra_env=env) as dep:
             start_local(dep, SMOKE, orgs, overrides=overrides)
             started = time.perf_counter() - t0
             t1 = time.perf_counter()
-            run_id = dep.submit(
-                Path.cwd(),
-                {"config-path": str(SMOKE.absolute()), "overrides": " ".join(overrides), "run-dir": str(run_dir)},
-            )
+            run_id = dep.submit(Path.cwd(), run_config)
             info = dep.wait_run(run_id, timeout_s)
             run_s = time.perf_counter() - t1
             processes = dep.timings()
+            pieces = timeline(p.log_text() for p in dep.procs if p.name.startswith("supernode-"))
         if info.get("status") != "finished:completed":
             raise RuntimeError(f"deployment run ended {info.get('status')}")
         rows = phase_rows(read_records(run_dir))
@@ -571,6 +598,9 @@ def bench_deployment(rounds: int, work: Path, log=print, timeout_s: float = 900)
     return {
         "config": str(SMOKE),
         "rounds": rounds,
+        "task_poll_s": float(env.get(POLL_ENV) or os.environ.get(POLL_ENV) or FAST_POLL_ENV[POLL_ENV]),
+        "reply_poll_s": REPLY_POLL_S if reply_poll_s is None else reply_poll_s,
+        "timeline": pieces,
         "start_s": started,
         "run_s": run_s,
         "processes": processes,
@@ -684,7 +714,48 @@ def format_tables(result: Mapping[str, Any]) -> str:
             + ", ".join(f"{k} {v:.1f}" for k, v in ready.items())
         )
         lines.append("")
+        lines += format_timelines(result.get("deployment_variants") or [dp])
     return "\n".join(lines)
+
+
+def format_timelines(variants: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One column per deployment run: the median seconds of each piece of a round message's cycle
+    (:mod:`hacrl_tools.bench.deploy_timeline`), then the run's fixed cost per round and per message."""
+    from hacrl_tools.bench.deploy_timeline import PIECES
+
+    runs = [v for v in variants if v.get("timeline", {}).get("messages")]
+    if not runs:
+        return []
+    head = [f"task poll {_f(v['task_poll_s'], 2)} s, reply poll {_f(v['reply_poll_s'], 2)} s" for v in runs]
+    lines = [
+        "Where a round message's seconds go (median ± standard error of the mean over the SuperNodes' round "
+        "messages, from their DEBUG logs):",
+        "",
+        "| piece | " + " | ".join(head) + " |",
+        "|---" * (len(runs) + 1) + "|",
+    ]
+    for piece in [p for p, _, _ in PIECES] + ["cycle"]:
+        cells = (f"{_f(v['timeline'].get(piece))} ± {_f(v['timeline'].get(piece + '_se'))}" for v in runs)
+        lines.append(f"| {piece} | " + " | ".join(cells) + " |")
+    lines.append("| messages | " + " | ".join(_f(v["timeline"]["messages"], 0) for v in runs) + " |")
+    per_org = [max(v["clientapp_messages_per_round"] // max(len(v["per_org"]), 1), 1) for v in runs]
+    per_msg = [v["fixed_cost_per_round_s"] / n for v, n in zip(runs, per_org)]  # an org's messages run in turn
+    lines.append("| fixed cost / round | " + " | ".join(_f(v["fixed_cost_per_round_s"], 2) for v in runs) + " |")
+    lines.append("| fixed cost / message | " + " | ".join(_f(x, 2) for x in per_msg) + " |")
+    return [*lines, ""]
+
+
+def parse_variant(text: str) -> tuple[float | None, float | None]:
+    """``TASK/REPLY`` (seconds, or ``default``) or ``default`` -> ``(task_poll_s, reply_poll_s)``, None = default
+    (argparse's type for ``--deploy-variants``: its error is the one-line usage error, exit 2)."""
+    parts = ["default", "default"] if text == "default" else text.split("/")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        task, reply = (None if x == "default" else float(x) for x in parts)
+    except ValueError:
+        raise ValueError(f"{text!r} is not TASK/REPLY (seconds or 'default') nor 'default'") from None
+    return task, reply
 
 
 # ------------------------------------------------------------------------------------------------ command
@@ -704,6 +775,7 @@ class SystemOptions:
     scale_transport: str
     scale_selection: list[str]
     deploy_rounds: int
+    deploy_variants: list[tuple[float | None, float | None]]
     overrides: list[str]
     out: Path
     keep_work: bool
@@ -734,7 +806,13 @@ def run_system(opts: SystemOptions) -> int:
                 opts.scale_orgs, opts.scale_rounds, work, opts.scale_transport, log, opts.scale_selection
             )
         if opts.deploy_rounds:
-            result["deployment"] = bench_deployment(opts.deploy_rounds, work, log)
+            variants = [
+                bench_deployment(opts.deploy_rounds, work, log, task_poll_s=task, reply_poll_s=reply)
+                for task, reply in opts.deploy_variants
+            ]
+            result["deployment"] = variants[-1]
+            if len(variants) > 1:
+                result["deployment_variants"] = variants
     finally:
         result["wall_s"] = time.perf_counter() - t0
         (opts.out / "system.json").write_text(json.dumps(result, indent=1, sort_keys=True))
