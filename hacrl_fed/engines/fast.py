@@ -200,7 +200,7 @@ class _ModelForward:
     def __init__(self, model, attention_mask: Tensor) -> None:
         self.model, self.attention_mask, self.cache = model, attention_mask, None  # mask: [N, L] 0/1
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        params = inspect.signature(base.forward).parameters
+        params = inspect.signature(type(base).forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x: cache
         self.keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
