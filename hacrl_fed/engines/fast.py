@@ -64,6 +64,10 @@ def _unsupported_reason(model) -> str | None:
         if isinstance(m, nn.Linear) and type(m) is not nn.Linear:
             return f"a non-plain linear layer {type(m).__name__}"
     cfg = model.config
+    layers = model.transformer.h if name in _GPT2_ARCHS else model.model.layers
+    attn = [layer.attn if name in _GPT2_ARCHS else layer.self_attn for layer in layers]
+    if not all(hasattr(a, "scaling") and (name in _GPT2_ARCHS or hasattr(a, "head_dim")) for a in attn):
+        return "attention modules without scaling / head_dim (another transformers version)"
     if name in _ROPE_ARCHS:
         if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
             return "pretraining_tp > 1"
