@@ -88,11 +88,12 @@ def decoder_kind(model) -> str:
 
 def _rms(x: Tensor, norm: nn.Module) -> Tensor:
     """transformers' RMSNorm: float32 statistics, ``weight * normed.to(dtype)`` (one fused op in float32)."""
+    weight: Tensor = norm.weight  # type: ignore[assignment]
+    eps = float(norm.variance_epsilon)  # type: ignore[arg-type]
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * y.to(x.dtype)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
