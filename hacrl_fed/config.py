@@ -271,10 +271,12 @@ class GenerationConfig(_Section):
     """How each org samples its rollouts and answers evaluations; an org may override any field under
     orgs[].generation."""
 
-    engine: Literal["hf", "vllm"] = Field(
+    engine: Literal["hf", "fast", "vllm"] = Field(
         "hf",
         description=_d(
-            "generation engine: hf (transformers generate, any device) or vllm (CUDA, pip install 'hacrl-fed[vllm]')"
+            "generation engine: hf (transformers generate, any device), fast (a lean decoding loop that records "
+            "log-probs as it samples; for small models on CPU, any device) or vllm (CUDA, pip install "
+            "'hacrl-fed[vllm]')"
         ),
     )
     num_samples: int = Field(8, ge=1, description="G: responses per prompt and org")

@@ -124,6 +124,7 @@ def trl_parser(tool: ModuleType) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=("fast", "hf"), default="fast", help="our generation engine (default fast)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: all cores)")
     p.add_argument(
         "--venv",

@@ -1,6 +1,6 @@
 """``hacrl-fed bench trl``: our GSPO update against TRL's ``GRPOTrainer`` on the same work, side by side.
 
-    hacrl-fed bench trl [--batches 6] [--repeats 3] [--model qwen-char] [--out benchmarks/trl]
+    hacrl-fed bench trl [--batches 6] [--repeats 3] [--model qwen-char] [--engine fast] [--out benchmarks/trl]
 
 The same tiny model (zoo ``qwen-char`` by default), the same prompts (arithmetic train ids 0.., rendered with the
 model's own chat template), the same batch (16 prompts x 8 samples, 32 new tokens at temperature 1, 2 optimizer
@@ -8,7 +8,8 @@ steps of 64 sequences per batch, AdamW at a constant learning rate, grad-norm cl
 (sequence-level ratio of token-mean log-probs, clip ``[1 - 3e-4, 1 + 4e-4]``, group-normalised rewards, no KL):
 
 - **ours**: one :class:`~hacrl_fed.worker.policy_worker.PolicyWorker` (``algorithm.name=gspo``, signing off since
-  TRL signs nothing) driven through ``generate`` (sampling, log-probs, verification) and ``train`` (the update);
+  TRL signs nothing, ``generation.engine`` from ``--engine``: ``fast`` by default, ``hf`` for transformers'
+  ``generate()``) driven through ``generate`` (sampling, log-probs, verification) and ``train`` (the update);
 - **TRL**: ``GRPOTrainer`` with ``importance_sampling_level="sequence"`` and every relevant option set explicitly
   (:mod:`hacrl_tools.bench.trl_runner`), in its own virtual environment that this command creates on first use
   (``~/.cache/hacrl_fed/peer-trl-venv``: CPU torch pinned first, ``pip install torch==2.13.0``, so that pip never
@@ -101,6 +102,7 @@ def make_spec(args: TrlOptions, path: Path) -> dict[str, Any]:
         "batches": args.batches,
         "max_new_tokens": args.max_new_tokens,
         "lr": args.lr,
+        "engine": args.engine,
         "clip_low": 3e-4,
         "clip_high": 4e-4,
         "prompts": prompts,
@@ -145,6 +147,7 @@ def ours_main(argv: list[str]) -> int:
                 "weight_decay": 0.0,
             },
             "generation": {
+                "engine": spec.get("engine", "fast"),
                 "num_samples": G,
                 "max_new_tokens": spec["max_new_tokens"],
                 "temperature": 1.0,
@@ -253,6 +256,7 @@ class TrlOptions:
     max_new_tokens: int
     lr: float
     seed: int
+    engine: str
     threads: int | None
     venv: Path | None
     trl: str
