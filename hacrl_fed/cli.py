@@ -13,6 +13,10 @@
 - ``hacrl-fed simulate CONFIG ...``: the Flower Simulation Engine (:func:`hacrl_fed.flower.simulation.main_simulate`).
 - ``hacrl-fed config --describe [--config FILE]``: every config field with its type, default and description
   (:func:`hacrl_fed.config_cli.main_config`).
+- ``hacrl-fed export RUN_DIR --org ORG --out DIR``: an org's trained model as a transformers folder
+  (:func:`hacrl_fed.cli_export_eval.main_export`, :mod:`hacrl_fed.export`).
+- ``hacrl-fed eval MODEL_DIR | --run-dir RUN_DIR --org ORG``: greedy accuracy and pass@k on a task's test split
+  (:func:`hacrl_fed.cli_export_eval.main_eval`, :mod:`hacrl_fed.evaluate`).
 
 Exit codes: 0 success, 1 the run failed, 2 bad usage, configuration or build-time error (one line naming the bad
 field or file; :class:`~hacrl_fed.config.BuildError` and every ``ConfigError``, in every command, with the
@@ -52,6 +56,8 @@ DELEGATES = {
         "main_bench",
         "benchmarks: learning matrix, report, system costs, TRL peer (BENCHMARKS.md)",
     ),
+    "export": ("hacrl_fed.cli_export_eval", "main_export", "write an org's trained model as a transformers folder"),
+    "eval": ("hacrl_fed.cli_export_eval", "main_eval", "greedy accuracy and pass@k of a model on a task's test split"),
 }
 
 
