@@ -1,7 +1,8 @@
 """``hacrl-fed export`` and ``hacrl-fed eval``: argument parsing only (the work is in :mod:`hacrl_fed.export` and
 :mod:`hacrl_fed.evaluate`).
 
-- ``hacrl-fed export RUN_DIR --org ORG --out DIR [--round N] [--adapter-only] [--dtype D] [--overwrite]``
+- ``hacrl-fed export RUN_DIR --org ORG --out DIR [--round N] [--adapter-only] [--dtype D] [--overwrite]
+  [--config RUN.yaml [--set K=V ...]]``
 - ``hacrl-fed eval MODEL_DIR [--config CONFIG] [--set K=V ...]`` or
   ``hacrl-fed eval --run-dir RUN_DIR --org ORG [--round N]``, with ``[--n N] [--k K] [--temperature T]
   [--top-p P] [--max-new-tokens M] [--seed S] [--threshold R] [--device D] [--json FILE]``
@@ -27,6 +28,9 @@ def _export_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter-only", action="store_true", help="LoRA runs: write the adapter alone, not merged weights")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--config", default=None, help="the run config (default: RUN_DIR/config.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="overrides of --config, as for hacrl-fed run")
     return p
 
 
@@ -37,7 +41,7 @@ def main_export(argv: list[str]) -> int:
     args = _export_parser().parse_args(argv)
     out = export_model(
         args.run_dir, args.org, args.out, round=args.round, adapter_only=args.adapter_only, dtype=args.dtype,
-        overwrite=args.overwrite,
+        overwrite=args.overwrite, config=args.config, overrides=[kv for group in args.overrides for kv in group],
     )
     print(out)
     return 0
@@ -84,7 +88,7 @@ def _source(args: argparse.Namespace):
     config = args.config
     info = Path(args.model) / EXPORT_INFO
     if config is None and info.is_file():
-        config = str(Path(json.loads(info.read_text())["run_dir"]) / "config.yaml")
+        config = json.loads(info.read_text())["config"]
     if config is None:
         raise BuildError(f"--config: {args.model} is not a hacrl-fed export; name the run config with the task")
     model, tokenizer = load_exported(args.model, args.device)

@@ -134,18 +134,21 @@ def export_model(
     adapter_only: bool = False,
     dtype: str | None = None,
     overwrite: bool = False,
+    config: str | Path | None = None,
+    overrides: list[str] | None = None,
 ) -> Path:
     """Write ``org_id``'s trained model of ``run_dir`` to ``out_dir`` (module docstring); returns ``out_dir``.
 
     ``dtype``: ``float32`` | ``bfloat16`` | ``float16`` (default: the checkpoint's). ``out_dir`` must not exist
-    or be empty unless ``overwrite``.
+    or be empty unless ``overwrite``. ``config``: the run config, for a run dir without ``config.yaml`` (a worker's
+    own run dir on another host).
     """
     from hacrl_fed.models.loading import resolve_dtype
 
     run_dir, out = Path(run_dir).absolute(), Path(out_dir).absolute()
     if not run_dir.is_dir():
         raise BuildError(f"run_dir: no such directory: {run_dir}")
-    cfg = run_config(run_dir)
+    cfg = load_config(config, overrides=overrides) if config is not None else run_config(run_dir)
     if org_id not in [o.id for o in cfg.orgs]:
         raise BuildError(f"org: {org_id!r} is not an org of {run_dir} (orgs: {[o.id for o in cfg.orgs]})")
     lora = org_trainer(cfg, org_id).lora.enabled
@@ -176,6 +179,7 @@ def export_model(
         "weights": "adapter" if adapter_only else ("merged-lora" if lora else "full"),
         "dtype": str(target).removeprefix("torch."),
         "task": cfg.task.name,
+        "config": str(Path(config).absolute()) if config is not None else str(run_dir / "config.yaml"),
     }
     (out / EXPORT_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return out
