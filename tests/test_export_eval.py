@@ -155,3 +155,16 @@ def test_pass_at_is_the_unbiased_estimator():
     assert pass_at(4, 1, 1) == pytest.approx(0.25) and pass_at(5, 2, 2) == pytest.approx(1 - 3 / 10)
     with pytest.raises(ValueError):
         pass_at(2, 3, 1)
+
+
+def test_run_names_with_a_plus_make_valid_run_ids(tmp_path):
+    """The GPU recipes' names (qwen3-1.7b+qwen3-4b) are valid run names, so their run ids are valid checkpoint
+    folders (they were refused as bad_run_id, failing every request of the recipe)."""
+    from hacrl_fed.config import RunConfig
+    from hacrl_fed.worker.checkpoint import run_checkpoint_root
+
+    name = RunConfig.model_validate({"name": "qwen3-1.7b+qwen3-4b", "orgs": [{"id": "a", "model": {"zoo": "x"}}]}).name
+    assert run_checkpoint_root(tmp_path, f"{name}-ac862fa4-9ab6c2") == tmp_path / f"{name}-ac862fa4-9ab6c2"
+    for bad in ("+x", "../x", "a/b", ".x"):
+        with pytest.raises(ValueError, match="not a plain name"):
+            run_checkpoint_root(tmp_path, bad)

@@ -159,7 +159,7 @@ def test_hand_started_workers_with_their_own_keys_are_refused_before_round_1(tmp
     proc = subprocess.run(["bash", "-c", _recipe_script(block, _free_ports(2))], cwd=tmp_path, env=_env(tmp_path),
                           capture_output=True, text=True, timeout=800)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    line = proc.stderr.strip().splitlines()[-1]
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("hacrl-fed run:")]  # one line (workers log too)
     assert re.search(r"hacrl-fed run: error: org 'qwen3-(1\.7|4)b': the worker at 127\.0\.0\.1:\d+ signs with a key "
                      r"the coordinator's roster \(.*\) does not pin", line), line
     assert "hacrl-fed keys --out KEYS" in line and "security.roster_file=" in line
