@@ -19,8 +19,11 @@ from pathlib import Path
 
 
 def _export_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hacrl-fed export", description="Write one org's trained model as a folder "
-                                "transformers and vLLM load (config, weights, tokenizer, chat template, generation config).")
+    p = argparse.ArgumentParser(
+        prog="hacrl-fed export",
+        description="Write one org's trained model as a folder transformers and vLLM load "
+        "(config, weights, tokenizer, chat template, generation config).",
+    )
     p.add_argument("run_dir", help="the run directory (hacrl-fed run / simulate / deploy-local output)")
     p.add_argument("--org", required=True, help="the org whose model to export")
     p.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
@@ -29,8 +32,15 @@ def _export_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--config", default=None, help="the run config (default: RUN_DIR/config.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="overrides of --config, as for hacrl-fed run")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides of --config, as for hacrl-fed run",
+    )
     return p
 
 
@@ -40,20 +50,37 @@ def main_export(argv: list[str]) -> int:
 
     args = _export_parser().parse_args(argv)
     out = export_model(
-        args.run_dir, args.org, args.out, round=args.round, adapter_only=args.adapter_only, dtype=args.dtype,
-        overwrite=args.overwrite, config=args.config, overrides=[kv for group in args.overrides for kv in group],
+        args.run_dir,
+        args.org,
+        args.out,
+        round=args.round,
+        adapter_only=args.adapter_only,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        config=args.config,
+        overrides=[kv for group in args.overrides for kv in group],
     )
     print(out)
     return 0
 
 
 def _eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hacrl-fed eval", description="Greedy accuracy and pass@k of a model on a "
-                                "task's held-out test split, scored by the task's verifier.")
+    p = argparse.ArgumentParser(
+        prog="hacrl-fed eval",
+        description="Greedy accuracy and pass@k of a model on a "
+        "task's held-out test split, scored by the task's verifier.",
+    )
     p.add_argument("model", nargs="?", default=None, help="an exported (or any local transformers) model folder")
     p.add_argument("--config", default=None, help="run config naming the task (default: the export's run config)")
-    p.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="config overrides, as for hacrl-fed run")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides, as for hacrl-fed run",
+    )
     p.add_argument("--run-dir", default=None, help="score a run's checkpoint instead of a folder (with --org)")
     p.add_argument("--org", default=None, help="with --run-dir: the org whose checkpoint to score")
     p.add_argument("--round", type=int, default=None, help="with --run-dir: this round's checkpoint (default latest)")

@@ -115,7 +115,7 @@ def _free_ports(n: int) -> list[int]:
 def _cpu_recipe(folder: Path) -> None:
     """The recipe with zoo agents on CPU and a tiny budget (same org ids, name, transport and algorithm)."""
     data = yaml.safe_load(RECIPE.read_text())
-    zoo = {"qwen3-1.7b": "qwen-char", "qwen3-4b": "gpt2-bpe"}
+    zoo = {"qwen3-1.7b": "micro-qwen-char", "qwen3-4b": "micro-gpt2-bpe"}
     data["orgs"] = [{"id": o["id"], "model": {"zoo": zoo[o["id"]], "device": "cpu"}} for o in data["orgs"]]
     data["trainer"].update(precision="model", gradient_checkpointing=False, minibatch_size=16, micro_batch_size=8)
     data["generation"] = {"num_samples": 2, "max_new_tokens": 8, "eval_max_new_tokens": 8}

@@ -39,8 +39,12 @@ class WandbSink:
         except Exception as err:  # a logging backend never stops a run
             self.failures += 1
             if self.failures == 1:
-                log.warning("wandb: logging round %d failed (%s: %s); further failures are silent", round,
-                            type(err).__name__, err)
+                log.warning(
+                    "wandb: logging round %d failed (%s: %s); further failures are silent",
+                    round,
+                    type(err).__name__,
+                    err,
+                )
 
     def close(self) -> None:
         if self.run is not None:

@@ -56,9 +56,7 @@ def read_table(path: str, fmt: str, param: str) -> Any:
     try:
         import datasets
     except ImportError:
-        raise BuildError(
-            "task.name=dataset needs the `datasets` package: pip install 'hacrl-fed[datasets]'"
-        ) from None
+        raise BuildError("task.name=dataset needs the `datasets` package: pip install 'hacrl-fed[datasets]'") from None
     datasets.disable_progress_bars()
     try:
         with tempfile.TemporaryDirectory(prefix="hacrl-datasets-") as cache:

@@ -29,11 +29,14 @@ import math
 import re
 from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from hacrl_fed.config import BuildError
+
+if TYPE_CHECKING:
+    from hacrl_fed.tasks.base import Task
 
 ENTRY_POINT_GROUP = "hacrl_fed.tasks"
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*$")
@@ -74,7 +77,7 @@ def available_tasks(registry: dict[str, Any]) -> list[str]:
     return sorted(set(registry) | set(_entry_points()))
 
 
-def _check_task_class(obj: Any, field: str, where: str) -> type:
+def _check_task_class(obj: Any, field: str, where: str) -> type[Task]:
     from hacrl_fed.tasks.base import Task
 
     if not (isinstance(obj, type) and issubclass(obj, Task)):
@@ -88,7 +91,7 @@ def _check_task_class(obj: Any, field: str, where: str) -> type:
     return obj
 
 
-def resolve_task_class(name: str, registry: dict[str, Any]) -> type:
+def resolve_task_class(name: str, registry: dict[str, Any]) -> type[Task]:
     """The Task class ``task.name`` names (module docstring for the order); :class:`BuildError` naming
     ``task.name`` for an unknown name, a bad import path, a broken entry point or an object that is not a Task."""
     if not isinstance(name, str) or not name:
@@ -139,7 +142,9 @@ class RewardFn:
         except Exception as err:  # never crash a round on a user verifier
             self.errors += 1
             if self.errors == 1:
-                log.warning("reward function %s failed (scored 0.0; logged once): %s: %s", self.spec, type(err).__name__, err)
+                log.warning(
+                    "reward function %s failed (scored 0.0; logged once): %s: %s", self.spec, type(err).__name__, err
+                )
             return 0.0
 
 
