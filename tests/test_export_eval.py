@@ -168,3 +168,16 @@ def test_run_names_with_a_plus_make_valid_run_ids(tmp_path):
     for bad in ("+x", "../x", "a/b", ".x"):
         with pytest.raises(ValueError, match="not a plain name"):
             run_checkpoint_root(tmp_path, bad)
+
+
+def test_eval_of_a_lora_checkpoint_matches_its_merged_export(runs, tmp_path, capsys):
+    run_dir = runs["lora"]
+    assert main(["export", str(run_dir), "--org", "globex", "--out", str(tmp_path / "m")]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "m"), "--k", "2", "--device", "cpu"]) == 0
+    merged = json.loads(capsys.readouterr().out)
+    assert main(["eval", "--run-dir", str(run_dir), "--org", "globex", "--k", "2"]) == 0
+    adapters = json.loads(capsys.readouterr().out)
+    assert merged["eval/accuracy"] == adapters["eval/accuracy"]  # greedy: the same argmax tokens
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert merged["eval/accuracy"] == pytest.approx(last["eval/globex/accuracy"])
