@@ -501,6 +501,20 @@ class SecurityConfig(_Section):
         return self
 
 
+class WandbConfig(_Section):
+    """Weights & Biases as a second metrics sink (pip install 'hacrl-fed[wandb]'): the coordinator logs every
+    round's metrics with the keys of metrics.jsonl, step = round (hacrl_fed/loggers/wandb.py)."""
+
+    enabled: bool = Field(False, description="log the round metrics to W&B as well")
+    project: str = Field("hacrl-fed", min_length=1, description="the W&B project")
+    entity: str | None = Field(None, description="the W&B entity (team or user); null = the account's default")
+    name: str | None = Field(None, description="the W&B run name; null = the run's name")
+    tags: list[str] = Field(default_factory=list, description="tags of the W&B run")
+    mode: Literal["online", "offline"] = Field(
+        "online", description=_d("offline writes the W&B run under <run dir>/wandb only (upload later: wandb sync)")
+    )
+
+
 class RunConfig(_Section):
     """One federated run: its name and seed, the algorithm, the orgs and how rounds run."""
 
@@ -527,6 +541,7 @@ class RunConfig(_Section):
     orgs: list[OrgConfig] = Field(min_length=1, description="the organizations, each with its own model")
     federation: FederationConfig = Field(default_factory=FederationConfig, description="the round loop")
     security: SecurityConfig = Field(default_factory=SecurityConfig, description="trust between the organizations")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (optional)")
 
     @model_validator(mode="after")
     def _unique_orgs(self) -> RunConfig:

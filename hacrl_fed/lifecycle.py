@@ -9,8 +9,8 @@ Flower ServerApp (simulation, ``flwr run``, ``hacrl-fed deploy-local``).
 * ``run_info.json``: the hacrl run id, the absolute run dir, the transport, the Flower run id (Flower entry
   points), the status (``running``, ``completed``, ``failed``, ``interrupted``) and one entry per session (a new
   run, then each resume);
-* ``metrics.jsonl`` and ``tb/`` (:class:`~hacrl_fed.metrics.RunLogger`), ``coordinator_state.json``
-  (:class:`~hacrl_fed.coordinator.loop.Coordinator`);
+* ``metrics.jsonl``, ``tb/`` and (``wandb.enabled``) ``wandb/`` (:class:`~hacrl_fed.metrics.RunLogger`),
+  ``coordinator_state.json`` (:class:`~hacrl_fed.coordinator.loop.Coordinator`);
 * at the end: ``accuracy.png`` and ``summary.txt`` (the final per-org table, the run ids and the output path);
 * on failure: ``error.log`` (the traceback).
 
@@ -374,6 +374,10 @@ class Run:
             self.write_config()
             self._write_info("starting")
             self.logger = self._stack.enter_context(RunLogger(self.run_dir, tensorboard=self.tensorboard))
+            if self.cfg.wandb.enabled:
+                from hacrl_fed.loggers.wandb import open_wandb
+
+                self.logger.sinks.append(open_wandb(self.cfg, self.run_dir, resume=self.resume))
             shown = progress_shown(self.progress)  # a bar on a terminal; plain log lines anywhere else
             self._bar, self._on_round = round_progress(self.cfg.federation.rounds, enabled=shown)
             self._stack.callback(self._bar.close)

@@ -5,6 +5,7 @@ Files under ``run_dir``:
 - ``metrics.jsonl``: one JSON object per :meth:`RunLogger.log` call, ``{"round": t, "wall_time": unix_s,
   <name>: value, ...}``; non-finite values are written as ``null`` (strict JSON).
 - ``tb/``: TensorBoard event files, one scalar per metric name with ``step = round``.
+- ``wandb/``: with ``wandb.enabled``, the W&B run of the same metrics (:mod:`hacrl_fed.loggers.wandb`).
 - ``accuracy.png``: ``eval/<org>/accuracy`` against round, one line per org (:func:`plot_accuracy`).
 
 Also the progress lines every entry point logs: :func:`format_round` (one per round), :func:`format_eval` (after
@@ -38,7 +39,9 @@ def _clean(value: Any) -> float | None:
 class RunLogger:
     """Appends metrics to ``run_dir/metrics.jsonl`` and TensorBoard scalars to ``run_dir/tb``.
 
-    ``tensorboard=False`` skips the event files (and the torch import they need).
+    ``tensorboard=False`` skips the event files (and the torch import they need). ``sinks``: further loggers
+    (:mod:`hacrl_fed.loggers`, e.g. W&B), each given every round's metrics (``log(round, metrics)``, the keys and
+    values of the JSONL line) and closed with this one.
     """
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True):
@@ -46,6 +49,7 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self._writer = None
+        self.sinks: list[Any] = []
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # heavy import: only when asked for
 
@@ -67,8 +71,12 @@ class RunLogger:
                 if scalar is not None:
                     self._writer.add_scalar(name, scalar, global_step=int(round))
             self._writer.flush()
+        for sink in self.sinks:
+            sink.log(int(round), clean)
 
     def close(self) -> None:
+        while self.sinks:
+            self.sinks.pop().close()
         if self._writer is not None:
             self._writer.close()
             self._writer = None

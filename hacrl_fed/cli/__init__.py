@@ -6,6 +6,9 @@
 - ``hacrl-fed simulate CONFIG ...`` (:mod:`~hacrl_fed.cli.simulate`): the Flower Simulation Engine.
 - ``hacrl-fed keys ...`` (:mod:`~hacrl_fed.cli.keys`): TLS certificates, SuperNode auth keys, org identities.
 - ``hacrl-fed config --describe [--config FILE]`` (:mod:`~hacrl_fed.cli.config`): every config field.
+- ``hacrl-fed export RUN_DIR --org ORG --out DIR`` (:mod:`~hacrl_fed.cli.export`): an org's trained model as a
+  transformers folder; ``hacrl-fed eval MODEL_DIR | --run-dir RUN_DIR --org ORG`` (:mod:`~hacrl_fed.cli.eval`):
+  greedy accuracy and pass@k on a task's test split.
 - ``hacrl-fed deploy-local ...`` (:mod:`~hacrl_fed.cli.deploy_local`) and ``hacrl-fed bench ...``
   (:mod:`~hacrl_fed.cli.bench`), ``hacrl-fed gpu-check ...`` (:mod:`~hacrl_fed.cli.gpu_check`): the tools
   (:mod:`hacrl_tools`, loaded only by these commands).
@@ -32,6 +35,8 @@ COMMANDS = {
     "config": ("config", "describe every config field (--describe) or resolve a config"),
     "bench": ("bench", "benchmarks: learning matrix, report, system costs, against TRL (BENCHMARKS.md)"),
     "gpu-check": ("gpu_check", "the prepared GPU check (scripts/gpu_check.sh)"),
+    "export": ("export", "write an org's trained model as a transformers folder"),
+    "eval": ("eval", "greedy accuracy and pass@k of a model on a task's test split"),
 }
 
 

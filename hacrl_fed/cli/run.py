@@ -124,6 +124,9 @@ def _grpc_transport(args: argparse.Namespace, cfg, run_dir: Path, stack: ExitSta
             f"only {len(ready) - len(bad)} of {len(ready)} workers are ready, "
             f"federation.min_orgs={cfg.federation.min_orgs}"
         )
+    from hacrl_fed.security.keyring import check_worker_keys
+
+    check_worker_keys(cfg, run_dir, ready, addresses)  # mismatched signing keys: one line now, not failed rounds
     return transport
 
 

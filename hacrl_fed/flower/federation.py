@@ -60,7 +60,8 @@ def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path, f
        dir (a new run needs an unused one, ``resume`` a used one): any problem raises :class:`RunRefused`, logged
        as one line naming the keys of ``flwr run`` (``resume=true``, ``run-dir=``);
     2. wait up to ``discovery-timeout`` for the configured orgs' nodes (``query.health`` tells each node's org;
-       at least ``federation.min_orgs`` must answer);
+       at least ``federation.min_orgs`` must answer), and check the signing keys their workers report against the
+       roster (:func:`~hacrl_fed.security.keyring.check_worker_keys`);
     3. :class:`~hacrl_fed.coordinator.loop.Coordinator` over a :class:`FlowerTransport`, inside the run lifecycle
        every entry point shares (:class:`hacrl_fed.lifecycle.Run`, transport ``flower-simulation`` or
        ``flower-deployment``, ``flower_run_id`` recorded next to the hacrl run id): one log line per round, the
@@ -102,6 +103,9 @@ def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path, f
         log.info("hacrl-fed: nodes %s", org_by_node)
         transport = FlowerTransport(grid, org_by_node, expected_orgs=expected, max_poll_s=poll)
         try:
+            from hacrl_fed.security.keyring import check_worker_keys  # keys that do not match: stop before round 1
+
+            check_worker_keys(cfg, run_dir, transport.health(sorted(set(org_by_node.values())), timeout))
             summary = run.execute(transport)
         finally:
             transport.close()

@@ -89,3 +89,59 @@ def load_org_identity(cfg: RunConfig, org_id: str, run_dir: str | Path) -> Any |
     if identity.public().to_text() != roster[org_id].to_text():
         raise ConfigError(f"security.identity_file: {path} is not the identity the roster pins for {org_id!r}")
     return identity
+
+
+# ------------------------------------------------------------------------------------- start-up key check
+
+HEALTH_KEY = "signing_key"  # a worker's Health: the public identity it signs with
+HEALTH_ROSTER = "roster_sha256"  # ... and a fingerprint of the roster it verifies others against
+ROSTER_FIX = (
+    "give the coordinator and every worker the same keys: `hacrl-fed keys --out KEYS --orgs ORG1,ORG2`, then "
+    "`--set security.roster_file=KEYS/identity_set/roster.yaml --set "
+    "security.identity_file=KEYS/identity_set/identity/{org}.key` on every command (workers on the coordinator's "
+    "machine may instead share its run dir: hacrl-fed worker ... --run-dir RUN_DIR)"
+)
+
+
+def roster_fingerprint(roster: dict[str, Any]) -> str:
+    """sha256 (hex) of the roster's ``org=public identity`` lines, sorted: equal iff two rosters pin the same keys."""
+    import hashlib
+
+    lines = "\n".join(f"{org}={roster[org].to_text()}" for org in sorted(roster))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def identity_health(roster: dict[str, Any] | None, identity: Any | None) -> dict[str, str]:
+    """The key facts a worker adds to its Health reply (empty when signing is off)."""
+    if roster is None or identity is None:
+        return {}
+    return {HEALTH_KEY: identity.public().to_text(), HEALTH_ROSTER: roster_fingerprint(roster)}
+
+
+def check_worker_keys(
+    cfg: RunConfig, run_dir: str | Path, health: dict[str, Any], addresses: dict[str, str] | None = None
+) -> None:
+    """Before round 1: every worker that reports its keys in Health (:func:`identity_health`) must sign with the
+    identity the coordinator's roster pins for its org and verify against the same roster; else a
+    :class:`ConfigError` naming the org and the fix (otherwise every batch would fail as ``bad_signature``).
+    ``health``: ``{org: Health dict}`` of the workers that answered (errors and workers that report no keys are
+    skipped)."""
+    roster = load_run_roster(cfg, run_dir)
+    if roster is None:
+        return
+    where = "security.roster" if cfg.security.roster else cfg.security.roster_file or f"{auto_keys_dir(run_dir)}"
+    mine = roster_fingerprint(roster)
+    for org, info in sorted(health.items()):
+        if not isinstance(info, dict) or HEALTH_KEY not in info or org not in roster:
+            continue
+        at = f" at {addresses[org]}" if addresses and org in addresses else ""
+        if info[HEALTH_KEY] != roster[org].to_text():
+            raise ConfigError(
+                f"org {org!r}: the worker{at} signs with a key the coordinator's roster ({where}) does not pin for "
+                f"{org!r}, so every batch it sends would be rejected as bad_signature; {ROSTER_FIX}"
+            )
+        if info.get(HEALTH_ROSTER, mine) != mine:
+            raise ConfigError(
+                f"org {org!r}: the worker{at} verifies the other orgs against another roster than the coordinator's "
+                f"({where}), so it would reject their batches as bad_signature; {ROSTER_FIX}"
+            )

@@ -96,15 +96,17 @@ def register_task(name: str, cls: type[Task] | None = None) -> Any:
 
 
 def get_task(name: str, params: dict[str, Any] | None = None, *, seed: int = 0) -> Task:
-    """Build the registered task ``name`` with ``params`` validated by its ``Params`` model.
+    """Build the task ``name`` (a registered name, an import path ``package.module:ClassName`` or a
+    ``hacrl_fed.tasks`` entry point: :mod:`hacrl_fed.tasks.loader`) with ``params`` validated by its ``Params``.
 
     Every problem is a :class:`~hacrl_fed.config.BuildError` (a ``ValueError``): one naming ``task.name`` for an
-    unknown task (listing the known ones), ``task.params.<field>`` for each bad param, or whatever the task's
-    constructor found (a data file by name and line, a missing optional package).
+    unknown task (listing the known ones), a bad import path or an object that is not a Task,
+    ``task.params.<field>`` for each bad param, or whatever the task's constructor found (a data file by name and
+    line, a missing optional package). The built task's ``name`` is ``name`` as given (what plans carry).
     """
-    if name not in TASKS:
-        raise BuildError(f"task.name: unknown task {name!r}; available: {sorted(TASKS)}")
-    cls = TASKS[name]
+    from hacrl_fed.tasks.loader import resolve_task_class
+
+    cls = resolve_task_class(name, TASKS)
     if params is not None and not isinstance(params, dict):
         raise BuildError(f"task.params: must be a mapping, got {type(params).__name__}")
     try:
@@ -112,12 +114,14 @@ def get_task(name: str, params: dict[str, Any] | None = None, *, seed: int = 0) 
     except ValidationError as err:
         raise BuildError(_format_param_errors(name, err)) from None
     try:
-        return cls(validated, seed=seed)
+        task = cls(validated, seed=seed)
     except BuildError:
         raise
     except (ValueError, OSError, ImportError) as err:  # the task's own checks, its files, its optional package
         message = str(err)
         raise BuildError(message if message.startswith("task") else f"task {name!r}: {message}") from err
+    task.name = name
+    return task
 
 
 def _format_param_errors(name: str, err: ValidationError) -> str:

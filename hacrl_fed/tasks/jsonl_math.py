@@ -10,7 +10,8 @@ Splits: with ``test_path`` the test split is that file and train is ``path`` min
 ``stable_hash(SPLIT_SALT, question) / 2**64 < test_fraction``, so identical questions share a split. Ids
 follow file order within a split; the task seed does not change them.
 
-Verification: the response's answer is its last ``\\boxed{}``, else the text after its last ``####``, else
+Verification (unless ``reward_fn`` names the lab's own function, :func:`~hacrl_fed.tasks.loader.load_reward_fn`):
+the response's answer is its last ``\\boxed{}``, else the text after its last ``####``, else
 what follows "answer is", else its last number. Plain numbers (``1,234``, ``-0.50``, ``$18``, ``18%``) are
 compared exactly as fractions without math-verify; everything else goes through ``math_verify`` behind a
 cost screen (length cap, no power towers / huge exponents / big factorials) and its own signal timeouts
@@ -48,6 +49,7 @@ from hacrl_fed.tasks.base import (
     stable_hash,
     strip_trailing_period,
 )
+from hacrl_fed.tasks.loader import load_reward_fn
 from hacrl_fed.types import ChatMessage, Prompt
 
 SPLIT_SALT = "jsonl-split-v1"
@@ -72,6 +74,9 @@ class JsonlMathParams(TaskParams):
     answer_format: Literal["auto", "gsm8k", "boxed", "raw"] = "auto"
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
     prompt_template: str = "{question}"
+    reward_fn: str | None = Field(
+        None, description="import path package.module:function of fn(response, reference) -> float in [0, 1]"
+    )
 
     @field_validator("prompt_template")
     @classmethod
@@ -292,9 +297,9 @@ class JsonlMathTask(Task):
     def __init__(self, params: JsonlMathParams, seed: int = 0) -> None:
         super().__init__(params, seed)
         p = params
-        rows = load_rows(p.path, p, "path")
+        rows = self.load(p.path, "path")
         if p.test_path is not None:
-            test = load_rows(p.test_path, p, "test_path")
+            test = self.load(p.test_path, "test_path")
             test_qs = {_norm_question(r.question) for r in test}
             train = [r for r in rows if _norm_question(r.question) not in test_qs]
         else:
@@ -308,6 +313,11 @@ class JsonlMathTask(Task):
                     f"test_fraction={p.test_fraction}); add rows, change test_fraction or set test_path"
                 )
         self._rows = {"train": train, "test": test}
+        self._reward = load_reward_fn(p.reward_fn, "task.params.reward_fn") if p.reward_fn else None
+
+    def load(self, path: str, param: str) -> list[Row]:
+        """The rows of one data file (``task.params.<param>``); subclasses read other formats."""
+        return load_rows(path, self.params, param)
 
     def size(self, split: str) -> int:
         return len(self._rows[check_split(split)])
@@ -329,6 +339,8 @@ class JsonlMathTask(Task):
         return out
 
     def verify(self, response: str, reference: str) -> float:
+        if self._reward is not None:  # the lab's own verifier (task.params.reward_fn), guarded
+            return self._reward(response, reference)
         try:
             return 1.0 if answers_match(extract_answer(response), reference) else 0.0
         except Exception:  # never raise on garbage

@@ -23,14 +23,15 @@ from safetensors.torch import load_file, save_file
 
 from hacrl_fed.fsio import write_atomic
 
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")  # a run id that is a safe directory name
+# a run id that is a safe directory name; "+" as in run names (RunConfig.name, e.g. qwen3-1.7b+qwen3-4b)
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,199}$")
 
 
 def run_checkpoint_root(base: Path, run_id: str) -> Path:
     """``<base>/<run id>``: where one run's checkpoints go; ValueError for a run id that is not a plain directory
-    name (letters, digits, ``_.-``, at most 200 characters, not starting with ``.`` or ``-``)."""
+    name (letters, digits, ``_.+-``, at most 200 characters, not starting with ``.``, ``+`` or ``-``)."""
     if not isinstance(run_id, str) or not RUN_ID.match(run_id):
-        raise ValueError(f"run id {str(run_id)[:80]!r} is not a plain name (letters, digits, '_', '.', '-')")
+        raise ValueError(f"run id {str(run_id)[:80]!r} is not a plain name (letters, digits, '_', '.', '+', '-')")
     return base / run_id
 
 

@@ -557,11 +557,14 @@ class PolicyWorker:
         return next(self.model.parameters()).device
 
     def health(self) -> dict[str, str]:
+        from hacrl_fed.security.keyring import identity_health  # its signing key: checked before round 1
+
         return {
             "org_id": self.org_id,
             "status": "ok",
             "round": str(self.last_round),
             "params": str(sum(p.numel() for p in self.model.parameters())),
+            **identity_health(self.roster, self.identity),
         }
 
     def checkpoint(self, round: int) -> str:
