@@ -116,10 +116,9 @@ def test_stop_kills_a_stubborn_process_and_its_detached_child(tmp_path):
 def test_readiness_fails_fast_with_the_log_tail(tmp_path):
     dep = Deployment(tmp_path, startup_timeout_s=30)
     proc = dep.spawn("worker-acme", [sys.executable, "-c", "print('no model for you'); raise SystemExit(3)"])
-    t0 = time.monotonic()
+    # the exit is reported as such (a wait that ran into the 30 s timeout would say "no ... within 30 s")
     with pytest.raises(HarnessError, match=r"(?s)worker-acme exited with code 3 .*no model for you"):
         dep.wait_log(proc, re.compile("listening on"), "the 'listening on' line")
-    assert time.monotonic() - t0 < 20
     slow = dep.spawn("worker-slow", [sys.executable, "-c", "import time; time.sleep(60)"])
     with pytest.raises(HarnessError, match=r"worker-slow: no the 'listening on' line within 0.5 s"):
         dep.wait_log(slow, re.compile("listening on"), "the 'listening on' line", timeout_s=0.5)

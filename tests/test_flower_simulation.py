@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -79,13 +78,10 @@ def test_run_dir_checks_exit_2_before_starting_ray(tmp_path, capsys):
 @pytest.mark.timeout(180)
 def test_two_rounds_over_the_simulation_engine(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    start = time.monotonic()
     config = _config(tmp_path, orgs=(*SKILLS, LIAR))
     rc = main_simulate([str(config), "--run-dir", str(run_dir), "--num-cpus", "1",
                         "--worker-factory", "test_flower_simulation:make_fake_worker", "--set", "seed=9"])
-    elapsed = time.monotonic() - start
     assert rc == 0
-    assert elapsed < 120, f"simulation took {elapsed:.0f} s"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [0, 1, 2]
     for rec in records[1:]:
