@@ -350,6 +350,7 @@ class Coordinator:
             self.totals[org]["trained_round"] = round
             trained.append(org)
             reports[org] = reply
+        self.guard.receiver_screened(round, reports, list(accepted), metrics)
         if self.guard.blind:  # capability from what the receivers verified (the coordinator cannot read text)
             verified = self.guard.receiver_verified(round, reports, list(accepted), metrics)
             if verified:

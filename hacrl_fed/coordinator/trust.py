@@ -16,6 +16,10 @@ The pool sent to a learner is the other orgs' signed batches verbatim (``TrainRe
 every receiver verifies them end to end and the coordinator cannot put words in an org's mouth; with signing
 off it is the flat list of accepted rollouts (``TrainRequest.foreign``).
 
+Every mode: the receivers report what their likelihood screens left out (``screen/<source>/...``); a source whose
+rows they leave out persistently, past ``security.max_screen_drop_rate``, is excluded the same way
+(:meth:`PoolGuard.receiver_screened`).
+
 Capability uses verified rewards only: the coordinator's own re-verification, or — in coordinator-blind mode,
 where it cannot read the text — the rewards the receivers verified and reported back (``trust/<source>/...``
 in their TrainReports; the median over receivers). Blind mode therefore updates the capability table after
@@ -25,11 +29,13 @@ each round's training: the table a round trains with covers the rounds before it
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hacrl_fed.algorithm.likelihood_screen import REASONS as SCREEN_REASONS
 from hacrl_fed.config import RunConfig
 from hacrl_fed.plan.screening import Screened, screen_batch
 from hacrl_fed.types import Rollout, RolloutBatch, RoundPlan, TrainReport
@@ -45,6 +51,7 @@ class PoolGuard:
         self.verify = verify if cfg.security.reverify_rewards else None
         self.excluded: dict[str, str] = {}  # org -> why (for logs, metrics and the final table)
         self.signed: dict[str, RolloutBatch] = {}  # this round's accepted orgs' batches, verbatim
+        self.screened: dict[str, dict[str, list[float]]] = {}  # source -> receiver -> [dropped, checked] so far
 
     @property
     def blind(self) -> bool:
@@ -132,13 +139,46 @@ class PoolGuard:
                 self.exclude(round, src, f"receivers found reward mismatch rate {rate:.2f} in round {round}")
         return accuracy
 
+    # -- every mode: what the receivers' likelihood screens left out --------------------------------------------
+
+    def receiver_screened(
+        self, round: int, reports: Mapping[str, TrainReport], sources: list[str], metrics: dict[str, float]
+    ) -> None:
+        """Accumulate, per source and receiver, the rows the receiver's likelihood screen checked and dropped
+        (``screen/<source>/checked`` and ``screen/<source>/dropped_<reason>`` in its TrainReport); a source whose
+        run-long drop rate, the median over receivers that checked at least ``security.screen_min_rows`` of its
+        rows, exceeds ``security.max_screen_drop_rate`` is excluded (``round/<source>/screen_drop_rate``)."""
+        sec = self.cfg.security
+        for src in sources:
+            rates = []
+            for learner, rep in reports.items():
+                checked = float(rep.metrics.get(f"screen/{src}/checked", 0.0)) if learner != src else 0.0
+                if not (math.isfinite(checked) and checked > 0):
+                    continue
+                dropped = sum(float(rep.metrics.get(f"screen/{src}/dropped_{why}", 0.0)) for why in SCREEN_REASONS)
+                tally = self.screened.setdefault(src, {}).setdefault(learner, [0.0, 0.0])
+                tally[0] += min(max(dropped, 0.0), checked) if math.isfinite(dropped) else checked
+                tally[1] += checked
+            for dropped_total, checked_total in self.screened.get(src, {}).values():
+                if checked_total >= sec.screen_min_rows:
+                    rates.append(dropped_total / checked_total)
+            if not rates:
+                continue
+            rate = metrics[f"round/{src}/screen_drop_rate"] = statistics.median(rates)
+            if rate > sec.max_screen_drop_rate:
+                self.exclude(round, src, f"receivers' likelihood screens left out {rate:.2f} of its rows")
+
     # -- state -------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"excluded": dict(self.excluded)}
+        return {"excluded": dict(self.excluded), "screened": {k: dict(v) for k, v in self.screened.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.excluded = {str(k): str(v) for k, v in (state.get("excluded") or {}).items()}
+        self.screened = {
+            str(src): {str(rx): [float(t[0]), float(t[1])] for rx, t in per.items()}
+            for src, per in (state.get("screened") or {}).items()
+        }
 
     def metrics(self, orgs: list[str]) -> dict[str, float]:
         return {f"security/{org}/excluded": float(org in self.excluded) for org in orgs}
