@@ -229,6 +229,53 @@ class SelectionConfig(_Section):
         return self
 
 
+class LikelihoodScreenConfig(_Section):
+    """The learner's likelihood screen of foreign rows (docs/ALGORITHM.md "Likelihood screen", SECURITY.md)."""
+
+    enabled: bool = Field(
+        False,
+        description=_d(
+            "score every foreign row with this learner's model before the update and leave out rows it finds "
+            "implausible (low likelihood against its own responses, or a claimed log-prob out of line with the "
+            "source's other claims), counted as screen/<source>/dropped_<reason>"
+        ),
+    )
+    norm: Literal["per_byte", "per_token"] = Field(
+        "per_byte",
+        description=_d(
+            "unit of the length-normalised log-probs it compares: per UTF-8 byte of the response (comparable "
+            "across tokenizers) or per token (the learner's tokens; a claim per the source's tokens)"
+        ),
+    )
+    margin_nats: float = Field(
+        4.0,
+        ge=0,
+        description=_d(
+            "a foreign row is dropped when its learner log-prob per unit is below the quantile of the learner's own "
+            "rows of the same prompt minus this margin"
+        ),
+    )
+    quantile: float = Field(
+        0.0, ge=0, le=1, description=_d("which quantile of the own rows' log-probs is the reference (0: the minimum)")
+    )
+    claim_z: float = Field(
+        8.0,
+        gt=0,
+        description=_d(
+            "a foreign row is dropped when its claimed-minus-learner gap per unit is more than claim_z robust "
+            "standard deviations (plus claim_margin_nats) from the source's running center"
+        ),
+    )
+    claim_margin_nats: float = Field(0.5, ge=0, description=_d("slack added to the claim-outlier bound, nats/unit"))
+    min_scale: float = Field(0.05, gt=0, description=_d("floor of the gap's robust standard deviation, nats/unit"))
+    history_decay: float = Field(
+        0.8, ge=0, lt=1, description=_d("EMA weight of a source's past rounds in its gap center and scale")
+    )
+    min_rows: int = Field(
+        4, ge=2, description=_d("rows of a source needed before its first round's own gaps serve as the reference")
+    )
+
+
 class TrainerConfig(_Section):
     """The local update of each org (hacrl_fed/trainer.py); an org may override any field under orgs[].trainer."""
 
@@ -264,6 +311,10 @@ class TrainerConfig(_Section):
     selection: SelectionConfig = Field(
         default_factory=SelectionConfig,
         description=_d("which screened foreign rows the learner trains on, picked before they are tokenized or scored"),
+    )
+    likelihood_screen: LikelihoodScreenConfig = Field(
+        default_factory=LikelihoodScreenConfig,
+        description=_d("leave implausible foreign rows out of this org's update (the learner's own choice)"),
     )
 
 
@@ -463,6 +514,20 @@ class SecurityConfig(_Section):
             "an org whose share of contradicted reward claims in one round exceeds this is excluded for the rest of "
             "the run"
         ),
+    )
+    max_screen_drop_rate: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description=_d(
+            "an org whose rows the receivers' likelihood screens left out at more than this rate (over the run, the "
+            "median over receivers) is excluded for the rest of the run; 1 never excludes"
+        ),
+    )
+    screen_min_rows: int = Field(
+        64,
+        ge=1,
+        description=_d("rows a receiver must have screened of an org before its screen drop rate can exclude it"),
     )
     max_round_step: int = Field(
         1000, ge=1, description=_d("how far ahead of its last trained round a worker accepts a plan")

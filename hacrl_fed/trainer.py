@@ -52,9 +52,10 @@ from hacrl_fed.algorithm import (
     name_sources,
     order_rows,
 )
+from hacrl_fed.algorithm.likelihood_screen import REASONS, GapHistory, ScreenParams, likelihood_screen
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.models.context import context_length, fits
-from hacrl_fed.scoring import build_scoring_batch_from_ids, token_log_probs
+from hacrl_fed.scoring import build_scoring_batch_from_ids, sequence_log_probs, token_log_probs
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class TrainRow:
     old_seq_log_prob: float
     old_token_log_probs: list[float] | None = None
     norm_length: float = 0.0  # divisor of this row's lbar; 0: its token count (per_byte cross rows: UTF-8 bytes)
+    n_bytes: int = 0  # UTF-8 bytes of the response text (the likelihood screen's per_byte unit)
+    claimed_log_prob_sum: float | None = None  # cross rows: the source's claimed sum over its own tokens
+    claimed_token_count: int = 0  # cross rows: the source's token count of that claim
 
 
 def adapter_dropout_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -188,6 +192,7 @@ class LocalTrainer:
             betas=(trainer.betas[0], trainer.betas[1]),
             weight_decay=trainer.weight_decay,
         )
+        self.screen_history: dict[str, GapHistory] = {}  # per source name: its claimed-minus-learner gap so far
         self.ref_model = None
         if algo.kl_beta > 0:
             self.ref_model = copy.deepcopy(model).eval()
@@ -247,8 +252,11 @@ class LocalTrainer:
         ``names``: agent names for the per-source advantage metrics (``hacpo/adv_mean/<name>``)."""
         start = time.perf_counter()
         rows = [r for r in rows if r.is_self or self.spec.uses_cross]
+        screened: dict[str, float] = {}
+        if self.cfg.likelihood_screen.enabled and not all(r.is_self for r in rows):
+            rows, screened = self._likelihood_screen(rows, names)  # dropped rows leave their joint group too
         if not rows:
-            return {"train/steps": 0.0, "train/num_rows": 0.0}
+            return {"train/steps": 0.0, "train/num_rows": 0.0, **screened}
         # every response counts in its joint group's baseline and std, even one that cannot be scored
         adv_all = self.advantages(rows, learner, capability)
         all_rows = rows
@@ -293,7 +301,71 @@ class LocalTrainer:
                 "time/update": time.perf_counter() - start,
             }
         )
+        out.update(screened)
         return out
+
+    def _likelihood_screen(
+        self, rows: Sequence[TrainRow], names: Sequence[str] | None
+    ) -> tuple[list[TrainRow], dict[str, float]]:
+        """Score the scorable cross rows (no grad, pre-update weights) and leave out those the screen drops
+        (:mod:`hacrl_fed.algorithm.likelihood_screen`); ``screen/<source>/...`` metrics."""
+        t0 = time.perf_counter()
+        cfg = self.cfg.likelihood_screen
+        per_byte = cfg.norm == "per_byte"
+        cand = [
+            i
+            for i, r in enumerate(rows)
+            if r.response_ids and (r.is_self or fits(len(r.prompt_token_ids), len(r.response_ids), self.context))
+        ]
+        cross = [i for i in cand if not rows[i].is_self]
+        learner_sum: dict[int, float] = {}
+        if cross:
+            batch = build_scoring_batch_from_ids(
+                [rows[i].prompt_token_ids for i in cross], [rows[i].response_ids for i in cross], self.pad_id
+            )
+            sums, _, _ = sequence_log_probs(self.model, batch, self.cfg.micro_batch_size)
+            learner_sum = dict(zip(cross, sums.tolist()))
+        lp: list[float] = []
+        lengths: list[float] = []
+        claimed: list[float | None] = []
+        for i in cand:
+            r = rows[i]
+            n = float(max(r.n_bytes, 1)) if per_byte else float(len(r.response_ids))
+            if r.is_self:
+                lp.append(sum(r.old_token_log_probs) if r.old_token_log_probs else r.old_seq_log_prob * n)
+                claimed.append(None)
+            else:
+                lp.append(learner_sum[i])
+                c = r.claimed_log_prob_sum
+                claimed.append(None if c is None else c / (n if per_byte else max(r.claimed_token_count, 1)))
+            lengths.append(n)
+        label = (lambda s: names[s]) if names is not None else str
+        history = {s: h for s in {r.source for r in rows} if (h := self.screen_history.get(label(s))) is not None}
+        res = likelihood_screen(
+            lp,
+            lengths,
+            [rows[i].is_self for i in cand],
+            [rows[i].group for i in cand],
+            [rows[i].source for i in cand],
+            claimed,
+            ScreenParams(**cfg.model_dump(exclude={"enabled", "norm"})),
+            history,
+        )
+        self.screen_history.update({label(s): h for s, h in res.history.items()})
+        drop = {i for i, k in zip(cand, res.keep) if not k}
+        out: dict[str, float] = {}
+        for s, n_checked in res.checked.items():
+            counts = res.dropped.get(s, {})
+            out[f"screen/{label(s)}/checked"] = float(n_checked)
+            for reason in REASONS:
+                out[f"screen/{label(s)}/dropped_{reason}"] = float(counts.get(reason, 0))
+            if s in res.gap_median:
+                out[f"screen/{label(s)}/gap_median"] = res.gap_median[s]
+            if s in res.deficit_max:
+                out[f"screen/{label(s)}/deficit_max"] = res.deficit_max[s]
+        out["screen/dropped"] = float(len(drop))
+        out["time/screen"] = time.perf_counter() - t0
+        return [r for i, r in enumerate(rows) if i not in drop], out
 
     def _step(self, step: int, rows: list[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor) -> dict[str, float]:
         """Optimizer step ``step`` of the round (counted across epochs) over one mini-batch, accumulated over
@@ -376,6 +448,8 @@ class LocalTrainer:
 
     def state_dict(self) -> dict:
         state: dict[str, Any] = {"optimizer": self.optimizer.state_dict()}
+        if self.screen_history:
+            state["likelihood_screen"] = {k: [h.center, h.scale, h.rounds] for k, h in self.screen_history.items()}
         if self.master is not None:
             state["master"] = [m.detach() for m in self.master]
         return state
@@ -388,3 +462,7 @@ class LocalTrainer:
                 for i, (p, m) in enumerate(zip(self.model_params, self.master)):
                     m.copy_(saved[i] if saved is not None else p.float())
         self.optimizer.load_state_dict(state["optimizer"])
+        self.screen_history = {
+            str(k): GapHistory(float(v[0]), float(v[1]), int(v[2]))
+            for k, v in (state.get("likelihood_screen") or {}).items()
+        }

@@ -32,11 +32,13 @@ ORGS = [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}, {"id": "globex", "m
 def make_cfg():
     return load_config({
         "name": "docs", "seed": 0, "orgs": ORGS, "algorithm": {"name": "hacpo"},
-        "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32},
+        "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32,
+                    "likelihood_screen": {"enabled": True}},  # its screen/... keys are documented too
         "generation": {"num_samples": 4, "max_new_tokens": 16, "eval_max_new_tokens": 16},
         "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
         "federation": {"rounds": 2, "prompts_per_round": 4, "eval_every": 1, "checkpoint_every": 1,
                        "min_orgs": 1},
+        "security": {"screen_min_rows": 16},  # round/<org>/screen_drop_rate from round 1
     })
 
 

@@ -443,8 +443,10 @@ class Coordinator:
             self.totals[org]["trained_round"] = round
             rd.trained.append(org)
             reports[org] = reply
+        valid = self.guard.signed_reports(round, reports, metrics)  # only signed verdicts count
+        self.guard.receiver_screened(round, valid, list(rd.accepted), metrics)
         if self.guard.blind:  # capability from what the receivers verified (the coordinator cannot read text)
-            verified = self.guard.receiver_verified(round, reports, rd.accepted, metrics)
+            verified = self.guard.receiver_verified(round, valid, rd.accepted, metrics)
             if verified:
                 self.tracker.update(verified)
 

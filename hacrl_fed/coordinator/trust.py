@@ -16,6 +16,10 @@ The pool sent to a learner is the other orgs' signed batches verbatim (``TrainRe
 every receiver verifies them end to end and the coordinator cannot put words in an org's mouth; with signing
 off it is the flat list of accepted rollouts (``TrainRequest.foreign``).
 
+Every mode: the receivers report what their likelihood screens left out (``screen/<source>/...``); a source whose
+rows they leave out persistently, past ``security.max_screen_drop_rate``, is excluded the same way
+(:meth:`PoolGuard.receiver_screened`).
+
 Capability uses verified rewards only: the coordinator's own re-verification, or — in coordinator-blind mode,
 where it cannot read the text — the receivers' verdicts, which count only when checkable
 (:meth:`PoolGuard.receiver_verified`): reports signed by their org; no accusation, the source's claimed rewards
@@ -27,10 +31,13 @@ training: the table a round trains with covers the rounds before it.
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hacrl_fed.algorithm.likelihood_screen import REASONS as SCREEN_REASONS
 from hacrl_fed.config import RunConfig
 from hacrl_fed.plan.screening import Screened, screen_batch
 from hacrl_fed.types import Rollout, RolloutBatch, RoundPlan, TrainReport
@@ -47,6 +54,7 @@ class PoolGuard:
         self.excluded: dict[str, str] = {}  # org -> why (for logs, metrics and the final table)
         self.signed: dict[str, RolloutBatch] = {}  # this round's accepted orgs' batches, verbatim
         self.plans: dict[str, RoundPlan] = {}  # the plan each of them answered (to re-verify a disputed batch)
+        self.screened: dict[str, dict[str, list[float]]] = {}  # source -> receiver -> [dropped, checked] so far
 
     @property
     def blind(self) -> bool:
@@ -122,19 +130,17 @@ class PoolGuard:
     ) -> dict[str, float]:
         """``{source: verified accuracy}`` for blind mode; excludes a source proven to lie, or its false accuser.
 
-        Only reports signed by their org count (:func:`~hacrl_fed.security.reports.verify_report`; else
-        ``round/<org>/report_rejected/<reason>``). With no accusation, a source's accuracy is the mean of its
-        accepted claimed rewards (visible to the coordinator; a learner's own count cannot move it). A learner
-        reporting mismatches in a source's batch must disclose that batch's content key: the coordinator opens the
+        ``reports``: the round's reports that :meth:`signed_reports` let through. With no accusation, a source's
+        accuracy is the mean of its accepted claimed rewards (visible to the coordinator; a learner's own count
+        cannot move it). A learner reporting mismatches in a source's batch must disclose that batch's content key: the coordinator opens the
         batch it relayed and re-verifies every accepted rollout itself. Mismatch rate above
         ``security.max_mismatch_rate``: the source is excluded; an accuser claiming more mismatches than the
         coordinator found is excluded (``round/<accuser>/false_accusation``); an accusation without a key that
         opens the batch is ignored (``round/<accuser>/unproven_accusation``).
         """
-        valid = self._signed_reports(round, reports, metrics)
         accuracy: dict[str, float] = {}
         for src, rollouts in accepted.items():
-            receivers = {org: rep for org, rep in valid.items() if org != src}
+            receivers = {org: rep for org, rep in reports.items() if org != src}
             if not rollouts or not any(rep.metrics.get(f"trust/{src}/checked", 0.0) > 0 for rep in receivers.values()):
                 continue
             accusers = {org: rep for org, rep in receivers.items() if rep.metrics.get(f"trust/{src}/mismatches", 0.0)}
@@ -150,10 +156,12 @@ class PoolGuard:
             metrics[f"round/{src}/verified_accuracy"] = accuracy[src]
         return accuracy
 
-    def _signed_reports(
+    def signed_reports(
         self, round: int, reports: Mapping[str, TrainReport], metrics: dict[str, float]
     ) -> dict[str, TrainReport]:
-        """The reports whose signature verifies against the roster (all of them when signing is off)."""
+        """The reports whose signature verifies against the roster (all of them when signing is off): only these
+        receivers' verdicts (screen drop counts, accusations) are acted on; the others are counted as
+        ``round/<org>/report_rejected/<reason>``."""
         if self.roster is None:
             return dict(reports)
         from hacrl_fed.security.envelope import RejectedBatch
@@ -214,13 +222,46 @@ class PoolGuard:
                     f"{own.mismatches} found by the coordinator)",
                 )
 
+    # -- every mode: what the receivers' likelihood screens left out --------------------------------------------
+
+    def receiver_screened(
+        self, round: int, reports: Mapping[str, TrainReport], sources: list[str], metrics: dict[str, float]
+    ) -> None:
+        """Accumulate, per source and receiver, the rows the receiver's likelihood screen checked and dropped
+        (``screen/<source>/checked`` and ``screen/<source>/dropped_<reason>`` in its TrainReport); a source whose
+        run-long drop rate, the median over receivers that checked at least ``security.screen_min_rows`` of its
+        rows, exceeds ``security.max_screen_drop_rate`` is excluded (``round/<source>/screen_drop_rate``)."""
+        sec = self.cfg.security
+        for src in sources:
+            rates = []
+            for learner, rep in reports.items():
+                checked = float(rep.metrics.get(f"screen/{src}/checked", 0.0)) if learner != src else 0.0
+                if not (math.isfinite(checked) and checked > 0):
+                    continue
+                dropped = sum(float(rep.metrics.get(f"screen/{src}/dropped_{why}", 0.0)) for why in SCREEN_REASONS)
+                tally = self.screened.setdefault(src, {}).setdefault(learner, [0.0, 0.0])
+                tally[0] += min(max(dropped, 0.0), checked) if math.isfinite(dropped) else checked
+                tally[1] += checked
+            for dropped_total, checked_total in self.screened.get(src, {}).values():
+                if checked_total >= sec.screen_min_rows:
+                    rates.append(dropped_total / checked_total)
+            if not rates:
+                continue
+            rate = metrics[f"round/{src}/screen_drop_rate"] = statistics.median(rates)
+            if rate > sec.max_screen_drop_rate:
+                self.exclude(round, src, f"receivers' likelihood screens left out {rate:.2f} of its rows")
+
     # -- state -------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"excluded": dict(self.excluded)}
+        return {"excluded": dict(self.excluded), "screened": {k: dict(v) for k, v in self.screened.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.excluded = {str(k): str(v) for k, v in (state.get("excluded") or {}).items()}
+        self.screened = {
+            str(src): {str(rx): [float(t[0]), float(t[1])] for rx, t in per.items()}
+            for src, per in (state.get("screened") or {}).items()
+        }
 
     def metrics(self, orgs: list[str]) -> dict[str, float]:
         return {f"security/{org}/excluded": float(org in self.excluded) for org in orgs}

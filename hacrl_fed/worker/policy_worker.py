@@ -321,6 +321,7 @@ class PolicyWorker:
                         True,
                         g.logprob_sum / max(g.token_count, 1),
                         list(g.token_log_probs),
+                        n_bytes=len(g.text.encode("utf-8")),
                     )
                 )
         self._own = _OwnRound(
@@ -503,6 +504,9 @@ class PolicyWorker:
                     False,
                     r.logprob_sum / n_bytes if per_byte else r.mean_log_prob,  # lbar_j per byte, or per token
                     norm_length=n_bytes,
+                    n_bytes=len(r.response.encode("utf-8")),
+                    claimed_log_prob_sum=float(r.logprob_sum),
+                    claimed_token_count=int(r.token_count),
                 )
             )
         return rows, dropped
