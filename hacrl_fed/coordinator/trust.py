@@ -132,9 +132,9 @@ class PoolGuard:
 
         ``reports``: the round's reports that :meth:`signed_reports` let through. With no accusation, a source's
         accuracy is the mean of its accepted claimed rewards (visible to the coordinator; a learner's own count
-        cannot move it). A learner reporting mismatches in a source's batch must disclose that batch's content key: the coordinator opens the
-        batch it relayed and re-verifies every accepted rollout itself. Mismatch rate above
-        ``security.max_mismatch_rate``: the source is excluded; an accuser claiming more mismatches than the
+        cannot move it). A learner reporting mismatches in a source's batch must disclose that batch's content key:
+        the coordinator opens the batch it relayed and re-verifies every accepted rollout itself. Mismatch rate
+        above ``security.max_mismatch_rate``: the source is excluded; an accuser claiming more mismatches than the
         coordinator found is excluded (``round/<accuser>/false_accusation``); an accusation without a key that
         opens the batch is ignored (``round/<accuser>/unproven_accusation``).
         """
