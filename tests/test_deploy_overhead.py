@@ -18,6 +18,7 @@ from hacrl_tools.bench import deploy_timeline
 from hacrl_fed.coordinator.transport import TransportTimeout
 from hacrl_tools.deploy_local import FAST_POLL_ENV, Deployment
 from hacrl_fed.flower import records
+from hacrl_fed.wire import operations as ops
 from hacrl_fed.flower.settings import REPLY_POLL_S, SettingsError, read_settings, to_run_config
 from hacrl_fed.flower.transport import FIRST_POLL_S, OrgUnavailable, exchange
 from hacrl_fed.wire import codec
@@ -103,7 +104,7 @@ def run(grid, clock, nodes=(1, 2), timeout_s=3.0, **kw):
     """:func:`exchange` of a health query to ``nodes`` on the fake clock; ``(replies, ignored counts)``."""
     contents = {n: records.pack(codec.health_request()) for n in nodes}
     ignored: Counter[str] = Counter()
-    out = exchange(grid, records.HEALTH, contents, timeout_s, clock=clock, sleep=clock.sleep, ignored=ignored, **kw)
+    out = exchange(grid, ops.HEALTH, contents, timeout_s, clock=clock, sleep=clock.sleep, ignored=ignored, **kw)
     return out, ignored
 
 

@@ -98,8 +98,8 @@ def exchange(
     max_poll_s: float = MAX_POLL_S,
     done: Callable[[dict[int, tuple[Any, float]]], bool] | None = None,
     ignored: Counter[str] | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] | None = None,
+    sleep: Callable[[float], None] | None = None,
 ) -> dict[int, tuple[Any, float]]:
     """Send one ``op`` message per node (``{node_id: RecordDict}``) and collect replies until ``timeout_s``.
 
@@ -110,8 +110,10 @@ def exchange(
     ``max_poll_s``, and once more at the deadline. A pulled reply that answers no message of this call
     (``unknown``), answers one already answered (``duplicate``), or carries content from another node than the
     one addressed (``wrong_node``; Flower's own error replies come from the SuperLink) is dropped and counted in
-    ``ignored``. ``clock`` / ``sleep`` are injectable for tests.
+    ``ignored``. ``clock`` / ``sleep`` are injectable for tests (default: the module's ``time``, looked up per call).
     """
+    clock = clock or time.monotonic
+    sleep = sleep or time.sleep
     start = clock()
     messages = {
         node: Message(

@@ -106,7 +106,7 @@ def get_task(name: str, params: dict[str, Any] | None = None, *, seed: int = 0) 
     """
     from hacrl_fed.tasks.loader import resolve_task_class
 
-    cls = resolve_task_class(name, TASKS)
+    cls: type[Task] = resolve_task_class(name, TASKS, Task)
     if params is not None and not isinstance(params, dict):
         raise BuildError(f"task.params: must be a mapping, got {type(params).__name__}")
     try:

@@ -29,14 +29,11 @@ import math
 import re
 from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel
 
 from hacrl_fed.config import BuildError
-
-if TYPE_CHECKING:
-    from hacrl_fed.tasks.base import Task
 
 ENTRY_POINT_GROUP = "hacrl_fed.tasks"
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*$")
@@ -77,10 +74,8 @@ def available_tasks(registry: dict[str, Any]) -> list[str]:
     return sorted(set(registry) | set(_entry_points()))
 
 
-def _check_task_class(obj: Any, field: str, where: str) -> type[Task]:
-    from hacrl_fed.tasks.base import Task
-
-    if not (isinstance(obj, type) and issubclass(obj, Task)):
+def _check_task_class(obj: Any, field: str, where: str, base: type) -> Any:
+    if not (isinstance(obj, type) and issubclass(obj, base)):
         raise BuildError(f"{field}: {where} is {_describe(obj)}, not a subclass of hacrl_fed.tasks.Task")
     if inspect.isabstract(obj):
         missing = sorted(getattr(obj, "__abstractmethods__", ()))
@@ -91,15 +86,17 @@ def _check_task_class(obj: Any, field: str, where: str) -> type[Task]:
     return obj
 
 
-def resolve_task_class(name: str, registry: dict[str, Any]) -> type[Task]:
-    """The Task class ``task.name`` names (module docstring for the order); :class:`BuildError` naming
-    ``task.name`` for an unknown name, a bad import path, a broken entry point or an object that is not a Task."""
+def resolve_task_class(name: str, registry: dict[str, Any], base: type) -> Any:
+    """The Task class ``task.name`` names (module docstring for the order): a subclass of ``base``
+    (:class:`hacrl_fed.tasks.base.Task`, passed in so that this module sits below the task interface);
+    :class:`BuildError` naming ``task.name`` for an unknown name, a bad import path, a broken entry point or an
+    object that is not a Task."""
     if not isinstance(name, str) or not name:
         raise BuildError(f"task.name: must be a non-empty string, got {name!r}")
     if name in registry:
         return registry[name]
     if ":" in name:
-        return _check_task_class(load_object(name, "task.name"), "task.name", repr(name))
+        return _check_task_class(load_object(name, "task.name"), "task.name", repr(name), base)
     eps = _entry_points()
     if name in eps:
         ep = eps[name]
@@ -110,7 +107,7 @@ def resolve_task_class(name: str, registry: dict[str, Any]) -> type[Task]:
                 f"task.name: entry point {name!r} ({ENTRY_POINT_GROUP}: {ep.value}) does not load "
                 f"({type(err).__name__}: {err})"
             ) from err
-        return _check_task_class(obj, "task.name", f"entry point {name!r} ({ep.value})")
+        return _check_task_class(obj, "task.name", f"entry point {name!r} ({ep.value})", base)
     raise BuildError(
         f"task.name: unknown task {name!r}; available: {available_tasks(registry)} "
         "(or an import path package.module:ClassName)"
