@@ -236,21 +236,22 @@ def test_tools_commands_say_in_one_line_when_the_tools_are_absent(tmp_path, monk
 
 
 def test_from_a_checkout_the_tools_are_found_in_the_working_directory(tmp_path, monkeypatch):
-    """An install that left hacrl_tools out (an older editable install): the checkout in the cwd provides it."""
+    """An install that left the tools out (an older editable install): the checkout in the cwd provides them.
+    The tools package gets a name no install provides, so the fallback runs whatever this venv has installed."""
+    from hacrl_fed.cli import common
     from hacrl_fed.cli.common import load_tools
 
+    name = "hacrl_tools_checkout_probe"
+    monkeypatch.setattr(common, "TOOLS", name)
     checkout = tmp_path / "checkout"
-    (checkout / "hacrl_tools").mkdir(parents=True)
-    (checkout / "hacrl_tools" / "__init__.py").write_text("")
-    (checkout / "hacrl_tools" / "probe.py").write_text("WHERE = 'checkout'\n")
-    for mod in [m for m in sys.modules if m == "hacrl_tools" or m.startswith("hacrl_tools.")]:
-        monkeypatch.delitem(sys.modules, mod)
-    repo = Path(__file__).resolve().parents[1]
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != repo])
+    (checkout / name).mkdir(parents=True)
+    (checkout / name / "__init__.py").write_text("")
+    (checkout / name / "probe.py").write_text("WHERE = 'checkout'\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.chdir(checkout)
     try:
         assert load_tools("probe", "hacrl-fed bench").WHERE == "checkout"
         assert sys.path[0] == str(checkout)
-    finally:  # the real hacrl_tools comes back (monkeypatch restores what it removed)
-        for mod in [m for m in sys.modules if m == "hacrl_tools" or m.startswith("hacrl_tools.")]:
+    finally:
+        for mod in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
             del sys.modules[mod]

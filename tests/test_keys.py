@@ -223,3 +223,12 @@ def test_write_keys_generates_before_writing(tmp_path):
     with pytest.raises(KeyToolError, match="not an IP address"):
         write_keys(tmp_path / "k", ["acme"], ["no_underscores_allowed"])
     assert not (tmp_path / "k").exists()
+
+
+def test_each_worker_gets_its_own_link_secret(layout):
+    """``workers/ORG.secret``: mode 600, what the worker link reads, different per org."""
+    from hacrl_fed.wire.link_secret import read_secret_file
+
+    secrets = {org: read_secret_file(layout.worker_secret(org)) for org in ("acme", "globex")}
+    assert all(stat.S_IMODE(layout.worker_secret(org).stat().st_mode) == 0o600 for org in secrets)
+    assert len(set(secrets.values())) == 2

@@ -153,7 +153,7 @@ def test_hand_started_workers_with_their_own_keys_are_refused_before_round_1(tmp
     """The recipe without the roster (``$K``) and without the shared run dir: each worker provisions its own keys;
     the coordinator says so, naming the org and the fix, before any round (no metrics written)."""
     block = block_after((ROOT / "README.md").read_text(), "gpu-recipe")
-    block = "\n".join(ln for ln in block.splitlines() if not ln.startswith(("hacrl-fed export", "hacrl-fed keys")))
+    block = "\n".join(ln for ln in block.splitlines() if not ln.startswith("hacrl-fed export"))  # keys: the link secrets
     block = block.replace(" $K", "").replace(" --run-dir $D", "")
     _cpu_recipe(tmp_path)
     proc = subprocess.run(["bash", "-c", _recipe_script(block, _free_ports(2))], cwd=tmp_path, env=_env(tmp_path),

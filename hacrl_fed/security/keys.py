@@ -11,6 +11,9 @@ What it writes (private keys mode 600, the rest 644; ``DIR``, ``DIR/supernodes``
     DIR/workers/ORG.pem, ORG.key    ORG's policy-worker TLS certificate (SANs = --san values, serverAuth) and key
     DIR/workers/ORG-client.pem/.key the client certificate (common name ``ORG-client``, clientAuth) and key that
                                     ORG's SuperNode / coordinator presents to that worker (mutual TLS)
+    DIR/workers/ORG.secret          the link secret every call to ORG's worker carries (``hacrl-fed worker
+                                    --secret-file``; the coordinator's ``--worker-secret ORG=FILE``, the SuperNode's
+                                    ``worker-secret-file``): what an ``--insecure`` loopback worker requires
     DIR/identity_set/roster.yaml    every org's public signing identity (:func:`hacrl_fed.security.identity.provision`)
     DIR/identity_set/identity/ORG.key  ORG's private signing identity: only ORG gets it
 
@@ -31,6 +34,7 @@ import datetime as dt
 import ipaddress
 import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +42,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from hacrl_fed.wire.link_secret import SECRET_BYTES
 
 DEFAULT_SANS = ("127.0.0.1", "localhost", "::1")
 CA_DAYS = 3650
@@ -265,6 +271,10 @@ class KeyLayout:
         """Its private key (``--tls-key``)."""
         return self.out / "workers" / f"{org}.key"
 
+    def worker_secret(self, org: str) -> Path:
+        """The link secret of ``org``'s worker (:mod:`hacrl_fed.wire.link_secret`, ``--secret-file``)."""
+        return self.out / "workers" / f"{org}.secret"
+
     def worker_client_cert(self, org: str) -> Path:
         """The client certificate ``org``'s SuperNode / coordinator presents to that worker (``worker-cert``)."""
         return self.out / "workers" / f"{org}-client.pem"
@@ -294,6 +304,7 @@ class KeyLayout:
             self.worker_key(org),
             self.worker_client_cert(org),
             self.worker_client_key(org),
+            self.worker_secret(org),
             self.identity_key(org),
         ]
 
@@ -356,12 +367,13 @@ def write_keys(
         pems.update(_tls_pair(layout.worker_key(org), layout.worker_cert(org), worker))
         client = make_client_cert(ca_key, ca_cert, client_name(org))
         pems.update(_tls_pair(layout.worker_client_key(org), layout.worker_client_cert(org), client))
+        pems[layout.worker_secret(org)] = (secrets.token_hex(SECRET_BYTES) + "\n").encode()
     for directory in (layout.out, layout.out / "supernodes", layout.out / "workers"):
         directory.mkdir(parents=True, exist_ok=True)
         os.chmod(directory, 0o700)
     write_identities(layout, orgs, force=force)  # may refuse (an incomplete old set): before any TLS file
     for path, data in pems.items():
-        _write(path, data, 0o600 if path.suffix == ".key" else 0o644)
+        _write(path, data, 0o600 if path.suffix in (".key", ".secret") else 0o644)
     return layout
 
 
@@ -407,6 +419,9 @@ def summary(layout: KeyLayout, orgs: list[str], sans: list[str] | tuple[str, ...
         lines.append(
             f"  {d.worker_client_cert(org)}, {d.worker_client_key(org).name}  client certificate "
             f"({client_name(org)}) and key for {org}'s SuperNode -> give only to {org}"
+        )
+        lines.append(
+            f"  {d.worker_secret(org)}  {org}'s worker link secret (mode 600) -> {org}'s worker and its caller"
         )
     if d.roster.exists():
         lines.append(f"  {d.roster}  every org's public signing identity -> every organization")
