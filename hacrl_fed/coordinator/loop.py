@@ -41,9 +41,7 @@ import logging
 import math
 import secrets
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +49,7 @@ from hacrl_fed import failures
 from hacrl_fed.algorithm import CapabilityTracker
 from hacrl_fed.config import BuildError, RunConfig, config_hash, org_generation
 from hacrl_fed.coordinator.results import OrgSummary, RoundResult, RunSummary
+from hacrl_fed.coordinator.rounds import RoundState, split_reply
 from hacrl_fed.coordinator.transport import Transport
 from hacrl_fed.coordinator.trust import PoolGuard
 from hacrl_fed.fsio import write_json_atomic
@@ -67,7 +66,6 @@ from hacrl_fed.types import (
     RolloutBatch,
     RoundPlan,
     SamplingParams,
-    StepReply,
     StepRequest,
     TrainReport,
     TrainRequest,
@@ -83,55 +81,6 @@ class FederationError(RuntimeError):
 
 
 _ROUND_OPERATIONS = ("generate", "train", "step")  # the messages counted in round/<org>/messages
-
-
-@dataclass
-class _Round:
-    """A round in flight: its plans, what came back, its train requests and who trained."""
-
-    round: int
-    t0: float
-    metrics: dict[str, float]
-    failed: dict[str, str]  # org -> why it contributed nothing
-    plans: dict[str, RoundPlan]
-    accepted: dict[str, list[Rollout]] = field(default_factory=dict)
-    accuracy: dict[str, float] = field(default_factory=dict)
-    skipped: bool = False
-    requests: dict[str, TrainRequest] = field(default_factory=dict)
-    trained: list[str] = field(default_factory=list)
-    messages: Counter[str] = field(default_factory=Counter)  # round-traffic messages sent to each org (transport)
-
-
-class StepHalfFailed(RuntimeError):
-    """One half of a fused reply failed at the worker (``StepReply.train_error`` / ``generate_error``);
-    ``failure_cause`` is the cause the worker put in front of the text (:func:`hacrl_fed.failures.parse`)."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.failure_cause = failures.parse(text) or failures.ERROR
-
-
-def _split_reply(request: StepRequest, reply: Any) -> tuple[Any, Any]:
-    """``(train outcome, generate outcome)`` of a fused reply: the TrainReport / RolloutBatch or an exception, for
-    each half the request carried (None for a half it did not carry). A failed call fails both of its halves: the
-    coordinator cannot tell how far the worker got (docs/ARCHITECTURE.md, "One round")."""
-    if isinstance(reply, Exception):
-        return (reply if request.train is not None else None), (reply if request.plan is not None else None)
-    if not isinstance(reply, StepReply):
-        bad = TypeError(f"a step reply must be a StepReply, got {type(reply).__name__}")
-        return (bad if request.train is not None else None), (bad if request.plan is not None else None)
-
-    def half(sent: object, value: object, error: str, what: str) -> Any:
-        if sent is None:
-            return None
-        if value is not None:
-            return value
-        return StepHalfFailed(error) if error else ValueError(f"the step reply carries no {what}")
-
-    return (
-        half(request.train, reply.report, reply.train_error, "train report"),
-        half(request.plan, reply.batch, reply.generate_error, "rollout batch"),
-    )
 
 
 def _new_totals() -> dict[str, float]:
@@ -321,7 +270,7 @@ class Coordinator:
 
     # -- phases ------------------------------------------------------------------------------------------------
 
-    def _open_round(self, round: int) -> _Round:
+    def _open_round(self, round: int) -> RoundState:
         """Who gets round ``round``'s plan (the live orgs) and who is already out of it (excluded, unreachable)."""
         orgs = self.live_orgs()
         self.guard.new_round()
@@ -335,9 +284,9 @@ class Coordinator:
             log.warning("round %d: orgs %s are not reachable", round, unreachable)
         prompts = self.round_prompts(round) if orgs else ()
         plans = {org: self.plan_for(round, org, prompts) for org in orgs}
-        return _Round(round, time.perf_counter(), {}, failed, plans)
+        return RoundState(round, time.perf_counter(), {}, failed, plans)
 
-    def _take_batches(self, rd: _Round, replies: Mapping[str, Any]) -> None:
+    def _take_batches(self, rd: RoundState, replies: Mapping[str, Any]) -> None:
         """Verify and screen the replies to ``rd``'s plans, update capability, build its train requests (unless
         fewer than ``min_orgs`` orgs replied: then the round's training is skipped)."""
         round, metrics, failed = rd.round, rd.metrics, rd.failed
@@ -425,7 +374,7 @@ class Coordinator:
             )
         return requests
 
-    def _take_reports(self, rd: _Round, replies: Mapping[str, Any]) -> None:
+    def _take_reports(self, rd: RoundState, replies: Mapping[str, Any]) -> None:
         """Record the train replies of ``rd``'s requests: who trained, their metrics (blind mode: capability)."""
         round, metrics, reports = rd.round, rd.metrics, {}
         for org, req in rd.requests.items():
@@ -450,7 +399,7 @@ class Coordinator:
             if verified:
                 self.tracker.update(verified)
 
-    def _close_round(self, rd: _Round, started: float | None = None) -> RoundResult:
+    def _close_round(self, rd: RoundState, started: float | None = None) -> RoundResult:
         """The round's summary metrics and result. ``started``: where ``time/round`` starts (default: the round's
         opening; fused: the end of the round before, so consecutive rounds do not overlap)."""
         metrics = rd.metrics
@@ -545,9 +494,9 @@ class Coordinator:
             self._take_reports(rd, replies)
         return self._close_round(rd)
 
-    def _step(self, last: _Round | None, rd: _Round | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _step(self, last: RoundState | None, rd: RoundState | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """One fused message per org (``fused``): ``last``'s train requests with ``rd``'s plans. Returns the
-        replies split into ``({org: train outcome}, {org: generate outcome})`` (:func:`_split_reply`); the
+        replies split into ``({org: train outcome}, {org: generate outcome})`` (:func:`.rounds.split_reply`); the
         message's timing and traffic go to ``rd``'s metrics (to ``last``'s for the closing train-only message)."""
         trains = last.requests if last is not None else {}
         plans = rd.plans if rd is not None else {}
@@ -569,12 +518,12 @@ class Coordinator:
         self._account("step", owner.metrics)
         reports, batches = {}, {}
         for org, request in requests.items():
-            reports[org], batches[org] = _split_reply(request, replies.get(org, TimeoutError(f"no reply from {org!r}")))
+            reports[org], batches[org] = split_reply(request, replies.get(org, TimeoutError(f"no reply from {org!r}")))
             parts = [getattr(reports[org], "metrics", None), getattr(batches[org], "metrics", None)]
             _exchange_time("step", org, {k: v for m in parts if m for k, v in m.items()}, owner.metrics)
         return reports, batches
 
-    def _counted(self, rd: _Round, send: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def _counted(self, rd: RoundState, send: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``send()``, adding the round-traffic messages the transport counted for it to ``rd.messages``."""
         before = self.transport.messages_sent.copy()
         out = send()
@@ -642,7 +591,7 @@ class Coordinator:
         run sends round ``t``'s plan again, exactly as the two-message protocol does.
         """
         fed = self.cfg.federation
-        last: _Round | None = None
+        last: RoundState | None = None
         mark = time.perf_counter()
         for t in range(self.round + 1, fed.rounds + 2):
             rd = self._open_round(t) if t <= fed.rounds else None
