@@ -128,3 +128,16 @@ def render(tokenizer: PreTrainedTokenizerFast, user_text: str) -> str:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
     )
+
+
+def assert_stops_and_lengths(gens, stop_ids, max_new_tokens: int, tokenizer) -> None:
+    """Every generation ends in exactly one stop id (``stop``) or has ``max_new_tokens`` tokens (``length``), holds
+    no stop id before its end, and its text is the worker tokenizer's decoding of the tokens before the stop."""
+    for g in gens:
+        body = g.token_ids[:-1] if g.finish_reason == "stop" else g.token_ids
+        assert not set(body) & set(stop_ids)
+        if g.finish_reason == "stop":
+            assert g.token_ids[-1] in stop_ids
+        else:
+            assert len(g.token_ids) == max_new_tokens
+        assert g.text == tokenizer.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import ARCHS, render, tiny_bpe_tokenizer, tiny_char_tokenizer, tiny_model
+from helpers_tiny import (
+    ARCHS,
+    assert_stops_and_lengths,
+    render,
+    tiny_bpe_tokenizer,
+    tiny_char_tokenizer,
+    tiny_model,
+)
 from transformers import AutoModelForCausalLM, MistralConfig
 
 from hacrl_fed import scoring
@@ -151,14 +158,7 @@ def test_stop_ids_and_max_new_tokens(toks, decoder):
     assert engine.stop_ids == {tok.eos_token_id, other}
     gens = [g for row in engine.generate([render(tok, q) for q in QUESTIONS], **SAMPLING, seed=3) for g in row]
     assert {g.finish_reason for g in gens} == {"stop", "length"}
-    for g in gens:
-        body = g.token_ids[:-1] if g.finish_reason == "stop" else g.token_ids
-        assert not set(body) & engine.stop_ids
-        if g.finish_reason == "stop":
-            assert g.token_ids[-1] in engine.stop_ids
-        else:
-            assert len(g.token_ids) == SAMPLING["max_new_tokens"]
-        assert g.text == tok.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert_stops_and_lengths(gens, engine.stop_ids, SAMPLING["max_new_tokens"], tok)
 
 
 def test_finished_rows_leave_the_batch_without_changing_the_rest(toks, monkeypatch):

@@ -16,7 +16,14 @@ from pathlib import Path
 import helpers_fake_vllm
 import pytest
 import torch
-from helpers_tiny import ARCHS, render, tiny_bpe_tokenizer, tiny_char_tokenizer, tiny_model
+from helpers_tiny import (
+    ARCHS,
+    assert_stops_and_lengths,
+    render,
+    tiny_bpe_tokenizer,
+    tiny_char_tokenizer,
+    tiny_model,
+)
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -356,15 +363,8 @@ def test_vllm_stops_on_exactly_the_worker_stop_set(fake_vllm, tmp_path, bpe):
     assert {g.finish_reason for g in gens} == {"stop", "length"}
     assert any(x in g.token_ids for g in gens), "x is sampled but never ends a response"
     hf = build_engine("hf", model, bpe)
-    for g in gens:
-        body = g.token_ids[:-1] if g.finish_reason == "stop" else g.token_ids
-        assert not set(body) & engine.stop_ids
-        if g.finish_reason == "stop":
-            assert g.token_ids[-1] in engine.stop_ids
-        else:
-            assert len(g.token_ids) == SAMPLING["max_new_tokens"]
-        # text decoded by the worker's tokenizer (vLLM was asked for ids only), as the hf engine does
-        assert g.text == bpe.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    # text decoded by the worker's tokenizer (vLLM was asked for ids only), as the hf engine does
+    assert_stops_and_lengths(gens, engine.stop_ids, SAMPLING["max_new_tokens"], bpe)
     assert hf.stop_ids == engine.stop_ids
     # a vLLM that stopped on a token outside the worker's set is caught, not relabelled
     engine.llm.honor_ignore_eos, engine.llm.folder_eos = False, {x}
