@@ -46,6 +46,7 @@ from hacrl_fed.algorithm import (
     fractions_from_counts,
     get_advantage_estimator,
     get_algorithm,
+    get_gradient_rows,
     get_policy_loss,
     kl_k3,
     minibatch_schedule,
@@ -179,6 +180,7 @@ class LocalTrainer:
         self.model, self.algo, self.cfg, self.pad_id = model, algo, trainer, int(pad_id)
         self.spec = get_algorithm(algo.name)
         self.loss_fn = get_policy_loss(self.spec.loss)
+        self.gradient_rows = get_gradient_rows(self.spec.loss)  # rows with a gradient (trainer.skip_no_gradient_rows)
         self.loss_cfg = PolicyLossConfig.from_algorithm(algo)
         self.by_tokens = self.spec.weights_by_tokens(self.loss_cfg)  # micro-batch weights: tokens or rows
         self.context = context_length(model)[0]  # rows longer than this cannot be scored
@@ -369,7 +371,14 @@ class LocalTrainer:
 
     def _step(self, step: int, rows: list[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor) -> dict[str, float]:
         """Optimizer step ``step`` of the round (counted across epochs) over one mini-batch, accumulated over
-        micro-batches."""
+        micro-batches.
+
+        With a gradient-rows function for the loss (``trainer.skip_no_gradient_rows``; :meth:`_gradient_rows`), the
+        foreign rows are scored without gradient first and only the rows the loss has a gradient for (every self
+        row, the foreign rows inside the band) run forward and backward; each micro-batch's loss is weighted by its
+        share of the whole mini-batch's rows, so the gradient is the mini-batch's. The loss value and the metrics
+        are then computed over all rows of the mini-batch at once from their detached ``lbar``.
+        """
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.model_params:  # the model's own grads (its params are not the optimizer's in bf16-master)
             p.grad = None
@@ -377,43 +386,40 @@ class LocalTrainer:
         adv, is_self, v = adv.to(device), is_self.to(device), v.to(device)
         total_tokens = sum(len(r.response_ids) for r in rows)
         self_tokens = sum(len(r.response_ids) for r in rows if r.is_self)
+        lbar = self._gradient_rows(step, rows, adv, is_self, v, device)  # [N] detached lbar of scored rows, or None
+        train = list(range(len(rows))) if lbar is None else torch.isnan(lbar).nonzero().flatten().tolist()
         acc = _MetricAccumulator()
         loss_total, kl_total = 0.0, 0.0
-        for s in range(0, len(rows), self.cfg.micro_batch_size):
-            sl = slice(s, s + self.cfg.micro_batch_size)
-            micro = rows[sl]
+        for micro_idx in self._micro_batches(rows, train):
+            micro = [rows[i] for i in micro_idx]
+            sel = torch.tensor(micro_idx, device=device, dtype=torch.long)
             batch = build_scoring_batch_from_ids(
                 [r.prompt_token_ids for r in micro], [r.response_ids for r in micro], self.pad_id
             )
             with self._autocast(device):
                 lp, mask = token_log_probs(self.model, batch, dropout=self.dropout)
-            old_tok = None
-            if self.spec.token_level:
-                if any(r.old_token_log_probs is None for r in micro):
-                    raise ValueError(f"{self.algo.name} is token-level: every row needs old_token_log_probs")
-                old_tok = _pad([r.old_token_log_probs or [] for r in micro], lp.shape[1]).to(lp.device)
-            inputs = PolicyLossInputs(
-                token_log_probs=lp,
-                response_mask=mask,
-                old_seq_log_probs=torch.tensor([r.old_seq_log_prob for r in micro], device=lp.device),
-                advantages=adv[sl],
-                is_self=is_self[sl],
-                capability_coefficient=v[sl],
-                old_token_log_probs=old_tok,
-                seq_lengths=torch.tensor([r.norm_length for r in micro], device=lp.device),
-                source_ids=torch.tensor([r.source for r in micro], device=lp.device),
-            )
+            inputs = self._loss_inputs(micro, lp, mask, adv[sel], is_self[sel], v[sel])
             loss, metrics = self.loss_fn(inputs, step, self.loss_cfg)
             # exact mini-batch mean from micro-batch means: weight by rows (or tokens for token-mean GRPO)
             weight = float(mask.sum()) / total_tokens if self.by_tokens else len(micro) / len(rows)
             objective = loss * weight
             if self.ref_model is not None and self_tokens > 0:
-                kl_term = self._kl_sum(batch, lp, mask, is_self[sl]) / self_tokens  # token mean over self tokens
+                kl_term = self._kl_sum(batch, lp, mask, is_self[sel]) / self_tokens  # token mean over self tokens
                 objective = objective + self.algo.kl_beta * kl_term
                 kl_total += kl_term.item()
             objective.backward()
-            loss_total += loss.item() * weight
-            acc.add(metrics, weight=len(micro))
+            if lbar is None:
+                loss_total += loss.item() * weight
+                acc.add(metrics, weight=len(micro))
+            else:
+                lbar[sel] = inputs.seq_log_probs().detach().float()
+        if lbar is not None:  # the loss and metrics of every row, from the lbar scored with and without gradient
+            loss, metrics = self.loss_fn(self._sequence_inputs(rows, lbar, adv, is_self, v), step, self.loss_cfg)
+            loss_total = loss.item()
+            acc.add(metrics, weight=len(rows))
+            if not train:  # no row has a gradient: a zero gradient, as the full pass would have given
+                for p in self.model_params:
+                    p.grad = torch.zeros_like(p)
         if self.master is not None:  # bf16 grads -> float32 masters
             for p, master in zip(self.model_params, self.master):
                 master.grad = None if p.grad is None else p.grad.detach().float()
@@ -433,9 +439,87 @@ class LocalTrainer:
                 "train/grad_norm": float(grad_norm),
                 "train/kl": kl_total,
                 "train/num_tokens": float(sum(len(r.prompt_token_ids) + len(r.response_ids) for r in rows)),
+                "train/num_backward": float(len(train)),
             }
         )
         return out
+
+    def _micro_batches(self, rows: Sequence[TrainRow], index: Sequence[int]) -> list[list[int]]:
+        """``index`` in micro-batches of ``trainer.micro_batch_size`` rows; when it takes more than one, the rows
+        are ordered by length first (prompt + response tokens, stable), so each micro-batch pads to similar rows."""
+        size = self.cfg.micro_batch_size
+        order = list(index)
+        if len(order) > size:
+            order.sort(key=lambda i: len(rows[i].prompt_token_ids) + len(rows[i].response_ids))
+        return [order[s : s + size] for s in range(0, len(order), size)]
+
+    def _loss_inputs(
+        self, micro: Sequence[TrainRow], lp: Tensor, mask: Tensor, adv: Tensor, is_self: Tensor, v: Tensor
+    ) -> PolicyLossInputs:
+        old_tok = None
+        if self.spec.token_level:
+            if any(r.old_token_log_probs is None for r in micro):
+                raise ValueError(f"{self.algo.name} is token-level: every row needs old_token_log_probs")
+            old_tok = _pad([r.old_token_log_probs or [] for r in micro], lp.shape[1]).to(lp.device)
+        return PolicyLossInputs(
+            token_log_probs=lp,
+            response_mask=mask,
+            old_seq_log_probs=torch.tensor([r.old_seq_log_prob for r in micro], device=lp.device),
+            advantages=adv,
+            is_self=is_self,
+            capability_coefficient=v,
+            old_token_log_probs=old_tok,
+            seq_lengths=torch.tensor([r.norm_length for r in micro], device=lp.device),
+            source_ids=torch.tensor([r.source for r in micro], device=lp.device),
+        )
+
+    def _sequence_inputs(
+        self, rows: Sequence[TrainRow], lbar: Tensor, adv: Tensor, is_self: Tensor, v: Tensor
+    ) -> PolicyLossInputs:
+        """Sequence-level loss inputs from given ``lbar`` [N] (one column, mask 1: ``seq_log_probs() == lbar``)."""
+        device = lbar.device
+        return PolicyLossInputs(
+            token_log_probs=lbar[:, None],
+            response_mask=torch.ones(len(rows), 1, device=device),
+            old_seq_log_probs=torch.tensor([r.old_seq_log_prob for r in rows], device=device),
+            advantages=adv,
+            is_self=is_self,
+            capability_coefficient=v,
+            source_ids=torch.tensor([r.source for r in rows], device=device),
+        )
+
+    def _gradient_rows(
+        self, step: int, rows: Sequence[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor, device: torch.device
+    ) -> Tensor | None:
+        """Score the mini-batch's foreign rows without gradient (current weights) and mark those the loss has no
+        gradient for. → ``lbar`` [N] float32: the no-grad ``lbar`` of the foreign rows without a gradient, NaN for
+        the rows that go through forward and backward (every self row and the foreign rows with a gradient); None
+        when skipping does not apply (no gradient-rows function, token weighting, LoRA dropout, no foreign rows,
+        or ``trainer.skip_no_gradient_rows: false``): then every row runs forward and backward."""
+        if (
+            self.gradient_rows is None
+            or not self.cfg.skip_no_gradient_rows
+            or self.by_tokens
+            or self.dropout
+            or bool(is_self.all())
+        ):
+            return None
+        lbar = torch.full((len(rows),), float("nan"), device=device)
+        cross = [i for i in range(len(rows)) if not rows[i].is_self]
+        with torch.no_grad():
+            for micro_idx in self._micro_batches(rows, cross):
+                micro = [rows[i] for i in micro_idx]
+                sel = torch.tensor(micro_idx, device=device, dtype=torch.long)
+                batch = build_scoring_batch_from_ids(
+                    [r.prompt_token_ids for r in micro], [r.response_ids for r in micro], self.pad_id
+                )
+                with self._autocast(device):
+                    lp, mask = token_log_probs(self.model, batch)
+                inputs = self._loss_inputs(micro, lp, mask, adv[sel], is_self[sel], v[sel])
+                seq = inputs.seq_log_probs().float()
+                has_grad = self.gradient_rows(seq, inputs, step, self.loss_cfg)
+                lbar[sel] = torch.where(has_grad, torch.full_like(seq, float("nan")), seq)
+        return lbar
 
     def _kl_sum(self, batch, lp: Tensor, mask: Tensor, is_self: Tensor) -> Tensor:
         """Sum of k3 KL to the frozen reference over the self tokens of a micro-batch."""

@@ -375,3 +375,53 @@ def test_per_source_shares_without_rows_are_dropped():
     out = fractions_from_counts({"hacpo/num_cross/globex": 0.0, "hacpo/num_cross_in_band/globex": 0.0,
                                  "hacpo/cross_in_band_frac/globex": 0.3})
     assert "hacpo/cross_in_band_frac/globex" not in out
+
+
+# --- which rows a loss has a gradient for (trainer.skip_no_gradient_rows) -------------------------------------
+
+
+def test_rows_with_gradient_hand_computed():
+    from hacrl_fed.algorithm import PolicyLossConfig, rows_with_gradient
+
+    cfg = PolicyLossConfig(self_clip_low=0.1, self_clip_high=0.1, cross_clip_delta=0.2, cross_clip_step=0.05)
+    old = torch.zeros(8)
+    # ratios s = exp(lbar): self rows (first 4), cross rows (last 4); step 0: cross band [0.8, 1]
+    s = torch.tensor([1.05, 1.2, 0.85, 1.0, 0.9, 0.7, 1.1, 0.9])
+    adv = torch.tensor([1.0, 1.0, -1.0, 0.0, 1.0, 1.0, -1.0, 0.0])
+    is_self = torch.tensor([True] * 4 + [False] * 4)
+    got = rows_with_gradient(s.log(), old, adv, is_self, 0, cfg, cross_band=True)
+    # self: in band A>0 yes; A>0 above band no; A<0 below band no; A=0 no | cross: in band yes; below no; above no;
+    # in band but A=0 no
+    assert got.tolist() == [True, False, False, False, True, False, False, False]
+    # step 2 narrows the band to [0.9, 1]: 0.9 stays (inclusive)
+    assert rows_with_gradient(s.log(), old, adv, is_self, 2, cfg, cross_band=True)[4]
+    assert not rows_with_gradient(s.log(), old, adv, is_self, 3, cfg, cross_band=True)[4]
+    # naive: GSPO's clip on every row; A>0 below the band keeps its gradient, A<0 above keeps it
+    naive = rows_with_gradient(s.log(), old, adv, is_self, 0, cfg, cross_band=False)
+    assert naive.tolist() == [True, False, False, False, True, True, True, False]
+    # the log-ratio clamp cuts the gradient
+    far = torch.tensor([-30.0] * 8)
+    assert not rows_with_gradient(far, old, adv, is_self, 0, PolicyLossConfig(max_abs_log_ratio=20.0),
+                                  cross_band=False).any()
+
+
+@pytest.mark.parametrize("loss_name", ["hacpo", "naive"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gradient_rows_match_autograd(loss_name, seed):
+    """Every row with a nonzero gradient of the registered loss is marked, and every marked row has one."""
+    from hacrl_fed.algorithm import PolicyLossConfig, PolicyLossInputs, get_gradient_rows, get_policy_loss
+
+    g = torch.Generator().manual_seed(seed)
+    n = 64
+    cfg = PolicyLossConfig(cross_clip_delta=0.2, cross_clip_step=0.05, max_abs_log_ratio=1.0)
+    lbar = (torch.rand(n, generator=g) * 1.6 - 1.2).requires_grad_(True)  # log-ratios in [-1.2, 0.4]
+    adv = torch.randint(-1, 2, (n,), generator=g).float()
+    is_self = torch.rand(n, generator=g) < 0.3
+    inputs = PolicyLossInputs(lbar[:, None], torch.ones(n, 1), torch.zeros(n), adv, is_self,
+                              torch.rand(n, generator=g) + 0.5)
+    for step in (0, 2):
+        loss, _ = get_policy_loss(loss_name)(inputs, step, cfg)
+        (grad,) = torch.autograd.grad(loss, lbar)
+        marked = get_gradient_rows(loss_name)(lbar.detach(), inputs, step, cfg)
+        assert torch.equal(marked, grad != 0)
+        assert 0 < int(marked.sum()) < n

@@ -78,11 +78,11 @@ def test_unscoreable_rows_still_count_in_the_group_baseline():
 # --- numerics and memory options (trainer.precision, trainer.gradient_checkpointing) ----------------------------
 
 
-def _trainer(precision="model", dtype=torch.float32, checkpointing=False, kl_beta=0.0, lr=1e-2):
+def _trainer(precision="model", dtype=torch.float32, checkpointing=False, kl_beta=0.0, lr=1e-2, skip=True):
     tok = tiny_char_tokenizer()
     model = tiny_model("qwen3", tok, seed=1).to(dtype)
     cfg = TrainerConfig(lr=lr, minibatch_size=6, micro_batch_size=4, precision=precision,
-                        gradient_checkpointing=checkpointing)
+                        gradient_checkpointing=checkpointing, skip_no_gradient_rows=skip)
     return model, LocalTrainer(model, AlgorithmConfig(name="hacpo", kl_beta=kl_beta), cfg, tok.pad_token_id)
 
 
@@ -94,8 +94,8 @@ def test_update_reports_tokens_trained():
 
 def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_update():
     rows = _rows()
-    plain, t_plain = _trainer()
-    ckpt, t_ckpt = _trainer(checkpointing=True, kl_beta=0.5)
+    plain, t_plain = _trainer(skip=False)
+    ckpt, t_ckpt = _trainer(checkpointing=True, kl_beta=0.5, skip=False)  # every row forward and backward
     _, t_ref = _trainer(kl_beta=0.5)
     t_plain.optimizer = torch.optim.SGD(plain.parameters(), lr=1.0)
     t_ckpt.optimizer = torch.optim.SGD(ckpt.parameters(), lr=1.0)
@@ -420,3 +420,69 @@ def test_cross_shares_per_source_pair_add_up_to_the_whole_update():
         for o in ("globex", "initech"):
             assert m[f"hacpo/{kind}_frac/{o}"] == pytest.approx(m[f"hacpo/num_{kind}/{o}"] / m[f"hacpo/num_cross/{o}"])
     assert not any("@" in k for k in m)
+
+
+# --- trainer.skip_no_gradient_rows: forward/backward only over the rows with a gradient ---------------------------
+
+
+def _banded_rows(model, tok, seed=0):
+    """Cross rows whose published lbar puts them above, inside and below HACPO's band under ``model``."""
+    from hacrl_fed.scoring import build_scoring_batch_from_ids, sequence_log_probs
+
+    rows = _rows(n=24, seed=seed)
+    batch = build_scoring_batch_from_ids([r.prompt_token_ids for r in rows], [r.response_ids for r in rows],
+                                         tok.pad_token_id)
+    _, _, mean = sequence_log_probs(model, batch, 64)
+    for i, r in enumerate(rows):
+        if not r.is_self:  # s = exp(lbar - old): 1.05 (above), 0.9 (in band), 0.5 (below)
+            r.old_seq_log_prob = float(mean[i]) - math.log((1.05, 0.9, 0.5)[i % 3])
+        else:
+            r.old_seq_log_prob = float(mean[i])
+            r.old_token_log_probs = None
+    return rows
+
+
+@pytest.mark.parametrize("algorithm", ["hacpo", "naive"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_skipping_rows_without_gradient_gives_the_same_update(algorithm, optimizer):
+    tok = tiny_char_tokenizer()
+    results = []
+    for skip in (False, True):
+        model = tiny_model("qwen3", tok, seed=1)
+        rows = _banded_rows(model, tok)
+        # mini-batches of 8: step 0 holds the 8 self rows, steps 1-2 the cross rows; micro-batches of 3
+        cfg = TrainerConfig(lr=1e-2, minibatch_size=8, micro_batch_size=3, skip_no_gradient_rows=skip)
+        trainer = LocalTrainer(model, AlgorithmConfig(name=algorithm), cfg, tok.pad_token_id)
+        if optimizer == "sgd":
+            trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        met = trainer.update(rows, 0, [0.5, 0.25, 1.0])
+        met2 = trainer.update(rows, 0, [0.5, 0.25, 1.0])  # a second round: AdamW's moments carry over
+        results.append((model, met, met2))
+    (m_full, met_full, met2_full), (m_skip, met_skip, met2_skip) = results
+    for a, b in zip(m_full.parameters(), m_skip.parameters()):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert met_full["train/num_backward"] == 24 and met_skip["train/num_backward"] < 24
+    for key, value in met_full.items():
+        if key.startswith(("hacpo/", "naive/", "train/loss", "train/grad_norm")):
+            assert met_skip[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    assert met2_skip["train/loss"] == pytest.approx(met2_full["train/loss"], rel=1e-4, abs=1e-5)
+
+
+def test_a_mini_batch_without_gradient_rows_still_steps_adamw():
+    """A step whose rows all lack a gradient gets a zero gradient, as the full pass would (AdamW still moves)."""
+    tok = tiny_char_tokenizer()
+    out = []
+    for skip in (False, True):
+        model = tiny_model("qwen3", tok, seed=1)
+        rows = [r for r in _banded_rows(model, tok) if r.is_self or r.source == 1]
+        for r in rows:
+            if not r.is_self:
+                r.old_seq_log_prob += 5.0  # far below the band: no gradient
+        cfg = TrainerConfig(lr=1e-2, minibatch_size=8, micro_batch_size=4, skip_no_gradient_rows=skip)
+        trainer = LocalTrainer(model, AlgorithmConfig(name="hacpo"), cfg, tok.pad_token_id)
+        met = trainer.update(rows, 0, [0.5, 0.25, 1.0])
+        out.append((model, met))
+    assert out[1][1]["train/num_backward"] == 8  # only the self rows of step 0
+    assert out[1][1]["train/steps"] == out[0][1]["train/steps"] >= 2
+    for a, b in zip(out[0][0].parameters(), out[1][0].parameters()):
+        assert torch.allclose(a, b, atol=1e-6)

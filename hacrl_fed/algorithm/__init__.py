@@ -29,6 +29,7 @@ from hacrl_fed.algorithm.losses import (
     masked_mean,
     naive_loss,
     name_sources,
+    rows_with_gradient,
     sequence_mean_log_prob,
 )
 from hacrl_fed.algorithm.registry import (
@@ -39,8 +40,10 @@ from hacrl_fed.algorithm.registry import (
     PolicyLossInputs,
     get_advantage_estimator,
     get_algorithm,
+    get_gradient_rows,
     get_policy_loss,
     register_advantage_estimator,
+    register_gradient_rows,
     register_policy_loss,
 )
 
@@ -62,6 +65,7 @@ __all__ = [
     "name_sources",
     "get_advantage_estimator",
     "get_algorithm",
+    "get_gradient_rows",
     "get_policy_loss",
     "group_advantages",
     "grpo_loss",
@@ -75,6 +79,8 @@ __all__ = [
     "naive_loss",
     "order_rows",
     "register_advantage_estimator",
+    "register_gradient_rows",
     "register_policy_loss",
+    "rows_with_gradient",
     "sequence_mean_log_prob",
 ]

@@ -296,6 +296,40 @@ def _hacpo_metrics(
     return m
 
 
+def rows_with_gradient(
+    seq_log_probs: Tensor,
+    old_seq_log_probs: Tensor,
+    advantages: Tensor,
+    is_self: Tensor,
+    step: int,
+    config: PolicyLossConfig,
+    *,
+    cross_band: bool,
+) -> Tensor:
+    """Which rows of a sequence-level loss have a nonzero gradient, from their (detached) ``lbar``. All [N] → bool [N].
+
+    With ``raw = lbar - lbar_old`` and ``s = exp(clamp(raw, -M, M))``, a row moves the weights iff ``A != 0``,
+    ``|raw| <= M`` (outside, the clamp cuts the gradient) and
+      - GSPO's clip (self rows; every row when ``cross_band`` is False, as ``naive``): ``A > 0 and s <= 1 + high`` or
+        ``A < 0 and s >= 1 - low`` (where ``min(s A, clamp(s) A)`` takes the unclipped term);
+      - HACPO's cross band (foreign rows when ``cross_band``): ``lower_m <= s <= 1`` with
+        ``lower_m = min(1, 1 - delta + m * delta_step)`` (``config.cross_clip`` False: always).
+    The trainer runs forward and backward only over these rows (the others' terms are constants) and gets the
+    mini-batch's gradient exactly, up to float round-off.
+    """
+    lbar, old = seq_log_probs.detach(), old_seq_log_probs.to(seq_log_probs.dtype)
+    adv = advantages.to(lbar.dtype)
+    raw = lbar - old
+    s = torch.exp(torch.clamp(raw, -config.max_abs_log_ratio, config.max_abs_log_ratio))  # s = exp(clamp(raw))
+    gspo = ((adv > 0) & (s <= 1.0 + config.self_clip_high)) | ((adv < 0) & (s >= 1.0 - config.self_clip_low))
+    if cross_band:
+        lower = cross_lower_bound(step, config.cross_clip_delta, config.cross_clip_step)
+        band = (s >= lower) & (s <= 1.0) if config.cross_clip else torch.ones_like(gspo)
+        cross = band & (adv != 0)
+        gspo = torch.where(is_self.to(torch.bool), gspo, cross)
+    return gspo & (raw.abs() <= config.max_abs_log_ratio)
+
+
 def gspo_loss(
     seq_log_probs: Tensor,
     old_seq_log_probs: Tensor,

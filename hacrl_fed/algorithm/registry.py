@@ -6,6 +6,9 @@ Advantage estimators share one signature::
        ratio_max, eps) -> advantages[N]
 
 Policy losses share one signature: ``fn(inputs: PolicyLossInputs, step: int, config) -> (loss, metrics)``.
+A sequence-level loss may also register which rows it has a gradient for
+(``fn(seq_log_probs[N], inputs, step, config) -> bool[N]``, :func:`get_gradient_rows`): the trainer then runs
+forward and backward only over those foreign rows.
 
 An algorithm (:class:`AlgorithmSpec`) names its advantage estimator and policy loss and says what the trainer must
 do for it (foreign rows or not, capability cross weights or not, token-level inputs and weighting or not), so the
@@ -27,13 +30,16 @@ from hacrl_fed.algorithm.losses import (
     gspo_loss,
     hacpo_loss,
     naive_loss,
+    rows_with_gradient,
     sequence_mean_log_prob,
 )
 
 AdvantageFn = Callable[..., Tensor]
 LossFn = Callable[["PolicyLossInputs", int, PolicyLossConfig], tuple[Tensor, dict[str, float]]]
+GradientRowsFn = Callable[[Tensor, "PolicyLossInputs", int, PolicyLossConfig], Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
 POLICY_LOSSES: dict[str, LossFn] = {}
+GRADIENT_ROWS: dict[str, GradientRowsFn] = {}  # policy loss name -> the rows it has a gradient for
 
 
 def _register(table: dict, kind: str, name: str):
@@ -54,6 +60,10 @@ def register_policy_loss(name: str):
     return _register(POLICY_LOSSES, "policy loss", name)
 
 
+def register_gradient_rows(loss_name: str):
+    return _register(GRADIENT_ROWS, "gradient-rows function", loss_name)
+
+
 def _get(table: dict, kind: str, name: str):
     try:
         return table[name]
@@ -67,6 +77,11 @@ def get_advantage_estimator(name: str) -> AdvantageFn:
 
 def get_policy_loss(name: str) -> LossFn:
     return _get(POLICY_LOSSES, "policy loss", name)
+
+
+def get_gradient_rows(loss_name: str) -> GradientRowsFn | None:
+    """The policy loss's gradient-rows function, or None (a token-level loss, or one that registered none)."""
+    return GRADIENT_ROWS.get(loss_name)
 
 
 @dataclass
@@ -198,4 +213,20 @@ def _loss_grpo(inputs: PolicyLossInputs, step: int, config: PolicyLossConfig):
         clip_high=config.grpo_clip_high,
         max_abs_log_ratio=config.max_abs_log_ratio,
         loss_agg_mode=config.grpo_loss_agg_mode,
+    )
+
+
+@register_gradient_rows("hacpo")
+def _grad_rows_hacpo(seq_log_probs: Tensor, inputs: PolicyLossInputs, step: int, config: PolicyLossConfig) -> Tensor:
+    """HACPO: GSPO's clip on self rows, the stepwise cross band on foreign rows."""
+    return rows_with_gradient(
+        seq_log_probs, inputs.old_seq_log_probs, inputs.advantages, inputs.is_self, step, config, cross_band=True
+    )
+
+
+@register_gradient_rows("naive")
+def _grad_rows_naive(seq_log_probs: Tensor, inputs: PolicyLossInputs, step: int, config: PolicyLossConfig) -> Tensor:
+    """``naive``: GSPO's clip on every row."""
+    return rows_with_gradient(
+        seq_log_probs, inputs.old_seq_log_probs, inputs.advantages, inputs.is_self, step, config, cross_band=False
     )
