@@ -299,6 +299,14 @@ class TrainerConfig(_Section):
             "dropout)"
         ),
     )
+    forward: Literal["auto", "model"] = Field(
+        "auto",
+        description=_d(
+            "the update's forward pass. auto: the hand-written forward of the zoo's architectures (Qwen3, Llama, "
+            "GPT-2; hacrl_fed/models/native.py) where it applies (float32, trainer.precision: model, no LoRA, no "
+            "gradient checkpointing), else the model's own; model: always the model's own forward"
+        ),
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters instead of full fine-tuning")
     precision: Literal["model", "bf16-autocast", "bf16-master"] = Field(
         "model",

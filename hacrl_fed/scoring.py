@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hacrl_fed.models.native import sequence_logits
 from hacrl_fed.types import FINISH_REASONS, FINISH_STOP
 
 
@@ -199,7 +200,7 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 
 
 def token_log_probs(
-    model: torch.nn.Module, batch: ScoringBatch, *, dropout: Sequence[torch.nn.Module] = ()
+    model: torch.nn.Module, batch: ScoringBatch, *, dropout: Sequence[torch.nn.Module] = (), native: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Per-token log-probs of the response tokens, in a left-aligned response view.
 
@@ -209,6 +210,8 @@ def token_log_probs(
     model in eval mode (no dropout) except for the ``dropout`` modules (the trainer passes its LoRA adapters'
     dropout), and restores every module's previous mode. Memory: logits only for the ``T + 1`` last
     columns when the model supports ``logits_to_keep``; one float32 ``[B, T, V]`` copy for the log-softmax.
+    ``native``: the hand-written forward of :func:`hacrl_fed.models.native.sequence_logits` instead of the model's
+    own (the caller checks :func:`~hacrl_fed.models.native.unsupported_reason`; no dropout there).
     """
     device = _model_device(model)
     b, t = batch.batch_size, batch.response_width
@@ -216,7 +219,21 @@ def token_log_probs(
     if t == 0 or b == 0:
         return torch.zeros(b, t, device=device), mask
     batch = batch.to(device)
-    extra = {"logits_to_keep": t + 1} if _accepts_logits_to_keep(model) else {}
+    if native:
+        if dropout:
+            raise ValueError("the native forward has no dropout: score with the model's own forward")
+        all_logits = sequence_logits(model, batch.input_ids, batch.attention_mask, batch.position_ids, t + 1)
+    else:
+        all_logits = _model_logits(model, batch, t + 1, dropout)
+    logits = all_logits[:, -(t + 1) : -1].float()  # [B, T, V]: predictions for columns P .. P+T-1
+    targets = batch.input_ids[:, batch.prompt_width :].unsqueeze(-1)  # [B, T, 1]
+    lp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return torch.where(mask.bool(), lp, torch.zeros_like(lp)), mask
+
+
+def _model_logits(model, batch: ScoringBatch, keep: int, dropout: Sequence[torch.nn.Module]) -> Tensor:
+    """The model's own forward in eval mode (``dropout`` modules in training mode; every mode restored)."""
+    extra = {"logits_to_keep": keep} if _accepts_logits_to_keep(model) else {}
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     for m in dropout:
@@ -232,10 +249,7 @@ def token_log_probs(
     finally:
         for m, mode in modes:
             m.training = mode
-    logits = out.logits[:, -(t + 1) : -1].float()  # [B, T, V]: predictions for columns P .. P+T-1
-    targets = batch.input_ids[:, batch.prompt_width :].unsqueeze(-1)  # [B, T, 1]
-    lp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return torch.where(mask.bool(), lp, torch.zeros_like(lp)), mask
+    return out.logits
 
 
 def _micro_batches(model, batch: ScoringBatch, micro_batch_size: int) -> Iterator[tuple[int, Tensor, Tensor]]:

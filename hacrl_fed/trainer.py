@@ -56,6 +56,7 @@ from hacrl_fed.algorithm import (
 from hacrl_fed.algorithm.likelihood_screen import REASONS, GapHistory, ScreenParams, likelihood_screen
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.models.context import context_length, fits
+from hacrl_fed.models.native import unsupported_reason
 from hacrl_fed.scoring import build_scoring_batch_from_ids, sequence_log_probs, token_log_probs
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,7 @@ class LocalTrainer:
         self.by_tokens = self.spec.weights_by_tokens(self.loss_cfg)  # micro-batch weights: tokens or rows
         self.context = context_length(model)[0]  # rows longer than this cannot be scored
         self.dropout = adapter_dropout_modules(model)  # trainer.lora.dropout: on during the update's forwards
+        self.native = self._native_forward(model, trainer, self.dropout)  # trainer.forward: auto
         params = [p for p in model.parameters() if p.requires_grad]
         self.model_params = params
         self.master = self._master_weights(params, trainer.precision)  # fp32 copies (bf16-master) or None
@@ -202,6 +204,18 @@ class LocalTrainer:
                 p.requires_grad_(False)
         if trainer.gradient_checkpointing:
             checkpoint_layers(model)  # after the deepcopy above (see checkpoint_layers)
+
+    @staticmethod
+    def _native_forward(model: torch.nn.Module, cfg: TrainerConfig, dropout: Sequence[torch.nn.Module]) -> bool:
+        """Whether the update scores with the hand-written forward (``trainer.forward: auto``, module doc)."""
+        return (
+            cfg.forward == "auto"
+            and cfg.precision == "model"
+            and not cfg.gradient_checkpointing
+            and not dropout
+            and all(p.dtype == torch.float32 for p in model.parameters())
+            and unsupported_reason(model) is None
+        )
 
     @staticmethod
     def _master_weights(params: Sequence[torch.Tensor], precision: str) -> list[torch.Tensor] | None:
@@ -397,7 +411,7 @@ class LocalTrainer:
                 [r.prompt_token_ids for r in micro], [r.response_ids for r in micro], self.pad_id
             )
             with self._autocast(device):
-                lp, mask = token_log_probs(self.model, batch, dropout=self.dropout)
+                lp, mask = token_log_probs(self.model, batch, dropout=self.dropout, native=self.native)
             inputs = self._loss_inputs(micro, lp, mask, adv[sel], is_self[sel], v[sel])
             loss, metrics = self.loss_fn(inputs, step, self.loss_cfg)
             # exact mini-batch mean from micro-batch means: weight by rows (or tokens for token-mean GRPO)
@@ -514,7 +528,7 @@ class LocalTrainer:
                     [r.prompt_token_ids for r in micro], [r.response_ids for r in micro], self.pad_id
                 )
                 with self._autocast(device):
-                    lp, mask = token_log_probs(self.model, batch)
+                    lp, mask = token_log_probs(self.model, batch, native=self.native)
                 inputs = self._loss_inputs(micro, lp, mask, adv[sel], is_self[sel], v[sel])
                 seq = inputs.seq_log_probs().float()
                 has_grad = self.gradient_rows(seq, inputs, step, self.loss_cfg)
@@ -526,7 +540,7 @@ class LocalTrainer:
         if self.ref_model is None:
             raise RuntimeError("KL needs the frozen reference model (algorithm.kl_beta > 0)")
         with torch.no_grad(), self._autocast(lp.device):
-            ref_lp, _ = token_log_probs(self.ref_model, batch)
+            ref_lp, _ = token_log_probs(self.ref_model, batch, native=self.native)
         self_mask = mask * is_self.to(device=mask.device, dtype=mask.dtype)[:, None]
         return (kl_k3(lp, ref_lp.to(lp.device), self.algo.max_abs_log_ratio) * self_mask).sum()
 

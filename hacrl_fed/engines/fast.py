@@ -41,162 +41,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from hacrl_fed.engines.base import Generation, decode_response, register_engine, split_response
 from hacrl_fed.engines.hf import HFEngine
+from hacrl_fed.models.native import NativeDecoder, unsupported_reason
 from hacrl_fed.scoring import build_scoring_batch_from_ids, per_token_log_probs
 
-_ROPE_ARCHS = ("Qwen3ForCausalLM", "LlamaForCausalLM")
-_GPT2_ARCHS = ("GPT2LMHeadModel",)
-_STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin of a position do not depend on the length
-
-
-def _unsupported_reason(model) -> str | None:
-    """Why the hand-written decoder cannot run ``model`` (None: it can)."""
-    name = type(model).__name__
-    if name not in _ROPE_ARCHS + _GPT2_ARCHS:
-        return f"architecture {name} (hand-written: {', '.join(_ROPE_ARCHS + _GPT2_ARCHS)})"
-    for m in model.modules():
-        if m._forward_hooks or m._forward_pre_hooks:
-            return f"forward hooks on {type(m).__name__}"
-        if isinstance(m, nn.Linear) and type(m) is not nn.Linear:
-            return f"a non-plain linear layer {type(m).__name__}"
-    cfg = model.config
-    layers = model.transformer.h if name in _GPT2_ARCHS else model.model.layers
-    attn = [layer.attn if name in _GPT2_ARCHS else layer.self_attn for layer in layers]
-    if not all(hasattr(a, "scaling") and (name in _GPT2_ARCHS or hasattr(a, "head_dim")) for a in attn):
-        return "attention modules without scaling / head_dim (another transformers version)"
-    if name in _ROPE_ARCHS:
-        if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
-            return "pretraining_tp > 1"
-        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-            return "sliding-window layers"
-        rope = getattr(model.model.rotary_emb, "rope_type", "default")
-        if rope not in _STATIC_ROPE:
-            return f"RoPE type {rope!r} (length-dependent)"
-    elif getattr(cfg, "add_cross_attention", False):
-        return "cross-attention layers"
-    return None
+_unsupported_reason = unsupported_reason  # module-level name: the tests force the fallback by patching it
+_Native = NativeDecoder
 
 
 def decoder_kind(model) -> str:
     """``"native"`` (the hand-written forward) or ``"model"`` (the model's own forward with its cache)."""
     return "native" if _unsupported_reason(model) is None else "model"
-
-
-def _rms(x: Tensor, norm: nn.Module) -> Tensor:
-    """transformers' RMSNorm: float32 statistics, ``weight * normed.to(dtype)`` (one fused op in float32)."""
-    weight: Tensor = norm.weight  # type: ignore[assignment]
-    eps = float(norm.variance_epsilon)  # type: ignore[arg-type]
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-class _Native:
-    """Hand-written forward of a Qwen3/Llama or GPT-2 model with a preallocated ``[N, kv, L, D]`` cache."""
-
-    def __init__(self, model, n: int, length: int, device: torch.device) -> None:
-        self.model, self.gpt2 = model, type(model).__name__ in _GPT2_ARCHS
-        cfg = model.config
-        dtype = next(model.parameters()).dtype
-        if self.gpt2:
-            self.layers = list(model.transformer.h)
-            heads = kv = cfg.n_head
-            dim = cfg.n_embd // heads
-        else:
-            self.layers = list(model.model.layers)
-            heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-            dim = self.layers[0].self_attn.head_dim
-            probe = torch.zeros(1, device=device, dtype=dtype)
-            cos, sin = model.model.rotary_emb(probe, torch.arange(length, device=device)[None])
-            self.cos, self.sin = cos[0], sin[0]  # [L, D]
-        self.heads, self.kv, self.dim = heads, kv, dim
-        shape = (n, kv, length, dim)
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in self.layers]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in self.layers]
-
-    def __call__(self, ids: Tensor, pos: Tensor, bias: Tensor, start: int) -> Tensor:
-        """Logits ``[N, V]`` of the last column of ``ids`` ``[N, S]`` at positions ``pos``, written into the cache
-        at columns ``start .. start + S - 1``; ``bias`` ``[N, 1, S, start + S]`` is 0 where attention is allowed."""
-        return self._gpt2(ids, pos, bias, start) if self.gpt2 else self._rope(ids, pos, bias, start)
-
-    def select(self, rows: Tensor) -> None:
-        """Keep only cache rows ``rows`` (the rows still decoding), in that order."""
-        self.k = [c[rows] for c in self.k]
-        self.v = [c[rows] for c in self.v]
-
-    def expand(self, rows: Tensor, width: int) -> None:
-        """Copy the first ``width`` cache columns of row ``rows[j]`` into row ``j`` (a prompt prefilled once
-        serves each of its samples)."""
-        for cache in (*self.k, *self.v):
-            cache[:, :, :width] = cache[rows, :, :width]
-
-    def _attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, start: int, scale: float) -> Tensor:
-        rows, end = q.shape[0], start + q.shape[2]  # the prefill may fill only the first rows (see expand)
-        self.k[i][:rows, :, start:end] = k
-        self.v[i][:rows, :, start:end] = v
-        out = F.scaled_dot_product_attention(
-            q,
-            self.k[i][:rows, :, :end],
-            self.v[i][:rows, :, :end],
-            attn_mask=bias,
-            scale=scale,
-            enable_gqa=self.kv != self.heads,
-        )
-        n, _, s, _ = q.shape
-        return out.transpose(1, 2).reshape(n, s, self.heads * self.dim)
-
-    def _rope(self, ids: Tensor, pos: Tensor, bias: Tensor, start: int) -> Tensor:
-        base = self.model.model
-        n, s = ids.shape
-        x = F.embedding(ids, base.embed_tokens.weight)
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [N, 1, S, D]
-        for i, layer in enumerate(self.layers):
-            att = layer.self_attn
-            h = _rms(x, layer.input_layernorm)
-            q = F.linear(h, att.q_proj.weight, att.q_proj.bias).view(n, s, self.heads, self.dim)
-            k = F.linear(h, att.k_proj.weight, att.k_proj.bias).view(n, s, self.kv, self.dim)
-            v = F.linear(h, att.v_proj.weight, att.v_proj.bias).view(n, s, self.kv, self.dim)
-            if hasattr(att, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
-                q, k = _rms(q, att.q_norm), _rms(k, att.k_norm)
-            q = _rotate(q.transpose(1, 2), cos, sin)
-            k = _rotate(k.transpose(1, 2), cos, sin)
-            o = self._attend(i, q, k, v.transpose(1, 2), bias, start, att.scaling)
-            x = x + F.linear(o, att.o_proj.weight, att.o_proj.bias)
-            h = _rms(x, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            gate = mlp.act_fn(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
-            up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-            x = x + F.linear(gate * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        head = self.model.lm_head
-        return F.linear(_rms(x[:, -1], base.norm), head.weight, head.bias)
-
-    def _gpt2(self, ids: Tensor, pos: Tensor, bias: Tensor, start: int) -> Tensor:
-        base = self.model.transformer
-        n, s = ids.shape
-        e = self.heads * self.dim
-        x = F.embedding(ids, base.wte.weight) + F.embedding(pos, base.wpe.weight)
-        for i, block in enumerate(self.layers):
-            att, mlp = block.attn, block.mlp
-            h = F.layer_norm(x, (e,), block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
-            qkv = torch.addmm(att.c_attn.bias, h.reshape(n * s, e), att.c_attn.weight)
-            q, k, v = (t.view(n, s, self.heads, self.dim).transpose(1, 2) for t in qkv.split(e, dim=-1))
-            o = self._attend(i, q, k, v, bias, start, att.scaling)
-            x = x + torch.addmm(att.c_proj.bias, o.reshape(n * s, e), att.c_proj.weight).view(n, s, e)
-            h = F.layer_norm(x, (e,), block.ln_2.weight, block.ln_2.bias, block.ln_2.eps)
-            h = mlp.act(torch.addmm(mlp.c_fc.bias, h.reshape(n * s, e), mlp.c_fc.weight))
-            x = x + torch.addmm(mlp.c_proj.bias, h, mlp.c_proj.weight).view(n, s, e)
-        ln, head = base.ln_f, self.model.lm_head
-        return F.linear(F.layer_norm(x[:, -1], (e,), ln.weight, ln.bias, ln.eps), head.weight, head.bias)
 
 
 class _ModelForward:
