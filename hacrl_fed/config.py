@@ -665,19 +665,26 @@ def _merged(base: _Section, overrides: dict[str, Any], where: str) -> Any:
 
 
 def config_hash(
-    cfg: RunConfig, *, exclude: Collection[str] = ("run_dir",), relative_to: Path | None = None, digits: int = 8
+    cfg: RunConfig,
+    *,
+    exclude: Collection[str] = ("run_dir",),
+    relative_to: Path | None = None,
+    digits: int = 8,
+    exclude_defaults: bool = False,
 ) -> str:
     """The project's one config hash: the first ``digits`` hex digits of SHA-256 over the config as sorted JSON.
 
     ``exclude`` names top-level fields left out (``run_dir`` by default: where a run lives is not what it is);
     with ``relative_to``, absolute ``orgs[].model.path`` / ``.tokenizer`` under that folder are written relative to
-    it, so the same config hashes alike in every checkout (the benchmark's cells).
+    it, so the same config hashes alike in every checkout (the benchmark's cells). ``exclude_defaults``: only the
+    fields whose value differs from the schema's default (the benchmark's cells: a field added later with a
+    default leaves their hash alone; what the code does with a default is tracked by the commit a cell ran on).
     """
-    data = cfg.model_dump(mode="json", exclude=set(exclude))
+    data = cfg.model_dump(mode="json", exclude=set(exclude), exclude_defaults=exclude_defaults)
     if relative_to is not None:
-        for org in data["orgs"]:
+        for org in data.get("orgs", []):
             for key in ("path", "tokenizer"):
-                value = org["model"].get(key)
+                value = org.get("model", {}).get(key)
                 if value and Path(value).is_absolute():
                     try:
                         org["model"][key] = str(Path(value).relative_to(relative_to))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hacrl_fed.models.native import sequence_logits
+from hacrl_fed.models.native import shared_prompt_logits
 from hacrl_fed.types import FINISH_REASONS, FINISH_STOP
 
 
@@ -210,8 +210,9 @@ def token_log_probs(
     model in eval mode (no dropout) except for the ``dropout`` modules (the trainer passes its LoRA adapters'
     dropout), and restores every module's previous mode. Memory: logits only for the ``T + 1`` last
     columns when the model supports ``logits_to_keep``; one float32 ``[B, T, V]`` copy for the log-softmax.
-    ``native``: the hand-written forward of :func:`hacrl_fed.models.native.sequence_logits` instead of the model's
-    own (the caller checks :func:`~hacrl_fed.models.native.unsupported_reason`; no dropout there).
+    ``native``: the hand-written forward of :func:`hacrl_fed.models.native.shared_prompt_logits` instead of the
+    model's own, each distinct prompt of the batch run once for all its rows (the caller checks
+    :func:`~hacrl_fed.models.native.unsupported_reason`; no dropout there).
     """
     device = _model_device(model)
     b, t = batch.batch_size, batch.response_width
@@ -222,13 +223,25 @@ def token_log_probs(
     if native:
         if dropout:
             raise ValueError("the native forward has no dropout: score with the model's own forward")
-        all_logits = sequence_logits(model, batch.input_ids, batch.attention_mask, batch.position_ids, t + 1)
+        logits = _shared_prompt_logits(model, batch).float()  # [B, T, V]
     else:
-        all_logits = _model_logits(model, batch, t + 1, dropout)
-    logits = all_logits[:, -(t + 1) : -1].float()  # [B, T, V]: predictions for columns P .. P+T-1
+        logits = _model_logits(model, batch, t + 1, dropout)[:, -(t + 1) : -1].float()  # predicts columns P..P+T-1
     targets = batch.input_ids[:, batch.prompt_width :].unsqueeze(-1)  # [B, T, 1]
     lp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return torch.where(mask.bool(), lp, torch.zeros_like(lp)), mask
+
+
+def _shared_prompt_logits(model, batch: ScoringBatch) -> Tensor:
+    """:func:`~hacrl_fed.models.native.shared_prompt_logits` over a :class:`ScoringBatch`: rows with the same
+    (padded) prompt block share one prompt pass. → ``[B, T, V]``."""
+    p = batch.prompt_width
+    block = torch.cat((batch.input_ids[:, :p], batch.attention_mask[:, :p]), dim=1)
+    _, rows = torch.unique(block, dim=0, return_inverse=True)
+    first = torch.full((int(rows.max()) + 1,), batch.batch_size, dtype=torch.long, device=rows.device)
+    first = first.scatter_reduce(0, rows, torch.arange(batch.batch_size, device=rows.device), reduce="amin")
+    return shared_prompt_logits(
+        model, batch.input_ids[first, :p], batch.attention_mask[first, :p], rows, batch.input_ids[:, p:]
+    )
 
 
 def _model_logits(model, batch: ScoringBatch, keep: int, dropout: Sequence[torch.nn.Module]) -> Tensor:

@@ -460,11 +460,12 @@ class LocalTrainer:
 
     def _micro_batches(self, rows: Sequence[TrainRow], index: Sequence[int]) -> list[list[int]]:
         """``index`` in micro-batches of ``trainer.micro_batch_size`` rows; when it takes more than one, the rows
-        are ordered by length first (prompt + response tokens, stable), so each micro-batch pads to similar rows."""
+        are ordered by prompt, then response length (stable), so a micro-batch holds few distinct prompts (each
+        runs once under the native forward) and pads to similar responses."""
         size = self.cfg.micro_batch_size
         order = list(index)
         if len(order) > size:
-            order.sort(key=lambda i: len(rows[i].prompt_token_ids) + len(rows[i].response_ids))
+            order.sort(key=lambda i: (rows[i].prompt_token_ids, len(rows[i].response_ids)))
         return [order[s : s + size] for s in range(0, len(order), size)]
 
     def _loss_inputs(

@@ -497,3 +497,14 @@ def test_report_error_keeps_the_traceback_in_the_run_dir_or_a_temp_file(tmp_path
     assert temp.name.startswith("hacrl-fed-worker-error-") and "BuildError" in temp.read_text()
     temp.unlink()
     assert issubclass(BuildError, ConfigError) and issubclass(BuildError, ValueError)
+
+
+def test_config_hash_without_defaults_sees_only_fields_set_away_from_them():
+    from hacrl_fed.config import config_hash, load_config
+
+    base = load_config("configs/smoke.yaml")
+    same = load_config("configs/smoke.yaml", ["trainer.skip_no_gradient_rows=true"])  # the default, set explicitly
+    other = load_config("configs/smoke.yaml", ["trainer.skip_no_gradient_rows=false"])
+    assert config_hash(base, exclude_defaults=True) == config_hash(same, exclude_defaults=True)
+    assert config_hash(base, exclude_defaults=True) != config_hash(other, exclude_defaults=True)
+    assert config_hash(base) != config_hash(base, exclude_defaults=True)  # the full dump is another digest

@@ -14,7 +14,8 @@ def _batch(tok, seed=0):
     g = torch.Generator().manual_seed(seed)
     vocab = len(tok)
     prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in (3, 7, 1, 5)]
-    responses = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in (4, 1, 6, 0)]
+    prompts += [prompts[0], prompts[1], prompts[0]]  # rows sharing a prompt share its pass
+    responses = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in (4, 1, 6, 0, 5, 2, 1)]
     return build_scoring_batch_from_ids(prompts, responses, tok.pad_token_id)  # left and right padding, empty row
 
 
@@ -35,8 +36,8 @@ def test_native_log_probs_and_gradients_equal_the_models_forward(arch, kind):
     assert torch.equal(mask_m, mask_n)
     assert torch.allclose(lp_m, lp_n, atol=1e-5)
     assert (lp_n[mask_n == 0] == 0).all()
-    for a, b in zip(g_m, g_n):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    for a, b in zip(g_m, g_n):  # float32 round-off relative to the tensor's scale (gradients here reach ~40)
+        assert float((a - b).abs().max()) <= 1e-5 * max(1.0, float(a.abs().max()))
 
 
 def test_the_trainer_takes_the_native_forward_only_where_it_applies():

@@ -6,8 +6,9 @@ over the model's own parameter tensors (read at each call: the trainer's in-plac
 copied), with the model's rotary-embedding module for the cos/sin tables. Two users:
 
 - the ``fast`` generation engine (:mod:`hacrl_fed.engines.fast`): a preallocated KV cache, one column a step;
-- the trainer's scoring forward (:func:`sequence_logits`, ``trainer.forward: auto``): one full pass over prompt and
-  response, differentiable (autograd runs through the functional ops), logits of the last columns only.
+- the trainer's scoring forward (:func:`shared_prompt_logits`, ``trainer.forward: auto``): each distinct prompt
+  runs once, then every row's response attends to its prompt's keys and values; differentiable (autograd runs
+  through the functional ops), logits of the response columns only.
 
 :func:`unsupported_reason` says when a model needs its own ``forward`` (another architecture, PEFT/LoRA layers,
 hooks, sliding-window attention, a length-dependent RoPE). In float32 the two forwards agree to round-off
@@ -90,9 +91,14 @@ class NativeDecoder:
             self.cos, self.sin = cos[0], sin[0]  # [L, D]
         self.heads, self.kv, self.dim = heads, kv, dim
         shape = (n, kv, length, dim)
-        # cache=False (a full-sequence pass, :func:`sequence_logits`): attention reads this call's keys and values
+        # cache=False (:func:`shared_prompt_logits`): attention reads this call's keys and values, after the
+        # ``prefix`` ones (per layer [U, kv, P, D], row r reads prefix row ``prefix_rows[r]``) when set, and
+        # ``record`` (when a list) collects each layer's keys and values
         self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in self.layers] if cache else []
         self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in self.layers] if cache else []
+        self.prefix: list[tuple[Tensor, Tensor]] | None = None
+        self.prefix_rows: Tensor | None = None
+        self.record: list[tuple[Tensor, Tensor]] | None = None
 
     def __call__(self, ids: Tensor, pos: Tensor, bias: Tensor, start: int, keep: int = 0) -> Tensor:
         """Logits ``[N, V]`` of the last column of ``ids`` ``[N, S]`` at positions ``pos`` (``keep`` > 0: of the
@@ -122,6 +128,12 @@ class NativeDecoder:
             self.k[i][:rows, :, start:end] = k
             self.v[i][:rows, :, start:end] = v
             k, v = self.k[i][:rows, :, :end], self.v[i][:rows, :, :end]
+        elif self.record is not None:
+            self.record.append((k, v))
+        elif self.prefix is not None and self.prefix_rows is not None:
+            pk, pv = self.prefix[i]
+            k = torch.cat((pk[self.prefix_rows], k), dim=2)  # the row's prompt keys, then its own
+            v = torch.cat((pv[self.prefix_rows], v), dim=2)
         out = F.scaled_dot_product_attention(
             q,
             k,
@@ -177,16 +189,41 @@ class NativeDecoder:
         return F.linear(F.layer_norm(x[:, -keep:], (e,), ln.weight, ln.bias, ln.eps), head.weight, head.bias)
 
 
-def sequence_logits(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, keep: int) -> Tensor:
-    """Logits ``[N, keep, V]`` of the last ``keep`` columns of ``input_ids`` ``[N, L]`` under ``model`` (one full
-    causal pass, no cache; carries gradient when grad is enabled). ``attention_mask`` ``[N, L]`` 0/1 masks pad keys
-    (a pad query attends to itself, so no softmax row is empty); ``position_ids`` ``[N, L]`` as
-    :mod:`hacrl_fed.scoring` builds them. The caller checks :func:`unsupported_reason` first."""
-    n, length = input_ids.shape
-    device = input_ids.device
+def shared_prompt_logits(
+    model, prompt_ids: Tensor, prompt_mask: Tensor, prompt_rows: Tensor, response_ids: Tensor
+) -> Tensor:
+    """Logits ``[N, T, V]`` predicting each response token, with each distinct prompt run once.
+
+    ``prompt_ids`` / ``prompt_mask`` ``[U, P]``: the distinct prompts, left-padded (mask 0/1); ``prompt_rows``
+    ``[N]``: row ``r``'s prompt; ``response_ids`` ``[N, T]``, right-padded. Column ``j`` of the result is the
+    prediction of response token ``j``: from the prompt's last column for ``j = 0``, else from response column
+    ``j - 1``. The prompts run first (causal, pad keys masked, left-padding-aware positions); then every row's
+    response attends to its prompt's keys and values and causally to its own, at positions ``prompt length + j``.
+    That is the full causal pass over prompt + response, exactly (a prompt's activations do not depend on what
+    follows it), with the prompt computed once for all its rows. Differentiable: gradients from every row flow
+    into its prompt's shared activations. The caller checks :func:`unsupported_reason` first.
+    """
+    u, p = prompt_ids.shape
+    n, t = response_ids.shape
+    device = prompt_ids.device
     dtype = next(model.parameters()).dtype
-    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None] & attention_mask[:, None].bool()
-    allowed |= torch.eye(length, dtype=torch.bool, device=device)
+    decoder = NativeDecoder(model, n, p + t, device, cache=False)
+    allowed = torch.ones(p, p, dtype=torch.bool, device=device).tril()[None] & prompt_mask[:, None].bool()
+    allowed |= torch.eye(p, dtype=torch.bool, device=device)  # a pad query attends to itself: no empty softmax row
+    prompt_bias = torch.zeros(allowed.shape, device=device, dtype=dtype).masked_fill(~allowed, -math.inf)[:, None]
+    prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    decoder.record = []
+    first = decoder(prompt_ids, prompt_pos, prompt_bias, 0, keep=1)  # [U, 1, V]: predicts response token 0
+    if t == 1:
+        return first[prompt_rows]
+    decoder.prefix, decoder.record, decoder.prefix_rows = decoder.record, None, prompt_rows
+    keys = torch.cat(
+        (prompt_mask[prompt_rows].bool(), torch.ones(n, t - 1, dtype=torch.bool, device=device)), dim=1
+    )  # [N, P + T - 1]
+    causal = torch.ones(t - 1, t - 1, dtype=torch.bool, device=device).tril()
+    allowed = keys[:, None, :].repeat(1, t - 1, 1)
+    allowed[:, :, p:] &= causal
     bias = torch.zeros(allowed.shape, device=device, dtype=dtype).masked_fill(~allowed, -math.inf)[:, None]
-    decoder = NativeDecoder(model, n, length, device, cache=False)
-    return decoder(input_ids, position_ids, bias, 0, keep=keep)
+    pos = prompt_mask.sum(-1)[prompt_rows][:, None] + torch.arange(t - 1, device=device)[None]
+    rest = decoder(response_ids[:, : t - 1], pos, bias, 0, keep=t - 1)  # [N, T - 1, V]
+    return torch.cat((first[prompt_rows], rest), dim=1)

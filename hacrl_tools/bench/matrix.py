@@ -211,7 +211,12 @@ def build_cell(
         cell.skip = f"bad scale field: {err}"
         return cell
     cell.overrides = overrides
-    cell.hash = config_hash(cell.config, exclude=("run_dir", "name"), relative_to=Path.cwd(), digits=12)
+    # only the fields set away from their defaults: a config field added later (with its default) keeps every
+    # finished cell "done"; a change of what the code does is tracked by each cell's commit (the report lists
+    # the training-code files that differ between the commits of a table's cells)
+    cell.hash = config_hash(
+        cell.config, exclude=("run_dir", "name"), relative_to=Path.cwd(), digits=12, exclude_defaults=True
+    )
     return cell
 
 
