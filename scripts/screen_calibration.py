@@ -3,12 +3,13 @@ runs of a bench setting, honest or with one member org publishing doctored text,
 
     python scripts/screen_calibration.py configs/bench/model.yaml --variant honest --screen on --rounds 20
 
-``--variant``: ``honest``; ``doctored`` (the attacker, the second org of the config, inserts ``--string`` at the
-start of every response it publishes, answers unchanged, log-probs its own model's of the doctored text, signed
-with its valid key); ``lying`` (the same text, but each claimed log-prob is the first org's own per-token mean of
-it times the attacker's token count: the claim that puts HACPO's cross ratio at 1 for the first org). Prints one
-JSON line: held-out accuracy per org at the last round, the screen's drops per learner and source, and the first
-org's log-prob of the string (sum, nats, mean over 16 held-out prompts) before and after.
+``--variant``: ``honest``; ``doctored`` (the attacker, ``--attacker`` or else the second org of the config, inserts
+``--string`` at the start of every response it publishes, answers unchanged, log-probs its own model's of the
+doctored text, signed with its valid key); ``lying`` (the same text, but each claimed log-prob is the victim's own
+per-token mean of it times the attacker's token count: the claim that puts HACPO's cross ratio at 1 for the
+victim, the first org that is not the attacker). Prints one JSON line: held-out accuracy per org at the last
+round, the screen's drops per learner and source, and the victim's log-prob of the string (sum, nats, mean over 16
+held-out prompts) before and after.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--screen", choices=["on", "off"], default="off")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attacker", default=None, help="the attacking org (default: the config's second org)")
     ap.add_argument("--eval-size", type=int, default=100)
     ap.add_argument("--set", nargs="*", default=[], help="extra dotted overrides key=value")
     args = ap.parse_args(argv)
@@ -111,11 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="screen-cal-") as tmp:
         run_dir = Path(tmp)
         workers = {o: build_worker(cfg, o, run_dir=run_dir) for o in orgs}
-        victim = workers[orgs[0]]
+        attacker = args.attacker or orgs[1]
+        if attacker not in orgs:
+            ap.error(f"--attacker {attacker!r} is not an org of {args.config} ({', '.join(orgs)})")
+        victim = workers[next(o for o in orgs if o != attacker)]
         probe = victim.task.prompts("test", list(range(16)))
         before = string_log_prob(victim, probe)
         if args.variant != "honest":
-            workers[orgs[1]] = Doctor(workers[orgs[1]], victim, run_dir, lying=args.variant == "lying")
+            workers[attacker] = Doctor(workers[attacker], victim, run_dir, lying=args.variant == "lying")
         with RunLogger(run_dir, tensorboard=False) as logger:
             coord = Coordinator(cfg, InProcessTransport(workers), run_dir, logger=logger)
             summary = coord.run()
@@ -138,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         "screen": args.screen,
         "rounds": args.rounds,
         "seed": args.seed,
+        "attacker": attacker if args.variant != "honest" else None,
+        "victim": victim.org_id,
+        "eval_size": args.eval_size,
         "accuracy": final,
         "string_logprob": {"before": before, "after": after},
         "drops": drops,

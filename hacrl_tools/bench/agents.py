@@ -4,7 +4,9 @@ The shipped zoo (:mod:`hacrl_fed.models.zoo`) has one agent per architecture. Tw
 
 - **state heterogeneity** (same architecture and tokenizer, different warm start): ``qwen-char-b`` is
   ``qwen-char``'s architecture and character tokenizer, SFT from another init seed, stopped at a lower accuracy;
-- **size heterogeneity** (same family, two sizes): ``qwen-char-small`` is a ~5x smaller Qwen3-style char model.
+- **size heterogeneity** (same family, two sizes): ``qwen-char-small`` is a ~5x smaller Qwen3-style char model;
+- **the agent-count curve** (4 and 8 orgs): ``qwen-char-c``, ``gpt2-bpe-b`` and ``llama-bpe-b``, the shipped
+  architectures again from other init seeds.
 
 Each recipe is a :class:`~hacrl_fed.models.catalog.ZooEntry`, built by the zoo's own build code (SFT on the arithmetic
 task, one thread, greedy accuracy measured on 200 held-out prompts, ``zoo_recipe.json`` written beside the
@@ -26,6 +28,8 @@ import torch
 from hacrl_fed.models import zoo
 from hacrl_fed.models.catalog import (
     DEMO_SFT,
+    GPT2_ARCH,
+    LLAMA_ARCH,
     MICRO_QWEN_ARCH,
     MICRO_SFT,
     QWEN_ARCH,
@@ -70,6 +74,32 @@ BENCH_AGENTS: dict[str, ZooEntry] = {
             "char",
             SFTRecipe(lr=4e-3, seed=12, stop_at_accuracy=0.25, **_SFT),
             target_accuracy=(0.1, 0.4),
+        ),
+        # the agent-count curve (configs/bench/count4.yaml, count8.yaml): more orgs of the same kinds, each from
+        # another init seed and SFT order, so each has its own warm start (the tokenizers are the shipped ones')
+        ZooEntry(
+            "qwen-char-c",
+            "qwen3",
+            _QWEN,
+            "char",
+            SFTRecipe(lr=3e-3, seed=21, stop_at_accuracy=0.35, **_SFT),
+            target_accuracy=(0.15, 0.5),
+        ),
+        ZooEntry(
+            "gpt2-bpe-b",
+            "gpt2",
+            dict(GPT2_ARCH),
+            "bpe",
+            SFTRecipe(lr=2e-3, seed=22, stop_at_accuracy=0.30, **_SFT),
+            target_accuracy=(0.15, 0.5),
+        ),
+        ZooEntry(
+            "llama-bpe-b",
+            "llama",
+            dict(LLAMA_ARCH),
+            "bpe",
+            SFTRecipe(lr=2e-3, seed=23, stop_at_accuracy=0.30, **_SFT),
+            target_accuracy=(0.15, 0.5),
         ),
         # for tests: micro-qwen-char's architecture, another seed (builds in seconds)
         ZooEntry(
