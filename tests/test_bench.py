@@ -111,7 +111,8 @@ def test_the_matrix_plans_every_cell():
     assert set(matrix.settings) >= {"state", "size", "model", "three"}
     cells = bench_matrix.plan_cells(matrix)
     main = [c for c in cells if c.group == "main"]
-    assert {c.method for c in main} == {"grpo", "gspo", "gspo_x2", "naive", "hacpo"}
+    assert {c.method for c in main} == {"gspo", "gspo_x2", "naive", "hacpo"}
+    assert {c.method for c in cells if c.group == "grpo"} == {"grpo"}
     assert all(c.skip is None and c.config is not None for c in main), [c.skip for c in main if c.skip]
     assert len({c.seed for c in main}) >= 3
     assert len({c.hash for c in main}) == len(main)  # every cell its own config
@@ -132,6 +133,10 @@ def test_the_matrix_plans_every_cell():
     assert sel.algorithm.logprob_norm == "per_byte"
     assert by[("state", "hacpo_successes", 1)].config.trainer.selection.rule == "successes"
     assert by[("state", "hacpo", 0)].config.trainer.selection.rule == "all"
+    assert by[("model", "hacpo_screen", 3)].config.trainer.likelihood_screen.enabled
+    assert len(by[("count8", "hacpo_per_byte", 0)].config.orgs) == 8
+    assert {a.name for a in by[("count8", "gspo", 0)].agents} >= {"qwen-char-c", "gpt2-bpe-b", "llama-bpe-b"}
+    assert len({c.seed for c in main}) == 5 and by[("model", "gspo", 0)].config.task.eval_size == 1000
     quick = bench_matrix.plan_cells(matrix, quick=True)
     assert quick and all(c.config.federation.rounds < gspo.federation.rounds for c in quick)
     assert all(c.config.federation.rounds == 5 for c in bench_matrix.plan_cells(matrix, only=["model/hacpo"], rounds=5))
