@@ -12,7 +12,8 @@ does not fit its own state and configured limits:
   (``stale_round``), one further behind means another client drove the worker ahead (``round_ahead``, counted as
   an attack); ``train`` only for the round it generated; ``checkpoint`` only for the round it last trained;
 * no plan or eval request without prompts (``empty_plan``); the capability table of a train request has at most
-  one entry per configured org and none for others (``bad_capability``);
+  one entry per configured org and none for others (``bad_capability``), and so has a plan's challenge map, whose
+  values are exactly 32 bytes (``bad_challenges``; :mod:`hacrl_fed.security.freshness`);
 * a fused round (``StepRequest``): the train request is for this org and the plan is of the same run and the
   round right after it (``step_mismatch``); the plan is checked against the limits below before the train half
   starts, and each half then passes its own checks;
@@ -110,6 +111,7 @@ def check_plan(cfg: RunConfig, org_id: str, plan: RoundPlan, *, last_round: int,
     _at_most("max_new_tokens", sp.max_new_tokens, gen.max_new_tokens, "generation.max_new_tokens")
     _at_most("prompts", len(plan.prompts), cfg.federation.prompts_per_round, "federation.prompts_per_round")
     _distinct_prompts(plan.prompts)
+    check_challenges(cfg, plan)
 
 
 def check_eval(cfg: RunConfig, org_id: str, request: EvalRequest, *, run_id: str | None) -> None:
@@ -158,6 +160,16 @@ def check_capability(cfg: RunConfig, capability: Mapping[str, float]) -> None:
     unknown = sorted(k for k in capability if k not in orgs)
     if unknown:
         raise RequestRefused("bad_capability", f"capability entries for orgs not in the run: {unknown[:4]}")
+
+
+def check_challenges(cfg: RunConfig, plan: RoundPlan) -> None:
+    """A plan's challenge map (replay protection) is bounded by the run's orgs: at most one entry per configured
+    org, none for others, every challenge exactly :data:`~hacrl_fed.security.freshness.CHALLENGE_BYTES` bytes."""
+    from hacrl_fed.security.freshness import challenges_problem
+
+    problem = challenges_problem(plan.challenges, (o.id for o in cfg.orgs))
+    if problem is not None:
+        raise RequestRefused("bad_challenges", problem)
 
 
 def _at_most(what: str, value: int, limit: int, field: str) -> None:
