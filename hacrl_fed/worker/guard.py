@@ -22,7 +22,9 @@ does not fit its own state and configured limits:
   requests at most ``task.eval_size`` prompts and ``generation.eval_max_new_tokens`` tokens.
 
 Foreign rollouts are screened per source by :func:`screen_sources` before any tokenization: signature (when
-signing is on) against the pinned roster, decryption (coordinator-blind mode), known org, this round's prompts,
+signing is on) against the pinned roster, freshness (the batch must sign the digest of the learner's own plan of
+the round, which carried the learner's latest challenge: ``stale_plan``, :mod:`hacrl_fed.security.freshness`),
+decryption (coordinator-blind mode), known org, this round's prompts,
 exactly ``G`` samples per prompt, finite log-probs <= 0, text within the plan's byte bound, and the claimed
 reward re-verified with this worker's own task verifier. Every drop is counted per source and reason in the
 TrainReport as ``trust/<source>/rejected/<reason>``.
