@@ -227,15 +227,16 @@ def _attack(cfg, run_dir, api, twin):
         assert report.metrics["train/num_rows"] == G * B  # its own rows only
 
 
-def _three_rounds():
-    cfg = make_cfg()
+def _three_rounds(**security):
+    cfg = make_cfg(**security)
     return load_config({**cfg.model_dump(), "federation": {**cfg.federation.model_dump(), "rounds": 3}})
 
 
-def test_old_batches_replayed_into_a_worker_without_state_of_the_run_are_refused(tmp_path, via):
-    """In-process and over gRPC (``via``): the joining worker trains on its own rows only, exactly as a twin that
-    got no foreign batch."""
-    cfg = _three_rounds()
+@pytest.mark.parametrize("blind", [False, True], ids=["plain", "blind"])
+def test_old_batches_replayed_into_a_worker_without_state_of_the_run_are_refused(tmp_path, via, blind):
+    """In-process and over gRPC (``via``), plain and coordinator-blind (sealed batches: refused before they are
+    opened): the joining worker trains on its own rows only, exactly as a twin that got no foreign batch."""
+    cfg = _three_rounds(encrypt=blind)
     run_dir = tmp_path / "run"  # the same keys (roster) as the old run; the old run wrote no checkpoint
     joining = build_worker(cfg, "acme", run_dir=run_dir)
     twin = build_worker(cfg, "acme", run_dir=tmp_path / "twin")
@@ -302,3 +303,58 @@ def test_a_coordinator_run_trains_on_fresh_plans_with_both_protocols(tmp_path):
                 assert result.metrics[f"{learner}/trust/{source}/accepted"] == G * B, (protocol, result.round)
                 assert f"{learner}/trust/{source}/rejected/stale_plan" not in result.metrics
                 assert result.metrics[f"{learner}/trust/plan_fresh"] == 1.0
+
+
+class _Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("protocol", ["fused", "two_message"])
+@pytest.mark.parametrize("restart_workers", [False, True], ids=["coordinator_restart", "everything_restarts"])
+def test_a_resumed_run_goes_on_with_fresh_plans(tmp_path, protocol, restart_workers):
+    """The coordinator stops after round 2 (its state saved) and resumes: its new process learns each worker's
+    latest challenge from Health (the same one when the worker kept running; a new one from a worker restarted
+    from its checkpoint), so round 3 still trains on every peer."""
+    cfg = _three_rounds()
+    fed = {**cfg.federation.model_dump(), "protocol": protocol, "checkpoint_every": 1}
+    cfg = load_config({**cfg.model_dump(), "federation": fed})
+    run_dir = tmp_path / "run"
+    workers = {o: build_worker(cfg, o, run_dir=run_dir) for o in ("acme", "globex")}
+
+    def crash_after_two(result):
+        if result.round == 2:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        Coordinator(cfg, InProcessTransport(workers), run_dir, on_round=crash_after_two).run()
+    if restart_workers:
+        workers = {o: build_worker(cfg, o, run_dir=run_dir) for o in ("acme", "globex")}  # resume from checkpoints
+    seen: list = []
+    Coordinator(cfg, InProcessTransport(workers), run_dir, resume=True, on_round=seen.append).run()
+    (last,) = seen
+    assert last.round == 3 and last.trained == ["acme", "globex"]
+    for learner, source in (("acme", "globex"), ("globex", "acme")):
+        assert last.metrics[f"{learner}/trust/plan_fresh"] == 1.0
+        assert last.metrics[f"{learner}/trust/{source}/accepted"] == G * B
+
+
+def test_an_excluded_org_drops_out_of_the_challenges_and_the_others_stay_fresh(tmp_path):
+    """3 orgs, globex lies about its rewards and is excluded in round 1: round 2's plans carry only the live orgs'
+    challenges, and acme and initech go on training on each other."""
+    from test_security_attacks import Hostile, lie
+
+    cfg = make_cfg()
+    orgs = [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}, {"id": "globex", "model": {"zoo": "micro-gpt2-bpe"}},
+            {"id": "initech", "model": {"zoo": "micro-qwen-char"}}]
+    cfg = load_config({**cfg.model_dump(), "orgs": orgs,
+                       "federation": {**cfg.federation.model_dump(), "rounds": 2}})
+    run_dir = tmp_path / "run"
+    workers = {o["id"]: Recorder(build_worker(cfg, o["id"], run_dir=run_dir)) for o in orgs}
+    workers["globex"] = Hostile(workers["globex"].worker, lambda b: lie(b, run_dir))
+    coord = Coordinator(cfg, InProcessTransport(workers), run_dir)
+    coord.run_round(1)
+    assert "globex" in coord.guard.excluded
+    m = coord.run_round(2).metrics
+    assert set(workers["acme"].plans[2].challenges) == {"acme", "initech"}
+    for learner, source in (("acme", "initech"), ("initech", "acme")):
+        assert m[f"{learner}/trust/plan_fresh"] == 1.0 and m[f"{learner}/trust/{source}/accepted"] == G * B
