@@ -83,3 +83,31 @@ def test_a_challenge_map_outside_the_roster_is_invalid_argument_over_grpc(tmp_pa
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "bad_challenges" in info.value.details
     assert match in info.value.details
     assert client.generate(fresh(plan_for(worker), client)).round == 1  # the worker goes on
+
+
+def test_latest_pointing_outside_the_checkpoint_root_is_refused_over_grpc(tmp_path, grpc_via):
+    """Why 4, the path a served worker takes: a coordinator resumes a run whose LATEST (on the worker's disk) was
+    pointed outside the run's checkpoint root; the request is refused, nothing outside is loaded, and the worker
+    goes on serving."""
+    from pathlib import Path
+
+    from hacrl_fed.types import TrainRequest
+    from hacrl_fed.wire.grpc_client import WorkerCallError
+
+    cfg, run_dir = make_cfg(), tmp_path / "run"
+    first = build_worker(cfg, "acme", run_dir=run_dir)
+    plan = fresh(plan_for(first), first)
+    first.generate(plan)
+    first.train(TrainRequest(plan.run_id, 1, "acme", plan.prompts, (), {}))
+    root = Path(first.checkpoint(1)).parent
+    elsewhere = tmp_path / "elsewhere" / "round-000009"
+    elsewhere.mkdir(parents=True)
+    (root / "LATEST").write_text(str(elsewhere))
+    worker = build_worker(cfg, "acme", run_dir=run_dir)  # a new process of the org: serves no run yet
+    client = grpc_via.api(worker)
+    with pytest.raises(WorkerCallError) as info:
+        client.generate(plan_for(worker, round_=2))  # run-1 again: the worker would resume it from LATEST
+    assert "not a round-NNNNNN checkpoint inside" in info.value.details
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION  # the worker's own disk state, not the request
+    assert worker.run_id is None and worker.last_round == 0  # nothing was loaded
+    assert client.generate(plan_for(worker, run_id="run-2")).round == 1  # the worker goes on
