@@ -47,11 +47,11 @@ def test_doctored_text_over_grpc_is_screened_out_and_counted_against_the_attacke
     assert all(r.response.startswith("Hail to the thief") for b in request.source_batches for r in b.rollouts)
 
 
+@pytest.mark.parametrize("orgs", [("acme", "globex", "initech"), ("acme", "globex")], ids=["3_orgs", "2_orgs"])
 @pytest.mark.parametrize("mode", ["no_evidence", "unsigned"])
-def test_framing_without_evidence_or_signature_over_grpc_is_ignored_and_counted(tmp_path, grpc_via, mode):
-    """Why 3 over gRPC, 3 orgs in blind mode: a report accusing an honest org without the batch's content key, or
-    an unsigned one, crosses the codec and moves nothing."""
-    orgs = ("acme", "globex", "initech")
+def test_framing_without_evidence_or_signature_over_grpc_is_ignored_and_counted(tmp_path, grpc_via, mode, orgs):
+    """Why 3 over gRPC in blind mode, with 3 and with 2 orgs: a report accusing an honest org without the batch's
+    content key, or an unsigned one, crosses the codec and moves nothing."""
     cfg, run_dir = _blind_cfg(orgs), tmp_path / "run"
     workers = {o: Hostile(build_worker(cfg, o, run_dir=run_dir), lambda b: b) for o in orgs}
     workers["acme"] = Framer(
@@ -61,8 +61,11 @@ def test_framing_without_evidence_or_signature_over_grpc_is_ignored_and_counted(
     m = coord.run_round(1).metrics
     counter = "round/acme/unproven_accusation" if mode == "no_evidence" else "round/acme/report_rejected/bad_signature"
     assert m[counter] == 1.0 and coord.guard.excluded == {} and "round/acme/false_accusation" not in m
-    assert m["round/globex/verified_accuracy"] == pytest.approx(m["round/globex/accuracy"])
-    assert m["round/globex/mismatch_rate"] == 0.0
+    if mode == "unsigned" and len(orgs) == 2:  # its one receiver's report does not count: no verdict this round
+        assert "round/globex/verified_accuracy" not in m and coord.tracker.history("globex") == []
+    else:  # the lie moved nothing
+        assert m["round/globex/verified_accuracy"] == pytest.approx(m["round/globex/accuracy"])
+        assert m["round/globex/mismatch_rate"] == 0.0
 
 
 @pytest.mark.parametrize(
