@@ -31,7 +31,10 @@ newly started organization). Checkpoints are kept per run: ``<run dir>/orgs/<org
 restored when their coordinator resumes them.
 
 With ``security.signing`` every published batch is signed with the org's identity (sealed first for the other
-orgs in coordinator-blind mode, ``security.encrypt``).
+orgs in coordinator-blind mode, ``security.encrypt``). Replay protection (:mod:`hacrl_fed.security.freshness`):
+every TrainReport carries a fresh challenge and Health the latest one; every batch signs the digest of the plan it
+answers; a learner trains on a source batch only when it answers the learner's own plan of the round and that
+plan carried the challenge the learner issued last (else ``stale_plan``, and the learner trains on its own rows).
 """
 
 from __future__ import annotations
