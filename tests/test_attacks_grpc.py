@@ -8,6 +8,7 @@ tests/test_likelihood_screen.py, tests/test_security_edges.py and tests/test_rep
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -35,7 +36,12 @@ def test_doctored_text_over_grpc_is_screened_out_and_counted_against_the_attacke
     acme = Hostile(build_worker(cfg, "acme", run_dir=run_dir), lambda b: b)  # records what the server decoded
     globex_worker = build_worker(cfg, "globex", run_dir=run_dir)
     globex = Hostile(globex_worker, doctor(globex_worker, acme.worker, run_dir, lying))
-    coord = Coordinator(cfg, grpc_via.transport({"acme": acme, "globex": globex}), run_dir)
+    transport = grpc_via.transport({"acme": acme, "globex": globex})
+    # both servers live in this test process and share torch's global RNG (separate worker processes do not):
+    # one call at a time keeps each org's sampling what it would be in its own process
+    transport._pool.shutdown()
+    transport._pool = ThreadPoolExecutor(max_workers=1)
+    coord = Coordinator(cfg, transport, run_dir)
     m = coord.run_round(1).metrics
     checked = m["acme/screen/globex/checked"]
     assert checked == G * B and m.get("round/globex/rejected/reward_mismatch", 0.0) == 0  # every answer correct

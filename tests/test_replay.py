@@ -15,6 +15,7 @@ import pytest
 
 from hacrl_fed.config import load_config
 from hacrl_fed.coordinator import Coordinator
+from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.security.freshness import (
     CHALLENGE_BYTES,
     ChallengeBook,
@@ -22,7 +23,6 @@ from hacrl_fed.security.freshness import (
     parse_challenge,
     plan_digest,
 )
-from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.types import RolloutBatch, RoundPlan, SamplingParams, TrainRequest
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.codec import WireError
@@ -76,14 +76,9 @@ def test_challenges_are_fresh_bounded_and_parsed_strictly():
 
 
 def test_the_wire_carries_the_new_fields_and_caps_them():
-    plan = codec.decode(
-        "RoundPlan",
-        codec.encode(
-            dataclasses.replace(
-                plan_for_wire := _wire_plan(), challenges={"acme": b"\x01" * 32, "globex": b"\x02" * 32}
-            )
-        ),
-    )
+    plan_for_wire = _wire_plan()
+    both = {"acme": b"\x01" * 32, "globex": b"\x02" * 32}
+    plan = codec.decode("RoundPlan", codec.encode(dataclasses.replace(plan_for_wire, challenges=both)))
     assert plan.challenges == {"acme": b"\x01" * 32, "globex": b"\x02" * 32}
     batch = RolloutBatch("r", 1, "acme", (), 0.0, plan_digest=plan_digest(plan_for_wire))
     assert codec.decode(RolloutBatch, codec.encode(batch)).plan_digest == plan_digest(plan_for_wire)
@@ -97,7 +92,7 @@ def test_the_wire_carries_the_new_fields_and_caps_them():
 
 
 def _wire_plan():
-    from hacrl_fed.types import ChatMessage, Prompt, RoundPlan
+    from hacrl_fed.types import ChatMessage, Prompt
 
     return RoundPlan("r", 1, "arithmetic", (Prompt(1, (ChatMessage("user", "1+1"),), "2"),), SamplingParams())
 
@@ -215,7 +210,8 @@ def _attack(cfg, run_dir, api, twin):
     for t in (2, 3):
         plan = plans[t]
         if t == 3:
-            plan = dataclasses.replace(plan, challenges={**plan.challenges, "acme": bytes.fromhex(api.health()["challenge"])})
+            mine = bytes.fromhex(api.health()["challenge"])
+            plan = dataclasses.replace(plan, challenges={**plan.challenges, "acme": mine})
         api.generate(plan)
         reports.append(api.train(TrainRequest(run_id, t, "acme", plan.prompts, (), CAP, source_batches=(old[t],))))
         twin.generate(plan)
@@ -233,7 +229,7 @@ def _three_rounds(**security):
 
 
 @pytest.mark.parametrize("blind", [False, True], ids=["plain", "blind"])
-def test_old_batches_replayed_into_a_worker_without_state_of_the_run_are_refused(tmp_path, via, blind):
+def test_old_batches_replayed_into_a_worker_without_state_of_the_run_are_refused(tmp_path, via, blind):  # noqa: F811
     """In-process and over gRPC (``via``), plain and coordinator-blind (sealed batches: refused before they are
     opened): the joining worker trains on its own rows only, exactly as a twin that got no foreign batch."""
     cfg = _three_rounds(encrypt=blind)
