@@ -354,3 +354,35 @@ def test_an_excluded_org_drops_out_of_the_challenges_and_the_others_stay_fresh(t
     assert set(workers["acme"].plans[2].challenges) == {"acme", "initech"}
     for learner, source in (("acme", "initech"), ("initech", "acme")):
         assert m[f"{learner}/trust/plan_fresh"] == 1.0 and m[f"{learner}/trust/{source}/accepted"] == G * B
+
+
+class _BadChallenge(Recorder):
+    """Replaces the challenge in its org's train reports with ``value`` (a broken link or a hostile relay)."""
+
+    def __init__(self, worker, value):
+        super().__init__(worker)
+        self.value = value
+
+    def train(self, request):
+        return dataclasses.replace(self.worker.train(request), challenge=self.value)
+
+    def health(self):
+        return {**self.worker.health(), "challenge": "zz" * 32}  # not hex: ignored, logged
+
+
+def test_a_malformed_challenge_is_counted_and_costs_its_org_one_round_of_peers(tmp_path):
+    """acme's report carries a 5-byte challenge and its Health a non-hex one: the coordinator counts the first
+    (``round/acme/bad_challenge``), ignores both, and never crashes; acme's plans then carry no valid challenge of
+    its latest, so acme trains on its own rows (``stale_plan`` counted) while globex goes on as usual."""
+    cfg = _three_rounds()
+    run_dir = tmp_path / "run"
+    acme = _BadChallenge(build_worker(cfg, "acme", run_dir=run_dir), b"x" * 5)
+    globex = Recorder(build_worker(cfg, "globex", run_dir=run_dir))
+    coord = Coordinator(cfg, InProcessTransport({"acme": acme, "globex": globex}), run_dir)
+    first, second = coord.run_round(1).metrics, coord.run_round(2).metrics
+    assert first["round/acme/bad_challenge"] == 1.0 and "round/globex/bad_challenge" not in first
+    assert "acme" not in acme.plans[1].challenges and "acme" not in acme.plans[2].challenges
+    for m in (first, second):
+        assert m["acme/trust/plan_fresh"] == 0.0 and m["acme/trust/globex/rejected/stale_plan"] == G * B
+        assert m["acme/train/num_cross"] == 0.0 and m["round/acme/train_failed"] == 0.0
+        assert m["globex/trust/plan_fresh"] == 1.0 and m["globex/trust/acme/accepted"] == G * B

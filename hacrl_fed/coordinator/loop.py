@@ -274,9 +274,13 @@ class Coordinator:
             if callable(take):
                 take()  # recorded by the call just made: already in infos
         for org, info in infos.items():
-            challenge = parse_challenge(info.get(HEALTH_KEY)) if isinstance(info, Mapping) else None
-            if org in self.totals and challenge is not None:
+            if org not in self.totals or not isinstance(info, Mapping):
+                continue
+            challenge = parse_challenge(info.get(HEALTH_KEY))
+            if challenge is not None:
                 self.challenges[org] = challenge
+            elif HEALTH_KEY in info:
+                log.warning("org %s: ignoring a malformed challenge in its health reply", org)
 
     def _note_challenge(self, org: str, report: TrainReport, metrics: dict[str, float]) -> None:
         """The fresh challenge of ``org``'s train report goes into its next plan; a malformed one is counted
