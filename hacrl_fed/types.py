@@ -50,6 +50,8 @@ class RoundPlan:
     task: str  # task / verifier registry name
     prompts: tuple[Prompt, ...]
     sampling: SamplingParams
+    # Replay protection: org id -> the latest challenge that org issued (hacrl_fed.security.freshness).
+    challenges: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     signature: bytes = b""
     wrapped_keys: tuple[WrappedKey, ...] = ()
+    # Digest of the RoundPlan answered (hacrl_fed.security.freshness.plan_digest); covered by the signature.
+    plan_digest: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,8 @@ class TrainReport:
     signature: bytes = b""
     # Blind mode: source org -> the content key of its batch this round, disclosed as evidence of mismatches.
     disclosed_keys: dict[str, bytes] = field(default_factory=dict)
+    # A fresh challenge from this org, for its entry in the next RoundPlan.challenges (replay protection).
+    challenge: bytes = b""
 
 
 @dataclass(frozen=True)

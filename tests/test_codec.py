@@ -82,6 +82,10 @@ def _samples() -> list[object]:
             run_id="run-1", round=3, org_id="beta", prompts=(_prompt(),), foreign=(), capability={"acme": 0.5},
             source_batches=(_sealed_batch(), t.RolloutBatch("run-1", 3, "gamma", (_rollout(0, "gamma"),), 1.0)),
         ),
+        # replay protection (hacrl_fed.security.freshness): challenges, the plan digest a batch signs
+        t.RoundPlan("run-1", 3, "arithmetic", (_prompt(1),), sampling, challenges={"acme": b"\x01" * 32, "b": b""}),
+        t.RolloutBatch("run-1", 3, "acme", (_rollout(0),), 1.0, plan_digest=bytes(range(32))),
+        t.TrainReport("run-1", 3, "acme", {"train/loss": 0.5}, challenge=b"\xff" * 32),
     ]
 
 

@@ -85,6 +85,16 @@ def _assert_per_org_metrics(metrics: dict[int, dict], orgs: tuple[str, ...]) -> 
         for t in range(1, ROUNDS + 1):
             assert metrics[t][f"round/{org}/failed"] == 0.0, (t, org)
             assert metrics[t][f"round/{org}/rollouts_accepted"] > 0, (t, org)
+            _assert_fresh(metrics[t], org, orgs, t)
+
+
+def _assert_fresh(record: dict, org: str, orgs, t: int) -> None:
+    """Replay protection on the deployment path: the org's plan carried its latest challenge (from the Health reply
+    of the key check, then its train reports), so it trained on every peer's batch (SECURITY.md "Fresh plans")."""
+    assert record[f"{org}/trust/plan_fresh"] == 1.0, (t, org)
+    for peer in orgs:
+        if peer != org:
+            assert record[f"{org}/trust/{peer}/accepted"] > 0 and f"{org}/trust/{peer}/rejected/stale_plan" not in record
 
 
 # ------------------------------------------------------------------------------------------ the harness itself
@@ -274,6 +284,9 @@ def test_deployment_fused_and_two_message_protocols_give_identical_numbers(tmp_p
             assert all(messages[f"round/{o}/messages"] == (2.0 if protocol == "two_message" else 1.0) for o in ORGS)
     assert dep.leftovers() == {}
     assert learned["fused"] == learned["two_message"]
+    for t in range(1, ROUNDS + 1):  # the second run, on the same long-lived workers, was fresh too
+        for org in ORGS:
+            _assert_fresh(learned["fused"][t], org, ORGS, t)
     assert all(f"{o}/train/loss" in learned["fused"][ROUNDS] and f"eval/{o}/accuracy" in learned["fused"][ROUNDS]
                for o in ORGS)
 

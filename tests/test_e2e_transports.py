@@ -80,6 +80,11 @@ def test_fused_and_two_message_protocols_give_identical_numbers(tmp_path, transp
                 "acme/train/loss", "eval/acme/accuracy"):
         assert key in two[2], key
     assert fused == two
+    for t in (1, 2):  # every plan carried its learner's latest challenge (Health, then reports): nothing stale
+        fresh = {k: v for k, v in two[t].items() if k.endswith("/trust/plan_fresh")}
+        assert len(fresh) == 2 and all(v == 1.0 for v in fresh.values()), (t, fresh)
+        assert not any(k.endswith("rejected/stale_plan") for k in two[t]), t
+        assert two[t]["acme/trust/globex/accepted"] > 0 and two[t]["globex/trust/acme/accepted"] > 0
     sent = {protocol: {t: {k: v for k, v in json.loads(line).items() if k.endswith("/messages")}
                        for t, line in enumerate((tmp_path / protocol / "metrics.jsonl").read_text().splitlines())}
             for protocol in ("two_message", "fused")}

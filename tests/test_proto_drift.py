@@ -157,7 +157,8 @@ def test_top_level_messages_are_versioned_and_keep_room_to_grow():
         pb.DESCRIPTOR.message_types_by_name[name].CopyToProto(proto)
         return {n for r in proto.reserved_range for n in range(r.start, r.end)}
 
-    assert {9, 11} <= reserved("RolloutBatch")  # key_id, plan digest
+    assert 9 in reserved("RolloutBatch")  # key_id
+    assert {7, 8, 9} <= reserved("RoundPlan")  # deadline, recipients, roster epoch
     assert {11, 13, 14} <= reserved("Rollout")  # text digest, verifier, extracted answer
     assert 9 in reserved("TrainRequest")  # reverify_rewards
     assert 4 in reserved("Prompt")  # verifier metadata for reward re-verification
@@ -173,6 +174,10 @@ def test_planned_numbers_taken_by_the_security_fields():
     assert fields["RolloutBatch"]["wrapped_keys"].message_type.name == "WrappedKey"
     assert fields["TrainRequest"]["source_batches"].number == 8
     assert fields["TrainRequest"]["source_batches"].message_type.name == "RolloutBatch"
+    # replay protection (hacrl_fed.security.freshness): the planned plan digest, the challenges around it
+    assert fields["RolloutBatch"]["plan_digest"].number == 11
+    assert fields["RoundPlan"]["challenges"].number == 10
+    assert fields["TrainReport"]["challenge"].number == 9
     wrapped_key = {f: d.number for f, d in fields["WrappedKey"].items()}
     assert wrapped_key == {"recipient": 1, "ephemeral_public": 2, "wrapped": 3}
 

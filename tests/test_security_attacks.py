@@ -58,6 +58,14 @@ def plan_for(worker, round_: int = 1, run_id: str = "run-1", **sampling) -> Roun
     return RoundPlan(run_id, round_, "arithmetic", prompts, SamplingParams(**sp))
 
 
+def fresh(plan: RoundPlan, *learners) -> RoundPlan:
+    """``plan`` carrying each learner's latest challenge (from its Health reply), as the coordinator sends it: the
+    learner then trains on source batches made for this plan (hacrl_fed.security.freshness)."""
+    return dataclasses.replace(
+        plan, challenges={w.org_id: bytes.fromhex(w.health()["challenge"]) for w in learners}
+    )
+
+
 def spy_on_work(monkeypatch, worker) -> list[tuple[str, object]]:
     """Record the work ``worker`` does on a request, in order: ``("render", messages)`` for each prompt rendered,
     ``("generate", n)`` per engine call, ``("verify", text)`` per reward check and ``("tokenize", texts)`` per
@@ -195,7 +203,7 @@ def test_honest_worker_drops_a_lying_batch_itself_and_trains_as_if_alone(run_dir
     acme = build_worker(cfg, "acme", run_dir=run_dir)
     twin = build_worker(cfg, "acme", run_dir=run_dir / "twin")  # same seed: the same own rollouts
     globex = build_worker(cfg, "globex", run_dir=run_dir)
-    plan = plan_for(acme)
+    plan = fresh(plan_for(acme), acme)
     acme.generate(plan), twin.generate(plan)
     lies = lie(globex.generate(plan), run_dir)
     cap = {"acme": 0.5, "globex": 0.5}

@@ -88,7 +88,14 @@ class GrpcTransport(Transport):
 
         A worker that serves another org id than the one it is registered under is an error.
         """
-        return self._fan_out({org: None for org in self.clients}, lambda c, _: c.wait_ready(timeout_s), timeout_s)
+        replies = self._fan_out({org: None for org in self.clients}, lambda c, _: c.wait_ready(timeout_s), timeout_s)
+        self.note_health(replies)
+        return replies
+
+    def health(self, org_ids: list[str], timeout_s: float) -> dict[str, dict[str, str] | Exception]:
+        replies = self._fan_out({org: None for org in org_ids}, lambda c, _: c.health(timeout_s=timeout_s), timeout_s)
+        self.note_health(replies)
+        return replies
 
     def _fan_out(
         self, items: Mapping[str, Any], call: Callable[[GrpcWorkerClient, Any], Any], timeout_s: float

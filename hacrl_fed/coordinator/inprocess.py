@@ -77,6 +77,11 @@ class InProcessTransport(Transport):
     def step(self, requests: Mapping[str, StepRequest], timeout_s: float) -> dict[str, StepReply | Exception]:
         return self._fan_out(ops.STEP, requests)
 
+    def health(self, org_ids: list[str], timeout_s: float) -> dict[str, dict[str, str] | Exception]:
+        replies = self._fan_out(ops.HEALTH, {org: None for org in org_ids})
+        self.note_health(replies)
+        return replies
+
     def close(self) -> None:
         """Call ``close()`` on workers that have one (releases models / engines)."""
         for worker in self.workers.values():

@@ -57,6 +57,7 @@ from hacrl_fed.metrics import RunLogger, format_eval, format_round
 from hacrl_fed.plan.sampler import PromptSampler, eval_ids
 from hacrl_fed.plan.screening import accepted_accuracy
 from hacrl_fed.run_files import STATE_FILE
+from hacrl_fed.security.freshness import HEALTH_KEY, parse_challenge
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.types import (
     EvalReport,
@@ -161,6 +162,9 @@ class Coordinator:
         self.worker_checkpoint_round = 0  # last round at which every configured org checkpointed
         self.wall_time_s = 0.0
         self.state_path = self.run_dir / STATE_FILE
+        # replay protection: each org's latest challenge, from its train reports and health replies (this process)
+        self.challenges: dict[str, bytes] = {}
+        self._health_asked: set[str] = set()
         from hacrl_fed.security.keyring import load_run_roster
 
         self.guard = PoolGuard(cfg, load_run_roster(cfg, self.run_dir), task.verify)
@@ -239,14 +243,56 @@ class Coordinator:
         reachable = set(self.transport.org_ids())
         return [o for o in self.org_order if o in reachable and o not in self.guard.excluded]
 
-    def plan_for(self, round: int, org_id: str, prompts: tuple[Prompt, ...]) -> RoundPlan:
+    def plan_for(
+        self, round: int, org_id: str, prompts: tuple[Prompt, ...], challenges: Mapping[str, bytes] | None = None
+    ) -> RoundPlan:
         return RoundPlan(
             run_id=self.run_id,
             round=round,
             task=self.cfg.task.name,
             prompts=prompts,
             sampling=sampling_params(self.cfg, org_id, round),
+            challenges=dict(challenges or {}),
         )
+
+    def _refresh_challenges(self, orgs: list[str]) -> None:
+        """Take every challenge the transport's health replies carried (discovery, joins), and ask Health, once per
+        org in this process, of a live org whose challenge is still unknown (its first round;
+        :mod:`hacrl_fed.security.freshness`)."""
+        take = getattr(self.transport, "take_health", None)
+        infos: dict[str, Any] = dict(take()) if callable(take) else {}
+        missing = [o for o in orgs if o not in self.challenges and o not in infos and o not in self._health_asked]
+        health = getattr(self.transport, "health", None)
+        if missing and callable(health):
+            self._health_asked.update(missing)
+            try:
+                replies = health(missing, self.cfg.federation.round_timeout_s)
+            except Exception as err:  # no challenge: those orgs train their first round on their own rows only
+                log.warning("round plans: health of %s failed (%s); no challenge for them yet", missing, err)
+                replies = {}
+            infos.update({o: r for o, r in replies.items() if isinstance(r, Mapping)})
+            if callable(take):
+                take()  # recorded by the call just made: already in infos
+        for org, info in infos.items():
+            if org not in self.totals or not isinstance(info, Mapping):
+                continue
+            challenge = parse_challenge(info.get(HEALTH_KEY))
+            if challenge is not None:
+                self.challenges[org] = challenge
+            elif HEALTH_KEY in info:
+                log.warning("org %s: ignoring a malformed challenge in its health reply", org)
+
+    def _note_challenge(self, org: str, report: TrainReport, metrics: dict[str, float]) -> None:
+        """The fresh challenge of ``org``'s train report goes into its next plan; a malformed one is counted
+        (``round/<org>/bad_challenge``) and the org keeps its older one."""
+        raw = getattr(report, "challenge", b"")
+        if not raw:
+            return
+        challenge = parse_challenge(raw)
+        if challenge is None:
+            metrics[f"round/{org}/bad_challenge"] = 1.0
+            return
+        self.challenges[org] = challenge
 
     def round_prompts(self, round: int) -> tuple[Prompt, ...]:
         ids = self.sampler.round_ids(round, self.cfg.federation.prompts_per_round)
@@ -283,7 +329,9 @@ class Coordinator:
         if unreachable:
             log.warning("round %d: orgs %s are not reachable", round, unreachable)
         prompts = self.round_prompts(round) if orgs else ()
-        plans = {org: self.plan_for(round, org, prompts) for org in orgs}
+        self._refresh_challenges(orgs)
+        challenges = {org: self.challenges[org] for org in orgs if org in self.challenges}
+        plans = {org: self.plan_for(round, org, prompts, challenges) for org in orgs}
         return RoundState(round, time.perf_counter(), {}, failed, plans)
 
     def _take_batches(self, rd: RoundState, replies: Mapping[str, Any]) -> None:
@@ -386,6 +434,7 @@ class Coordinator:
                 metrics[f"round/{org}/train_failure/{why}"] = 1.0
                 continue
             metrics[f"round/{org}/train_failed"] = 0.0
+            self._note_challenge(org, reply, metrics)
             metrics.update(_numeric(reply.metrics, f"{org}/"))
             _exchange_time("train", org, reply.metrics, metrics)
             self.totals[org]["received"] += len(req.foreign) + sum(len(b.rollouts) for b in req.source_batches)

@@ -55,6 +55,21 @@ class Transport(ABC):
     @abstractmethod
     def step(self, requests: Mapping[str, StepRequest], timeout_s: float) -> dict[str, StepReply | Exception]: ...
 
+    def health(self, org_ids: list[str], timeout_s: float) -> dict[str, dict[str, str] | Exception]:
+        """Health replies of ``org_ids`` (``{org: info | Exception}``); a transport without the call answers
+        ``NotImplementedError`` per org. Implementations record what they get (:meth:`note_health`)."""
+        return {org: NotImplementedError(f"{type(self).__name__} has no health call") for org in org_ids}
+
+    def note_health(self, replies: Mapping[str, object]) -> None:
+        """Keep the health infos among ``replies`` (``{org: info | Exception}``) for :meth:`take_health`: the
+        coordinator reads each org's latest challenge from them (:mod:`hacrl_fed.security.freshness`)."""
+        seen = self.__dict__.setdefault("_health_seen", {})
+        seen.update({org: dict(info) for org, info in replies.items() if isinstance(info, Mapping)})
+
+    def take_health(self) -> dict[str, dict[str, str]]:
+        """The health infos recorded since the last call, ``{org: info}`` (then forgotten)."""
+        return self.__dict__.pop("_health_seen", {})
+
     @property
     def messages_sent(self) -> Counter[tuple[str, str]]:
         """``{(operation, org): messages sent}`` over this transport's life (every transport counts its own)."""

@@ -3,8 +3,9 @@
 Per round, each org's reply is
 
 1. verified against the pinned roster when ``security.signing`` is on (:func:`~hacrl_fed.security.envelope.
-   verify_signed`): a forged, tampered, unknown-org, wrong-run or replayed (wrong-round) batch is dropped whole,
-   counted as ``round/<org>/rejected/<reason>``;
+   verify_signed`): a forged, tampered, unknown-org, wrong-run or replayed (wrong-round) batch, or one that signs
+   the digest of another plan than the one sent to its org (``stale_plan``, :mod:`hacrl_fed.security.freshness`),
+   is dropped whole, counted as ``round/<org>/rejected/<reason>``;
 2. screened against the org's plan (:func:`~hacrl_fed.plan.screening.screen_batch`): bounds, exactly
    ``G`` samples per prompt, and — whenever the coordinator can read the text (not in coordinator-blind mode) —
    every claimed reward re-verified with the task's own verifier;
@@ -89,9 +90,12 @@ class PoolGuard:
         if self.roster is None:
             return None
         from hacrl_fed.security.envelope import RejectedBatch, verify_signed
+        from hacrl_fed.security.freshness import plan_digest
 
         try:
             verify_signed(batch, self.roster, run_id=plan.run_id, round=plan.round)
+            if batch.plan_digest != plan_digest(plan):  # signed for another plan than the one sent to this org
+                raise RejectedBatch("stale_plan", f"batch from {org!r} does not answer its plan of round {plan.round}")
         except RejectedBatch as err:
             n = len(getattr(batch, "rollouts", ()) or ())
             log.warning("round %d: rejected the batch of %s: %s", plan.round, org, err)

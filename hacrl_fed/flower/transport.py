@@ -342,6 +342,7 @@ class FlowerTransport(Transport):
         for node, org in got.new.items():
             log.info("Flower node %s joined as org %s", node, org)
         self._org_by_node.update(got.new)
+        self.note_health({org: infos[node] for node, org in got.new.items()})  # a joiner's challenge (freshness)
         self._unknown.update(got.unknown)
         self._duplicate.update(got.duplicate)
         self._failed.update({node: time.monotonic() for node in got.failed})
@@ -407,7 +408,9 @@ class FlowerTransport(Transport):
     def health(self, org_ids: list[str], timeout_s: float) -> dict[str, dict[str, str] | Exception]:
         """``query.health`` to the given orgs: ``{org: health info | Exception}``."""
         request = codec.health_request()
-        return self._call(ops.HEALTH, {org: request for org in org_ids}, timeout_s, "health")
+        replies = self._call(ops.HEALTH, {org: request for org in org_ids}, timeout_s, "health")
+        self.note_health(replies)
+        return replies
 
 
 def _group(requests: Mapping[str, Any]) -> str:

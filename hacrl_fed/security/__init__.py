@@ -6,6 +6,8 @@
   ``signed`` / ``verify_signed``) and :class:`~hacrl_fed.security.envelope.RejectedBatch`.
 * :mod:`hacrl_fed.security.sealing`: coordinator-blind batches, response text encrypted end to end to the
   recipient orgs (``seal_batch`` / ``open_batch``).
+* :mod:`hacrl_fed.security.freshness`: replay protection, the workers' challenges and the plan digest every
+  batch signs, so a learner trains only on batches made for its own fresh plan (``stale_plan`` otherwise).
 * :mod:`hacrl_fed.security.keys`: TLS / SuperNode-auth key material for Flower deployments.
 
 The public signing helpers are re-exported here: ``hacrl_fed.security.sign_batch(batch, private_key) -> bytes``,

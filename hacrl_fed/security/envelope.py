@@ -50,6 +50,7 @@ REASONS = {
     "wrong_round": "wrong round",
     "malformed": "malformed",
     "undecryptable": "undecryptable",
+    "stale_plan": "stale plan",  # hacrl_fed.security.freshness: not made for the learner's own fresh plan
 }
 
 

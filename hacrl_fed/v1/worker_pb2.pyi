@@ -50,20 +50,29 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class RoundPlan(_message.Message):
-    __slots__ = ("schema_version", "run_id", "round", "task", "prompts", "sampling")
+    __slots__ = ("schema_version", "run_id", "round", "task", "prompts", "sampling", "challenges")
+    class ChallengesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGES_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     run_id: str
     round: int
     task: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: SamplingParams
-    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., task: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    challenges: _containers.ScalarMap[str, bytes]
+    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., task: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., challenges: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class Rollout(_message.Message):
     __slots__ = ("org_id", "round", "prompt_id", "sample_index", "response", "finish_reason", "reward", "logprob_sum", "token_count", "sealed_response")
@@ -100,7 +109,7 @@ class WrappedKey(_message.Message):
     def __init__(self, recipient: _Optional[str] = ..., ephemeral_public: _Optional[bytes] = ..., wrapped: _Optional[bytes] = ...) -> None: ...
 
 class RolloutBatch(_message.Message):
-    __slots__ = ("schema_version", "run_id", "round", "org_id", "rollouts", "accuracy", "metrics", "signature", "wrapped_keys")
+    __slots__ = ("schema_version", "run_id", "round", "org_id", "rollouts", "accuracy", "metrics", "signature", "wrapped_keys", "plan_digest")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +126,7 @@ class RolloutBatch(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     WRAPPED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     run_id: str
     round: int
@@ -126,7 +136,8 @@ class RolloutBatch(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     signature: bytes
     wrapped_keys: _containers.RepeatedCompositeFieldContainer[WrappedKey]
-    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., accuracy: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., signature: _Optional[bytes] = ..., wrapped_keys: _Optional[_Iterable[_Union[WrappedKey, _Mapping]]] = ...) -> None: ...
+    plan_digest: bytes
+    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., accuracy: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., signature: _Optional[bytes] = ..., wrapped_keys: _Optional[_Iterable[_Union[WrappedKey, _Mapping]]] = ..., plan_digest: _Optional[bytes] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
     __slots__ = ("schema_version", "run_id", "round", "org_id", "prompts", "foreign", "capability", "source_batches")
@@ -156,7 +167,7 @@ class TrainRequest(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., foreign: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., capability: _Optional[_Mapping[str, float]] = ..., source_batches: _Optional[_Iterable[_Union[RolloutBatch, _Mapping]]] = ...) -> None: ...
 
 class TrainReport(_message.Message):
-    __slots__ = ("schema_version", "run_id", "round", "org_id", "metrics", "signature", "disclosed_keys")
+    __slots__ = ("schema_version", "run_id", "round", "org_id", "metrics", "signature", "disclosed_keys", "challenge")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +189,7 @@ class TrainReport(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     DISCLOSED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     run_id: str
     round: int
@@ -185,7 +197,8 @@ class TrainReport(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     signature: bytes
     disclosed_keys: _containers.ScalarMap[str, bytes]
-    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., signature: _Optional[bytes] = ..., disclosed_keys: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+    challenge: bytes
+    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., signature: _Optional[bytes] = ..., disclosed_keys: _Optional[_Mapping[str, bytes]] = ..., challenge: _Optional[bytes] = ...) -> None: ...
 
 class EvalRequest(_message.Message):
     __slots__ = ("schema_version", "run_id", "round", "task", "prompts", "max_new_tokens")

@@ -25,8 +25,10 @@ Decoding is the trust boundary, so every decoded field is checked (input hygiene
   carries both a non-empty ``response`` and a non-empty ``sealed_response`` (also refused when encoding);
 * wrapped keys (``RolloutBatch.wrapped_keys``): at most ``max_recipients``, recipients non-empty and distinct
   names, ``ephemeral_public`` exactly 32 bytes, ``wrapped`` at most 128 bytes;
-* ``TrainReport.signature`` at most ``max_signature_bytes``; ``TrainReport.disclosed_keys`` at most
-  ``max_recipients`` entries of at most 64 bytes;
+* ``TrainReport.signature`` at most ``max_signature_bytes``; ``TrainReport.disclosed_keys`` and
+  ``RoundPlan.challenges`` at most ``max_recipients`` entries of at most 64 bytes (the worker bounds the
+  challenges further by its roster, :mod:`hacrl_fed.worker.guard`); ``TrainReport.challenge`` and
+  ``RolloutBatch.plan_digest`` at most 64 bytes;
 * ``TrainRequest.source_batches`` are checked like any ``RolloutBatch``; with
   ``WireLimits.skip_unsigned_foreign`` (a worker with signing on, which ignores unsigned rollouts)
   ``TrainRequest.foreign`` is only counted (``unread_foreign``), never converted;
@@ -55,6 +57,7 @@ ROLES = ("system", "user", "assistant")
 EPHEMERAL_PUBLIC_BYTES = 32  # a raw X25519 public key
 MAX_WRAPPED_BYTES = 128  # a wrapped content key (32-byte key + 16-byte tag today; room for a longer scheme)
 SEALED_OVERHEAD_BYTES = 64  # sealed_response may exceed max_text_chars by this much (AEAD tag, future nonce)
+MAX_KEY_BYTES = 64  # a disclosed content key, a challenge, a plan digest (32 bytes today)
 
 _FINISH_TO_PB = {t.FINISH_STOP: pb.FINISH_REASON_STOP, t.FINISH_LENGTH: pb.FINISH_REASON_LENGTH}
 _FINISH_FROM_PB = {code: name for name, code in _FINISH_TO_PB.items()}
@@ -175,6 +178,7 @@ def _plan_to(p: t.RoundPlan) -> pb.RoundPlan:
         task=p.task,
         prompts=[_prompt_to(x) for x in p.prompts],
         sampling=_sampling_to(p.sampling),
+        challenges={k: bytes(v) for k, v in p.challenges.items()},
     )
 
 
@@ -212,6 +216,7 @@ def _batch_to(b: t.RolloutBatch) -> pb.RolloutBatch:
         metrics=dict(b.metrics),
         signature=bytes(b.signature),
         wrapped_keys=[_wrapped_to(w) for w in b.wrapped_keys],
+        plan_digest=bytes(b.plan_digest),
     )
 
 
@@ -237,6 +242,7 @@ def _train_rep_to(r: t.TrainReport) -> pb.TrainReport:
         metrics=dict(r.metrics),
         signature=bytes(r.signature),
         disclosed_keys={k: bytes(v) for k, v in r.disclosed_keys.items()},
+        challenge=bytes(r.challenge),
     )
 
 
@@ -355,6 +361,7 @@ def _plan_from(m: pb.RoundPlan, where: str, lim: WireLimits) -> t.RoundPlan:
         task=_string(m.task, f"{where}.task", lim.max_name_chars),
         prompts=_prompts_from(m.prompts, f"{where}.prompts", lim),
         sampling=_sampling_from(m.sampling, f"{where}.sampling", lim),
+        challenges=_key_map(m.challenges, f"{where}.challenges", lim),
     )
 
 
@@ -422,6 +429,7 @@ def _batch_from(m: pb.RolloutBatch, where: str, lim: WireLimits) -> t.RolloutBat
         metrics=_float_map(m.metrics, f"{where}.metrics", lim),
         signature=bytes(m.signature),
         wrapped_keys=_wrapped_keys_from(m.wrapped_keys, f"{where}.wrapped_keys", lim),
+        plan_digest=_bytes(m.plan_digest, f"{where}.plan_digest", MAX_KEY_BYTES),
     )
 
 
@@ -453,15 +461,19 @@ def _train_rep_from(m: pb.TrainReport, where: str, lim: WireLimits) -> t.TrainRe
         metrics=_float_map(m.metrics, f"{where}.metrics", lim),
         signature=_bytes(m.signature, f"{where}.signature", lim.max_signature_bytes),
         disclosed_keys=_key_map(m.disclosed_keys, f"{where}.disclosed_keys", lim),
+        challenge=_bytes(m.challenge, f"{where}.challenge", MAX_KEY_BYTES),
     )
 
 
 def _key_map(m: Mapping[str, bytes], where: str, lim: WireLimits) -> dict[str, bytes]:
-    """Disclosed content keys: at most ``max_recipients`` entries, org-id keys, values at most 64 bytes."""
+    """Disclosed content keys or plan challenges: at most ``max_recipients`` entries, org-id keys, values at most
+    :data:`MAX_KEY_BYTES` bytes."""
     if len(m) > lim.max_recipients:
         _fail(where, f"{len(m)} entries exceed the cap of {lim.max_recipients}")
     return {
-        _string(k, f"{where} key {k[:40]!r}", lim.max_name_chars, required=True): _bytes(v, f"{where}[{k!r}]", 64)
+        _string(k, f"{where} key {k[:40]!r}", lim.max_name_chars, required=True): _bytes(
+            v, f"{where}[{k!r}]", MAX_KEY_BYTES
+        )
         for k, v in m.items()
     }
 

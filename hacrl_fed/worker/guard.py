@@ -12,7 +12,8 @@ does not fit its own state and configured limits:
   (``stale_round``), one further behind means another client drove the worker ahead (``round_ahead``, counted as
   an attack); ``train`` only for the round it generated; ``checkpoint`` only for the round it last trained;
 * no plan or eval request without prompts (``empty_plan``); the capability table of a train request has at most
-  one entry per configured org and none for others (``bad_capability``);
+  one entry per configured org and none for others (``bad_capability``), and so has a plan's challenge map, whose
+  values are exactly 32 bytes (``bad_challenges``; :mod:`hacrl_fed.security.freshness`);
 * a fused round (``StepRequest``): the train request is for this org and the plan is of the same run and the
   round right after it (``step_mismatch``); the plan is checked against the limits below before the train half
   starts, and each half then passes its own checks;
@@ -21,7 +22,9 @@ does not fit its own state and configured limits:
   requests at most ``task.eval_size`` prompts and ``generation.eval_max_new_tokens`` tokens.
 
 Foreign rollouts are screened per source by :func:`screen_sources` before any tokenization: signature (when
-signing is on) against the pinned roster, decryption (coordinator-blind mode), known org, this round's prompts,
+signing is on) against the pinned roster, freshness (the batch must sign the digest of the learner's own plan of
+the round, which carried the learner's latest challenge: ``stale_plan``, :mod:`hacrl_fed.security.freshness`),
+decryption (coordinator-blind mode), known org, this round's prompts,
 exactly ``G`` samples per prompt, finite log-probs <= 0, text within the plan's byte bound, and the claimed
 reward re-verified with this worker's own task verifier. Every drop is counted per source and reason in the
 TrainReport as ``trust/<source>/rejected/<reason>``.
@@ -110,6 +113,7 @@ def check_plan(cfg: RunConfig, org_id: str, plan: RoundPlan, *, last_round: int,
     _at_most("max_new_tokens", sp.max_new_tokens, gen.max_new_tokens, "generation.max_new_tokens")
     _at_most("prompts", len(plan.prompts), cfg.federation.prompts_per_round, "federation.prompts_per_round")
     _distinct_prompts(plan.prompts)
+    check_challenges(cfg, plan)
 
 
 def check_eval(cfg: RunConfig, org_id: str, request: EvalRequest, *, run_id: str | None) -> None:
@@ -158,6 +162,16 @@ def check_capability(cfg: RunConfig, capability: Mapping[str, float]) -> None:
     unknown = sorted(k for k in capability if k not in orgs)
     if unknown:
         raise RequestRefused("bad_capability", f"capability entries for orgs not in the run: {unknown[:4]}")
+
+
+def check_challenges(cfg: RunConfig, plan: RoundPlan) -> None:
+    """A plan's challenge map (replay protection) is bounded by the run's orgs: at most one entry per configured
+    org, none for others, every challenge exactly :data:`~hacrl_fed.security.freshness.CHALLENGE_BYTES` bytes."""
+    from hacrl_fed.security.freshness import challenges_problem
+
+    problem = challenges_problem(plan.challenges, (o.id for o in cfg.orgs))
+    if problem is not None:
+        raise RequestRefused("bad_challenges", problem)
 
 
 def _at_most(what: str, value: int, limit: int, field: str) -> None:

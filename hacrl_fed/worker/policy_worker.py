@@ -31,7 +31,10 @@ newly started organization). Checkpoints are kept per run: ``<run dir>/orgs/<org
 restored when their coordinator resumes them.
 
 With ``security.signing`` every published batch is signed with the org's identity (sealed first for the other
-orgs in coordinator-blind mode, ``security.encrypt``).
+orgs in coordinator-blind mode, ``security.encrypt``). Replay protection (:mod:`hacrl_fed.security.freshness`):
+every TrainReport carries a fresh challenge and Health the latest one; every batch signs the digest of the plan it
+answers; a learner trains on a source batch only when it answers the learner's own plan of the round and that
+plan carried the challenge the learner issued last (else ``stale_plan``, and the learner trains on its own rows).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from hacrl_fed.models.loading import load_model_and_tokenizer, model_sources
 from hacrl_fed.perf import PhaseMeter
 from hacrl_fed.plan.sampler import eval_ids
 from hacrl_fed.scoring import response_token_ids
+from hacrl_fed.security.freshness import HEALTH_KEY, ChallengeBook, check_fresh, fresh_digest, plan_digest
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.tasks import get_task
 from hacrl_fed.trainer import LocalTrainer, TrainRow
@@ -105,6 +109,9 @@ class _OwnRound:
     max_new_tokens: int
     tokens_by_prompt: dict[int, list[int]]  # prompt_id -> learner tokens of the rendered prompt
     rows: list[TrainRow]
+    # the digest source batches must sign (hacrl_fed.security.freshness); None: the plan did not carry this
+    # worker's latest challenge, so it trains this round on its own rollouts only
+    fresh_digest: bytes | None = None
 
 
 class PolicyWorker:
@@ -159,6 +166,7 @@ class PolicyWorker:
         self._pristine = True  # weights, optimizer and RNG as configured: nothing trained or restored since
         self._own: _OwnRound | None = None
         self._prompt_cache: dict[tuple[int, tuple], str] = {}
+        self._challenges = ChallengeBook()  # replay protection (hacrl_fed.security.freshness)
         self._initial = self._snapshot()
         if resume:
             self.restore()
@@ -324,8 +332,9 @@ class PolicyWorker:
                         n_bytes=len(g.text.encode("utf-8")),
                     )
                 )
+        fresh = fresh_digest(plan, self.org_id, self._challenges.expect())
         self._own = _OwnRound(
-            plan.run_id, plan.round, plan.task, plan.prompts, sp.max_new_tokens, tokens_by_prompt, rows
+            plan.run_id, plan.round, plan.task, plan.prompts, sp.max_new_tokens, tokens_by_prompt, rows, fresh
         )
         acc = sum(r.reward for r in rollouts) / max(len(rollouts), 1)
         metrics = {
@@ -336,7 +345,10 @@ class PolicyWorker:
             "gen/skipped_too_long": float(len(plan.prompts) - len(keep)),
             **gen_perf,
         }
-        batch = RolloutBatch(plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics)
+        metrics["trust/plan_fresh"] = float(fresh is not None)
+        batch = RolloutBatch(
+            plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics, plan_digest=plan_digest(plan)
+        )
         return self._publish(batch, sp.max_new_tokens * self.cfg.security.max_bytes_per_token)
 
     def _publish(self, batch: RolloutBatch, max_text_bytes: int) -> RolloutBatch:
@@ -362,6 +374,7 @@ class PolicyWorker:
         own = self._own
         assert own is not None and self.roster is not None and self.identity is not None
         batch = verify_signed(batch, self.roster, run_id=own.run_id, round=own.round)
+        check_fresh(batch, own.fresh_digest)  # made for the plan this learner answered, this round (stale_plan)
         if not is_sealed(batch):
             return batch
         return open_batch(batch, self.org_id, self.identity.box_key, padded=self.cfg.security.pad_sealed)
@@ -432,7 +445,12 @@ class PolicyWorker:
         )
         return self._sign_report(
             TrainReport(
-                request.run_id, request.round, self.org_id, metrics, disclosed_keys=self._evidence(request, trust)
+                request.run_id,
+                request.round,
+                self.org_id,
+                metrics,
+                disclosed_keys=self._evidence(request, trust),
+                challenge=self._challenges.issue(),
             )
         )
 
@@ -472,7 +490,11 @@ class PolicyWorker:
             self._check_task(plan.task)
             check_plan(self.cfg, self.org_id, plan, last_round=train.round, run_id=self.run_id)
             self._check_prompts(plan.prompts, "train")
-        return run_step(self, request)
+        self._challenges.hold()  # the plan carries the challenge issued before this message, not the train half's
+        try:
+            return run_step(self, request)
+        finally:
+            self._challenges.release()
 
     def _foreign_rows(self, foreign: list[Rollout], own: _OwnRound, agents: list[str]) -> tuple[list[TrainRow], int]:
         """Re-tokenize screened foreign responses with this learner's template and tokenizer (EOS iff the source
@@ -568,6 +590,7 @@ class PolicyWorker:
             "status": "ok",
             "round": str(self.last_round),
             "params": str(sum(p.numel() for p in self.model.parameters())),
+            HEALTH_KEY: self._challenges.for_health().hex(),  # for the first plan of a run (freshness)
             **identity_health(self.roster, self.identity),
         }
 
