@@ -362,3 +362,79 @@ def test_encode_errors_are_wire_errors():
         codec.encode(replace(_rollout(), response="", sealed_response="text, not bytes"))
     with pytest.raises(WireError, match=r"RolloutBatch: cannot encode"):
         codec.encode(replace(_sealed_batch(), wrapped_keys=(t.WrappedKey("beta", "not bytes", b""),)))
+
+
+# -------------------------------------------------------------- fast paths (no field path built per check)
+
+
+def _rollout_msg(**fields) -> pb.Rollout:
+    m = codec.to_proto(_rollout(0))
+    for name, value in fields.items():
+        setattr(m, name, value)
+    return m
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"reward": 1.0, "logprob_sum": 0.0, "token_count": 0, "round": 0, "prompt_id": 0},
+        {"reward": 1.5},
+        {"reward": -0.1},
+        {"reward": math.nan},
+        {"reward": math.inf},
+        {"logprob_sum": -math.inf},
+        {"logprob_sum": math.nan},
+        {"round": -1},
+        {"prompt_id": -1},
+        {"sample_index": -2},
+        {"token_count": -1},
+        {"org_id": ""},
+        {"org_id": "o" * 257},
+        {"finish_reason": 0},
+        {"finish_reason": 9},
+        {"sealed_response": b"x"},  # with a non-empty response: both set
+        {"response": "", "sealed_response": b"s" * (2**20 + 65)},
+        {"response": "", "sealed_response": b"s" * (2**20 + 64)},
+        {"response": "r" * (2**20 + 1)},
+    ],
+)
+def test_rollout_fast_path_accepts_exactly_what_the_checked_path_accepts(fields):
+    """The fast path returns None iff the checked decoder raises, and otherwise an equal rollout."""
+    m = _rollout_msg(**fields)
+    fast = codec._rollout_fast(m, codec.DEFAULT_LIMITS)
+    try:
+        checked = codec._rollout_from(m, "Rollout", codec.DEFAULT_LIMITS)
+    except WireError:
+        assert fast is None
+    else:
+        assert fast == checked and type(fast.sealed_response) is bytes
+
+
+@pytest.mark.parametrize(
+    ("values", "low", "ok"),
+    [
+        ({"a": 1.0, "b": -2.5}, -math.inf, True),
+        ({"a": -math.inf}, -math.inf, False),
+        ({"a": math.inf}, -math.inf, False),
+        ({"a": math.nan}, -math.inf, False),
+        ({"a": -0.5}, 0.0, False),
+        ({"a": 0.0}, 0.0, True),
+        ({"": 1.0}, -math.inf, False),
+        ({"k" * 257: 1.0}, -math.inf, False),
+    ],
+)
+def test_float_map_fast_path_keeps_every_check(values, low, ok):
+    if ok:
+        assert codec._float_map(values, "M", codec.DEFAULT_LIMITS, low) == values
+    else:
+        with pytest.raises(WireError, match=r"^M"):
+            codec._float_map(values, "M", codec.DEFAULT_LIMITS, low)
+
+
+def test_a_bad_rollout_in_a_batch_is_still_named_by_its_path():
+    batch = t.RolloutBatch("run", 3, "acme", (_rollout(0), _rollout(1)), 0.5)
+    msg = codec.to_proto(batch)
+    msg.rollouts[1].reward = 2.0
+    with pytest.raises(WireError, match=r"RolloutBatch\.rollouts\[1\]\.reward: 2\.0 outside \[0, 1\]"):
+        codec.decode(t.RolloutBatch, msg.SerializeToString())

@@ -274,6 +274,31 @@ def test_in_process_batches_get_the_wire_hygiene(ids, roster):
     bad = signed(dataclasses.replace(_batch(), accuracy=1.5), ids["acme"])
     err = _reject("malformed", verify_signed, bad, roster, run_id=RUN, round=ROUND)
     assert "accuracy" in str(err)
+    bad_rollout = dataclasses.replace(_batch().rollouts[0], reward=float("nan"))
+    bad = signed(dataclasses.replace(_batch(), rollouts=(bad_rollout,)), ids["acme"])
+    err = _reject("malformed", verify_signed, bad, roster, run_id=RUN, round=ROUND)
+    assert "rollouts[0].reward" in str(err)
+
+
+def test_in_process_verification_encodes_the_batch_once(ids, roster, monkeypatch):
+    """The signed body is encoded once and decoded once for the hygiene (not encoded again for it)."""
+    from hacrl_fed.security import envelope
+
+    batch, calls = signed(_batch(), ids["acme"]), {"encode": 0, "decode": []}
+    encode, decode = codec.encode, codec.decode
+
+    def counting_encode(obj):
+        calls["encode"] += 1
+        return encode(obj)
+
+    def recording_decode(kind, data, **kw):
+        calls["decode"].append(bytes(data))
+        return decode(kind, data, **kw)
+
+    monkeypatch.setattr(envelope.codec, "encode", counting_encode)
+    monkeypatch.setattr(envelope.codec, "decode", recording_decode)
+    assert verify_signed(batch, roster, run_id=RUN, round=ROUND) is batch
+    assert calls["encode"] == 1 and calls["decode"] == [canonical_bytes(batch)[len(DOMAIN):]]
 
 
 def test_rejected_batch_reasons_and_pickling():

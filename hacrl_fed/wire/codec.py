@@ -130,6 +130,10 @@ def _items(seq: Any, where: str, lim: WireLimits) -> Any:
 def _float_map(m: Mapping[str, float], where: str, lim: WireLimits, low: float = -math.inf) -> dict[str, float]:
     """Map with capped keys and finite values >= ``low``; returns a plain dict."""
     _items(m, where, lim)
+    out = dict(m)
+    cap = lim.max_name_chars
+    if all(0 < len(k) <= cap and math.isfinite(v) and v >= low for k, v in out.items()):  # common case: no paths
+        return out
     out = {}
     for key, value in m.items():
         _string(key, f"{where} key {key[:40]!r}", lim.max_name_chars, required=True)
@@ -383,9 +387,32 @@ def _rollout_from(m: pb.Rollout, where: str, lim: WireLimits) -> t.Rollout:
     )
 
 
+def _rollout_fast(m: pb.Rollout, lim: WireLimits) -> t.Rollout | None:
+    """:func:`_rollout_from` for a rollout that passes every check, without building a field path per check (the
+    common case, on every learner for every foreign rollout); None when any check fails, and the caller then
+    runs :func:`_rollout_from` for the error it raises. Same checks, so a rollout this accepts
+    :func:`_rollout_from` accepts with an equal result."""
+    org, response, sealed, reward = m.org_id, m.response, m.sealed_response, m.reward
+    finish = _FINISH_FROM_PB.get(m.finish_reason)
+    if (
+        finish is None
+        or (response and sealed)
+        or not 0 < len(org) <= lim.max_name_chars
+        or len(response) > lim.max_text_chars
+        or len(sealed) > lim.max_text_chars + SEALED_OVERHEAD_BYTES
+        or not 0.0 <= reward <= 1.0  # False for NaN too
+        or not math.isfinite(m.logprob_sum)
+        or min(m.round, m.prompt_id, m.sample_index, m.token_count) < 0
+    ):
+        return None
+    return t.Rollout(
+        org, m.round, m.prompt_id, m.sample_index, response, finish, reward, m.logprob_sum, m.token_count, sealed
+    )
+
+
 def _rollouts_from(seq: Any, where: str, lim: WireLimits) -> tuple[t.Rollout, ...]:
     _items(seq, where, lim)
-    return tuple(_rollout_from(r, f"{where}[{i}]", lim) for i, r in enumerate(seq))
+    return tuple(_rollout_fast(r, lim) or _rollout_from(r, f"{where}[{i}]", lim) for i, r in enumerate(seq))
 
 
 def _wrapped_from(m: pb.WrappedKey, where: str, lim: WireLimits) -> t.WrappedKey:
