@@ -438,3 +438,69 @@ def test_a_bad_rollout_in_a_batch_is_still_named_by_its_path():
     msg.rollouts[1].reward = 2.0
     with pytest.raises(WireError, match=r"RolloutBatch\.rollouts\[1\]\.reward: 2\.0 outside \[0, 1\]"):
         codec.decode(t.RolloutBatch, msg.SerializeToString())
+
+
+def _batch_with(**fields) -> t.RolloutBatch:
+    rollout_fields = {k[2:]: v for k, v in fields.items() if k.startswith("r_")}
+    batch_fields = {k: v for k, v in fields.items() if not k.startswith("r_")}
+    rollouts = (_rollout(0), replace(_rollout(1), **rollout_fields))
+    return replace(t.RolloutBatch("run", 3, "acme", rollouts, 0.5, {"m": 1.0}), **batch_fields)
+
+
+BATCH_CASES = [
+    {},
+    {"r_reward": 1.5}, {"r_reward": math.nan}, {"r_reward": -math.inf}, {"r_logprob_sum": math.inf},
+    {"r_round": -1}, {"r_prompt_id": -3}, {"r_sample_index": -1}, {"r_token_count": -1},
+    {"r_org_id": ""}, {"r_org_id": "o" * 257}, {"r_response": "x" * (2**20 + 1)},
+    {"r_response": "", "r_sealed_response": b"s" * (2**20 + 65)}, {"r_response": "", "r_sealed_response": b"s" * 9},
+    {"accuracy": 1.01}, {"accuracy": math.nan}, {"round": -1}, {"org_id": ""}, {"run_id": "r" * 257},
+    {"metrics": {"m": math.inf}}, {"metrics": {"": 1.0}}, {"metrics": {"k" * 257: 0.0}}, {"metrics": {}},
+    {"signature": b"s" * 1025}, {"signature": b"s" * 64},
+    {"wrapped_keys": (t.WrappedKey("beta", bytes(32), b"w" * 48),)},
+    {"wrapped_keys": (t.WrappedKey("beta", bytes(31), b"w" * 48),)},
+    {"wrapped_keys": (t.WrappedKey("beta", bytes(32), b"w" * 129),)},
+    {"wrapped_keys": (t.WrappedKey("", bytes(32), b"w"),)},
+    {"wrapped_keys": (t.WrappedKey("beta", bytes(32), b"w"), t.WrappedKey("beta", bytes(32), b"v"))},
+]
+
+
+@pytest.mark.parametrize("fields", BATCH_CASES)
+def test_check_batch_raises_exactly_what_decoding_raises(fields):
+    """check_batch (no decode when every check passes) agrees with decode(encode(batch)), message included."""
+    batch = _batch_with(**fields)
+    data = codec.encode(batch)
+    try:
+        codec.decode(t.RolloutBatch, data)
+    except WireError as err:
+        with pytest.raises(WireError) as got:
+            codec.check_batch(batch, data)
+        assert str(got.value) == str(err)
+    else:
+        assert codec.check_batch(batch, data) is None
+
+
+def test_check_batch_holds_the_message_size_cap():
+    batch = _batch_with()
+    data = codec.encode(batch)
+    with pytest.raises(WireError, match="exceed the cap"):
+        codec.check_batch(batch, data, limits=WireLimits(max_message_bytes=len(data) - 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(reward=st.floats(allow_nan=True, allow_infinity=True), logprob=st.floats(allow_nan=True),
+       accuracy=st.floats(allow_nan=True), index=st.integers(-3, 3), tokens=st.integers(-2, 40))
+def test_check_batch_agrees_with_decode_property(reward, logprob, accuracy, index, tokens):
+    batch = _batch_with(r_reward=reward, r_logprob_sum=logprob, accuracy=accuracy, r_sample_index=index,
+                        r_token_count=tokens)
+    data = codec.encode(batch)
+    try:
+        codec.decode(t.RolloutBatch, data)
+        decoded_ok = True
+    except WireError:
+        decoded_ok = False
+    try:
+        codec.check_batch(batch, data)
+        checked_ok = True
+    except WireError:
+        checked_ok = False
+    assert checked_ok == decoded_ok

@@ -281,10 +281,11 @@ def test_in_process_batches_get_the_wire_hygiene(ids, roster):
 
 
 def test_in_process_verification_encodes_the_batch_once(ids, roster, monkeypatch):
-    """The signed body is encoded once and decoded once for the hygiene (not encoded again for it)."""
+    """A valid batch is encoded once (the signed body) and its hygiene checked without decoding it; an invalid
+    one is decoded, for the error that names the field."""
     from hacrl_fed.security import envelope
 
-    batch, calls = signed(_batch(), ids["acme"]), {"encode": 0, "decode": []}
+    calls = {"encode": 0, "decode": []}
     encode, decode = codec.encode, codec.decode
 
     def counting_encode(obj):
@@ -296,9 +297,15 @@ def test_in_process_verification_encodes_the_batch_once(ids, roster, monkeypatch
         return decode(kind, data, **kw)
 
     monkeypatch.setattr(envelope.codec, "encode", counting_encode)
-    monkeypatch.setattr(envelope.codec, "decode", recording_decode)
+    monkeypatch.setattr(codec, "decode", recording_decode)
+    batch = signed(_batch(), ids["acme"])
+    calls["encode"] = 0
     assert verify_signed(batch, roster, run_id=RUN, round=ROUND) is batch
-    assert calls["encode"] == 1 and calls["decode"] == [canonical_bytes(batch)[len(DOMAIN):]]
+    assert calls["encode"] == 1 and calls["decode"] == []
+    bad = signed(dataclasses.replace(_batch(), accuracy=1.5), ids["acme"])
+    calls["encode"] = 0
+    _reject("malformed", verify_signed, bad, roster, run_id=RUN, round=ROUND)
+    assert calls["encode"] == 1 and calls["decode"] == [canonical_bytes(bad)[len(DOMAIN):]]
 
 
 def test_rejected_batch_reasons_and_pickling():

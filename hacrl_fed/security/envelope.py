@@ -156,11 +156,12 @@ def _check_header(batch: RolloutBatch, run_id: str, round: int) -> None:
 
 
 def _check_shapes(batch: RolloutBatch, body: bytes) -> None:
-    """Run the codec's decode-time hygiene on an in-process batch (it never crossed the wire), by decoding its
-    signed ``body`` (:func:`canonical_bytes`: the batch's encoding less the 64 signature bytes, whose size the
-    signature check already held to exactly 64)."""
+    """Run the codec's decode-time hygiene on an in-process batch (it never crossed the wire): exactly the checks
+    of decoding its signed ``body`` (:func:`canonical_bytes`: the batch's encoding less the 64 signature bytes,
+    whose size the signature check already held to exactly 64), on the batch's own values
+    (:func:`hacrl_fed.wire.codec.check_batch`)."""
     try:
-        codec.decode(RolloutBatch, body[len(DOMAIN) :])
+        codec.check_batch(batch, body[len(DOMAIN) :])
     except WireError as err:
         _reject("malformed", f"batch from {batch.org_id!r}: {err}")
 

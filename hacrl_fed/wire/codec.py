@@ -663,3 +663,59 @@ def decode(kind: type | str, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS
     except (DecodeError, RuntimeError, ValueError) as err:
         raise WireError(f"{name}: not a valid serialized message ({err})") from None
     return from_proto(msg, limits=limits)
+
+
+def _rollout_ok(r: t.Rollout, lim: WireLimits) -> bool:
+    """:func:`_rollout_fast`'s checks on an in-process :class:`~hacrl_fed.types.Rollout` (no protobuf)."""
+    response, sealed, reward = r.response, r.sealed_response, r.reward
+    return (
+        r.finish_reason in _FINISH_TO_PB
+        and not (response and sealed)
+        and 0 < len(r.org_id) <= lim.max_name_chars
+        and len(response) <= lim.max_text_chars
+        and len(sealed) <= lim.max_text_chars + SEALED_OVERHEAD_BYTES
+        and 0.0 <= reward <= 1.0
+        and math.isfinite(r.logprob_sum)
+        and min(r.round, r.prompt_id, r.sample_index, r.token_count) >= 0
+    )
+
+
+def _wrapped_ok(keys: Any, lim: WireLimits) -> bool:
+    recipients = [w.recipient for w in keys]
+    return (
+        len(keys) <= lim.max_recipients
+        and len(set(recipients)) == len(recipients)
+        and all(
+            0 < len(w.recipient) <= lim.max_name_chars
+            and len(w.ephemeral_public) == EPHEMERAL_PUBLIC_BYTES
+            and len(w.wrapped) <= MAX_WRAPPED_BYTES
+            for w in keys
+        )
+    )
+
+
+def check_batch(batch: t.RolloutBatch, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS) -> None:
+    """The decode-time hygiene of ``decode(RolloutBatch, data)`` for an in-process ``batch`` whose encoding is
+    ``data`` (``encode(batch)``, with or without its signature), without decoding it when every check passes.
+
+    The checks of :func:`_batch_from` run on the dataclass's own values (the encoding succeeded, so every value has
+    a type protobuf holds and decoding would give back equal values); when any fails, ``data`` is decoded, which
+    raises the :class:`WireError` naming the field. So this raises exactly when decoding ``data`` raises.
+    """
+    lim = limits
+    metrics = dict(batch.metrics)
+    ok = (
+        len(data) <= lim.max_message_bytes
+        and len(batch.signature) <= lim.max_signature_bytes
+        and len(batch.run_id) <= lim.max_name_chars
+        and 0 < len(batch.org_id) <= lim.max_name_chars
+        and batch.round >= 0
+        and 0.0 <= batch.accuracy <= 1.0
+        and len(metrics) <= lim.max_items
+        and all(0 < len(k) <= lim.max_name_chars and math.isfinite(v) for k, v in metrics.items())
+        and len(batch.rollouts) <= lim.max_items
+        and all(_rollout_ok(r, lim) for r in batch.rollouts)
+        and _wrapped_ok(batch.wrapped_keys, lim)
+    )
+    if not ok:
+        decode(t.RolloutBatch, data, limits=lim)  # raises the WireError that names the field
