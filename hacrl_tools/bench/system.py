@@ -15,12 +15,15 @@
 2. **Wire bytes per rollout** against the rollout's text: the generate reply per rollout and the train request per
    foreign rollout (protobuf for gRPC, message payloads for Flower) next to the mean UTF-8 size of a response's
    text (measured by the in-process and gRPC runs; the same seed gives the same text on every transport).
-3. **Scaling** with 2, 4 and 8 orgs of micro agents (alternating ``micro-qwen-char`` and ``micro-gpt2-bpe``) over
-   gRPC (one worker process per org; ``--scale-transport inprocess`` in one process): per-org call time and compute
-   per round, per-org generate and train time (the train call: screening, scoring, update), the train phase's share
-   of the round, the foreign rows each org trained on, the coordinator's own time per round, and peak RSS per
-   process (the coordinator's from its own ``getrusage``, each worker's from the ``perf/*/peak_rss_mb`` it
-   reports). ``--scale-selection all uniform:1`` repeats it per ``trainer.selection`` (rule, budget multiple).
+3. **Scaling** with 2, 4 and 8 orgs (``--scale-orgs``) of micro agents (alternating ``micro-qwen-char`` and
+   ``micro-gpt2-bpe``) over gRPC (one worker process per org) and/or in-process (``--scale-transport inprocess
+   grpc:16``: in this order, gRPC only up to 16 orgs), two messages a round (so the generate and train fan-outs and
+   the coordinator's time between them are apart): per-org generate and train time (the train call: screening,
+   scoring, update), wall and CPU (the workers' own ``cpu/...`` seconds), the train phase's share of the round, the
+   foreign rows each org trained on, the coordinator's own time and CPU per round, peak RSS per process (the
+   coordinator's from its own ``getrusage``, each worker's from the ``perf/*/peak_rss_mb`` it reports) and the
+   machine's load average before and after each run. ``--scale-selection all uniform:1`` repeats it per
+   ``trainer.selection`` (rule, budget multiple).
 4. **Flower deployment engine** on loopback (SuperLink + one SuperNode per org + policy workers, insecure, through
    :mod:`hacrl_tools.deploy_local`) with the micro agents of ``configs/smoke.yaml``: its median round time minus
    the in-process median of the same config (the fixed cost per round), where it goes (per org and phase: call
@@ -723,7 +726,7 @@ def format_scaling(sc: Mapping[str, Any]) -> list[str]:
             "| " + " | ".join(head) + " |",
             "|" + "|".join("---" for _ in head) + "|",
         ]
-        for n, s in var["orgs"].items():
+        for n, s in sorted(var["orgs"].items(), key=lambda item: int(item[0])):  # JSON sorts the keys as text
             peaks = [v for v in (s.get("worker_peak_rss_mb") or {}).values() if v is not None]
             load = [x[0] if x else None for x in (s.get("loadavg_before"), s.get("loadavg_after"))]
             cells = [
