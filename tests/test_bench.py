@@ -220,26 +220,42 @@ def test_system_aggregation():
     assert system.selection_overrides("uniform:1") == ["trainer.selection.rule=uniform",
                                                        "trainer.selection.budget_multiple=1.0"]
     assert system.selection_overrides("all") == ["trainer.selection.rule=all"]
-    cpu = system.cpu_summary({"generate": [9.0, 1.0, 2.0, 1.0], "train": [9.0, 3.0, 2.0, 1.0],
-                              "train/update": [5.0, 1.0, 1.0, 0.5]}, 2)  # round 1 left out
-    assert cpu == {"cpu_per_org_generate_s": 0.5, "cpu_per_org_train_s": 1.0, "cpu_train_share": 0.5,
-                   "cpu_per_org_update_s": 0.5}
-    phases, calls = system.CpuPhases(), []
-
-    class Owner:
-        def work(self, x):
-            calls.append(x)
-            return x * 2
-
-    phases.wrap(Owner, "work", "update")
-    assert Owner().work(3) == 6 and calls == [3] and set(phases.take()) == {"update"} and phases.take() == {}
     row = {"round_wall_s": 2.0, "coordinator_s_per_round": 0.1, "train_share": 0.5, "per_org_call_s": 0.3,
            "per_org_compute_s": 0.2, "per_org_generate_s": 0.05, "per_org_train_s": 0.125, "per_org_screen_s": 0.02,
-           "per_org_update_s": 0.1,
+           "per_org_update_s": 0.1, "per_org_generate_cpu_s": 0.04, "per_org_train_cpu_s": 0.1,
+           "per_org_screen_cpu_s": 0.01, "per_org_update_cpu_s": 0.08, "cpu_train_share": 0.6,
+           "coordinator_cpu_s_per_round": 0.2, "loadavg_before": [1.5, 1, 1], "loadavg_after": [2.25, 1, 1],
            "per_org_foreign_selected": 16.0, "coordinator_peak_rss_mb": 500.0, "worker_peak_rss_mb": {"a": None}}
-    text = system.format_tables({"scaling": {"transport": "inprocess", "rounds": 4,
-                                             "variants": {"uniform:1": {"set": [], "orgs": {"32": row}}}}})
-    assert "selection uniform:1" in text and "| 32 | 2.000 | 0.50 | 0.050 | 0.125 | 0.020 | 0.100 | 16 |" in text
+    runs = [{"transport": "inprocess", "rounds": 4, "variants": {"uniform:1": {"set": [], "orgs": {"32": row}}}}]
+    text = system.format_tables({"scaling": runs})
+    assert "over inprocess, selection uniform:1" in text
+    assert ("| 32 | 16 | 2.000 | 0.050 | 0.040 | 0.125 | 0.100 | 0.010 | 0.080 | 0.60 | 0.100 | 0.200 | 500 | – "
+            "| 1.5 / 2.2 |") in text
+    assert system.format_tables({"scaling": runs[0]}) == text  # an older result: one transport, a dict
+    assert system.parse_scale_transport("grpc:16") == ("grpc", 16)
+    assert system.parse_scale_transport("inprocess") == ("inprocess", None)
+    for bad in ("flower", "grpc:x"):
+        with pytest.raises(ValueError, match="grpc"):
+            system.parse_scale_transport(bad)
+
+
+def test_system_cpu_columns_and_scaling_point():
+    """The workers' own CPU seconds (<org>/cpu/...) per org and round, and one org count's medians."""
+    cpu = {"a/cpu/generate": 0.2, "b/cpu/generate": 0.4, "a/cpu/train": 0.3, "b/cpu/train": 0.1,
+           "a/cpu/trust": 0.05, "a/cpu/update": 0.2}
+    rows = system.phase_rows([_round(t, 1.0 + t, **cpu) for t in (1, 2, 3)])
+    r = rows[0]
+    assert r["generate_cpu"] == pytest.approx(0.6) and r["train_cpu"] == pytest.approx(0.4)
+    assert r["cpu_train_share"] == pytest.approx(0.4) and r["org/a/screen_cpu"] == 0.05
+    assert r["org/a/update_cpu"] == 0.2 and "org/b/update_cpu" not in r
+    res = {"rows": rows, "info": {"coordinator_peak_rss_mb": 400.0, "run_cpu_s": 6.0, "setup_s": 1.0},
+           "loadavg_before": [1.0, 1.0, 1.0], "loadavg_after": [2.0, 1.0, 1.0]}
+    p = system.scaling_point(res, rounds=3)
+    assert p["per_org_train_cpu_s"] == pytest.approx(0.2)  # median over orgs a (0.3) and b (0.1)
+    assert p["per_org_generate_cpu_s"] == pytest.approx(0.3) and p["per_org_screen_cpu_s"] == 0.05
+    assert p["cpu_train_share"] == pytest.approx(0.4) and p["coordinator_cpu_s_per_round"] == 2.0
+    assert p["round_wall_s"] == 3.5 and p["rounds"] == 2.0  # rounds 2 and 3: the first is left out
+    assert p["loadavg_after"] == [2.0, 1.0, 1.0]
 
 
 def test_trl_summary():

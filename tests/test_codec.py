@@ -366,3 +366,145 @@ def test_encode_errors_are_wire_errors():
         codec.encode(replace(_rollout(), response="", sealed_response="text, not bytes"))
     with pytest.raises(WireError, match=r"RolloutBatch: cannot encode"):
         codec.encode(replace(_sealed_batch(), wrapped_keys=(t.WrappedKey("beta", "not bytes", b""),)))
+
+
+# -------------------------------------------------------------- fast paths (no field path built per check)
+
+
+def _rollout_msg(**fields) -> pb.Rollout:
+    m = codec.to_proto(_rollout(0))
+    for name, value in fields.items():
+        setattr(m, name, value)
+    return m
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"reward": 1.0, "logprob_sum": 0.0, "token_count": 0, "round": 0, "prompt_id": 0},
+        {"reward": 1.5},
+        {"reward": -0.1},
+        {"reward": math.nan},
+        {"reward": math.inf},
+        {"logprob_sum": -math.inf},
+        {"logprob_sum": math.nan},
+        {"round": -1},
+        {"prompt_id": -1},
+        {"sample_index": -2},
+        {"token_count": -1},
+        {"org_id": ""},
+        {"org_id": "o" * 257},
+        {"finish_reason": 0},
+        {"finish_reason": 9},
+        {"sealed_response": b"x"},  # with a non-empty response: both set
+        {"response": "", "sealed_response": b"s" * (2**20 + 65)},
+        {"response": "", "sealed_response": b"s" * (2**20 + 64)},
+        {"response": "r" * (2**20 + 1)},
+    ],
+)
+def test_rollout_fast_path_accepts_exactly_what_the_checked_path_accepts(fields):
+    """The fast path returns None iff the checked decoder raises, and otherwise an equal rollout."""
+    m = _rollout_msg(**fields)
+    fast = codec._rollout_fast(m, codec.DEFAULT_LIMITS)
+    try:
+        checked = codec._rollout_from(m, "Rollout", codec.DEFAULT_LIMITS)
+    except WireError:
+        assert fast is None
+    else:
+        assert fast == checked and type(fast.sealed_response) is bytes
+
+
+@pytest.mark.parametrize(
+    ("values", "low", "ok"),
+    [
+        ({"a": 1.0, "b": -2.5}, -math.inf, True),
+        ({"a": -math.inf}, -math.inf, False),
+        ({"a": math.inf}, -math.inf, False),
+        ({"a": math.nan}, -math.inf, False),
+        ({"a": -0.5}, 0.0, False),
+        ({"a": 0.0}, 0.0, True),
+        ({"": 1.0}, -math.inf, False),
+        ({"k" * 257: 1.0}, -math.inf, False),
+    ],
+)
+def test_float_map_fast_path_keeps_every_check(values, low, ok):
+    if ok:
+        assert codec._float_map(values, "M", codec.DEFAULT_LIMITS, low) == values
+    else:
+        with pytest.raises(WireError, match=r"^M"):
+            codec._float_map(values, "M", codec.DEFAULT_LIMITS, low)
+
+
+def test_a_bad_rollout_in_a_batch_is_still_named_by_its_path():
+    batch = t.RolloutBatch("run", 3, "acme", (_rollout(0), _rollout(1)), 0.5)
+    msg = codec.to_proto(batch)
+    msg.rollouts[1].reward = 2.0
+    with pytest.raises(WireError, match=r"RolloutBatch\.rollouts\[1\]\.reward: 2\.0 outside \[0, 1\]"):
+        codec.decode(t.RolloutBatch, msg.SerializeToString())
+
+
+def _batch_with(**fields) -> t.RolloutBatch:
+    rollout_fields = {k[2:]: v for k, v in fields.items() if k.startswith("r_")}
+    batch_fields = {k: v for k, v in fields.items() if not k.startswith("r_")}
+    rollouts = (_rollout(0), replace(_rollout(1), **rollout_fields))
+    return replace(t.RolloutBatch("run", 3, "acme", rollouts, 0.5, {"m": 1.0}), **batch_fields)
+
+
+BATCH_CASES = [
+    {},
+    {"r_reward": 1.5}, {"r_reward": math.nan}, {"r_reward": -math.inf}, {"r_logprob_sum": math.inf},
+    {"r_round": -1}, {"r_prompt_id": -3}, {"r_sample_index": -1}, {"r_token_count": -1},
+    {"r_org_id": ""}, {"r_org_id": "o" * 257}, {"r_response": "x" * (2**20 + 1)},
+    {"r_response": "", "r_sealed_response": b"s" * (2**20 + 65)}, {"r_response": "", "r_sealed_response": b"s" * 9},
+    {"accuracy": 1.01}, {"accuracy": math.nan}, {"round": -1}, {"org_id": ""}, {"run_id": "r" * 257},
+    {"metrics": {"m": math.inf}}, {"metrics": {"": 1.0}}, {"metrics": {"k" * 257: 0.0}}, {"metrics": {}},
+    {"signature": b"s" * 1025}, {"signature": b"s" * 64},
+    {"wrapped_keys": (t.WrappedKey("beta", bytes(32), b"w" * 48),)},
+    {"wrapped_keys": (t.WrappedKey("beta", bytes(31), b"w" * 48),)},
+    {"wrapped_keys": (t.WrappedKey("beta", bytes(32), b"w" * 129),)},
+    {"wrapped_keys": (t.WrappedKey("", bytes(32), b"w"),)},
+    {"wrapped_keys": (t.WrappedKey("beta", bytes(32), b"w"), t.WrappedKey("beta", bytes(32), b"v"))},
+]
+
+
+@pytest.mark.parametrize("fields", BATCH_CASES)
+def test_check_batch_raises_exactly_what_decoding_raises(fields):
+    """check_batch (no decode when every check passes) agrees with decode(encode(batch)), message included."""
+    batch = _batch_with(**fields)
+    data = codec.encode(batch)
+    try:
+        codec.decode(t.RolloutBatch, data)
+    except WireError as err:
+        with pytest.raises(WireError) as got:
+            codec.check_batch(batch, data)
+        assert str(got.value) == str(err)
+    else:
+        assert codec.check_batch(batch, data) is None
+
+
+def test_check_batch_holds_the_message_size_cap():
+    batch = _batch_with()
+    data = codec.encode(batch)
+    with pytest.raises(WireError, match="exceed the cap"):
+        codec.check_batch(batch, data, limits=WireLimits(max_message_bytes=len(data) - 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(reward=st.floats(allow_nan=True, allow_infinity=True), logprob=st.floats(allow_nan=True),
+       accuracy=st.floats(allow_nan=True), index=st.integers(-3, 3), tokens=st.integers(-2, 40))
+def test_check_batch_agrees_with_decode_property(reward, logprob, accuracy, index, tokens):
+    batch = _batch_with(r_reward=reward, r_logprob_sum=logprob, accuracy=accuracy, r_sample_index=index,
+                        r_token_count=tokens)
+    data = codec.encode(batch)
+    try:
+        codec.decode(t.RolloutBatch, data)
+        decoded_ok = True
+    except WireError:
+        decoded_ok = False
+    try:
+        codec.check_batch(batch, data)
+        checked_ok = True
+    except WireError:
+        checked_ok = False
+    assert checked_ok == decoded_ok

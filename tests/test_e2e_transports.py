@@ -57,7 +57,7 @@ def _learning(run_dir: Path) -> dict[int, dict[str, float]]:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         keep = {k: v for k, v in rec.items()
-                if not {"time", "bytes", "messages", "wall_time", "perf"} & set(k.split("/"))}
+                if not {"time", "cpu", "bytes", "messages", "wall_time", "perf"} & set(k.split("/"))}
         out.setdefault(rec["round"], {}).update(keep)
     return out
 

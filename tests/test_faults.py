@@ -466,7 +466,7 @@ def run_micro(cfg, run_dir: Path, log: dict, *, resume=False, workers=None, cras
 def learning_metrics(run_dir: Path) -> dict[int, dict]:
     """Per round: the metrics that depend on weights and data (no timings, sizes, wall clocks or perf/ metrics)."""
     return {t: {k: v for k, v in rec.items() if not k.startswith(("time", "bytes", "wall_time"))
-                and "/time/" not in k and "/perf/" not in k and not k.endswith("/messages")}
+                and "/time/" not in k and "/cpu/" not in k and "/perf/" not in k and not k.endswith("/messages")}
             for t, rec in by_round(run_dir).items()}
 
 

@@ -85,7 +85,7 @@ def run_fakes(tmp_path, protocol, **workers_kw):
 
 def learning(rec: dict) -> dict:
     """What depends on weights and data: no timings, sizes, message counts or wall clocks."""
-    return {k: v for k, v in rec.items() if not {"time", "bytes", "messages", "wall_time", "perf"} & set(k.split("/"))}
+    return {k: v for k, v in rec.items() if not {"time", "cpu", "bytes", "messages", "wall_time", "perf"} & set(k.split("/"))}
 
 
 def test_fused_counts_one_message_per_org_per_round_and_the_workers_see_the_same_requests(tmp_path):

@@ -100,7 +100,7 @@ def records(run_dir: Path) -> dict[int, dict]:
 def learning(rec: dict) -> dict:
     """What depends on weights and data: no timings, sizes, throughput or memory."""
     return {k: v for k, v in rec.items()
-            if k != "wall_time" and not {"time", "bytes", "perf"} & set(k.split("/"))}
+            if k != "wall_time" and not {"time", "cpu", "bytes", "perf"} & set(k.split("/"))}
 
 
 @pytest.mark.timeout(300)

@@ -274,6 +274,38 @@ def test_in_process_batches_get_the_wire_hygiene(ids, roster):
     bad = signed(dataclasses.replace(_batch(), accuracy=1.5), ids["acme"])
     err = _reject("malformed", verify_signed, bad, roster, run_id=RUN, round=ROUND)
     assert "accuracy" in str(err)
+    bad_rollout = dataclasses.replace(_batch().rollouts[0], reward=float("nan"))
+    bad = signed(dataclasses.replace(_batch(), rollouts=(bad_rollout,)), ids["acme"])
+    err = _reject("malformed", verify_signed, bad, roster, run_id=RUN, round=ROUND)
+    assert "rollouts[0].reward" in str(err)
+
+
+def test_in_process_verification_encodes_the_batch_once(ids, roster, monkeypatch):
+    """A valid batch is encoded once (the signed body) and its hygiene checked without decoding it; an invalid
+    one is decoded, for the error that names the field."""
+    from hacrl_fed.security import envelope
+
+    calls = {"encode": 0, "decode": []}
+    encode, decode = codec.encode, codec.decode
+
+    def counting_encode(obj):
+        calls["encode"] += 1
+        return encode(obj)
+
+    def recording_decode(kind, data, **kw):
+        calls["decode"].append(bytes(data))
+        return decode(kind, data, **kw)
+
+    monkeypatch.setattr(envelope.codec, "encode", counting_encode)
+    monkeypatch.setattr(codec, "decode", recording_decode)
+    batch = signed(_batch(), ids["acme"])
+    calls["encode"] = 0
+    assert verify_signed(batch, roster, run_id=RUN, round=ROUND) is batch
+    assert calls["encode"] == 1 and calls["decode"] == []
+    bad = signed(dataclasses.replace(_batch(), accuracy=1.5), ids["acme"])
+    calls["encode"] = 0
+    _reject("malformed", verify_signed, bad, roster, run_id=RUN, round=ROUND)
+    assert calls["encode"] == 1 and calls["decode"] == [canonical_bytes(bad)[len(DOMAIN):]]
 
 
 def test_rejected_batch_reasons_and_pickling():

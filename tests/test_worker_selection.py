@@ -100,8 +100,8 @@ def test_all_update_is_bit_identical_to_the_path_without_selection(tmp_path, mon
 
 
 def _comparable(metrics):
-    """Everything but wall times, perf counters and the selection counts (absent on the old path)."""
-    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/", "select/"))}
+    """Everything but wall and CPU times, perf counters and the selection counts (absent on the old path)."""
+    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "cpu/", "perf/", "select/"))}
 
 
 def run(cfg, run_dir):
@@ -117,8 +117,8 @@ RUN = {"federation": {"rounds": 2, "prompts_per_round": 4, "eval_every": 0, "che
 def _record_values(records, skip=("wall_time",)):
     out = []
     for rec in records:
-        out.append({k: v for k, v in rec.items() if k not in skip and "/time/" not in k and not k.startswith(
-            "time/") and "/perf/" not in k and "/select/" not in k})
+        out.append({k: v for k, v in rec.items() if k not in skip and "/time/" not in k and "/cpu/" not in k
+                    and not k.startswith("time/") and "/perf/" not in k and "/select/" not in k})
     return out
 
 

@@ -88,7 +88,15 @@ def system_parser(tool: ModuleType) -> argparse.ArgumentParser:
     )
     p.add_argument("--scale-orgs", type=int, nargs="*", default=[2, 4, 8], help="org counts (none: skip)")
     p.add_argument("--scale-rounds", type=int, default=3)
-    p.add_argument("--scale-transport", choices=("grpc", "inprocess"), default="grpc")
+    p.add_argument(
+        "--scale-transport",
+        nargs="+",
+        type=tool.parse_scale_transport,
+        default=[("grpc", None)],
+        metavar="TRANSPORT[:MAX_ORGS]",
+        help="grpc and/or inprocess, run in this order; after a colon the largest org count on that transport "
+        "(inprocess grpc:16)",
+    )
     p.add_argument(
         "--scale-selection",
         nargs="*",

@@ -122,7 +122,9 @@ def _public_key(roster: Mapping[str, Any], org_id: str) -> Ed25519PublicKey:
     _reject("unknown_org", f"roster entry for {org_id!r} is a {type(entry).__name__}, not a public identity")
 
 
-def _check_signature(batch: RolloutBatch, roster: Mapping[str, Any]) -> None:
+def _check_signature(batch: RolloutBatch, roster: Mapping[str, Any]) -> bytes:
+    """Raises RejectedBatch unless ``batch`` is signed by its org's roster key; returns the signed body
+    (:func:`canonical_bytes`), so the caller need not encode the batch again."""
     if not isinstance(batch.org_id, str):
         _reject("malformed", f"org_id is a {type(batch.org_id).__name__}")
     key = _public_key(roster, batch.org_id)
@@ -137,6 +139,7 @@ def _check_signature(batch: RolloutBatch, roster: Mapping[str, Any]) -> None:
         key.verify(bytes(batch.signature), body)
     except InvalidSignature:
         _reject("bad_signature", f"batch from {batch.org_id!r} is not signed by that org's roster key")
+    return body
 
 
 def _check_header(batch: RolloutBatch, run_id: str, round: int) -> None:
@@ -153,10 +156,13 @@ def _check_header(batch: RolloutBatch, run_id: str, round: int) -> None:
             )
 
 
-def _check_shapes(batch: RolloutBatch) -> None:
-    """Run the codec's decode-time hygiene on an in-process batch (it never crossed the wire)."""
+def _check_shapes(batch: RolloutBatch, body: bytes) -> None:
+    """Run the codec's decode-time hygiene on an in-process batch (it never crossed the wire): exactly the checks
+    of decoding its signed ``body`` (:func:`canonical_bytes`: the batch's encoding less the 64 signature bytes,
+    whose size the signature check already held to exactly 64), on the batch's own values
+    (:func:`hacrl_fed.wire.codec.check_batch`)."""
     try:
-        codec.decode(RolloutBatch, codec.encode(batch))
+        codec.check_batch(batch, body[len(DOMAIN) :])
     except WireError as err:
         _reject("malformed", f"batch from {batch.org_id!r}: {err}")
 
@@ -164,9 +170,9 @@ def _check_shapes(batch: RolloutBatch) -> None:
 def _verify(batch: Any, roster: Mapping[str, Any], run_id: str, round: int, *, decoded: bool) -> RolloutBatch:
     if not isinstance(batch, RolloutBatch):
         _reject("malformed", f"expected a RolloutBatch, got {type(batch).__name__}")
-    _check_signature(batch, roster)
+    body = _check_signature(batch, roster)
     if not decoded:
-        _check_shapes(batch)
+        _check_shapes(batch, body)
     _check_header(batch, run_id, round)
     return batch
 

@@ -133,6 +133,10 @@ def _items(seq: Any, where: str, lim: WireLimits) -> Any:
 def _float_map(m: Mapping[str, float], where: str, lim: WireLimits, low: float = -math.inf) -> dict[str, float]:
     """Map with capped keys and finite values >= ``low``; returns a plain dict."""
     _items(m, where, lim)
+    out = dict(m)
+    cap = lim.max_name_chars
+    if all(0 < len(k) <= cap and math.isfinite(v) and v >= low for k, v in out.items()):  # common case: no paths
+        return out
     out = {}
     for key, value in m.items():
         _string(key, f"{where} key {key[:40]!r}", lim.max_name_chars, required=True)
@@ -390,9 +394,32 @@ def _rollout_from(m: pb.Rollout, where: str, lim: WireLimits) -> t.Rollout:
     )
 
 
+def _rollout_fast(m: pb.Rollout, lim: WireLimits) -> t.Rollout | None:
+    """:func:`_rollout_from` for a rollout that passes every check, without building a field path per check (the
+    common case, on every learner for every foreign rollout); None when any check fails, and the caller then
+    runs :func:`_rollout_from` for the error it raises. Same checks, so a rollout this accepts
+    :func:`_rollout_from` accepts with an equal result."""
+    org, response, sealed, reward = m.org_id, m.response, m.sealed_response, m.reward
+    finish = _FINISH_FROM_PB.get(m.finish_reason)
+    if (
+        finish is None
+        or (response and sealed)
+        or not 0 < len(org) <= lim.max_name_chars
+        or len(response) > lim.max_text_chars
+        or len(sealed) > lim.max_text_chars + SEALED_OVERHEAD_BYTES
+        or not 0.0 <= reward <= 1.0  # False for NaN too
+        or not math.isfinite(m.logprob_sum)
+        or min(m.round, m.prompt_id, m.sample_index, m.token_count) < 0
+    ):
+        return None
+    return t.Rollout(
+        org, m.round, m.prompt_id, m.sample_index, response, finish, reward, m.logprob_sum, m.token_count, sealed
+    )
+
+
 def _rollouts_from(seq: Any, where: str, lim: WireLimits) -> tuple[t.Rollout, ...]:
     _items(seq, where, lim)
-    return tuple(_rollout_from(r, f"{where}[{i}]", lim) for i, r in enumerate(seq))
+    return tuple(_rollout_fast(r, lim) or _rollout_from(r, f"{where}[{i}]", lim) for i, r in enumerate(seq))
 
 
 def _wrapped_from(m: pb.WrappedKey, where: str, lim: WireLimits) -> t.WrappedKey:
@@ -648,3 +675,59 @@ def decode(kind: type | str, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS
     except (DecodeError, RuntimeError, ValueError) as err:
         raise WireError(f"{name}: not a valid serialized message ({err})") from None
     return from_proto(msg, limits=limits)
+
+
+def _rollout_ok(r: t.Rollout, lim: WireLimits) -> bool:
+    """:func:`_rollout_fast`'s checks on an in-process :class:`~hacrl_fed.types.Rollout` (no protobuf)."""
+    response, sealed, reward = r.response, r.sealed_response, r.reward
+    return (
+        r.finish_reason in _FINISH_TO_PB
+        and not (response and sealed)
+        and 0 < len(r.org_id) <= lim.max_name_chars
+        and len(response) <= lim.max_text_chars
+        and len(sealed) <= lim.max_text_chars + SEALED_OVERHEAD_BYTES
+        and 0.0 <= reward <= 1.0
+        and math.isfinite(r.logprob_sum)
+        and min(r.round, r.prompt_id, r.sample_index, r.token_count) >= 0
+    )
+
+
+def _wrapped_ok(keys: Any, lim: WireLimits) -> bool:
+    recipients = [w.recipient for w in keys]
+    return (
+        len(keys) <= lim.max_recipients
+        and len(set(recipients)) == len(recipients)
+        and all(
+            0 < len(w.recipient) <= lim.max_name_chars
+            and len(w.ephemeral_public) == EPHEMERAL_PUBLIC_BYTES
+            and len(w.wrapped) <= MAX_WRAPPED_BYTES
+            for w in keys
+        )
+    )
+
+
+def check_batch(batch: t.RolloutBatch, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS) -> None:
+    """The decode-time hygiene of ``decode(RolloutBatch, data)`` for an in-process ``batch`` whose encoding is
+    ``data`` (``encode(batch)``, with or without its signature), without decoding it when every check passes.
+
+    The checks of :func:`_batch_from` run on the dataclass's own values (the encoding succeeded, so every value has
+    a type protobuf holds and decoding would give back equal values); when any fails, ``data`` is decoded, which
+    raises the :class:`WireError` naming the field. So this raises exactly when decoding ``data`` raises.
+    """
+    lim = limits
+    metrics = dict(batch.metrics)
+    ok = (
+        len(data) <= lim.max_message_bytes
+        and len(batch.signature) <= lim.max_signature_bytes
+        and len(batch.run_id) <= lim.max_name_chars
+        and 0 < len(batch.org_id) <= lim.max_name_chars
+        and batch.round >= 0
+        and 0.0 <= batch.accuracy <= 1.0
+        and len(metrics) <= lim.max_items
+        and all(0 < len(k) <= lim.max_name_chars and math.isfinite(v) for k, v in metrics.items())
+        and len(batch.rollouts) <= lim.max_items
+        and all(_rollout_ok(r, lim) for r in batch.rollouts)
+        and _wrapped_ok(batch.wrapped_keys, lim)
+    )
+    if not ok:
+        decode(t.RolloutBatch, data, limits=lim)  # raises the WireError that names the field

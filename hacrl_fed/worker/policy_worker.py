@@ -278,7 +278,7 @@ class PolicyWorker:
         self._check_prompts(plan.prompts, "train")
         self._enter(plan.run_id, how, path, last)  # only now: a refused plan changes nothing
         raise_if_cancelled("before generating")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         perf = PhaseMeter(self._device())
         sp = plan.sampling
         texts = [self._render(p) for p in plan.prompts]
@@ -343,6 +343,7 @@ class PolicyWorker:
             "gen/mean_tokens": sum(r.token_count for r in rollouts) / max(len(rollouts), 1),
             "gen/stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / max(len(rollouts), 1),
             "gen/skipped_too_long": float(len(plan.prompts) - len(keep)),
+            "cpu/generate": time.process_time() - c0,  # this process's CPU seconds (all its threads)
             **gen_perf,
         }
         metrics["trust/plan_fresh"] = float(fresh is not None)
@@ -398,7 +399,7 @@ class PolicyWorker:
             )
         check_capability(self.cfg, request.capability)
         raise_if_cancelled("before training")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         perf = PhaseMeter(self._device())
         foreign, trust = screen_sources(
             self.cfg,
@@ -409,7 +410,7 @@ class PolicyWorker:
             verify=self.task.verify if self.cfg.security.reverify_rewards else None,
             open_source=self._open_source if self.identity is not None else None,
         )
-        t_trust = time.perf_counter()
+        t_trust, c_trust = time.perf_counter(), time.process_time()
         known = {o.id for o in self.cfg.orgs}
         agents = sorted({a for a in request.capability if a in known} | {self.org_id} | {r.org_id for r in foreign})
         learner = agents.index(self.org_id)
@@ -423,10 +424,11 @@ class PolicyWorker:
         foreign_rows, dropped = self._foreign_rows(foreign, own, agents)
         score_perf = perf.lap("score", sum(len(r.response_ids) for r in foreign_rows))
         raise_if_cancelled("before the update")
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         with self.engine.released():  # a vLLM engine may sleep during the update (generation.sleep_during_train)
             metrics = self.trainer.update(own.rows + foreign_rows, learner, capability, names=agents)
         self.engine.sync_weights(self.model)
+        c2 = time.process_time()
         metrics.update({**score_perf, **perf.lap("train", metrics.get("train/num_tokens", 0.0))})
         self._own = None
         self.last_round, self._trained[request.run_id], self._pristine = request.round, request.round, False
@@ -441,6 +443,9 @@ class PolicyWorker:
                     len(request.foreign) + request.unread_foreign + sum(len(b.rollouts) for b in request.source_batches)
                 ),
                 "train/foreign_unscored": float(dropped),
+                "cpu/trust": c_trust - c0,  # this process's CPU seconds (all its threads), as time/... splits them
+                "cpu/update": c2 - c1,
+                "cpu/train": time.process_time() - c0,  # the whole train call
             }
         )
         return self._sign_report(

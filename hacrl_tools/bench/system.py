@@ -15,12 +15,15 @@
 2. **Wire bytes per rollout** against the rollout's text: the generate reply per rollout and the train request per
    foreign rollout (protobuf for gRPC, message payloads for Flower) next to the mean UTF-8 size of a response's
    text (measured by the in-process and gRPC runs; the same seed gives the same text on every transport).
-3. **Scaling** with 2, 4 and 8 orgs of micro agents (alternating ``micro-qwen-char`` and ``micro-gpt2-bpe``) over
-   gRPC (one worker process per org; ``--scale-transport inprocess`` in one process): per-org call time and compute
-   per round, per-org generate and train time (the train call: screening, scoring, update), the train phase's share
-   of the round, the foreign rows each org trained on, the coordinator's own time per round, and peak RSS per
-   process (the coordinator's from its own ``getrusage``, each worker's from the ``perf/*/peak_rss_mb`` it
-   reports). ``--scale-selection all uniform:1`` repeats it per ``trainer.selection`` (rule, budget multiple).
+3. **Scaling** with 2, 4 and 8 orgs (``--scale-orgs``) of micro agents (alternating ``micro-qwen-char`` and
+   ``micro-gpt2-bpe``) over gRPC (one worker process per org) and/or in-process (``--scale-transport inprocess
+   grpc:16``: in this order, gRPC only up to 16 orgs), two messages a round (so the generate and train fan-outs and
+   the coordinator's time between them are apart): per-org generate and train time (the train call: screening,
+   scoring, update), wall and CPU (the workers' own ``cpu/...`` seconds), the train phase's share of the round, the
+   foreign rows each org trained on, the coordinator's own time and CPU per round, peak RSS per process (the
+   coordinator's from its own ``getrusage``, each worker's from the ``perf/*/peak_rss_mb`` it reports) and the
+   machine's load average before and after each run. ``--scale-selection all uniform:1`` repeats it per
+   ``trainer.selection`` (rule, budget multiple).
 4. **Flower deployment engine** on loopback (SuperLink + one SuperNode per org + policy workers, insecure, through
    :mod:`hacrl_tools.deploy_local`) with the micro agents of ``configs/smoke.yaml``: its median round time minus
    the in-process median of the same config (the fixed cost per round), where it goes (per org and phase: call
@@ -61,6 +64,8 @@ TRANSPORTS = ("inprocess", "grpc", "flower")
 POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
 MICRO = ("micro-qwen-char", "micro-gpt2-bpe")
 PHASES = ("generate", "verify", "score", "train", "trust", "exchange", "coordinator")
+# <org>/cpu/<key> a worker reports -> the per-org row field (org/<org>/<field>)
+CPU_KEYS = {"generate": "generate_cpu", "train": "train_cpu", "trust": "screen_cpu", "update": "update_cpu"}
 QUIET_ENV = {
     "HF_HUB_OFFLINE": "1",
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -127,6 +132,9 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
             row[f"org/{o}/screen"] = _sum(rec, [f"{o}/time/trust"])
             if rec.get(f"{o}/select/selected") is not None:
                 row[f"org/{o}/selected"] = float(rec[f"{o}/select/selected"])
+            for key, name in CPU_KEYS.items():  # the worker's own CPU seconds (its process, all threads)
+                if rec.get(f"{o}/cpu/{key}") is not None:
+                    row[f"org/{o}/{name}"] = float(rec[f"{o}/cpu/{key}"])
             peaks = [
                 float(v)
                 for k, v in rec.items()
@@ -134,6 +142,11 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
             ]
             if peaks:
                 row[f"org/{o}/peak_rss_mb"] = max(peaks)
+        gen_cpu = _sum(rec, [f"{o}/cpu/generate" for o in orgs])
+        train_cpu = _sum(rec, [f"{o}/cpu/train" for o in orgs])
+        if gen_cpu + train_cpu > 0:
+            row["generate_cpu"], row["train_cpu"] = gen_cpu, train_cpu
+            row["cpu_train_share"] = train_cpu / (gen_cpu + train_cpu)
         rows.append(row)
     return rows
 
@@ -190,66 +203,37 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------ child runs
 
 
-class CpuPhases:
-    """In-process runs: this process's CPU seconds inside chosen functions (:meth:`wrap`), summed until
-    :meth:`take` (the learners' screening and update, per train fan-out)."""
-
-    def __init__(self) -> None:
-        self.current: dict[str, float] = {}
-
-    def wrap(self, owner: Any, name: str, phase: str) -> None:
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            t0 = time.process_time()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.current[phase] = self.current.get(phase, 0.0) + time.process_time() - t0
-
-        setattr(owner, name, timed)
-
-    def take(self) -> dict[str, float]:
-        out, self.current = self.current, {}
-        return out
-
-
 class TextMeter:
-    """Wraps a transport: counts the rollouts and response-text bytes of every generate reply, and this process's
-    CPU seconds of every generate and train fan-out (in-process: every org's compute, which runs here; robust to
-    other load on a shared machine, unlike wall time) (delegates everything else, ``last_call_seconds`` /
-    ``last_call_bytes`` included)."""
+    """Wraps a transport: counts the rollouts and response-text bytes of every generate reply (delegates
+    everything else, ``last_call_seconds`` / ``last_call_bytes`` included). CPU seconds come from the workers'
+    own ``cpu/...`` metrics."""
 
-    def __init__(self, inner: Any, phases: CpuPhases | None = None):
+    def __init__(self, inner: Any):
         self.inner = inner
         self.rollouts = 0
         self.text_bytes = 0
-        self.cpu_s: dict[str, list[float]] = {"generate": [], "train": []}  # one entry per fan-out (round)
-        self.phases = phases
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def generate(self, plans, timeout_s):
-        t0 = time.process_time()
-        replies = self.inner.generate(plans, timeout_s)
-        self.cpu_s["generate"].append(time.process_time() - t0)
-        for reply in replies.values():
-            for r in getattr(reply, "rollouts", ()) or ():
+    def _count(self, batches) -> None:
+        for batch in batches:
+            for r in getattr(batch, "rollouts", ()) or ():
                 self.rollouts += 1
                 self.text_bytes += len(str(r.response).encode())
+
+    def generate(self, plans, timeout_s):
+        replies = self.inner.generate(plans, timeout_s)
+        self._count(replies.values())
+        return replies
+
+    def step(self, requests, timeout_s):  # federation.protocol: fused
+        replies = self.inner.step(requests, timeout_s)
+        self._count(getattr(reply, "batch", None) for reply in replies.values())
         return replies
 
     def train(self, requests, timeout_s):
-        t0 = time.process_time()
-        if self.phases is not None:
-            self.phases.take()
-        replies = self.inner.train(requests, timeout_s)
-        self.cpu_s["train"].append(time.process_time() - t0)
-        if self.phases is not None:
-            for phase, seconds in self.phases.take().items():
-                self.cpu_s.setdefault(f"train/{phase}", []).append(seconds)
-        return replies
+        return self.inner.train(requests, timeout_s)
 
     def evaluate(self, requests, timeout_s):
         return self.inner.evaluate(requests, timeout_s)
@@ -329,23 +313,17 @@ def child_main(argv: Sequence[str]) -> int:
 
             inner = InProcessTransport({o.id: build_worker(cfg, o.id, run_dir=run_dir) for o in cfg.orgs})
         info["setup_s"] = time.perf_counter() - t0
-        phases = None
-        if args.kind == "inprocess":  # the learners run here: split their train calls' CPU time
-            from hacrl_fed.trainer import LocalTrainer
-            from hacrl_fed.worker import policy_worker
-
-            phases = CpuPhases()
-            phases.wrap(policy_worker, "screen_sources", "screen")
-            phases.wrap(LocalTrainer, "update", "update")
-        meter = TextMeter(inner, phases)
+        meter = TextMeter(inner)
+        c0 = time.process_time()
         try:
             with RunLogger(run_dir, tensorboard=False) as logger:
                 Coordinator(cfg, meter, run_dir, logger=logger).run()  # type: ignore[arg-type]  # duck-typed wrapper
         finally:
+            info["run_cpu_s"] = time.process_time() - c0  # this process: the coordinator (in-process: everything)
             inner.close()
             if procs is not None:
                 procs.close()
-        info.update(rollouts_seen=meter.rollouts, text_bytes=meter.text_bytes, cpu_s=meter.cpu_s)
+        info.update(rollouts_seen=meter.rollouts, text_bytes=meter.text_bytes)
     info["wall_s"] = time.perf_counter() - t0
     info["coordinator_peak_rss_mb"] = _peak_rss_self_mb()
     Path(args.out).write_text(json.dumps(info))
@@ -461,24 +439,54 @@ def _median_over(s: Mapping[str, float], orgs: Sequence[str], field: str) -> flo
     return statistics.median(values) if values else None
 
 
-def cpu_summary(cpu_s: Mapping[str, Sequence[float]], n: int) -> dict[str, float]:
-    """In-process CPU seconds per round (one entry per fan-out; the first round left out when there are 3 or
-    more): the medians of generate and train per org, and of train's share of generate + train."""
-    gen, train = list(cpu_s.get("generate") or ()), list(cpu_s.get("train") or ())
-    pairs = list(zip(gen, train))
-    skip = 1 if len(pairs) >= 3 else 0
-    pairs = pairs[skip:]
-    if not pairs:
-        return {}
+def parse_scale_transport(text: str) -> tuple[str, int | None]:
+    """``TRANSPORT`` or ``TRANSPORT:MAX_ORGS`` (``grpc:16``: org counts above 16 are skipped on gRPC)."""
+    name, _, cap = text.partition(":")
+    if name not in ("grpc", "inprocess"):
+        raise ValueError(f"{text!r}: the transport is grpc or inprocess")
+    try:
+        return name, (int(cap) if cap else None)
+    except ValueError:
+        raise ValueError(f"{text!r}: the org cap after ':' is an integer") from None
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not available on this platform
+        return None
+
+
+def scaling_point(res: Mapping[str, Any], rounds: int) -> dict[str, Any]:
+    """One org count's medians (per org: median over orgs of each org's median over the warm rounds)."""
+    s = summarize_rows(warm(res["rows"]))
+    orgs = sorted({k.split("/")[1] for k in s if k.startswith("org/")})
+    info = res["info"]
     out = {
-        "cpu_per_org_generate_s": statistics.median(g for g, _ in pairs) / n,
-        "cpu_per_org_train_s": statistics.median(t for _, t in pairs) / n,
-        "cpu_train_share": statistics.median(t / (g + t) if g + t > 0 else 0.0 for g, t in pairs),
+        "round_wall_s": s["wall"],
+        "coordinator_s_per_round": s["coordinator"],  # the round's wall time outside the fan-outs
+        "train_share": s["train_share"],  # the train fan-out's share of the round's wall time (two_message)
+        "cpu_train_share": s.get("cpu_train_share"),  # train CPU / (generate + train CPU), all orgs
+        "per_org_call_s": _median_over(s, orgs, "call"),
+        "per_org_compute_s": _median_over(s, orgs, "compute"),
+        "per_org_generate_s": _median_over(s, orgs, "generate"),
+        "per_org_train_s": _median_over(s, orgs, "train"),  # the train call: screening, scoring, update
+        "per_org_update_s": _median_over(s, orgs, "update"),
+        "per_org_screen_s": _median_over(s, orgs, "screen"),  # verifying and screening foreign rollouts
+        "per_org_generate_cpu_s": _median_over(s, orgs, "generate_cpu"),
+        "per_org_train_cpu_s": _median_over(s, orgs, "train_cpu"),
+        "per_org_screen_cpu_s": _median_over(s, orgs, "screen_cpu"),
+        "per_org_update_cpu_s": _median_over(s, orgs, "update_cpu"),
+        "per_org_foreign_selected": _median_over(s, orgs, "selected"),
+        "coordinator_peak_rss_mb": info["coordinator_peak_rss_mb"],
+        # the coordinator process's CPU per round, evaluations included (in-process: every org's work too)
+        "coordinator_cpu_s_per_round": info["run_cpu_s"] / rounds if info.get("run_cpu_s") is not None else None,
+        "worker_peak_rss_mb": {o: s.get(f"org/{o}/peak_rss_mb") for o in orgs},
+        "setup_s": info.get("setup_s"),
+        "rounds": s["n_rounds"],
+        "loadavg_before": res.get("loadavg_before"),
+        "loadavg_after": res.get("loadavg_after"),
     }
-    for phase in ("screen", "update"):  # inside the train calls (CpuPhases)
-        values = list(cpu_s.get(f"train/{phase}") or ())[skip:]
-        if values:
-            out[f"cpu_per_org_{phase}_s"] = statistics.median(values) / n
     return out
 
 
@@ -489,42 +497,37 @@ def bench_scaling(
     transport: str = "grpc",
     log=print,
     selections: Sequence[str] = (),
+    max_orgs: int | None = None,
 ) -> dict[str, Any]:
-    """Each org count once per selection spec (``all``, ``uniform:1``: :func:`selection_overrides`; none: the
-    config's own), per-org medians of the warm rounds."""
+    """Each org count (at most ``max_orgs``) once per selection spec (``all``, ``uniform:1``:
+    :func:`selection_overrides`; none: the config's own), per-org medians of the warm rounds
+    (:func:`scaling_point`), with the machine's load average before and after each run."""
     variants = {spec: selection_overrides(spec) for spec in selections} or {"config": []}
     out: dict[str, Any] = {label: {"set": extra, "orgs": {}} for label, extra in variants.items()}
     for n in counts:  # the variants of one org count back to back, so drift of the machine hits them alike
+        if max_orgs is not None and n > max_orgs:
+            continue
         for label, extra in variants.items():
             log(f"  scaling: {n} orgs over {transport}, selection {label} ...")
             cfg = scaling_config(n, work)
+            before = _loadavg()
             res = run_child(
                 transport,
                 cfg,
-                [f"federation.rounds={rounds}", "federation.eval_every=0", "task.eval_size=8", *extra],
+                # two messages a round: the generate and train fan-outs, and the coordinator's time between them,
+                # are timed apart (the fused message mixes round t's train with round t + 1's generate)
+                [
+                    f"federation.rounds={rounds}",
+                    "federation.eval_every=0",
+                    "task.eval_size=8",
+                    "federation.protocol=two_message",
+                    *extra,
+                ],
                 work,
                 f"scale-{n}",
             )
-            s = summarize_rows(warm(res["rows"]))
-            orgs = sorted({k.split("/")[1] for k in s if k.startswith("org/")})
-            cpu = cpu_summary(res["info"].get("cpu_s") or {}, n) if transport == "inprocess" else {}
-            out[label]["orgs"][str(n)] = {
-                **cpu,
-                "round_wall_s": s["wall"],
-                "coordinator_s_per_round": s["coordinator"],
-                "train_share": s["train_share"],  # the train phase's share of the round's wall time
-                "per_org_call_s": _median_over(s, orgs, "call"),
-                "per_org_compute_s": _median_over(s, orgs, "compute"),
-                "per_org_generate_s": _median_over(s, orgs, "generate"),
-                "per_org_train_s": _median_over(s, orgs, "train"),  # the train call: screening, scoring, update
-                "per_org_update_s": _median_over(s, orgs, "update"),
-                "per_org_screen_s": _median_over(s, orgs, "screen"),  # verifying and screening foreign rollouts
-                "per_org_foreign_selected": _median_over(s, orgs, "selected"),
-                "coordinator_peak_rss_mb": res["info"]["coordinator_peak_rss_mb"],
-                "worker_peak_rss_mb": {o: s.get(f"org/{o}/peak_rss_mb") for o in orgs},
-                "setup_s": res["info"].get("setup_s"),
-                "rounds": s["n_rounds"],
-            }
+            res.update(loadavg_before=before, loadavg_after=_loadavg())
+            out[label]["orgs"][str(n)] = scaling_point(res, rounds)
     return {"transport": transport, "rounds": rounds, "variants": out}
 
 
@@ -661,34 +664,9 @@ def format_tables(result: Mapping[str, Any]) -> str:
                 f"| {_f(w['train_vs_text'], 1)} |"
             )
         lines.append("")
-    sc = result.get("scaling")
-    if sc:
-        variants = sc.get("variants") or {"config": {"set": [], "orgs": sc.get("orgs", {})}}  # older results
-        for label, var in variants.items():
-            lines += [
-                f"Scaling over {sc['transport']}, selection {label} (micro agents, medians per round; per-org "
-                "train = the train call: screening, scoring, update):",
-                "",
-                "| orgs | round s | train share | per-org generate s | per-org train s | of which screening s "
-                "| of which update s | foreign rows per org | CPU: per-org generate s | CPU: per-org train s "
-                "| CPU: of which screening s | CPU: of which update s | CPU: train share | coordinator s "
-                "| per-org call s | coordinator peak MiB | worker peak MiB (max) |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-            ]
-            for n, s in var["orgs"].items():
-                peaks = [v for v in s["worker_peak_rss_mb"].values() if v is not None]
-                lines.append(
-                    f"| {n} | {_f(s['round_wall_s'])} | {_f(s.get('train_share'), 2)} "
-                    f"| {_f(s.get('per_org_generate_s'))} | {_f(s.get('per_org_train_s'))} "
-                    f"| {_f(s.get('per_org_screen_s'))} | {_f(s.get('per_org_update_s'))} "
-                    f"| {_f(s.get('per_org_foreign_selected'), 0)} "
-                    f"| {_f(s.get('cpu_per_org_generate_s'))} | {_f(s.get('cpu_per_org_train_s'))} "
-                    f"| {_f(s.get('cpu_per_org_screen_s'))} | {_f(s.get('cpu_per_org_update_s'))} "
-                    f"| {_f(s.get('cpu_train_share'), 2)} "
-                    f"| {_f(s['coordinator_s_per_round'])} | {_f(s['per_org_call_s'])} "
-                    f"| {_f(s['coordinator_peak_rss_mb'], 0)} | {_f(max(peaks) if peaks else None, 0)} |"
-                )
-            lines.append("")
+    scaling = result.get("scaling") or []
+    for sc in [scaling] if isinstance(scaling, Mapping) else scaling:  # a dict: one transport (older results)
+        lines += format_scaling(sc)
     dp = result.get("deployment")
     if dp:
         lines += [
@@ -716,6 +694,61 @@ def format_tables(result: Mapping[str, Any]) -> str:
         lines.append("")
         lines += format_timelines(result.get("deployment_variants") or [dp])
     return "\n".join(lines)
+
+
+def format_scaling(sc: Mapping[str, Any]) -> list[str]:
+    """One table per selection variant of one transport's scaling run."""
+    lines: list[str] = []
+    variants = sc.get("variants") or {"config": {"set": [], "orgs": sc.get("orgs", {})}}  # older results
+    head = [
+        "orgs",
+        "foreign rows per org",
+        "round s",
+        "per-org generate s",
+        "CPU",
+        "per-org train s",
+        "CPU",
+        "CPU: screening",
+        "CPU: update",
+        "CPU train share",
+        "coordinator s",
+        "coordinator CPU s",
+        "coordinator peak MiB",
+        "worker peak MiB (max)",
+        "load 1-min before/after",
+    ]
+    for label, var in variants.items():
+        lines += [
+            f"Scaling over {sc['transport']}, selection {label} (micro agents; medians of the warm rounds, per org "
+            "the median over orgs; seconds per round; train = the train call: screening, scoring, update; CPU = "
+            "the worker's own process CPU seconds):",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "|".join("---" for _ in head) + "|",
+        ]
+        for n, s in sorted(var["orgs"].items(), key=lambda item: int(item[0])):  # JSON sorts the keys as text
+            peaks = [v for v in (s.get("worker_peak_rss_mb") or {}).values() if v is not None]
+            load = [x[0] if x else None for x in (s.get("loadavg_before"), s.get("loadavg_after"))]
+            cells = [
+                n,
+                _f(s.get("per_org_foreign_selected"), 0),
+                _f(s["round_wall_s"]),
+                _f(s.get("per_org_generate_s")),
+                _f(s.get("per_org_generate_cpu_s")),
+                _f(s.get("per_org_train_s")),
+                _f(s.get("per_org_train_cpu_s")),
+                _f(s.get("per_org_screen_cpu_s")),
+                _f(s.get("per_org_update_cpu_s")),
+                _f(s.get("cpu_train_share"), 2),
+                _f(s.get("coordinator_s_per_round")),
+                _f(s.get("coordinator_cpu_s_per_round")),
+                _f(s.get("coordinator_peak_rss_mb"), 0),
+                _f(max(peaks) if peaks else None, 0),
+                f"{_f(load[0], 1)} / {_f(load[1], 1)}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def format_timelines(variants: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -772,7 +805,7 @@ class SystemOptions:
     transports: list[str]
     scale_orgs: list[int]
     scale_rounds: int
-    scale_transport: str
+    scale_transport: list[tuple[str, int | None]]  # (transport, largest org count on it or None)
     scale_selection: list[str]
     deploy_rounds: int
     deploy_variants: list[tuple[float | None, float | None]]
@@ -802,9 +835,10 @@ def run_system(opts: SystemOptions) -> int:
                 opts.config, opts.transports, opts.rounds, opts.repeats, opts.eval_size, extra, work, log
             )
         if opts.scale_orgs:
-            result["scaling"] = bench_scaling(
-                opts.scale_orgs, opts.scale_rounds, work, opts.scale_transport, log, opts.scale_selection
-            )
+            result["scaling"] = [
+                bench_scaling(opts.scale_orgs, opts.scale_rounds, work, name, log, opts.scale_selection, cap)
+                for name, cap in opts.scale_transport
+            ]
         if opts.deploy_rounds:
             variants = [
                 bench_deployment(opts.deploy_rounds, work, log, task_poll_s=task, reply_poll_s=reply)
