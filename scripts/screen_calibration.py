@@ -54,9 +54,11 @@ class Doctor:
 
     def __init__(self, worker, victim, run_dir: Path, lying: bool):
         self.worker, self.victim, self.lying, self.org_id = worker, victim, lying, worker.org_id
+        self.batches = 0  # batches doctored: the run refuses to report an attack that never happened
         self.key = load_identity(identity_path(auto_keys_dir(run_dir), self.org_id), org_id=self.org_id)
 
     def generate(self, plan):
+        self.batches += 1
         batch = self.worker.generate(plan)
         prompts = {p.prompt_id: p for p in plan.prompts}
         texts = [STRING + r.response for r in batch.rollouts]
@@ -104,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         "task.eval_size": args.eval_size,
         "seed": args.seed,
         "trainer.likelihood_screen.enabled": args.screen == "on",
+        # two messages per round: the coordinator then calls the attacker's generate() (the fused Step would run
+        # the wrapped worker's own generate and publish undoctored text); the numbers are the fused protocol's
+        "federation.protocol": "two_message",
     }
     for kv in args.set:
         k, v = kv.split("=", 1)
@@ -126,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             summary = coord.run()
         after = string_log_prob(victim, probe)
         records = read_metrics(run_dir)
+        doctored = workers[attacker].batches if isinstance(workers[attacker], Doctor) else 0
+        if args.variant != "honest" and doctored < cfg.federation.rounds:
+            raise SystemExit(f"the attacker doctored {doctored} batches in {cfg.federation.rounds} rounds")
     final = coord.eval_history[max(coord.eval_history)]
     drops: dict[str, dict[str, float]] = {}
     for rec in records:
@@ -146,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "attacker": attacker if args.variant != "honest" else None,
         "victim": victim.org_id,
         "eval_size": args.eval_size,
+        "doctored_batches": doctored,
         "accuracy": final,
         "string_logprob": {"before": before, "after": after},
         "drops": drops,
