@@ -297,9 +297,17 @@ def paired_table(by_method: dict[str, list[dict[str, Any]]], methods: list[str],
         se = f" ± {d['se']:.1f}" if d["se"] is not None else ""
         agents = [f"{d['per_agent'][o]:+.1f}" if o in d["per_agent"] else "–" for o in orgs]
         rows.append([f"`{m}`", str(d["pairs"]), f"{d['mean']:+.1f}{se}", *agents])
+    sizes = sorted({int(c["config"]["task"]["eval_size"]) for c in by_method[ref] if "config" in c})
+    n = sizes[0] if len(sizes) == 1 else None
+    # the binomial standard error of one accuracy near 0.5 on n prompts: 100 * sqrt(0.25 / n) points
+    alone = (
+        f"a {n}-prompt accuracy alone has a standard error of about {100 * (0.25 / n) ** 0.5:.1f} points"
+        if n
+        else ("the cells evaluate on different numbers of prompts")
+    )
     return [
         f"Paired with `{ref}` on the same seed and agent: final accuracy difference in points, mean ± standard "
-        "error over the pairs, and per agent (a 200-prompt accuracy alone has a standard error of about 3.5 points):",
+        f"error over the pairs, and per agent ({alone}):",
         "",
         *_table(["method", "pairs", f"Δ vs `{ref}`", *orgs], rows),
         "",
