@@ -57,7 +57,7 @@ from hacrl_fed.algorithm.likelihood_screen import REASONS, GapHistory, ScreenPar
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.models.context import context_length, fits
 from hacrl_fed.models.native import unsupported_reason
-from hacrl_fed.scoring import build_scoring_batch_from_ids, sequence_log_probs, token_log_probs
+from hacrl_fed.scoring import ScoringBatch, build_scoring_batch_from_ids, sequence_log_probs, token_log_probs
 
 log = logging.getLogger(__name__)
 
@@ -405,14 +405,8 @@ class LocalTrainer:
         acc = _MetricAccumulator()
         loss_total, kl_total = 0.0, 0.0
         for micro_idx in self._micro_batches(rows, train):
-            micro = [rows[i] for i in micro_idx]
-            sel = torch.tensor(micro_idx, device=device, dtype=torch.long)
-            batch = build_scoring_batch_from_ids(
-                [r.prompt_token_ids for r in micro], [r.response_ids for r in micro], self.pad_id
-            )
-            with self._autocast(device):
-                lp, mask = token_log_probs(self.model, batch, dropout=self.dropout, native=self.native)
-            inputs = self._loss_inputs(micro, lp, mask, adv[sel], is_self[sel], v[sel])
+            sel, batch, inputs = self._score_micro(rows, micro_idx, adv, is_self, v)
+            micro, lp, mask = [rows[i] for i in micro_idx], inputs.token_log_probs, inputs.response_mask
             loss, metrics = self.loss_fn(inputs, step, self.loss_cfg)
             # exact mini-batch mean from micro-batch means: weight by rows (or tokens for token-mean GRPO)
             weight = float(mask.sum()) / total_tokens if self.by_tokens else len(micro) / len(rows)
@@ -467,6 +461,20 @@ class LocalTrainer:
         if len(order) > size:
             order.sort(key=lambda i: (rows[i].prompt_token_ids, len(rows[i].response_ids)))
         return [order[s : s + size] for s in range(0, len(order), size)]
+
+    def _score_micro(
+        self, rows: Sequence[TrainRow], micro_idx: Sequence[int], adv: Tensor, is_self: Tensor, v: Tensor
+    ) -> tuple[Tensor, ScoringBatch, PolicyLossInputs]:
+        """One micro-batch through the model (with gradient when grad is enabled): its row index ``sel`` [M] on the
+        model's device, its :class:`ScoringBatch` and the loss inputs (``token_log_probs`` [M, T] and the rest)."""
+        micro = [rows[i] for i in micro_idx]
+        sel = torch.tensor(list(micro_idx), device=adv.device, dtype=torch.long)
+        batch = build_scoring_batch_from_ids(
+            [r.prompt_token_ids for r in micro], [r.response_ids for r in micro], self.pad_id
+        )
+        with self._autocast(adv.device):
+            lp, mask = token_log_probs(self.model, batch, dropout=self.dropout, native=self.native)
+        return sel, batch, self._loss_inputs(micro, lp, mask, adv[sel], is_self[sel], v[sel])
 
     def _loss_inputs(
         self, micro: Sequence[TrainRow], lp: Tensor, mask: Tensor, adv: Tensor, is_self: Tensor, v: Tensor
@@ -523,14 +531,7 @@ class LocalTrainer:
         cross = [i for i in range(len(rows)) if not rows[i].is_self]
         with torch.no_grad():
             for micro_idx in self._micro_batches(rows, cross):
-                micro = [rows[i] for i in micro_idx]
-                sel = torch.tensor(micro_idx, device=device, dtype=torch.long)
-                batch = build_scoring_batch_from_ids(
-                    [r.prompt_token_ids for r in micro], [r.response_ids for r in micro], self.pad_id
-                )
-                with self._autocast(device):
-                    lp, mask = token_log_probs(self.model, batch, native=self.native)
-                inputs = self._loss_inputs(micro, lp, mask, adv[sel], is_self[sel], v[sel])
+                sel, _, inputs = self._score_micro(rows, micro_idx, adv, is_self, v)
                 seq = inputs.seq_log_probs().float()
                 has_grad = self.gradient_rows(seq, inputs, step, self.loss_cfg)
                 lbar[sel] = torch.where(has_grad, torch.full_like(seq, float("nan")), seq)
