@@ -193,14 +193,17 @@ class SelectionConfig(_Section):
     """Which screened foreign rows a learner trains on (hacrl_fed/algorithm/selection.py, docs/ALGORITHM.md
     "Selecting foreign rows"): a rule and an optional budget of foreign rows per round."""
 
-    rule: Literal["all", "uniform", "nonzero_advantage", "successes", "learner_failed", "max_variance"] = Field(
+    rule: Literal[
+        "all", "uniform", "nonzero_advantage", "successes", "learner_failed", "max_variance", "peer_sample"
+    ] = Field(
         "all",
         description=_d(
             "all (every screened foreign row: the paper), uniform (a seeded uniform sample of the budget), "
             "nonzero_advantage (rows whose reward differs from their joint group's mean), successes (rows with "
             "reward > 0), learner_failed (rows of prompts where the learner's own mean reward is below the best "
             "reward in the pool, lowest own mean first), max_variance (per prompt the subset of its share of the "
-            "budget that maximizes the joint group's reward variance: PODS)"
+            "budget that maximizes the joint group's reward variance: PODS), peer_sample (whole sources in a seeded "
+            "order until the budget is full; the sources it does not reach are not screened)"
         ),
     )
     budget: int | None = Field(
@@ -224,7 +227,7 @@ class SelectionConfig(_Section):
         budgeted = self.budget is not None or self.budget_multiple is not None
         if self.rule == "all" and budgeted:
             raise ValueError("rule all keeps every foreign row: a budget needs another rule (uniform samples one)")
-        if self.rule in ("uniform", "max_variance") and not budgeted:
+        if self.rule in ("uniform", "max_variance", "peer_sample") and not budgeted:
             raise ValueError(f"rule {self.rule} picks a subset of the budget's size: set budget or budget_multiple")
         return self
 

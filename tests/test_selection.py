@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hacrl_fed.algorithm.selection import RULES, resolve_budget, select_rollouts, select_rows
+from hacrl_fed.algorithm.selection import NEEDS_BUDGET, RULES, resolve_budget, select_rollouts, select_rows, source_order
 from hacrl_fed.config import ConfigError, load_config
 
 # idx: (reward, prompt, source, sample)
@@ -119,7 +119,7 @@ def test_max_variance_shares_the_budget_round_robin_across_prompts_with_rows_lef
 def test_budget_zero_keeps_nothing_and_a_large_budget_keeps_every_eligible_row(rule):
     assert pick(rule, budget=0).selected == ()
     assert pick(rule, budget=1000).selected == pick(rule, budget=1000).eligible
-    if rule not in ("uniform", "max_variance"):
+    if rule not in NEEDS_BUDGET:
         assert pick(rule, budget=1000).selected == pick(rule).selected
     one = pick(rule, budget=1).selected
     assert len(one) == 1 and set(one) <= set(pick(rule, budget=1).eligible)
@@ -139,6 +139,25 @@ def test_selection_does_not_depend_on_arrival_order(rule):
     a = {POOL[i] for i in pick(rule, budget, seed=3).selected}
     b = {shuffled[i] for i in pick(rule, budget, seed=3, pool=shuffled).selected}
     assert a == b
+
+
+def test_peer_sample_takes_whole_sources_in_the_seeded_source_order():
+    # POOL: source b holds rows 0, 1, 2, 4, 6, 8; source c rows 3, 5, 7, 9
+    assert source_order(["b", "c"], 0) == ["b", "c"] and source_order(["c", "b"], 1) == ["c", "b"]
+    assert pick("peer_sample", budget=4, seed=1).selected == (3, 5, 7, 9)  # c first: all of c
+    assert pick("peer_sample", budget=6, seed=0).selected == (0, 1, 2, 4, 6, 8)  # b first: all of b
+    five = pick("peer_sample", budget=5, seed=1).selected  # all of c, then one of b's rows
+    assert set(five) >= {3, 5, 7, 9} and len(set(five) - {3, 5, 7, 9}) == 1
+    four_of_b = pick("peer_sample", budget=4, seed=0).selected
+    assert len(four_of_b) == 4 and set(four_of_b) <= {0, 1, 2, 4, 6, 8}
+    assert pick("peer_sample", budget=4, seed=0).eligible == tuple(range(10))  # no filter: the budget drops the rest
+
+
+def test_source_order_depends_on_names_and_seed_only():
+    names = [f"org{i}" for i in range(8)]
+    assert source_order(names, 7) == source_order(list(reversed(names)), 7) == source_order(set(names), 7)
+    assert sorted(source_order(names, 7)) == names
+    assert len({tuple(source_order(names, s)) for s in range(10)}) > 1
 
 
 def test_counts_per_source_and_totals():
@@ -197,6 +216,7 @@ ORGS = [{"id": "a", "model": {"zoo": "micro-qwen-char"}}, {"id": "b", "model": {
         ({"rule": "all", "budget": 3}, "trainer.selection: rule all keeps every foreign row"),
         ({"rule": "uniform"}, "trainer.selection: rule uniform picks a subset"),
         ({"rule": "max_variance"}, "trainer.selection: rule max_variance picks a subset"),
+        ({"rule": "peer_sample"}, "trainer.selection: rule peer_sample picks a subset"),
         ({"rule": "successes", "budget": -1}, "trainer.selection.budget: Input should be greater than or equal"),
         ({"rule": "successes", "budget_multiple": -0.5}, "trainer.selection.budget_multiple: Input should be"),
         ({"rule": "best"}, "trainer.selection.rule: Input should be 'all'"),

@@ -148,3 +148,31 @@ def test_budgeted_run_counts_in_metrics_jsonl(tmp_path, scored):
             assert rec[f"{org}/select/{src}/offered"] == 16 and rec[f"{org}/select/{src}/dropped_budget"] == 8
             assert rec[f"{org}/train/num_cross"] + rec[f"{org}/train/foreign_unscored"] == 8
     assert scored == [8] * 4  # 2 rounds x 2 learners, 8 rows scored each
+
+
+FOUR = [{"id": o, "model": {"zoo": z}} for o, z in
+        (("char", "micro-qwen-char"), ("bpe", "micro-gpt2-bpe"), ("char2", "micro-qwen-char"), ("bpe2", "micro-gpt2-bpe"))]
+
+
+def test_peer_sample_screens_lazily_in_a_signed_run_and_trains_as_a_full_screen_would(tmp_path, monkeypatch):
+    # 4 signed orgs, 16 own rows each, a budget of 1x own rows: each learner takes one whole peer a round and never
+    # opens the other two batches; with the lazy screen switched off it screens all three and takes the same rows
+    cfg = make_cfg({"rule": "peer_sample", "budget_multiple": 1.0}, orgs=FOUR,
+                   security={"signing": True, "reverify_rewards": True}, **RUN)
+    workers_a, rec_a = run(cfg, tmp_path / "lazy")
+    for rec in rec_a[1:]:
+        for org in ("char", "bpe", "char2", "bpe2"):
+            peers = [o for o in ("char", "bpe", "char2", "bpe2") if o != org]
+            assert rec[f"{org}/select/budget"] == 16 and rec[f"{org}/select/selected"] == 16
+            assert sorted(rec[f"{org}/trust/{p}/unscreened"] for p in peers) == [0, 16, 16]
+            assert sum(rec[f"{org}/trust/{p}/checked"] for p in peers) == 16
+            assert rec[f"{org}/trust/foreign_accepted"] == 16 and rec[f"{org}/train/foreign_received"] == 48
+    monkeypatch.setattr(pw.PolicyWorker, "_lazy_take", staticmethod(lambda *a: None))
+    workers_b, rec_b = run(cfg, tmp_path / "full")
+    assert all(rec_b[t]["char/trust/foreign_accepted"] == 48 for t in (1, 2))
+    for org in workers_a:
+        for t in (1, 2):
+            assert rec_a[t][f"{org}/train/loss"] == rec_b[t][f"{org}/train/loss"]
+            assert rec_a[t][f"{org}/select/selected"] == rec_b[t][f"{org}/select/selected"]
+        for x, y in zip(workers_a[org].model.parameters(), workers_b[org].model.parameters()):
+            assert torch.equal(x, y), org

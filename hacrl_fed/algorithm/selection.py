@@ -25,6 +25,13 @@ budget keeps first):
   for some ``i`` (a kept row strictly between two left-out ones can be swapped for one of them without lowering the
   variance, which is convex in each reward), so the ``q + 1`` splits are compared exactly; ties keep more high
   rewards. It has no filter: every row it leaves out counts under the budget.
+- ``peer_sample``: needs a budget. Every row eligible; the budget takes whole sources in a seeded order of the
+  sources (:func:`source_order`), the last one's rows in a seeded order of that source's rows (``stable_seed(seed,
+  "row", source, prompt id, sample index)``, which depends on no other row): the learner trains on a few random
+  peers a round, as many as its budget holds. The order depends on the source names and the seed alone, not on
+  the rows, so the worker can screen the sources lazily in that order and stop once the budget is full
+  (:func:`hacrl_fed.worker.guard.screen_sources`): a source it never reaches is never authenticated, checked or
+  re-verified, and the selection is the same as if every source had been screened.
 
 Determinism: the seeded order of the rows is their canonical order (by source, prompt id, sample index) shuffled by
 ``random.Random(seed)``; a seeded order of prompts sorts them by ``stable_seed(seed, "prompt", prompt_id)``
@@ -42,8 +49,9 @@ from typing import Any
 
 from hacrl_fed.seeding import stable_seed
 
-RULES = ("all", "uniform", "nonzero_advantage", "successes", "learner_failed", "max_variance")
-NEEDS_BUDGET = ("uniform", "max_variance")
+RULES = ("all", "uniform", "nonzero_advantage", "successes", "learner_failed", "max_variance", "peer_sample")
+NEEDS_BUDGET = ("uniform", "max_variance", "peer_sample")
+SOURCE_ORDERED = ("peer_sample",)  # rules whose budget takes whole sources in source_order (lazy screening)
 COUNTS = ("offered", "selected", "dropped_rule", "dropped_budget")
 
 
@@ -142,6 +150,18 @@ def select_rows(
     if rule == "uniform":
         eligible = list(range(n))
         order = by_key
+    elif rule == "peer_sample":
+        eligible = list(range(n))
+        src_rank = {src: k for k, src in enumerate(source_order(source_ids, seed))}
+        # whole sources first; within one, a seeded order of its own rows (not of the pool: a lazy screen sees less)
+        order = sorted(
+            eligible,
+            key=lambda i: (
+                src_rank[str(source_ids[i])],
+                stable_seed(seed, "row", str(source_ids[i]), int(prompt_ids[i]), int(sample_indices[i])),
+                i,
+            ),
+        )  # whole sources first
     elif rule == "successes":
         eligible = [i for i in range(n) if rewards[i] > 0]
         order = [i for i in by_key if rewards[i] > 0]
@@ -153,6 +173,12 @@ def select_rows(
         eligible, order = _learner_failed(rewards, prompt_ids, own_rewards, seed, by_key)
     chosen = order if budget is None else order[:budget]
     return Selection(tuple(eligible), tuple(sorted(chosen)))
+
+
+def source_order(sources: Iterable[Any], seed: int) -> list[str]:
+    """The seeded order in which ``peer_sample`` takes sources: names sorted by ``stable_seed(seed, "source",
+    name)`` (ties by name). It depends on the names and the seed only, so a worker can follow it before screening."""
+    return sorted({str(s) for s in sources}, key=lambda s: (stable_seed(seed, "source", s), s))
 
 
 def _groups(prompt_ids: Sequence[int]) -> dict[int, list[int]]:

@@ -196,6 +196,7 @@ class SourceReport:
     screened: Screened | None = None
     rejected: Counter = dataclasses.field(default_factory=Counter)
     excluded: bool = False
+    unscreened: int | None = None  # lazy screening only: rollouts of a source the selection did not reach
 
     def metrics(self, source: str) -> dict[str, float]:
         s = self.screened or Screened()
@@ -208,6 +209,8 @@ class SourceReport:
             f"trust/{source}/verified_reward_sum": float(s.verified_reward_sum),
             f"trust/{source}/excluded": float(self.excluded),
         }
+        if self.unscreened is not None:
+            out[f"trust/{source}/unscreened"] = float(self.unscreened)
         out.update({f"trust/{source}/rejected/{why}": float(n) for why, n in rejected.items()})
         return out
 
@@ -227,15 +230,12 @@ def max_foreign(cfg: RunConfig, org_id: str, n_prompts: int) -> int:
     return sum(n_prompts * org_generation(cfg, o.id).num_samples for o in cfg.orgs if o.id != org_id)
 
 
-def _sources_from_request(
-    request: TrainRequest,
-    org_id: str,
-    *,
-    signing: bool,
-    open_source: Callable[[RolloutBatch], RolloutBatch] | None,
-    reports: dict[str, SourceReport],
+def _collect_sources(
+    request: TrainRequest, *, signing: bool, reports: dict[str, SourceReport]
 ) -> dict[str, RolloutBatch]:
-    """Foreign batches by source org: verified envelopes when signing, else the flat list grouped by org id."""
+    """Foreign batches by claimed source org, in arrival order, none opened yet: the signed envelopes when signing
+    (a second batch of one source is ``duplicate_source``, loose rollouts are ``unsigned``), else the flat list
+    grouped by org id."""
     batches: dict[str, RolloutBatch] = {}
     if signing:
         unsigned = len(request.foreign) + request.unread_foreign
@@ -248,10 +248,7 @@ def _sources_from_request(
             if src in batches:
                 rep.rejected["duplicate_source"] += max(len(batch.rollouts), 1)
                 continue
-            try:
-                batches[src] = open_source(batch) if open_source else batch
-            except ValueError as err:  # RejectedBatch: bad signature, unknown org, wrong run/round, undecryptable
-                rep.rejected[getattr(err, "reason", "malformed")] += max(len(batch.rollouts), 1)
+            batches[src] = batch
         return batches
     grouped: dict[str, list[Rollout]] = {}
     for r in request.foreign:
@@ -260,6 +257,15 @@ def _sources_from_request(
         reports.setdefault(src, SourceReport()).received += len(rollouts)
         batches[src] = RolloutBatch(request.run_id, request.round, src, tuple(rollouts), 0.0)
     return batches
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyTake:
+    """Screen sources lazily for a source-ordered selection rule (``peer_sample``): in ``order(names)``, and no
+    further once ``budget`` rows are accepted; a source not reached is counted ``trust/<source>/unscreened``."""
+
+    order: Callable[[list[str]], list[str]]
+    budget: int
 
 
 def screen_sources(
@@ -271,11 +277,15 @@ def screen_sources(
     task: str,
     verify: Callable[[str, str], float] | None,
     open_source: Callable[[RolloutBatch], RolloutBatch] | None = None,
+    lazy: LazyTake | None = None,
 ) -> tuple[list[Rollout], dict[str, float]]:
     """Foreign rollouts this worker will train on, and ``trust/...`` metrics saying what was dropped and why.
 
     ``prompts`` are this round's prompts as the worker received them in its own plan (never the train
     request's copy); ``open_source`` verifies (and decrypts) one signed source batch, raising RejectedBatch.
+    ``lazy``: screen only as many sources as a source-ordered selection takes (:class:`LazyTake`). The accepted
+    rollouts keep the sources' arrival order either way, so a lazy screen returns a prefix-in-order subset of
+    what a full one would, holding every row the selection takes.
     """
     signing = cfg.security.signing
     reports: dict[str, SourceReport] = {}
@@ -286,10 +296,22 @@ def screen_sources(
         rep = reports.setdefault("*", SourceReport(received=total))
         rep.rejected["too_many_foreign"] += total
         return [], _metrics(reports)
-    batches = _sources_from_request(request, org_id, signing=signing, open_source=open_source, reports=reports)
-    accepted: list[Rollout] = []
-    for src, batch in batches.items():
-        rep = reports[src]
+    batches = _collect_sources(request, signing=signing, reports=reports)
+    kept: dict[str, list[Rollout]] = {}
+    taken = 0
+    for src in batches if lazy is None else lazy.order(list(batches)):
+        rep, batch = reports[src], batches[src]
+        if lazy is not None:
+            rep.unscreened = 0
+            if taken >= lazy.budget:  # the selection is full: this source is never opened or checked
+                rep.unscreened = len(batch.rollouts)
+                continue
+        if signing and open_source is not None:
+            try:
+                batch = open_source(batch)
+            except ValueError as err:  # RejectedBatch: bad signature, unknown org, wrong run/round, undecryptable
+                rep.rejected[getattr(err, "reason", "malformed")] += max(len(batch.rollouts), 1)
+                continue
         if src not in known:
             rep.rejected["unknown_org"] += max(len(batch.rollouts), 1)
             continue
@@ -301,7 +323,9 @@ def screen_sources(
             rep.excluded = True
             rep.rejected["source_excluded"] += len(rep.screened.accepted)
             continue
-        accepted.extend(rep.screened.accepted)
+        kept[src] = rep.screened.accepted
+        taken += len(rep.screened.accepted)
+    accepted = [r for src in batches if src in kept for r in kept[src]]  # arrival order of the sources
     return accepted, _metrics(reports)
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from hacrl_fed.algorithm.selection import select_rollouts
+from hacrl_fed.algorithm.selection import SOURCE_ORDERED, resolve_budget, select_rollouts, source_order
 from hacrl_fed.config import RunConfig, org_generation, org_trainer
 from hacrl_fed.engines import EngineOptions, build_engine
 from hacrl_fed.models.chat import eos_token_id, render_prompt
@@ -83,6 +83,7 @@ from hacrl_fed.worker.checkpoint import (
     save_checkpoint,
 )
 from hacrl_fed.worker.guard import (
+    LazyTake,
     RequestRefused,
     check_capability,
     check_checkpoint,
@@ -401,6 +402,8 @@ class PolicyWorker:
         raise_if_cancelled("before training")
         t0, c0 = time.perf_counter(), time.process_time()
         perf = PhaseMeter(self._device())
+        sel = self.trainer_cfg.selection  # the learner's own choice of foreign rows, before any tokenization
+        select_seed = stable_seed(self.seed, "select", own.round)
         foreign, trust = screen_sources(
             self.cfg,
             self.org_id,
@@ -409,6 +412,7 @@ class PolicyWorker:
             task=own.task,
             verify=self.task.verify if self.cfg.security.reverify_rewards else None,
             open_source=self._open_source if self.identity is not None else None,
+            lazy=self._lazy_take(sel, len(own.rows), select_seed),
         )
         t_trust, c_trust = time.perf_counter(), time.process_time()
         known = {o.id for o in self.cfg.orgs}
@@ -417,10 +421,7 @@ class PolicyWorker:
         capability = [float(request.capability.get(a, 1.0)) for a in agents]
         for row in own.rows:
             row.source = learner
-        sel = self.trainer_cfg.selection  # the learner's own choice of foreign rows, before any tokenization
-        foreign, selected = select_rollouts(
-            foreign, own.rows, sel.rule, sel.budget, sel.budget_multiple, stable_seed(self.seed, "select", own.round)
-        )
+        foreign, selected = select_rollouts(foreign, own.rows, sel.rule, sel.budget, sel.budget_multiple, select_seed)
         foreign_rows, dropped = self._foreign_rows(foreign, own, agents)
         score_perf = perf.lap("score", sum(len(r.response_ids) for r in foreign_rows))
         raise_if_cancelled("before the update")
@@ -458,6 +459,15 @@ class PolicyWorker:
                 challenge=self._challenges.issue(),
             )
         )
+
+    @staticmethod
+    def _lazy_take(sel, own_rows: int, seed: int) -> LazyTake | None:
+        """A source-ordered rule (``peer_sample``) screens sources in its order only until its budget is full."""
+        if sel.rule not in SOURCE_ORDERED:
+            return None
+        budget = resolve_budget(sel.budget, sel.budget_multiple, own_rows)
+        assert budget is not None  # the config requires one for these rules
+        return LazyTake(order=lambda names: source_order(names, seed), budget=budget)
 
     def _evidence(self, request: TrainRequest, trust: dict[str, float]) -> dict[str, bytes]:
         """Blind mode: the content key of every source batch in which this learner found reward mismatches, so
