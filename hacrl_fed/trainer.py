@@ -57,7 +57,7 @@ from hacrl_fed.algorithm.likelihood_screen import REASONS, GapHistory, ScreenPar
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.models.context import context_length, fits
 from hacrl_fed.models.native import unsupported_reason
-from hacrl_fed.scoring import ScoringBatch, build_scoring_batch_from_ids, sequence_log_probs, token_log_probs
+from hacrl_fed.scoring import ScoringBatch, build_scoring_batch_from_ids, token_log_probs
 
 log = logging.getLogger(__name__)
 
@@ -335,12 +335,18 @@ class LocalTrainer:
         ]
         cross = [i for i in cand if not rows[i].is_self]
         learner_sum: dict[int, float] = {}
-        if cross:
-            batch = build_scoring_batch_from_ids(
-                [rows[i].prompt_token_ids for i in cross], [rows[i].response_ids for i in cross], self.pad_id
-            )
-            sums, _, _ = sequence_log_probs(self.model, batch, self.cfg.micro_batch_size)
-            learner_sum = dict(zip(cross, sums.tolist()))
+        if cross:  # the update's own scoring path: sorted micro-batches, the native forward, each prompt once
+            device = next(self.model.parameters()).device
+            with torch.no_grad():
+                for micro_idx in self._micro_batches(rows, cross):
+                    batch = build_scoring_batch_from_ids(
+                        [rows[i].prompt_token_ids for i in micro_idx],
+                        [rows[i].response_ids for i in micro_idx],
+                        self.pad_id,
+                    )
+                    with self._autocast(device):
+                        lp, _ = token_log_probs(self.model, batch, native=self.native)
+                    learner_sum.update(zip(micro_idx, lp.double().sum(-1).tolist()))  # sum_t log p(y_t)
         lp: list[float] = []
         lengths: list[float] = []
         claimed: list[float | None] = []
