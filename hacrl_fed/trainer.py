@@ -345,8 +345,8 @@ class LocalTrainer:
                         self.pad_id,
                     )
                     with self._autocast(device):
-                        lp, _ = token_log_probs(self.model, batch, native=self.native)
-                    learner_sum.update(zip(micro_idx, lp.double().sum(-1).tolist()))  # sum_t log p(y_t)
+                        tok_lp, _ = token_log_probs(self.model, batch, native=self.native)
+                    learner_sum.update(zip(micro_idx, tok_lp.double().sum(-1).tolist()))  # sum_t log p(y_t)
         lp: list[float] = []
         lengths: list[float] = []
         claimed: list[float | None] = []
