@@ -362,6 +362,28 @@ def test_summary_table_rows_per_setting_and_method():
     assert "| `t` | `hacpo` | 0.250 | – | +5.0 | – |" in lines
 
 
+def test_rule_comparison_pairs_each_agent_with_gspo_x2_and_states_only_resolved_verdicts():
+    def cell(seed, **acc):
+        return {"seed": seed, "agents": {o: {"accuracy_after": a} for o, a in acc.items()}}
+
+    by_method = {
+        "gspo": [cell(0, a=0.1, b=0.1), cell(1, a=0.1, b=0.1)],
+        "gspo_x2": [cell(0, a=0.60, b=0.30), cell(1, a=0.62, b=0.30)],  # a is the strongest
+        "naive": [cell(0, a=0.61, b=0.32), cell(1, a=0.63, b=0.31)],
+        # a: -5, -5.2 -> -5.1 +- 0.1 (below); b: +10, +2 -> +6.0 +- 4.0 (not resolved)
+        "hacpo_r": [cell(0, a=0.55, b=0.40), cell(1, a=0.568, b=0.32)],
+    }
+    lines = report.rule_comparison(by_method)
+    assert "the strongest agent is a" in lines[0]
+    assert lines[2] == ("| method | seeds | Δ a vs GSPO×2 | Δ b vs GSPO×2 | Δ vs naive (all agents) | a vs GSPO×2 | "
+                        "every agent ≥ GSPO×2 |")
+    # vs naive per (seed, agent): -6, +8, -6.2, +1 -> mean -0.8, std 6.73, se 3.37: not resolved
+    assert "| `hacpo_r` | 2 | -5.1 ± 0.1 | +6.0 ± 4.0 | -0.8 ± 3.4 (not resolved) | below | no: a below |" in lines
+    assert "| `naive` | 2 | +1.0 ± 0.0 | +1.5 ± 0.5 | – | above | no agent resolved below |" in lines
+    assert not any("`gspo`" in line or "`gspo_x2`" in line for line in lines)
+    assert report.rule_comparison({"hacpo": by_method["hacpo_r"]}) == []
+
+
 def test_group_tables_compare_every_variant_with_hacpo():
     shown = ["no_adv_calibration", "hacpo (= alpha1)", "hacpo_per_byte", "hacpo"]
     assert report.group_variants(shown) == ["no_adv_calibration", "hacpo_per_byte"]

@@ -444,6 +444,88 @@ def targets(by_method: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines + [""]
 
 
+def _per_agent_diffs(cells: list[dict[str, Any]], ref: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """``{org: [100 * (acc - ref acc) per seed both ran]}`` (points, paired by seed and agent)."""
+    ref_by_seed = {c["seed"]: c for c in ref}
+    out: dict[str, list[float]] = {}
+    for cell in cells:
+        base = ref_by_seed.get(cell["seed"])
+        for org, agent in cell["agents"].items() if base is not None else ():
+            if org in base["agents"]:
+                out.setdefault(org, []).append(100 * (agent["accuracy_after"] - base["agents"][org]["accuracy_after"]))
+    return out
+
+
+def _mean_se(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean and standard error (std / sqrt(n); None for one value)."""
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+    return statistics.fmean(values), se
+
+
+def _verdict(mean: float, se: float | None) -> str:
+    """``above`` / ``below`` when |mean| > 2 standard errors, else ``not resolved``."""
+    if se is None or abs(mean) <= 2 * se:
+        return "not resolved"
+    return "above" if mean > 0 else "below"
+
+
+def rule_comparison(by_method: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Every method but the GSPO baselines against GSPO×2 per agent (paired by seed, ± standard error over seeds)
+    and against naive over all (seed, agent) pairs, with the strongest agent's (highest GSPO×2 accuracy) distance
+    to GSPO×2 and the issue's goal: every agent at or above GSPO×2 and the mean above naive, each claim only past
+    two standard errors."""
+    ref = by_method.get("gspo_x2")
+    if not ref:
+        return []
+    orgs = _agents(ref)
+    strongest = max(orgs, key=lambda o: statistics.fmean(c["agents"][o]["accuracy_after"] for c in ref))
+    rows = []
+    for m in sorted(by_method, key=lambda m: (m not in ("naive", "hacpo", "hacpo_per_byte"), m)):
+        if m in ("gspo", "gspo_x2", "grpo") or not by_method[m]:
+            continue
+        diffs = _per_agent_diffs(by_method[m], ref)
+        if not diffs:
+            continue
+        cells = []
+        for o in orgs:
+            if o in diffs:
+                mean, se = _mean_se(diffs[o])
+                cells.append(f"{mean:+.1f}" + (f" ± {se:.1f}" if se is not None else ""))
+            else:
+                cells.append("–")
+        vs_naive = "–"
+        if m != "naive" and by_method.get("naive"):
+            nd = [d for ds in _per_agent_diffs(by_method[m], by_method["naive"]).values() for d in ds]
+            if nd:
+                mean, se = _mean_se(nd)
+                vs_naive = f"{mean:+.1f}" + (f" ± {se:.1f}" if se is not None else "") + f" ({_verdict(mean, se)})"
+        s_mean, s_se = _mean_se(diffs[strongest]) if strongest in diffs else (float("nan"), None)
+        below = [o for o in orgs if o in diffs and _verdict(*_mean_se(diffs[o])) == "below"]
+        goal = "no: " + ", ".join(below) + " below" if below else "no agent resolved below"
+        seeds = len({c["seed"] for c in by_method[m]})
+        rows.append([f"`{m}`", str(seeds), *cells, vs_naive, _verdict(s_mean, s_se), goal])
+    if not rows:
+        return []
+    return [
+        f"Every method against GSPO×2 on the same seed, per agent (points, mean ± standard error over seeds), and "
+        f"against `naive` over all (seed, agent) pairs; the strongest agent is {strongest}. A verdict holds only past "
+        "two standard errors. Every method here generates half GSPO×2's rollouts.",
+        "",
+        *_table(
+            [
+                "method",
+                "seeds",
+                *[f"Δ {o} vs GSPO×2" for o in orgs],
+                "Δ vs naive (all agents)",
+                f"{strongest} vs GSPO×2",
+                "every agent ≥ GSPO×2",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
 def plot_setting(by_method: dict[str, list[dict[str, Any]]], methods: list[str], out: Path, title: str) -> Path | None:
     """Accuracy vs round (top) and vs generated rollouts (bottom), one column per agent, one line per method
     (mean over seeds, band = ± std)."""
@@ -534,6 +616,9 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
         lines += paired_table(by_method, main, "gspo")
         lines += targets(by_method)
         lines += cost_table(by_method, main)
+        comparison = rule_comparison(by_method)
+        if comparison and len(by_method) > len(main):
+            lines += [f"### {setting}: every rule against GSPO×2 and naive", "", *comparison]
         if plots and plot_setting(by_method, main, results / "curves" / f"{setting}.png", f"{setting}: {about}"):
             lines += [f"![{setting}](curves/{setting}.png)", ""]
         for g, methods in group_methods.items():
