@@ -154,11 +154,13 @@ FOUR = [{"id": o, "model": {"zoo": z}} for o, z in
         (("char", "micro-qwen-char"), ("bpe", "micro-gpt2-bpe"), ("char2", "micro-qwen-char"), ("bpe2", "micro-gpt2-bpe"))]
 
 
-def test_peer_sample_screens_lazily_in_a_signed_run_and_trains_as_a_full_screen_would(tmp_path, monkeypatch):
+@pytest.mark.parametrize("encrypt", [False, True], ids=["signed", "blind"])
+def test_peer_sample_screens_lazily_in_a_signed_run_and_trains_as_a_full_screen_would(tmp_path, monkeypatch, encrypt):
     # 4 signed orgs, 16 own rows each, a budget of 1x own rows: each learner takes one whole peer a round and never
-    # opens the other two batches; with the lazy screen switched off it screens all three and takes the same rows
+    # opens (or, blind, decrypts) the other two batches; with the lazy screen switched off it screens all three and
+    # takes the same rows
     cfg = make_cfg({"rule": "peer_sample", "budget_multiple": 1.0}, orgs=FOUR,
-                   security={"signing": True, "reverify_rewards": True}, **RUN)
+                   security={"signing": True, "reverify_rewards": True, "encrypt": encrypt}, **RUN)
     workers_a, rec_a = run(cfg, tmp_path / "lazy")
     for rec in rec_a[1:]:
         for org in ("char", "bpe", "char2", "bpe2"):
