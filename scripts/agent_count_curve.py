@@ -7,8 +7,8 @@ n = 2 is the matrix's `model` setting, 3 `three`, 4 `count4`, 8 `count8` (the sa
 larger setting holds the smaller one's orgs). Per (n, method, org): the final held-out accuracy minus the same
 seed's isolated `gspo` cell, in points, mean ± standard error over seeds; and the org's own seconds per round in
 the train call and in generation (``time_train_s`` / ``time_generate_s`` of the cell over its rounds), mean over
-seeds. With two orgs a budget of 1x own rows never binds (the one peer offers exactly as many rows), so the
-budgeted rules' n = 2 point is the `all` cell.
+seeds. With two orgs `peer_sample`'s budget of 1x own rows never binds (the one peer offers exactly as many
+rows), so its n = 2 point is the `all` cell; `successes` has its own cells at every n.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 SETTINGS = {2: "model", 3: "three", 4: "count4", 8: "count8"}
-METHODS = ("hacpo_per_byte", "hacpo_per_byte_uniform", "hacpo_per_byte_peer_sample")
+METHODS = ("hacpo_per_byte", "hacpo_per_byte_successes", "hacpo_per_byte_peer_sample")
 
 
 def _cells(results: Path, setting: str, method: str) -> dict[int, dict]:
@@ -45,7 +45,8 @@ def curve(results: Path) -> list[dict]:
     for n, setting in SETTINGS.items():
         alone = _cells(results, setting, "gspo")
         for method in METHODS:
-            source = "hacpo_per_byte" if n == 2 else method  # two orgs: the budget never binds
+            # two orgs: peer_sample's budget never binds (it is the all cell)
+            source = "hacpo_per_byte" if n == 2 and method == "hacpo_per_byte_peer_sample" else method
             cells = _cells(results, setting, source)
             if not cells:
                 continue
