@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for org, acc in run["accuracy"].items():
             if org != run.get("attacker") and org in alone:
-                diffs[(setting, f"{run['variant']} (screen {run['screen']})", org)].append(
+                extra = "".join(f", {kv}" for kv in run.get("set", []))  # runs of other configs stay apart
+                diffs[(setting, f"{run['variant']} (screen {run['screen']}{extra})", org)].append(
                     (run["seed"], acc, alone[org])
                 )
     rows = []

@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "attacker": attacker if args.variant != "honest" else None,
         "victim": victim.org_id,
         "eval_size": args.eval_size,
+        "set": list(args.set),  # the extra overrides this run had (part of what it measured)
         "doctored_batches": doctored,
         "accuracy": final,
         "string_logprob": {"before": before, "after": after},
