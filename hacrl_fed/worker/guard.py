@@ -284,8 +284,8 @@ def screen_sources(
     ``prompts`` are this round's prompts as the worker received them in its own plan (never the train
     request's copy); ``open_source`` verifies (and decrypts) one signed source batch, raising RejectedBatch.
     ``lazy``: screen only as many sources as a source-ordered selection takes (:class:`LazyTake`). The accepted
-    rollouts keep the sources' arrival order either way, so a lazy screen returns a prefix-in-order subset of
-    what a full one would, holding every row the selection takes.
+    rollouts keep the sources' arrival order either way; a lazy screen returns the accepted rollouts of the
+    sources it reached, which hold every row the selection would take after a full screen.
     """
     signing = cfg.security.signing
     reports: dict[str, SourceReport] = {}
