@@ -401,3 +401,46 @@ def test_ratio_summary_splits_the_band_shares_by_source_with_three_orgs():
     two = {k: v for k, v in shares.items() if not k.endswith("/initech")}
     cell2 = {"config": {"algorithm": {"name": "hacpo"}}, "agents": {"acme": {"shares": two, "stats": {}}}}
     assert "per source" not in report.ratio_summary([cell2], "acme")  # one source: the pair is the whole line
+
+
+def test_a_cell_is_done_when_its_stored_config_holds_what_the_cell_runs(tmp_path):
+    from hacrl_fed.config import load_config
+
+    agent = tmp_path / "elsewhere" / "benchmarks" / "agents" / "qwen-char-b"  # another checkout's copy
+    here = Path.cwd() / "benchmarks" / "agents" / "qwen-char-b"
+    raw = {**TINY, "orgs": [*TINY["orgs"], {"id": "globex", "model": {"path": str(here)}}]}
+    cfg = load_config(raw)
+    stored = json.loads(json.dumps(cfg.model_dump(mode="json")))
+    stored["orgs"][1]["model"]["path"] = str(agent)
+    stored["name"], stored["run_dir"] = "another-name", "/tmp/elsewhere"
+    assert bench_matrix.same_run_config(stored, cfg)
+    # a field the cell's JSON predates, at its default here: the same run
+    older = json.loads(json.dumps(stored))
+    del older["trainer"]["skip_no_gradient_rows"], older["trainer"]["selection"]
+    assert bench_matrix.same_run_config(older, cfg)
+    # ... but not once that field is set away from its default (e.g. a default changed under the cell)
+    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.selection": {"rule": "successes"}}))
+    # pinning a field at the value the cell ran with is the same run, a different value is not
+    assert bench_matrix.same_run_config(stored, load_config(raw, {"trainer.selection": {"rule": "all"}}))
+    assert not bench_matrix.same_run_config(stored, load_config(raw, {"algorithm.alpha": 3.0}))
+    assert not bench_matrix.same_run_config(stored, load_config(raw, {"seed": 1}))
+    # a stored field the schema no longer has, or another org list, is another run
+    assert not bench_matrix.same_run_config({**stored, "gone": 1}, cfg)
+    assert not bench_matrix.same_run_config({**stored, "orgs": stored["orgs"][:1]}, cfg)
+
+
+def test_cell_status_compares_configs_and_falls_back_to_the_hash(tmp_path):
+    cell = bench_matrix.plan_cells(bench_matrix.load_matrix(), only=["model/hacpo"], seeds=[0])[0]
+    path = cell.path(tmp_path)
+    path.parent.mkdir(parents=True)
+    assert bench_matrix.cell_status(cell, tmp_path) == "todo"
+    path.write_text(json.dumps({"config": cell.config.model_dump(mode="json"), "config_hash": "other"}))
+    assert bench_matrix.cell_status(cell, tmp_path) == "done"
+    changed = cell.config.model_dump(mode="json")
+    changed["algorithm"]["alpha"] = 3.0
+    path.write_text(json.dumps({"config": changed, "config_hash": cell.hash}))
+    assert bench_matrix.cell_status(cell, tmp_path) == "stale"
+    path.write_text(json.dumps({"config_hash": cell.hash}))
+    assert bench_matrix.cell_status(cell, tmp_path) == "done"
+    path.write_text("{not json")
+    assert bench_matrix.cell_status(cell, tmp_path) == "stale"

@@ -211,9 +211,9 @@ def build_cell(
         cell.skip = f"bad scale field: {err}"
         return cell
     cell.overrides = overrides
-    # only the fields set away from their defaults: a config field added later (with its default) keeps every
-    # finished cell "done"; a change of what the code does is tracked by each cell's commit (the report lists
-    # the training-code files that differ between the commits of a table's cells)
+    # the cell's label in listings and JSON: only the fields set away from their defaults. Whether a finished cell
+    # is this cell compares the resolved configs (cell_status); a change of what the code does with the same
+    # config is tracked by each cell's commit (the report lists the training-code files that differ)
     cell.hash = config_hash(
         cell.config, exclude=("run_dir", "name"), relative_to=Path.cwd(), digits=12, exclude_defaults=True
     )
@@ -265,7 +265,14 @@ def plan_cells(
 
 
 def cell_status(cell: Cell, results: Path) -> str:
-    """``skip`` | ``done`` (a JSON with this config hash exists) | ``stale`` (another config) | ``todo``."""
+    """``skip`` | ``done`` | ``stale`` (another config) | ``todo``.
+
+    A cell is done when its JSON's resolved config (``config``) holds what this cell's config holds: every field
+    equal, and a field the JSON lacks (added to the schema later) at its default here (:func:`same_run_config`).
+    So adding a field keeps finished cells, while changing a default the cell relied on, or a method's override,
+    makes it stale; pinning a field at the value a cell ran with keeps it. A JSON without ``config`` falls back
+    to the config hash.
+    """
     if cell.skip is not None:
         return "skip"
     path = cell.path(results)
@@ -275,4 +282,48 @@ def cell_status(cell: Cell, results: Path) -> str:
         old = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return "stale"
+    if isinstance(old.get("config"), dict) and cell.config is not None:
+        return "done" if same_run_config(old["config"], cell.config) else "stale"
     return "done" if old.get("config_hash") == cell.hash else "stale"
+
+
+def _comparable(data: dict[str, Any]) -> dict[str, Any]:
+    """A dumped run config without ``run_dir`` and ``name``, a bench agent's path replaced by its name (the same
+    agent lives under another checkout's root in every worktree)."""
+    from hacrl_tools.bench.agents import agent_name
+
+    data = {k: v for k, v in json.loads(json.dumps(data)).items() if k not in ("run_dir", "name")}
+    for org in data.get("orgs") or []:
+        model = org.get("model") or {}
+        for key in ("path", "tokenizer"):
+            if isinstance(model.get(key), str) and (name := agent_name(Path(model[key]))) is not None:
+                model[key] = f"bench-agent:{name}"
+    return data
+
+
+def same_run_config(stored: dict[str, Any], cfg: Any) -> bool:
+    """Whether a cell that ran with the resolved config ``stored`` (its JSON's ``config``) ran ``cfg``: every field
+    of ``cfg`` equal to the stored one, or, where ``stored`` lacks the field, ``cfg`` at the schema's default; a
+    stored field ``cfg`` no longer has is a difference."""
+    current = _comparable(cfg.model_dump(mode="json"))
+    non_default = _comparable(cfg.model_dump(mode="json", exclude_defaults=True))
+    return _same(_comparable(stored), current, non_default)
+
+
+def _same(stored: Any, current: Any, non_default: Any) -> bool:
+    if isinstance(current, dict):
+        if not isinstance(stored, dict) or set(stored) - set(current):
+            return False
+        nd = non_default if isinstance(non_default, dict) else {}
+        return all(
+            _same(stored[k], v, nd.get(k)) if k in stored else k not in nd  # a new field: at its default
+            for k, v in current.items()
+        )
+    if isinstance(current, list):
+        if not isinstance(stored, list) or len(stored) != len(current):
+            return False
+        nds: list[Any] = (
+            non_default if isinstance(non_default, list) and len(non_default) == len(current) else [None] * len(current)
+        )
+        return all(_same(a, b, c) for a, b, c in zip(stored, current, nds))
+    return stored == current

@@ -450,7 +450,9 @@ def _per_agent_diffs(cells: list[dict[str, Any]], ref: list[dict[str, Any]]) -> 
     out: dict[str, list[float]] = {}
     for cell in cells:
         base = ref_by_seed.get(cell["seed"])
-        for org, agent in cell["agents"].items() if base is not None else ():
+        if base is None:
+            continue
+        for org, agent in cell["agents"].items():
             if org in base["agents"]:
                 out.setdefault(org, []).append(100 * (agent["accuracy_after"] - base["agents"][org]["accuracy_after"]))
     return out
