@@ -5,10 +5,11 @@ its per-org cost per round against the number of orgs n, for every foreign row a
 
 n = 2 is the matrix's `model` setting, 3 `three`, 4 `count4`, 8 `count8` (the same task and hyper-parameters; each
 larger setting holds the smaller one's orgs). Per (n, method, org): the final held-out accuracy minus the same
-seed's isolated `gspo` cell, in points, mean ± standard error over seeds; and the org's own seconds per round in
-the train call and in generation (``time_train_s`` / ``time_generate_s`` of the cell over its rounds), mean over
-seeds. With two orgs `peer_sample`'s budget of 1x own rows never binds (the one peer offers exactly as many
-rows), so its n = 2 point is the `all` cell; `successes` has its own cells at every n.
+seed's isolated `gspo` cell, in points, mean ± standard error over seeds; and the org's own wall seconds per round
+in the train call and in generation (``time_train_s`` / ``time_generate_s`` of the cell over its rounds), mean over
+seeds (wall time: it moves with whatever else the machine ran beside the cell). With two orgs `peer_sample`'s
+budget of 1x own rows never binds (the one peer offers exactly as many rows), so its n = 2 point is the `all`
+cell; `successes` has its own cells at every n.
 """
 
 from __future__ import annotations
@@ -96,16 +97,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no cells of {', '.join(SETTINGS.values())} under {args.results}", file=sys.stderr)
         return 1
     heads = [f"`{m}` {what}" for m in METHODS for what in ("gain", "train s/round")]
-    print("| n | org | seeds | " + " | ".join(heads) + " |")
+    print("| n | org | seeds (per method) | " + " | ".join(heads) + " |")
     print("|---|---|---|" + "---|" * len(heads))
     by_key = {(r["n"], r["org"], r["method"]): r for r in rows}
     for n, org in dict.fromkeys((r["n"], r["org"]) for r in rows):
-        cols, seeds = [], set()
+        cols, seeds = [], []
         for m in METHODS:
             r = by_key.get((n, org, m))
             cols += [_fmt(r["gain_vs_gspo"], r["se"]), f"{r['train_s_per_round']:.3f}"] if r else ["–", "–"]
-            seeds |= set(r["seeds"]) if r else set()
-        print(f"| {n} | {org} | {len(seeds)} | " + " | ".join(cols) + " |")
+            seeds.append(str(len(r["seeds"])) if r else "0")
+        print(f"| {n} | {org} | {'/'.join(seeds)} | " + " | ".join(cols) + " |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
