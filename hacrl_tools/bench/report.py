@@ -252,6 +252,26 @@ def accuracy_tables(by_method: dict[str, list[dict[str, Any]]], methods: list[st
     return lines
 
 
+def _per_agent_diffs(cells: list[dict[str, Any]], ref: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """``{org: [100 * (acc - ref acc) per seed both ran]}`` (points, paired by seed and agent)."""
+    ref_by_seed = {c["seed"]: c for c in ref}
+    out: dict[str, list[float]] = {}
+    for cell in cells:
+        base = ref_by_seed.get(cell["seed"])
+        if base is None:
+            continue
+        for org, agent in cell["agents"].items():
+            if org in base["agents"]:
+                out.setdefault(org, []).append(100 * (agent["accuracy_after"] - base["agents"][org]["accuracy_after"]))
+    return out
+
+
+def _mean_se(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean and standard error (std / sqrt(n); None for one value)."""
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+    return statistics.fmean(values), se
+
+
 def paired_differences(
     by_method: dict[str, list[dict[str, Any]]], methods: list[str], ref: str
 ) -> dict[str, dict[str, Any]]:
@@ -260,26 +280,17 @@ def paired_differences(
     ``{method: {"pairs": n, "mean": d̄, "se": std(d) / sqrt(n) or None, "per_agent": {org: mean d}}}`` over the
     (seed, agent) pairs both ran; pairing by seed removes the seed's shared prompts and warm start from the noise.
     """
-    ref_by_seed = {c["seed"]: c for c in by_method.get(ref, [])}
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
         if m == ref or not by_method.get(m):
             continue
-        per_agent: dict[str, list[float]] = {}
-        for cell in by_method[m]:
-            base = ref_by_seed.get(cell["seed"])
-            if base is None:
-                continue
-            for org, agent in cell["agents"].items():
-                if org in base["agents"]:  # d = 100 * (acc_m - acc_ref), same seed and agent
-                    d = 100 * (agent["accuracy_after"] - base["agents"][org]["accuracy_after"])
-                    per_agent.setdefault(org, []).append(d)
+        per_agent = _per_agent_diffs(by_method[m], by_method.get(ref, []))
         diffs = [d for ds in per_agent.values() for d in ds]
         if diffs:
-            se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+            mean, se = _mean_se(diffs)
             out[m] = {
                 "pairs": len(diffs),
-                "mean": statistics.fmean(diffs),
+                "mean": mean,
                 "se": se,
                 "per_agent": {o: statistics.fmean(ds) for o, ds in per_agent.items()},
             }
@@ -442,26 +453,6 @@ def targets(by_method: dict[str, list[dict[str, Any]]]) -> list[str]:
             f" ({statistics.fmean(nv):.3f} vs {statistics.fmean(hc):.3f})"
         )
     return lines + [""]
-
-
-def _per_agent_diffs(cells: list[dict[str, Any]], ref: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """``{org: [100 * (acc - ref acc) per seed both ran]}`` (points, paired by seed and agent)."""
-    ref_by_seed = {c["seed"]: c for c in ref}
-    out: dict[str, list[float]] = {}
-    for cell in cells:
-        base = ref_by_seed.get(cell["seed"])
-        if base is None:
-            continue
-        for org, agent in cell["agents"].items():
-            if org in base["agents"]:
-                out.setdefault(org, []).append(100 * (agent["accuracy_after"] - base["agents"][org]["accuracy_after"]))
-    return out
-
-
-def _mean_se(values: Sequence[float]) -> tuple[float, float | None]:
-    """Mean and standard error (std / sqrt(n); None for one value)."""
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
-    return statistics.fmean(values), se
 
 
 def _verdict(mean: float, se: float | None) -> str:
