@@ -111,12 +111,12 @@ class AlgorithmConfig(_Section):
         ),
     )
     logprob_norm: Literal["per_token", "per_byte"] = Field(
-        "per_token",
+        "per_byte",
         description=_d(
-            "how a foreign row's sequence log-probs enter its cross ratio: per_token (the paper: the learner's and "
-            "the source's means over their own tokens) or per_byte (both sums divided by the response's UTF-8 "
-            "bytes, comparable across tokenizers; beyond the paper). Own rows always use per-token means (hacpo, "
-            "naive)"
+            "how a foreign row's sequence log-probs enter its cross ratio: per_byte (the default: both sums divided "
+            "by the response's UTF-8 bytes, comparable across tokenizers; beyond the paper) or per_token (the "
+            "paper: the learner's and the source's means over their own tokens). Own rows always use per-token "
+            "means (hacpo, naive)"
         ),
     )
     max_abs_log_ratio: float = Field(
@@ -196,14 +196,15 @@ class SelectionConfig(_Section):
     rule: Literal[
         "all", "uniform", "nonzero_advantage", "successes", "learner_failed", "max_variance", "peer_sample"
     ] = Field(
-        "all",
+        "successes",
         description=_d(
-            "all (every screened foreign row: the paper), uniform (a seeded uniform sample of the budget), "
-            "nonzero_advantage (rows whose reward differs from their joint group's mean), successes (rows with "
-            "reward > 0), learner_failed (rows of prompts where the learner's own mean reward is below the best "
-            "reward in the pool, lowest own mean first), max_variance (per prompt the subset of its share of the "
-            "budget that maximizes the joint group's reward variance: PODS), peer_sample (whole sources in a seeded "
-            "order until the budget is full; the sources it does not reach are not screened)"
+            "successes (the default: rows with reward > 0; BENCHMARKS.md, SECURITY.md), all (every screened "
+            "foreign row: the paper), uniform (a seeded uniform sample of the budget), nonzero_advantage (rows "
+            "whose reward differs from their joint group's mean), learner_failed (rows of prompts where the "
+            "learner's own mean reward is below the best reward in the pool, lowest own mean first), max_variance "
+            "(per prompt the subset of its share of the budget that maximizes the joint group's reward variance: "
+            "PODS), peer_sample (whole sources in a seeded order until the budget is full; the sources it does not "
+            "reach are not screened)"
         ),
     )
     budget: int | None = Field(
@@ -236,11 +237,11 @@ class LikelihoodScreenConfig(_Section):
     """The learner's likelihood screen of foreign rows (docs/ALGORITHM.md "Likelihood screen", SECURITY.md)."""
 
     enabled: bool = Field(
-        False,
+        True,
         description=_d(
-            "score every foreign row with this learner's model before the update and leave out rows it finds "
-            "implausible (low likelihood against its own responses, or a claimed log-prob out of line with the "
-            "source's other claims), counted as screen/<source>/dropped_<reason>"
+            "(on by default) score every foreign row with this learner's model before the update and leave out "
+            "rows it finds implausible (low likelihood against its own responses, or a claimed log-prob out of "
+            "line with the source's other claims), counted as screen/<source>/dropped_<reason>"
         ),
     )
     norm: Literal["per_byte", "per_token"] = Field(

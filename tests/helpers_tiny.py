@@ -141,3 +141,15 @@ def assert_stops_and_lengths(gens, stop_ids, max_new_tokens: int, tokenizer) -> 
         else:
             assert len(g.token_ids) == max_new_tokens
         assert g.text == tokenizer.decode(body, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+# The paper's HACPO (docs/ALGORITHM.md "The defaults and the paper's form"): every foreign row, per-token cross
+# ratios, no likelihood screen. Tests of mechanics that the defaults' row choices would hide (micro-batching, the
+# schedule, bit-identity of paths) run it; the defaults have their own tests.
+PAPER_ALGORITHM: dict = {"logprob_norm": "per_token"}
+PAPER_TRAINER: dict = {"selection": {"rule": "all"}, "likelihood_screen": {"enabled": False}}
+PAPER_SET: list[str] = [
+    "algorithm.logprob_norm=per_token",
+    "trainer.selection.rule=all",
+    "trainer.likelihood_screen.enabled=false",
+]

@@ -17,10 +17,11 @@ import yaml
 from hacrl_fed.cli import main as cli_main
 from hacrl_tools.bench import learning, report, system, trl
 from hacrl_tools.bench import matrix as bench_matrix
+from tests.helpers_tiny import PAPER_ALGORITHM, PAPER_TRAINER
 
 TINY = {
-    "name": "tiny", "seed": 0, "algorithm": {"name": "hacpo"},
-    "trainer": {"lr": 1.0e-4, "minibatch_size": 64, "micro_batch_size": 32},
+    "name": "tiny", "seed": 0, "algorithm": {"name": "hacpo", **PAPER_ALGORITHM},  # pinned like configs/bench/
+    "trainer": {"lr": 1.0e-4, "minibatch_size": 64, "micro_batch_size": 32, **PAPER_TRAINER},
     "generation": {"num_samples": 4, "max_new_tokens": 16, "eval_max_new_tokens": 16},
     "task": {"name": "arithmetic", "params": {"difficulty": 2}, "eval_size": 8},
     "orgs": [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}],
@@ -384,6 +385,34 @@ def test_rule_comparison_pairs_each_agent_with_gspo_x2_and_states_only_resolved_
     assert report.rule_comparison({"hacpo": by_method["hacpo_r"]}) == []
 
 
+def test_the_bench_pins_the_papers_hacpo_and_hacpo_defended_runs_the_defaults(tmp_path):
+    from hacrl_fed.config import AlgorithmConfig, TrainerConfig
+
+    matrix = bench_matrix.load_matrix()
+    by = {(c.setting, c.method): c.config for c in bench_matrix.plan_cells(matrix, seeds=[0])}
+    for setting in ("state", "size", "model", "three"):
+        paper, defended = by[(setting, "hacpo")], by[(setting, "hacpo_defended")]
+        off = by[(setting, "hacpo_defended_no_screen")]
+        assert paper.algorithm.logprob_norm == "per_token" and paper.trainer.selection.rule == "all"
+        assert not paper.trainer.likelihood_screen.enabled
+        assert defended.algorithm == AlgorithmConfig(name="hacpo")
+        assert defended.trainer.selection == TrainerConfig().selection
+        assert defended.trainer.likelihood_screen == TrainerConfig().likelihood_screen
+        assert off.model_dump(exclude={"trainer", "name"}) == defended.model_dump(exclude={"trainer", "name"})
+        assert off.trainer.model_dump(exclude={"likelihood_screen"}) == defended.trainer.model_dump(
+            exclude={"likelihood_screen"}
+        )
+        assert not off.trainer.likelihood_screen.enabled
+    assert matrix.groups["defended"]["ref"] == "hacpo_defended_no_screen"
+    raw = yaml.safe_load((Path.cwd() / "configs" / "bench" / "matrix.yaml").read_text())
+    raw["groups"]["defended"]["ref"] = "gspo"  # not one of the group's methods
+    bad = tmp_path / "configs" / "bench" / "matrix.yaml"
+    bad.parent.mkdir(parents=True)
+    bad.write_text(yaml.safe_dump(raw))
+    with pytest.raises(bench_matrix.MatrixError, match=r"groups.defended.ref: 'gspo' is not one of the group"):
+        bench_matrix.load_matrix(bad)
+
+
 def test_group_tables_compare_every_variant_with_hacpo():
     shown = ["no_adv_calibration", "hacpo (= alpha1)", "hacpo_per_byte", "hacpo"]
     assert report.group_variants(shown) == ["no_adv_calibration", "hacpo_per_byte"]
@@ -416,10 +445,10 @@ def test_a_cell_is_done_when_its_stored_config_holds_what_the_cell_runs(tmp_path
     assert bench_matrix.same_run_config(stored, cfg)
     # a field the cell's JSON predates, at its default here: the same run
     older = json.loads(json.dumps(stored))
-    del older["trainer"]["skip_no_gradient_rows"], older["trainer"]["selection"]
+    del older["trainer"]["skip_no_gradient_rows"], older["wandb"]
     assert bench_matrix.same_run_config(older, cfg)
     # ... but not once that field is set away from its default (e.g. a default changed under the cell)
-    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.selection": {"rule": "successes"}}))
+    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.skip_no_gradient_rows": False}))
     # pinning a field at the value the cell ran with is the same run, a different value is not
     assert bench_matrix.same_run_config(stored, load_config(raw, {"trainer.selection": {"rule": "all"}}))
     assert not bench_matrix.same_run_config(stored, load_config(raw, {"algorithm.alpha": 3.0}))

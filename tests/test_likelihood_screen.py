@@ -196,10 +196,14 @@ STRING = "Hail to the thief! "
 MARGIN = 2.0  # nats per byte: the micro models are far flatter than the bench agents (calibrated at 4)
 
 
-def _cfg(rounds=2, **security):
+def _cfg(rounds=2, selection=None, **security):
+    # rule all by default here: the micro models rarely answer right, so under the project's default rule
+    # (successes) few of an attacker's own doctored responses would reach the screen; test_..._under_the_defaults
+    # doctors correct answers instead
     return load_config({
         "name": "doctored", "seed": 0, "orgs": ORGS, "algorithm": {"name": "hacpo"},
         "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32,
+                    "selection": selection or {"rule": "all"},
                     "likelihood_screen": {"enabled": True, "margin_nats": MARGIN}},
         "generation": {"num_samples": 4, "max_new_tokens": 16, "eval_max_new_tokens": 16},
         "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
@@ -216,15 +220,21 @@ def _score(worker, prompts, texts):
     return sums.tolist(), counts.tolist()
 
 
-def doctor(attacker, victim, run_dir, lying: bool):
+def doctor(attacker, victim, run_dir, lying: bool, correct: bool = False):
     """globex inserts STRING into every response (answers stay correct, rewards stay true) and signs with its valid
     key; its claimed log-probs are its own model's of the doctored text, or (``lying``) the victim's own per-token
-    mean times its token count, the claim that puts HACPO's cross ratio at 1 for the victim."""
+    mean times its token count, the claim that puts HACPO's cross ratio at 1 for the victim. ``correct``: every
+    response is STRING and the right answer (reward 1, true under every receiver's verifier)."""
 
     def attack(batch):
         prompts = {p.prompt_id: p for p in attacker._own.prompts}
-        texts = [STRING + r.response for r in batch.rollouts]
         ps = [prompts[r.prompt_id] for r in batch.rollouts]
+        if correct:
+            texts = [f"{STRING}#### {p.reference}" for p in ps]
+            batch = dataclasses.replace(batch, rollouts=tuple(dataclasses.replace(r, reward=1.0)
+                                                              for r in batch.rollouts))
+        else:
+            texts = [STRING + r.response for r in batch.rollouts]
         sums, counts = _score(attacker, ps, texts)
         if lying:
             v_sums, v_counts = _score(victim, ps, texts)
@@ -256,6 +266,32 @@ def test_doctored_rows_are_dropped_and_counted_against_the_attacker(tmp_path, ly
         assert m["globex/screen/acme/dropped_low_likelihood"] + m["globex/screen/acme/dropped_claim_outlier"] == 0
         assert m["globex/train/num_cross"] == 16
     assert "globex" not in coord.guard.excluded  # security.max_screen_drop_rate: 1 (the default) never excludes
+
+
+@pytest.mark.parametrize("lying", [False, True], ids=["honest_logprobs", "lying_logprobs"])
+def test_doctored_correct_answers_are_dropped_under_the_defaults(tmp_path, lying):
+    """The project's defaults (successes, no budget, the screen on, per byte; the margin set for the flat micro
+    models) against an attacker whose every response is right: the doctored rows are exactly what the rule
+    selects, and the screen leaves them out."""
+    run_dir = tmp_path / "run"
+    cfg = load_config({**_cfg(rounds=2).model_dump(exclude={"trainer"}),
+                       "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32,
+                                   "likelihood_screen": {"margin_nats": MARGIN}}})
+    assert cfg.trainer.selection.rule == "successes" and cfg.trainer.selection.budget is None
+    assert cfg.trainer.likelihood_screen.enabled and cfg.algorithm.logprob_norm == "per_byte"
+    acme = build_worker(cfg, "acme", run_dir=run_dir)
+    globex_worker = build_worker(cfg, "globex", run_dir=run_dir)
+    globex = Hostile(globex_worker, doctor(globex_worker, acme, run_dir, lying, correct=True))
+    coord = Coordinator(cfg, InProcessTransport({"acme": acme, "globex": globex}), run_dir)
+    before = [p.detach().clone() for p in acme.model.parameters()]
+    for t in (1, 2):
+        m = coord.run_round(t).metrics
+        assert m["acme/trust/globex/accepted"] == 16 and m.get("round/globex/rejected/reward_mismatch", 0.0) == 0
+        assert m["acme/select/globex/selected"] == 16  # every doctored row is a verified success
+        checked = m["acme/screen/globex/checked"]
+        dropped = m["acme/screen/globex/dropped_low_likelihood"] + m["acme/screen/globex/dropped_claim_outlier"]
+        assert checked == 16 and dropped >= 0.75 * checked and m["acme/train/num_cross"] == checked - dropped
+    assert not _same(before, [p.detach() for p in acme.model.parameters()])  # acme still trained on its own rows
 
 
 def test_a_source_screened_out_persistently_is_excluded_past_the_rate(tmp_path):

@@ -27,6 +27,7 @@ from hacrl_fed.wire.grpc_client import GrpcWorkerClient
 from hacrl_fed.wire.grpc_server import serve_worker
 from hacrl_fed.worker import build_worker
 from hacrl_fed.worker.guard import RequestRefused
+from tests.helpers_tiny import PAPER_TRAINER
 
 ORGS = [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}, {"id": "globex", "model": {"zoo": "micro-gpt2-bpe"}}]
 G, B, MAX_NEW = 4, 4, 16
@@ -35,7 +36,9 @@ G, B, MAX_NEW = 4, 4, 16
 def make_cfg(**security):
     return load_config({
         "name": "attack", "seed": 0, "orgs": ORGS, "algorithm": {"name": "hacpo"},
-        "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32},
+        # the trust boundary comes before the learner's own row choices: every accepted foreign row reaches the
+        # update (rule all, no likelihood screen; those have their own tests)
+        "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32, **PAPER_TRAINER},
         "generation": {"num_samples": G, "max_new_tokens": MAX_NEW, "eval_max_new_tokens": MAX_NEW},
         "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
         "federation": {"rounds": 1, "prompts_per_round": B, "eval_every": 0, "min_orgs": 1},
@@ -386,7 +389,8 @@ def test_foreign_rollouts_are_bounded_by_the_plan_before_any_work(run_dir, case,
     tokenized = [text for kind, texts in work if kind == "tokenize" for text in texts]
     bound = MAX_NEW * acme.cfg.security.max_bytes_per_token  # the plan's bound on a response's UTF-8 bytes
     assert len(verified) <= G * B and all(len(t.encode()) <= bound for t in verified + tokenized)
-    assert len(tokenized) == report.metrics["trust/foreign_accepted"]  # only what passed was tokenized
+    # only what passed was tokenized, and of that only the rows the selection rule kept (successes by default)
+    assert len(tokenized) == report.metrics["select/selected"] <= report.metrics["trust/foreign_accepted"]
     src = {"flood": "*", "unknown_org": "mallory"}.get(case, "globex")
     assert report.metrics.get(f"trust/{src}/rejected/{reason}", 0) >= 1, {k: v for k, v in report.metrics.items() if k.startswith("trust/")}
     assert report.metrics["train/num_self"] == G * B  # its own rollouts were still trained on

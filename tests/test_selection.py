@@ -241,7 +241,7 @@ def test_config_per_org_override():
     cfg = load_config({"name": "x", "orgs": orgs})
     from hacrl_fed.config import org_trainer
 
-    assert org_trainer(cfg, "a").selection.rule == "all" and org_trainer(cfg, "b").selection.budget_multiple == 1.0
+    assert org_trainer(cfg, "a").selection.rule == "successes" and org_trainer(cfg, "b").selection.budget_multiple == 1.0
     bad = [ORGS[0], {**ORGS[1], "trainer": {"selection": {"rule": "max_variance"}}}]
     with pytest.raises(ConfigError, match=r"orgs\[b\]\.trainer\.selection: rule max_variance"):
         load_config({"name": "x", "orgs": bad})

@@ -10,13 +10,15 @@ from hacrl_fed.trainer import LocalTrainer, TrainRow
 from hacrl_fed.types import EvalRequest, RoundPlan, SamplingParams, TrainRequest
 from hacrl_fed.worker import WorkerAPI, build_worker
 from hacrl_fed.worker.guard import RequestRefused
+from tests.helpers_tiny import PAPER_TRAINER
 
 ORGS = [{"id": "char", "model": {"zoo": "micro-qwen-char"}}, {"id": "bpe", "model": {"zoo": "micro-gpt2-bpe"}}]
 
 
 def make_cfg(algorithm="hacpo", **extra):
     data = {"name": "t", "seed": 3, "orgs": ORGS, "algorithm": {"name": algorithm},
-            "trainer": {"lr": 1e-3, "minibatch_size": 16, "micro_batch_size": 8},
+            # every foreign row reaches the update (rule all, no likelihood screen: their own tests)
+            "trainer": {"lr": 1e-3, "minibatch_size": 16, "micro_batch_size": 8, **PAPER_TRAINER},
             "generation": {"num_samples": 4, "max_new_tokens": 12}, "task": {"name": "arithmetic", "eval_size": 8},
             # these tests feed hand-made foreign rewards and unsigned rollouts: the trust boundary (signatures,
             # re-verification) is tested in test_security_attacks.py

@@ -19,7 +19,8 @@ ORGS = [{"id": "char", "model": {"zoo": "micro-qwen-char"}}, {"id": "bpe", "mode
 
 def make_cfg(selection=None, **extra):
     data = {"name": "sel", "seed": 3, "orgs": ORGS, "algorithm": {"name": "hacpo"},
-            "trainer": {"lr": 1e-3, "minibatch_size": 16, "micro_batch_size": 8, "selection": selection or {}},
+            "trainer": {"lr": 1e-3, "minibatch_size": 16, "micro_batch_size": 8, "selection": selection or {"rule": "all"},
+                        "likelihood_screen": {"enabled": False}},  # the screen has its own tests
             "generation": {"num_samples": 4, "max_new_tokens": 12, "eval_max_new_tokens": 12},
             "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
             "security": {"signing": False, "reverify_rewards": False}}

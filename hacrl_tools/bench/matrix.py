@@ -40,7 +40,8 @@ class Matrix:
     path: Path
     settings: dict[str, dict[str, Any]]  # name -> {"config": Path, "about": str}
     methods: dict[str, Method]
-    groups: dict[str, dict[str, list[str]]]  # name -> {"settings": [...], "methods": [...]}
+    # name -> {"settings": [...], "methods": [...], "ref": the method the group's others are also paired with}
+    groups: dict[str, dict[str, Any]]
     seeds: list[int]
     quick: dict[str, Any]
 
@@ -76,7 +77,9 @@ def load_matrix(path: str | Path = MATRIX) -> Matrix:
             raise MatrixError(f"{path}: methods.{m.name}.same_as={m.same_as!r} is not a method")
     groups = {}
     for name, g in (data.get("groups") or {}).items():
-        g = {"settings": list(g.get("settings") or []), "methods": list(g.get("methods") or [])}
+        g = {"settings": list(g.get("settings") or []), "methods": list(g.get("methods") or []), "ref": g.get("ref")}
+        if g["ref"] is not None and g["ref"] not in g["methods"]:
+            raise MatrixError(f"{path}: groups.{name}.ref: {g['ref']!r} is not one of the group's methods")
         for s in g["settings"]:
             if s not in settings:
                 raise MatrixError(f"{path}: groups.{name}: unknown setting {s!r}")

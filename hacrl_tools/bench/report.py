@@ -632,6 +632,9 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
             lines += accuracy_tables(shown, list(shown))
             if by_method.get("hacpo"):  # each variant against the paper's form on the same seeds
                 lines += paired_table({**shown, "hacpo": by_method["hacpo"]}, group_variants(list(shown)), "hacpo")
+            ref = groups[g].get("ref")  # and against the group's own reference (e.g. the screen off)
+            if isinstance(ref, str) and by_method.get(ref):
+                lines += paired_table(shown, [m for m in group_variants(list(shown)) if m != ref], ref)
             lines += cost_table(shown, list(shown))
             if plots and plot_setting(shown, list(shown), results / "curves" / f"{setting}-{g}.png", f"{setting}: {g}"):
                 lines += [f"![{setting} {g}](curves/{setting}-{g}.png)", ""]
