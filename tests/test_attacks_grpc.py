@@ -15,7 +15,7 @@ import pytest
 
 from hacrl_fed.coordinator import Coordinator
 from hacrl_fed.worker import build_worker
-from test_likelihood_screen import _cfg, doctor
+from test_likelihood_screen import _cfg, defaults_cfg, doctor
 from test_security_attacks import B, G, Hostile, Via, fresh, make_cfg, plan_for
 from test_security_edges import Framer, _blind_cfg
 
@@ -27,15 +27,17 @@ def grpc_via(tmp_path):
     v.close()
 
 
-@pytest.mark.parametrize("lying", [False, True], ids=["honest_logprobs", "lying_logprobs"])
-def test_doctored_text_over_grpc_is_screened_out_and_counted_against_the_attacker(tmp_path, grpc_via, lying):
+@pytest.mark.parametrize("lying,defaults", [(False, False), (True, False), (True, True)],
+                         ids=["honest_logprobs", "lying_logprobs", "lying_correct_answers_under_the_defaults"])
+def test_doctored_text_over_grpc_is_screened_out_and_counted_against_the_attacker(tmp_path, grpc_via, lying, defaults):
     """Why 1 and 2: a member inserts a fixed string into every correct response, with its own or lying log-probs;
-    the learner's likelihood screen leaves the rows out and the counters, back over the wire, name the attacker."""
+    the learner's likelihood screen leaves the rows out and the counters, back over the wire, name the attacker.
+    ``defaults``: the project's defaults, against doctored text with right answers (the rows the rule selects)."""
     run_dir = tmp_path / "run"
-    cfg = _cfg(rounds=2)
+    cfg = defaults_cfg() if defaults else _cfg(rounds=2)
     acme = Hostile(build_worker(cfg, "acme", run_dir=run_dir), lambda b: b)  # records what the server decoded
     globex_worker = build_worker(cfg, "globex", run_dir=run_dir)
-    globex = Hostile(globex_worker, doctor(globex_worker, acme.worker, run_dir, lying))
+    globex = Hostile(globex_worker, doctor(globex_worker, acme.worker, run_dir, lying, correct=defaults))
     transport = grpc_via.transport({"acme": acme, "globex": globex})
     # both servers live in this test process and share torch's global RNG (separate worker processes do not):
     # one call at a time keeps each org's sampling what it would be in its own process
@@ -48,7 +50,8 @@ def test_doctored_text_over_grpc_is_screened_out_and_counted_against_the_attacke
     assert m["acme/trust/globex/accepted"] == G * B  # the text passed every signed check: only the screen acts
     dropped = m["acme/screen/globex/dropped_low_likelihood"] + m["acme/screen/globex/dropped_claim_outlier"]
     assert dropped >= 0.75 * checked and m["acme/train/num_cross"] == checked - dropped
-    assert m["globex/screen/acme/dropped_low_likelihood"] + m["globex/screen/acme/dropped_claim_outlier"] == 0
+    # the honest source's rows are never dropped (under the defaults the micro models' few successes may be none)
+    assert sum(m.get(f"globex/screen/acme/dropped_{why}", 0) for why in ("low_likelihood", "claim_outlier")) == 0
     (request,) = acme.train_requests  # the doctored text reached the learner through the codec, signed
     assert all(r.response.startswith("Hail to the thief") for b in request.source_batches for r in b.rollouts)
 

@@ -212,6 +212,13 @@ def _cfg(rounds=2, selection=None, **security):
     })
 
 
+def defaults_cfg(rounds=2):
+    """``_cfg`` with the project's trainer defaults (successes, no budget, the screen on), the margin aside."""
+    return load_config({**_cfg(rounds).model_dump(exclude={"trainer"}),
+                        "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32,
+                                    "likelihood_screen": {"margin_nats": MARGIN}}})
+
+
 def _score(worker, prompts, texts):
     tok = worker.tokenizer
     p_ids = tok([worker._render(p) for p in prompts], add_special_tokens=False)["input_ids"]
@@ -274,9 +281,7 @@ def test_doctored_correct_answers_are_dropped_under_the_defaults(tmp_path, lying
     models) against an attacker whose every response is right: the doctored rows are exactly what the rule
     selects, and the screen leaves them out."""
     run_dir = tmp_path / "run"
-    cfg = load_config({**_cfg(rounds=2).model_dump(exclude={"trainer"}),
-                       "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32,
-                                   "likelihood_screen": {"margin_nats": MARGIN}}})
+    cfg = defaults_cfg()
     assert cfg.trainer.selection.rule == "successes" and cfg.trainer.selection.budget is None
     assert cfg.trainer.likelihood_screen.enabled and cfg.algorithm.logprob_norm == "per_byte"
     acme = build_worker(cfg, "acme", run_dir=run_dir)

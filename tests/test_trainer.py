@@ -12,6 +12,16 @@ from hacrl_fed.trainer import LocalTrainer, TrainRow
 from tests.helpers_tiny import PAPER_ALGORITHM, PAPER_TRAINER, tiny_char_tokenizer, tiny_model
 
 
+
+def _algo(**kw) -> AlgorithmConfig:
+    """The paper's HACPO (helpers_tiny.PAPER_ALGORITHM): these tests are of the update's mechanics."""
+    return AlgorithmConfig(**{**PAPER_ALGORITHM, **kw})
+
+
+def _tcfg(**kw) -> TrainerConfig:
+    """Every foreign row, no likelihood screen (helpers_tiny.PAPER_TRAINER)."""
+    return TrainerConfig(**{**PAPER_TRAINER, **kw})
+
 def _rows(n=12, seed=0, cross=True):
     rng = random.Random(seed)
     rows = []
@@ -27,8 +37,8 @@ def _rows(n=12, seed=0, cross=True):
 def _train(algorithm, micro, rows, kl_beta=0.0, lr=1e-2, minibatch=6, sgd=False):
     tok = tiny_char_tokenizer()
     model = tiny_model("qwen3", tok, seed=1)
-    trainer = LocalTrainer(model, AlgorithmConfig(**PAPER_ALGORITHM, name=algorithm, kl_beta=kl_beta),
-                           TrainerConfig(**PAPER_TRAINER, lr=lr, minibatch_size=minibatch, micro_batch_size=micro), tok.pad_token_id)
+    trainer = LocalTrainer(model, _algo(name=algorithm, kl_beta=kl_beta),
+                           _tcfg(lr=lr, minibatch_size=minibatch, micro_batch_size=micro), tok.pad_token_id)
     if sgd:  # updates linear in the gradient: float summation-order noise stays ~1e-9 (Adam would amplify it)
         trainer.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     metrics = trainer.update(rows, 0, [0.5, 0.25, 1.0])
@@ -81,9 +91,9 @@ def test_unscoreable_rows_still_count_in_the_group_baseline():
 def _trainer(precision="model", dtype=torch.float32, checkpointing=False, kl_beta=0.0, lr=1e-2, skip=True):
     tok = tiny_char_tokenizer()
     model = tiny_model("qwen3", tok, seed=1).to(dtype)
-    cfg = TrainerConfig(**PAPER_TRAINER, lr=lr, minibatch_size=6, micro_batch_size=4, precision=precision,
+    cfg = _tcfg(lr=lr, minibatch_size=6, micro_batch_size=4, precision=precision,
                         gradient_checkpointing=checkpointing, skip_no_gradient_rows=skip)
-    return model, LocalTrainer(model, AlgorithmConfig(**PAPER_ALGORITHM, name="hacpo", kl_beta=kl_beta), cfg, tok.pad_token_id)
+    return model, LocalTrainer(model, _algo(name="hacpo", kl_beta=kl_beta), cfg, tok.pad_token_id)
 
 
 def test_update_reports_tokens_trained():
@@ -195,8 +205,8 @@ def _grpo_rows(n=8, seed=3):
 def _train_grpo(mode, micro):
     tok = tiny_char_tokenizer()
     model = tiny_model("qwen3", tok, seed=1)
-    trainer = LocalTrainer(model, AlgorithmConfig(**PAPER_ALGORITHM, name="grpo", grpo_loss_agg_mode=mode),
-                           TrainerConfig(**PAPER_TRAINER, lr=1.0, minibatch_size=8, micro_batch_size=micro), tok.pad_token_id)
+    trainer = LocalTrainer(model, _algo(name="grpo", grpo_loss_agg_mode=mode),
+                           _tcfg(lr=1.0, minibatch_size=8, micro_batch_size=micro), tok.pad_token_id)
     trainer.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     return model, trainer, trainer.update(_grpo_rows(), 0, [1.0])
 
@@ -247,8 +257,8 @@ def _lora_trainer(dropout, seed=0):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
-    cfg = TrainerConfig(**PAPER_TRAINER, lr=1e-2, minibatch_size=6, micro_batch_size=6, lora=LoraConfig(enabled=True, dropout=dropout))
-    return model, LocalTrainer(model, AlgorithmConfig(**PAPER_ALGORITHM, name="hacpo", kl_beta=0.1), cfg, tok.pad_token_id)
+    cfg = _tcfg(lr=1e-2, minibatch_size=6, micro_batch_size=6, lora=LoraConfig(enabled=True, dropout=dropout))
+    return model, LocalTrainer(model, _algo(name="hacpo", kl_beta=0.1), cfg, tok.pad_token_id)
 
 
 def test_lora_dropout_fires_only_on_the_adapters_during_the_update():
@@ -331,7 +341,7 @@ def test_lora_dropout_with_gradient_checkpointing_recomputes_the_same_mask():
 def _train_algo(algo: AlgorithmConfig, rows, capability, minibatch=6):
     tok = tiny_char_tokenizer()
     model = tiny_model("qwen3", tok, seed=1)
-    trainer = LocalTrainer(model, algo, TrainerConfig(**PAPER_TRAINER, lr=1e-2, minibatch_size=minibatch, micro_batch_size=4),
+    trainer = LocalTrainer(model, algo, _tcfg(lr=1e-2, minibatch_size=minibatch, micro_batch_size=4),
                            tok.pad_token_id)
     trainer.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     return model, trainer.update(rows, 0, capability)
@@ -346,14 +356,14 @@ def _mixed_rows(n=12, seed=5):
 
 def test_without_both_capability_mechanisms_the_capability_has_no_effect():
     rows = _mixed_rows()
-    off = AlgorithmConfig(**PAPER_ALGORITHM, name="hacpo", advantage_calibration=False, capability_coefficient=False, cross_clip=False)
+    off = _algo(name="hacpo", advantage_calibration=False, capability_coefficient=False, cross_clip=False)
     a = _train_algo(off, rows, [0.5, 0.25, 1.0])[0]
     b = _train_algo(off, rows, [0.9, 0.9, 0.1])[0]
     for x, y in zip(a.parameters(), b.parameters()):
         assert torch.allclose(x, y, atol=1e-7)
     # each switch alone leaves the other mechanism reading the capability
-    for one in (AlgorithmConfig(**PAPER_ALGORITHM, name="hacpo", advantage_calibration=False, cross_clip=False),
-                AlgorithmConfig(**PAPER_ALGORITHM, name="hacpo", capability_coefficient=False, cross_clip=False)):
+    for one in (_algo(name="hacpo", advantage_calibration=False, cross_clip=False),
+                _algo(name="hacpo", capability_coefficient=False, cross_clip=False)):
         c = _train_algo(one, rows, [0.5, 0.25, 1.0])[0]
         d = _train_algo(one, rows, [0.9, 0.9, 0.1])[0]
         assert any(not torch.allclose(x, y, atol=1e-7) for x, y in zip(c.parameters(), d.parameters()))
@@ -361,7 +371,7 @@ def test_without_both_capability_mechanisms_the_capability_has_no_effect():
 
 def test_cross_shares_are_over_cross_rows_not_averaged_with_self_only_steps():
     rows = _rows(n=12, seed=2)  # 4 self rows, 8 cross rows; mini-batches of 4 put the self rows in one step
-    _, m = _train_algo(AlgorithmConfig(**PAPER_ALGORITHM, name="hacpo"), rows, [0.5, 0.25, 1.0], minibatch=4)
+    _, m = _train_algo(_algo(name="hacpo"), rows, [0.5, 0.25, 1.0], minibatch=4)
     assert m["hacpo/num_cross"] == 8 and m["hacpo/num_self"] == 4
     # every cross row is below, inside or above the band: the three shares sum to 1 over the update
     total = m["hacpo/cross_clip_low_frac"] + m["hacpo/cross_in_band_frac"] + m["hacpo/cross_clip_high_frac"]
@@ -372,7 +382,7 @@ def test_cross_shares_are_over_cross_rows_not_averaged_with_self_only_steps():
 
 def test_shares_over_an_empty_kind_are_absent():
     rows = _rows(n=6, seed=1, cross=False)
-    _, m = _train_algo(AlgorithmConfig(**PAPER_ALGORITHM, name="hacpo"), rows, [0.5, 0.25, 1.0])
+    _, m = _train_algo(_algo(name="hacpo"), rows, [0.5, 0.25, 1.0])
     assert m["hacpo/num_self"] == 6 and "hacpo/num_cross" in m
     assert not any(k.startswith("hacpo/cross_") and k.endswith("_frac") for k in m)
 
@@ -391,7 +401,7 @@ def test_norm_length_divides_the_cross_row_log_prob():
             TrainRow(prompt, resp, 0.0, 0, 0, True, total / 4, [float(x) for x in lp[0][mask[0].bool()]]),
             TrainRow(prompt, resp, 1.0, 0, 1, False, total / 10.0, norm_length=10.0),  # per byte (10 bytes)
             TrainRow(prompt, resp, 0.0, 0, 1, False, total / 4)]  # per token
-    trainer = LocalTrainer(model, AlgorithmConfig(**PAPER_ALGORITHM, name="hacpo"), TrainerConfig(**PAPER_TRAINER, lr=1e-9, minibatch_size=8,
+    trainer = LocalTrainer(model, _algo(name="hacpo"), _tcfg(lr=1e-9, minibatch_size=8,
                                                                                  micro_batch_size=8), tok.pad_token_id)
     m = trainer.update(rows, 0, [1.0, 1.0])
     assert m["hacpo/cross_ratio_min"] == pytest.approx(1.0, abs=1e-5)
@@ -400,8 +410,8 @@ def test_norm_length_divides_the_cross_row_log_prob():
 
 def test_cross_clip_off_lets_out_of_band_cross_rows_carry_gradient():
     rows = [r for r in _rows(n=12, seed=4) if not r.is_self] + [r for r in _rows(n=12, seed=4) if r.is_self]
-    on = _train_algo(AlgorithmConfig(**PAPER_ALGORITHM, name="hacpo"), rows, [1.0, 1.0, 1.0], minibatch=12)[1]
-    off = _train_algo(AlgorithmConfig(**PAPER_ALGORITHM, name="hacpo", cross_clip=False), rows, [1.0, 1.0, 1.0], minibatch=12)[1]
+    on = _train_algo(_algo(name="hacpo"), rows, [1.0, 1.0, 1.0], minibatch=12)[1]
+    off = _train_algo(_algo(name="hacpo", cross_clip=False), rows, [1.0, 1.0, 1.0], minibatch=12)[1]
     assert on["hacpo/cross_in_band_frac"] < 1.0  # these rows' published log-probs put some outside the band
     assert off["hacpo/cross_in_band_frac"] == 1.0
     assert off["hacpo/cross_grad_frac"] >= on["hacpo/cross_grad_frac"]
@@ -410,8 +420,8 @@ def test_cross_clip_off_lets_out_of_band_cross_rows_carry_gradient():
 def test_cross_shares_per_source_pair_add_up_to_the_whole_update():
     rows = _rows(n=12, seed=2)  # cross rows from sources 1 and 2
     tok = tiny_char_tokenizer()
-    trainer = LocalTrainer(tiny_model("qwen3", tok, seed=1), AlgorithmConfig(**PAPER_ALGORITHM, name="hacpo"),
-                           TrainerConfig(**PAPER_TRAINER, lr=1e-2, minibatch_size=4, micro_batch_size=4), tok.pad_token_id)
+    trainer = LocalTrainer(tiny_model("qwen3", tok, seed=1), _algo(name="hacpo"),
+                           _tcfg(lr=1e-2, minibatch_size=4, micro_batch_size=4), tok.pad_token_id)
     m = trainer.update(rows, 0, [0.5, 0.25, 1.0], names=["acme", "globex", "initech"])
     assert m["hacpo/num_cross/globex"] + m["hacpo/num_cross/initech"] == m["hacpo/num_cross"] == 8
     for kind in ("cross_in_band", "cross_clip_low", "cross_clip_high", "cross_grad"):
@@ -451,8 +461,8 @@ def test_skipping_rows_without_gradient_gives_the_same_update(algorithm, optimiz
         model = tiny_model("qwen3", tok, seed=1)
         rows = _banded_rows(model, tok)
         # mini-batches of 8: step 0 holds the 8 self rows, steps 1-2 the cross rows; micro-batches of 3
-        cfg = TrainerConfig(**PAPER_TRAINER, lr=1e-2, minibatch_size=8, micro_batch_size=3, skip_no_gradient_rows=skip)
-        trainer = LocalTrainer(model, AlgorithmConfig(**PAPER_ALGORITHM, name=algorithm), cfg, tok.pad_token_id)
+        cfg = _tcfg(lr=1e-2, minibatch_size=8, micro_batch_size=3, skip_no_gradient_rows=skip)
+        trainer = LocalTrainer(model, _algo(name=algorithm), cfg, tok.pad_token_id)
         if optimizer == "sgd":
             trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         met = trainer.update(rows, 0, [0.5, 0.25, 1.0])
@@ -478,8 +488,8 @@ def test_a_mini_batch_without_gradient_rows_still_steps_adamw():
         for r in rows:
             if not r.is_self:
                 r.old_seq_log_prob += 5.0  # far below the band: no gradient
-        cfg = TrainerConfig(**PAPER_TRAINER, lr=1e-2, minibatch_size=8, micro_batch_size=4, skip_no_gradient_rows=skip)
-        trainer = LocalTrainer(model, AlgorithmConfig(**PAPER_ALGORITHM, name="hacpo"), cfg, tok.pad_token_id)
+        cfg = _tcfg(lr=1e-2, minibatch_size=8, micro_batch_size=4, skip_no_gradient_rows=skip)
+        trainer = LocalTrainer(model, _algo(name="hacpo"), cfg, tok.pad_token_id)
         met = trainer.update(rows, 0, [0.5, 0.25, 1.0])
         out.append((model, met))
     assert out[1][1]["train/num_backward"] == 8  # only the self rows of step 0
