@@ -50,8 +50,10 @@ def test_doctored_text_over_grpc_is_screened_out_and_counted_against_the_attacke
     assert m["acme/trust/globex/accepted"] == G * B  # the text passed every signed check: only the screen acts
     dropped = m["acme/screen/globex/dropped_low_likelihood"] + m["acme/screen/globex/dropped_claim_outlier"]
     assert dropped >= 0.75 * checked and m["acme/train/num_cross"] == checked - dropped
-    # the honest source's rows are never dropped (under the defaults the micro models' few successes may be none)
-    assert sum(m.get(f"globex/screen/acme/dropped_{why}", 0) for why in ("low_likelihood", "claim_outlier")) == 0
+    # the honest source's rows are never dropped (under the defaults the micro models' few successes may be none,
+    # and then globex screens nothing of acme's)
+    honest = [m.get(f"globex/screen/acme/dropped_{why}") for why in ("low_likelihood", "claim_outlier")]
+    assert (defaults or None not in honest) and sum(x or 0 for x in honest) == 0
     (request,) = acme.train_requests  # the doctored text reached the learner through the codec, signed
     assert all(r.response.startswith("Hail to the thief") for b in request.source_batches for r in b.rollouts)
 
