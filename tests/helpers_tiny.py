@@ -148,8 +148,3 @@ def assert_stops_and_lengths(gens, stop_ids, max_new_tokens: int, tokenizer) -> 
 # schedule, bit-identity of paths) run it; the defaults have their own tests.
 PAPER_ALGORITHM: dict = {"logprob_norm": "per_token"}
 PAPER_TRAINER: dict = {"selection": {"rule": "all"}, "likelihood_screen": {"enabled": False}}
-PAPER_SET: list[str] = [
-    "algorithm.logprob_norm=per_token",
-    "trainer.selection.rule=all",
-    "trainer.likelihood_screen.enabled=false",
-]

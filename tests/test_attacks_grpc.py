@@ -15,7 +15,7 @@ import pytest
 
 from hacrl_fed.coordinator import Coordinator
 from hacrl_fed.worker import build_worker
-from test_likelihood_screen import _cfg, defaults_cfg, doctor
+from test_likelihood_screen import _cfg, doctor
 from test_security_attacks import B, G, Hostile, Via, fresh, make_cfg, plan_for
 from test_security_edges import Framer, _blind_cfg
 
@@ -34,7 +34,7 @@ def test_doctored_text_over_grpc_is_screened_out_and_counted_against_the_attacke
     the learner's likelihood screen leaves the rows out and the counters, back over the wire, name the attacker.
     ``defaults``: the project's defaults, against doctored text with right answers (the rows the rule selects)."""
     run_dir = tmp_path / "run"
-    cfg = defaults_cfg() if defaults else _cfg(rounds=2)
+    cfg = _cfg(rounds=2, rule=None if defaults else "all")
     acme = Hostile(build_worker(cfg, "acme", run_dir=run_dir), lambda b: b)  # records what the server decoded
     globex_worker = build_worker(cfg, "globex", run_dir=run_dir)
     globex = Hostile(globex_worker, doctor(globex_worker, acme.worker, run_dir, lying, correct=defaults))

@@ -196,27 +196,20 @@ STRING = "Hail to the thief! "
 MARGIN = 2.0  # nats per byte: the micro models are far flatter than the bench agents (calibrated at 4)
 
 
-def _cfg(rounds=2, selection=None, **security):
-    # rule all by default here: the micro models rarely answer right, so under the project's default rule
-    # (successes) few of an attacker's own doctored responses would reach the screen; test_..._under_the_defaults
-    # doctors correct answers instead
+def _cfg(rounds=2, rule: str | None = "all", **security):
+    """The screen on (the default) at the micro models' margin. Rule all here: the micro models rarely answer
+    right, so under the project's default rule (successes) few of an attacker's own doctored responses would reach
+    the screen; ``rule=None`` keeps the project's default (test_..._under_the_defaults doctors correct answers)."""
+    selection = {} if rule is None else {"rule": rule}
     return load_config({
         "name": "doctored", "seed": 0, "orgs": ORGS, "algorithm": {"name": "hacpo"},
-        "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32,
-                    "selection": selection or {"rule": "all"},
-                    "likelihood_screen": {"enabled": True, "margin_nats": MARGIN}},
+        "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32, "selection": selection,
+                    "likelihood_screen": {"margin_nats": MARGIN}},
         "generation": {"num_samples": 4, "max_new_tokens": 16, "eval_max_new_tokens": 16},
         "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
         "federation": {"rounds": rounds, "prompts_per_round": 4, "eval_every": 0, "min_orgs": 1},
         "security": security,
     })
-
-
-def defaults_cfg(rounds=2):
-    """``_cfg`` with the project's trainer defaults (successes, no budget, the screen on), the margin aside."""
-    return load_config({**_cfg(rounds).model_dump(exclude={"trainer"}),
-                        "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32,
-                                    "likelihood_screen": {"margin_nats": MARGIN}}})
 
 
 def _score(worker, prompts, texts):
@@ -281,7 +274,7 @@ def test_doctored_correct_answers_are_dropped_under_the_defaults(tmp_path, lying
     models) against an attacker whose every response is right: the doctored rows are exactly what the rule
     selects, and the screen leaves them out."""
     run_dir = tmp_path / "run"
-    cfg = defaults_cfg()
+    cfg = _cfg(rule=None)
     assert cfg.trainer.selection.rule == "successes" and cfg.trainer.selection.budget is None
     assert cfg.trainer.likelihood_screen.enabled and cfg.algorithm.logprob_norm == "per_byte"
     acme = build_worker(cfg, "acme", run_dir=run_dir)
