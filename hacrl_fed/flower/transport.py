@@ -40,16 +40,7 @@ from flwr.app import Message
 from hacrl_fed import failures
 from hacrl_fed.coordinator.transport import Transport, TransportTimeout
 from hacrl_fed.flower import records
-from hacrl_fed.types import (
-    EvalReport,
-    EvalRequest,
-    RolloutBatch,
-    RoundPlan,
-    StepReply,
-    StepRequest,
-    TrainReport,
-    TrainRequest,
-)
+from hacrl_fed.types import EvalReport, EvalRequest, StepReply, StepRequest
 from hacrl_fed.wire import codec
 from hacrl_fed.wire import operations as ops
 from hacrl_fed.wire.operations import Operation
@@ -388,12 +379,6 @@ class FlowerTransport(Transport):
             if not isinstance(out[org], Exception):
                 self.last_call_bytes[org] = sent_bytes[org] + records.payload_size(reply.content)
         return out
-
-    def generate(self, plans: Mapping[str, RoundPlan], timeout_s: float) -> dict[str, RolloutBatch | Exception]:
-        return self._call(ops.GENERATE, plans, timeout_s, _group(plans))
-
-    def train(self, requests: Mapping[str, TrainRequest], timeout_s: float) -> dict[str, TrainReport | Exception]:
-        return self._call(ops.TRAIN, requests, timeout_s, _group(requests))
 
     def evaluate(self, requests: Mapping[str, EvalRequest], timeout_s: float) -> dict[str, EvalReport | Exception]:
         return self._call(ops.EVALUATE, requests, timeout_s, _group(requests))
