@@ -227,8 +227,8 @@ def _call(op: Operation, worker: Any, request: Any, org: str, mode: str) -> Any:
         reply = {**info, "org_id": org, "node_mode": mode}
     # RolloutBatch / TrainReport / EvalReport name their org, and so do the parts of a StepReply
     for part in (reply, *(getattr(reply, name, None) for name in ("report", "batch", "eval_report"))):
-        if getattr(part, "org_id", org) != org:
-            raise NodeError(f"the worker answered as org {part.org_id!r}; this node serves {org!r}")  # type: ignore[union-attr]
+        if (answered := getattr(part, "org_id", org)) != org:
+            raise NodeError(f"the worker answered as org {answered!r}; this node serves {org!r}")
     return op.encode_reply(reply)
 
 

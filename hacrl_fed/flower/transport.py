@@ -106,20 +106,7 @@ def exchange(
     clock = clock or time.monotonic
     sleep = sleep or time.sleep
     start = clock()
-    messages = {
-        node: Message(
-            content, dst_node_id=node, message_type=op.message_type, group_id=group_id, ttl=timeout_s + ttl_grace_s
-        )
-        for node, content in contents.items()
-    }
-    pushed = set(filter(None, grid.push_messages(list(messages.values())))) if messages else set()
-    out: dict[int, tuple[Any, float]] = {}
-    waiting: dict[str, int] = {}
-    for node, msg in messages.items():
-        if msg.metadata.message_id and msg.metadata.message_id in pushed:
-            waiting[msg.metadata.message_id] = node
-        else:
-            out[node] = (OrgUnavailable(f"the SuperLink refused the {op.message_type} message to node {node}"), 0.0)
+    out, waiting = _push(grid, op, contents, group_id, timeout_s + ttl_grace_s)
     answered: dict[str, int] = {}
     skipped: Counter[str] = Counter()
     poll = min(FIRST_POLL_S, max_poll_s)
@@ -144,6 +131,26 @@ def exchange(
         if ignored is not None:
             ignored.update(skipped)
     return out
+
+
+def _push(
+    grid: Any, op: Operation, contents: Mapping[int, Any], group_id: str, ttl: float
+) -> tuple[dict[int, tuple[Any, float]], dict[str, int]]:
+    """Push one ``op`` message per node; ``({node: (OrgUnavailable, 0.0)}`` for messages the SuperLink refused,
+    ``{message id: node}`` of the pushed ones)."""
+    messages = {
+        node: Message(content, dst_node_id=node, message_type=op.message_type, group_id=group_id, ttl=ttl)
+        for node, content in contents.items()
+    }
+    pushed = set(filter(None, grid.push_messages(list(messages.values())))) if messages else set()
+    out: dict[int, tuple[Any, float]] = {}
+    waiting: dict[str, int] = {}
+    for node, msg in messages.items():
+        if msg.metadata.message_id and msg.metadata.message_id in pushed:
+            waiting[msg.metadata.message_id] = node
+        else:
+            out[node] = (OrgUnavailable(f"the SuperLink refused the {op.message_type} message to node {node}"), 0.0)
+    return out, waiting
 
 
 def _mismatch(reply: Any, waiting: Mapping[str, int], answered: Mapping[str, int]) -> str:
