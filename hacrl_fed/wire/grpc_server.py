@@ -358,9 +358,10 @@ def _round_of(request: Any) -> str:
     """`` round N`` (or ``run R round N``) for a decoded request, "" when it names no round."""
     if isinstance(request, int) and not isinstance(request, bool):  # a CheckpointRequest decodes to its round
         return f" round {request}"
-    halves = [getattr(request, half, None) for half in ("train", "plan")]  # a StepRequest: its halves' rounds
-    if any(halves):
-        return "".join(f" {name} round {h.round}" for name, h in zip(("train", "plan"), halves) if h is not None)
+    if hasattr(request, "parts"):  # a StepRequest: the rounds of its train and plan, and what rides with them
+        halves = [(name, getattr(request, name)) for name in ("train", "plan") if getattr(request, name) is not None]
+        rides = [f" + {name}" for name in ("evaluate", "checkpoint") if getattr(request, name) is not None]
+        return "".join(f" {name} round {h.round}" for name, h in halves) + "".join(rides)
     round_ = getattr(request, "round", None)
     return "" if round_ is None else f" round {round_}"
 
