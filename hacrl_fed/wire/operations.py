@@ -7,7 +7,7 @@ operation's ``name`` is the :class:`~hacrl_fed.worker.api.WorkerAPI` method (and
 :class:`~hacrl_fed.coordinator.transport.Transport` method; the deprecated halves excepted), ``rpc`` the method of
 the ``PolicyWorker`` service in
 ``proto/hacrl_fed/v1/worker.proto``, whose request and reply message names are read from the generated descriptor
-(as is :data:`SERVICE`), never typed here. ``tests/test_operations.py`` checks that table, proto service and
+(as is :data:`SERVICE`), never typed here. ``tests/test_fused.py`` checks that table, proto service and
 WorkerAPI agree.
 
 =============  ==========  ======================  ===================  =================
