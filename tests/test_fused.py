@@ -23,7 +23,7 @@ from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.loop import Coordinator
 from hacrl_fed.coordinator.transport import Transport
 from hacrl_fed.metrics import RunLogger, read_metrics
-from hacrl_fed.types import EvalRequest, StepReply, StepRequest
+from hacrl_fed.types import EvalReport, EvalRequest, StepReply, StepRequest, TrainRequest
 from hacrl_fed.v1 import worker_pb2 as pb
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.codec import WireError
@@ -67,6 +67,42 @@ def test_step_messages_round_trip_and_refuse_what_is_not_a_step():
     bad = pb.StepReply(schema_version=1, generate_error="x")
     bad.batch.CopyFrom(codec.to_proto(FakeWorker("a").generate(plan)))
     with pytest.raises(WireError, match="both batch and generate_error"):
+        codec.decode("StepReply", bad.SerializeToString())
+
+
+def test_a_step_does_train_evaluate_checkpoint_then_generate_and_each_part_fails_alone():
+    order = []
+
+    class Ordered(FakeWorker):
+        def train(self, request):
+            order.append("train")
+            return super().train(request)
+
+        def evaluate(self, request):
+            order.append("evaluate")
+            raise RuntimeError("eval set missing")
+
+        def checkpoint(self, round):
+            order.append("checkpoint")
+            return super().checkpoint(round)
+
+        def generate(self, plan):
+            order.append("generate")
+            return super().generate(plan)
+
+    worker = Ordered("a")
+    worker.step(StepRequest(plan=fake_plan(1)))
+    order.clear()
+    train = TrainRequest("r", 1, "a", fake_plan(1).prompts, (), {"a": 1.0})
+    request = StepRequest(train, fake_plan(2), EvalRequest("r", 1, "fake", fake_plan(1).prompts, 8), 1)
+    reply = worker.step(request)
+    assert order == ["train", "evaluate", "checkpoint", "generate"]
+    assert reply.report is not None and reply.checkpoint == "/tmp/fake/a/round-1" and reply.batch.round == 2
+    assert reply.eval_report is None and "eval set missing" in reply.eval_error  # only that part failed
+    assert codec.decode("StepReply", codec.encode(reply)) == reply  # the failure travels as text
+    bad = codec.to_proto(reply)
+    bad.eval_report.CopyFrom(codec.to_proto(EvalReport("r", 1, "a", 0.5, 2)))
+    with pytest.raises(WireError, match="both eval_report and eval_error"):
         codec.decode("StepReply", bad.SerializeToString())
 
 
