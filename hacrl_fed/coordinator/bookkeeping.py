@@ -18,8 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hacrl_fed import failures
+from hacrl_fed.algorithm import CapabilityTracker
+from hacrl_fed.config import RunConfig
 from hacrl_fed.coordinator import round_metrics as rm
 from hacrl_fed.coordinator.rounds import RoundState
+from hacrl_fed.coordinator.trust import PoolGuard
 from hacrl_fed.plan.screening import accepted_accuracy
 from hacrl_fed.results import RoundResult
 from hacrl_fed.security.freshness import HEALTH_KEY, parse_challenge
@@ -123,7 +126,7 @@ class RoundKeeper:
     """The round bookkeeping of a run of ``cfg`` (module docstring): ``guard`` (the trust guard), ``tracker``
     (capabilities) and ``book`` are the coordinator's own; ``challenges`` each org's latest challenge."""
 
-    def __init__(self, cfg: Any, guard: Any, tracker: Any, book: RunBook) -> None:
+    def __init__(self, cfg: RunConfig, guard: PoolGuard, tracker: CapabilityTracker, book: RunBook) -> None:
         self.cfg, self.guard, self.tracker, self.book = cfg, guard, tracker, book
         self.org_order = list(book.orgs)
         self.challenges: dict[str, bytes] = {}  # replay protection: from train reports and health replies

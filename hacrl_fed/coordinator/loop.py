@@ -62,7 +62,6 @@ from hacrl_fed.types import (
 from hacrl_fed.wire.operations import STEP
 
 log = logging.getLogger(__name__)
-Step = tuple[RoundState | None, RoundState | None]  # (the round it closes: train, eval, checkpoint; it opens: plans)
 
 
 class FederationError(RuntimeError):
