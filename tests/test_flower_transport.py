@@ -142,6 +142,7 @@ def test_transport_round_trip_every_operation(tmp_path):
     evaluate = EvalRequest("run-x", 1, "arithmetic", plan.prompts, 8)
     step = transport.step({"a": StepRequest(train=req, evaluate=evaluate, checkpoint=1)}, timeout_s=5)["a"]
     assert step.report.metrics["hacpo/foreign"] == 4.0 and grid.pushed[-1].metadata.message_type == "train.step"
+    assert grid.pushed[-1].metadata.group_id == "1"  # a step without a plan: the round of its train request
     assert step.eval_report.num_prompts == 2 and step.checkpoint == "/tmp/fake/a/round-1"  # in the same message
     evals = transport.evaluate({"b": evaluate}, timeout_s=5)
     assert evals["b"].num_prompts == 2 and grid.pushed[-1].metadata.message_type == "evaluate"

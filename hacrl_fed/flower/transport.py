@@ -406,6 +406,15 @@ class FlowerTransport(Transport):
 
 
 def _group(requests: Mapping[str, Any]) -> str:
-    """Flower group id of a call: the round of its requests ("" if none)."""
-    rounds = {getattr(r, "round", None) or getattr(getattr(r, "plan", None), "round", None) for r in requests.values()}
-    return str(rounds.pop()) if len(rounds) == 1 else ""
+    """Flower group id of a call: the round of its requests ("" if none, or several)."""
+    rounds = {_round(r) for r in requests.values()}
+    return str(rounds.pop()) if len(rounds) == 1 and None not in rounds else ""
+
+
+def _round(request: Any) -> int | None:
+    """The round a request names; a step's: its plan's, else its train request's, evaluation's or checkpoint's."""
+    for part in (request, *(getattr(request, name, None) for name in ("plan", "train", "evaluate"))):
+        if isinstance(getattr(part, "round", None), int):
+            return int(part.round)
+    checkpoint = getattr(request, "checkpoint", None)
+    return checkpoint if isinstance(checkpoint, int) else None
