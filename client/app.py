@@ -1,8 +1,9 @@
 """Flower ClientApp: forwards each message to this org's policy worker and replies with the result.
 
 Message types served: one handler per operation of :data:`hacrl_fed.wire.operations.OPERATIONS`
-(``query.generate``, ``train``, ``evaluate``, ``query.health``, ``query.checkpoint``, and ``train.step``, the fused
-round: the train request of one round and the plan of the next, forwarded to the worker as one call).
+(``train.step``, every message of a round: the train request of one round with its evaluation and checkpoint
+and the plan of the next, forwarded to the worker as one call; ``evaluate``, ``query.health``,
+``query.checkpoint``; and the deprecated ``query.generate`` and ``train``, served as halves of the worker's step).
 Which org this node is and where its worker lives comes from ``context.node_config`` (:mod:`hacrl_fed.flower.node`):
 
 * deployment: ``flower-supernode ... --node-config 'org="acme" worker="127.0.0.1:50051"'`` (gRPC worker);

@@ -41,6 +41,15 @@ class NoWorker(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class PartFailed(RuntimeError):
+    """One part of a step failed at the worker (``StepReply.train_error`` ...): its text is the worker's
+    :func:`describe` of the failure, ``failure_cause`` the cause at its start."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.failure_cause = parse(text) or ERROR
+
+
 def cause_of(err: BaseException) -> str:
     """The cause of ``err`` (module docstring): its own ``failure_cause``, else the first one along its ``__cause__``
     chain, else by type."""
@@ -62,6 +71,8 @@ def cause_of(err: BaseException) -> str:
 def describe(err: BaseException) -> str:
     """``[cause] Type: message`` (just ``Type: message`` for ``error``): the text that carries ``err`` and its cause
     across a process boundary."""
+    if isinstance(err, PartFailed):  # already the worker's describe() text
+        return str(err)
     cause = cause_of(err)
     return f"{'' if cause == ERROR else f'[{cause}] '}{type(err).__name__}: {err}"
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hacrl_fed.coordinator.results import RoundResult, RunSummary
+from hacrl_fed.results import RoundResult, RunSummary
 from hacrl_fed.run_files import METRICS_FILE
 
 EVAL_KEY = re.compile(r"^eval/(?P<org>[^/]+)/accuracy$")
@@ -178,7 +178,7 @@ def format_table(summary: RunSummary) -> str:
 
 
 def format_round(result: RoundResult, total: int, seconds: float, excluded: Mapping[str, str] | None = None) -> str:
-    """One progress line for a finished round (a :class:`~hacrl_fed.coordinator.results.RoundResult`): batch reward
+    """One progress line for a finished round (a :class:`~hacrl_fed.results.RoundResult`): batch reward
     (mean verified reward of the accepted rollouts) per replying org, accepted / rejected rollouts per org, orgs
     that contributed nothing and why, orgs excluded from the pool, and the round's wall time."""
     m = result.metrics

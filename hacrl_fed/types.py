@@ -121,8 +121,9 @@ class TrainRequest:
     unread_foreign: int = 0
 
 
-# Dataclass fields the receiving codec fills in and that never travel (tests/test_proto_drift.py).
-LOCAL_ONLY_FIELDS: dict[str, tuple[str, ...]] = {"TrainRequest": ("unread_foreign",)}
+# Dataclass fields that never travel: filled in by the receiving codec, or kept in one process
+# (tests/test_proto_drift.py).
+LOCAL_ONLY_FIELDS: dict[str, tuple[str, ...]] = {"TrainRequest": ("unread_foreign",), "StepReply": ("raised",)}
 
 
 @dataclass(frozen=True)
@@ -160,25 +161,41 @@ class EvalReport:
 
 @dataclass(frozen=True)
 class StepRequest:
-    """Coordinator → org, once per round in the fused protocol (``federation.protocol: fused``).
+    """Coordinator → org: every message of a round is a step (docs/ARCHITECTURE.md "One round").
 
-    ``train`` is round ``r - 1``'s TrainRequest (None in round 1, or when the org did not train that round),
-    ``plan`` round ``r``'s RoundPlan (None after the last round); at least one is set. The worker trains, then
-    generates with its updated weights: the same order of work as a Train followed by the next Generate.
+    ``train`` is round ``r - 1``'s TrainRequest (None in round 1, when the org did not train that round, or in the
+    plan-only message of ``federation.protocol: two_message``), ``plan`` round ``r``'s RoundPlan (None after the
+    last round, or in the train-only message). ``evaluate`` / ``checkpoint`` (the round to checkpoint) ride with the
+    train request of the rounds that evaluate / checkpoint. At least one part is set. The worker trains,
+    evaluates, checkpoints, then generates with its updated weights (:func:`hacrl_fed.worker.step.run_step`).
     """
 
     train: TrainRequest | None = None
     plan: RoundPlan | None = None
+    evaluate: EvalRequest | None = None
+    checkpoint: int | None = None
+
+    def parts(self) -> int:
+        """How many parts the message carries (each keeps its own deadline at the coordinator)."""
+        return sum(part is not None for part in (self.train, self.plan, self.evaluate, self.checkpoint))
 
 
 @dataclass(frozen=True)
 class StepReply:
-    """The worker's reply to a :class:`StepRequest`: per half sent, its reply or why it failed, never both.
+    """The worker's reply to a :class:`StepRequest`: per part sent, its reply or why it failed, never both.
 
-    ``train_error`` / ``generate_error`` are :func:`hacrl_fed.failures.describe` texts (``[cause] Type: message``).
+    ``train_error`` / ``generate_error`` / ``eval_error`` / ``checkpoint_error`` are :func:`hacrl_fed.failures.describe`
+    texts (``[cause] Type: message``); ``checkpoint`` is the path the worker wrote.
     """
 
     report: TrainReport | None = None
     batch: RolloutBatch | None = None
     train_error: str = ""
     generate_error: str = ""
+    eval_report: EvalReport | None = None
+    eval_error: str = ""
+    checkpoint: str | None = None
+    checkpoint_error: str = ""
+    # In one process only: the exception of each failed part ("train", "generate", "evaluate", "checkpoint"), so a
+    # caller in the same process (the in-process transport, the deprecated Generate / Train) sees the original.
+    raised: dict[str, Exception] = field(default_factory=dict, compare=False, repr=False)

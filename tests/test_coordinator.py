@@ -17,7 +17,7 @@ from hacrl_fed.coordinator.loop import Coordinator, FederationError, make_run_id
 from hacrl_fed.run_files import STATE_FILE
 from hacrl_fed.plan.sampler import PromptSampler
 from hacrl_fed.metrics import RunLogger, plot_accuracy, read_metrics
-from hacrl_fed.types import Rollout, RoundPlan, SamplingParams
+from hacrl_fed.types import Rollout, RoundPlan, SamplingParams, StepRequest
 
 SKILLS = {"a": 0.25, "b": 0.5, "c": 0.75}
 
@@ -151,18 +151,13 @@ def test_orgs_without_valid_rollouts_do_not_count_as_replies(tmp_path):
 
 
 class CrashAt(InProcessTransport):
-    """Raises (like a killed coordinator) when asked to generate round ``crash_round``."""
+    """Raises (like a killed coordinator) when asked to send round ``crash_round``'s plans."""
 
     def __init__(self, workers, crash_round):
         super().__init__(workers)
         self.crash_round = crash_round
 
-    def generate(self, plans, timeout_s):
-        if any(p.round == self.crash_round for p in plans.values()):
-            raise KeyboardInterrupt("simulated crash")
-        return super().generate(plans, timeout_s)
-
-    def step(self, requests, timeout_s):  # the fused protocol: the message carrying round crash_round's plan
+    def step(self, requests, timeout_s):  # the message carrying round crash_round's plan (either protocol)
         if any(r.plan is not None and r.plan.round == self.crash_round for r in requests.values()):
             raise KeyboardInterrupt("simulated crash")
         return super().step(requests, timeout_s)
@@ -255,9 +250,10 @@ def test_inprocess_transport_returns_exceptions_as_values():
     transport = InProcessTransport(workers)
     plan_args = dict(run_id="r", round=1, task="fake", prompts=tuple(FakeTask().prompts("train", [0])))
     plans = {org: RoundPlan(sampling=SamplingParams(num_samples=2), **plan_args) for org in ("a", "b", "ghost")}
-    out = transport.generate(plans, timeout_s=1.0)
-    assert isinstance(out["a"], RuntimeError) and isinstance(out["ghost"], KeyError)
-    assert len(out["b"].rollouts) == 2 and set(transport.last_call_seconds) == {"a", "b", "ghost"}
+    out = transport.step({org: StepRequest(plan=plan) for org, plan in plans.items()}, timeout_s=1.0)
+    assert isinstance(out["a"].raised["generate"], RuntimeError) and "RuntimeError" in out["a"].generate_error
+    assert isinstance(out["ghost"], KeyError)  # no worker: the call itself failed
+    assert len(out["b"].batch.rollouts) == 2 and set(transport.last_call_seconds) == {"a", "b", "ghost"}
 
 
 # ------------------------------------------------------------------------------------------------ gRPC
@@ -296,8 +292,9 @@ def test_grpc_transport_runs_the_loop(tmp_path, grpc_workers):
     rec = read_metrics(tmp_path)[1]
     assert rec["bytes/step/a"] > 0 and rec["bytes/step/b"] > 0
     assert rec["bytes/step/total"] == rec["bytes/step/a"] + rec["bytes/step/b"]
-    assert transport.messages_sent == {("step", "a"): 3, ("step", "b"): 3, ("evaluate", "a"): 2,
-                                       ("evaluate", "b"): 2, ("checkpoint", "a"): 1, ("checkpoint", "b"): 1}
+    # one message per org and round: round 2's evaluation and checkpoint ride in its train's step; only round 0's
+    # evaluation is a message of its own
+    assert transport.messages_sent == {("step", "a"): 3, ("step", "b"): 3, ("evaluate", "a"): 1, ("evaluate", "b"): 1}
 
 
 def test_grpc_transport_timeout_and_dead_worker_are_values(grpc_workers):
@@ -309,13 +306,13 @@ def test_grpc_transport_timeout_and_dead_worker_are_values(grpc_workers):
     transport = GrpcTransport({**addresses, "dead": "127.0.0.1:1"})
     plan = RoundPlan("r", 1, "fake", tuple(FakeTask().prompts("train", [0])), SamplingParams(num_samples=2))
     try:
-        out = transport.generate({"a": plan, "b": plan, "dead": plan}, timeout_s=0.5)
+        out = transport.step({org: StepRequest(plan=plan) for org in ("a", "b", "dead")}, timeout_s=0.5)
         b_still_held = not workers["b"].hold.is_set()
     finally:
         workers["b"].hold.set()
         transport.close()
-    assert b_still_held and len(out["a"].rollouts) == 2
-    assert isinstance(out["b"], TimeoutError)  # had generate() waited for b, b's batch would be here
+    assert b_still_held and len(out["a"].batch.rollouts) == 2
+    assert isinstance(out["b"], TimeoutError)  # had step() waited for b, b's batch would be here
     assert isinstance(out["dead"], WorkerCallError) and not isinstance(out["dead"], TimeoutError)
     assert set(transport.last_call_bytes) == {"a"}
 
@@ -333,7 +330,7 @@ def test_phase_timings_include_exchange_overhead(tmp_path, protocol, phases):
 
 
 def test_exchange_time_is_the_call_less_the_workers_own_phases():
-    from hacrl_fed.coordinator.loop import _exchange_time
+    from hacrl_fed.coordinator.round_metrics import exchange_time as _exchange_time
 
     worker = {"time/generate": 0.5, "time/verify": 0.25, "time/update": 9.0, "time/a/b": 9.0, "gen/x": 9.0,
               "time/nan": float("nan"), "time/flag": "x"}

@@ -30,6 +30,7 @@ import sys
 import textwrap
 import time
 import tomllib
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -254,9 +255,17 @@ def test_insecure_deployment_with_real_workers(tmp_path):
         assert re.search(rf"hacrl-fed worker serves org {org}, model zoo:micro-\S+, [\d.]+ M parameters, "
                          r"device \w+, dtype \w+", worker_log), worker_log[-2000:]
         assert worker_log.count("listening on unix:") == 1
-        # fused rounds: one Step call per round (plan 1 alone, train 1 with plan 2, the last train alone)
+        # fused rounds: one Step call per round (plan 1 alone, train 1 with plan 2, the last train alone with the
+        # evaluation and checkpoint of the last round)
         assert re.search(r"Step plan round 1 ok in [\d.]+ s", worker_log), worker_log[-2000:]
-        assert "Step train round 1 plan round 2 ok in" in worker_log and "Step train round 2 ok in" in worker_log
+        assert "Step train round 1 plan round 2 ok in" in worker_log
+        assert f"Step train round {ROUNDS} + evaluate + checkpoint ok in" in worker_log
+        # the message counter: each Flower message is one ClientApp process and one call to the worker, so these
+        # are all the messages the org got (Health polls log at DEBUG): every round one, evaluation and
+        # checkpoint rounds included; only the evaluation before round 1 is a message of its own
+        calls = Counter(m.group(1) for m in re.finditer(r"grpc_server: (\w+)\b[^\n]* ok in [\d.]+ s", worker_log))
+        assert calls == {"Step": ROUNDS + 1, "Evaluate": 1}, (org, calls)
+        assert "Evaluate round 0 ok in" in worker_log
     for org in ORGS:  # the real workers did the work: their own timings came back through Flower
         assert metrics[1][f"{org}/time/generate"] > 0
         assert addresses[org] == f"unix:{tmp_path / 'dep' / 'sock' / f'{org}.sock'}"

@@ -17,6 +17,7 @@ What is checked (docs/ARCHITECTURE.md, the round protocol: checkpoint and resume
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -331,7 +332,7 @@ def test_killed_worker_process_run_goes_on_with_min_orgs_and_a_restarted_worker_
     restarted: list[subprocess.Popen] = []
 
     class KillAndRestartC(loop.Coordinator):
-        def run_round(self, round):
+        def _open_round(self, round):  # the start of every round
             if round == 2:
                 killed.append(worker_pid(os.getpid(), "c"))
                 os.kill(killed[0], signal.SIGKILL)
@@ -339,7 +340,7 @@ def test_killed_worker_process_run_goes_on_with_min_orgs_and_a_restarted_worker_
                 restarted.append(start_worker(config, "c", self.transport.addresses["c"], run_dir,
                                               tmp_path / "c-restarted.log"))
                 self.transport.clients["c"].wait_ready(120)
-            return super().run_round(round)
+            return super()._open_round(round)
 
     monkeypatch.setattr(loop, "Coordinator", KillAndRestartC)
     try:
@@ -401,31 +402,28 @@ def test_killed_worker_below_min_orgs_stops_the_cli_with_one_clear_line(tmp_path
 # ------------------------------------------------------------------------------ coordinator restarts (resume)
 
 
+def without_checkpoint(requests: dict, round: int) -> dict | None:
+    """``requests`` less their round-``round`` checkpoint part (None when no request carries it): the workers
+    train that round, and the checkpoint that rides with it never happens."""
+    if not any(r.checkpoint == round for r in requests.values()):
+        return None
+    return {org: dataclasses.replace(r, checkpoint=None) for org, r in requests.items()}
+
+
 class Recorder(InProcessTransport):
     """In-process transport that records prompts, rollouts and trainings into ``log`` (shared across restarts) and
     raises KeyboardInterrupt, as a killed coordinator stops, at ``crash = (round, "before" | "after")`` the workers'
-    checkpoint call, i.e. after they trained that round but before the coordinator wrote its state."""
+    checkpoint of that round, i.e. after they trained that round but before the coordinator wrote its state
+    ("before": the step that carried the round's train request went out without its checkpoint)."""
 
     def __init__(self, workers, log, crash=None):
         super().__init__(workers)
         self.log, self.crash = log, crash
 
-    def generate(self, plans, timeout_s):
-        out = super().generate(plans, timeout_s)
-        for org, plan in plans.items():
-            self.log.setdefault("prompts", {})[plan.round] = [p.prompt_id for p in plan.prompts]
-            reply = out[org]
-            self.log.setdefault("rollouts", {})[plan.round, org] = (
-                type(reply).__name__ if isinstance(reply, Exception) else reply.rollouts)
-        return out
-
-    def train(self, requests, timeout_s):
-        out = super().train(requests, timeout_s)
-        self.log.setdefault("trained", []).extend((req.round, org) for org, req in requests.items()
-                                                  if not isinstance(out[org], Exception))
-        return out
-
-    def step(self, requests, timeout_s):  # the fused protocol: the same records, from the halves of each reply
+    def step(self, requests, timeout_s):  # every message: the records, from the parts of each reply
+        crash = self.crash is not None and without_checkpoint(requests, self.crash[0])
+        if crash and self.crash[1] == "before":
+            requests = crash
         out = super().step(requests, timeout_s)
         for org, req in requests.items():
             reply = out[org]
@@ -436,14 +434,8 @@ class Recorder(InProcessTransport):
                 self.log.setdefault("rollouts", {})[req.plan.round, org] = (
                     type(reply).__name__ if isinstance(reply, Exception) else reply.batch.rollouts
                     if reply.batch is not None else reply.generate_error.split("] ")[-1].split(":")[0])
-        return out
-
-    def checkpoint(self, org_ids, round, timeout_s):
-        if self.crash == (round, "before"):
-            raise KeyboardInterrupt(f"coordinator killed before the round-{round} checkpoint")
-        out = super().checkpoint(org_ids, round, timeout_s)
-        if self.crash == (round, "after"):
-            raise KeyboardInterrupt(f"coordinator killed after the round-{round} checkpoint")
+        if crash:
+            raise KeyboardInterrupt(f"coordinator killed {self.crash[1]} the round-{self.crash[0]} checkpoint")
         return out
 
 
@@ -537,14 +529,17 @@ def test_workers_ahead_of_the_coordinator_refuse_the_round_they_already_trained(
 
 class CrashingGrpcTransport(GrpcTransport):
     """GrpcTransport that raises KeyboardInterrupt (a killed coordinator) instead of the round-``crash_round``
-    checkpoint call, i.e. after the workers trained that round and before the coordinator wrote its state."""
+    checkpoint, i.e. after the workers trained that round and before the coordinator wrote its state: the step
+    carrying that round's train request goes out without its checkpoint part."""
 
     crash_round = 3
 
-    def checkpoint(self, org_ids, round, timeout_s):
-        if round == self.crash_round:
-            raise KeyboardInterrupt(f"coordinator killed before the round-{round} checkpoint")
-        return super().checkpoint(org_ids, round, timeout_s)
+    def step(self, requests, timeout_s):
+        stripped = without_checkpoint(requests, self.crash_round)
+        if stripped is None:
+            return super().step(requests, timeout_s)
+        super().step(stripped, timeout_s)
+        raise KeyboardInterrupt(f"coordinator killed before the round-{self.crash_round} checkpoint")
 
 
 @pytest.mark.timeout(120)

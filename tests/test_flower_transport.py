@@ -21,8 +21,10 @@ from hacrl_fed.flower.settings import ENV_VAR, SettingsError
 from hacrl_fed.flower.transport import (
     MAX_POLL_S, DiscoveryError, FlowerRemoteError, FlowerTransport, OrgUnavailable, assign_orgs, discover_orgs,
 )
-from hacrl_fed.types import ChatMessage, EvalRequest, Prompt, RoundPlan, SamplingParams, TrainRequest
+from hacrl_fed.flower import records
+from hacrl_fed.types import ChatMessage, EvalRequest, Prompt, RoundPlan, SamplingParams, StepRequest, TrainRequest
 from hacrl_fed.wire import codec
+from hacrl_fed.wire import operations as ops
 from helpers_fake_workers import FakeWorker
 
 APP_DIR = Path(__file__).resolve().parents[1]
@@ -127,21 +129,28 @@ def test_transport_round_trip_every_operation(tmp_path):
     transport = FlowerTransport(grid, discover_orgs(grid, ["a", "b"], 5), expected_orgs=["a", "b"])
     assert transport.org_ids() == ["a", "b"]
     plan = _plan()
-    batches = transport.generate({"a": plan, "b": plan}, timeout_s=5)
+    replies = transport.step({"a": StepRequest(plan=plan), "b": StepRequest(plan=plan)}, timeout_s=5)
+    batches = {org: r.batch for org, r in replies.items()}
     assert {org: (b.org_id, len(b.rollouts), b.accuracy) for org, b in batches.items()} == {
         "a": ("a", 4, 0.25), "b": ("b", 4, 0.75)}
     assert set(transport.last_call_bytes) == {"a", "b"}
-    assert transport.last_call_bytes["a"] == len(codec.encode(plan)) + len(codec.encode(batches["a"]))
+    assert transport.last_call_bytes["a"] == len(codec.encode(StepRequest(plan=plan))) + len(codec.encode(replies["a"]))
     assert all(0 <= s < 5 for s in transport.last_call_seconds.values())
-    assert grid.pushed[-1].metadata.message_type == "query.generate" and grid.pushed[-1].metadata.group_id == "1"
+    assert grid.pushed[-1].metadata.message_type == "train.step" and grid.pushed[-1].metadata.group_id == "1"
     assert grid.pushed[-1].metadata.ttl == pytest.approx(5 + transport.ttl_grace_s)
     req = TrainRequest("run-x", 1, "a", plan.prompts, batches["b"].rollouts, {"a": 0.25, "b": 0.75})
-    reports = transport.train({"a": req}, timeout_s=5)
-    assert reports["a"].metrics["hacpo/foreign"] == 4.0 and grid.pushed[-1].metadata.message_type == "train"
-    evals = transport.evaluate({"b": EvalRequest("run-x", 1, "arithmetic", plan.prompts, 8)}, timeout_s=5)
+    evaluate = EvalRequest("run-x", 1, "arithmetic", plan.prompts, 8)
+    step = transport.step({"a": StepRequest(train=req, evaluate=evaluate, checkpoint=1)}, timeout_s=5)["a"]
+    assert step.report.metrics["hacpo/foreign"] == 4.0 and grid.pushed[-1].metadata.message_type == "train.step"
+    assert grid.pushed[-1].metadata.group_id == "1"  # a step without a plan: the round of its train request
+    assert step.eval_report.num_prompts == 2 and step.checkpoint == "/tmp/fake/a/round-1"  # in the same message
+    evals = transport.evaluate({"b": evaluate}, timeout_s=5)
     assert evals["b"].num_prompts == 2 and grid.pushed[-1].metadata.message_type == "evaluate"
     assert transport.checkpoint(["a", "b"], 1, timeout_s=5) == {"a": "/tmp/fake/a/round-1",
                                                                 "b": "/tmp/fake/b/round-1"}
+    # the deprecated message type is still served, as the plan-only half of a step
+    old = flower_transport.exchange(grid, ops.GENERATE, {9017: records.pack(_plan(2))}, timeout_s=5)
+    assert flower_transport.decode_reply(ops.GENERATE, "b", old[9017][0]).round == 2
     health = transport.health(["a"], timeout_s=5)["a"]  # a trained once
     assert health["org_id"] == "a" and health["node_mode"] == "simulation" and health["round"] == "1"
     assert BUILT == ["a", "b"]  # cached: built once per (run, org)
@@ -150,12 +159,12 @@ def test_transport_round_trip_every_operation(tmp_path):
 def test_worker_failure_becomes_remote_error_for_that_org_only(tmp_path):
     grid = FakeGrid(sim_contexts(write_config(tmp_path), 2))
     transport = FlowerTransport(grid, discover_orgs(grid, ["a", "b"], 5))
-    out = transport.generate({"a": _plan(13), "b": _plan(13)}, timeout_s=5)  # FakeWorkers fail round 13
-    assert isinstance(out["a"], FlowerRemoteError) and out["a"].code == 2
-    assert "generate on org 'a'" in str(out["a"]) and "a is down in round 13" in str(out["a"])
-    assert transport.last_call_bytes == {}
-    bad_request = transport.generate({"a": TrainRequest("r", 1, "a", (), (), {})}, timeout_s=5)  # wrong kind
-    assert "expected 'RoundPlan', got 'TrainRequest'" in str(bad_request["a"])
+    out = transport.step({o: StepRequest(plan=_plan(13)) for o in "ab"}, timeout_s=5)  # FakeWorkers fail round 13
+    assert out["a"].batch is None and "a is down in round 13" in out["a"].generate_error  # that part, in the reply
+    out = transport.step({"a": TrainRequest("r", 1, "a", (), (), {}), "b": StepRequest(plan=_plan())}, timeout_s=5)
+    assert isinstance(out["a"], FlowerRemoteError) and out["a"].code == 2  # a request of the wrong kind
+    assert "step on org 'a'" in str(out["a"]) and "expected 'StepRequest', got 'TrainRequest'" in str(out["a"])
+    assert out["b"].batch.org_id == "b" and set(transport.last_call_bytes) == {"b"}
 
 
 class FakeClock:
@@ -179,10 +188,10 @@ def test_silent_refused_and_missing_orgs(tmp_path, monkeypatch):
     grid.silent, grid.refuse = {9017}, {9034}
     clock = FakeClock()
     monkeypatch.setattr(flower_transport, "time", clock)
-    out = transport.generate({org: _plan() for org in ("a", "b", "c", "zeta")}, timeout_s=0.5)
+    out = transport.step({org: StepRequest(plan=_plan()) for org in ("a", "b", "c", "zeta")}, timeout_s=0.5)
     # it waited for the silent node exactly until the deadline, in polls no longer than MAX_POLL_S
     assert clock.now == pytest.approx(0.5) and max(clock.sleeps) <= MAX_POLL_S and len(clock.sleeps) < 20
-    assert out["a"].org_id == "a"
+    assert out["a"].batch.org_id == "a"
     assert isinstance(out["b"], TransportTimeout) and "within 0.5 s" in str(out["b"])
     assert isinstance(out["c"], OrgUnavailable) and "refused" in str(out["c"])
     assert isinstance(out["zeta"], OrgUnavailable) and "no connected Flower node" in str(out["zeta"])
@@ -234,7 +243,7 @@ def test_node_errors_are_replied_not_raised(tmp_path):
     contexts = sim_contexts(config, 2)
     contexts[9017].node_config["partition-id"] = 5  # more partitions than orgs
     contexts[1] = Context(run_id=7, node_id=1, node_config={}, state=RecordDict(), run_config={})
-    out = FlowerTransport(FakeGrid(contexts), {9017: "b", 1: "c"}).generate({"b": _plan(), "c": _plan()}, 5)
+    out = FlowerTransport(FakeGrid(contexts), {9017: "b", 1: "c"}).step({o: StepRequest(plan=_plan()) for o in "bc"}, 5)
     assert "partition-id 5 but the config has 2 orgs" in str(out["b"])
     assert "names no worker" in str(out["c"]) and "--node-config" in str(out["c"])
 
@@ -242,7 +251,7 @@ def test_node_errors_are_replied_not_raised(tmp_path):
 def test_simulation_guard_detects_a_second_actor_process(tmp_path):
     contexts = sim_contexts(write_config(tmp_path), 2)
     contexts[9000].state.config_records[node.STATE_KEY] = ConfigRecord({"pid": os.getpid() + 1, "host": "elsewhere"})
-    out = FlowerTransport(FakeGrid(contexts), {9000: "a"}).generate({"a": _plan()}, 5)
+    out = FlowerTransport(FakeGrid(contexts), {9000: "a"}).step({"a": StepRequest(plan=_plan())}, 5)
     assert isinstance(out["a"], FlowerRemoteError) and "exactly one ClientApp actor" in str(out["a"])
 
 
@@ -260,8 +269,8 @@ def test_deployment_mode_forwards_to_a_grpc_worker(tmp_path):
         grid = FakeGrid(contexts)
         infos = discover_orgs(grid, ["a", "c"], timeout_s=0.5, min_orgs=1)
         assert infos == {50: "a"}
-        out = FlowerTransport(grid, {50: "a", 51: "c"}).generate({"a": _plan(), "c": _plan()}, 5)
-        assert out["a"].org_id == "a" and out["a"].accuracy == 0.25
+        out = FlowerTransport(grid, {50: "a", 51: "c"}).step({o: StepRequest(plan=_plan()) for o in "ac"}, 5)
+        assert out["a"].batch.org_id == "a" and out["a"].batch.accuracy == 0.25
         assert "the worker answered as org 'b'; this node serves 'c'" in str(out["c"])
         assert BUILT == []  # no in-process worker in deployment mode
     finally:
@@ -283,8 +292,10 @@ def test_run_federation_runs_the_coordinator(tmp_path, monkeypatch):
     assert all(rec[f"round/{org}/messages"] == (1 if rec["round"] < 3 else 2) for rec in lines[1:] for org in "abc")
     types = [m.metadata.message_type for m in grid.pushed]  # fused: 3 rounds = 3 plans + 1 closing train, per org
     assert types.count("train.step") == 12 and types.count("query.generate") == 0 and types.count("train") == 0
-    assert types.count("evaluate") == 12
-    assert types.count("query.checkpoint") == 3 and types[:3] == ["query.health"] * 3
+    # one message per org and round, evaluation (every round) and checkpoint (the last) rounds included: only the
+    # evaluation before round 1 is a message of its own
+    assert types.count("evaluate") == 3 and types.count("query.checkpoint") == 0 and types[:3] == ["query.health"] * 3
+    assert all(f"eval/{org}/accuracy" in rec for rec in lines for org in "abc")
 
 
 def test_run_federation_resumes(tmp_path):
@@ -326,8 +337,8 @@ def test_deployment_mode_uses_mutual_tls_when_node_config_names_the_keys(tmp_pat
             63: ctx(63, worker="10.1.2.3:50051"),  # refused before dialling
         }
         transport = FlowerTransport(FakeGrid(contexts), {60: "a", 61: "b", 62: "c", 63: "d"})
-        out = transport.generate({org: _plan() for org in "abcd"}, 5)
-        assert out["a"].org_id == "a" and out["a"].accuracy == 0.25
+        out = transport.step({org: StepRequest(plan=_plan()) for org in "abcd"}, 5)
+        assert out["a"].batch.org_id == "a" and out["a"].batch.accuracy == 0.25
         assert "UNAVAILABLE" in str(out["b"])
         assert "mutual TLS needs all of ['worker-ca', 'worker-cert', 'worker-key']" in str(out["c"])
         assert "'10.1.2.3:50051' is neither a unix: socket nor loopback: set worker-ca" in str(out["d"])

@@ -23,7 +23,7 @@ from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.loop import Coordinator
 from hacrl_fed.coordinator.transport import Transport
 from hacrl_fed.metrics import RunLogger, read_metrics
-from hacrl_fed.types import StepReply, StepRequest
+from hacrl_fed.types import EvalReport, EvalRequest, StepReply, StepRequest, TrainRequest
 from hacrl_fed.v1 import worker_pb2 as pb
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.codec import WireError
@@ -39,15 +39,18 @@ def test_the_table_the_proto_service_and_the_worker_api_agree():
     assert SERVICE == service.full_name == "hacrl_fed.v1.PolicyWorker"
     assert {op.rpc for op in OPERATIONS.values()} == {m.name for m in service.methods}
     worker_methods = {n for n, v in vars(WorkerAPI).items() if callable(v) and not n.startswith("_")}
-    assert set(OPERATIONS) == worker_methods
+    round_ops = {name for name, op in OPERATIONS.items() if not op.part}  # what a round needs
+    assert round_ops == worker_methods == {"step", "evaluate", "checkpoint", "health"}
     for op in OPERATIONS.values():
         method = service.methods_by_name[op.rpc]
         assert (op.request_kind, op.reply_kind) == (method.input_type.name, method.output_type.name)
         assert codec.proto_class(op.request_kind) is getattr(pb, op.request_kind)
-        params = [p for p in inspect.signature(getattr(WorkerAPI, op.name)).parameters if p != "self"]
-        assert bool(params) == op.takes_request, op.name
-    transport_ops = {n for n in ("generate", "train", "evaluate", "checkpoint", "step") if n in vars(Transport)}
-    assert transport_ops == set(OPERATIONS) - {"health"}  # health: discovery, not a round operation
+        assert method.GetOptions().deprecated == bool(op.part), op.rpc  # Generate, Train: halves of Step
+        if not op.part:
+            params = [p for p in inspect.signature(getattr(WorkerAPI, op.name)).parameters if p != "self"]
+            assert bool(params) == op.takes_request, op.name
+    assert {op.rpc for op in OPERATIONS.values() if op.part} == {"Generate", "Train"}
+    assert {n for n in OPERATIONS if n in vars(Transport)} == round_ops  # no generate / train on a Transport
     assert len({op.message_type for op in OPERATIONS.values()}) == len(OPERATIONS)
 
 
@@ -55,13 +58,51 @@ def test_step_messages_round_trip_and_refuse_what_is_not_a_step():
     plan = fake_plan(2)
     req = StepRequest(plan=plan)
     assert codec.decode("StepRequest", codec.encode(req)) == req
-    with pytest.raises(WireError, match="neither train nor plan"):
+    full = StepRequest(plan=plan, evaluate=EvalRequest("r", 1, "fake", plan.prompts, 8), checkpoint=1)
+    assert codec.decode("StepRequest", codec.encode(full)) == full
+    with pytest.raises(WireError, match="neither train, plan, evaluate nor checkpoint"):
         codec.encode(StepRequest())
-    with pytest.raises(WireError, match="neither train nor plan"):
+    with pytest.raises(WireError, match="neither train, plan, evaluate nor checkpoint"):
         codec.decode("StepRequest", pb.StepRequest(schema_version=1).SerializeToString())
     bad = pb.StepReply(schema_version=1, generate_error="x")
     bad.batch.CopyFrom(codec.to_proto(FakeWorker("a").generate(plan)))
     with pytest.raises(WireError, match="both batch and generate_error"):
+        codec.decode("StepReply", bad.SerializeToString())
+
+
+def test_a_step_does_train_evaluate_checkpoint_then_generate_and_each_part_fails_alone():
+    order = []
+
+    class Ordered(FakeWorker):
+        def train(self, request):
+            order.append("train")
+            return super().train(request)
+
+        def evaluate(self, request):
+            order.append("evaluate")
+            raise RuntimeError("eval set missing")
+
+        def checkpoint(self, round):
+            order.append("checkpoint")
+            return super().checkpoint(round)
+
+        def generate(self, plan):
+            order.append("generate")
+            return super().generate(plan)
+
+    worker = Ordered("a")
+    worker.step(StepRequest(plan=fake_plan(1)))
+    order.clear()
+    train = TrainRequest("r", 1, "a", fake_plan(1).prompts, (), {"a": 1.0})
+    request = StepRequest(train, fake_plan(2), EvalRequest("r", 1, "fake", fake_plan(1).prompts, 8), 1)
+    reply = worker.step(request)
+    assert order == ["train", "evaluate", "checkpoint", "generate"]
+    assert reply.report is not None and reply.checkpoint == "/tmp/fake/a/round-1" and reply.batch.round == 2
+    assert reply.eval_report is None and "eval set missing" in reply.eval_error  # only that part failed
+    assert codec.decode("StepReply", codec.encode(reply)) == reply  # the failure travels as text
+    bad = codec.to_proto(reply)
+    bad.eval_report.CopyFrom(codec.to_proto(EvalReport("r", 1, "a", 0.5, 2)))
+    with pytest.raises(WireError, match="both eval_report and eval_error"):
         codec.decode("StepReply", bad.SerializeToString())
 
 
@@ -92,9 +133,11 @@ def test_fused_counts_one_message_per_org_per_round_and_the_workers_see_the_same
     _, two_workers, two, two_rec = run_fakes(tmp_path / "two", "two_message")
     _, fused_workers, fused, fused_rec = run_fakes(tmp_path / "fused", "fused")
     for org in "abc":
-        assert two.messages_sent["generate", org] == 4 and two.messages_sent["train", org] == 4
+        # every message is a step; evaluations (rounds 2, 4) and checkpoints (2, 4) ride in the train's message
+        assert two.messages_sent["step", org] == 8  # 4 rounds: a plan-only step, then a train-only step
         assert fused.messages_sent["step", org] == 5  # 4 rounds: 4 plans + the last round's train alone
-        assert fused.messages_sent["generate", org] == fused.messages_sent["train", org] == 0
+        for sent in (two.messages_sent, fused.messages_sent):  # besides: round 0's evaluation, the first challenge
+            assert {op: n for (op, o), n in sent.items() if o == org and op != "step"} == {"evaluate": 1, "health": 1}
         assert [fused_rec[t][f"round/{org}/messages"] for t in (1, 2, 3, 4)] == [1, 1, 1, 2]
         assert [two_rec[t][f"round/{org}/messages"] for t in (1, 2, 3, 4)] == [2, 2, 2, 2]
         same_run = lambda items: [dataclasses.replace(x, run_id="r") for x in items]  # noqa: E731

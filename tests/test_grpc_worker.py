@@ -23,6 +23,7 @@ from hacrl_fed.v1 import worker_pb2_grpc
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.codec import WireError
 from hacrl_fed.wire.grpc_client import GrpcWorkerClient, WorkerCallError, WorkerCallTimeout
+from hacrl_fed.worker.step import run_step
 from hacrl_fed.cli.worker import main as main_worker
 from hacrl_fed.wire.grpc_server import serve_worker
 from hacrl_fed.worker.api import WorkerAPI
@@ -101,6 +102,9 @@ class FakeWorker:
     def checkpoint(self, round: int) -> str:
         self._enter("checkpoint")
         return f"/ckpt/{self.org_id}/round-{round:06d}"
+
+    def step(self, request: t.StepRequest) -> t.StepReply:  # the deprecated Generate / Train are its halves
+        return run_step(self, request)
 
 
 def _prompts(n: int = 2) -> tuple[t.Prompt, ...]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hacrl_fed.coordinator.results import OrgSummary, RunSummary
+from hacrl_fed.results import OrgSummary, RunSummary
 from hacrl_fed.metrics import RunLogger, eval_curves, format_table, plot_accuracy, read_metrics
 
 

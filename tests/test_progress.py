@@ -42,12 +42,15 @@ def test_one_log_line_per_call_with_rpc_round_and_seconds(caplog):
             c.checkpoint(3)
             c.step(StepRequest(train=TrainRequest("r", 3, "a", prompts, (), {"a": 1.0}),
                                plan=RoundPlan("r", 4, "fake", prompts, SamplingParams(num_samples=2))))
+            c.step(StepRequest(train=TrainRequest("r", 4, "a", prompts, (), {"a": 1.0}),
+                               evaluate=EvalRequest("r", 4, "fake", prompts, max_new_tokens=4), checkpoint=4))
     finally:
         server.stop(0)
     lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == SERVER_LOG]
     info = [m for level, m in lines if level == "INFO"]
     assert [m.split(" ok in ")[0] for m in info] == ["Generate round 3", "Evaluate round 3", "Checkpoint round 3",
-                                                     "Step train round 3 plan round 4"]
+                                                     "Step train round 3 plan round 4",
+                                                     "Step train round 4 + evaluate + checkpoint"]
     assert all(re.search(r" ok in \d+\.\d\d s$", m) for m in info)
     assert any(level == "DEBUG" and m.startswith("Health ok in") for level, m in lines)  # polled: debug only
 

@@ -28,6 +28,7 @@ from hacrl_fed.wire import codec
 from hacrl_fed.wire.codec import WireError
 from hacrl_fed.worker import build_worker
 from hacrl_fed.worker.guard import RequestRefused
+from hacrl_fed.worker.step import run_step
 from test_security_attacks import B, G, fresh, make_cfg, plan_for, same_weights, via, weights  # noqa: F401
 
 CAP = {"acme": 0.5, "globex": 0.5}
@@ -183,6 +184,9 @@ class Recorder:
         self.batches[plan.round] = self.worker.generate(plan)
         return self.batches[plan.round]
 
+    def step(self, request):  # a message of the round: each part through this wrapper (the test runs one per step)
+        return run_step(self, request)
+
     def __getattr__(self, name):
         return getattr(self.worker, name)
 
@@ -279,6 +283,9 @@ class _Timed:
 
     def train(self, request):
         return self.client.train(request, timeout_s=120)
+
+    def step(self, request):
+        return self.client.step(request, timeout_s=240)
 
 
 def test_a_coordinator_run_trains_on_fresh_plans_with_both_protocols(tmp_path):

@@ -27,6 +27,7 @@ from hacrl_fed.wire.grpc_client import GrpcWorkerClient
 from hacrl_fed.wire.grpc_server import serve_worker
 from hacrl_fed.worker import build_worker
 from hacrl_fed.worker.guard import RequestRefused
+from hacrl_fed.worker.step import run_step
 from tests.helpers_tiny import PAPER_TRAINER
 
 ORGS = [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}, {"id": "globex", "model": {"zoo": "micro-gpt2-bpe"}}]
@@ -126,6 +127,9 @@ class Hostile:
     def train(self, request):
         self.train_requests.append(request)
         return self.worker.train(request)
+
+    def step(self, request):  # a message of the round: each part through this wrapper (the test runs one per step)
+        return run_step(self, request)
 
     def __getattr__(self, name):
         return getattr(self.worker, name)

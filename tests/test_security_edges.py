@@ -18,6 +18,7 @@ import pytest
 from hacrl_fed.config import ConfigError, load_config
 from hacrl_fed.coordinator import Coordinator
 from hacrl_fed.coordinator.inprocess import InProcessTransport
+from hacrl_fed.worker.step import run_step
 from hacrl_fed.security.identity import IdentityError, generate_identity, load_roster
 from hacrl_fed.security.sealing import MIN_BUCKET, TAG_BYTES, open_batch, padded_size, seal_batch
 from hacrl_fed.types import Rollout, RolloutBatch, TrainRequest
@@ -183,6 +184,9 @@ class Spy:
 
     def __init__(self, worker):
         self.worker, self.org_id, self.calls = worker, worker.org_id, []
+
+    def step(self, request):  # each part through the spied calls
+        return run_step(self, request)
 
     def __getattr__(self, name):
         attr = getattr(self.worker, name)

@@ -104,20 +104,14 @@ class RecordingTransport(GrpcTransport):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.seen: list[bytes] = []
+        self.batches: list[bytes] = []  # the rollout batches among them
 
-    def generate(self, plans, timeout_s):
-        replies = super().generate(plans, timeout_s)
-        self.seen += [codec.encode(r) for r in replies.values() if isinstance(r, RolloutBatch)]
-        return replies
-
-    def train(self, requests, timeout_s):
-        self.seen += [codec.encode(r) for r in requests.values()]
-        return super().train(requests, timeout_s)
-
-    def step(self, requests, timeout_s):  # the fused protocol: the requests and the replies' batches
+    def step(self, requests, timeout_s):  # every message: the requests, and the replies' batches
         self.seen += [codec.encode(r) for r in requests.values()]
         replies = super().step(requests, timeout_s)
-        self.seen += [codec.encode(r.batch) for r in replies.values() if getattr(r, "batch", None) is not None]
+        batches = [r.batch for r in replies.values() if getattr(r, "batch", None) is not None]
+        self.batches += [codec.encode(b) for b in batches]
+        self.seen += [codec.encode(b) for b in batches]
         return replies
 
 
@@ -146,7 +140,7 @@ def test_blind_mode_no_rollout_text_reaches_the_coordinator_process(tmp_path):
     assert result.trained == ["acme", "globex"]
     assert result.metrics["acme/trust/foreign_accepted"] == G * B == result.metrics["globex/trust/foreign_accepted"]
     keys = {org: load_identity(identity_path(auto_keys_dir(run_dir), org), org_id=org) for org in ("acme", "globex")}
-    batches = [codec.decode(RolloutBatch, b) for b in transport.seen[:2]]
+    batches = [codec.decode(RolloutBatch, b) for b in transport.batches]
     texts = set()
     for batch in batches:
         assert all(r.response == "" and r.sealed_response for r in batch.rollouts)

@@ -1,5 +1,6 @@
-"""The coordinator: round loop (:mod:`.loop`), its results (:mod:`.results`), the pool's trust checks
-(:mod:`.trust`), and transports. Prompt sampling and batch screening, shared with the workers, are in
+"""The coordinator: round loop (:mod:`.loop`) with its books (:mod:`.bookkeeping`, :mod:`.round_metrics`,
+:mod:`.state_file`), the pool's trust checks (:mod:`.trust`), and transports; what a run reports is
+:mod:`hacrl_fed.results`. Prompt sampling and batch screening, shared with the workers, are in
 :mod:`hacrl_fed.plan`.
 
 Names are imported lazily so that ``import hacrl_fed.coordinator`` stays cheap and the gRPC transport (grpcio)
@@ -12,16 +13,16 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Coordinator": "loop",
-    "FederationError": "loop",
-    "RoundResult": "results",
-    "RunSummary": "results",
-    "OrgSummary": "results",
-    "Transport": "transport",
-    "TransportTimeout": "transport",
-    "InProcessTransport": "inprocess",
-    "GrpcTransport": "grpc_transport",
-    "WorkerProcesses": "launcher",
+    "Coordinator": ".loop",
+    "FederationError": ".loop",
+    "RoundResult": "hacrl_fed.results",
+    "RunSummary": "hacrl_fed.results",
+    "OrgSummary": "hacrl_fed.results",
+    "Transport": ".transport",
+    "TransportTimeout": ".transport",
+    "InProcessTransport": ".inprocess",
+    "GrpcTransport": ".grpc_transport",
+    "WorkerProcesses": ".launcher",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -30,4 +31,4 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

@@ -18,16 +18,7 @@ from typing import Any
 from hacrl_fed.coordinator.transport import Transport, TransportTimeout
 from hacrl_fed.failures import NoWorker
 from hacrl_fed.limits import MAX_MESSAGE_MB
-from hacrl_fed.types import (
-    EvalReport,
-    EvalRequest,
-    RolloutBatch,
-    RoundPlan,
-    StepReply,
-    StepRequest,
-    TrainReport,
-    TrainRequest,
-)
+from hacrl_fed.types import EvalReport, EvalRequest, StepReply, StepRequest
 from hacrl_fed.wire import codec
 from hacrl_fed.wire import operations as ops
 from hacrl_fed.wire.grpc_client import ClientTLS, GrpcWorkerClient
@@ -134,12 +125,6 @@ class GrpcTransport(Transport):
         self.count_messages(op.name, [org for org in items if org in self.clients])
         method = op.name
         return self._fan_out(items, lambda c, item: getattr(c, method)(item, timeout_s=timeout_s), timeout_s)
-
-    def generate(self, plans: Mapping[str, RoundPlan], timeout_s: float) -> dict[str, RolloutBatch | Exception]:
-        return self._call(ops.GENERATE, plans, timeout_s)
-
-    def train(self, requests: Mapping[str, TrainRequest], timeout_s: float) -> dict[str, TrainReport | Exception]:
-        return self._call(ops.TRAIN, requests, timeout_s)
 
     def evaluate(self, requests: Mapping[str, EvalRequest], timeout_s: float) -> dict[str, EvalReport | Exception]:
         return self._call(ops.EVALUATE, requests, timeout_s)

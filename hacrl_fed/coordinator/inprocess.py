@@ -14,16 +14,7 @@ from typing import Any
 
 from hacrl_fed.coordinator.transport import Transport
 from hacrl_fed.failures import NoWorker
-from hacrl_fed.types import (
-    EvalReport,
-    EvalRequest,
-    RolloutBatch,
-    RoundPlan,
-    StepReply,
-    StepRequest,
-    TrainReport,
-    TrainRequest,
-)
+from hacrl_fed.types import EvalReport, EvalRequest, StepReply, StepRequest
 from hacrl_fed.wire import operations as ops
 from hacrl_fed.wire.operations import Operation
 from hacrl_fed.worker.api import WorkerAPI
@@ -61,12 +52,6 @@ class InProcessTransport(Transport):
                     results[org] = err
             self.last_call_seconds[org] = time.perf_counter() - start
         return results
-
-    def generate(self, plans: Mapping[str, RoundPlan], timeout_s: float) -> dict[str, RolloutBatch | Exception]:
-        return self._fan_out(ops.GENERATE, plans)
-
-    def train(self, requests: Mapping[str, TrainRequest], timeout_s: float) -> dict[str, TrainReport | Exception]:
-        return self._fan_out(ops.TRAIN, requests)
 
     def evaluate(self, requests: Mapping[str, EvalRequest], timeout_s: float) -> dict[str, EvalReport | Exception]:
         return self._fan_out(ops.EVALUATE, requests)

@@ -1,8 +1,8 @@
-"""A round in flight and the fused reply's two halves (:mod:`hacrl_fed.coordinator.loop`'s bookkeeping).
+"""A round in flight and the parts of a step's reply (:mod:`hacrl_fed.coordinator.loop`'s per-round state).
 
-With ``federation.protocol: fused`` one :class:`~hacrl_fed.types.StepReply` carries round ``t - 1``'s train outcome
-and round ``t``'s batch; :func:`split_reply` turns it into one outcome per half, and :class:`RoundState` holds what a
-round has collected until it is closed.
+Every message of a round is a :class:`~hacrl_fed.types.StepRequest`; :func:`split_reply` turns its
+:class:`~hacrl_fed.types.StepReply` into one outcome per part sent (:class:`StepOutcome`), and
+:class:`RoundState` holds what a round has collected until it is closed.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from hacrl_fed import failures
+from hacrl_fed.failures import PartFailed
 from hacrl_fed.types import Rollout, RoundPlan, StepReply, StepRequest, TrainRequest
 
 
@@ -32,33 +32,44 @@ class RoundState:
     messages: Counter[str] = field(default_factory=Counter)  # round-traffic messages sent to each org (transport)
 
 
-class StepHalfFailed(RuntimeError):
-    """One half of a fused reply failed at the worker (``StepReply.train_error`` / ``generate_error``);
-    ``failure_cause`` is the cause the worker put in front of the text (:func:`hacrl_fed.failures.parse`)."""
+@dataclass(frozen=True)
+class StepOutcome:
+    """One org's outcome of a step, per part: the reply or an exception, None for a part it was not sent."""
 
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.failure_cause = failures.parse(text) or failures.ERROR
+    train: Any = None  # TrainReport | Exception | None
+    batch: Any = None  # RolloutBatch | Exception | None
+    evaluation: Any = None  # EvalReport | Exception | None
+    checkpoint: Any = None  # str (the path) | Exception | None
 
 
-def split_reply(request: StepRequest, reply: Any) -> tuple[Any, Any]:
-    """``(train outcome, generate outcome)`` of a fused reply: the TrainReport / RolloutBatch or an exception, for
-    each half the request carried (None for a half it did not carry). A failed call fails both of its halves: the
-    coordinator cannot tell how far the worker got (docs/ARCHITECTURE.md, "One round")."""
-    if isinstance(reply, Exception):
-        return (reply if request.train is not None else None), (reply if request.plan is not None else None)
+# StepRequest field -> (StepReply field of its reply, of its error text, the part's name in StepReply.raised)
+_PARTS = {
+    "train": ("report", "train_error", "train"),
+    "plan": ("batch", "generate_error", "generate"),
+    "evaluate": ("eval_report", "eval_error", "evaluate"),
+    "checkpoint": ("checkpoint", "checkpoint_error", "checkpoint"),
+}
+
+
+def _part(request: StepRequest, reply: Any, sent: str) -> Any:
+    if getattr(request, sent) is None:
+        return None
+    if isinstance(reply, Exception):  # a failed call fails every part it carried: how far the worker got is unknown
+        return reply
     if not isinstance(reply, StepReply):
-        bad = TypeError(f"a step reply must be a StepReply, got {type(reply).__name__}")
-        return (bad if request.train is not None else None), (bad if request.plan is not None else None)
+        return TypeError(f"a step reply must be a StepReply, got {type(reply).__name__}")
+    value_field, error_field, name = _PARTS[sent]
+    value = getattr(reply, value_field)
+    if value is not None:
+        return value
+    error = getattr(reply, error_field)
+    if not error:
+        return ValueError(f"the step reply carries no {value_field}")
+    return reply.raised.get(name) or PartFailed(error)  # the worker's own exception when it ran in this process
 
-    def half(sent: object, value: object, error: str, what: str) -> Any:
-        if sent is None:
-            return None
-        if value is not None:
-            return value
-        return StepHalfFailed(error) if error else ValueError(f"the step reply carries no {what}")
 
-    return (
-        half(request.train, reply.report, reply.train_error, "train report"),
-        half(request.plan, reply.batch, reply.generate_error, "rollout batch"),
-    )
+def split_reply(request: StepRequest, reply: Any) -> StepOutcome:
+    """The :class:`StepOutcome` of a step reply (or of the exception that stands for it: docs/ARCHITECTURE.md,
+    "One round")."""
+    train, batch, evaluation, checkpoint = (_part(request, reply, sent) for sent in _PARTS)
+    return StepOutcome(train, batch, evaluation, checkpoint)

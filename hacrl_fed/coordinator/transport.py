@@ -4,9 +4,10 @@ A transport fans a request out to orgs and collects what comes back by a deadlin
 the reply dataclass or an ``Exception`` (timeout, connection error, remote error): the round loop decides what a
 missing org means (skip it, check ``min_orgs``), never the transport.
 
-The operations are those of :data:`hacrl_fed.wire.operations.OPERATIONS`; ``step`` is the fused round
-(``federation.protocol: fused``: round ``r - 1``'s train request and round ``r``'s plan in one message per org).
-Every transport counts the messages it sends, per operation and org, in :attr:`Transport.messages_sent`.
+The operations are those a round needs, from the one table :data:`hacrl_fed.wire.operations.OPERATIONS`: ``step``
+(every message of a round: a train request, an evaluation, a checkpoint and a plan, each optional), ``evaluate``
+and ``checkpoint`` (the evaluation before round 1, direct use) and ``health``. Every transport counts the messages
+it sends, per operation and org, in :attr:`Transport.messages_sent`.
 """
 
 from __future__ import annotations
@@ -16,16 +17,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
-from hacrl_fed.types import (
-    EvalReport,
-    EvalRequest,
-    RolloutBatch,
-    RoundPlan,
-    StepReply,
-    StepRequest,
-    TrainReport,
-    TrainRequest,
-)
+from hacrl_fed.types import EvalReport, EvalRequest, StepReply, StepRequest
 
 R = TypeVar("R")
 Replies = dict[str, "R | Exception"]
@@ -39,12 +31,6 @@ class Transport(ABC):
     @abstractmethod
     def org_ids(self) -> list[str]:
         """Org ids currently reachable (may change between rounds)."""
-
-    @abstractmethod
-    def generate(self, plans: Mapping[str, RoundPlan], timeout_s: float) -> dict[str, RolloutBatch | Exception]: ...
-
-    @abstractmethod
-    def train(self, requests: Mapping[str, TrainRequest], timeout_s: float) -> dict[str, TrainReport | Exception]: ...
 
     @abstractmethod
     def evaluate(self, requests: Mapping[str, EvalRequest], timeout_s: float) -> dict[str, EvalReport | Exception]: ...

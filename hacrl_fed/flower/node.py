@@ -225,10 +225,10 @@ def _call(op: Operation, worker: Any, request: Any, org: str, mode: str) -> Any:
         if info.get("org_id", org) != org:
             raise NodeError(f"the worker reports org {info['org_id']!r}; this node serves {org!r}")
         reply = {**info, "org_id": org, "node_mode": mode}
-    # RolloutBatch / TrainReport / EvalReport name their org, and so do the halves of a StepReply
-    for part in (reply, getattr(reply, "report", None), getattr(reply, "batch", None)):
-        if getattr(part, "org_id", org) != org:
-            raise NodeError(f"the worker answered as org {part.org_id!r}; this node serves {org!r}")  # type: ignore[union-attr]
+    # RolloutBatch / TrainReport / EvalReport name their org, and so do the parts of a StepReply
+    for part in (reply, *(getattr(reply, name, None) for name in ("report", "batch", "eval_report"))):
+        if (answered := getattr(part, "org_id", org)) != org:
+            raise NodeError(f"the worker answered as org {answered!r}; this node serves {org!r}")
     return op.encode_reply(reply)
 
 

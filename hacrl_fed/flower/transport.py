@@ -40,16 +40,7 @@ from flwr.app import Message
 from hacrl_fed import failures
 from hacrl_fed.coordinator.transport import Transport, TransportTimeout
 from hacrl_fed.flower import records
-from hacrl_fed.types import (
-    EvalReport,
-    EvalRequest,
-    RolloutBatch,
-    RoundPlan,
-    StepReply,
-    StepRequest,
-    TrainReport,
-    TrainRequest,
-)
+from hacrl_fed.types import EvalReport, EvalRequest, StepReply, StepRequest
 from hacrl_fed.wire import codec
 from hacrl_fed.wire import operations as ops
 from hacrl_fed.wire.operations import Operation
@@ -115,20 +106,7 @@ def exchange(
     clock = clock or time.monotonic
     sleep = sleep or time.sleep
     start = clock()
-    messages = {
-        node: Message(
-            content, dst_node_id=node, message_type=op.message_type, group_id=group_id, ttl=timeout_s + ttl_grace_s
-        )
-        for node, content in contents.items()
-    }
-    pushed = set(filter(None, grid.push_messages(list(messages.values())))) if messages else set()
-    out: dict[int, tuple[Any, float]] = {}
-    waiting: dict[str, int] = {}
-    for node, msg in messages.items():
-        if msg.metadata.message_id and msg.metadata.message_id in pushed:
-            waiting[msg.metadata.message_id] = node
-        else:
-            out[node] = (OrgUnavailable(f"the SuperLink refused the {op.message_type} message to node {node}"), 0.0)
+    out, waiting = _push(grid, op, contents, group_id, timeout_s + ttl_grace_s)
     answered: dict[str, int] = {}
     skipped: Counter[str] = Counter()
     poll = min(FIRST_POLL_S, max_poll_s)
@@ -153,6 +131,26 @@ def exchange(
         if ignored is not None:
             ignored.update(skipped)
     return out
+
+
+def _push(
+    grid: Any, op: Operation, contents: Mapping[int, Any], group_id: str, ttl: float
+) -> tuple[dict[int, tuple[Any, float]], dict[str, int]]:
+    """Push one ``op`` message per node; ``({node: (OrgUnavailable, 0.0)}`` for messages the SuperLink refused,
+    ``{message id: node}`` of the pushed ones)."""
+    messages = {
+        node: Message(content, dst_node_id=node, message_type=op.message_type, group_id=group_id, ttl=ttl)
+        for node, content in contents.items()
+    }
+    pushed = set(filter(None, grid.push_messages(list(messages.values())))) if messages else set()
+    out: dict[int, tuple[Any, float]] = {}
+    waiting: dict[str, int] = {}
+    for node, msg in messages.items():
+        if msg.metadata.message_id and msg.metadata.message_id in pushed:
+            waiting[msg.metadata.message_id] = node
+        else:
+            out[node] = (OrgUnavailable(f"the SuperLink refused the {op.message_type} message to node {node}"), 0.0)
+    return out, waiting
 
 
 def _mismatch(reply: Any, waiting: Mapping[str, int], answered: Mapping[str, int]) -> str:
@@ -389,12 +387,6 @@ class FlowerTransport(Transport):
                 self.last_call_bytes[org] = sent_bytes[org] + records.payload_size(reply.content)
         return out
 
-    def generate(self, plans: Mapping[str, RoundPlan], timeout_s: float) -> dict[str, RolloutBatch | Exception]:
-        return self._call(ops.GENERATE, plans, timeout_s, _group(plans))
-
-    def train(self, requests: Mapping[str, TrainRequest], timeout_s: float) -> dict[str, TrainReport | Exception]:
-        return self._call(ops.TRAIN, requests, timeout_s, _group(requests))
-
     def evaluate(self, requests: Mapping[str, EvalRequest], timeout_s: float) -> dict[str, EvalReport | Exception]:
         return self._call(ops.EVALUATE, requests, timeout_s, _group(requests))
 
@@ -414,6 +406,15 @@ class FlowerTransport(Transport):
 
 
 def _group(requests: Mapping[str, Any]) -> str:
-    """Flower group id of a call: the round of its requests ("" if none)."""
-    rounds = {getattr(r, "round", None) or getattr(getattr(r, "plan", None), "round", None) for r in requests.values()}
-    return str(rounds.pop()) if len(rounds) == 1 else ""
+    """Flower group id of a call: the round of its requests ("" if none, or several)."""
+    rounds = {_round(r) for r in requests.values()}
+    return str(rounds.pop()) if len(rounds) == 1 and None not in rounds else ""
+
+
+def _round(request: Any) -> int | None:
+    """The round a request names; a step's: its plan's, else its train request's, evaluation's or checkpoint's."""
+    for part in (request, *(getattr(request, name, None) for name in ("plan", "train", "evaluate"))):
+        if isinstance(getattr(part, "round", None), int):
+            return int(part.round)
+    checkpoint = getattr(request, "checkpoint", None)
+    return checkpoint if isinstance(checkpoint, int) else None

@@ -279,25 +279,37 @@ class CheckpointReply(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("schema_version", "train", "plan")
+    __slots__ = ("schema_version", "train", "plan", "evaluate", "checkpoint")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     train: TrainRequest
     plan: RoundPlan
-    def __init__(self, schema_version: _Optional[int] = ..., train: _Optional[_Union[TrainRequest, _Mapping]] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ...) -> None: ...
+    evaluate: EvalRequest
+    checkpoint: CheckpointRequest
+    def __init__(self, schema_version: _Optional[int] = ..., train: _Optional[_Union[TrainRequest, _Mapping]] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., evaluate: _Optional[_Union[EvalRequest, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("schema_version", "report", "train_error", "batch", "generate_error")
+    __slots__ = ("schema_version", "report", "train_error", "batch", "generate_error", "eval_report", "eval_error", "checkpoint", "checkpoint_error")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     TRAIN_ERROR_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     GENERATE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    EVAL_REPORT_FIELD_NUMBER: _ClassVar[int]
+    EVAL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     report: TrainReport
     train_error: str
     batch: RolloutBatch
     generate_error: str
-    def __init__(self, schema_version: _Optional[int] = ..., report: _Optional[_Union[TrainReport, _Mapping]] = ..., train_error: _Optional[str] = ..., batch: _Optional[_Union[RolloutBatch, _Mapping]] = ..., generate_error: _Optional[str] = ...) -> None: ...
+    eval_report: EvalReport
+    eval_error: str
+    checkpoint: CheckpointReply
+    checkpoint_error: str
+    def __init__(self, schema_version: _Optional[int] = ..., report: _Optional[_Union[TrainReport, _Mapping]] = ..., train_error: _Optional[str] = ..., batch: _Optional[_Union[RolloutBatch, _Mapping]] = ..., generate_error: _Optional[str] = ..., eval_report: _Optional[_Union[EvalReport, _Mapping]] = ..., eval_error: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointReply, _Mapping]] = ..., checkpoint_error: _Optional[str] = ...) -> None: ...

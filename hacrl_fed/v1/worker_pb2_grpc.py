@@ -72,13 +72,15 @@ class PolicyWorkerServicer(object):
     """
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Deprecated: the plan-only half of Step (a StepRequest with `plan` alone), still served for older callers.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Train(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Deprecated: the train-only half of Step (a StepRequest with `train` alone), still served for older callers.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -102,7 +104,7 @@ class PolicyWorkerServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """the fused round (federation.protocol: fused)
+        """every round's message (docs/ARCHITECTURE.md "One round")
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -32,9 +32,10 @@ Decoding is the trust boundary, so every decoded field is checked (input hygiene
 * ``TrainRequest.source_batches`` are checked like any ``RolloutBatch``; with
   ``WireLimits.skip_unsigned_foreign`` (a worker with signing on, which ignores unsigned rollouts)
   ``TrainRequest.foreign`` is only counted (``unread_foreign``), never converted;
-* ``StepRequest`` (the fused round) carries a ``train`` or a ``plan`` or both, each checked as its own message;
-  ``StepReply`` never carries both a half's reply and its error (``report`` / ``train_error``, ``batch`` /
-  ``generate_error``).
+* ``StepRequest`` (every message of a round) carries at least one of ``train``, ``plan``, ``evaluate``,
+  ``checkpoint``, each checked as its own message; ``StepReply`` never carries both a part's reply and its error
+  (``report`` / ``train_error``, ``batch`` / ``generate_error``, ``eval_report`` / ``eval_error``, ``checkpoint``
+  / ``checkpoint_error``).
 
 The codec checks shapes only; signatures and sealed text are checked by :mod:`hacrl_fed.security`.
 """
@@ -274,26 +275,44 @@ def _eval_rep_to(r: t.EvalReport) -> pb.EvalReport:
 
 
 def _step_req_to(r: t.StepRequest) -> pb.StepRequest:
-    if r.train is None and r.plan is None:
-        raise WireError("StepRequest: neither train nor plan is set")
+    if not r.parts():
+        raise WireError("StepRequest: neither train, plan, evaluate nor checkpoint is set")
     msg = pb.StepRequest(schema_version=SCHEMA_VERSION)
     if r.train is not None:
         msg.train.CopyFrom(_train_req_to(r.train))
     if r.plan is not None:
         msg.plan.CopyFrom(_plan_to(r.plan))
+    if r.evaluate is not None:
+        msg.evaluate.CopyFrom(_eval_req_to(r.evaluate))
+    if r.checkpoint is not None:
+        msg.checkpoint.CopyFrom(checkpoint_request_to_proto(r.checkpoint))
     return msg
 
 
 def _step_rep_to(r: t.StepReply) -> pb.StepReply:
-    if r.report is not None and r.train_error:
-        raise WireError("StepReply: both report and train_error are set")
-    if r.batch is not None and r.generate_error:
-        raise WireError("StepReply: both batch and generate_error are set")
-    msg = pb.StepReply(schema_version=SCHEMA_VERSION, train_error=r.train_error, generate_error=r.generate_error)
+    for part, value, error in (
+        ("report", r.report, r.train_error),
+        ("batch", r.batch, r.generate_error),
+        ("eval_report", r.eval_report, r.eval_error),
+        ("checkpoint", r.checkpoint, r.checkpoint_error),
+    ):
+        if value is not None and error:
+            raise WireError(f"StepReply: both {part} and its error are set")
+    msg = pb.StepReply(
+        schema_version=SCHEMA_VERSION,
+        train_error=r.train_error,
+        generate_error=r.generate_error,
+        eval_error=r.eval_error,
+        checkpoint_error=r.checkpoint_error,
+    )
     if r.report is not None:
         msg.report.CopyFrom(_train_rep_to(r.report))
     if r.batch is not None:
         msg.batch.CopyFrom(_batch_to(r.batch))
+    if r.eval_report is not None:
+        msg.eval_report.CopyFrom(_eval_rep_to(r.eval_report))
+    if r.checkpoint is not None:
+        msg.checkpoint.CopyFrom(checkpoint_reply_to_proto(r.checkpoint))
     return msg
 
 
@@ -530,25 +549,35 @@ def _eval_rep_from(m: pb.EvalReport, where: str, lim: WireLimits) -> t.EvalRepor
 
 def _step_req_from(m: pb.StepRequest, where: str, lim: WireLimits) -> t.StepRequest:
     _check_version(m, where)
-    if not (m.HasField("train") or m.HasField("plan")):
-        _fail(where, "neither train nor plan is set")
+    if not any(m.HasField(part) for part in ("train", "plan", "evaluate", "checkpoint")):
+        _fail(where, "neither train, plan, evaluate nor checkpoint is set")
     return t.StepRequest(
         train=_train_req_from(m.train, f"{where}.train", lim) if m.HasField("train") else None,
         plan=_plan_from(m.plan, f"{where}.plan", lim) if m.HasField("plan") else None,
+        evaluate=_eval_req_from(m.evaluate, f"{where}.evaluate", lim) if m.HasField("evaluate") else None,
+        checkpoint=_ckpt_req_from(m.checkpoint, f"{where}.checkpoint", lim) if m.HasField("checkpoint") else None,
     )
 
 
 def _step_rep_from(m: pb.StepReply, where: str, lim: WireLimits) -> t.StepReply:
     _check_version(m, where)
-    if m.HasField("report") and m.train_error:
-        _fail(where, "both report and train_error are set")
-    if m.HasField("batch") and m.generate_error:
-        _fail(where, "both batch and generate_error are set")
+    for part, error in (
+        ("report", "train_error"),
+        ("batch", "generate_error"),
+        ("eval_report", "eval_error"),
+        ("checkpoint", "checkpoint_error"),
+    ):
+        if m.HasField(part) and getattr(m, error):
+            _fail(where, f"both {part} and {error} are set")
     return t.StepReply(
         report=_train_rep_from(m.report, f"{where}.report", lim) if m.HasField("report") else None,
         batch=_batch_from(m.batch, f"{where}.batch", lim) if m.HasField("batch") else None,
         train_error=_string(m.train_error, f"{where}.train_error", lim.max_text_chars),
         generate_error=_string(m.generate_error, f"{where}.generate_error", lim.max_text_chars),
+        eval_report=_eval_rep_from(m.eval_report, f"{where}.eval_report", lim) if m.HasField("eval_report") else None,
+        eval_error=_string(m.eval_error, f"{where}.eval_error", lim.max_text_chars),
+        checkpoint=_ckpt_rep_from(m.checkpoint, f"{where}.checkpoint", lim) if m.HasField("checkpoint") else None,
+        checkpoint_error=_string(m.checkpoint_error, f"{where}.checkpoint_error", lim.max_text_chars),
     )
 
 

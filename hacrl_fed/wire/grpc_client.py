@@ -150,11 +150,8 @@ class GrpcWorkerClient:
 
     # -- WorkerAPI ---------------------------------------------------------------------------------------------
 
-    def generate(self, plan: RoundPlan, *, timeout_s: float | None = None) -> RolloutBatch:
-        return self._call(ops.GENERATE, plan, timeout_s)
-
-    def train(self, request: TrainRequest, *, timeout_s: float | None = None) -> TrainReport:
-        return self._call(ops.TRAIN, request, timeout_s)
+    def step(self, request: StepRequest, *, timeout_s: float | None = None) -> StepReply:
+        return self._call(ops.STEP, request, timeout_s)
 
     def evaluate(self, request: EvalRequest, *, timeout_s: float | None = None) -> EvalReport:
         return self._call(ops.EVALUATE, request, timeout_s)
@@ -165,8 +162,15 @@ class GrpcWorkerClient:
     def checkpoint(self, round: int, *, timeout_s: float | None = None) -> str:
         return self._call(ops.CHECKPOINT, round, timeout_s)
 
-    def step(self, request: StepRequest, *, timeout_s: float | None = None) -> StepReply:
-        return self._call(ops.STEP, request, timeout_s)
+    # -- the deprecated halves of Step (still served by every worker) ------------------------------------------
+
+    def generate(self, plan: RoundPlan, *, timeout_s: float | None = None) -> RolloutBatch:
+        """Deprecated ``Generate``: the worker's step with ``plan`` alone."""
+        return self._call(ops.GENERATE, plan, timeout_s)
+
+    def train(self, request: TrainRequest, *, timeout_s: float | None = None) -> TrainReport:
+        """Deprecated ``Train``: the worker's step with ``request`` alone."""
+        return self._call(ops.TRAIN, request, timeout_s)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 

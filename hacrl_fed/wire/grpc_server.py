@@ -26,10 +26,11 @@ Behaviour:
 * One handler per operation of :data:`hacrl_fed.wire.operations.OPERATIONS` (the service name and message kinds
   come from the generated descriptor). Generate / Train / Evaluate / Checkpoint / Step run one at a time under a
   lock (the worker owns one model); a call whose client gave up while waiting for the lock is dropped (CANCELLED)
-  instead of run. A running call is inside :func:`hacrl_fed.worker.cancel.cancel_scope`, so worker code that
+  instead of run. A running call is inside :func:`hacrl_fed.cancel.cancel_scope`, so worker code that
   calls ``raise_if_cancelled()`` stops once the client cancels or its deadline passes (CANCELLED /
   DEADLINE_EXCEEDED). Health skips the lock so a busy worker still answers it: ``worker.health()`` must be cheap
-  and thread-safe.
+  and thread-safe. The deprecated Generate / Train are served by the worker's ``step`` with that half alone
+  (:func:`hacrl_fed.wire.operations.serve_half`).
 * Every call is logged as one line: a successful one at INFO with its rpc, round and seconds (Health only at
   DEBUG: clients poll it), a failed one as below.
 * Worker exceptions become gRPC statuses carrying ``"<ExceptionType>: <message>"`` (never a traceback):
@@ -59,10 +60,10 @@ from typing import Any
 import grpc
 
 from hacrl_fed import failures
+from hacrl_fed.cancel import CallCancelled, cancel_scope, cancelled
 from hacrl_fed.limits import MAX_MESSAGE_MB
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.operations import BY_RPC, SERVICE
-from hacrl_fed.worker.cancel import CallCancelled, cancel_scope, cancelled
 
 log = logging.getLogger(__name__)
 
@@ -357,15 +358,16 @@ def _round_of(request: Any) -> str:
     """`` round N`` (or ``run R round N``) for a decoded request, "" when it names no round."""
     if isinstance(request, int) and not isinstance(request, bool):  # a CheckpointRequest decodes to its round
         return f" round {request}"
-    halves = [getattr(request, half, None) for half in ("train", "plan")]  # a StepRequest: its halves' rounds
-    if any(halves):
-        return "".join(f" {name} round {h.round}" for name, h in zip(("train", "plan"), halves) if h is not None)
+    if hasattr(request, "parts"):  # a StepRequest: the rounds of its train and plan, and what rides with them
+        halves = [(name, getattr(request, name)) for name in ("train", "plan") if getattr(request, name) is not None]
+        rides = [f" + {name}" for name in ("evaluate", "checkpoint") if getattr(request, name) is not None]
+        return "".join(f" {name} round {h.round}" for name, h in halves) + "".join(rides)
     round_ = getattr(request, "round", None)
     return "" if round_ is None else f" round {round_}"
 
 
 def _stopped(err: CallCancelled, context) -> _Abandoned:
-    """The worker stopped on :func:`~hacrl_fed.worker.cancel.raise_if_cancelled`: say whether deadline or cancel.
+    """The worker stopped on :func:`~hacrl_fed.cancel.raise_if_cancelled`: say whether deadline or cancel.
 
     grpc and the cancel scope race at the deadline (either may notice first), so the time left decides.
     """

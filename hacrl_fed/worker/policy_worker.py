@@ -496,10 +496,12 @@ class PolicyWorker:
         return sign_report(report, self.identity)
 
     def step(self, request: StepRequest) -> StepReply:
-        """The fused round: :meth:`train` on round ``r - 1``'s request, then :meth:`generate` on round ``r``'s plan
-        with the updated weights (:func:`hacrl_fed.worker.api.run_step`). The request is refused whole, before any
-        work, when its halves do not belong together or the plan is outside this org's limits."""
-        check_step(self.org_id, request)
+        """One message of a round: :meth:`train` on round ``r - 1``'s request, :meth:`evaluate` and
+        :meth:`checkpoint` when asked, then :meth:`generate` on round ``r``'s plan with the updated weights
+        (:func:`hacrl_fed.worker.step.run_step`). The request is refused whole, before any work, when its halves do
+        not belong together or the plan is outside this org's limits."""
+        if request.train is not None or request.plan is not None:  # evaluate / checkpoint alone: checked by each
+            check_step(self.org_id, request)
         train, plan = request.train, request.plan
         if train is not None and plan is not None:  # the plan as generate() will check it once the train is done
             self._check_task(plan.task)

@@ -1,8 +1,8 @@
 """What a run reports: one :class:`RoundResult` per round (``Coordinator.on_round``, the progress line) and the
 final :class:`RunSummary` with an :class:`OrgSummary` per org (the final table, ``summary.txt``).
 
-Plain data, apart from the round loop that fills it (:mod:`hacrl_fed.coordinator.loop`) and the formatting that
-reads it (:mod:`hacrl_fed.metrics`), so both import it and neither imports the other.
+Plain data, below both the round loop that fills it (:mod:`hacrl_fed.coordinator.loop`) and the formatting that
+reads it (:mod:`hacrl_fed.metrics`), so both import it and ``metrics`` imports nothing from ``coordinator/``.
 """
 
 from __future__ import annotations
