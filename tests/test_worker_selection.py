@@ -12,7 +12,7 @@ from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.metrics import RunLogger, read_metrics
 from hacrl_fed.types import RoundPlan, SamplingParams, TrainRequest
 from hacrl_fed.worker import build_worker
-from hacrl_fed.worker import policy_worker as pw
+from hacrl_fed.worker import intake
 
 ORGS = [{"id": "char", "model": {"zoo": "micro-qwen-char"}}, {"id": "bpe", "model": {"zoo": "micro-gpt2-bpe"}}]
 
@@ -55,13 +55,13 @@ def one_update(cfg, tmp_path, foreign_rewards):
 def scored(monkeypatch):
     """Counts the foreign responses the learner re-tokenizes (each one it scores and trains on)."""
     calls: list[int] = []
-    real = pw.response_token_ids
+    real = intake.response_token_ids
 
     def spy(tokenizer, texts, *args, **kwargs):
         calls.append(len(texts))
         return real(tokenizer, texts, *args, **kwargs)
 
-    monkeypatch.setattr(pw, "response_token_ids", spy)
+    monkeypatch.setattr(intake, "response_token_ids", spy)
     return calls
 
 
@@ -170,7 +170,7 @@ def test_peer_sample_screens_lazily_in_a_signed_run_and_trains_as_a_full_screen_
             assert sorted(rec[f"{org}/trust/{p}/unscreened"] for p in peers) == [0, 16, 16]
             assert sum(rec[f"{org}/trust/{p}/checked"] for p in peers) == 16
             assert rec[f"{org}/trust/foreign_accepted"] == 16 and rec[f"{org}/train/foreign_received"] == 48
-    monkeypatch.setattr(pw.PolicyWorker, "_lazy_take", staticmethod(lambda *a: None))
+    monkeypatch.setattr(intake, "lazy_take", lambda *a: None)
     workers_b, rec_b = run(cfg, tmp_path / "full")
     assert all(rec_b[t]["char/trust/foreign_accepted"] == 48 for t in (1, 2))
     for org in workers_a:
