@@ -92,7 +92,7 @@ def test_all_without_budget_scores_every_row_and_counts_them(tmp_path, scored):
 def test_all_update_is_bit_identical_to_the_path_without_selection(tmp_path, monkeypatch):
     cfg = make_cfg()
     a, with_sel = one_update(cfg, tmp_path / "with", lambda i: i % 2)
-    monkeypatch.setattr(pw, "select_rollouts", no_selection)
+    monkeypatch.setattr(intake, "select_rollouts", no_selection)
     b, without = one_update(cfg, tmp_path / "without", lambda i: i % 2)
     for (name, x), (_, y) in zip(a.model.named_parameters(), b.model.named_parameters()):
         assert torch.equal(x, y), name
@@ -126,7 +126,7 @@ def _record_values(records, skip=("wall_time",)):
 def test_all_run_is_bit_identical_to_the_path_without_selection(tmp_path, monkeypatch):
     cfg = make_cfg(**RUN)
     workers_a, rec_a = run(cfg, tmp_path / "with")
-    monkeypatch.setattr(pw, "select_rollouts", no_selection)
+    monkeypatch.setattr(intake, "select_rollouts", no_selection)
     workers_b, rec_b = run(cfg, tmp_path / "without")
     assert [r["round"] for r in rec_a] == [0, 1, 2]
     assert any("char/select/bpe/selected" in r for r in rec_a) and not any("char/select/offered" in r for r in rec_b)

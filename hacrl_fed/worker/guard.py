@@ -27,9 +27,10 @@ Foreign rollouts are admitted by the intake (:mod:`hacrl_fed.worker.intake`), no
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from hacrl_fed.config import RunConfig, org_generation
-from hacrl_fed.types import EvalRequest, Prompt, RoundPlan, StepRequest
+from hacrl_fed.types import EvalRequest, Prompt, RoundPlan, StepRequest, TrainRequest
 
 
 class RequestRefused(ValueError):
@@ -125,6 +126,24 @@ def check_step(org_id: str, request: StepRequest) -> None:
         raise RequestRefused(
             "step_mismatch", f"train of round {train.round} with a plan for round {plan.round}, not {train.round + 1}"
         )
+
+
+def check_train(org_id: str, request: TrainRequest, own: Any) -> Any:
+    """A train request is for the round this worker generated last (``own``: what it kept of that round, None when
+    nothing), of the same run, for this org; returns ``own``."""
+    if own is None or own.round != request.round:
+        raise RequestRefused(
+            "not_generated",
+            f"train for round {request.round} but this worker generated "
+            f"{'nothing' if own is None else f'round {own.round}'}",
+        )
+    if request.run_id != own.run_id:
+        raise RequestRefused(
+            "wrong_run", f"train for run {request.run_id[:80]!r}, not the run round {own.round} was generated for"
+        )
+    if request.org_id != org_id:
+        raise RequestRefused("wrong_org", f"train request for org {request.org_id!r} sent to worker {org_id!r}")
+    return own
 
 
 def check_checkpoint(org_id: str, round: int, *, last_round: int) -> None:

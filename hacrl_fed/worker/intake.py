@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -140,12 +141,12 @@ class Intake:
         selection: SelectionConfig,
         screen: LikelihoodScreenConfig,
         uses_cross: bool,
-        verify: Callable[[str, str], float] | None,
+        task: Any,
         tokenizer: Any,
         eos_id: int | None,
     ) -> None:
         self.cfg, self.org_id, self.selection, self.screen_cfg = cfg, org_id, selection, screen
-        self.uses_cross, self.verify, self.tokenizer, self.eos_id = uses_cross, verify, tokenizer, eos_id
+        self.uses_cross, self.task, self.tokenizer, self.eos_id = uses_cross, task, tokenizer, eos_id
 
     def admit(
         self, request: TrainRequest, own: OwnRound, *, seed: int, opener: Opener | None, scoring: Scoring
@@ -190,7 +191,7 @@ class Intake:
         lazy: LazyTake | None,
     ) -> list[Rollout]:
         """Stages 1-4: bound, open, screen_batch, exclude (:func:`screen_sources`)."""
-        verify = self.verify if self.cfg.security.reverify_rewards else None
+        verify = self.task.verify if self.cfg.security.reverify_rewards else None  # the task's own verifier
         return screen_sources(
             self.cfg,
             self.org_id,
@@ -209,9 +210,12 @@ class Intake:
         kept, ledger.select_metrics = select_rollouts(
             foreign, own_rows, sel.rule, sel.budget, sel.budget_multiple, seed
         )
-        for src in {str(r.org_id) for r in foreign}:
-            for why in ("dropped_rule", "dropped_budget"):
-                ledger.drop(src, "select", why, int(ledger.select_metrics[f"select/{src}/{why}"]))
+        offered = Counter(str(r.org_id) for r in foreign)
+        offered.subtract(str(r.org_id) for r in kept)
+        for src, dropped in offered.items():  # what the budget left, the rest the rule's filter
+            budget = int(ledger.select_metrics.get(f"select/{src}/dropped_budget", 0))
+            ledger.drop(src, "select", "dropped_budget", budget)
+            ledger.drop(src, "select", "dropped_rule", dropped - budget)
         return kept
 
     def retokenize(self, foreign: list[Rollout], own: OwnRound, agents: list[str], ledger: Ledger) -> list[TrainRow]:

@@ -35,8 +35,8 @@ import torch
 from hacrl_fed.algorithm import get_algorithm
 from hacrl_fed.config import RunConfig, org_generation, org_trainer
 from hacrl_fed.engines import EngineOptions, build_engine
-from hacrl_fed.models.chat import eos_token_id, render_prompt
-from hacrl_fed.models.context import check_task_fits, context_length, fits
+from hacrl_fed.models.chat import eos_token_id
+from hacrl_fed.models.context import context_length
 from hacrl_fed.models.loading import load_model_and_tokenizer, model_sources
 from hacrl_fed.perf import PhaseMeter
 from hacrl_fed.plan.sampler import eval_ids
@@ -58,9 +58,10 @@ from hacrl_fed.types import (
 )
 from hacrl_fed.worker.api import run_step
 from hacrl_fed.worker.cancel import raise_if_cancelled
-from hacrl_fed.worker.guard import RequestRefused, check_capability, check_eval, check_plan, check_step
+from hacrl_fed.worker.guard import check_capability, check_eval, check_plan, check_step, check_train
 from hacrl_fed.worker.identity_border import IdentityBorder
-from hacrl_fed.worker.intake import Admitted, Intake, OwnRound, Scoring
+from hacrl_fed.worker.intake import Intake, OwnRound, Scoring
+from hacrl_fed.worker.prompts import PromptBook
 from hacrl_fed.worker.routing import RunRouting
 
 log = logging.getLogger(__name__)
@@ -83,17 +84,8 @@ class PolicyWorker(RunRouting):
         self.context, context_source = context_length(
             self.model, self.gen_cfg.max_model_len if self.gen_cfg.engine == "vllm" else None
         )
-        check_task_fits(
-            org_id,
-            self.task,
-            self.tokenizer,
-            lambda p: render_prompt(self.tokenizer, p.messages),
-            self.context,
-            context_source,
-            max_new_tokens=self.gen_cfg.max_new_tokens,
-            eval_max_new_tokens=self.gen_cfg.eval_max_new_tokens,
-            eval_ids=eval_ids(self.task.size("test"), cfg.task.eval_size),
-        )
+        self.prompts = PromptBook(org_id, self.task, self.tokenizer, self.context)
+        self.prompts.check_fits(context_source, self.gen_cfg, eval_ids(self.task.size("test"), cfg.task.eval_size))
         model_path, tokenizer_path = model_sources(org.model)
         self.engine = build_engine(
             self.gen_cfg.engine,
@@ -115,7 +107,7 @@ class PolicyWorker(RunRouting):
             selection=self.trainer_cfg.selection,
             screen=self.trainer_cfg.likelihood_screen,
             uses_cross=get_algorithm(cfg.algorithm.name).uses_cross,
-            verify=self.task.verify,
+            task=self.task,
             tokenizer=self.tokenizer,
             eos_id=self.eos_id,
         )
@@ -124,7 +116,6 @@ class PolicyWorker(RunRouting):
         self._trained: dict[str, int] = {}  # run id -> last round this process trained in that run
         self._pristine = True  # weights, optimizer and RNG as configured: nothing trained or restored since
         self._own: OwnRound | None = None
-        self._prompt_cache: dict[tuple[int, tuple], str] = {}
         self._challenges = ChallengeBook()  # replay protection (hacrl_fed.security.freshness)
         self._initial = self._snapshot()
         if resume:
@@ -138,41 +129,13 @@ class PolicyWorker(RunRouting):
         """The run's pinned roster (None with signing off)."""
         return self.border.roster
 
-    # -- rendering -------------------------------------------------------------------------------------------
-    def _render(self, prompt: Prompt) -> str:
-        key = (prompt.prompt_id, prompt.messages)
-        if key not in self._prompt_cache:
-            if len(self._prompt_cache) > 100_000:
-                self._prompt_cache.clear()
-            self._prompt_cache[key] = render_prompt(self.tokenizer, prompt.messages)
-        return self._prompt_cache[key]
-
-    def _check_prompts(self, prompts: tuple[Prompt, ...], split: str) -> None:
-        """Every prompt (messages and reference) must equal this org's own copy of the task's prompt with that id:
-        the coordinator cannot change what is asked or what counts as right."""
-        try:
-            own = self.task.prompts(split, [p.prompt_id for p in prompts])
-        except (ValueError, KeyError, IndexError) as err:
-            raise RequestRefused("unknown_prompt", str(err)) from None
-        for mine, theirs in zip(own, prompts):
-            if mine != theirs:
-                raise RequestRefused(
-                    "prompt_mismatch",
-                    f"{split} prompt {theirs.prompt_id} differs from this org's copy "
-                    f"of task {self.task.name!r} (task name, params and seed must match the run's)",
-                )
-
-    def _check_task(self, task: str) -> None:
-        if task != self.task.name:
-            raise ValueError(f"request is for task {task!r} but worker {self.org_id!r} runs {self.task.name!r}")
-
     # -- WorkerAPI -------------------------------------------------------------------------------------------
     def generate(self, plan: RoundPlan) -> RolloutBatch:
         """Sample ``G`` responses per prompt with the pre-update weights, verify, and publish them."""
-        self._check_task(plan.task)
+        self.prompts.check_task(plan.task)
         how, path, last = self._route(plan.run_id, plan.round == 1, f"a plan for round {plan.round}")
         check_plan(self.cfg, self.org_id, plan, last_round=last, run_id=plan.run_id)
-        self._check_prompts(plan.prompts, "train")
+        self.prompts.check(plan.prompts, "train")
         self._enter(plan.run_id, how, path, last)  # only now: a refused plan changes nothing
         raise_if_cancelled("before generating")
         t0, c0 = time.perf_counter(), time.process_time()
@@ -208,11 +171,8 @@ class PolicyWorker(RunRouting):
         """The plan's prompts in this learner's tokens, the indices of those that fit the context, and ``G``
         samples of each of those (the engine's generations)."""
         sp = plan.sampling
-        texts = [self._render(p) for p in plan.prompts]
-        tokens_by_prompt = dict(
-            zip((p.prompt_id for p in plan.prompts), self.tokenizer(texts, add_special_tokens=False)["input_ids"])
-        )
-        keep = self._fitting(plan.prompts, tokens_by_prompt, sp.max_new_tokens, "generation.max_new_tokens")
+        texts, tokens_by_prompt = self.prompts.tokens(plan.prompts)
+        keep = self.prompts.fitting(plan.prompts, tokens_by_prompt, sp.max_new_tokens, "generation.max_new_tokens")
         if not keep:
             return tokens_by_prompt, keep, []
         gens = self.engine.generate(
@@ -263,74 +223,41 @@ class PolicyWorker(RunRouting):
         return rollouts, rows
 
     def train(self, request: TrainRequest) -> TrainReport:
-        """Admit the foreign rows through the intake and run this round's update on what it admits."""
-        own = self._own_round(request)
+        """Admit the foreign rows through the intake and run this round's update on exactly the rows it admits."""
+        own = check_train(self.org_id, request, self._own)
         check_capability(self.cfg, request.capability)
         raise_if_cancelled("before training")
-        c0 = time.process_time()
-        perf = PhaseMeter(self._device())
-        admitted = self.intake.admit(
-            request,
-            own,
-            seed=stable_seed(self.seed, "select", own.round),
-            opener=self.border.opener(own.run_id, own.round, own.fresh_digest),
-            scoring=Scoring.of(self.trainer),
-        )
+        c0, perf = time.process_time(), PhaseMeter(self._device())
+        opener = self.border.opener(own.run_id, own.round, own.fresh_digest)
+        seed = stable_seed(self.seed, "select", own.round)
+        admitted = self.intake.admit(request, own, seed=seed, opener=opener, scoring=Scoring.of(self.trainer))
         score_perf = perf.lap("score", admitted.scored_tokens)
         raise_if_cancelled("before the update")
         t1, c1 = time.perf_counter(), time.process_time()
         with self.engine.released():  # a vLLM engine may sleep during the update (generation.sleep_during_train)
             update = self.trainer.update(admitted.rows, admitted.learner, admitted.capability, names=admitted.agents)
         self.engine.sync_weights(self.model)
-        metrics = {
-            **admitted.update_metrics(update),
-            **score_perf,
-            **perf.lap("train", update.get("train/num_tokens", 0.0)),
-        }
-        metrics.update(self._train_metrics(request, admitted, t1, c0, c1))
+        metrics = {**admitted.update_metrics(update), **score_perf}
+        metrics.update(perf.lap("train", update.get("train/num_tokens", 0.0)))
+        c2 = time.process_time()  # cpu/...: this process's CPU seconds (all its threads), split as time/...
+        metrics.update(admitted.metrics(request), **{"time/train": time.perf_counter() - t1})
+        metrics.update({"cpu/update": c2 - c1, "cpu/train": c2 - c0})
         self._own = None
         self.last_round, self._trained[request.run_id], self._pristine = request.round, request.round, False
+        return self._report(request, metrics)
+
+    def _report(self, request: TrainRequest, metrics: dict[str, float]) -> TrainReport:
+        """The signed TrainReport with a fresh challenge and, in blind mode, the evidence of lying sources."""
+        evidence = self.border.evidence(request, metrics)
         report = TrainReport(
             request.run_id,
             request.round,
             self.org_id,
             metrics,
-            disclosed_keys=self.border.evidence(request, metrics),
+            disclosed_keys=evidence,
             challenge=self._challenges.issue(),
         )
         return self.border.sign_report(report)
-
-    def _own_round(self, request: TrainRequest) -> OwnRound:
-        """What :meth:`generate` kept for the round ``request`` trains; refuses a train request for another round,
-        run or org."""
-        own = self._own
-        if own is None or own.round != request.round:
-            raise RequestRefused(
-                "not_generated",
-                f"train for round {request.round} but this worker generated "
-                f"{'nothing' if own is None else f'round {own.round}'}",
-            )
-        if request.run_id != own.run_id:
-            raise RequestRefused(
-                "wrong_run", f"train for run {request.run_id[:80]!r}, not the run round {own.round} was generated for"
-            )
-        if request.org_id != self.org_id:
-            raise RequestRefused(
-                "wrong_org", f"train request for org {request.org_id!r} sent to worker {self.org_id!r}"
-            )
-        return own
-
-    @staticmethod
-    def _train_metrics(request: TrainRequest, admitted: Admitted, t1: float, c0: float, c1: float) -> dict[str, float]:
-        """The intake's counts and the train call's timings (``cpu/...``: this process's CPU seconds, all its
-        threads, split as ``time/...``)."""
-        c2 = time.process_time()
-        return {
-            **admitted.metrics(request),
-            "time/train": time.perf_counter() - t1,
-            "cpu/update": c2 - c1,
-            "cpu/train": c2 - c0,  # the whole train call
-        }
 
     def step(self, request: StepRequest) -> StepReply:
         """The fused round: :meth:`train` on round ``r - 1``'s request, then :meth:`generate` on round ``r``'s plan
@@ -339,9 +266,9 @@ class PolicyWorker(RunRouting):
         check_step(self.org_id, request)
         train, plan = request.train, request.plan
         if train is not None and plan is not None:  # the plan as generate() will check it once the train is done
-            self._check_task(plan.task)
+            self.prompts.check_task(plan.task)
             check_plan(self.cfg, self.org_id, plan, last_round=train.round, run_id=self.run_id)
-            self._check_prompts(plan.prompts, "train")
+            self.prompts.check(plan.prompts, "train")
         self._challenges.hold()  # the plan carries the challenge issued before this message, not the train half's
         try:
             return run_step(self, request)
@@ -350,17 +277,14 @@ class PolicyWorker(RunRouting):
 
     def evaluate(self, request: EvalRequest) -> EvalReport:
         """Greedy accuracy on held-out prompts."""
-        self._check_task(request.task)
+        self.prompts.check_task(request.task)
         how, path, last = self._route(request.run_id, request.round == 0, f"an evaluation at round {request.round}")
         check_eval(self.cfg, self.org_id, request, run_id=request.run_id)
-        self._check_prompts(request.prompts, "test")
+        self.prompts.check(request.prompts, "test")
         self._enter(request.run_id, how, path, last)
         t0 = time.perf_counter()
-        texts = [self._render(p) for p in request.prompts]
-        lengths = dict(
-            zip((p.prompt_id for p in request.prompts), self.tokenizer(texts, add_special_tokens=False)["input_ids"])
-        )
-        keep = self._fitting(request.prompts, lengths, request.max_new_tokens, "generation.eval_max_new_tokens")
+        texts, lengths = self.prompts.tokens(request.prompts)
+        keep = self.prompts.fitting(request.prompts, lengths, request.max_new_tokens, "generation.eval_max_new_tokens")
         gens = self.engine.greedy([texts[i] for i in keep], max_new_tokens=request.max_new_tokens) if keep else []
         rewards = [0.0] * len(request.prompts)  # a prompt that does not fit the context counts as wrong
         for i, g in zip(keep, gens):
@@ -374,25 +298,6 @@ class PolicyWorker(RunRouting):
             len(rewards),
             {"time/eval": time.perf_counter() - t0, "skipped_too_long": float(len(request.prompts) - len(keep))},
         )
-
-    def _fitting(self, prompts, tokens_by_prompt: dict, budget: int, field: str) -> list[int]:
-        """Indices of ``prompts`` whose tokens plus ``budget`` fit the model's context (hacrl_fed.models.context);
-        the rest are skipped with a warning (and counted by the caller)."""
-        keep = [i for i, p in enumerate(prompts) if fits(len(tokens_by_prompt[p.prompt_id]), budget, self.context)]
-        if len(keep) < len(prompts):
-            longest = max(len(tokens_by_prompt[p.prompt_id]) for p in prompts)
-            log.warning(
-                "worker %s: skipped %d of %d prompts that do not fit the model's context of %s tokens with "
-                "%s=%d (longest prompt %d tokens)",
-                self.org_id,
-                len(prompts) - len(keep),
-                len(prompts),
-                self.context,
-                field,
-                budget,
-                longest,
-            )
-        return keep
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
