@@ -84,8 +84,10 @@ class PolicyWorker(RunRouting):
         self.context, context_source = context_length(
             self.model, self.gen_cfg.max_model_len if self.gen_cfg.engine == "vllm" else None
         )
-        self.prompts = PromptBook(org_id, self.task, self.tokenizer, self.context)
-        self.prompts.check_fits(context_source, self.gen_cfg, eval_ids(self.task.size("test"), cfg.task.eval_size))
+        self.prompts = PromptBook(org_id, self.task, self.tokenizer)
+        self.prompts.check_fits(
+            self.context, context_source, self.gen_cfg, eval_ids(self.task.size("test"), cfg.task.eval_size)
+        )
         model_path, tokenizer_path = model_sources(org.model)
         self.engine = build_engine(
             self.gen_cfg.engine,
@@ -123,6 +125,9 @@ class PolicyWorker(RunRouting):
 
     def _new_trainer(self) -> LocalTrainer:
         return LocalTrainer(self.model, self.cfg.algorithm, self.trainer_cfg, self.pad_id)
+
+    def _render(self, prompt: Prompt) -> str:  # the tools' and scripts' access to the chat template
+        return self.prompts.render(prompt)
 
     @property
     def roster(self):
@@ -172,7 +177,9 @@ class PolicyWorker(RunRouting):
         samples of each of those (the engine's generations)."""
         sp = plan.sampling
         texts, tokens_by_prompt = self.prompts.tokens(plan.prompts)
-        keep = self.prompts.fitting(plan.prompts, tokens_by_prompt, sp.max_new_tokens, "generation.max_new_tokens")
+        keep = self.prompts.fitting(
+            plan.prompts, tokens_by_prompt, sp.max_new_tokens, "generation.max_new_tokens", self.context
+        )
         if not keep:
             return tokens_by_prompt, keep, []
         gens = self.engine.generate(
@@ -284,7 +291,9 @@ class PolicyWorker(RunRouting):
         self._enter(request.run_id, how, path, last)
         t0 = time.perf_counter()
         texts, lengths = self.prompts.tokens(request.prompts)
-        keep = self.prompts.fitting(request.prompts, lengths, request.max_new_tokens, "generation.eval_max_new_tokens")
+        keep = self.prompts.fitting(
+            request.prompts, lengths, request.max_new_tokens, "generation.eval_max_new_tokens", self.context
+        )
         gens = self.engine.greedy([texts[i] for i in keep], max_new_tokens=request.max_new_tokens) if keep else []
         rewards = [0.0] * len(request.prompts)  # a prompt that does not fit the context counts as wrong
         for i, g in zip(keep, gens):

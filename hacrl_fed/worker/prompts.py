@@ -16,13 +16,13 @@ log = logging.getLogger(__name__)
 
 
 class PromptBook:
-    """Renders (cached), checks and fits one org's prompts; ``context``: its model's context (None: unbounded)."""
+    """Renders (cached), checks and fits one org's prompts (``context``: its model's context, None: unbounded)."""
 
-    def __init__(self, org_id: str, task: Any, tokenizer: Any, context: int | None) -> None:
-        self.org_id, self.task, self.tokenizer, self.context = org_id, task, tokenizer, context
+    def __init__(self, org_id: str, task: Any, tokenizer: Any) -> None:
+        self.org_id, self.task, self.tokenizer = org_id, task, tokenizer
         self._cache: dict[tuple[int, tuple], str] = {}
 
-    def check_fits(self, source: str, gen: Any, eval_ids: Sequence[int]) -> None:
+    def check_fits(self, context: int | None, source: str, gen: Any, eval_ids: Sequence[int]) -> None:
         """The task's prompts plus ``gen``'s token budgets fit the context (``source`` names where it comes from):
         checked at start-up where known, guarded per call (:meth:`fitting`)."""
         check_task_fits(
@@ -30,7 +30,7 @@ class PromptBook:
             self.task,
             self.tokenizer,
             lambda p: render_prompt(self.tokenizer, p.messages),
-            self.context,
+            context,
             source,
             max_new_tokens=gen.max_new_tokens,
             eval_max_new_tokens=gen.eval_max_new_tokens,
@@ -70,15 +70,17 @@ class PromptBook:
                     f"of task {self.task.name!r} (task name, params and seed must match the run's)",
                 )
 
-    def fitting(self, prompts: Sequence[Prompt], tokens_by_prompt: dict, budget: int, field: str) -> list[int]:
+    def fitting(
+        self, prompts: Sequence[Prompt], tokens_by_prompt: dict, budget: int, field: str, context: int | None
+    ) -> list[int]:
         """Indices of ``prompts`` whose tokens plus ``budget`` fit the model's context; the rest are skipped with a
         warning (and counted by the caller)."""
-        keep = [i for i, p in enumerate(prompts) if fits(len(tokens_by_prompt[p.prompt_id]), budget, self.context)]
+        keep = [i for i, p in enumerate(prompts) if fits(len(tokens_by_prompt[p.prompt_id]), budget, context)]
         if len(keep) < len(prompts):
             longest = max(len(tokens_by_prompt[p.prompt_id]) for p in prompts)
             log.warning(
                 "worker %s: skipped %d of %d prompts that do not fit the model's context of %s tokens with "
                 "%s=%d (longest prompt %d tokens)",
-                *(self.org_id, len(prompts) - len(keep), len(prompts), self.context, field, budget, longest),
+                *(self.org_id, len(prompts) - len(keep), len(prompts), context, field, budget, longest),
             )
         return keep
