@@ -373,6 +373,22 @@ class LocalTrainer:
             if not train:  # no row has a gradient: a zero gradient, as the full pass would have given
                 for p in self.model_params:
                     p.grad = torch.zeros_like(p)
+        grad_norm = self._apply_gradient()
+        out = acc.result()
+        out.update(
+            {
+                "train/loss": loss_total,
+                "train/grad_norm": float(grad_norm),
+                "train/kl": kl_total,
+                "train/num_tokens": float(sum(len(r.prompt_token_ids) + len(r.response_ids) for r in rows)),
+                "train/num_backward": float(len(train)),
+            }
+        )
+        return out
+
+    def _apply_gradient(self) -> Tensor:
+        """Clip the accumulated gradient and take the AdamW step (through the float32 masters in bf16-master);
+        returns the gradient norm before clipping."""
         if self.master is not None:  # bf16 grads -> float32 masters
             for p, master in zip(self.model_params, self.master):
                 master.grad = None if p.grad is None else p.grad.detach().float()
@@ -385,17 +401,7 @@ class LocalTrainer:
             with torch.no_grad():
                 for p, master in zip(self.model_params, self.master):
                     p.copy_(master)
-        out = acc.result()
-        out.update(
-            {
-                "train/loss": loss_total,
-                "train/grad_norm": float(grad_norm),
-                "train/kl": kl_total,
-                "train/num_tokens": float(sum(len(r.prompt_token_ids) + len(r.response_ids) for r in rows)),
-                "train/num_backward": float(len(train)),
-            }
-        )
-        return out
+        return grad_norm
 
     def _micro_batches(self, rows: Sequence[TrainRow], index: Sequence[int]) -> list[list[int]]:
         """``index`` in micro-batches of ``trainer.micro_batch_size`` rows; when it takes more than one, the rows
