@@ -181,7 +181,7 @@ class AlgorithmConfig(_Section):
     @field_validator("name")
     @classmethod
     def _registered_algorithm(cls, name: str) -> str:
-        from hacrl_fed.algorithm.registry import ALGORITHMS  # lazy: the algorithm package imports this module
+        from hacrl_fed.algorithm.specs import ALGORITHMS  # lazy: algorithm/__init__ imports config
 
         return _registered(name, ALGORITHMS)
 
@@ -240,7 +240,7 @@ class SelectionConfig(_Section):
     @field_validator("rule")
     @classmethod
     def _registered_rule(cls, rule: str) -> str:
-        from hacrl_fed.algorithm.selection import SELECTION_RULES  # lazy: the algorithm package imports this module
+        from hacrl_fed.algorithm.selection import SELECTION_RULES  # lazy: algorithm/__init__ imports config
 
         return _registered(rule, SELECTION_RULES)
 
