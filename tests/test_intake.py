@@ -26,7 +26,7 @@ EXPECTED = {
     "zero": {("select", "dropped_rule")},
     "odd": {("screen", "low_likelihood")},
     "long": {("train", "context")},
-    "empty": {("train", "no_tokens")},
+    "empty": {("train", "no_tokens"), ("train", "too_long_text")},
     "forger": {("trust", "bad_signature")},
     "stale": {("trust", "stale_plan")},
     "liar": {("trust", "reward_mismatch"), ("trust", "source_excluded")},
@@ -74,8 +74,10 @@ def rollouts_of(src):
         return [rollout(src, p.prompt_id, j, "wrong", 0.0) for p in PROMPTS for j in range(G)]
     if src == "long":  # 80 tokens + EOS: more than the context allows after the prompt, within every other bound
         return [rollout(src, 10, j) for j in range(G)] + [rollout(src, 20, j, "1" * 80) for j in range(G)]
-    if src == "empty":  # no learner tokens (no text, no EOS)
-        return [rollout(src, 10, j) for j in range(G)] + [rollout(src, 20, j, "", finish="length") for j in range(G)]
+    if src == "empty":  # 129 learner tokens with EOS (more than 8 x 16), and no tokens (no text, no EOS)
+        return [rollout(src, 10, j, "1" * 128) for j in range(G)] + [
+            rollout(src, 20, j, "", finish="length") for j in range(G)
+        ]
     if src == "liar":  # claims 1.0 on wrong text for prompt 10: half its claims are contradicted (> 10 %)
         return [rollout(src, 10, j, "wrong") for j in range(G)] + [rollout(src, 20, j) for j in range(G)]
     if src == "messy":  # a duplicate spoils prompt 10's group, 200 bytes > 16 tokens x 8 bytes, prompt 99 unknown
@@ -150,7 +152,7 @@ def test_every_foreign_row_is_kept_or_dropped_once_with_its_reason(tmp_path):
     assert m["trust/coordinator/rejected/unsigned"] == 2 and m["trust/coordinator/received"] == 0
     assert m["trust/dup/rejected/duplicate_source"] == 2 and m["trust/liar/excluded"] == 1
     assert m["select/zero/dropped_rule"] == 4 and m["screen/odd/dropped_low_likelihood"] == 4
-    assert m["train/num_too_long"] == 2 and m["train/foreign_unscored"] == 2
+    assert m["train/num_too_long"] == 2 and m["train/foreign_unscored"] == 4
 
 
 def test_the_ledger_balances_when_the_request_is_too_large_or_screened_lazily(tmp_path):

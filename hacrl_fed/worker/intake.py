@@ -119,7 +119,7 @@ class Admitted:
         return update_metrics(update, self.rows, self.ledger)
 
     def metrics(self, request: TrainRequest) -> dict[str, float]:
-        """The ledger's trust and selection counts and the intake's own ``train/foreign_*`` counts."""
+        """The ledger's trust and selection counts, the intake's own ``train/foreign_*`` counts and its timings."""
         received = len(request.foreign) + request.unread_foreign + sum(len(b.rollouts) for b in request.source_batches)
         return {
             **self.ledger.trust_metrics(),
@@ -220,8 +220,9 @@ class Intake:
 
     def retokenize(self, foreign: list[Rollout], own: OwnRound, agents: list[str], ledger: Ledger) -> list[TrainRow]:
         """Stage 6: the selected responses in this learner's tokens (EOS iff the source stopped); a row of a prompt
-        of no this round's plan is dropped, one without tokens or longer than ``FOREIGN_LENGTH_FACTOR ×
-        max_new_tokens`` is kept with no tokens (in its group's baseline, not trained on)."""
+        not in this round's plan is dropped (``unknown_prompt``), one without tokens (``no_tokens``) or longer than
+        ``FOREIGN_LENGTH_FACTOR × max_new_tokens`` (``too_long_text``) is kept with no tokens: in its group's
+        baseline, not trained on."""
         usable = []
         for r in foreign:
             if r.prompt_id in own.tokens_by_prompt:
@@ -237,7 +238,7 @@ class Intake:
         rows = []
         for r, resp in zip(usable, responses):
             if not resp or len(resp) > cap:
-                ledger.drop(str(r.org_id), "train", "no_tokens")
+                ledger.drop(str(r.org_id), "train", "too_long_text" if resp else "no_tokens")
                 resp = []
             rows.append(self._row(r, resp, own, agents))
         return rows

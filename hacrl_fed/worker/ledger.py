@@ -138,7 +138,7 @@ class Ledger:
 
     def unscored(self) -> int:
         """``train/foreign_unscored``: foreign rows not scored after re-tokenization."""
-        return self.dropped("train", "unknown_prompt") + self.dropped("train", "no_tokens")
+        return sum(self.dropped("train", why) for why in ("unknown_prompt", "no_tokens", "too_long_text"))
 
     def too_long(self) -> int:
         """``train/num_too_long``: rows (own and foreign) that do not fit the learner's context."""
