@@ -41,7 +41,6 @@ class SourceEntry:
     screened: Screened | None = None
     excluded: bool = False
     unscreened: int | None = None
-    _shown: Counter = dataclasses.field(default_factory=Counter)  # rejections of empty batches (metric only)
 
     def accepted(self) -> int:
         return 0 if self.excluded else len((self.screened or Screened()).accepted)
@@ -84,15 +83,14 @@ class Ledger:
         """The trust stage drops ``rows`` rows of ``source`` whole (a batch counts at least once in the metric)."""
         e = self.entry(source)
         e.rejected[reason] += max(rows, 1)
-        e._shown[reason] += max(rows, 1) - rows
-        e.dropped[("trust", reason)] += rows
+        self.drop(source, "trust", reason, rows)
 
     def screened(self, source: str, result: Screened, rows: int) -> None:
         """``screen_batch``'s verdict on the ``rows`` rows of ``source``'s batch."""
         e = self.entry(source)
         e.screened = result
         for why, n in result.rejected.items():
-            e.dropped[("trust", why)] += n if rows else 0  # a rejected empty batch counts once, holds no rows
+            self.drop(source, "trust", why, n if rows else 0)  # a rejected empty batch counts once, holds no rows
 
     def exclude(self, source: str) -> None:
         """Too many contradicted rewards: the source's accepted rows are dropped (``source_excluded``)."""
@@ -100,17 +98,16 @@ class Ledger:
         e.excluded = True
         n = len((e.screened or Screened()).accepted)
         e.rejected["source_excluded"] += n
-        e.dropped[("trust", "source_excluded")] += n
+        self.drop(source, "trust", "source_excluded", n)
 
     def unscreened(self, source: str, rows: int) -> None:
         """Lazy screening: the selection was full before this source was reached (``rows`` never opened)."""
-        e = self.entry(source)
-        e.unscreened = rows
-        e.dropped[("trust", "unscreened")] += rows
+        self.entry(source).unscreened = rows
+        self.drop(source, "trust", "unscreened", rows)
 
     def drop(self, source: str, stage: str, reason: str, rows: int = 1) -> None:
-        """A stage after the screen drops ``rows`` of ``source``'s rows (``select``, ``unused``, ``train``,
-        ``screen``)."""
+        """Stage ``stage`` (``trust``, ``select``, ``unused``, ``train``, ``screen``) drops ``rows`` of ``source``'s
+        rows for ``reason``."""
         if rows:
             self.entry(source).dropped[(stage, reason)] += rows
 
