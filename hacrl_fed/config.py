@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from hacrl_fed.limits import MAX_BYTES_PER_TOKEN, MAX_MESSAGE_MB
 from hacrl_fed.run_files import ERROR_LOG
@@ -44,6 +45,16 @@ def _d(text: str) -> str:
     return " ".join(text.split())
 
 
+def _registered(name: str, registry: Collection[str]) -> str:
+    """``name`` when ``registry`` (a registry's names: the one place they are written) holds it; else the error a
+    ``Literal`` of those names gives (``Input should be 'a', 'b' or 'c'``)."""
+    if name in registry:
+        return name
+    quoted = [repr(n) for n in registry]
+    expected = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+    raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+
+
 class AlgorithmConfig(_Section):
     """How each org turns the pooled rollouts into its update: HACPO (docs/ALGORITHM.md) or a baseline.
 
@@ -52,7 +63,7 @@ class AlgorithmConfig(_Section):
     parameter table all follow them (tests check the table).
     """
 
-    name: Literal["hacpo", "gspo", "grpo", "naive"] = Field(
+    name: str = Field(
         "hacpo",
         description=_d(
             "the algorithm: hacpo (own + foreign rollouts, capability-aware), gspo / grpo (own rollouts only), naive "
@@ -167,6 +178,13 @@ class AlgorithmConfig(_Section):
             raise ValueError("ratio_min must be <= ratio_max")
         return self
 
+    @field_validator("name")
+    @classmethod
+    def _registered_algorithm(cls, name: str) -> str:
+        from hacrl_fed.algorithm.specs import ALGORITHMS  # lazy: algorithm/__init__ imports config
+
+        return _registered(name, ALGORITHMS)
+
 
 class LoraConfig(_Section):
     """LoRA adapters (peft): only the adapters train, the base weights stay frozen."""
@@ -193,9 +211,7 @@ class SelectionConfig(_Section):
     """Which screened foreign rows a learner trains on (hacrl_fed/algorithm/selection.py, docs/ALGORITHM.md
     "Selecting foreign rows"): a rule and an optional budget of foreign rows per round."""
 
-    rule: Literal[
-        "all", "uniform", "nonzero_advantage", "successes", "learner_failed", "max_variance", "peer_sample"
-    ] = Field(
+    rule: str = Field(
         "successes",
         description=_d(
             "successes (the default: rows with reward > 0; BENCHMARKS.md, SECURITY.md), all (every screened "
@@ -221,15 +237,22 @@ class SelectionConfig(_Section):
         ),
     )
 
+    @field_validator("rule")
+    @classmethod
+    def _registered_rule(cls, rule: str) -> str:
+        from hacrl_fed.algorithm.selection import SELECTION_RULES  # lazy: algorithm/__init__ imports config
+
+        return _registered(rule, SELECTION_RULES)
+
     @model_validator(mode="after")
     def _budget(self) -> SelectionConfig:
+        from hacrl_fed.algorithm.selection import selection_budget_problem
+
         if self.budget is not None and self.budget_multiple is not None:
             raise ValueError("budget and budget_multiple are exclusive: set one of them (the other null)")
-        budgeted = self.budget is not None or self.budget_multiple is not None
-        if self.rule == "all" and budgeted:
-            raise ValueError("rule all keeps every foreign row: a budget needs another rule (uniform samples one)")
-        if self.rule in ("uniform", "max_variance", "peer_sample") and not budgeted:
-            raise ValueError(f"rule {self.rule} picks a subset of the budget's size: set budget or budget_multiple")
+        problem = selection_budget_problem(self.rule, self.budget is not None or self.budget_multiple is not None)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
 

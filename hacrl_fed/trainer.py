@@ -17,11 +17,13 @@ during the update's forward passes (the ones that carry the gradient) the adapte
 they, are in training mode (:func:`adapter_dropout`); generation, the published old log-probs and the frozen KL
 reference stay deterministic.
 
-What an algorithm needs (foreign rows, capability cross weights, token-level inputs and weighting) comes from its
-registry spec (:class:`~hacrl_fed.algorithm.AlgorithmSpec`); the loss configuration is built once from the
-algorithm config (:meth:`~hacrl_fed.algorithm.PolicyLossConfig.from_algorithm`). Rows whose prompt plus
-response exceed the model's context (a long foreign response) are left out of the update like empty ones
-(``train/num_too_long``), still counting in their group's advantage statistics.
+What an algorithm needs (capability cross weights, token-level inputs and weighting) comes from its registry spec
+(:class:`~hacrl_fed.algorithm.AlgorithmSpec`); the loss configuration is built once from the algorithm config
+(:meth:`~hacrl_fed.algorithm.PolicyLossConfig.from_algorithm`). :meth:`LocalTrainer.update` optimizes exactly the
+rows it is given: which foreign rows those are (screen, selection, likelihood screen, context) is the worker's
+intake's decision (:mod:`hacrl_fed.worker.intake`); a row without tokens counts in its group's advantage
+statistics and is not trained on. The trainer hands the intake its scorer (:meth:`LocalTrainer.log_prob_sums`) and
+keeps the likelihood screen's per-source history with its checkpointed state.
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ from hacrl_fed.algorithm import (
     name_sources,
     order_rows,
 )
-from hacrl_fed.algorithm.likelihood_screen import REASONS, GapHistory, ScreenParams, likelihood_screen
+from hacrl_fed.algorithm.likelihood_screen import GapHistory
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
-from hacrl_fed.models.context import context_length, fits
+from hacrl_fed.models.context import context_length
 from hacrl_fed.models.native import unsupported_reason
 from hacrl_fed.scoring import ScoringBatch, build_scoring_batch_from_ids, token_log_probs
 
@@ -184,7 +186,7 @@ class LocalTrainer:
         self.gradient_rows = get_gradient_rows(self.spec.loss)  # rows with a gradient (trainer.skip_no_gradient_rows)
         self.loss_cfg = PolicyLossConfig.from_algorithm(algo)
         self.by_tokens = self.spec.weights_by_tokens(self.loss_cfg)  # micro-batch weights: tokens or rows
-        self.context = context_length(model)[0]  # rows longer than this cannot be scored
+        self.context = context_length(model)[0]  # rows longer than this cannot be scored (the intake's last stage)
         self.dropout = adapter_dropout_modules(model)  # trainer.lora.dropout: on during the update's forwards
         self.native = self._native_forward(model, trainer, self.dropout)  # trainer.forward: auto
         params = [p for p in model.parameters() if p.requires_grad]
@@ -267,25 +269,15 @@ class LocalTrainer:
         """One round's update. ``learner``: this agent's index into ``capability`` (``Phat`` per agent);
         ``names``: agent names for the per-source advantage metrics (``hacpo/adv_mean/<name>``)."""
         start = time.perf_counter()
-        rows = [r for r in rows if r.is_self or self.spec.uses_cross]
-        screened: dict[str, float] = {}
-        if self.cfg.likelihood_screen.enabled and not all(r.is_self for r in rows):
-            rows, screened = self._likelihood_screen(rows, names)  # dropped rows leave their joint group too
         if not rows:
-            return {"train/steps": 0.0, "train/num_rows": 0.0, **screened}
-        # every response counts in its joint group's baseline and std, even one that cannot be scored
+            return {"train/steps": 0.0, "train/num_rows": 0.0}
+        # every response counts in its joint group's baseline and std, even one with no tokens to train on
         adv_all = self.advantages(rows, learner, capability)
         all_rows = rows
-        keep = [i for i, r in enumerate(rows) if r.response_ids]  # nothing to score in an empty response
-        scorable = [i for i in keep if fits(len(rows[i].prompt_token_ids), len(rows[i].response_ids), self.context)]
-        too_long = len(keep) - len(scorable)
-        if too_long:
-            log.warning(
-                "%d rows exceed the model's context of %s tokens: left out of the update", too_long, self.context
-            )
+        scorable = [i for i, r in enumerate(rows) if r.response_ids]
         rows, adv = [rows[i] for i in scorable], adv_all[scorable]
         if not rows:
-            return {"train/steps": 0.0, "train/num_rows": 0.0, "train/num_too_long": float(too_long)}
+            return {"train/steps": 0.0, "train/num_rows": 0.0}
         sources = torch.tensor([r.source for r in rows])
         if self.spec.uses_capability_coefficient and self.algo.capability_coefficient:
             v = capability_coefficients(capability, learner, sources, self.algo.ratio_min, self.algo.ratio_max)
@@ -310,84 +302,31 @@ class LocalTrainer:
             {
                 "train/steps": float(len(schedule)),
                 "train/num_rows": float(len(rows)),
-                "train/num_too_long": float(too_long),
                 "train/num_self": float(is_self.sum()),
                 "train/num_cross": float((~is_self).sum()),
                 "train/adv_abs_mean": float(adv.abs().mean()),
                 "time/update": time.perf_counter() - start,
             }
         )
-        out.update(screened)
         return out
 
-    def _likelihood_screen(
-        self, rows: Sequence[TrainRow], names: Sequence[str] | None
-    ) -> tuple[list[TrainRow], dict[str, float]]:
-        """Score the scorable cross rows (no grad, pre-update weights) and leave out those the screen drops
-        (:mod:`hacrl_fed.algorithm.likelihood_screen`); ``screen/<source>/...`` metrics."""
-        t0 = time.perf_counter()
-        cfg = self.cfg.likelihood_screen
-        per_byte = cfg.norm == "per_byte"
-        cand = [
-            i
-            for i, r in enumerate(rows)
-            if r.response_ids and (r.is_self or fits(len(r.prompt_token_ids), len(r.response_ids), self.context))
-        ]
-        cross = [i for i in cand if not rows[i].is_self]
-        learner_sum: dict[int, float] = {}
-        if cross:  # the update's own scoring path: sorted micro-batches, the native forward, each prompt once
-            device = next(self.model.parameters()).device
-            with torch.no_grad():
-                for micro_idx in self._micro_batches(rows, cross):
-                    batch = build_scoring_batch_from_ids(
-                        [rows[i].prompt_token_ids for i in micro_idx],
-                        [rows[i].response_ids for i in micro_idx],
-                        self.pad_id,
-                    )
-                    with self._autocast(device):
-                        tok_lp, _ = token_log_probs(self.model, batch, native=self.native)
-                    learner_sum.update(zip(micro_idx, tok_lp.double().sum(-1).tolist()))  # sum_t log p(y_t)
-        lp: list[float] = []
-        lengths: list[float] = []
-        claimed: list[float | None] = []
-        for i in cand:
-            r = rows[i]
-            n = float(max(r.n_bytes, 1)) if per_byte else float(len(r.response_ids))
-            if r.is_self:
-                lp.append(sum(r.old_token_log_probs) if r.old_token_log_probs else r.old_seq_log_prob * n)
-                claimed.append(None)
-            else:
-                lp.append(learner_sum[i])
-                c = r.claimed_log_prob_sum
-                claimed.append(None if c is None else c / (n if per_byte else max(r.claimed_token_count, 1)))
-            lengths.append(n)
-        label = (lambda s: names[s]) if names is not None else str
-        history = {s: h for s in {r.source for r in rows} if (h := self.screen_history.get(label(s))) is not None}
-        res = likelihood_screen(
-            lp,
-            lengths,
-            [rows[i].is_self for i in cand],
-            [rows[i].group for i in cand],
-            [rows[i].source for i in cand],
-            claimed,
-            ScreenParams(**cfg.model_dump(exclude={"enabled", "norm"})),
-            history,
-        )
-        self.screen_history.update({label(s): h for s, h in res.history.items()})
-        drop = {i for i, k in zip(cand, res.keep) if not k}
-        out: dict[str, float] = {}
-        for s, n_checked in res.checked.items():
-            counts = res.dropped.get(s, {})
-            out[f"screen/{label(s)}/checked"] = float(n_checked)
-            for reason in REASONS:
-                out[f"screen/{label(s)}/dropped_{reason}"] = float(counts.get(reason, 0))
-            if s in res.gap_median:
-                out[f"screen/{label(s)}/gap_median"] = res.gap_median[s]
-            if s in res.deficit_max:
-                out[f"screen/{label(s)}/deficit_max"] = res.deficit_max[s]
-        out["screen/dropped"] = float(len(drop))
-        out["time/screen"] = time.perf_counter() - t0
-        return [r for i, r in enumerate(rows) if i not in drop], out
+    def log_prob_sums(self, rows: Sequence[TrainRow]) -> list[float]:
+        """The learner's sequence log-prob sums ``sum_t log p(y_t)`` of ``rows`` [N] with the current weights, no
+        gradient: the update's own scoring path (sorted micro-batches, the native forward, each prompt once). The
+        scorer the intake's likelihood screen is handed (:mod:`hacrl_fed.worker.intake`)."""
+        sums: dict[int, float] = {}
+        device = next(self.model.parameters()).device
+        with torch.no_grad():
+            for micro_idx in self._micro_batches(rows, range(len(rows))):
+                batch = build_scoring_batch_from_ids(
+                    [rows[i].prompt_token_ids for i in micro_idx],
+                    [rows[i].response_ids for i in micro_idx],
+                    self.pad_id,
+                )
+                with self._autocast(device):
+                    tok_lp, _ = token_log_probs(self.model, batch, native=self.native)
+                sums.update(zip(micro_idx, tok_lp.double().sum(-1).tolist()))
+        return [sums[i] for i in range(len(rows))]
 
     def _step(self, step: int, rows: list[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor) -> dict[str, float]:
         """Optimizer step ``step`` of the round (counted across epochs) over one mini-batch, accumulated over
@@ -434,6 +373,22 @@ class LocalTrainer:
             if not train:  # no row has a gradient: a zero gradient, as the full pass would have given
                 for p in self.model_params:
                     p.grad = torch.zeros_like(p)
+        grad_norm = self._apply_gradient()
+        out = acc.result()
+        out.update(
+            {
+                "train/loss": loss_total,
+                "train/grad_norm": float(grad_norm),
+                "train/kl": kl_total,
+                "train/num_tokens": float(sum(len(r.prompt_token_ids) + len(r.response_ids) for r in rows)),
+                "train/num_backward": float(len(train)),
+            }
+        )
+        return out
+
+    def _apply_gradient(self) -> Tensor:
+        """Clip the accumulated gradient and take the AdamW step (through the float32 masters in bf16-master);
+        returns the gradient norm before clipping."""
         if self.master is not None:  # bf16 grads -> float32 masters
             for p, master in zip(self.model_params, self.master):
                 master.grad = None if p.grad is None else p.grad.detach().float()
@@ -446,17 +401,7 @@ class LocalTrainer:
             with torch.no_grad():
                 for p, master in zip(self.model_params, self.master):
                     p.copy_(master)
-        out = acc.result()
-        out.update(
-            {
-                "train/loss": loss_total,
-                "train/grad_norm": float(grad_norm),
-                "train/kl": kl_total,
-                "train/num_tokens": float(sum(len(r.prompt_token_ids) + len(r.response_ids) for r in rows)),
-                "train/num_backward": float(len(train)),
-            }
-        )
-        return out
+        return grad_norm
 
     def _micro_batches(self, rows: Sequence[TrainRow], index: Sequence[int]) -> list[list[int]]:
         """``index`` in micro-batches of ``trainer.micro_batch_size`` rows; when it takes more than one, the rows

@@ -168,7 +168,7 @@ def test_the_scan_sees_lazy_and_type_checking_imports():
     graph = _graph("hacrl_fed")
     assert "hacrl_fed.security.keyring" in graph["hacrl_fed.coordinator.loop"]  # imported inside __init__
     assert "hacrl_fed.worker.policy_worker" in graph["hacrl_fed.worker"]  # imported inside build_worker
-    assert "hacrl_fed.plan.screening" in graph["hacrl_fed.worker.guard"]
+    assert "hacrl_fed.plan.screening" in graph["hacrl_fed.worker.intake"]
 
 
 def test_the_worker_never_imports_the_coordinator():

@@ -1,4 +1,4 @@
-"""Lazy screening for ``peer_sample`` (hacrl_fed/worker/guard.py ``screen_sources(lazy=...)``): sources are opened
+"""Lazy screening for ``peer_sample`` (hacrl_fed/worker/intake.py ``screen_sources(lazy=...)``): sources are opened
 and checked in the selection's seeded source order only until its budget is full, the rest are counted
 ``trust/<source>/unscreened`` and never opened, a forged or lying source costs a check and is passed over, and the
 rows the selection takes are exactly those it takes after a full screen."""
@@ -13,7 +13,7 @@ from hacrl_fed.algorithm.selection import select_rollouts, source_order
 from hacrl_fed.config import load_config
 from hacrl_fed.security.envelope import RejectedBatch
 from hacrl_fed.types import ChatMessage, Prompt, Rollout, RolloutBatch, TrainRequest
-from hacrl_fed.worker.guard import LazyTake, screen_sources
+from hacrl_fed.worker.intake import LazyTake, screen_sources
 
 G, MAX_NEW = 2, 8
 SOURCES = ["o1", "o2", "o3", "o4", "o5"]

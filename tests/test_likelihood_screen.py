@@ -20,6 +20,8 @@ from hacrl_fed.security.envelope import signed
 from hacrl_fed.trainer import LocalTrainer, TrainRow
 from hacrl_fed.types import TrainReport
 from hacrl_fed.worker import build_worker
+from hacrl_fed.worker.intake import Scoring, admit_rows, update_metrics
+from hacrl_fed.worker.ledger import Ledger
 from tests.helpers_tiny import tiny_char_tokenizer, tiny_model
 from tests.test_security_attacks import ORGS, Hostile, key_of
 
@@ -131,7 +133,9 @@ def _update(rows, screen: LikelihoodScreenConfig):
     trainer = LocalTrainer(model, AlgorithmConfig(name="hacpo"),
                            TrainerConfig(lr=1e-2, minibatch_size=6, micro_batch_size=4, likelihood_screen=screen),
                            tok.pad_token_id)
-    metrics = trainer.update(rows, 0, [0.5, 0.5], names=["acme", "globex"])
+    names, ledger = ["acme", "globex"], Ledger()  # the intake's last two stages, then the update
+    rows = admit_rows(rows, names, Scoring.of(trainer), screen, ledger)
+    metrics = update_metrics(trainer.update(rows, 0, [0.5, 0.5], names=names), rows, ledger)
     return [p.detach().clone() for p in model.parameters()], metrics, trainer
 
 

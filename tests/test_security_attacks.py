@@ -74,10 +74,11 @@ def spy_on_work(monkeypatch, worker) -> list[tuple[str, object]]:
     """Record the work ``worker`` does on a request, in order: ``("render", messages)`` for each prompt rendered,
     ``("generate", n)`` per engine call, ``("verify", text)`` per reward check and ``("tokenize", texts)`` per
     re-tokenization of foreign text. A refusal "before any work" leaves it empty."""
-    import hacrl_fed.worker.policy_worker as policy_worker
+    import hacrl_fed.worker.intake as intake
+    import hacrl_fed.worker.prompts as prompts
 
     work: list[tuple[str, object]] = []
-    render, tokenize = policy_worker.render_prompt, policy_worker.response_token_ids
+    render, tokenize = prompts.render_prompt, intake.response_token_ids
     generate, verify = worker.engine.generate, worker.task.verify
 
     def spy_render(tokenizer, messages, *a, **k):
@@ -96,8 +97,8 @@ def spy_on_work(monkeypatch, worker) -> list[tuple[str, object]]:
         work.append(("verify", text))
         return verify(text, reference)
 
-    monkeypatch.setattr(policy_worker, "render_prompt", spy_render)
-    monkeypatch.setattr(policy_worker, "response_token_ids", spy_tokenize)
+    monkeypatch.setattr(prompts, "render_prompt", spy_render)
+    monkeypatch.setattr(intake, "response_token_ids", spy_tokenize)
     monkeypatch.setattr(worker.engine, "generate", spy_generate)
     monkeypatch.setattr(worker.task, "verify", spy_verify)
     return work

@@ -229,11 +229,14 @@ def test_config_validation_names_the_field(selection, message):
 
 
 def test_config_rules_are_the_selection_modules_rules():
-    from typing import get_args
+    from pydantic import ValidationError
 
     from hacrl_fed.config import SelectionConfig
 
-    assert get_args(SelectionConfig.model_fields["rule"].annotation) == RULES
+    for rule in RULES:  # the config accepts exactly the registered names (a budget where the rule needs one)
+        assert SelectionConfig(rule=rule, budget=None if rule == "all" else 1).rule == rule
+    with pytest.raises(ValidationError, match="Input should be 'all', 'uniform', .* or 'peer_sample'"):
+        SelectionConfig(rule="best")
 
 
 def test_config_per_org_override():

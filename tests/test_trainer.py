@@ -7,8 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hacrl_fed.algorithm import get_algorithm
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.trainer import LocalTrainer, TrainRow
+from hacrl_fed.worker.intake import Scoring, admit_rows, update_metrics
+from hacrl_fed.worker.ledger import Ledger
 from tests.helpers_tiny import PAPER_ALGORITHM, PAPER_TRAINER, tiny_char_tokenizer, tiny_model
 
 
@@ -41,7 +44,11 @@ def _train(algorithm, micro, rows, kl_beta=0.0, lr=1e-2, minibatch=6, sgd=False)
                            _tcfg(lr=lr, minibatch_size=minibatch, micro_batch_size=micro), tok.pad_token_id)
     if sgd:  # updates linear in the gradient: float summation-order noise stays ~1e-9 (Adam would amplify it)
         trainer.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    metrics = trainer.update(rows, 0, [0.5, 0.25, 1.0])
+    # as the intake admits them: no cross rows for an algorithm that uses none, its last two stages, the update
+    rows = [r for r in rows if r.is_self or get_algorithm(algorithm).uses_cross]
+    names, ledger = [str(s) for s in range(3)], Ledger()
+    rows = admit_rows(rows, names, Scoring.of(trainer), trainer.cfg.likelihood_screen, ledger)
+    metrics = update_metrics(trainer.update(rows, 0, [0.5, 0.25, 1.0]), rows, ledger)
     return model, metrics
 
 

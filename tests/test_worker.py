@@ -230,6 +230,7 @@ def test_vllm_engine_gets_the_generation_section_and_sleeps_during_train(tmp_pat
 
 def test_per_byte_logprob_norm_divides_both_sides_by_the_response_bytes(tmp_path):
     from hacrl_fed.types import Rollout
+    from hacrl_fed.worker.ledger import Ledger
 
     for norm in ("per_token", "per_byte"):
         cfg = make_cfg()
@@ -240,7 +241,9 @@ def test_per_byte_logprob_norm_divides_both_sides_by_the_response_bytes(tmp_path
         pid = plan.prompts[0].prompt_id
         text = "12 é"  # 5 UTF-8 bytes
         foreign = Rollout("bpe", 1, pid, 0, text, "length", 1.0, logprob_sum=-6.0, token_count=3)
-        rows, dropped = w._foreign_rows([foreign], w._own, ["char", "bpe"])
+        ledger = Ledger()
+        rows = w.intake.retokenize([foreign], w._own, ["char", "bpe"], ledger)
+        dropped = ledger.unscored()
         assert dropped == 0 and len(rows) == 1
         if norm == "per_byte":
             assert rows[0].norm_length == 5.0 and rows[0].old_seq_log_prob == pytest.approx(-6.0 / 5)

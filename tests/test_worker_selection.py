@@ -12,7 +12,7 @@ from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.metrics import RunLogger, read_metrics
 from hacrl_fed.types import RoundPlan, SamplingParams, TrainRequest
 from hacrl_fed.worker import build_worker
-from hacrl_fed.worker import policy_worker as pw
+from hacrl_fed.worker import intake
 
 ORGS = [{"id": "char", "model": {"zoo": "micro-qwen-char"}}, {"id": "bpe", "model": {"zoo": "micro-gpt2-bpe"}}]
 
@@ -55,13 +55,13 @@ def one_update(cfg, tmp_path, foreign_rewards):
 def scored(monkeypatch):
     """Counts the foreign responses the learner re-tokenizes (each one it scores and trains on)."""
     calls: list[int] = []
-    real = pw.response_token_ids
+    real = intake.response_token_ids
 
     def spy(tokenizer, texts, *args, **kwargs):
         calls.append(len(texts))
         return real(tokenizer, texts, *args, **kwargs)
 
-    monkeypatch.setattr(pw, "response_token_ids", spy)
+    monkeypatch.setattr(intake, "response_token_ids", spy)
     return calls
 
 
@@ -92,7 +92,7 @@ def test_all_without_budget_scores_every_row_and_counts_them(tmp_path, scored):
 def test_all_update_is_bit_identical_to_the_path_without_selection(tmp_path, monkeypatch):
     cfg = make_cfg()
     a, with_sel = one_update(cfg, tmp_path / "with", lambda i: i % 2)
-    monkeypatch.setattr(pw, "select_rollouts", no_selection)
+    monkeypatch.setattr(intake, "select_rollouts", no_selection)
     b, without = one_update(cfg, tmp_path / "without", lambda i: i % 2)
     for (name, x), (_, y) in zip(a.model.named_parameters(), b.model.named_parameters()):
         assert torch.equal(x, y), name
@@ -126,7 +126,7 @@ def _record_values(records, skip=("wall_time",)):
 def test_all_run_is_bit_identical_to_the_path_without_selection(tmp_path, monkeypatch):
     cfg = make_cfg(**RUN)
     workers_a, rec_a = run(cfg, tmp_path / "with")
-    monkeypatch.setattr(pw, "select_rollouts", no_selection)
+    monkeypatch.setattr(intake, "select_rollouts", no_selection)
     workers_b, rec_b = run(cfg, tmp_path / "without")
     assert [r["round"] for r in rec_a] == [0, 1, 2]
     assert any("char/select/bpe/selected" in r for r in rec_a) and not any("char/select/offered" in r for r in rec_b)
@@ -170,7 +170,7 @@ def test_peer_sample_screens_lazily_in_a_signed_run_and_trains_as_a_full_screen_
             assert sorted(rec[f"{org}/trust/{p}/unscreened"] for p in peers) == [0, 16, 16]
             assert sum(rec[f"{org}/trust/{p}/checked"] for p in peers) == 16
             assert rec[f"{org}/trust/foreign_accepted"] == 16 and rec[f"{org}/train/foreign_received"] == 48
-    monkeypatch.setattr(pw.PolicyWorker, "_lazy_take", staticmethod(lambda *a: None))
+    monkeypatch.setattr(intake, "lazy_take", lambda *a: None)
     workers_b, rec_b = run(cfg, tmp_path / "full")
     assert all(rec_b[t]["char/trust/foreign_accepted"] == 48 for t in (1, 2))
     for org in workers_a:

@@ -113,60 +113,83 @@ def likelihood_screen(
     if len(claimed_lp) != n:
         raise ValueError(f"claimed_lp has {len(claimed_lp)} rows, learner_lp has {n}")
     per_unit = [float(s) / max(float(u), 1e-9) for s, u in zip(learner_lp, lengths)]
-    keep = [True] * n
-    dropped: dict[int, dict[str, int]] = {}
-    checked: dict[int, int] = {}
+    res = ScreenResult([True] * n, {}, {}, dict(history or {}))
     own_by_group: dict[int, list[float]] = {}
     for i in range(n):
         if is_self[i]:
             own_by_group.setdefault(int(groups[i]), []).append(per_unit[i])
         else:
-            checked[int(sources[i])] = checked.get(int(sources[i]), 0) + 1
-    own_all = [v for vs in own_by_group.values() for v in vs]
+            res.checked[int(sources[i])] = res.checked.get(int(sources[i]), 0) + 1
+    if own_by_group:  # test 1 needs own rows
+        _low_likelihood(res, per_unit, is_self, groups, sources, own_by_group, params)
+    for src in sorted(res.checked):
+        _claim_outliers(res, src, per_unit, is_self, sources, claimed_lp, params)
+    return res
 
-    def drop(i: int, reason: str) -> None:
-        keep[i] = False
-        counts = dropped.setdefault(int(sources[i]), dict.fromkeys(REASONS, 0))
-        counts[reason] += 1
 
-    deficit_max: dict[int, float] = {}
-    if own_all:
-        pooled = _quantile(own_all, params.quantile)
-        for i in range(n):
-            if not is_self[i]:
-                own = own_by_group.get(int(groups[i]))
-                deficit = (_quantile(own, params.quantile) if own else pooled) - per_unit[i]
-                src = int(sources[i])
-                deficit_max[src] = max(deficit_max.get(src, -math.inf), deficit)
-                if deficit > params.margin_nats:
-                    drop(i, "low_likelihood")
-    new_history = dict(history or {})
-    gap_median: dict[int, float] = {}
-    for src in sorted(checked):
-        rows = [i for i in range(n) if not is_self[i] and int(sources[i]) == src and claimed_lp[i] is not None]
-        gaps = {i: float(claimed_lp[i]) - per_unit[i] for i in rows}  # type: ignore[arg-type]
-        if not gaps:
-            continue
-        gap_median[src] = statistics.median(gaps.values())
-        past = new_history.get(src)
-        if past is not None:
-            center, scale = past.center, past.scale
-        elif len(gaps) >= params.min_rows:
-            center, scale = _robust(list(gaps.values()))
+def _drop(res: ScreenResult, i: int, source: int, reason: str) -> None:
+    res.keep[i] = False
+    counts = res.dropped.setdefault(source, dict.fromkeys(REASONS, 0))
+    counts[reason] += 1
+
+
+def _low_likelihood(
+    res: ScreenResult,
+    per_unit: Sequence[float],
+    is_self: Sequence[bool],
+    groups: Sequence[int],
+    sources: Sequence[int],
+    own_by_group: Mapping[int, list[float]],
+    params: ScreenParams,
+) -> None:
+    """Test 1: a foreign row whose per-unit log-prob is more than ``margin_nats`` below the ``quantile`` of the
+    learner's own rows of its group (of all own rows when the group has none) is dropped (``low_likelihood``)."""
+    pooled = _quantile([v for vs in own_by_group.values() for v in vs], params.quantile)
+    for i in range(len(per_unit)):
+        if not is_self[i]:
+            own = own_by_group.get(int(groups[i]))
+            deficit = (_quantile(own, params.quantile) if own else pooled) - per_unit[i]
+            src = int(sources[i])
+            res.deficit_max[src] = max(res.deficit_max.get(src, -math.inf), deficit)
+            if deficit > params.margin_nats:
+                _drop(res, i, src, "low_likelihood")
+
+
+def _claim_outliers(
+    res: ScreenResult,
+    src: int,
+    per_unit: Sequence[float],
+    is_self: Sequence[bool],
+    sources: Sequence[int],
+    claimed_lp: Sequence[float | None],
+    params: ScreenParams,
+) -> None:
+    """Test 2 for source ``src``: a row whose claimed-minus-learner gap is far from the source's centre (its
+    history, else this round's robust centre when it has ``min_rows`` rows) is dropped (``claim_outlier``); the
+    source's history then moves towards this round's kept gaps."""
+    rows = [i for i in range(len(per_unit)) if not is_self[i] and int(sources[i]) == src and claimed_lp[i] is not None]
+    gaps = {i: float(claimed_lp[i]) - per_unit[i] for i in rows}  # type: ignore[arg-type]
+    if not gaps:
+        return
+    res.gap_median[src] = statistics.median(gaps.values())
+    past = res.history.get(src)
+    if past is not None:
+        center, scale = past.center, past.scale
+    elif len(gaps) >= params.min_rows:
+        center, scale = _robust(list(gaps.values()))
+    else:
+        return
+    bound = params.claim_z * max(scale, params.min_scale) + params.claim_margin_nats
+    for i, d in gaps.items():
+        if res.keep[i] and abs(d - center) > bound:
+            _drop(res, i, src, "claim_outlier")
+    kept = [d for i, d in gaps.items() if res.keep[i]]
+    if kept:
+        med, mad = _robust(kept)
+        if past is None:
+            res.history[src] = GapHistory(med, mad)
         else:
-            continue
-        bound = params.claim_z * max(scale, params.min_scale) + params.claim_margin_nats
-        for i, d in gaps.items():
-            if keep[i] and abs(d - center) > bound:
-                drop(i, "claim_outlier")
-        kept = [d for i, d in gaps.items() if keep[i]]
-        if kept:
-            med, mad = _robust(kept)
-            if past is None:
-                new_history[src] = GapHistory(med, mad)
-            else:
-                a = params.history_decay
-                new_history[src] = GapHistory(
-                    a * past.center + (1 - a) * med, a * past.scale + (1 - a) * mad, past.rounds + 1
-                )
-    return ScreenResult(keep, dropped, checked, new_history, gap_median, deficit_max)
+            a = params.history_decay
+            res.history[src] = GapHistory(
+                a * past.center + (1 - a) * med, a * past.scale + (1 - a) * mad, past.rounds + 1
+            )

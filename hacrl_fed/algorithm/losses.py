@@ -89,6 +89,18 @@ def cross_lower_bound(
     return min(1.0, 1.0 - delta + step * delta_step)
 
 
+def hacpo_cross_band(ratio: Tensor, step: int, config: PolicyLossConfig) -> tuple[float, Tensor, Tensor]:
+    """HACPO's stepwise cross band, the one definition its users share (the loss's clamp, its band metrics and
+    :func:`rows_with_gradient`). ``ratio`` [N]: ``s`` per row. Returns ``(lower_m, c, inside)``: the band's lower
+    bound at step ``m`` (:func:`cross_lower_bound`), ``c = clamp(s, lower_m, 1)`` [N] (carries ``s``'s gradient
+    inside the band, none outside) and ``inside`` bool [N] (``lower_m <= s <= 1``). ``config.cross_clip`` False (an
+    ablation): no band, ``c = s`` and every row inside."""
+    lower = cross_lower_bound(step, config.cross_clip_delta, config.cross_clip_step)
+    if not config.cross_clip:
+        return lower, ratio, torch.ones_like(ratio, dtype=torch.bool)
+    return lower, torch.clamp(ratio, lower, 1.0), (ratio >= lower) & (ratio <= 1.0)
+
+
 def _stats(prefix: str, name: str, x: Tensor) -> dict[str, float]:
     if x.numel() == 0:
         return {}
@@ -239,23 +251,22 @@ def hacpo_loss(
     )
     ratio = torch.exp(log_ratio)  # s = exp(lbar_new - lbar_old)
     self_obj = gspo_objective(ratio, adv, config.self_clip_low, config.self_clip_high)
-    lower = cross_lower_bound(step, config.cross_clip_delta, config.cross_clip_step)
-    c = torch.clamp(ratio, lower, 1.0) if config.cross_clip else ratio  # hard clamp: no gradient outside [lower_m, 1]
+    lower, c, inside = hacpo_cross_band(ratio, step, config)  # hard clamp: no gradient outside [lower_m, 1]
     v = capability_coefficient.to(seq_log_probs.dtype)
     cross_obj = c * c.detach() ** config.alpha * v * adv  # c * sg(c)^alpha * v * A
     objective = torch.where(is_self, self_obj, cross_obj)
     loss = -objective.mean()  # seq-mean (each lbar is already a token mean)
-    flags = _cross_flags(ratio[~is_self], adv[~is_self], lower, config)
+    flags = _cross_flags(ratio[~is_self], adv[~is_self], lower, inside[~is_self])
     metrics = _hacpo_metrics(ratio, is_self, objective, lower, flags, config)
     if source_ids is not None:
         metrics.update(_per_source("hacpo", source_ids[~is_self], flags))
     return loss, metrics
 
 
-def _cross_flags(s_cross: Tensor, a_cross: Tensor, lower: float, config: PolicyLossConfig) -> dict[str, Tensor]:
-    """Where each cross row's ratio falls against the band ``[lower, 1]``, and whether it moves the weights. [C]."""
+def _cross_flags(s_cross: Tensor, a_cross: Tensor, lower: float, in_band: Tensor) -> dict[str, Tensor]:
+    """Where each cross row's ratio falls against the band ``[lower, 1]`` (``in_band``: :func:`hacpo_cross_band`'s), and
+    whether it moves the weights. [C]."""
     s_cross, a_cross = s_cross.detach(), a_cross.detach()
-    in_band = (s_cross >= lower) & (s_cross <= 1.0) if config.cross_clip else torch.ones_like(s_cross, dtype=torch.bool)
     return {
         "cross_clip_low": s_cross < lower,
         "cross_clip_high": s_cross > 1.0,
@@ -312,7 +323,7 @@ def rows_with_gradient(
     ``|raw| <= M`` (outside, the clamp cuts the gradient) and
       - GSPO's clip (self rows; every row when ``cross_band`` is False, as ``naive``): ``A > 0 and s <= 1 + high`` or
         ``A < 0 and s >= 1 - low`` (where ``min(s A, clamp(s) A)`` takes the unclipped term);
-      - HACPO's cross band (foreign rows when ``cross_band``): ``lower_m <= s <= 1`` with
+      - HACPO's cross band (foreign rows when ``cross_band``; :func:`hacpo_cross_band`): ``lower_m <= s <= 1`` with
         ``lower_m = min(1, 1 - delta + m * delta_step)`` (``config.cross_clip`` False: always).
     The trainer runs forward and backward only over these rows (the others' terms are constants) and gets the
     mini-batch's gradient exactly, up to float round-off.
@@ -323,9 +334,7 @@ def rows_with_gradient(
     s = torch.exp(torch.clamp(raw, -config.max_abs_log_ratio, config.max_abs_log_ratio))  # s = exp(clamp(raw))
     gspo = ((adv > 0) & (s <= 1.0 + config.self_clip_high)) | ((adv < 0) & (s >= 1.0 - config.self_clip_low))
     if cross_band:
-        lower = cross_lower_bound(step, config.cross_clip_delta, config.cross_clip_step)
-        band = (s >= lower) & (s <= 1.0) if config.cross_clip else torch.ones_like(gspo)
-        cross = band & (adv != 0)
+        cross = hacpo_cross_band(s, step, config)[2] & (adv != 0)
         gspo = torch.where(is_self.to(torch.bool), gspo, cross)
     return gspo & (raw.abs() <= config.max_abs_log_ratio)
 

@@ -10,9 +10,10 @@ A sequence-level loss may also register which rows it has a gradient for
 (``fn(seq_log_probs[N], inputs, step, config) -> bool[N]``, :func:`get_gradient_rows`): the trainer then runs
 forward and backward only over those foreign rows.
 
-An algorithm (:class:`AlgorithmSpec`) names its advantage estimator and policy loss and says what the trainer must
-do for it (foreign rows or not, capability cross weights or not, token-level inputs and weighting or not), so the
-trainer asks the spec instead of testing algorithm names.
+An algorithm (:class:`AlgorithmSpec`, its table in :mod:`hacrl_fed.algorithm.specs`) names its advantage
+estimator and policy loss and says what the trainer and the worker's intake must do for it (foreign rows or not,
+capability cross weights or not, token-level inputs and weighting or not), so they ask the spec instead of
+testing algorithm names.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from hacrl_fed.algorithm.losses import (
     rows_with_gradient,
     sequence_mean_log_prob,
 )
+from hacrl_fed.algorithm.specs import ALGORITHMS, AlgorithmSpec
 
 AdvantageFn = Callable[..., Tensor]
 LossFn = Callable[["PolicyLossInputs", int, PolicyLossConfig], tuple[Tensor, dict[str, float]]]
@@ -105,35 +107,6 @@ class PolicyLossInputs:
     def seq_log_probs(self) -> Tensor:
         """``lbar`` per row: token mean, or per ``seq_lengths`` unit (UTF-8 bytes under ``logprob_norm: per_byte``)."""
         return sequence_mean_log_prob(self.token_log_probs, self.response_mask, self.seq_lengths)
-
-
-@dataclass(frozen=True)
-class AlgorithmSpec:
-    """What an algorithm is made of and what the trainer must do for it.
-
-    ``advantage`` / ``loss``: registry names; ``uses_cross``: foreign rollouts enter the learner's batch;
-    ``uses_capability_coefficient``: foreign rows carry the capability discrepancy coefficient ``v(j, k)`` (else 1);
-    ``token_level``: the loss works per token and needs each self row's old per-token log-probs; its
-    micro-batches are then weighted by tokens when the loss averages over tokens (``token-mean``).
-    """
-
-    advantage: str
-    loss: str
-    uses_cross: bool
-    uses_capability_coefficient: bool = False
-    token_level: bool = False
-
-    def weights_by_tokens(self, config: PolicyLossConfig) -> bool:
-        """Whether micro-batch losses combine by their share of response tokens (else by their share of rows)."""
-        return self.token_level and config.grpo_loss_agg_mode == "token-mean"
-
-
-ALGORITHMS: dict[str, AlgorithmSpec] = {
-    "hacpo": AlgorithmSpec("hacpo", "hacpo", uses_cross=True, uses_capability_coefficient=True),
-    "gspo": AlgorithmSpec("group", "gspo", uses_cross=False),
-    "grpo": AlgorithmSpec("group", "grpo", uses_cross=False, token_level=True),
-    "naive": AlgorithmSpec("group", "naive", uses_cross=True),
-}
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:

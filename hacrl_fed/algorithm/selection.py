@@ -30,7 +30,7 @@ budget keeps first):
   "row", source, prompt id, sample index)``, which depends on no other row): the learner trains on a few random
   peers a round, as many as its budget holds. The order depends on the source names and the seed alone, not on
   the rows, so the worker can screen the sources lazily in that order and stop once the budget is full
-  (:func:`hacrl_fed.worker.guard.screen_sources`): a source it never reaches is never authenticated, checked or
+  (:func:`hacrl_fed.worker.intake.screen_sources`): a source it never reaches is never authenticated, checked or
   re-verified, and the selection is the same as if every source had been screened.
 
 Determinism: the seeded order of the rows is their canonical order (by source, prompt id, sample index) shuffled by
@@ -42,17 +42,75 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 from hacrl_fed.seeding import stable_seed
 
-RULES = ("all", "uniform", "nonzero_advantage", "successes", "learner_failed", "max_variance", "peer_sample")
-NEEDS_BUDGET = ("uniform", "max_variance", "peer_sample")
-SOURCE_ORDERED = ("peer_sample",)  # rules whose budget takes whole sources in source_order (lazy screening)
 COUNTS = ("offered", "selected", "dropped_rule", "dropped_budget")
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a rule sees: per offered row (``N``) its reward, prompt id, source and sample index, the learner's own
+    rewards per prompt, the budget (``None``: none), the seed and the seeded order of the rows (``by_key``: row
+    indices; ``keys[i]``: row ``i``'s rank in it)."""
+
+    rewards: Sequence[float]
+    prompt_ids: Sequence[int]
+    source_ids: Sequence[Any]
+    sample_indices: Sequence[int]
+    own_rewards: Mapping[int, Sequence[float]]
+    budget: int | None
+    seed: int
+    by_key: list[int]
+    keys: list[int]
+
+
+RuleFn = Callable[[Offer], tuple[list[int], list[int]]]  # -> (eligible rows, the order a budget takes them in)
+
+
+@dataclass(frozen=True)
+class SelectionRule:
+    """A registered rule: its function, whether it needs a budget (``needs_budget``) or refuses one
+    (``allows_budget`` False), and whether its budget takes whole sources in :func:`source_order`
+    (``source_ordered``: the worker can then screen sources lazily)."""
+
+    pick: RuleFn
+    needs_budget: bool = False
+    allows_budget: bool = True
+    source_ordered: bool = False
+
+
+SELECTION_RULES: dict[str, SelectionRule] = {}
+
+
+def register_selection_rule(
+    name: str, *, needs_budget: bool = False, allows_budget: bool = True, source_ordered: bool = False
+) -> Callable[[RuleFn], RuleFn]:
+    """Register a rule under ``name`` (``trainer.selection.rule``); the config accepts exactly the registered names."""
+
+    def deco(fn: RuleFn) -> RuleFn:
+        if name in SELECTION_RULES:
+            raise ValueError(f"selection rule {name!r} is already registered")
+        SELECTION_RULES[name] = SelectionRule(fn, needs_budget, allows_budget, source_ordered)
+        return fn
+
+    return deco
+
+
+def get_selection_rule(name: str) -> SelectionRule:
+    try:
+        return SELECTION_RULES[name]
+    except KeyError:
+        raise ValueError(f"unknown selection rule {name!r} (one of {', '.join(SELECTION_RULES)})") from None
+
+
+def source_ordered(name: str) -> bool:
+    """Whether rule ``name``'s budget takes whole sources in :func:`source_order` (lazy screening)."""
+    return get_selection_rule(name).source_ordered
 
 
 @dataclass(frozen=True)
@@ -124,55 +182,83 @@ def select_rows(
             f"rewards, prompt_ids, source_ids and sample_indices must have the same length, got "
             f"{n}, {len(prompt_ids)}, {len(source_ids)}, {len(sample_indices)}"
         )
-    if rule not in RULES:
-        raise ValueError(f"unknown selection rule {rule!r} (one of {', '.join(RULES)})")
+    spec = get_selection_rule(rule)
     if budget is not None and budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-    if rule == "all" and budget is not None:
-        raise ValueError("rule all keeps every row: a budget needs another rule")
-    if rule in NEEDS_BUDGET and budget is None:
+    if budget is not None and not spec.allows_budget:
+        raise ValueError(f"rule {rule} keeps every row: a budget needs another rule")
+    if budget is None and spec.needs_budget:
         raise ValueError(f"rule {rule} needs a budget")
     if not all(math.isfinite(r) for r in rewards):
         raise ValueError("rewards must be finite")
-    if rule == "all":
-        everything = tuple(range(n))
-        return Selection(everything, everything)
     by_key = sorted(range(n), key=lambda i: (str(source_ids[i]), int(prompt_ids[i]), int(sample_indices[i]), i))
     random.Random(seed).shuffle(by_key)  # a seeded order of the rows (canonical first: arrival order plays no part)
     keys = [0] * n
     for rank, i in enumerate(by_key):
         keys[i] = rank
-    if rule == "max_variance":
-        assert budget is not None
-        return Selection(
-            tuple(range(n)), tuple(sorted(_max_variance(rewards, prompt_ids, own_rewards, budget, seed, keys)))
-        )
-    if rule == "uniform":
-        eligible = list(range(n))
-        order = by_key
-    elif rule == "peer_sample":
-        eligible = list(range(n))
-        src_rank = {src: k for k, src in enumerate(source_order(source_ids, seed))}
-        # whole sources first; within one, a seeded order of its own rows (not of the pool: a lazy screen sees less)
-        order = sorted(
-            eligible,
-            key=lambda i: (
-                src_rank[str(source_ids[i])],
-                stable_seed(seed, "row", str(source_ids[i]), int(prompt_ids[i]), int(sample_indices[i])),
-                i,
-            ),
-        )  # whole sources first
-    elif rule == "successes":
-        eligible = [i for i in range(n) if rewards[i] > 0]
-        order = [i for i in by_key if rewards[i] > 0]
-    elif rule == "nonzero_advantage":
-        keep = _nonzero_advantage(rewards, prompt_ids, own_rewards)
-        eligible = [i for i in range(n) if keep[i]]
-        order = [i for i in by_key if keep[i]]
-    else:  # learner_failed
-        eligible, order = _learner_failed(rewards, prompt_ids, own_rewards, seed, by_key)
+    offer = Offer(rewards, prompt_ids, source_ids, sample_indices, own_rewards, budget, seed, by_key, keys)
+    eligible, order = spec.pick(offer)
     chosen = order if budget is None else order[:budget]
     return Selection(tuple(eligible), tuple(sorted(chosen)))
+
+
+def selection_budget_problem(rule: str, budgeted: bool) -> str | None:
+    """Why rule ``rule`` cannot run with (``budgeted``) or without a budget, or None when it can."""
+    spec = get_selection_rule(rule)
+    if budgeted and not spec.allows_budget:
+        return f"rule {rule} keeps every foreign row: a budget needs another rule (uniform samples one)"
+    if not budgeted and spec.needs_budget:
+        return f"rule {rule} picks a subset of the budget's size: set budget or budget_multiple"
+    return None
+
+
+@register_selection_rule("all", allows_budget=False)
+def _all(o: Offer) -> tuple[list[int], list[int]]:
+    everything = list(range(len(o.rewards)))
+    return everything, everything
+
+
+@register_selection_rule("uniform", needs_budget=True)
+def _uniform(o: Offer) -> tuple[list[int], list[int]]:
+    return list(range(len(o.rewards))), o.by_key
+
+
+@register_selection_rule("nonzero_advantage")
+def _nonzero(o: Offer) -> tuple[list[int], list[int]]:
+    keep = _nonzero_advantage(o.rewards, o.prompt_ids, o.own_rewards)
+    return [i for i in range(len(o.rewards)) if keep[i]], [i for i in o.by_key if keep[i]]
+
+
+@register_selection_rule("successes")
+def _successes(o: Offer) -> tuple[list[int], list[int]]:
+    return [i for i in range(len(o.rewards)) if o.rewards[i] > 0], [i for i in o.by_key if o.rewards[i] > 0]
+
+
+@register_selection_rule("learner_failed")
+def _failed(o: Offer) -> tuple[list[int], list[int]]:
+    return _learner_failed(o.rewards, o.prompt_ids, o.own_rewards, o.seed, o.by_key)
+
+
+@register_selection_rule("max_variance", needs_budget=True)
+def _variance(o: Offer) -> tuple[list[int], list[int]]:
+    assert o.budget is not None
+    return list(range(len(o.rewards))), _max_variance(o.rewards, o.prompt_ids, o.own_rewards, o.budget, o.seed, o.keys)
+
+
+@register_selection_rule("peer_sample", needs_budget=True, source_ordered=True)
+def _peer_sample(o: Offer) -> tuple[list[int], list[int]]:
+    """Whole sources first; within one, a seeded order of its own rows (not of the pool: a lazy screen sees less)."""
+    src_rank = {src: k for k, src in enumerate(source_order(o.source_ids, o.seed))}
+    src = [str(s) for s in o.source_ids]
+    order = sorted(
+        range(len(o.rewards)),
+        key=lambda i: (
+            src_rank[src[i]],
+            stable_seed(o.seed, "row", src[i], int(o.prompt_ids[i]), int(o.sample_indices[i])),
+            i,
+        ),
+    )
+    return list(range(len(o.rewards))), order
 
 
 def source_order(sources: Iterable[Any], seed: int) -> list[str]:
@@ -321,7 +407,9 @@ def select_rollouts(
         limit,
         seed,
     )
-    metrics = picked.metrics(sources, limit)
-    if rule == "all":
-        return list(foreign), metrics
-    return [foreign[i] for i in picked.selected], metrics
+    return [foreign[i] for i in picked.selected], picked.metrics(sources, limit)
+
+
+RULES = tuple(SELECTION_RULES)  # the registered names, in registration order
+NEEDS_BUDGET = tuple(n for n, r in SELECTION_RULES.items() if r.needs_budget)
+SOURCE_ORDERED = tuple(n for n, r in SELECTION_RULES.items() if r.source_ordered)

@@ -388,52 +388,57 @@ def _plan_from(m: pb.RoundPlan, where: str, lim: WireLimits) -> t.RoundPlan:
     )
 
 
-def _rollout_from(m: pb.Rollout, where: str, lim: WireLimits) -> t.Rollout:
-    if m.finish_reason not in _FINISH_FROM_PB:
-        _fail(
-            f"{where}.finish_reason",
-            f"unknown value {m.finish_reason} (expected stop={pb.FINISH_REASON_STOP} "
-            f"or length={pb.FINISH_REASON_LENGTH})",
-        )
-    if m.response and m.sealed_response:
-        _fail(where, "both response and sealed_response are set (sealed text must clear response)")
-    return t.Rollout(
-        org_id=_string(m.org_id, f"{where}.org_id", lim.max_name_chars, required=True),
-        round=_at_least(m.round, f"{where}.round"),
-        prompt_id=_at_least(m.prompt_id, f"{where}.prompt_id"),
-        sample_index=_at_least(m.sample_index, f"{where}.sample_index"),
-        response=_string(m.response, f"{where}.response", lim.max_text_chars),
-        finish_reason=_FINISH_FROM_PB[m.finish_reason],
-        reward=_in_range(m.reward, f"{where}.reward", 0.0, 1.0),
-        logprob_sum=_finite(m.logprob_sum, f"{where}.logprob_sum"),
-        token_count=_at_least(m.token_count, f"{where}.token_count"),
-        sealed_response=_bytes(
-            m.sealed_response, f"{where}.sealed_response", lim.max_text_chars + SEALED_OVERHEAD_BYTES
-        ),
-    )
+def _rollout_problem(r: Any, finish_known: bool, lim: WireLimits) -> tuple[str, str] | None:
+    """The one definition of a rollout's wire checks, on a ``pb.Rollout`` or a ``t.Rollout`` (same field names):
+    ``(field, problem)`` of the first that fails (``field`` is ``""`` or ``".<name>"``), or None when all pass.
+    ``finish_known``: its finish reason is one the wire knows."""
+    sealed_cap = lim.max_text_chars + SEALED_OVERHEAD_BYTES
+    if not finish_known:
+        expected = f"stop={pb.FINISH_REASON_STOP} or length={pb.FINISH_REASON_LENGTH}"
+        return ".finish_reason", f"unknown value {r.finish_reason} (expected {expected})"
+    if r.response and r.sealed_response:
+        return "", "both response and sealed_response are set (sealed text must clear response)"
+    if len(r.org_id) > lim.max_name_chars:
+        return ".org_id", f"{len(r.org_id)} characters exceed the cap of {lim.max_name_chars}"
+    if not r.org_id:
+        return ".org_id", "must not be empty"
+    for name in ("round", "prompt_id", "sample_index"):
+        if getattr(r, name) < 0:
+            return f".{name}", f"{getattr(r, name)} is below the minimum 0"
+    if len(r.response) > lim.max_text_chars:
+        return ".response", f"{len(r.response)} characters exceed the cap of {lim.max_text_chars}"
+    if not math.isfinite(r.reward):
+        return ".reward", f"non-finite value {r.reward!r}"
+    if not 0.0 <= r.reward <= 1.0:
+        return ".reward", f"{r.reward!r} outside [0, 1]"
+    if not math.isfinite(r.logprob_sum):
+        return ".logprob_sum", f"non-finite value {r.logprob_sum!r}"
+    if r.token_count < 0:
+        return ".token_count", f"{r.token_count} is below the minimum 0"
+    if len(r.sealed_response) > sealed_cap:
+        return ".sealed_response", f"{len(r.sealed_response)} bytes exceed the cap of {sealed_cap}"
+    return None
 
 
 def _rollout_fast(m: pb.Rollout, lim: WireLimits) -> t.Rollout | None:
-    """:func:`_rollout_from` for a rollout that passes every check, without building a field path per check (the
-    common case, on every learner for every foreign rollout); None when any check fails, and the caller then
-    runs :func:`_rollout_from` for the error it raises. Same checks, so a rollout this accepts
-    :func:`_rollout_from` accepts with an equal result."""
-    org, response, sealed, reward = m.org_id, m.response, m.sealed_response, m.reward
+    """``m`` as a :class:`~hacrl_fed.types.Rollout` when it passes every check of :func:`_rollout_problem`, else
+    None (no field path is built: this runs on every learner for every foreign rollout)."""
     finish = _FINISH_FROM_PB.get(m.finish_reason)
-    if (
-        finish is None
-        or (response and sealed)
-        or not 0 < len(org) <= lim.max_name_chars
-        or len(response) > lim.max_text_chars
-        or len(sealed) > lim.max_text_chars + SEALED_OVERHEAD_BYTES
-        or not 0.0 <= reward <= 1.0  # False for NaN too
-        or not math.isfinite(m.logprob_sum)
-        or min(m.round, m.prompt_id, m.sample_index, m.token_count) < 0
-    ):
+    if finish is None or _rollout_problem(m, True, lim) is not None:
         return None
     return t.Rollout(
-        org, m.round, m.prompt_id, m.sample_index, response, finish, reward, m.logprob_sum, m.token_count, sealed
-    )
+        m.org_id, m.round, m.prompt_id, m.sample_index, m.response, finish, m.reward, m.logprob_sum, m.token_count,
+        bytes(m.sealed_response),
+    )  # fmt: skip
+
+
+def _rollout_from(m: pb.Rollout, where: str, lim: WireLimits) -> t.Rollout:
+    rollout = _rollout_fast(m, lim)
+    if rollout is None:
+        field, problem = _rollout_problem(m, m.finish_reason in _FINISH_FROM_PB, lim) or ("", "")
+        _fail(f"{where}{field}", problem)
+    assert rollout is not None
+    return rollout
 
 
 def _rollouts_from(seq: Any, where: str, lim: WireLimits) -> tuple[t.Rollout, ...]:
@@ -707,18 +712,8 @@ def decode(kind: type | str, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS
 
 
 def _rollout_ok(r: t.Rollout, lim: WireLimits) -> bool:
-    """:func:`_rollout_fast`'s checks on an in-process :class:`~hacrl_fed.types.Rollout` (no protobuf)."""
-    response, sealed, reward = r.response, r.sealed_response, r.reward
-    return (
-        r.finish_reason in _FINISH_TO_PB
-        and not (response and sealed)
-        and 0 < len(r.org_id) <= lim.max_name_chars
-        and len(response) <= lim.max_text_chars
-        and len(sealed) <= lim.max_text_chars + SEALED_OVERHEAD_BYTES
-        and 0.0 <= reward <= 1.0
-        and math.isfinite(r.logprob_sum)
-        and min(r.round, r.prompt_id, r.sample_index, r.token_count) >= 0
-    )
+    """:func:`_rollout_problem`'s checks on an in-process :class:`~hacrl_fed.types.Rollout` (no protobuf)."""
+    return _rollout_problem(r, r.finish_reason in _FINISH_TO_PB, lim) is None
 
 
 def _wrapped_ok(keys: Any, lim: WireLimits) -> bool:

@@ -21,33 +21,16 @@ does not fit its own state and configured limits:
   values (``generation.num_samples``, ``generation.max_new_tokens``, ``federation.prompts_per_round``); eval
   requests at most ``task.eval_size`` prompts and ``generation.eval_max_new_tokens`` tokens.
 
-Foreign rollouts are screened per source by :func:`screen_sources` before any tokenization: signature (when
-signing is on) against the pinned roster, freshness (the batch must sign the digest of the learner's own plan of
-the round, which carried the learner's latest challenge: ``stale_plan``, :mod:`hacrl_fed.security.freshness`),
-decryption (coordinator-blind mode), known org, this round's prompts,
-exactly ``G`` samples per prompt, finite log-probs <= 0, text within the plan's byte bound, and the claimed
-reward re-verified with this worker's own task verifier. Every drop is counted per source and reason in the
-TrainReport as ``trust/<source>/rejected/<reason>``.
+Foreign rollouts are admitted by the intake (:mod:`hacrl_fed.worker.intake`), not here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from hacrl_fed.config import RunConfig, org_generation
-from hacrl_fed.plan.screening import Screened, screen_batch
-from hacrl_fed.types import (
-    EvalRequest,
-    Prompt,
-    Rollout,
-    RolloutBatch,
-    RoundPlan,
-    SamplingParams,
-    StepRequest,
-    TrainRequest,
-)
+from hacrl_fed.types import EvalRequest, Prompt, RoundPlan, StepRequest, TrainRequest
 
 
 class RequestRefused(ValueError):
@@ -145,6 +128,24 @@ def check_step(org_id: str, request: StepRequest) -> None:
         )
 
 
+def check_train(org_id: str, request: TrainRequest, own: Any) -> Any:
+    """A train request is for the round this worker generated last (``own``: what it kept of that round, None when
+    nothing), of the same run, for this org; returns ``own``."""
+    if own is None or own.round != request.round:
+        raise RequestRefused(
+            "not_generated",
+            f"train for round {request.round} but this worker generated "
+            f"{'nothing' if own is None else f'round {own.round}'}",
+        )
+    if request.run_id != own.run_id:
+        raise RequestRefused(
+            "wrong_run", f"train for run {request.run_id[:80]!r}, not the run round {own.round} was generated for"
+        )
+    if request.org_id != org_id:
+        raise RequestRefused("wrong_org", f"train request for org {request.org_id!r} sent to worker {org_id!r}")
+    return own
+
+
 def check_checkpoint(org_id: str, round: int, *, last_round: int) -> None:
     """A checkpoint is written only for the round this worker last trained."""
     if last_round == 0 or round != last_round:
@@ -183,160 +184,3 @@ def _distinct_prompts(prompts: tuple[Prompt, ...]) -> None:
     ids = [p.prompt_id for p in prompts]
     if len(set(ids)) != len(ids):
         raise RequestRefused("duplicate_prompt", "the plan lists a prompt id twice")
-
-
-# ---------------------------------------------------------------------------------------------- foreign rollouts
-
-
-@dataclasses.dataclass
-class SourceReport:
-    """Per source org: what arrived, what was kept, and the verified rewards (for capability in blind mode)."""
-
-    received: int = 0
-    screened: Screened | None = None
-    rejected: Counter = dataclasses.field(default_factory=Counter)
-    excluded: bool = False
-    unscreened: int | None = None  # lazy screening only: rollouts of a source the selection did not reach
-
-    def metrics(self, source: str) -> dict[str, float]:
-        s = self.screened or Screened()
-        rejected = self.rejected + s.rejected
-        out = {
-            f"trust/{source}/received": float(self.received),
-            f"trust/{source}/accepted": float(0 if self.excluded else len(s.accepted)),
-            f"trust/{source}/checked": float(s.checked),
-            f"trust/{source}/mismatches": float(s.mismatches),
-            f"trust/{source}/verified_reward_sum": float(s.verified_reward_sum),
-            f"trust/{source}/excluded": float(self.excluded),
-        }
-        if self.unscreened is not None:
-            out[f"trust/{source}/unscreened"] = float(self.unscreened)
-        out.update({f"trust/{source}/rejected/{why}": float(n) for why, n in rejected.items()})
-        return out
-
-
-def source_plan(
-    cfg: RunConfig, source: str, run_id: str, round: int, task: str, prompts: tuple[Prompt, ...]
-) -> RoundPlan:
-    """The plan ``source`` answered, as this worker reconstructs it from its own config and this round's prompts."""
-    gen = org_generation(cfg, source)
-    return RoundPlan(
-        run_id, round, task, prompts, SamplingParams(max_new_tokens=gen.max_new_tokens, num_samples=gen.num_samples)
-    )
-
-
-def max_foreign(cfg: RunConfig, org_id: str, n_prompts: int) -> int:
-    """(orgs − 1) × prompts × G: the most foreign rollouts an honest round can hold (G per source org)."""
-    return sum(n_prompts * org_generation(cfg, o.id).num_samples for o in cfg.orgs if o.id != org_id)
-
-
-def _collect_sources(
-    request: TrainRequest, *, signing: bool, reports: dict[str, SourceReport]
-) -> dict[str, RolloutBatch]:
-    """Foreign batches by claimed source org, in arrival order, none opened yet: the signed envelopes when signing
-    (a second batch of one source is ``duplicate_source``, loose rollouts are ``unsigned``), else the flat list
-    grouped by org id."""
-    batches: dict[str, RolloutBatch] = {}
-    if signing:
-        unsigned = len(request.foreign) + request.unread_foreign
-        if unsigned:
-            reports.setdefault("coordinator", SourceReport()).rejected["unsigned"] += unsigned
-        for batch in request.source_batches:
-            src = str(getattr(batch, "org_id", "?"))[:64]
-            rep = reports.setdefault(src, SourceReport())
-            rep.received += len(getattr(batch, "rollouts", ()) or ())
-            if src in batches:
-                rep.rejected["duplicate_source"] += max(len(batch.rollouts), 1)
-                continue
-            batches[src] = batch
-        return batches
-    grouped: dict[str, list[Rollout]] = {}
-    for r in request.foreign:
-        grouped.setdefault(str(r.org_id), []).append(r)
-    for src, rollouts in grouped.items():
-        reports.setdefault(src, SourceReport()).received += len(rollouts)
-        batches[src] = RolloutBatch(request.run_id, request.round, src, tuple(rollouts), 0.0)
-    return batches
-
-
-@dataclasses.dataclass(frozen=True)
-class LazyTake:
-    """Screen sources lazily for a source-ordered selection rule (``peer_sample``): in ``order(names)``, and no
-    further once ``budget`` rows are accepted; a source not reached is counted ``trust/<source>/unscreened``."""
-
-    order: Callable[[list[str]], list[str]]
-    budget: int
-
-
-def screen_sources(
-    cfg: RunConfig,
-    org_id: str,
-    request: TrainRequest,
-    *,
-    prompts: tuple[Prompt, ...],
-    task: str,
-    verify: Callable[[str, str], float] | None,
-    open_source: Callable[[RolloutBatch], RolloutBatch] | None = None,
-    lazy: LazyTake | None = None,
-) -> tuple[list[Rollout], dict[str, float]]:
-    """Foreign rollouts this worker will train on, and ``trust/...`` metrics saying what was dropped and why.
-
-    ``prompts`` are this round's prompts as the worker received them in its own plan (never the train
-    request's copy); ``open_source`` verifies (and decrypts) one signed source batch, raising RejectedBatch.
-    ``lazy``: screen only as many sources as a source-ordered selection takes (:class:`LazyTake`). The accepted
-    rollouts keep the sources' arrival order either way; a lazy screen returns the accepted rollouts of the
-    sources it reached, which hold every row the selection would take after a full screen.
-    """
-    signing = cfg.security.signing
-    reports: dict[str, SourceReport] = {}
-    total = sum(len(b.rollouts) for b in request.source_batches) if signing else len(request.foreign)
-    known = {o.id for o in cfg.orgs if o.id != org_id}
-    too_many_batches = signing and len(request.source_batches) > len(known)
-    if total > max_foreign(cfg, org_id, len(prompts)) or too_many_batches:
-        rep = reports.setdefault("*", SourceReport(received=total))
-        rep.rejected["too_many_foreign"] += total
-        return [], _metrics(reports)
-    batches = _collect_sources(request, signing=signing, reports=reports)
-    kept: dict[str, list[Rollout]] = {}
-    taken = 0
-    for src in batches if lazy is None else lazy.order(list(batches)):
-        rep, batch = reports[src], batches[src]
-        if lazy is not None:
-            rep.unscreened = 0
-            if taken >= lazy.budget:  # the selection is full: this source is never opened or checked
-                rep.unscreened = len(batch.rollouts)
-                continue
-        if signing and open_source is not None:
-            try:
-                batch = open_source(batch)
-            except ValueError as err:  # RejectedBatch: bad signature, unknown org, wrong run/round, undecryptable
-                rep.rejected[getattr(err, "reason", "malformed")] += max(len(batch.rollouts), 1)
-                continue
-        if src not in known:
-            rep.rejected["unknown_org"] += max(len(batch.rollouts), 1)
-            continue
-        plan = source_plan(cfg, src, request.run_id, request.round, task, prompts)
-        rep.screened = screen_batch(
-            batch, plan, src, verify=verify, max_bytes_per_token=cfg.security.max_bytes_per_token
-        )
-        if rep.screened.mismatch_rate > cfg.security.max_mismatch_rate:
-            rep.excluded = True
-            rep.rejected["source_excluded"] += len(rep.screened.accepted)
-            continue
-        kept[src] = rep.screened.accepted
-        taken += len(rep.screened.accepted)
-    accepted = [r for src in batches if src in kept for r in kept[src]]  # arrival order of the sources
-    return accepted, _metrics(reports)
-
-
-def _metrics(reports: Mapping[str, SourceReport]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for src, rep in reports.items():
-        out.update(rep.metrics(src))
-    out["trust/foreign_accepted"] = float(
-        sum(0 if r.excluded else len((r.screened or Screened()).accepted) for r in reports.values())
-    )
-    out["trust/foreign_rejected"] = float(
-        sum(sum((r.rejected + (r.screened or Screened()).rejected).values()) for r in reports.values())
-    )
-    return out

@@ -1,0 +1,83 @@
+"""A policy worker's identity border: what it signs and what it accepts as signed (SECURITY.md).
+
+:class:`IdentityBorder` holds the org's identity and the run's pinned roster (both None with ``security.signing``
+off) and does the four things that cross it: :meth:`~IdentityBorder.publish` a batch (sealed for the other orgs in
+coordinator-blind mode, ``security.encrypt``, then signed), :meth:`~IdentityBorder.opener` (the intake's check of
+a foreign batch: signature, freshness, decryption), :meth:`~IdentityBorder.sign_report` and
+:meth:`~IdentityBorder.evidence` (the content keys of batches this learner found lying, for the coordinator).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from hacrl_fed.config import RunConfig
+from hacrl_fed.security.envelope import RejectedBatch, signed, verify_signed
+from hacrl_fed.security.freshness import check_fresh
+from hacrl_fed.security.keyring import load_org_identity, load_run_roster
+from hacrl_fed.security.reports import sign_report
+from hacrl_fed.security.sealing import content_key, is_sealed, open_batch, seal_batch
+from hacrl_fed.types import RolloutBatch, TrainReport, TrainRequest
+from hacrl_fed.worker.intake import Opener
+
+
+class IdentityBorder:
+    """One org's signing identity and the run's roster (module docstring)."""
+
+    def __init__(self, cfg: RunConfig, org_id: str, run_dir: str | Path) -> None:
+        self.cfg, self.org_id = cfg, org_id
+        self.roster = load_run_roster(cfg, run_dir)  # None when signing is off
+        self.identity = load_org_identity(cfg, org_id, run_dir)
+
+    def publish(self, batch: RolloutBatch, max_text_bytes: int) -> RolloutBatch:
+        """Seal the text for the other orgs (coordinator-blind mode), then sign (encrypt-then-sign)."""
+        if self.identity is None:
+            return batch
+        t0 = time.perf_counter()
+        if self.cfg.security.encrypt:
+            recipients = {o: k for o, k in (self.roster or {}).items() if o != self.org_id}
+            pad_limit = max_text_bytes if self.cfg.security.pad_sealed else None
+            batch = seal_batch(batch, recipients, pad_limit=pad_limit)
+        metrics = {**batch.metrics, "time/seal_sign": time.perf_counter() - t0}  # signing itself: ~0.1 ms
+        return signed(replace(batch, metrics=metrics), self.identity)
+
+    def opener(self, run_id: str, round: int, fresh_digest: bytes | None) -> Opener | None:
+        """The check of a foreign batch of round ``round`` of ``run_id`` against the pinned roster, made for the plan
+        this learner answered (``fresh_digest``, else ``stale_plan``), opened when sealed; raises RejectedBatch.
+        None with signing off."""
+        if self.identity is None:
+            return None
+        roster, identity = self.roster, self.identity
+        assert roster is not None
+
+        def open_source(batch: RolloutBatch) -> RolloutBatch:
+            batch = verify_signed(batch, roster, run_id=run_id, round=round)
+            check_fresh(batch, fresh_digest)  # made for the plan this learner answered, this round (stale_plan)
+            if not is_sealed(batch):
+                return batch
+            return open_batch(batch, self.org_id, identity.box_key, padded=self.cfg.security.pad_sealed)
+
+        return open_source
+
+    def evidence(self, request: TrainRequest, trust: dict[str, float]) -> dict[str, bytes]:
+        """Blind mode: the content key of every source batch in which this learner found reward mismatches, so
+        the coordinator can open that batch and check the verdict itself (SECURITY.md)."""
+        if not self.cfg.security.encrypt or self.identity is None:
+            return {}
+        keys = {}
+        for batch in request.source_batches:
+            src = str(getattr(batch, "org_id", ""))
+            if trust.get(f"trust/{src}/mismatches", 0.0) > 0 and src not in keys:
+                try:
+                    keys[src] = content_key(batch, self.org_id, self.identity.box_key)
+                except RejectedBatch:  # its batch did not open here either: nothing to disclose
+                    continue
+        return keys
+
+    def sign_report(self, report: TrainReport) -> TrainReport:
+        """Sign the report with this org's identity (signing on), so its verdicts on other orgs count."""
+        if self.identity is None:
+            return report
+        return sign_report(report, self.identity)
