@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from hacrl_fed.cli import main as cli_main
-from hacrl_tools.bench import learning, report, system, trl
+from hacrl_tools.bench import learning, report, system, trl_compare
 from hacrl_tools.bench import matrix as bench_matrix
 from tests.helpers_tiny import PAPER_ALGORITHM, PAPER_TRAINER
 
@@ -264,15 +264,15 @@ def test_trl_summary():
              "import_s": 2.0, "setup_s": 1.0},
             {"side": "trl", "batch_s": [9.0, 2.0, 2.0], "completions_per_batch": 128, "peak_rss_mb": 800.0,
              "import_s": 5.0, "setup_s": 2.0}]
-    s = trl.compare(runs)
+    s = trl_compare.compare(runs)
     assert s["ours"]["completions_per_s"] == 128.0 and s["trl"]["completions_per_s"] == 64.0
     assert s["throughput_ratio_ours_over_trl"] == 2.0 and s["peak_rss_ratio_ours_over_trl"] == 0.625
-    assert "| ours | 128.0 |" in trl.format_summary(s)
+    assert "| ours | 128.0 |" in trl_compare.format_summary(s)
     runs[0]["phases"] = {"generate": [5.0, 0.25, 0.25, 0.5], "update": [4.0, 0.75, 0.75, 1.5]}
-    s = trl.compare(runs)
+    s = trl_compare.compare(runs)
     assert s["ours"]["generate_s"] == 0.25 and s["ours"]["update_s"] == 0.75 and "generate_s" not in s["trl"]
-    assert "| ours | 128.0 | 1.000 | 0.250 | 0.750 |" in trl.format_summary(s)
-    assert "| trl | 64.0 | 2.000 | – | – |" in trl.format_summary(s)
+    assert "| ours | 128.0 | 1.000 | 0.250 | 0.750 |" in trl_compare.format_summary(s)
+    assert "| trl | 64.0 | 2.000 | – | – |" in trl_compare.format_summary(s)
 
 
 @pytest.mark.slow

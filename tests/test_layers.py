@@ -150,7 +150,7 @@ def test_the_tools_find_their_inputs_from_arguments_or_the_working_directory():
         lines = [i for i, line in enumerate(path.read_text().splitlines(), 1) if "__file__" in line]
         if lines:
             uses[name] = len(lines)
-    assert uses == {"hacrl_tools": 1, "hacrl_tools.bench.trl": 1}
+    assert uses == {"hacrl_tools": 1, "hacrl_tools.bench.trl_compare": 1}
 
 
 def test_the_tools_and_the_cli_are_in_no_import_cycle():

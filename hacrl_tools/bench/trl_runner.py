@@ -1,11 +1,16 @@
 """The TRL side of ``hacrl-fed bench trl``: GSPO with TRL's ``GRPOTrainer`` on the work described by a spec file.
 
 Runs inside its own virtual environment (CPU torch, TRL, transformers, pydantic), not hacrl-fed's: only
-:mod:`hacrl_fed.tasks` is imported (from this checkout, on PYTHONPATH), for the same answer check as our verifier.
+:mod:`hacrl_fed.tasks` is imported (from CODE, the folder ``hacrl_fed`` is imported from), for the same answer check
+as our verifier.
 
-    <venv>/bin/python hacrl_tools/bench/trl_runner.py SPEC.json OUT.json
+    <venv>/bin/python -I hacrl_tools/bench/trl_runner.py SPEC.json OUT.json CODE
 
-The spec (written by :mod:`hacrl_tools.bench.trl`) holds the model directory, the rendered prompt texts (our chat
+``-I`` (as :func:`hacrl_tools.bench.trl_compare.peer_command` runs it) keeps this script's folder and
+``PYTHONPATH`` off ``sys.path``; CODE is appended after the venv's own packages, so a module of ours can never
+stand in for one of the peer's (``trl``, ``torch``, ``transformers``, ``datasets``).
+
+The spec (written by :mod:`hacrl_tools.bench.trl_compare`) holds the model directory, the rendered prompt texts (our chat
 template, so both sides condition on the same text) with their references, and the GSPO settings. Every option
 that matters is set explicitly below, since TRL's defaults are not GSPO's (its default loss is ``dapo``, epsilon
 0.2, token-level importance sampling, a linearly decaying learning rate).
@@ -25,9 +30,10 @@ T_START = time.perf_counter()
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        raise SystemExit("usage: trl_runner.py SPEC OUT")
-    spec_path, out_path = argv
+    if len(argv) != 3:
+        raise SystemExit("usage: python -I trl_runner.py SPEC OUT CODE")
+    spec_path, out_path, code = argv
+    sys.path.append(code)  # after the venv's packages: ours can fill only what the peer's venv lacks
     spec = json.loads(Path(spec_path).read_text())
 
     import torch
@@ -37,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from hacrl_fed.tasks.arithmetic import extract_integer  # on PYTHONPATH: set by hacrl_tools.bench.trl
+    from hacrl_fed.tasks.arithmetic import extract_integer  # from CODE, appended above
 
     torch.set_num_threads(int(spec["threads"]))
     torch.manual_seed(int(spec["seed"]))

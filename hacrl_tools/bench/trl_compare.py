@@ -75,6 +75,16 @@ def ensure_venv(venv: Path, *, trl_pin: str = TRL_PIN, log=print) -> Path:
     return py
 
 
+def peer_command(py: Path | str, spec: Path, out: Path) -> list[str]:
+    """The TRL side's child process: the peer venv's ``python -I`` on :mod:`hacrl_tools.bench.trl_runner`.
+
+    ``-I`` puts neither the script's folder nor ``PYTHONPATH`` on ``sys.path``, so the peer's packages (``trl``,
+    ``torch``, ...) come from its venv and no module of ours can shadow them; the runner appends this checkout's
+    code path (the last argument) after them, for the shared answer check only."""
+    runner = Path(__file__).with_name("trl_runner.py")
+    return [str(py), "-I", str(runner), str(spec), str(out), code_path()]
+
+
 def make_spec(args: TrlOptions, path: Path) -> dict[str, Any]:
     """The shared work: model dir, rendered prompts and references, GSPO and batch settings."""
     from transformers import AutoTokenizer
@@ -115,7 +125,7 @@ def ours_main(argv: list[str]) -> int:
     """``_ours SPEC OUT``: the same work through our policy worker (run in a fresh process)."""
     t_start = time.perf_counter()
     if len(argv) != 2:
-        raise SystemExit("usage: python -m hacrl_tools.bench.trl _ours SPEC OUT")
+        raise SystemExit("usage: python -m hacrl_tools.bench.trl_compare _ours SPEC OUT")
     spec_path, out_path = argv
     spec = json.loads(Path(spec_path).read_text())
     import torch
@@ -285,18 +295,13 @@ def run_trl(args: TrlOptions) -> int:
                     cmd = [
                         sys.executable,
                         "-m",
-                        "hacrl_tools.bench.trl",
+                        "hacrl_tools.bench.trl_compare",
                         "_ours",
                         str(spec_path),
                         str(out),
                     ]
                 else:
-                    cmd = [
-                        str(trl_py),
-                        str(Path(__file__).with_name("trl_runner.py")),
-                        str(spec_path),
-                        str(out),
-                    ]
+                    cmd = peer_command(trl_py, spec_path, out)
                 log(f"  trl: run {rep + 1}/{args.repeats}, {side} ...")
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
                 if proc.returncode != 0:
