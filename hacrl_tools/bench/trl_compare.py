@@ -75,6 +75,14 @@ def ensure_venv(venv: Path, *, trl_pin: str = TRL_PIN, log=print) -> Path:
     return py
 
 
+def child_env() -> dict[str, str]:
+    """Both sides' environment: offline, this checkout's code first on ``PYTHONPATH`` (which the TRL side's
+    ``python -I`` ignores)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (code_path(), env.get("PYTHONPATH")) if x)
+    return env
+
+
 def peer_command(py: Path | str, spec: Path, out: Path) -> list[str]:
     """The TRL side's child process: the peer venv's ``python -I`` on :mod:`hacrl_tools.bench.trl_runner`.
 
@@ -281,8 +289,7 @@ def run_trl(args: TrlOptions) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="hacrl-peer-"))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (code_path(), env.get("PYTHONPATH")) if x)
+    env = child_env()
     try:
         trl_py = ensure_venv(args.venv or default_venv(), trl_pin=args.trl, log=log) if "trl" in args.sides else None
         spec_path = work / "spec.json"

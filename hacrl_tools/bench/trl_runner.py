@@ -10,9 +10,9 @@ as our verifier.
 ``PYTHONPATH`` off ``sys.path``; CODE is appended after the venv's own packages, so a module of ours can never
 stand in for one of the peer's (``trl``, ``torch``, ``transformers``, ``datasets``).
 
-The spec (written by :mod:`hacrl_tools.bench.trl_compare`) holds the model directory, the rendered prompt texts (our chat
-template, so both sides condition on the same text) with their references, and the GSPO settings. Every option
-that matters is set explicitly below, since TRL's defaults are not GSPO's (its default loss is ``dapo``, epsilon
+The spec (written by :mod:`hacrl_tools.bench.trl_compare`) holds the model directory, the rendered prompt texts
+(our chat template, so both sides condition on the same text) with their references, and the GSPO settings. Every
+option that matters is set explicitly below, since TRL's defaults are not GSPO's (its default loss is ``dapo``, epsilon
 0.2, token-level importance sampling, a linearly decaying learning rate).
 """
 
