@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from hacrl_fed.fsio import write_json_atomic
 from hacrl_fed.run_files import CONFIG_FILE, ERROR_LOG, INFO_FILE, STATE_FILE, SUMMARY_FILE
 
 log = logging.getLogger(__name__)
@@ -340,8 +341,6 @@ class Run:
         }
 
     def _write_info(self, status: str, **extra: Any) -> None:
-        from hacrl_fed.fsio import write_json_atomic
-
         self._session.update(status=status, **extra)
         if status != "running":
             self._session["finished"] = _now()
