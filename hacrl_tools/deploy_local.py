@@ -44,6 +44,7 @@ from typing import Any
 
 from hacrl_fed.coordinator.launcher import MAX_UNIX_SOCKET_PATH, private_dir, worker_thread_env
 from hacrl_fed.lifecycle import OFFLINE_ENV
+from hacrl_fed.run_files import SUMMARY_FILE
 from hacrl_fed.security.keys import KeyLayout, client_name
 
 HOST = "127.0.0.1"
@@ -783,7 +784,6 @@ def run_local(
     ends ``finished:completed``. ``worker_argv`` as in :func:`start_local` (tests use stand-in workers).
     """
     from hacrl_fed.config import load_config
-    from hacrl_fed.lifecycle import SUMMARY_FILE
     from hacrl_fed.security.keys import write_keys
 
     config = Path(config).absolute()

@@ -54,6 +54,8 @@ from typing import Any
 
 import yaml
 
+from hacrl_fed.lifecycle import OFFLINE_ENV
+from hacrl_fed.metrics import read_metrics
 from hacrl_tools import code_path
 
 # relative to the working directory (the repository root when run from a checkout)
@@ -66,13 +68,6 @@ MICRO = ("micro-qwen-char", "micro-gpt2-bpe")
 PHASES = ("generate", "verify", "score", "train", "trust", "exchange", "coordinator")
 # <org>/cpu/<key> a worker reports -> the per-org row field (org/<org>/<field>)
 CPU_KEYS = {"generate": "generate_cpu", "train": "train_cpu", "trust": "screen_cpu", "update": "update_cpu"}
-QUIET_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
 
 # ------------------------------------------------------------------------------------------------ aggregation
@@ -191,13 +186,6 @@ def wire_bytes(summary: Mapping[str, float], text_bytes_per_rollout: float | Non
         "generate_vs_text": ratio(per_gen),
         "train_vs_text": ratio(per_train),
     }
-
-
-def read_records(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # ------------------------------------------------------------------------------------------------ child runs
@@ -331,7 +319,7 @@ def child_main(argv: Sequence[str]) -> int:
 
 
 def child_env(flwr_home: Path) -> dict[str, str]:
-    env = {**os.environ, **QUIET_ENV, "FLWR_HOME": str(flwr_home), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **OFFLINE_ENV, "FLWR_HOME": str(flwr_home), "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (code_path(), env.get("PYTHONPATH")) if p)
     return env
 
@@ -356,7 +344,7 @@ def run_child(
         raise RuntimeError(f"{kind} run {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     info = json.loads(out.read_text())
     info["process_wall_s"] = time.perf_counter() - t0
-    records = read_records(run_dir)
+    records = read_metrics(run_dir)
     return {"info": info, "rows": phase_rows(records)}
 
 
@@ -584,7 +572,7 @@ def bench_deployment(
             pieces = timeline(p.log_text() for p in dep.procs if p.name.startswith("supernode-"))
         if info.get("status") != "finished:completed":
             raise RuntimeError(f"deployment run ended {info.get('status')}")
-        rows = phase_rows(read_records(run_dir))
+        rows = phase_rows(read_metrics(run_dir))
     finally:
         shutil.rmtree(dep_dir, ignore_errors=True)
     dep_s, in_s = summarize_rows(warm(rows)), summarize_rows(warm(inproc["rows"]))

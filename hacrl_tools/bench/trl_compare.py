@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from hacrl_fed.host import available_cpus
+from hacrl_fed.lifecycle import OFFLINE_ENV
 from hacrl_tools import code_path
 
 
@@ -76,9 +77,9 @@ def ensure_venv(venv: Path, *, trl_pin: str = TRL_PIN, log=print) -> Path:
 
 
 def child_env() -> dict[str, str]:
-    """Both sides' environment: offline, this checkout's code first on ``PYTHONPATH`` (which the TRL side's
-    ``python -I`` ignores)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    """Both sides' environment: offline (:data:`hacrl_fed.lifecycle.OFFLINE_ENV`), unbuffered, this checkout's code
+    first on ``PYTHONPATH`` (which the TRL side's ``python -I`` ignores)."""
+    env = {**os.environ, **OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(x for x in (code_path(), env.get("PYTHONPATH")) if x)
     return env
 
