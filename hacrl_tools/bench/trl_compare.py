@@ -300,15 +300,9 @@ def run_trl(args: TrlOptions) -> int:
             for side in args.sides:
                 out = work / f"{side}-{rep}.json"
                 if side == "ours":
-                    cmd = [
-                        sys.executable,
-                        "-m",
-                        "hacrl_tools.bench.trl_compare",
-                        "_ours",
-                        str(spec_path),
-                        str(out),
-                    ]
+                    cmd = [sys.executable, "-m", "hacrl_tools.bench.trl_compare", "_ours", str(spec_path), str(out)]
                 else:
+                    assert trl_py is not None  # made above whenever "trl" is a side
                     cmd = peer_command(trl_py, spec_path, out)
                 log(f"  trl: run {rep + 1}/{args.repeats}, {side} ...")
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
