@@ -130,6 +130,42 @@ def make_spec(args: TrlOptions, path: Path) -> dict[str, Any]:
     return spec
 
 
+def ours_config(spec: dict[str, Any]) -> dict[str, Any]:
+    """Our side's run config for the spec's work: one org (``peer``), GSPO with the spec's clip and no KL, the
+    spec's batch shape and engine, signing off (TRL signs nothing)."""
+    B, G, steps = int(spec["prompts_per_batch"]), int(spec["num_samples"]), int(spec["steps_per_batch"])
+    return {
+        "name": "peer",
+        "seed": spec["seed"],
+        "orgs": [{"id": "peer", "model": {"path": spec["model_dir"]}}],
+        "algorithm": {
+            "name": "gspo",
+            "self_clip_low": spec["clip_low"],
+            "self_clip_high": spec["clip_high"],
+            "kl_beta": 0.0,
+        },
+        "trainer": {
+            "lr": spec["lr"],
+            "minibatch_size": B * G // steps,
+            "micro_batch_size": B * G // steps,
+            "grad_clip": 1.0,
+            "weight_decay": 0.0,
+        },
+        "generation": {
+            "engine": spec.get("engine", "fast"),
+            "num_samples": G,
+            "max_new_tokens": spec["max_new_tokens"],
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "batch_size": B * G,
+        },
+        "task": {"name": "arithmetic", "params": {"difficulty": 2}},
+        "federation": {"rounds": int(spec["batches"]), "prompts_per_round": B},
+        "security": {"signing": False},
+    }
+
+
 def ours_main(argv: list[str]) -> int:
     """``_ours SPEC OUT``: the same work through our policy worker (run in a fresh process)."""
     t_start = time.perf_counter()
@@ -146,39 +182,8 @@ def ours_main(argv: list[str]) -> int:
 
     torch.set_num_threads(int(spec["threads"]))
     t_import = time.perf_counter() - t_start
-    B, G, steps = int(spec["prompts_per_batch"]), int(spec["num_samples"]), int(spec["steps_per_batch"])
-    cfg = load_config(
-        {
-            "name": "peer",
-            "seed": spec["seed"],
-            "orgs": [{"id": "peer", "model": {"path": spec["model_dir"]}}],
-            "algorithm": {
-                "name": "gspo",
-                "self_clip_low": spec["clip_low"],
-                "self_clip_high": spec["clip_high"],
-                "kl_beta": 0.0,
-            },
-            "trainer": {
-                "lr": spec["lr"],
-                "minibatch_size": B * G // steps,
-                "micro_batch_size": B * G // steps,
-                "grad_clip": 1.0,
-                "weight_decay": 0.0,
-            },
-            "generation": {
-                "engine": spec.get("engine", "fast"),
-                "num_samples": G,
-                "max_new_tokens": spec["max_new_tokens"],
-                "temperature": 1.0,
-                "top_p": 1.0,
-                "top_k": 0,
-                "batch_size": B * G,
-            },
-            "task": {"name": "arithmetic", "params": {"difficulty": 2}},
-            "federation": {"rounds": int(spec["batches"]), "prompts_per_round": B},
-            "security": {"signing": False},
-        }
-    )
+    B, G = int(spec["prompts_per_batch"]), int(spec["num_samples"])
+    cfg = load_config(ours_config(spec))
     task = get_task("arithmetic", {"difficulty": 2}, seed=spec["seed"])
     work = Path(tempfile.mkdtemp(prefix="peer-ours-"))
     try:
@@ -189,13 +194,8 @@ def ours_main(argv: list[str]) -> int:
         phases: dict[str, list[float]] = {"generate": [], "update": []}
         for i in range(int(spec["batches"])):
             prompts = tuple(task.prompts("train", ids[i * B : (i + 1) * B]))
-            plan = RoundPlan(
-                "peer-run",
-                i + 1,
-                "arithmetic",
-                prompts,
-                SamplingParams(1.0, 1.0, 0, int(spec["max_new_tokens"]), G, 1000 + i),
-            )
+            sampling = SamplingParams(1.0, 1.0, 0, int(spec["max_new_tokens"]), G, 1000 + i)
+            plan = RoundPlan("peer-run", i + 1, "arithmetic", prompts, sampling)
             t0 = time.perf_counter()
             batch = worker.generate(plan)
             t1 = time.perf_counter()
