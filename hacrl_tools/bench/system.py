@@ -81,6 +81,30 @@ def _sum(rec: Mapping[str, Any], keys: Sequence[str]) -> float:
     return float(sum(float(rec[k]) for k in keys if rec.get(k) is not None))
 
 
+def _org_fields(rec: Mapping[str, Any], o: str) -> dict[str, float]:
+    """Org ``o``'s fields of a :func:`phase_rows` row (``org/<o>/<field>``): its call and compute seconds, the
+    generate / train / update / screen split, its selected rows, its own CPU seconds and peak RSS when logged."""
+    row: dict[str, float] = {}
+    calls = _sum(rec, [f"time/call/{phase}/{o}" for phase in ("generate", "train", "step")])
+    compute = _sum(rec, [f"{o}/time/{p}" for p in ("generate", "verify", "seal_sign", "trust", "score", "train")])
+    row[f"org/{o}/call"], row[f"org/{o}/compute"] = calls, compute
+    row[f"org/{o}/generate"] = _sum(rec, [f"{o}/time/generate"])
+    row[f"org/{o}/train"] = _sum(rec, [f"{o}/time/{p}" for p in ("trust", "score", "train")])  # the train call
+    row[f"org/{o}/update"] = _sum(rec, [f"{o}/time/train"])
+    row[f"org/{o}/screen"] = _sum(rec, [f"{o}/time/trust"])
+    if rec.get(f"{o}/select/selected") is not None:
+        row[f"org/{o}/selected"] = float(rec[f"{o}/select/selected"])
+    for key, name in CPU_KEYS.items():  # the worker's own CPU seconds (its process, all threads)
+        if rec.get(f"{o}/cpu/{key}") is not None:
+            row[f"org/{o}/{name}"] = float(rec[f"{o}/cpu/{key}"])
+    peaks = [
+        float(v) for k, v in rec.items() if k.startswith(f"{o}/perf/") and k.endswith("/peak_rss_mb") and v is not None
+    ]
+    if peaks:
+        row[f"org/{o}/peak_rss_mb"] = max(peaks)
+    return row
+
+
 def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
     """One row per training round (``round >= 1`` with ``time/round``): wall seconds, phases summed over orgs,
     the coordinator's own seconds, bytes and rollout counts (see the module docstring)."""
@@ -116,27 +140,7 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
                 row[f"bytes_{phase}"] = float(rec[f"bytes/{phase}/total"])
         row["train_share"] = row["train_fanout"] / row["wall"] if row["wall"] > 0 else 0.0
         for o in orgs:
-            calls = _sum(rec, [f"time/call/{phase}/{o}" for phase in ("generate", "train", "step")])
-            compute = _sum(
-                rec, [f"{o}/time/{p}" for p in ("generate", "verify", "seal_sign", "trust", "score", "train")]
-            )
-            row[f"org/{o}/call"], row[f"org/{o}/compute"] = calls, compute
-            row[f"org/{o}/generate"] = _sum(rec, [f"{o}/time/generate"])
-            row[f"org/{o}/train"] = _sum(rec, [f"{o}/time/{p}" for p in ("trust", "score", "train")])  # the train call
-            row[f"org/{o}/update"] = _sum(rec, [f"{o}/time/train"])
-            row[f"org/{o}/screen"] = _sum(rec, [f"{o}/time/trust"])
-            if rec.get(f"{o}/select/selected") is not None:
-                row[f"org/{o}/selected"] = float(rec[f"{o}/select/selected"])
-            for key, name in CPU_KEYS.items():  # the worker's own CPU seconds (its process, all threads)
-                if rec.get(f"{o}/cpu/{key}") is not None:
-                    row[f"org/{o}/{name}"] = float(rec[f"{o}/cpu/{key}"])
-            peaks = [
-                float(v)
-                for k, v in rec.items()
-                if k.startswith(f"{o}/perf/") and k.endswith("/peak_rss_mb") and v is not None
-            ]
-            if peaks:
-                row[f"org/{o}/peak_rss_mb"] = max(peaks)
+            row.update(_org_fields(rec, o))
         gen_cpu = _sum(rec, [f"{o}/cpu/generate" for o in orgs])
         train_cpu = _sum(rec, [f"{o}/cpu/train" for o in orgs])
         if gen_cpu + train_cpu > 0:
@@ -618,70 +622,82 @@ def _f(x: Any, d: int = 3) -> str:
 
 
 def format_tables(result: Mapping[str, Any]) -> str:
+    """The printed report: the transports' phases and wire bytes, the scaling runs, the deployment engine."""
     lines = []
     tr = result.get("transports")
     if tr:
-        lines += [
-            f"Per-round phases, medians over warm rounds ({tr['rounds']} rounds x {tr['repeats']} repeats; "
-            "phases summed over orgs, seconds):",
-            "",
-        ]
-        head = ["transport", "round", "x in-process", *PHASES]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "|".join("---" for _ in head) + "|")
-        for t, s in tr["summary"].items():
-            lines.append(
-                "| "
-                + " | ".join(
-                    [t, _f(s["wall"]), _f(tr["overhead_vs_inprocess"].get(t), 2), *[_f(s.get(p)) for p in PHASES]]
-                )
-                + " |"
-            )
-        lines += [
-            "",
-            "Wire bytes per rollout vs its text:",
-            "",
-            "| transport | generate B/rollout | train B/foreign rollout | text B/rollout | generate / text "
-            "| train / text |",
-            "|---|---|---|---|---|---|",
-        ]
-        for t, w in tr["wire"].items():
-            lines.append(
-                f"| {t} | {_f(w['generate_bytes_per_rollout'], 0)} | {_f(w['train_bytes_per_foreign_rollout'], 0)} "
-                f"| {_f(w['text_bytes_per_rollout'], 1)} | {_f(w['generate_vs_text'], 1)} "
-                f"| {_f(w['train_vs_text'], 1)} |"
-            )
-        lines.append("")
+        lines += format_transports(tr)
     scaling = result.get("scaling") or []
     for sc in [scaling] if isinstance(scaling, Mapping) else scaling:  # a dict: one transport (older results)
         lines += format_scaling(sc)
     dp = result.get("deployment")
     if dp:
-        lines += [
-            "Flower deployment engine on loopback (smoke config, medians per round):",
-            "",
-            f"- round: {_f(dp['round_wall_s'], 2)} s vs {_f(dp['inprocess_round_wall_s'], 2)} s in-process: "
-            f"fixed cost {_f(dp['fixed_cost_per_round_s'], 2)} s per round "
-            f"({dp['clientapp_messages_per_round']} ClientApp messages per round)",
-            f"- generate fan-out {_f(dp['generate_fanout_s'], 2)} s, train fan-out {_f(dp['train_fanout_s'], 2)} s, "
-            f"fused step fan-out {_f(dp.get('step_fanout_s'), 2)} s, "
-            f"coordinator {_f(dp['coordinator_s'], 3)} s, exchange (call minus worker compute, all orgs) "
-            f"{_f(dp['exchange_s'], 2)} s, i.e. {_f(dp['outside_worker_s_per_message'], 2)} s per ClientApp "
-            "message (each message starts a new flwr-clientapp process)",
-        ]
-        for o, w in dp["per_org"].items():
-            lines.append(
-                f"- {o}: calls {_f(w['call_s'], 2)} s, worker compute {_f(w['compute_s'], 3)} s, outside the "
-                f"worker {_f(w.get('outside_worker_s'), 2)} s (in-process calls {_f(w['inprocess_call_s'], 3)} s)"
-            )
-        ready = {k: v.get("ready_s") for k, v in dp["processes"].items() if v.get("ready_s") is not None}
-        lines.append(
-            f"- start-up: {_f(dp['start_s'], 1)} s to a ready deployment; ready after (s): "
-            + ", ".join(f"{k} {v:.1f}" for k, v in ready.items())
-        )
-        lines.append("")
-        lines += format_timelines(result.get("deployment_variants") or [dp])
+        lines += format_deployment(dp, result.get("deployment_variants") or [dp])
     return "\n".join(lines)
+
+
+def format_transports(tr: Mapping[str, Any]) -> list[str]:
+    """Per-round phases per transport and the wire bytes per rollout against its text."""
+    lines = [
+        f"Per-round phases, medians over warm rounds ({tr['rounds']} rounds x {tr['repeats']} repeats; "
+        "phases summed over orgs, seconds):",
+        "",
+    ]
+    head = ["transport", "round", "x in-process", *PHASES]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join("---" for _ in head) + "|")
+    for t, s in tr["summary"].items():
+        lines.append(
+            "| "
+            + " | ".join([t, _f(s["wall"]), _f(tr["overhead_vs_inprocess"].get(t), 2), *[_f(s.get(p)) for p in PHASES]])
+            + " |"
+        )
+    lines += [
+        "",
+        "Wire bytes per rollout vs its text:",
+        "",
+        "| transport | generate B/rollout | train B/foreign rollout | text B/rollout | generate / text "
+        "| train / text |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t, w in tr["wire"].items():
+        lines.append(
+            f"| {t} | {_f(w['generate_bytes_per_rollout'], 0)} | {_f(w['train_bytes_per_foreign_rollout'], 0)} "
+            f"| {_f(w['text_bytes_per_rollout'], 1)} | {_f(w['generate_vs_text'], 1)} "
+            f"| {_f(w['train_vs_text'], 1)} |"
+        )
+    lines.append("")
+    return lines
+
+
+def format_deployment(dp: Mapping[str, Any], variants: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The Flower deployment engine's round: fixed cost, fan-outs, per-org calls, start-up, then the timelines of
+    ``variants``."""
+    lines = [
+        "Flower deployment engine on loopback (smoke config, medians per round):",
+        "",
+        f"- round: {_f(dp['round_wall_s'], 2)} s vs {_f(dp['inprocess_round_wall_s'], 2)} s in-process: "
+        f"fixed cost {_f(dp['fixed_cost_per_round_s'], 2)} s per round "
+        f"({dp['clientapp_messages_per_round']} ClientApp messages per round)",
+        f"- generate fan-out {_f(dp['generate_fanout_s'], 2)} s, train fan-out {_f(dp['train_fanout_s'], 2)} s, "
+        f"fused step fan-out {_f(dp.get('step_fanout_s'), 2)} s, "
+        f"coordinator {_f(dp['coordinator_s'], 3)} s, exchange (call minus worker compute, all orgs) "
+        f"{_f(dp['exchange_s'], 2)} s, i.e. {_f(dp['outside_worker_s_per_message'], 2)} s per ClientApp "
+        "message (each message starts a new flwr-clientapp process)",
+    ]
+    for o, w in dp["per_org"].items():
+        lines.append(
+            f"- {o}: calls {_f(w['call_s'], 2)} s, worker compute {_f(w['compute_s'], 3)} s, outside the "
+            f"worker {_f(w.get('outside_worker_s'), 2)} s (in-process calls {_f(w['inprocess_call_s'], 3)} s)"
+        )
+    ready = {k: v.get("ready_s") for k, v in dp["processes"].items() if v.get("ready_s") is not None}
+    lines.append(
+        f"- start-up: {_f(dp['start_s'], 1)} s to a ready deployment; ready after (s): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in ready.items())
+    )
+    lines.append("")
+    lines += format_timelines(variants)
+    return lines
 
 
 def format_scaling(sc: Mapping[str, Any]) -> list[str]:
