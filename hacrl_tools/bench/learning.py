@@ -113,89 +113,86 @@ def _stats(values: list[float]) -> dict[str, float]:
     }
 
 
+# a per-org metric key ({org}: the org's id) -> the cell's field that sums it over rounds
+SUMMED = (
+    ("round/{org}/rollouts_accepted", "rollouts_accepted"),
+    ("round/{org}/rollouts_rejected", "rollouts_rejected"),
+    ("{org}/train/num_rows", "sequences_trained"),
+    ("{org}/train/num_self", "self_sequences_trained"),
+    ("{org}/train/num_cross", "cross_sequences_trained"),
+    ("{org}/train/foreign_received", "foreign_received"),
+    ("{org}/train/foreign_unscored", "foreign_unscored"),
+    ("{org}/train/steps", "optimizer_steps"),
+    ("{org}/time/generate", "time_generate_s"),
+    ("{org}/time/verify", "time_verify_s"),
+    ("{org}/time/trust", "time_trust_s"),
+    ("{org}/time/score", "time_score_s"),
+    ("{org}/time/train", "time_train_s"),
+    ("eval/{org}/time/eval", "time_eval_s"),
+    ("round/{org}/failed", "rounds_failed"),
+    ("round/{org}/train_failed", "train_failed"),
+)
+# <org>/<key> series kept for their statistics, besides every key under an algorithm's prefix (ALGOS)
+SERIES = ("train/loss", "train/grad_norm", "train/kl", "train/adv_abs_mean", "gen/mean_tokens", "gen/stop_frac")
+
+
 def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-agent results of one finished run from its ``metrics.jsonl`` records (see the module docstring)."""
     rounds = sorted({int(r["round"]) for r in records})
     by_round: dict[int, dict[str, Any]] = {}
     for rec in records:  # a resumed run may log a round twice: the later values win
         by_round.setdefault(int(rec["round"]), {}).update({k: v for k, v in rec.items() if v is not None})
-    agents = {}
-    for org in [o.id for o in cfg.orgs]:
-        generated, curve, reward_curve = 0.0, [], []
-        sums: dict[str, float] = {}
-        algo: dict[str, list[float]] = {}
-        capability = []
-        selection: dict[str, float] = {}  # select/<source>/<count> and select/<count>, summed over rounds
-        for t in rounds:
-            rec = by_round[t]
-            generated += float(rec.get(f"round/{org}/rollouts_received", 0.0))
-            for key, name in (
-                (f"round/{org}/rollouts_accepted", "rollouts_accepted"),
-                (f"round/{org}/rollouts_rejected", "rollouts_rejected"),
-                (f"{org}/train/num_rows", "sequences_trained"),
-                (f"{org}/train/num_self", "self_sequences_trained"),
-                (f"{org}/train/num_cross", "cross_sequences_trained"),
-                (f"{org}/train/foreign_received", "foreign_received"),
-                (f"{org}/train/foreign_unscored", "foreign_unscored"),
-                (f"{org}/train/steps", "optimizer_steps"),
-                (f"{org}/time/generate", "time_generate_s"),
-                (f"{org}/time/verify", "time_verify_s"),
-                (f"{org}/time/trust", "time_trust_s"),
-                (f"{org}/time/score", "time_score_s"),
-                (f"{org}/time/train", "time_train_s"),
-                (f"eval/{org}/time/eval", "time_eval_s"),
-                (f"round/{org}/failed", "rounds_failed"),
-                (f"round/{org}/train_failed", "train_failed"),
-            ):
-                if key in rec:
-                    sums[name] = sums.get(name, 0.0) + float(rec[key])
-            sums["time_calls_s"] = sums.get("time_calls_s", 0.0) + sum(
-                float(v) for k, v in rec.items() if k.startswith("time/call/") and k.endswith(f"/{org}")
-            )
-            if f"eval/{org}/accuracy" in rec:
-                curve.append([t, int(generated), float(rec[f"eval/{org}/accuracy"])])
-            if f"round/{org}/accuracy" in rec:
-                reward_curve.append([t, float(rec[f"round/{org}/accuracy"])])
-            if f"capability/{org}" in rec and t > 0:
-                capability.append(float(rec[f"capability/{org}"]))
-            prefix = f"{org}/"
-            for key, value in rec.items():
-                if not key.startswith(prefix):
-                    continue
-                rest = key[len(prefix) :]
-                head = rest.split("/", 1)[0]
-                if head == "select":
-                    selection[rest] = selection.get(rest, 0.0) + float(value)
-                if head in ALGOS or rest in (
-                    "train/loss",
-                    "train/grad_norm",
-                    "train/kl",
-                    "train/adv_abs_mean",
-                    "gen/mean_tokens",
-                    "gen/stop_frac",
-                ):
-                    algo.setdefault(rest, []).append(float(value))
-        before = curve[0][2] if curve and curve[0][0] == 0 else None
-        after = curve[-1][2] if curve else None
-        agents[org] = {
-            "accuracy_before": before,
-            "accuracy_after": after,
-            "gain": None if before is None or after is None else after - before,
-            "curve": curve,  # [round, rollouts generated through that round, held-out accuracy]
-            "train_reward": reward_curve,  # [round, mean verified reward of the org's own rollouts]
-            "rollouts_generated": int(generated),
-            **{k: (round(v, 4) if k.startswith("time_") else int(v)) for k, v in sorted(sums.items())},
-            "capability": _stats(capability) if capability else None,
-            "stats": {k: _stats(v) for k, v in sorted(algo.items())},
-            "shares": _shares(algo),  # every *_frac over the whole run, from the summed counts
-            "selection": {k: int(v) for k, v in sorted(selection.items())},  # foreign rows offered/selected/dropped
-        }
+    agents = {org: summarize_agent(org, [(t, by_round[t]) for t in rounds]) for org in [o.id for o in cfg.orgs]}
     round_times = [float(by_round[t]["time/round"]) for t in rounds if "time/round" in by_round[t]]
     return {
         "rounds": max(rounds) if rounds else 0,
         "skipped_rounds": int(sum(float(by_round[t].get("round/skipped", 0.0)) for t in rounds)),
         "round_time_s": _stats(round_times) if round_times else None,
         "agents": agents,
+    }
+
+
+def summarize_agent(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """One agent's results from ``(round, merged record)`` pairs in round order (the module docstring's fields)."""
+    generated, curve, reward_curve = 0.0, [], []
+    sums: dict[str, float] = {}
+    algo: dict[str, list[float]] = {}
+    capability = []
+    selection: dict[str, float] = {}  # select/<source>/<count> and select/<count>, summed over rounds
+    for t, rec in rounds:
+        generated += float(rec.get(f"round/{org}/rollouts_received", 0.0))
+        for template, name in SUMMED:
+            if (key := template.format(org=org)) in rec:
+                sums[name] = sums.get(name, 0.0) + float(rec[key])
+        sums["time_calls_s"] = sums.get("time_calls_s", 0.0) + sum(
+            float(v) for k, v in rec.items() if k.startswith("time/call/") and k.endswith(f"/{org}")
+        )
+        if f"eval/{org}/accuracy" in rec:
+            curve.append([t, int(generated), float(rec[f"eval/{org}/accuracy"])])
+        if f"round/{org}/accuracy" in rec:
+            reward_curve.append([t, float(rec[f"round/{org}/accuracy"])])
+        if f"capability/{org}" in rec and t > 0:
+            capability.append(float(rec[f"capability/{org}"]))
+        for rest, value in ((k[len(org) + 1 :], v) for k, v in rec.items() if k.startswith(f"{org}/")):
+            head = rest.split("/", 1)[0]
+            if head == "select":
+                selection[rest] = selection.get(rest, 0.0) + float(value)
+            if head in ALGOS or rest in SERIES:
+                algo.setdefault(rest, []).append(float(value))
+    before = curve[0][2] if curve and curve[0][0] == 0 else None
+    after = curve[-1][2] if curve else None
+    return {
+        "accuracy_before": before,
+        "accuracy_after": after,
+        "gain": None if before is None or after is None else after - before,
+        "curve": curve,  # [round, rollouts generated through that round, held-out accuracy]
+        "train_reward": reward_curve,  # [round, mean verified reward of the org's own rollouts]
+        "rollouts_generated": int(generated),
+        **{k: (round(v, 4) if k.startswith("time_") else int(v)) for k, v in sorted(sums.items())},
+        "capability": _stats(capability) if capability else None,
+        "stats": {k: _stats(v) for k, v in sorted(algo.items())},
+        "shares": _shares(algo),  # every *_frac over the whole run, from the summed counts
+        "selection": {k: int(v) for k, v in sorted(selection.items())},  # foreign rows offered/selected/dropped
     }
 
 
