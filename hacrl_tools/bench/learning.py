@@ -217,13 +217,7 @@ def run_cell(cell: Cell, results: Path, *, keep_runs: Path | None = None, allow_
     for agent in cell.agents:
         ensure_agent(agent, allow_build=allow_build)
     cfg = cell.config
-    if keep_runs is not None:
-        run_dir = Path(keep_runs) / cell.setting / cell.method / f"seed{cell.seed}"
-        if run_dir.exists():  # an earlier attempt: cells restart from scratch
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True)
-    else:
-        run_dir = Path(tempfile.mkdtemp(prefix=f"hacrl-bench-{cell.setting}-{cell.method}-seed{cell.seed}-"))
+    run_dir = _cell_run_dir(cell, keep_runs)
     started = time.time()
     try:
         t0 = time.perf_counter()
@@ -268,6 +262,18 @@ def run_cell(cell: Cell, results: Path, *, keep_runs: Path | None = None, allow_
     if keep_runs is None:
         shutil.rmtree(run_dir, ignore_errors=True)
     return result
+
+
+def _cell_run_dir(cell: Cell, keep_runs: Path | None) -> Path:
+    """A fresh run dir for ``cell``: ``<keep_runs>/<setting>/<method>/seed<k>`` (an earlier attempt's removed: cells
+    restart from scratch), else a new temp dir."""
+    if keep_runs is None:
+        return Path(tempfile.mkdtemp(prefix=f"hacrl-bench-{cell.setting}-{cell.method}-seed{cell.seed}-"))
+    run_dir = Path(keep_runs) / cell.setting / cell.method / f"seed{cell.seed}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    return run_dir
 
 
 def _num_samples(cfg, org: str) -> int:
@@ -342,15 +348,7 @@ def run_matrix(opts: LearningOptions) -> int:
         return 2
     status = {c.key: cell_status(c, results) for c in cells}
     todo = [c for c in cells if status[c.key] in ("todo", "stale")]
-    print(
-        f"{len(cells)} cells: {sum(s == 'done' for s in status.values())} done, {len(todo)} to run, "
-        f"{sum(s == 'skip' for s in status.values())} skipped; results in {results}"
-    )
-    for c in cells:
-        if status[c.key] == "skip":
-            print(f"  skip {c.key}: {c.skip}")
-        elif opts.list_only:
-            print(f"  {status[c.key]:5s} {c.key}  (config {c.hash})")
+    _print_plan(cells, status, results, list_only=opts.list_only)
     if opts.list_only:
         return 0
     failed: list[str] = []
@@ -359,14 +357,8 @@ def run_matrix(opts: LearningOptions) -> int:
         if opts.max_cells is not None and ran >= opts.max_cells:
             print(f"stopping after {ran} cells (--max-cells)")
             break
-        if opts.no_build and any(not _built(a) for a in c.agents):
-            print(
-                f"  skip {c.key}: needs bench agents {[a.name for a in c.agents if not _built(a)]} "
-                "(hacrl-fed bench agents build ...)"
-            )
-            continue
-        if cell_status(c, results) == "done":  # finished meanwhile by another process on the same results
-            print(f"  done {c.key} (by another run meanwhile)")
+        if (note := _not_now(c, results, no_build=opts.no_build)) is not None:
+            print(note)
             continue
         eta = f", ~{statistics.fmean(times) * (len(todo) - ran) / 60:.0f} min left" if times else ""
         print(
@@ -392,6 +384,33 @@ def run_matrix(opts: LearningOptions) -> int:
         print("failed cells:\n  " + "\n  ".join(failed), file=sys.stderr)
         return 1
     return 0
+
+
+def _print_plan(cells: list[Cell], status: dict[str, str], results: Path, *, list_only: bool) -> None:
+    """The plan's counts, each skipped cell with its reason, and (``list_only``) every cell with its status."""
+    todo = sum(s in ("todo", "stale") for s in status.values())
+    print(
+        f"{len(cells)} cells: {sum(s == 'done' for s in status.values())} done, {todo} to run, "
+        f"{sum(s == 'skip' for s in status.values())} skipped; results in {results}"
+    )
+    for c in cells:
+        if status[c.key] == "skip":
+            print(f"  skip {c.key}: {c.skip}")
+        elif list_only:
+            print(f"  {status[c.key]:5s} {c.key}  (config {c.hash})")
+
+
+def _not_now(c: Cell, results: Path, *, no_build: bool) -> str | None:
+    """Why a cell to run is passed over now (its agents not built under ``no_build``, or another process finished
+    it meanwhile on the same results), or None to run it."""
+    if no_build and any(not _built(a) for a in c.agents):
+        return (
+            f"  skip {c.key}: needs bench agents {[a.name for a in c.agents if not _built(a)]} "
+            "(hacrl-fed bench agents build ...)"
+        )
+    if cell_status(c, results) == "done":
+        return f"  done {c.key} (by another run meanwhile)"
+    return None
 
 
 def _built(agent: Path) -> bool:
