@@ -71,13 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     batch_s = [stamps[i + steps] - stamps[i] for i in range(0, len(stamps) - steps, steps)]
     if len(gen_s) != len(batch_s):
         raise RuntimeError(f"expected one generation per batch, timed {len(gen_s)} for {len(batch_s)} batches")
-    run = {"batch_s": batch_s, "phases": {"generate": gen_s, "update": [b - g for b, g in zip(batch_s, gen_s)]}}
-    run.update(import_s=t_import, setup_s=t_setup)
+    run: dict[str, Any] = {"batch_s": batch_s, "import_s": t_import, "setup_s": t_setup}
+    run["phases"] = {"generate": gen_s, "update": [b - g for b, g in zip(batch_s, gen_s)]}
     Path(out_path).write_text(json.dumps(report(spec, trainer, config, run)))
     return 0
 
 
-def answer_reward(extract_integer: Callable[[str], int]) -> Callable[..., list[float]]:
+def answer_reward(extract_integer: Callable[[str], int | None]) -> Callable[..., list[float]]:
     """TRL's reward function: 1 for a completion whose answer is the reference (our verifier's answer check)."""
 
     def reward(completions, reference, **_):
