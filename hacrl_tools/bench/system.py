@@ -284,21 +284,7 @@ def child_main(argv: Sequence[str]) -> int:
         procs = None
         inner: Any
         if args.kind == "grpc":
-            from hacrl_fed.coordinator.grpc_transport import GrpcTransport
-            from hacrl_fed.coordinator.launcher import WorkerProcesses
-
-            procs = WorkerProcesses(
-                args.config,
-                [o.id for o in cfg.orgs],
-                run_dir=run_dir,
-                overrides=list(args.overrides),
-                worker_args=["--run-dir", str(run_dir)],
-            )
-            addresses = procs.start()
-            inner = GrpcTransport(addresses, max_message_mb=cfg.federation.max_message_mb, secrets=procs.secrets)
-            bad = {o: e for o, e in inner.wait_ready(600).items() if isinstance(e, Exception)}
-            if bad:
-                raise RuntimeError(f"workers not ready: {bad}")
+            inner, procs = _grpc_workers(args, cfg, run_dir)
         else:
             from hacrl_fed.coordinator.inprocess import InProcessTransport
             from hacrl_fed.worker import build_worker
@@ -320,6 +306,26 @@ def child_main(argv: Sequence[str]) -> int:
     info["coordinator_peak_rss_mb"] = _peak_rss_self_mb()
     Path(args.out).write_text(json.dumps(info))
     return 0
+
+
+def _grpc_workers(args: ChildRun, cfg: Any, run_dir: Path) -> tuple[Any, Any]:
+    """``(transport, worker processes)``: one gRPC worker process per org, started and ready."""
+    from hacrl_fed.coordinator.grpc_transport import GrpcTransport
+    from hacrl_fed.coordinator.launcher import WorkerProcesses
+
+    procs = WorkerProcesses(
+        args.config,
+        [o.id for o in cfg.orgs],
+        run_dir=run_dir,
+        overrides=list(args.overrides),
+        worker_args=["--run-dir", str(run_dir)],
+    )
+    addresses = procs.start()
+    inner = GrpcTransport(addresses, max_message_mb=cfg.federation.max_message_mb, secrets=procs.secrets)
+    bad = {o: e for o, e in inner.wait_ready(600).items() if isinstance(e, Exception)}
+    if bad:
+        raise RuntimeError(f"workers not ready: {bad}")
+    return inner, procs
 
 
 def child_env(flwr_home: Path) -> dict[str, str]:
