@@ -529,6 +529,59 @@ def bench_scaling(
     return {"transport": transport, "rounds": rounds, "variants": out}
 
 
+def _deployment_settings(
+    overrides: list[str], run_dir: Path, task_poll_s: float | None, reply_poll_s: float | None
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """The processes' extra environment (DEBUG logs for the timeline, the SuperExec poll when given) and the run
+    config the ServerApp gets (the smoke config, ``overrides``, ``run_dir``, the reply poll when given)."""
+    env = {"FLWR_LOG_LEVEL": "DEBUG"}
+    if task_poll_s is not None:
+        env[POLL_ENV] = str(task_poll_s)
+    run_config: dict[str, Any] = {
+        "config-path": str(SMOKE.absolute()),
+        "overrides": " ".join(overrides),
+        "run-dir": str(run_dir),
+    }
+    if reply_poll_s is not None:
+        run_config["reply-poll"] = reply_poll_s
+    return env, run_config
+
+
+def _run_deployment(
+    dep_dir: Path, env: dict[str, str], orgs: list[str], overrides: list[str], run_config: dict, timeout_s: float
+) -> tuple[float, float, dict[str, Any], dict[str, Any]]:
+    """One run of the smoke config on a loopback deployment in ``dep_dir``: ``(seconds to a ready deployment, the
+    run's seconds, the processes' timings, the SuperNodes' message timeline)``; an error unless it completed."""
+    from hacrl_tools.bench.deploy_timeline import timeline
+    from hacrl_tools.deploy_local import Deployment, start_local
+
+    t0 = time.perf_counter()
+    with Deployment(dep_dir, extra_env=env) as dep:
+        start_local(dep, SMOKE, orgs, overrides=overrides)
+        started = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        run_id = dep.submit(Path.cwd(), run_config)
+        info = dep.wait_run(run_id, timeout_s)
+        run_s = time.perf_counter() - t1
+        processes = dep.timings()
+        pieces = timeline(p.log_text() for p in dep.procs if p.name.startswith("supernode-"))
+    if info.get("status") != "finished:completed":
+        raise RuntimeError(f"deployment run ended {info.get('status')}")
+    return started, run_s, processes, pieces
+
+
+def _org_calls(o: str, dep_s: Mapping[str, Any], in_s: Mapping[str, Any]) -> dict[str, Any]:
+    """Org ``o``'s call and compute seconds on the deployment, its in-process call, and the time outside it."""
+    out = {
+        "call_s": dep_s.get(f"org/{o}/call"),
+        "compute_s": dep_s.get(f"org/{o}/compute"),
+        "inprocess_call_s": in_s.get(f"org/{o}/call"),
+    }
+    if out["call_s"] is not None and out["compute_s"] is not None:
+        out["outside_worker_s"] = out["call_s"] - out["compute_s"]
+    return out
+
+
 def bench_deployment(
     rounds: int,
     work: Path,
@@ -546,8 +599,7 @@ def bench_deployment(
     seconds of each piece of a round message's cycle.
     """
     from hacrl_fed.flower.settings import REPLY_POLL_S
-    from hacrl_tools.bench.deploy_timeline import timeline
-    from hacrl_tools.deploy_local import FAST_POLL_ENV, Deployment, identity_overrides, start_local
+    from hacrl_tools.deploy_local import FAST_POLL_ENV, identity_overrides
 
     base = [f"federation.rounds={rounds}", "federation.eval_every=0", "task.eval_size=8"]
     log("  deployment: in-process baseline ...")
@@ -559,43 +611,14 @@ def bench_deployment(
     overrides = [*base, *identity_overrides(dep_dir / "identity_set", orgs)]
     run_dir = dep_dir / "run"
     log("  deployment: SuperLink + SuperNodes + workers on loopback ...")
-    env = {"FLWR_LOG_LEVEL": "DEBUG"}
-    if task_poll_s is not None:
-        env[POLL_ENV] = str(task_poll_s)
-    run_config: dict[str, Any] = {
-        "config-path": str(SMOKE.absolute()),
-        "overrides": " ".join(overrides),
-        "run-dir": str(run_dir),
-    }
-    if reply_poll_s is not None:
-        run_config["reply-poll"] = reply_poll_s
-    t0 = time.perf_counter()
+    env, run_config = _deployment_settings(overrides, run_dir, task_poll_s, reply_poll_s)
     try:
-        with Deployment(dep_dir, extra_env=env) as dep:
-            start_local(dep, SMOKE, orgs, overrides=overrides)
-            started = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            run_id = dep.submit(Path.cwd(), run_config)
-            info = dep.wait_run(run_id, timeout_s)
-            run_s = time.perf_counter() - t1
-            processes = dep.timings()
-            pieces = timeline(p.log_text() for p in dep.procs if p.name.startswith("supernode-"))
-        if info.get("status") != "finished:completed":
-            raise RuntimeError(f"deployment run ended {info.get('status')}")
+        started, run_s, processes, pieces = _run_deployment(dep_dir, env, orgs, overrides, run_config, timeout_s)
         rows = phase_rows(read_metrics(run_dir))
     finally:
         shutil.rmtree(dep_dir, ignore_errors=True)
     dep_s, in_s = summarize_rows(warm(rows)), summarize_rows(warm(inproc["rows"]))
-    where = {}
-    for o in orgs:
-        where[o] = {
-            "call_s": dep_s.get(f"org/{o}/call"),
-            "compute_s": dep_s.get(f"org/{o}/compute"),
-            "inprocess_call_s": in_s.get(f"org/{o}/call"),
-        }
-        call_s, compute_s = where[o]["call_s"], where[o]["compute_s"]
-        if call_s is not None and compute_s is not None:
-            where[o]["outside_worker_s"] = call_s - compute_s
+    where = {o: _org_calls(o, dep_s, in_s) for o in orgs}
     return {
         "config": str(SMOKE),
         "rounds": rounds,
