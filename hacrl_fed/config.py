@@ -418,7 +418,13 @@ class GenerationConfig(_Section):
 class TaskConfig(_Section):
     """``name`` picks a task from the registry; ``params`` are validated by that task's own model."""
 
-    name: str = Field("arithmetic", description="task: arithmetic, jsonl (GSM8K/MATH-style files) or reasoning-gym")
+    name: str = Field(
+        "arithmetic",
+        description=_d(
+            "task: arithmetic, jsonl (GSM8K/MATH-style files), dataset (local Parquet / Arrow / JSON(L)), "
+            "reasoning-gym, or a lab's own (package.module:ClassName or a hacrl_fed.tasks entry point)"
+        ),
+    )
     params: dict[str, Any] = Field(
         default_factory=dict,
         description=_d(

@@ -27,8 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from hacrl_fed.config import BuildError, RunConfig, load_config, org_generation, org_trainer
+from hacrl_fed.models.loading import load_model_and_tokenizer, resolve_dtype
+from hacrl_fed.run_files import CONFIG_FILE, INFO_FILE
+from hacrl_fed.worker.checkpoint import checkpoint_round, checkpointed_runs, latest_checkpoint, latest_run
+from hacrl_fed.worker.policy_worker import _wrap_lora
 
 EXPORT_INFO = "hacrl_export.json"
 _ROUND_DIR = re.compile(r"^round-(\d{6})$")
@@ -36,22 +41,20 @@ _ROUND_DIR = re.compile(r"^round-(\d{6})$")
 
 def run_config(run_dir: Path) -> RunConfig:
     """The resolved config a run dir records (``config.yaml``); :class:`BuildError` naming ``run_dir``."""
-    path = Path(run_dir) / "config.yaml"
+    path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
-        raise BuildError(f"run_dir: {run_dir} has no config.yaml (not a hacrl-fed run directory)")
+        raise BuildError(f"run_dir: {run_dir} has no {CONFIG_FILE} (not a hacrl-fed run directory)")
     return load_config(path)
 
 
 def find_checkpoint(run_dir: Path, org_id: str, round: int | None = None) -> tuple[str, Path]:
     """``(run id, checkpoint dir)`` of ``org_id`` in ``run_dir``: the run recorded in ``run_info.json`` (else the
     one checkpointed last), at ``round`` (else its latest checkpoint); :class:`BuildError` naming the argument."""
-    from hacrl_fed.worker.checkpoint import checkpointed_runs, latest_checkpoint, latest_run
-
     base = Path(run_dir) / "orgs" / org_id / "checkpoints"
     runs = checkpointed_runs(base)
     if not runs:
         raise BuildError(f"org: no checkpoints of org {org_id!r} under {base} (the run saves them at its end)")
-    info = Path(run_dir) / "run_info.json"
+    info = Path(run_dir) / INFO_FILE
     run_id = json.loads(info.read_text()).get("run_id") if info.is_file() else None
     if run_id not in runs:
         found = latest_run(base)
@@ -84,11 +87,6 @@ def _checkpoint_dtype(path: Path) -> torch.dtype:
 def load_trained(cfg: RunConfig, org_id: str, checkpoint: Path) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of ``org_id`` built as its worker builds them (on CPU) with ``checkpoint``'s weights;
     a LoRA run's model is the peft wrapper (adapters unmerged)."""
-    from safetensors.torch import load_file
-
-    from hacrl_fed.models.loading import load_model_and_tokenizer
-    from hacrl_fed.worker.policy_worker import _wrap_lora
-
     org = cfg.org(org_id)
     model_cfg = org.model.model_copy(update={"device": "cpu", "dtype": "float32"})
     model, tokenizer = load_model_and_tokenizer(model_cfg)
@@ -143,8 +141,6 @@ def export_model(
     or be empty unless ``overwrite``. ``config``: the run config, for a run dir without ``config.yaml`` (a worker's
     own run dir on another host).
     """
-    from hacrl_fed.models.loading import resolve_dtype
-
     run_dir, out = Path(run_dir).absolute(), Path(out_dir).absolute()
     if not run_dir.is_dir():
         raise BuildError(f"run_dir: no such directory: {run_dir}")
@@ -168,8 +164,6 @@ def export_model(
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     _generation_config(model, tokenizer, cfg, org_id).save_pretrained(str(out))  # the org's, not the base's
-    from hacrl_fed.worker.checkpoint import checkpoint_round
-
     info = {
         "run_dir": str(run_dir),
         "run_id": run_id,
@@ -179,7 +173,7 @@ def export_model(
         "weights": "adapter" if adapter_only else ("merged-lora" if lora else "full"),
         "dtype": str(target).removeprefix("torch."),
         "task": cfg.task.name,
-        "config": str(Path(config).absolute()) if config is not None else str(run_dir / "config.yaml"),
+        "config": str(Path(config).absolute()) if config is not None else str(run_dir / CONFIG_FILE),
     }
     (out / EXPORT_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return out

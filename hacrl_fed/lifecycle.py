@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from hacrl_fed.fsio import write_json_atomic
+from hacrl_fed.metrics import RunLogger, format_table, plot_accuracy, round_progress
 from hacrl_fed.run_files import CONFIG_FILE, ERROR_LOG, INFO_FILE, STATE_FILE, SUMMARY_FILE
 
 log = logging.getLogger(__name__)
@@ -340,8 +342,6 @@ class Run:
         }
 
     def _write_info(self, status: str, **extra: Any) -> None:
-        from hacrl_fed.fsio import write_json_atomic
-
         self._session.update(status=status, **extra)
         if status != "running":
             self._session["finished"] = _now()
@@ -356,8 +356,6 @@ class Run:
     # -- the lifecycle
 
     def __enter__(self) -> Run:
-        from hacrl_fed.metrics import RunLogger, round_progress
-
         check_run_dir(self.run_dir, self.resume, self.keys)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = self._existing_run_id() if self.resume else None
@@ -417,8 +415,6 @@ class Run:
 
     def finish(self, summary: Any) -> Any:
         """``accuracy.png``, ``summary.txt`` (the table, the run ids, the output path), status ``completed``."""
-        from hacrl_fed.metrics import format_table, plot_accuracy
-
         self.summary, self.run_id = summary, summary.run_id
         plot_accuracy(self.run_dir, title=f"{self.cfg.name}: held-out accuracy (greedy), run {summary.run_id}")
         flower = f", Flower run id {self.flower_run_id}" if self.flower_run_id is not None else ""

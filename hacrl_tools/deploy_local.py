@@ -44,7 +44,9 @@ from typing import Any
 
 from hacrl_fed.coordinator.launcher import MAX_UNIX_SOCKET_PATH, private_dir, worker_thread_env
 from hacrl_fed.lifecycle import OFFLINE_ENV
+from hacrl_fed.run_files import SUMMARY_FILE
 from hacrl_fed.security.keys import KeyLayout, client_name
+from hacrl_fed.wire.link_secret import create_secret_file
 
 HOST = "127.0.0.1"
 QUIET_ENV = {**OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}  # hacrl_fed.lifecycle's offline environment, unbuffered
@@ -697,6 +699,18 @@ def worker_listen(dep: Deployment, orgs: Sequence[str], link: str = "auto") -> t
     return {org: f"{HOST}:{free_port()}" for org in orgs}, link
 
 
+def link_secrets(dep: Deployment, orgs: Sequence[str], link: str) -> dict[str, Path | None]:
+    """Each worker's link secret file: on a plaintext loopback link (``insecure``) a fresh per-launch secret per
+    worker (0600, in a 0700 dir); None on the other links."""
+    secrets: dict[str, Path | None] = {org: None for org in orgs}
+    if link == "insecure":
+        for org in orgs:
+            path = private_dir(dep.workdir / "secrets") / f"{org}.secret"
+            create_secret_file(path)
+            secrets[org] = path
+    return secrets
+
+
 def start_local(
     dep: Deployment,
     config: str | Path,
@@ -717,13 +731,7 @@ def start_local(
     """
     listen, link = worker_listen(dep, orgs, worker_link)
     worker_tls = dep.tls if link == "tls" else None
-    secrets: dict[str, Path | None] = {org: None for org in orgs}
-    if link == "insecure":  # plaintext loopback: a fresh per-launch secret per worker (0600, in a 0700 dir)
-        from hacrl_fed.wire.link_secret import create_secret_file
-
-        for org in orgs:
-            secrets[org] = private_dir(dep.workdir / "secrets") / f"{org}.secret"
-            create_secret_file(secrets[org])  # type: ignore[arg-type]
+    secrets = link_secrets(dep, orgs, link)
 
     def argv(org: str) -> list[str]:
         if worker_argv is None:
@@ -783,7 +791,6 @@ def run_local(
     ends ``finished:completed``. ``worker_argv`` as in :func:`start_local` (tests use stand-in workers).
     """
     from hacrl_fed.config import load_config
-    from hacrl_fed.lifecycle import SUMMARY_FILE
     from hacrl_fed.security.keys import write_keys
 
     config = Path(config).absolute()

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from hacrl_fed.lifecycle import OFFLINE_ENV
+
 TOKENIZER_ZOO = "llama-bpe"
 HEAD_SCALE = 8.0  # in-vocabulary head rows x this: their logits outweigh the 151k zero rows (>95% of samples)
 
@@ -525,8 +527,8 @@ def run(args: Options) -> dict[str, Any]:
 
 def check(opts: Options) -> int:
     """Every step (:func:`run`), then the table; 0 when no step failed, else 1."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
     results = run(opts)
     print(format_table(results))
     print(f"results in {Path(opts.out) / 'gpu_check.json'}")

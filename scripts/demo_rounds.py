@@ -1,6 +1,6 @@
 """The demo's in-process round, two checkouts side by side (BENCHMARKS.md "Fast engine: generation and demo rounds").
 
-    python scripts/demo_rounds.py --base /path/to/old/checkout --base-set generation.engine=hf \
+    .venv/bin/python scripts/demo_rounds.py --base /path/to/old/checkout --base-set generation.engine=hf \
         --new . --new-set generation.engine=fast --pairs 3 --out benchmarks/system/demo-rounds.json
 
 Runs ``configs/demo.yaml`` for ``--rounds`` rounds in each checkout (its own ``.venv``), alternating base, new, new,
@@ -20,9 +20,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hacrl_fed.cli.common import add_set_flag
+from hacrl_fed.lifecycle import OFFLINE_ENV
+from hacrl_fed.metrics import read_metrics
 
-def _medians(metrics: Path) -> dict[str, float]:
-    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+def _medians(run_dir: Path) -> dict[str, float]:
+    recs = read_metrics(run_dir)
     rounds = [r for r in recs if "time/round" in r and r.get("round", 0) >= 2]
 
     def summed(r: dict, suffix: str) -> float:
@@ -38,20 +42,20 @@ def _medians(metrics: Path) -> dict[str, float]:
 
 
 def _run(checkout: Path, sets: list[str], rounds: int, run_dir: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(checkout), HF_HUB_OFFLINE="1", FLWR_TELEMETRY_ENABLED="0")
+    env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(checkout)}
     cmd = [str(checkout / ".venv/bin/python"), "-m", "hacrl_fed.cli", "run", "configs/demo.yaml", "--no-progress"]
     cmd += ["--run-dir", str(run_dir), "--set", f"federation.rounds={rounds}", *sets]
     subprocess.run(cmd, cwd=checkout, env=env, check=True, capture_output=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
-    return {"commit": commit.stdout.strip(), "set": sets, **_medians(run_dir / "metrics.jsonl")}
+    return {"commit": commit.stdout.strip(), "set": sets, **_medians(run_dir)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", type=Path, required=True)
-    ap.add_argument("--base-set", nargs="*", default=[])
+    add_set_flag(ap, flag="--base-set", dest="base_set", help="overrides of the base checkout's runs")
     ap.add_argument("--new", type=Path, default=Path("."))
-    ap.add_argument("--new-set", nargs="*", default=[])
+    add_set_flag(ap, flag="--new-set", dest="new_set", help="overrides of the new checkout's runs")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None)

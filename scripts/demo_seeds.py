@@ -17,15 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-
-def eval_curve(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    curves: dict[str, list[tuple[int, float]]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        for key, value in rec.items():
-            if key.startswith("eval/") and key.endswith("/accuracy") and value is not None:
-                curves.setdefault(key.split("/")[1], []).append((rec["round"], float(value)))
-    return curves
+from hacrl_fed.cli.common import add_set_flag
+from hacrl_fed.metrics import eval_curves, read_metrics
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,21 +27,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", default="runs/seeds")
     p.add_argument("--transport", default="inprocess", choices=["inprocess", "grpc"])
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_set_flag(p, help="override a config field of every seed's run (repeatable)")
     args = p.parse_args(argv)
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     results = []
     for seed in args.seeds:
         run_dir = out / f"seed{seed}"
         cmd = [sys.executable, "-m", "hacrl_fed.cli", "run", args.config, "--run-dir", str(run_dir), "--no-progress",
-               "--transport", args.transport, "--set", f"seed={seed}", *[a for o in args.overrides for a in ("--set", o)]]
+               "--transport", args.transport, "--set", f"seed={seed}", *args.overrides]
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             print(f"seed {seed}: failed ({proc.returncode}): {proc.stderr.strip()[-500:]}", file=sys.stderr)
             return 1
-        for org, curve in sorted(eval_curve(run_dir).items()):
+        for org, curve in sorted(eval_curves(read_metrics(run_dir)).items()):
             results.append({"seed": seed, "org": org, "before": curve[0][1], "after": curve[-1][1],
                             "best": max(v for _, v in curve), "rounds": curve[-1][0], "wall_s": round(wall, 1)})
         print(f"seed {seed}: {wall:.0f} s", file=sys.stderr)

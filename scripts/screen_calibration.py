@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from hacrl_fed.cli.common import add_set_flag
 from hacrl_fed.config import load_config
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.loop import Coordinator
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attacker", default=None, help="the attacking org (default: the config's second org)")
     ap.add_argument("--eval-size", type=int, default=100)
-    ap.add_argument("--set", nargs="*", default=[], help="extra dotted overrides key=value")
+    add_set_flag(ap, help="extra overrides of the run's config (repeatable)")
     args = ap.parse_args(argv)
     raw = yaml.safe_load(args.config.read_text())
     over = {
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         # the wrapped worker's own generate and publish undoctored text); the numbers are the fused protocol's
         "federation.protocol": "two_message",
     }
-    for kv in args.set:
+    for kv in args.overrides:
         k, v = kv.split("=", 1)
         over[k] = yaml.safe_load(v)
     cfg = load_config(raw, over)
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "attacker": attacker if args.variant != "honest" else None,
         "victim": victim.org_id,
         "eval_size": args.eval_size,
-        "set": list(args.set),  # the extra overrides this run had (part of what it measured)
+        "set": list(args.overrides),  # the extra overrides this run had (part of what it measured)
         "doctored_batches": doctored,
         "accuracy": final,
         "string_logprob": {"before": before, "after": after},

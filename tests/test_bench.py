@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from hacrl_fed.cli import main as cli_main
-from hacrl_tools.bench import learning, report, system, trl
+from hacrl_tools import code_path
+from hacrl_tools.bench import learning, report, system, trl_compare
 from hacrl_tools.bench import matrix as bench_matrix
 from tests.helpers_tiny import PAPER_ALGORITHM, PAPER_TRAINER
 
@@ -264,15 +265,52 @@ def test_trl_summary():
              "import_s": 2.0, "setup_s": 1.0},
             {"side": "trl", "batch_s": [9.0, 2.0, 2.0], "completions_per_batch": 128, "peak_rss_mb": 800.0,
              "import_s": 5.0, "setup_s": 2.0}]
-    s = trl.compare(runs)
+    s = trl_compare.compare(runs)
     assert s["ours"]["completions_per_s"] == 128.0 and s["trl"]["completions_per_s"] == 64.0
     assert s["throughput_ratio_ours_over_trl"] == 2.0 and s["peak_rss_ratio_ours_over_trl"] == 0.625
-    assert "| ours | 128.0 |" in trl.format_summary(s)
+    assert "| ours | 128.0 |" in trl_compare.format_summary(s)
     runs[0]["phases"] = {"generate": [5.0, 0.25, 0.25, 0.5], "update": [4.0, 0.75, 0.75, 1.5]}
-    s = trl.compare(runs)
+    s = trl_compare.compare(runs)
     assert s["ours"]["generate_s"] == 0.25 and s["ours"]["update_s"] == 0.75 and "generate_s" not in s["trl"]
-    assert "| ours | 128.0 | 1.000 | 0.250 | 0.750 |" in trl.format_summary(s)
-    assert "| trl | 64.0 | 2.000 | – | – |" in trl.format_summary(s)
+    assert "| ours | 128.0 | 1.000 | 0.250 | 0.750 |" in trl_compare.format_summary(s)
+    assert "| trl | 64.0 | 2.000 | – | – |" in trl_compare.format_summary(s)
+
+
+STAND_IN_TRL = """
+import json, sys
+import hacrl_fed.tasks.arithmetic as ours
+print(json.dumps({"trl": __file__, "hacrl_fed": ours.__file__, "path": sys.path}))
+raise SystemExit(0)
+"""
+
+
+def test_the_trl_child_imports_the_peers_trl_never_a_module_of_ours(tmp_path):
+    """The TRL side's child, started as ``bench trl`` starts it (command and environment), imports ``trl`` from the
+    peer venv (a stand-in here: it reports where it and ``hacrl_fed`` were found, then exits) and our answer check
+    from this checkout. Before, the runner's own folder came first on ``sys.path`` and its sibling
+    ``hacrl_tools/bench/trl.py`` stood in for TRL (``cannot import name 'GRPOConfig' from 'trl'``)."""
+    import site
+    import subprocess
+    import sys
+
+    venv = tmp_path / "peer"
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (packages,) = venv.glob("lib/python3*/site-packages")
+    (packages / "trl").mkdir()
+    (packages / "trl" / "__init__.py").write_text(STAND_IN_TRL)
+    # torch and transformers, which the runner imports before trl, from the test's own environment, after the venv's
+    (packages / "ours.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    (tmp_path / "spec.json").write_text("{}")
+    cmd = trl_compare.peer_command(venv / "bin" / "python", tmp_path / "spec.json", tmp_path / "out.json")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=trl_compare.child_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(found["trl"]) == packages / "trl" / "__init__.py"
+    repo = Path(code_path())
+    assert Path(found["hacrl_fed"]).is_relative_to(repo / "hacrl_fed")
+    runner_dir = str(Path(trl_compare.__file__).parent)
+    assert runner_dir not in found["path"] and found["path"][-1] == str(repo)  # ours last, after the peer's
 
 
 @pytest.mark.slow

@@ -7,7 +7,10 @@ or under ``if TYPE_CHECKING:``.
 - The tools find their inputs from arguments or the working directory, not from where they are installed.
 - The worker side never imports the coordinator package: what both sides run (prompt sampling, batch screening)
   lives below both, in ``hacrl_fed.plan``, which imports neither.
+- The generation engines and the wire (``hacrl_fed.engines``, ``hacrl_fed.wire``) never import the worker, and the
+  metrics (``hacrl_fed.metrics``) never import the coordinator: both sit below what they serve.
 - No import cycle anywhere in ``hacrl_fed`` and ``hacrl_tools``.
+- No function in ``hacrl_fed`` is over 60 lines (from its ``def`` line to its last line, decorators excluded).
 
 An edge goes to the module an import names (``from a.b import c``: ``a.b.c`` when that is a module, else ``a.b``);
 the parent packages Python initialises on the way are not edges (a package ``__init__`` that re-exports its
@@ -150,7 +153,7 @@ def test_the_tools_find_their_inputs_from_arguments_or_the_working_directory():
         lines = [i for i, line in enumerate(path.read_text().splitlines(), 1) if "__file__" in line]
         if lines:
             uses[name] = len(lines)
-    assert uses == {"hacrl_tools": 1, "hacrl_tools.bench.trl": 1}
+    assert uses == {"hacrl_tools": 1, "hacrl_tools.bench.trl_compare": 1}
 
 
 def test_the_tools_and_the_cli_are_in_no_import_cycle():
@@ -190,3 +193,59 @@ def test_the_plan_package_sits_below_the_coordinator_and_the_worker():
 def test_the_package_has_no_import_cycle():
     """Every cycle in hacrl_fed and hacrl_tools, lazy and TYPE_CHECKING imports counted: none."""
     assert _cycles(_graph("hacrl_fed", TOOLS)) == []
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(f"{package}.")
+
+
+def test_the_engines_and_the_wire_never_import_the_worker():
+    graph = _graph("hacrl_fed")
+    lower = sorted(m for m in graph if _in(m, "hacrl_fed.engines") or _in(m, "hacrl_fed.wire"))
+    assert {"hacrl_fed.engines.hf", "hacrl_fed.wire.codec", "hacrl_fed.wire.grpc_server"} <= set(lower)
+    offenders = {m: d for m in lower if (d := _below(graph, m, ("hacrl_fed.worker",)))}
+    assert offenders == {}, f"engines/wire modules importing the worker: {offenders}"
+
+
+def test_the_metrics_never_import_the_coordinator():
+    graph = _graph("hacrl_fed")
+    assert "hacrl_fed.run_files" in graph["hacrl_fed.metrics"]  # the scan sees the module's imports
+    offenders = _below(graph, "hacrl_fed.metrics", ("hacrl_fed.coordinator",))
+    assert offenders == [], f"hacrl_fed.metrics imports the coordinator: {offenders}"
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def _function_lengths(source: str) -> dict[str, int]:
+    """``{qualified name: lines}`` of every function and method in ``source``, nested ones too: from the ``def``
+    line to the function's last line (decorators excluded)."""
+    out: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    out[name] = child.end_lineno - child.lineno + 1
+                visit(child, f"{name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return out
+
+
+def test_the_function_length_counts_from_the_def_line_to_the_last():
+    source = "@decorator\n@another(1)\ndef f(x):\n    y = x\n\n    return y\n\n\nclass C:\n    async def g(self):\n"
+    source += "        def inner():\n            pass\n        return inner\n"
+    assert _function_lengths(source) == {"f": 4, "C.g": 4, "C.g.inner": 2}
+
+
+def test_no_function_in_the_package_is_over_60_lines():
+    lengths = {}
+    for name, path in _modules("hacrl_fed").items():  # the generated hacrl_fed.v1 left out
+        lengths.update({f"{name}:{fn}": n for fn, n in _function_lengths(path.read_text()).items()})
+    assert len(lengths) > 500 and max(lengths.values()) > 30  # the scan sees the package's functions
+    long = {fn: n for fn, n in sorted(lengths.items(), key=lambda item: -item[1]) if n > MAX_FUNCTION_LINES}
+    assert long == {}, f"{len(long)} functions over {MAX_FUNCTION_LINES} lines: {long}"

@@ -22,7 +22,7 @@ COMMANDS = {
     "learning": ("bench.learning", "the learning-efficiency matrix (one JSON per cell)"),
     "report": ("bench.report", "Markdown tables + PNG curves from the learning results"),
     "system": ("bench.system", "transport overhead, phases, wire bytes, scaling, deployment"),
-    "trl": ("bench.trl", "our GSPO vs TRL's GRPOTrainer (sequence-level IS) on the same work"),
+    "trl": ("bench.trl_compare", "our GSPO vs TRL's GRPOTrainer (sequence-level IS) on the same work"),
     "agents": ("bench.agents", "build or list the benchmark's extra tiny agents"),
 }
 

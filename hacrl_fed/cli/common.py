@@ -25,13 +25,20 @@ class UsageError(Exception):
     """Bad arguments or configuration found by a command: exit code 2, one line."""
 
 
-def add_set_flag(p: argparse.ArgumentParser, *names: str, help: str | None = None) -> None:
+def add_set_flag(
+    p: argparse.ArgumentParser,
+    *names: str,
+    help: str | None = None,
+    flag: str = "--set",
+    dest: str = "overrides",
+) -> None:
     """``--set KEY=VALUE ...``, repeatable, several values per flag: ``--set a=1 b=2 --set c=3`` gives
-    ``args.overrides == ["a=1", "b=2", "c=3"]`` (the one meaning of ``--set`` in every command)."""
+    ``args.overrides == ["a=1", "b=2", "c=3"]`` (the one meaning of ``--set`` in every command and script; a
+    script with two sets of overrides names the second ``flag`` and ``dest``)."""
     p.add_argument(
-        "--set",
+        flag,
         *names,
-        dest="overrides",
+        dest=dest,
         action="extend",
         nargs="+",
         default=[],

@@ -65,6 +65,43 @@ def check_sampling(*, num_samples: int, temperature: float, top_p: float, top_k:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
+def encode_prompts(tokenizer, prompt_texts: Sequence[str]) -> list[list[int]]:
+    """Rendered prompts → token ids (``add_special_tokens=False``, module docstring); a single ``str`` (not a list)
+    and a prompt that encodes to no tokens are errors naming it."""
+    if isinstance(prompt_texts, str):
+        raise TypeError("prompt_texts must be a list of strings, got a single str")
+    ids = tokenizer(list(prompt_texts), add_special_tokens=False)["input_ids"] if prompt_texts else []
+    for i, row in enumerate(ids):
+        if not row:
+            raise ValueError(f"prompt_texts[{i}] encodes to no tokens")
+    return [list(r) for r in ids]
+
+
+def sampling_prompts(
+    tokenizer,
+    prompt_texts: Sequence[str],
+    *,
+    num_samples: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_new_tokens: int,
+) -> list[list[int]]:
+    """The prologue of an engine's :meth:`GenerationEngine.generate`: the sampling arguments checked
+    (:func:`check_sampling`), then the prompts encoded (:func:`encode_prompts`)."""
+    check_sampling(
+        num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens
+    )
+    return encode_prompts(tokenizer, prompt_texts)
+
+
+def greedy_prompts(tokenizer, prompt_texts: Sequence[str], *, max_new_tokens: int) -> list[list[int]]:
+    """The prologue of an engine's :meth:`GenerationEngine.greedy`: ``max_new_tokens`` checked, prompts encoded."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return encode_prompts(tokenizer, prompt_texts)
+
+
 def stop_token_ids(tokenizer, model=None) -> frozenset[int]:
     """Ids that end a response: the tokenizer's EOS plus the model's ``generation_config.eos_token_id`` (if any).
 

@@ -28,9 +28,10 @@ from transformers import GenerationConfig
 from hacrl_fed.engines.base import (
     Generation,
     GenerationEngine,
-    check_sampling,
     decode_response,
+    greedy_prompts,
     register_engine,
+    sampling_prompts,
     split_response,
     stop_token_ids,
 )
@@ -116,15 +117,6 @@ class HFEngine(GenerationEngine):
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else min(self.stop_ids)
 
-    def _encode(self, prompt_texts: Sequence[str]) -> list[list[int]]:
-        if isinstance(prompt_texts, str):
-            raise TypeError("prompt_texts must be a list of strings, got a single str")
-        ids = self.tokenizer(list(prompt_texts), add_special_tokens=False)["input_ids"] if prompt_texts else []
-        for i, row in enumerate(ids):
-            if not row:
-                raise ValueError(f"prompt_texts[{i}] encodes to no tokens")
-        return [list(r) for r in ids]
-
     def generate(
         self,
         prompt_texts: list[str],
@@ -136,10 +128,15 @@ class HFEngine(GenerationEngine):
         max_new_tokens: int,
         seed: int,
     ) -> list[list[Generation]]:
-        check_sampling(
-            num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens
+        prompts = sampling_prompts(
+            self.tokenizer,
+            prompt_texts,
+            num_samples=num_samples,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
         )
-        prompts = self._encode(prompt_texts)
         flat = [p for p in prompts for _ in range(num_samples)]
         sampling = dict(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
         gens: list[Generation] = []
@@ -150,9 +147,7 @@ class HFEngine(GenerationEngine):
         return [gens[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
     def greedy(self, prompt_texts: list[str], *, max_new_tokens: int) -> list[Generation]:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        prompts = self._encode(prompt_texts)
+        prompts = greedy_prompts(self.tokenizer, prompt_texts, max_new_tokens=max_new_tokens)
         gens: list[Generation] = []
         for start in range(0, len(prompts), self.batch_size):
             raise_if_cancelled("while evaluating")

@@ -35,15 +35,16 @@ import functools
 import hashlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from hacrl_fed.engines.base import (
     Generation,
     GenerationEngine,
-    check_sampling,
     decode_response,
+    greedy_prompts,
     register_engine,
+    sampling_prompts,
     split_response,
     stop_token_ids,
 )
@@ -116,6 +117,18 @@ def engine_dtype(requested: str | None, model_dtype) -> str:
         return _HALF_DTYPES[key]
     name = str(model_dtype).removeprefix("torch.")
     return _HALF_DTYPES.get(name, "bfloat16")
+
+
+def _with_extra_kwargs(kwargs: dict, extra: dict) -> dict:
+    """The engine's ``vllm.LLM`` arguments ``kwargs`` plus ``extra`` (``generation.vllm_kwargs``), which may not
+    repeat any of them."""
+    clash = sorted(set(extra) & set(kwargs))
+    if clash:
+        raise ValueError(
+            f"generation.vllm_kwargs may not set {clash}: the engine sets them (use the matching "
+            "generation.* field where there is one)"
+        )
+    return {**kwargs, **extra}
 
 
 def _request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -213,26 +226,11 @@ class VLLMEngine(GenerationEngine):
             kwargs["max_num_seqs"] = int(batch_size)
         if sleep_level:
             kwargs["enable_sleep_mode"] = True
-        clash = sorted(set(llm_kwargs or {}) & set(kwargs))
-        if clash:
-            raise ValueError(
-                f"generation.vllm_kwargs may not set {clash}: the engine sets them (use the matching "
-                "generation.* field where there is one)"
-            )
-        self.llm_kwargs = {**kwargs, **(llm_kwargs or {})}
+        self.llm_kwargs = _with_extra_kwargs(kwargs, llm_kwargs or {})
         self.llm = vllm.LLM(**self.llm_kwargs)
         self._vllm = vllm
         if sync_on_init:
             self.sync_weights(model)
-
-    def _encode(self, prompt_texts: Sequence[str]) -> list[list[int]]:
-        if isinstance(prompt_texts, str):
-            raise TypeError("prompt_texts must be a list of strings, got a single str")
-        ids = self.tokenizer(list(prompt_texts), add_special_tokens=False)["input_ids"] if prompt_texts else []
-        for i, row in enumerate(ids):
-            if not row:
-                raise ValueError(f"prompt_texts[{i}] encodes to no tokens")
-        return [list(r) for r in ids]
 
     def _params(self, **kw):
         return self._vllm.SamplingParams(
@@ -274,10 +272,15 @@ class VLLMEngine(GenerationEngine):
         max_new_tokens: int,
         seed: int,
     ) -> list[list[Generation]]:
-        check_sampling(
-            num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens
+        prompts = sampling_prompts(
+            self.tokenizer,
+            prompt_texts,
+            num_samples=num_samples,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
         )
-        prompts = self._encode(prompt_texts)
         requests, params = [], []
         for i, ids in enumerate(prompts):
             for s in range(num_samples):
@@ -295,9 +298,7 @@ class VLLMEngine(GenerationEngine):
         return [gens[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
     def greedy(self, prompt_texts: list[str], *, max_new_tokens: int) -> list[Generation]:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        prompts = self._encode(prompt_texts)
+        prompts = greedy_prompts(self.tokenizer, prompt_texts, max_new_tokens=max_new_tokens)
         if not prompts:
             return []
         params = [self._params(temperature=0.0, max_tokens=int(max_new_tokens)) for _ in prompts]

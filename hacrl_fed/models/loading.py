@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hacrl_fed.config import BuildError, ModelConfig
+from hacrl_fed.models.catalog import resolve_zoo
 
 _DTYPES = {
     "float32": torch.float32,
@@ -96,8 +97,6 @@ def model_sources(model_cfg: ModelConfig) -> tuple[str, str]:
     if zoo_name is None and str(model_cfg.path).startswith("zoo:"):
         zoo_name = str(model_cfg.path)
     if zoo_name is not None:
-        from hacrl_fed.models.catalog import resolve_zoo
-
         model_src = str(resolve_zoo(zoo_name))
     else:
         model_src = _check_source(str(model_cfg.path), "model.path")

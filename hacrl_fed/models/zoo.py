@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hacrl_fed.config import ModelConfig
 from hacrl_fed.models.catalog import (
     ARCHS,
     RECIPE_FILE,
@@ -27,8 +28,10 @@ from hacrl_fed.models.catalog import (
     get_entry,
     read_recipe,
 )
+from hacrl_fed.models.loading import load_model_and_tokenizer
 from hacrl_fed.models.sft import greedy_accuracy, run_sft
 from hacrl_fed.models.tokenizers import build_tokenizer
+from hacrl_fed.tasks import get_task
 
 log = logging.getLogger("hacrl_fed.models.zoo")
 
@@ -110,10 +113,6 @@ def build_agent(name: str, out_dir: str | Path, *, dtype: str = "float32", repla
 
 def _build(entry: ZooEntry, out: Path, dtype: str, replace: bool) -> Path:
     from transformers import AutoModelForCausalLM
-
-    from hacrl_fed.config import ModelConfig
-    from hacrl_fed.models.loading import load_model_and_tokenizer
-    from hacrl_fed.tasks import get_task
 
     name, start = entry.name, time.perf_counter()
     task = get_task(entry.task, dict(entry.task_params), seed=entry.task_seed)

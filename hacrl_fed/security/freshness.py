@@ -32,6 +32,7 @@ import hashlib
 import secrets
 from collections.abc import Iterable, Mapping
 
+from hacrl_fed.security.envelope import RejectedBatch
 from hacrl_fed.types import RolloutBatch, RoundPlan, SamplingParams
 from hacrl_fed.wire import codec
 
@@ -134,8 +135,6 @@ def check_fresh(batch: RolloutBatch, expected_digest: bytes | None) -> None:
     ``expected_digest``: :func:`fresh_digest` of the plan the learner answered this round (None: that plan did
     not carry the learner's latest challenge, so no source batch can be shown to be current).
     """
-    from hacrl_fed.security.envelope import RejectedBatch
-
     if expected_digest is None:
         raise RejectedBatch(
             "stale_plan", f"batch from {batch.org_id!r}: this learner's plan did not carry its latest challenge"

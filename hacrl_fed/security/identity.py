@@ -41,6 +41,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
+from hacrl_fed.fsio import write_atomic
+
 KEY_FILE_FORMAT = "hacrl-fed-identity-v1"
 KEY_BYTES = 32  # raw Ed25519 / X25519 keys, private and public
 IDENTITY_DIR = "identity"
@@ -195,8 +197,6 @@ def _write_file(path: Path, data: bytes, mode: int, overwrite: bool) -> None:
         except FileExistsError:
             raise IdentityError(f"{path} already exists (pass overwrite=True to replace it)") from None
         return
-    from hacrl_fed.fsio import write_atomic
-
     write_atomic(path, data, mode=mode)
 
 

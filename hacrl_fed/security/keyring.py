@@ -14,6 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from hacrl_fed.config import ConfigError, RunConfig
+from hacrl_fed.security.identity import (
+    IdentityError,
+    identity_path,
+    load_identity,
+    load_roster,
+    provision,
+    roster_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +51,6 @@ def load_run_roster(cfg: RunConfig, run_dir: str | Path) -> dict[str, Any] | Non
     sec = cfg.security
     if not sec.signing:
         return None
-    from hacrl_fed.security.identity import IdentityError, load_roster, provision, roster_path
-
     try:
         if sec.roster:
             roster, where = load_roster(dict(sec.roster)), "security.roster"
@@ -70,8 +76,6 @@ def load_org_identity(cfg: RunConfig, org_id: str, run_dir: str | Path) -> Any |
     sec = cfg.security
     if not sec.signing:
         return None
-    from hacrl_fed.security.identity import IdentityError, identity_path, load_identity
-
     roster = load_run_roster(cfg, run_dir) or {}
     if uses_auto_keys(cfg):
         path = identity_path(auto_keys_dir(run_dir), org_id)

@@ -43,6 +43,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from hacrl_fed.security.identity import provision
 from hacrl_fed.wire.link_secret import SECRET_BYTES
 
 DEFAULT_SANS = ("127.0.0.1", "localhost", "::1")
@@ -383,16 +384,8 @@ def _tls_pair(
     return {key_path: key_pem(pair[0]), cert_path: cert_pem(pair[1])}
 
 
-def write_identities(layout: KeyLayout, orgs: list[str], *, force: bool = False) -> Path | None:
-    """Each org's signing identity and the roster under ``layout.identity_set``; the roster path.
-
-    None (with a note on stdout) when :mod:`hacrl_fed.security.identity` is not installed.
-    """
-    try:
-        from hacrl_fed.security.identity import provision
-    except ImportError as err:
-        print(f"hacrl-fed keys: note: no signing identities written ({err})")
-        return None
+def write_identities(layout: KeyLayout, orgs: list[str], *, force: bool = False) -> Path:
+    """Each org's signing identity and the roster under ``layout.identity_set``; the roster path."""
     try:
         return provision(layout.identity_set, orgs, overwrite=force)
     except ValueError as err:  # IdentityError: names the file and the problem

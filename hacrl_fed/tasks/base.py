@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hacrl_fed.config import BuildError
+from hacrl_fed.tasks.loader import resolve_task_class
 from hacrl_fed.types import Prompt
 
 SPLITS = ("train", "test")
@@ -104,8 +105,6 @@ def get_task(name: str, params: dict[str, Any] | None = None, *, seed: int = 0) 
     ``task.params.<field>`` for each bad param, or whatever the task's constructor found (a data file by name and
     line, a missing optional package). The built task's ``name`` is ``name`` as given (what plans carry).
     """
-    from hacrl_fed.tasks.loader import resolve_task_class
-
     cls: type[Task] = resolve_task_class(name, TASKS, Task)
     if params is not None and not isinstance(params, dict):
         raise BuildError(f"task.params: must be a mapping, got {type(params).__name__}")

@@ -9,7 +9,8 @@
 - ``system`` (:func:`hacrl_tools.bench.system.run_system`): what federation costs: per-round phases per transport,
   overhead vs in-process, wire bytes, scaling with the number of orgs, the Flower deployment engine's fixed cost per
   round.
-- ``trl`` (:func:`hacrl_tools.bench.trl.run_trl`): our GSPO update against TRL's ``GRPOTrainer`` on the same work.
+- ``trl`` (:func:`hacrl_tools.bench.trl_compare.run_trl`): our GSPO update against TRL's ``GRPOTrainer`` on the same
+  work.
 - ``agents`` (:mod:`hacrl_tools.bench.agents`): the extra tiny agents some settings need (built on first use).
 
 Paths default to the working directory (``configs/bench/``, ``benchmarks/...``): run from the repository root, or

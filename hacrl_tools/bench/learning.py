@@ -113,89 +113,86 @@ def _stats(values: list[float]) -> dict[str, float]:
     }
 
 
+# a per-org metric key ({org}: the org's id) -> the cell's field that sums it over rounds
+SUMMED = (
+    ("round/{org}/rollouts_accepted", "rollouts_accepted"),
+    ("round/{org}/rollouts_rejected", "rollouts_rejected"),
+    ("{org}/train/num_rows", "sequences_trained"),
+    ("{org}/train/num_self", "self_sequences_trained"),
+    ("{org}/train/num_cross", "cross_sequences_trained"),
+    ("{org}/train/foreign_received", "foreign_received"),
+    ("{org}/train/foreign_unscored", "foreign_unscored"),
+    ("{org}/train/steps", "optimizer_steps"),
+    ("{org}/time/generate", "time_generate_s"),
+    ("{org}/time/verify", "time_verify_s"),
+    ("{org}/time/trust", "time_trust_s"),
+    ("{org}/time/score", "time_score_s"),
+    ("{org}/time/train", "time_train_s"),
+    ("eval/{org}/time/eval", "time_eval_s"),
+    ("round/{org}/failed", "rounds_failed"),
+    ("round/{org}/train_failed", "train_failed"),
+)
+# <org>/<key> series kept for their statistics, besides every key under an algorithm's prefix (ALGOS)
+SERIES = ("train/loss", "train/grad_norm", "train/kl", "train/adv_abs_mean", "gen/mean_tokens", "gen/stop_frac")
+
+
 def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-agent results of one finished run from its ``metrics.jsonl`` records (see the module docstring)."""
     rounds = sorted({int(r["round"]) for r in records})
     by_round: dict[int, dict[str, Any]] = {}
     for rec in records:  # a resumed run may log a round twice: the later values win
         by_round.setdefault(int(rec["round"]), {}).update({k: v for k, v in rec.items() if v is not None})
-    agents = {}
-    for org in [o.id for o in cfg.orgs]:
-        generated, curve, reward_curve = 0.0, [], []
-        sums: dict[str, float] = {}
-        algo: dict[str, list[float]] = {}
-        capability = []
-        selection: dict[str, float] = {}  # select/<source>/<count> and select/<count>, summed over rounds
-        for t in rounds:
-            rec = by_round[t]
-            generated += float(rec.get(f"round/{org}/rollouts_received", 0.0))
-            for key, name in (
-                (f"round/{org}/rollouts_accepted", "rollouts_accepted"),
-                (f"round/{org}/rollouts_rejected", "rollouts_rejected"),
-                (f"{org}/train/num_rows", "sequences_trained"),
-                (f"{org}/train/num_self", "self_sequences_trained"),
-                (f"{org}/train/num_cross", "cross_sequences_trained"),
-                (f"{org}/train/foreign_received", "foreign_received"),
-                (f"{org}/train/foreign_unscored", "foreign_unscored"),
-                (f"{org}/train/steps", "optimizer_steps"),
-                (f"{org}/time/generate", "time_generate_s"),
-                (f"{org}/time/verify", "time_verify_s"),
-                (f"{org}/time/trust", "time_trust_s"),
-                (f"{org}/time/score", "time_score_s"),
-                (f"{org}/time/train", "time_train_s"),
-                (f"eval/{org}/time/eval", "time_eval_s"),
-                (f"round/{org}/failed", "rounds_failed"),
-                (f"round/{org}/train_failed", "train_failed"),
-            ):
-                if key in rec:
-                    sums[name] = sums.get(name, 0.0) + float(rec[key])
-            sums["time_calls_s"] = sums.get("time_calls_s", 0.0) + sum(
-                float(v) for k, v in rec.items() if k.startswith("time/call/") and k.endswith(f"/{org}")
-            )
-            if f"eval/{org}/accuracy" in rec:
-                curve.append([t, int(generated), float(rec[f"eval/{org}/accuracy"])])
-            if f"round/{org}/accuracy" in rec:
-                reward_curve.append([t, float(rec[f"round/{org}/accuracy"])])
-            if f"capability/{org}" in rec and t > 0:
-                capability.append(float(rec[f"capability/{org}"]))
-            prefix = f"{org}/"
-            for key, value in rec.items():
-                if not key.startswith(prefix):
-                    continue
-                rest = key[len(prefix) :]
-                head = rest.split("/", 1)[0]
-                if head == "select":
-                    selection[rest] = selection.get(rest, 0.0) + float(value)
-                if head in ALGOS or rest in (
-                    "train/loss",
-                    "train/grad_norm",
-                    "train/kl",
-                    "train/adv_abs_mean",
-                    "gen/mean_tokens",
-                    "gen/stop_frac",
-                ):
-                    algo.setdefault(rest, []).append(float(value))
-        before = curve[0][2] if curve and curve[0][0] == 0 else None
-        after = curve[-1][2] if curve else None
-        agents[org] = {
-            "accuracy_before": before,
-            "accuracy_after": after,
-            "gain": None if before is None or after is None else after - before,
-            "curve": curve,  # [round, rollouts generated through that round, held-out accuracy]
-            "train_reward": reward_curve,  # [round, mean verified reward of the org's own rollouts]
-            "rollouts_generated": int(generated),
-            **{k: (round(v, 4) if k.startswith("time_") else int(v)) for k, v in sorted(sums.items())},
-            "capability": _stats(capability) if capability else None,
-            "stats": {k: _stats(v) for k, v in sorted(algo.items())},
-            "shares": _shares(algo),  # every *_frac over the whole run, from the summed counts
-            "selection": {k: int(v) for k, v in sorted(selection.items())},  # foreign rows offered/selected/dropped
-        }
+    agents = {org: summarize_agent(org, [(t, by_round[t]) for t in rounds]) for org in [o.id for o in cfg.orgs]}
     round_times = [float(by_round[t]["time/round"]) for t in rounds if "time/round" in by_round[t]]
     return {
         "rounds": max(rounds) if rounds else 0,
         "skipped_rounds": int(sum(float(by_round[t].get("round/skipped", 0.0)) for t in rounds)),
         "round_time_s": _stats(round_times) if round_times else None,
         "agents": agents,
+    }
+
+
+def summarize_agent(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """One agent's results from ``(round, merged record)`` pairs in round order (the module docstring's fields)."""
+    generated, curve, reward_curve = 0.0, [], []
+    sums: dict[str, float] = {}
+    algo: dict[str, list[float]] = {}
+    capability = []
+    selection: dict[str, float] = {}  # select/<source>/<count> and select/<count>, summed over rounds
+    for t, rec in rounds:
+        generated += float(rec.get(f"round/{org}/rollouts_received", 0.0))
+        for template, name in SUMMED:
+            if (key := template.format(org=org)) in rec:
+                sums[name] = sums.get(name, 0.0) + float(rec[key])
+        sums["time_calls_s"] = sums.get("time_calls_s", 0.0) + sum(
+            float(v) for k, v in rec.items() if k.startswith("time/call/") and k.endswith(f"/{org}")
+        )
+        if f"eval/{org}/accuracy" in rec:
+            curve.append([t, int(generated), float(rec[f"eval/{org}/accuracy"])])
+        if f"round/{org}/accuracy" in rec:
+            reward_curve.append([t, float(rec[f"round/{org}/accuracy"])])
+        if f"capability/{org}" in rec and t > 0:
+            capability.append(float(rec[f"capability/{org}"]))
+        for rest, value in ((k[len(org) + 1 :], v) for k, v in rec.items() if k.startswith(f"{org}/")):
+            head = rest.split("/", 1)[0]
+            if head == "select":
+                selection[rest] = selection.get(rest, 0.0) + float(value)
+            if head in ALGOS or rest in SERIES:
+                algo.setdefault(rest, []).append(float(value))
+    before = curve[0][2] if curve and curve[0][0] == 0 else None
+    after = curve[-1][2] if curve else None
+    return {
+        "accuracy_before": before,
+        "accuracy_after": after,
+        "gain": None if before is None or after is None else after - before,
+        "curve": curve,  # [round, rollouts generated through that round, held-out accuracy]
+        "train_reward": reward_curve,  # [round, mean verified reward of the org's own rollouts]
+        "rollouts_generated": int(generated),
+        **{k: (round(v, 4) if k.startswith("time_") else int(v)) for k, v in sorted(sums.items())},
+        "capability": _stats(capability) if capability else None,
+        "stats": {k: _stats(v) for k, v in sorted(algo.items())},
+        "shares": _shares(algo),  # every *_frac over the whole run, from the summed counts
+        "selection": {k: int(v) for k, v in sorted(selection.items())},  # foreign rows offered/selected/dropped
     }
 
 
@@ -220,13 +217,7 @@ def run_cell(cell: Cell, results: Path, *, keep_runs: Path | None = None, allow_
     for agent in cell.agents:
         ensure_agent(agent, allow_build=allow_build)
     cfg = cell.config
-    if keep_runs is not None:
-        run_dir = Path(keep_runs) / cell.setting / cell.method / f"seed{cell.seed}"
-        if run_dir.exists():  # an earlier attempt: cells restart from scratch
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True)
-    else:
-        run_dir = Path(tempfile.mkdtemp(prefix=f"hacrl-bench-{cell.setting}-{cell.method}-seed{cell.seed}-"))
+    run_dir = _cell_run_dir(cell, keep_runs)
     started = time.time()
     try:
         t0 = time.perf_counter()
@@ -271,6 +262,18 @@ def run_cell(cell: Cell, results: Path, *, keep_runs: Path | None = None, allow_
     if keep_runs is None:
         shutil.rmtree(run_dir, ignore_errors=True)
     return result
+
+
+def _cell_run_dir(cell: Cell, keep_runs: Path | None) -> Path:
+    """A fresh run dir for ``cell``: ``<keep_runs>/<setting>/<method>/seed<k>`` (an earlier attempt's removed: cells
+    restart from scratch), else a new temp dir."""
+    if keep_runs is None:
+        return Path(tempfile.mkdtemp(prefix=f"hacrl-bench-{cell.setting}-{cell.method}-seed{cell.seed}-"))
+    run_dir = Path(keep_runs) / cell.setting / cell.method / f"seed{cell.seed}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    return run_dir
 
 
 def _num_samples(cfg, org: str) -> int:
@@ -345,15 +348,7 @@ def run_matrix(opts: LearningOptions) -> int:
         return 2
     status = {c.key: cell_status(c, results) for c in cells}
     todo = [c for c in cells if status[c.key] in ("todo", "stale")]
-    print(
-        f"{len(cells)} cells: {sum(s == 'done' for s in status.values())} done, {len(todo)} to run, "
-        f"{sum(s == 'skip' for s in status.values())} skipped; results in {results}"
-    )
-    for c in cells:
-        if status[c.key] == "skip":
-            print(f"  skip {c.key}: {c.skip}")
-        elif opts.list_only:
-            print(f"  {status[c.key]:5s} {c.key}  (config {c.hash})")
+    _print_plan(cells, status, results, list_only=opts.list_only)
     if opts.list_only:
         return 0
     failed: list[str] = []
@@ -362,14 +357,8 @@ def run_matrix(opts: LearningOptions) -> int:
         if opts.max_cells is not None and ran >= opts.max_cells:
             print(f"stopping after {ran} cells (--max-cells)")
             break
-        if opts.no_build and any(not _built(a) for a in c.agents):
-            print(
-                f"  skip {c.key}: needs bench agents {[a.name for a in c.agents if not _built(a)]} "
-                "(hacrl-fed bench agents build ...)"
-            )
-            continue
-        if cell_status(c, results) == "done":  # finished meanwhile by another process on the same results
-            print(f"  done {c.key} (by another run meanwhile)")
+        if (note := _not_now(c, results, no_build=opts.no_build)) is not None:
+            print(note)
             continue
         eta = f", ~{statistics.fmean(times) * (len(todo) - ran) / 60:.0f} min left" if times else ""
         print(
@@ -395,6 +384,33 @@ def run_matrix(opts: LearningOptions) -> int:
         print("failed cells:\n  " + "\n  ".join(failed), file=sys.stderr)
         return 1
     return 0
+
+
+def _print_plan(cells: list[Cell], status: dict[str, str], results: Path, *, list_only: bool) -> None:
+    """The plan's counts, each skipped cell with its reason, and (``list_only``) every cell with its status."""
+    todo = sum(s in ("todo", "stale") for s in status.values())
+    print(
+        f"{len(cells)} cells: {sum(s == 'done' for s in status.values())} done, {todo} to run, "
+        f"{sum(s == 'skip' for s in status.values())} skipped; results in {results}"
+    )
+    for c in cells:
+        if status[c.key] == "skip":
+            print(f"  skip {c.key}: {c.skip}")
+        elif list_only:
+            print(f"  {status[c.key]:5s} {c.key}  (config {c.hash})")
+
+
+def _not_now(c: Cell, results: Path, *, no_build: bool) -> str | None:
+    """Why a cell to run is passed over now (its agents not built under ``no_build``, or another process finished
+    it meanwhile on the same results), or None to run it."""
+    if no_build and any(not _built(a) for a in c.agents):
+        return (
+            f"  skip {c.key}: needs bench agents {[a.name for a in c.agents if not _built(a)]} "
+            "(hacrl-fed bench agents build ...)"
+        )
+    if cell_status(c, results) == "done":
+        return f"  done {c.key} (by another run meanwhile)"
+    return None
 
 
 def _built(agent: Path) -> bool:

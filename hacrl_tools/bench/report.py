@@ -572,6 +572,19 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
     data = load_results(results)
     settings_order = list(matrix.settings) if matrix else sorted({s for s, _ in data})
     settings_order += sorted({s for s, _ in data} - set(settings_order))
+    lines = _header(results, data)
+    groups = matrix.groups if matrix else {"main": {"settings": settings_order, "methods": list(MAIN_METHODS)}}
+    if "main" in groups:
+        lines += ["## Summary (main group)", ""]
+        lines += summary_table(data, list(groups["main"]["settings"]), list(groups["main"]["methods"]))
+    for setting in settings_order:
+        by_method = {m: cells for (s, m), cells in data.items() if s == setting}
+        lines += _setting_section(setting, by_method, groups, matrix, results / "curves" if plots else None)
+    return "\n".join(lines + _footer(data, matrix))
+
+
+def _header(results: Path, data: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
+    """The title, where the cells come from, the commits and machines they ran on."""
     lines = [
         "# Learning benchmark results",
         "",
@@ -592,52 +605,70 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
             f"Code: {', '.join(x[:12] for x in commits)}{_mixed_note(commits)}; machine: {'; '.join(machines)}.",
             "",
         ]
-    groups = matrix.groups if matrix else {"main": {"settings": settings_order, "methods": list(MAIN_METHODS)}}
-    if "main" in groups:
-        lines += ["## Summary (main group)", ""]
-        lines += summary_table(data, list(groups["main"]["settings"]), list(groups["main"]["methods"]))
-    for setting in settings_order:
-        by_method = {m: cells for (s, m), cells in data.items() if s == setting}
-        group_methods = {g: [m for m in spec["methods"]] for g, spec in groups.items() if setting in spec["settings"]}
-        about = matrix.settings[setting]["about"] if matrix and setting in matrix.settings else ""
-        lines += [f"## {setting}", "", about, ""] if about else [f"## {setting}", ""]
-        if not by_method:
-            lines += ["No results yet.", ""]
-            continue
-        main = group_methods.get("main", [m for m in MAIN_METHODS if m in by_method])
-        lines += accuracy_tables(by_method, main)
-        lines += paired_table(by_method, main, "gspo")
-        lines += targets(by_method)
-        lines += cost_table(by_method, main)
-        comparison = rule_comparison(by_method)
-        if comparison and len(by_method) > len(main):
-            lines += [f"### {setting}: every rule against GSPO×2 and naive", "", *comparison]
-        if plots and plot_setting(by_method, main, results / "curves" / f"{setting}.png", f"{setting}: {about}"):
-            lines += [f"![{setting}](curves/{setting}.png)", ""]
-        for g, methods in group_methods.items():
-            if g == "main":
-                continue
-            shown = {"hacpo": by_method["hacpo"]} if by_method.get("hacpo") else {}
-            for m in methods:  # an alias (same_as) is the row of the method it equals
-                target = matrix.methods[m].same_as if matrix and m in matrix.methods else None
-                if target is not None:
-                    if target in shown:
-                        shown[f"{target} (= {m})"] = shown.pop(target)
-                elif by_method.get(m):
-                    shown[m] = by_method[m]
-            lines += [f"### {setting}: {g}", ""]
-            if len(shown) <= 1:
-                lines += ["Only the `hacpo` reference so far." if shown else "No results yet.", ""]
-                continue
-            lines += accuracy_tables(shown, list(shown))
-            if by_method.get("hacpo"):  # each variant against the paper's form on the same seeds
-                lines += paired_table({**shown, "hacpo": by_method["hacpo"]}, group_variants(list(shown)), "hacpo")
-            ref = groups[g].get("ref")  # and against the group's own reference (e.g. the screen off)
-            if isinstance(ref, str) and by_method.get(ref):
-                lines += paired_table(shown, [m for m in group_variants(list(shown)) if m != ref], ref)
-            lines += cost_table(shown, list(shown))
-            if plots and plot_setting(shown, list(shown), results / "curves" / f"{setting}-{g}.png", f"{setting}: {g}"):
-                lines += [f"![{setting} {g}](curves/{setting}-{g}.png)", ""]
+    return lines
+
+
+def _setting_section(
+    setting: str, by_method: dict[str, list[dict[str, Any]]], groups: dict, matrix: Matrix | None, curves: Path | None
+) -> list[str]:
+    """One setting: its main group's tables, targets, costs, rule comparison and curve, then each other group."""
+    group_methods = {g: [m for m in spec["methods"]] for g, spec in groups.items() if setting in spec["settings"]}
+    about = matrix.settings[setting]["about"] if matrix and setting in matrix.settings else ""
+    lines = [f"## {setting}", "", about, ""] if about else [f"## {setting}", ""]
+    if not by_method:
+        return lines + ["No results yet.", ""]
+    main = group_methods.get("main", [m for m in MAIN_METHODS if m in by_method])
+    lines += accuracy_tables(by_method, main)
+    lines += paired_table(by_method, main, "gspo")
+    lines += targets(by_method)
+    lines += cost_table(by_method, main)
+    comparison = rule_comparison(by_method)
+    if comparison and len(by_method) > len(main):
+        lines += [f"### {setting}: every rule against GSPO×2 and naive", "", *comparison]
+    if curves is not None and plot_setting(by_method, main, curves / f"{setting}.png", f"{setting}: {about}"):
+        lines += [f"![{setting}](curves/{setting}.png)", ""]
+    for g, methods in group_methods.items():
+        if g != "main":
+            lines += _group_section(setting, g, methods, by_method, groups[g].get("ref"), matrix, curves)
+    return lines
+
+
+def _group_section(
+    setting: str,
+    g: str,
+    methods: list[str],
+    by_method: dict[str, list[dict[str, Any]]],
+    ref: Any,
+    matrix: Matrix | None,
+    curves: Path | None,
+) -> list[str]:
+    """Group ``g`` of ``setting``: its methods (aliases shown as the method they equal) against ``hacpo`` and
+    against the group's own reference ``ref``, their costs and curve."""
+    shown = {"hacpo": by_method["hacpo"]} if by_method.get("hacpo") else {}
+    for m in methods:  # an alias (same_as) is the row of the method it equals
+        target = matrix.methods[m].same_as if matrix and m in matrix.methods else None
+        if target is not None:
+            if target in shown:
+                shown[f"{target} (= {m})"] = shown.pop(target)
+        elif by_method.get(m):
+            shown[m] = by_method[m]
+    lines = [f"### {setting}: {g}", ""]
+    if len(shown) <= 1:
+        return lines + ["Only the `hacpo` reference so far." if shown else "No results yet.", ""]
+    lines += accuracy_tables(shown, list(shown))
+    if by_method.get("hacpo"):  # each variant against the paper's form on the same seeds
+        lines += paired_table({**shown, "hacpo": by_method["hacpo"]}, group_variants(list(shown)), "hacpo")
+    if isinstance(ref, str) and by_method.get(ref):  # and against the group's own reference (e.g. the screen off)
+        lines += paired_table(shown, [m for m in group_variants(list(shown)) if m != ref], ref)
+    lines += cost_table(shown, list(shown))
+    if curves is not None and plot_setting(shown, list(shown), curves / f"{setting}-{g}.png", f"{setting}: {g}"):
+        lines += [f"![{setting} {g}](curves/{setting}-{g}.png)", ""]
+    return lines
+
+
+def _footer(data: dict[tuple[str, str], list[dict[str, Any]]], matrix: Matrix | None) -> list[str]:
+    """The cells with disturbed timings, the matrix's cells not run, and the note on shares."""
+    lines: list[str] = []
     busy = [
         f"{c['setting']}/{c['method']}/seed{c['seed']}"
         for v in data.values()
@@ -660,12 +691,11 @@ def render(results: str | Path, matrix: Matrix | None = None, *, plots: bool = T
                 skipped[f"{cell.setting}/{cell.method}"] = cell.skip
         if skipped:
             lines += ["## Not run", ""] + [f"- `{k}`: {why}" for k, why in skipped.items()] + [""]
-    lines += [
+    return lines + [
         "Notes: every `*_frac` share is over all rows of its kind in the whole run (summed counts over summed "
         "denominators, docs/METRICS.md); ratio means are means over rounds.",
         "",
     ]
-    return "\n".join(lines)
 
 
 def _rel(path: Path) -> str:

@@ -54,6 +54,8 @@ from typing import Any
 
 import yaml
 
+from hacrl_fed.lifecycle import OFFLINE_ENV
+from hacrl_fed.metrics import read_metrics
 from hacrl_tools import code_path
 
 # relative to the working directory (the repository root when run from a checkout)
@@ -66,13 +68,6 @@ MICRO = ("micro-qwen-char", "micro-gpt2-bpe")
 PHASES = ("generate", "verify", "score", "train", "trust", "exchange", "coordinator")
 # <org>/cpu/<key> a worker reports -> the per-org row field (org/<org>/<field>)
 CPU_KEYS = {"generate": "generate_cpu", "train": "train_cpu", "trust": "screen_cpu", "update": "update_cpu"}
-QUIET_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
 
 # ------------------------------------------------------------------------------------------------ aggregation
@@ -84,6 +79,30 @@ def _orgs(rec: Mapping[str, Any]) -> list[str]:
 
 def _sum(rec: Mapping[str, Any], keys: Sequence[str]) -> float:
     return float(sum(float(rec[k]) for k in keys if rec.get(k) is not None))
+
+
+def _org_fields(rec: Mapping[str, Any], o: str) -> dict[str, float]:
+    """Org ``o``'s fields of a :func:`phase_rows` row (``org/<o>/<field>``): its call and compute seconds, the
+    generate / train / update / screen split, its selected rows, its own CPU seconds and peak RSS when logged."""
+    row: dict[str, float] = {}
+    calls = _sum(rec, [f"time/call/{phase}/{o}" for phase in ("generate", "train", "step")])
+    compute = _sum(rec, [f"{o}/time/{p}" for p in ("generate", "verify", "seal_sign", "trust", "score", "train")])
+    row[f"org/{o}/call"], row[f"org/{o}/compute"] = calls, compute
+    row[f"org/{o}/generate"] = _sum(rec, [f"{o}/time/generate"])
+    row[f"org/{o}/train"] = _sum(rec, [f"{o}/time/{p}" for p in ("trust", "score", "train")])  # the train call
+    row[f"org/{o}/update"] = _sum(rec, [f"{o}/time/train"])
+    row[f"org/{o}/screen"] = _sum(rec, [f"{o}/time/trust"])
+    if rec.get(f"{o}/select/selected") is not None:
+        row[f"org/{o}/selected"] = float(rec[f"{o}/select/selected"])
+    for key, name in CPU_KEYS.items():  # the worker's own CPU seconds (its process, all threads)
+        if rec.get(f"{o}/cpu/{key}") is not None:
+            row[f"org/{o}/{name}"] = float(rec[f"{o}/cpu/{key}"])
+    peaks = [
+        float(v) for k, v in rec.items() if k.startswith(f"{o}/perf/") and k.endswith("/peak_rss_mb") and v is not None
+    ]
+    if peaks:
+        row[f"org/{o}/peak_rss_mb"] = max(peaks)
+    return row
 
 
 def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
@@ -121,27 +140,7 @@ def phase_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
                 row[f"bytes_{phase}"] = float(rec[f"bytes/{phase}/total"])
         row["train_share"] = row["train_fanout"] / row["wall"] if row["wall"] > 0 else 0.0
         for o in orgs:
-            calls = _sum(rec, [f"time/call/{phase}/{o}" for phase in ("generate", "train", "step")])
-            compute = _sum(
-                rec, [f"{o}/time/{p}" for p in ("generate", "verify", "seal_sign", "trust", "score", "train")]
-            )
-            row[f"org/{o}/call"], row[f"org/{o}/compute"] = calls, compute
-            row[f"org/{o}/generate"] = _sum(rec, [f"{o}/time/generate"])
-            row[f"org/{o}/train"] = _sum(rec, [f"{o}/time/{p}" for p in ("trust", "score", "train")])  # the train call
-            row[f"org/{o}/update"] = _sum(rec, [f"{o}/time/train"])
-            row[f"org/{o}/screen"] = _sum(rec, [f"{o}/time/trust"])
-            if rec.get(f"{o}/select/selected") is not None:
-                row[f"org/{o}/selected"] = float(rec[f"{o}/select/selected"])
-            for key, name in CPU_KEYS.items():  # the worker's own CPU seconds (its process, all threads)
-                if rec.get(f"{o}/cpu/{key}") is not None:
-                    row[f"org/{o}/{name}"] = float(rec[f"{o}/cpu/{key}"])
-            peaks = [
-                float(v)
-                for k, v in rec.items()
-                if k.startswith(f"{o}/perf/") and k.endswith("/peak_rss_mb") and v is not None
-            ]
-            if peaks:
-                row[f"org/{o}/peak_rss_mb"] = max(peaks)
+            row.update(_org_fields(rec, o))
         gen_cpu = _sum(rec, [f"{o}/cpu/generate" for o in orgs])
         train_cpu = _sum(rec, [f"{o}/cpu/train" for o in orgs])
         if gen_cpu + train_cpu > 0:
@@ -191,13 +190,6 @@ def wire_bytes(summary: Mapping[str, float], text_bytes_per_rollout: float | Non
         "generate_vs_text": ratio(per_gen),
         "train_vs_text": ratio(per_train),
     }
-
-
-def read_records(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # ------------------------------------------------------------------------------------------------ child runs
@@ -292,21 +284,7 @@ def child_main(argv: Sequence[str]) -> int:
         procs = None
         inner: Any
         if args.kind == "grpc":
-            from hacrl_fed.coordinator.grpc_transport import GrpcTransport
-            from hacrl_fed.coordinator.launcher import WorkerProcesses
-
-            procs = WorkerProcesses(
-                args.config,
-                [o.id for o in cfg.orgs],
-                run_dir=run_dir,
-                overrides=list(args.overrides),
-                worker_args=["--run-dir", str(run_dir)],
-            )
-            addresses = procs.start()
-            inner = GrpcTransport(addresses, max_message_mb=cfg.federation.max_message_mb, secrets=procs.secrets)
-            bad = {o: e for o, e in inner.wait_ready(600).items() if isinstance(e, Exception)}
-            if bad:
-                raise RuntimeError(f"workers not ready: {bad}")
+            inner, procs = _grpc_workers(args, cfg, run_dir)
         else:
             from hacrl_fed.coordinator.inprocess import InProcessTransport
             from hacrl_fed.worker import build_worker
@@ -330,8 +308,28 @@ def child_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def _grpc_workers(args: ChildRun, cfg: Any, run_dir: Path) -> tuple[Any, Any]:
+    """``(transport, worker processes)``: one gRPC worker process per org, started and ready."""
+    from hacrl_fed.coordinator.grpc_transport import GrpcTransport
+    from hacrl_fed.coordinator.launcher import WorkerProcesses
+
+    procs = WorkerProcesses(
+        args.config,
+        [o.id for o in cfg.orgs],
+        run_dir=run_dir,
+        overrides=list(args.overrides),
+        worker_args=["--run-dir", str(run_dir)],
+    )
+    addresses = procs.start()
+    inner = GrpcTransport(addresses, max_message_mb=cfg.federation.max_message_mb, secrets=procs.secrets)
+    bad = {o: e for o, e in inner.wait_ready(600).items() if isinstance(e, Exception)}
+    if bad:
+        raise RuntimeError(f"workers not ready: {bad}")
+    return inner, procs
+
+
 def child_env(flwr_home: Path) -> dict[str, str]:
-    env = {**os.environ, **QUIET_ENV, "FLWR_HOME": str(flwr_home), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **OFFLINE_ENV, "FLWR_HOME": str(flwr_home), "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (code_path(), env.get("PYTHONPATH")) if p)
     return env
 
@@ -356,7 +354,7 @@ def run_child(
         raise RuntimeError(f"{kind} run {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     info = json.loads(out.read_text())
     info["process_wall_s"] = time.perf_counter() - t0
-    records = read_records(run_dir)
+    records = read_metrics(run_dir)
     return {"info": info, "rows": phase_rows(records)}
 
 
@@ -531,6 +529,59 @@ def bench_scaling(
     return {"transport": transport, "rounds": rounds, "variants": out}
 
 
+def _deployment_settings(
+    overrides: list[str], run_dir: Path, task_poll_s: float | None, reply_poll_s: float | None
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """The processes' extra environment (DEBUG logs for the timeline, the SuperExec poll when given) and the run
+    config the ServerApp gets (the smoke config, ``overrides``, ``run_dir``, the reply poll when given)."""
+    env = {"FLWR_LOG_LEVEL": "DEBUG"}
+    if task_poll_s is not None:
+        env[POLL_ENV] = str(task_poll_s)
+    run_config: dict[str, Any] = {
+        "config-path": str(SMOKE.absolute()),
+        "overrides": " ".join(overrides),
+        "run-dir": str(run_dir),
+    }
+    if reply_poll_s is not None:
+        run_config["reply-poll"] = reply_poll_s
+    return env, run_config
+
+
+def _run_deployment(
+    dep_dir: Path, env: dict[str, str], orgs: list[str], overrides: list[str], run_config: dict, timeout_s: float
+) -> tuple[float, float, dict[str, Any], dict[str, Any]]:
+    """One run of the smoke config on a loopback deployment in ``dep_dir``: ``(seconds to a ready deployment, the
+    run's seconds, the processes' timings, the SuperNodes' message timeline)``; an error unless it completed."""
+    from hacrl_tools.bench.deploy_timeline import timeline
+    from hacrl_tools.deploy_local import Deployment, start_local
+
+    t0 = time.perf_counter()
+    with Deployment(dep_dir, extra_env=env) as dep:
+        start_local(dep, SMOKE, orgs, overrides=overrides)
+        started = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        run_id = dep.submit(Path.cwd(), run_config)
+        info = dep.wait_run(run_id, timeout_s)
+        run_s = time.perf_counter() - t1
+        processes = dep.timings()
+        pieces = timeline(p.log_text() for p in dep.procs if p.name.startswith("supernode-"))
+    if info.get("status") != "finished:completed":
+        raise RuntimeError(f"deployment run ended {info.get('status')}")
+    return started, run_s, processes, pieces
+
+
+def _org_calls(o: str, dep_s: Mapping[str, Any], in_s: Mapping[str, Any]) -> dict[str, Any]:
+    """Org ``o``'s call and compute seconds on the deployment, its in-process call, and the time outside it."""
+    out = {
+        "call_s": dep_s.get(f"org/{o}/call"),
+        "compute_s": dep_s.get(f"org/{o}/compute"),
+        "inprocess_call_s": in_s.get(f"org/{o}/call"),
+    }
+    if out["call_s"] is not None and out["compute_s"] is not None:
+        out["outside_worker_s"] = out["call_s"] - out["compute_s"]
+    return out
+
+
 def bench_deployment(
     rounds: int,
     work: Path,
@@ -548,8 +599,7 @@ def bench_deployment(
     seconds of each piece of a round message's cycle.
     """
     from hacrl_fed.flower.settings import REPLY_POLL_S
-    from hacrl_tools.bench.deploy_timeline import timeline
-    from hacrl_tools.deploy_local import FAST_POLL_ENV, Deployment, identity_overrides, start_local
+    from hacrl_tools.deploy_local import FAST_POLL_ENV, identity_overrides
 
     base = [f"federation.rounds={rounds}", "federation.eval_every=0", "task.eval_size=8"]
     log("  deployment: in-process baseline ...")
@@ -561,43 +611,14 @@ def bench_deployment(
     overrides = [*base, *identity_overrides(dep_dir / "identity_set", orgs)]
     run_dir = dep_dir / "run"
     log("  deployment: SuperLink + SuperNodes + workers on loopback ...")
-    env = {"FLWR_LOG_LEVEL": "DEBUG"}
-    if task_poll_s is not None:
-        env[POLL_ENV] = str(task_poll_s)
-    run_config: dict[str, Any] = {
-        "config-path": str(SMOKE.absolute()),
-        "overrides": " ".join(overrides),
-        "run-dir": str(run_dir),
-    }
-    if reply_poll_s is not None:
-        run_config["reply-poll"] = reply_poll_s
-    t0 = time.perf_counter()
+    env, run_config = _deployment_settings(overrides, run_dir, task_poll_s, reply_poll_s)
     try:
-        with Deployment(dep_dir, extra_env=env) as dep:
-            start_local(dep, SMOKE, orgs, overrides=overrides)
-            started = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            run_id = dep.submit(Path.cwd(), run_config)
-            info = dep.wait_run(run_id, timeout_s)
-            run_s = time.perf_counter() - t1
-            processes = dep.timings()
-            pieces = timeline(p.log_text() for p in dep.procs if p.name.startswith("supernode-"))
-        if info.get("status") != "finished:completed":
-            raise RuntimeError(f"deployment run ended {info.get('status')}")
-        rows = phase_rows(read_records(run_dir))
+        started, run_s, processes, pieces = _run_deployment(dep_dir, env, orgs, overrides, run_config, timeout_s)
+        rows = phase_rows(read_metrics(run_dir))
     finally:
         shutil.rmtree(dep_dir, ignore_errors=True)
     dep_s, in_s = summarize_rows(warm(rows)), summarize_rows(warm(inproc["rows"]))
-    where = {}
-    for o in orgs:
-        where[o] = {
-            "call_s": dep_s.get(f"org/{o}/call"),
-            "compute_s": dep_s.get(f"org/{o}/compute"),
-            "inprocess_call_s": in_s.get(f"org/{o}/call"),
-        }
-        call_s, compute_s = where[o]["call_s"], where[o]["compute_s"]
-        if call_s is not None and compute_s is not None:
-            where[o]["outside_worker_s"] = call_s - compute_s
+    where = {o: _org_calls(o, dep_s, in_s) for o in orgs}
     return {
         "config": str(SMOKE),
         "rounds": rounds,
@@ -630,70 +651,82 @@ def _f(x: Any, d: int = 3) -> str:
 
 
 def format_tables(result: Mapping[str, Any]) -> str:
+    """The printed report: the transports' phases and wire bytes, the scaling runs, the deployment engine."""
     lines = []
     tr = result.get("transports")
     if tr:
-        lines += [
-            f"Per-round phases, medians over warm rounds ({tr['rounds']} rounds x {tr['repeats']} repeats; "
-            "phases summed over orgs, seconds):",
-            "",
-        ]
-        head = ["transport", "round", "x in-process", *PHASES]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "|".join("---" for _ in head) + "|")
-        for t, s in tr["summary"].items():
-            lines.append(
-                "| "
-                + " | ".join(
-                    [t, _f(s["wall"]), _f(tr["overhead_vs_inprocess"].get(t), 2), *[_f(s.get(p)) for p in PHASES]]
-                )
-                + " |"
-            )
-        lines += [
-            "",
-            "Wire bytes per rollout vs its text:",
-            "",
-            "| transport | generate B/rollout | train B/foreign rollout | text B/rollout | generate / text "
-            "| train / text |",
-            "|---|---|---|---|---|---|",
-        ]
-        for t, w in tr["wire"].items():
-            lines.append(
-                f"| {t} | {_f(w['generate_bytes_per_rollout'], 0)} | {_f(w['train_bytes_per_foreign_rollout'], 0)} "
-                f"| {_f(w['text_bytes_per_rollout'], 1)} | {_f(w['generate_vs_text'], 1)} "
-                f"| {_f(w['train_vs_text'], 1)} |"
-            )
-        lines.append("")
+        lines += format_transports(tr)
     scaling = result.get("scaling") or []
     for sc in [scaling] if isinstance(scaling, Mapping) else scaling:  # a dict: one transport (older results)
         lines += format_scaling(sc)
     dp = result.get("deployment")
     if dp:
-        lines += [
-            "Flower deployment engine on loopback (smoke config, medians per round):",
-            "",
-            f"- round: {_f(dp['round_wall_s'], 2)} s vs {_f(dp['inprocess_round_wall_s'], 2)} s in-process: "
-            f"fixed cost {_f(dp['fixed_cost_per_round_s'], 2)} s per round "
-            f"({dp['clientapp_messages_per_round']} ClientApp messages per round)",
-            f"- generate fan-out {_f(dp['generate_fanout_s'], 2)} s, train fan-out {_f(dp['train_fanout_s'], 2)} s, "
-            f"fused step fan-out {_f(dp.get('step_fanout_s'), 2)} s, "
-            f"coordinator {_f(dp['coordinator_s'], 3)} s, exchange (call minus worker compute, all orgs) "
-            f"{_f(dp['exchange_s'], 2)} s, i.e. {_f(dp['outside_worker_s_per_message'], 2)} s per ClientApp "
-            "message (each message starts a new flwr-clientapp process)",
-        ]
-        for o, w in dp["per_org"].items():
-            lines.append(
-                f"- {o}: calls {_f(w['call_s'], 2)} s, worker compute {_f(w['compute_s'], 3)} s, outside the "
-                f"worker {_f(w.get('outside_worker_s'), 2)} s (in-process calls {_f(w['inprocess_call_s'], 3)} s)"
-            )
-        ready = {k: v.get("ready_s") for k, v in dp["processes"].items() if v.get("ready_s") is not None}
-        lines.append(
-            f"- start-up: {_f(dp['start_s'], 1)} s to a ready deployment; ready after (s): "
-            + ", ".join(f"{k} {v:.1f}" for k, v in ready.items())
-        )
-        lines.append("")
-        lines += format_timelines(result.get("deployment_variants") or [dp])
+        lines += format_deployment(dp, result.get("deployment_variants") or [dp])
     return "\n".join(lines)
+
+
+def format_transports(tr: Mapping[str, Any]) -> list[str]:
+    """Per-round phases per transport and the wire bytes per rollout against its text."""
+    lines = [
+        f"Per-round phases, medians over warm rounds ({tr['rounds']} rounds x {tr['repeats']} repeats; "
+        "phases summed over orgs, seconds):",
+        "",
+    ]
+    head = ["transport", "round", "x in-process", *PHASES]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join("---" for _ in head) + "|")
+    for t, s in tr["summary"].items():
+        lines.append(
+            "| "
+            + " | ".join([t, _f(s["wall"]), _f(tr["overhead_vs_inprocess"].get(t), 2), *[_f(s.get(p)) for p in PHASES]])
+            + " |"
+        )
+    lines += [
+        "",
+        "Wire bytes per rollout vs its text:",
+        "",
+        "| transport | generate B/rollout | train B/foreign rollout | text B/rollout | generate / text "
+        "| train / text |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t, w in tr["wire"].items():
+        lines.append(
+            f"| {t} | {_f(w['generate_bytes_per_rollout'], 0)} | {_f(w['train_bytes_per_foreign_rollout'], 0)} "
+            f"| {_f(w['text_bytes_per_rollout'], 1)} | {_f(w['generate_vs_text'], 1)} "
+            f"| {_f(w['train_vs_text'], 1)} |"
+        )
+    lines.append("")
+    return lines
+
+
+def format_deployment(dp: Mapping[str, Any], variants: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The Flower deployment engine's round: fixed cost, fan-outs, per-org calls, start-up, then the timelines of
+    ``variants``."""
+    lines = [
+        "Flower deployment engine on loopback (smoke config, medians per round):",
+        "",
+        f"- round: {_f(dp['round_wall_s'], 2)} s vs {_f(dp['inprocess_round_wall_s'], 2)} s in-process: "
+        f"fixed cost {_f(dp['fixed_cost_per_round_s'], 2)} s per round "
+        f"({dp['clientapp_messages_per_round']} ClientApp messages per round)",
+        f"- generate fan-out {_f(dp['generate_fanout_s'], 2)} s, train fan-out {_f(dp['train_fanout_s'], 2)} s, "
+        f"fused step fan-out {_f(dp.get('step_fanout_s'), 2)} s, "
+        f"coordinator {_f(dp['coordinator_s'], 3)} s, exchange (call minus worker compute, all orgs) "
+        f"{_f(dp['exchange_s'], 2)} s, i.e. {_f(dp['outside_worker_s_per_message'], 2)} s per ClientApp "
+        "message (each message starts a new flwr-clientapp process)",
+    ]
+    for o, w in dp["per_org"].items():
+        lines.append(
+            f"- {o}: calls {_f(w['call_s'], 2)} s, worker compute {_f(w['compute_s'], 3)} s, outside the "
+            f"worker {_f(w.get('outside_worker_s'), 2)} s (in-process calls {_f(w['inprocess_call_s'], 3)} s)"
+        )
+    ready = {k: v.get("ready_s") for k, v in dp["processes"].items() if v.get("ready_s") is not None}
+    lines.append(
+        f"- start-up: {_f(dp['start_s'], 1)} s to a ready deployment; ready after (s): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in ready.items())
+    )
+    lines.append("")
+    lines += format_timelines(variants)
+    return lines
 
 
 def format_scaling(sc: Mapping[str, Any]) -> list[str]:

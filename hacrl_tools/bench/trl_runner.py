@@ -1,13 +1,18 @@
 """The TRL side of ``hacrl-fed bench trl``: GSPO with TRL's ``GRPOTrainer`` on the work described by a spec file.
 
 Runs inside its own virtual environment (CPU torch, TRL, transformers, pydantic), not hacrl-fed's: only
-:mod:`hacrl_fed.tasks` is imported (from this checkout, on PYTHONPATH), for the same answer check as our verifier.
+:mod:`hacrl_fed.tasks` is imported (from CODE, the folder ``hacrl_fed`` is imported from), for the same answer check
+as our verifier.
 
-    <venv>/bin/python hacrl_tools/bench/trl_runner.py SPEC.json OUT.json
+    <venv>/bin/python -I hacrl_tools/bench/trl_runner.py SPEC.json OUT.json CODE
 
-The spec (written by :mod:`hacrl_tools.bench.trl`) holds the model directory, the rendered prompt texts (our chat
-template, so both sides condition on the same text) with their references, and the GSPO settings. Every option
-that matters is set explicitly below, since TRL's defaults are not GSPO's (its default loss is ``dapo``, epsilon
+``-I`` (as :func:`hacrl_tools.bench.trl_compare.peer_command` runs it) keeps this script's folder and
+``PYTHONPATH`` off ``sys.path``; CODE is appended after the venv's own packages, so a module of ours can never
+stand in for one of the peer's (``trl``, ``torch``, ``transformers``, ``datasets``).
+
+The spec (written by :mod:`hacrl_tools.bench.trl_compare`) holds the model directory, the rendered prompt texts
+(our chat template, so both sides condition on the same text) with their references, and the GSPO settings. Every
+option that matters is set explicitly below, since TRL's defaults are not GSPO's (its default loss is ``dapo``, epsilon
 0.2, token-level importance sampling, a linearly decaying learning rate).
 """
 
@@ -18,30 +23,62 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 T_START = time.perf_counter()
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``SPEC OUT CODE``: GSPO with TRL on the spec's work; the run's timings, peak RSS and versions to OUT."""
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        raise SystemExit("usage: trl_runner.py SPEC OUT")
-    spec_path, out_path = argv
+    if len(argv) != 3:
+        raise SystemExit("usage: python -I trl_runner.py SPEC OUT CODE")
+    spec_path, out_path, code = argv
+    sys.path.append(code)  # after the venv's packages: ours can fill only what the peer's venv lacks
     spec = json.loads(Path(spec_path).read_text())
 
     import torch
-    import transformers
-    import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
 
-    from hacrl_fed.tasks.arithmetic import extract_integer  # on PYTHONPATH: set by hacrl_tools.bench.trl
+    from hacrl_fed.tasks.arithmetic import extract_integer  # from CODE, appended above
 
     torch.set_num_threads(int(spec["threads"]))
     torch.manual_seed(int(spec["seed"]))
     t_import = time.perf_counter() - T_START
+    dataset = Dataset.from_list([{"prompt": p["text"], "reference": p["reference"]} for p in spec["prompts"]])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    config = grpo_config(spec, tempfile.mkdtemp(prefix="trl-peer-"))
+    stamps: list[float] = []
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[answer_reward(extract_integer)],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[step_clock(stamps)],
+    )
+    gen_s = time_generation(trainer)
+    t_setup = time.perf_counter() - T_START - t_import
+    trainer.train()
+    steps = int(spec["steps_per_batch"])
+    # one generation batch = `steps` optimizer steps (its first step also generates and scores old log-probs)
+    batch_s = [stamps[i + steps] - stamps[i] for i in range(0, len(stamps) - steps, steps)]
+    if len(gen_s) != len(batch_s):
+        raise RuntimeError(f"expected one generation per batch, timed {len(gen_s)} for {len(batch_s)} batches")
+    run: dict[str, Any] = {"batch_s": batch_s, "import_s": t_import, "setup_s": t_setup}
+    run["phases"] = {"generate": gen_s, "update": [b - g for b, g in zip(batch_s, gen_s)]}
+    Path(out_path).write_text(json.dumps(report(spec, trainer, config, run)))
+    return 0
+
+
+def answer_reward(extract_integer: Callable[[str], int | None]) -> Callable[..., list[float]]:
+    """TRL's reward function: 1 for a completion whose answer is the reference (our verifier's answer check)."""
 
     def reward(completions, reference, **_):
         out = []
@@ -52,15 +89,17 @@ def main(argv: list[str] | None = None) -> int:
                 out.append(0.0)
         return out
 
+    return reward
+
+
+def grpo_config(spec: dict[str, Any], work: str):
+    """``GRPOConfig`` for GSPO on the spec's batch shape, every option that matters set explicitly."""
+    from trl import GRPOConfig
+
     B, G, steps = int(spec["prompts_per_batch"]), int(spec["num_samples"]), int(spec["steps_per_batch"])
     batches = int(spec["batches"])
     rows = B * G // steps  # sequences per optimizer step (one forward/backward: no gradient accumulation)
-    dataset = Dataset.from_list([{"prompt": p["text"], "reference": p["reference"]} for p in spec["prompts"]])
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
-    work = tempfile.mkdtemp(prefix="trl-peer-")
-    config = GRPOConfig(
+    return GRPOConfig(
         output_dir=work,
         report_to="none",
         save_strategy="no",
@@ -112,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         scale_rewards="group",
         mask_truncated_completions=False,
     )
-    stamps: list[float] = []
+
+
+def step_clock(stamps: list[float]):
+    """A ``TrainerCallback`` appending ``time.perf_counter()`` to ``stamps`` at the start and after every step."""
+    from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
@@ -121,16 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         def on_step_end(self, args, state, control, **kw):
             stamps.append(time.perf_counter())
 
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[reward],
-        args=config,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[Clock()],
-    )
+    return Clock()
+
+
+def time_generation(trainer) -> list[float]:
+    """Seconds of each of ``trainer``'s generation phases (TRL 1.16's ``_generate_and_score_completions``:
+    sampling, old log-probs, rewards), appended to the returned list as training runs."""
     gen_s: list[float] = []
-    generate_and_score = trainer._generate_and_score_completions  # TRL 1.16: sampling, old log-probs, rewards
+    generate_and_score = trainer._generate_and_score_completions
 
     def timed_generate(*a, **kw):
         t0 = time.perf_counter()
@@ -140,38 +181,26 @@ def main(argv: list[str] | None = None) -> int:
             gen_s.append(time.perf_counter() - t0)
 
     trainer._generate_and_score_completions = timed_generate
-    t_setup = time.perf_counter() - T_START - t_import
-    trainer.train()
-    # one generation batch = `steps` optimizer steps (its first step also generates and scores old log-probs)
-    batch_s = [stamps[i + steps] - stamps[i] for i in range(0, len(stamps) - steps, steps)]
-    if len(gen_s) != len(batch_s):
-        raise RuntimeError(f"expected one generation per batch, timed {len(gen_s)} for {len(batch_s)} batches")
-    phases = {"generate": gen_s, "update": [b - g for b, g in zip(batch_s, gen_s)]}
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    return gen_s
+
+
+def report(spec: dict[str, Any], trainer, config, run: dict[str, Any]) -> dict[str, Any]:
+    """OUT's content: ``run`` (batch and phase seconds, import and setup seconds), completions per batch, mean
+    reward, peak RSS, the versions and the config's scalar options."""
+    import torch
+    import transformers
+    import trl
+
     rewards = [float(h["reward"]) for h in trainer.state.log_history if "reward" in h]
-    Path(out_path).write_text(
-        json.dumps(
-            {
-                "side": "trl",
-                "batch_s": batch_s,
-                "phases": phases,
-                "completions_per_batch": B * G,
-                "import_s": t_import,
-                "mean_reward": sum(rewards) / len(rewards) if rewards else None,
-                "setup_s": t_setup,
-                "peak_rss_mb": peak,
-                "versions": {
-                    "trl": trl.__version__,
-                    "transformers": transformers.__version__,
-                    "torch": torch.__version__,
-                },
-                "config": {
-                    k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))
-                },
-            }
-        )
-    )
-    return 0
+    return {
+        "side": "trl",
+        **run,
+        "completions_per_batch": int(spec["prompts_per_batch"]) * int(spec["num_samples"]),
+        "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
+        "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
+        "config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))},
+    }
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from hacrl_fed.host import available_cpus
+from hacrl_fed.lifecycle import OFFLINE_ENV
 from hacrl_tools import code_path
 
 
@@ -73,6 +74,24 @@ def ensure_venv(venv: Path, *, trl_pin: str = TRL_PIN, log=print) -> Path:
     subprocess.run([*pip, *pins], check=True)
     stamp.write_text(want)
     return py
+
+
+def child_env() -> dict[str, str]:
+    """Both sides' environment: offline (:data:`hacrl_fed.lifecycle.OFFLINE_ENV`), unbuffered, this checkout's code
+    first on ``PYTHONPATH`` (which the TRL side's ``python -I`` ignores)."""
+    env = {**os.environ, **OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (code_path(), env.get("PYTHONPATH")) if x)
+    return env
+
+
+def peer_command(py: Path | str, spec: Path, out: Path) -> list[str]:
+    """The TRL side's child process: the peer venv's ``python -I`` on :mod:`hacrl_tools.bench.trl_runner`.
+
+    ``-I`` puts neither the script's folder nor ``PYTHONPATH`` on ``sys.path``, so the peer's packages (``trl``,
+    ``torch``, ...) come from its venv and no module of ours can shadow them; the runner appends this checkout's
+    code path (the last argument) after them, for the shared answer check only."""
+    runner = Path(__file__).with_name("trl_runner.py")
+    return [str(py), "-I", str(runner), str(spec), str(out), code_path()]
 
 
 def make_spec(args: TrlOptions, path: Path) -> dict[str, Any]:
@@ -111,11 +130,47 @@ def make_spec(args: TrlOptions, path: Path) -> dict[str, Any]:
     return spec
 
 
+def ours_config(spec: dict[str, Any]) -> dict[str, Any]:
+    """Our side's run config for the spec's work: one org (``peer``), GSPO with the spec's clip and no KL, the
+    spec's batch shape and engine, signing off (TRL signs nothing)."""
+    B, G, steps = int(spec["prompts_per_batch"]), int(spec["num_samples"]), int(spec["steps_per_batch"])
+    return {
+        "name": "peer",
+        "seed": spec["seed"],
+        "orgs": [{"id": "peer", "model": {"path": spec["model_dir"]}}],
+        "algorithm": {
+            "name": "gspo",
+            "self_clip_low": spec["clip_low"],
+            "self_clip_high": spec["clip_high"],
+            "kl_beta": 0.0,
+        },
+        "trainer": {
+            "lr": spec["lr"],
+            "minibatch_size": B * G // steps,
+            "micro_batch_size": B * G // steps,
+            "grad_clip": 1.0,
+            "weight_decay": 0.0,
+        },
+        "generation": {
+            "engine": spec.get("engine", "fast"),
+            "num_samples": G,
+            "max_new_tokens": spec["max_new_tokens"],
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "batch_size": B * G,
+        },
+        "task": {"name": "arithmetic", "params": {"difficulty": 2}},
+        "federation": {"rounds": int(spec["batches"]), "prompts_per_round": B},
+        "security": {"signing": False},
+    }
+
+
 def ours_main(argv: list[str]) -> int:
     """``_ours SPEC OUT``: the same work through our policy worker (run in a fresh process)."""
     t_start = time.perf_counter()
     if len(argv) != 2:
-        raise SystemExit("usage: python -m hacrl_tools.bench.trl _ours SPEC OUT")
+        raise SystemExit("usage: python -m hacrl_tools.bench.trl_compare _ours SPEC OUT")
     spec_path, out_path = argv
     spec = json.loads(Path(spec_path).read_text())
     import torch
@@ -127,39 +182,8 @@ def ours_main(argv: list[str]) -> int:
 
     torch.set_num_threads(int(spec["threads"]))
     t_import = time.perf_counter() - t_start
-    B, G, steps = int(spec["prompts_per_batch"]), int(spec["num_samples"]), int(spec["steps_per_batch"])
-    cfg = load_config(
-        {
-            "name": "peer",
-            "seed": spec["seed"],
-            "orgs": [{"id": "peer", "model": {"path": spec["model_dir"]}}],
-            "algorithm": {
-                "name": "gspo",
-                "self_clip_low": spec["clip_low"],
-                "self_clip_high": spec["clip_high"],
-                "kl_beta": 0.0,
-            },
-            "trainer": {
-                "lr": spec["lr"],
-                "minibatch_size": B * G // steps,
-                "micro_batch_size": B * G // steps,
-                "grad_clip": 1.0,
-                "weight_decay": 0.0,
-            },
-            "generation": {
-                "engine": spec.get("engine", "fast"),
-                "num_samples": G,
-                "max_new_tokens": spec["max_new_tokens"],
-                "temperature": 1.0,
-                "top_p": 1.0,
-                "top_k": 0,
-                "batch_size": B * G,
-            },
-            "task": {"name": "arithmetic", "params": {"difficulty": 2}},
-            "federation": {"rounds": int(spec["batches"]), "prompts_per_round": B},
-            "security": {"signing": False},
-        }
-    )
+    B, G = int(spec["prompts_per_batch"]), int(spec["num_samples"])
+    cfg = load_config(ours_config(spec))
     task = get_task("arithmetic", {"difficulty": 2}, seed=spec["seed"])
     work = Path(tempfile.mkdtemp(prefix="peer-ours-"))
     try:
@@ -170,13 +194,8 @@ def ours_main(argv: list[str]) -> int:
         phases: dict[str, list[float]] = {"generate": [], "update": []}
         for i in range(int(spec["batches"])):
             prompts = tuple(task.prompts("train", ids[i * B : (i + 1) * B]))
-            plan = RoundPlan(
-                "peer-run",
-                i + 1,
-                "arithmetic",
-                prompts,
-                SamplingParams(1.0, 1.0, 0, int(spec["max_new_tokens"]), G, 1000 + i),
-            )
+            sampling = SamplingParams(1.0, 1.0, 0, int(spec["max_new_tokens"]), G, 1000 + i)
+            plan = RoundPlan("peer-run", i + 1, "arithmetic", prompts, sampling)
             t0 = time.perf_counter()
             batch = worker.generate(plan)
             t1 = time.perf_counter()
@@ -271,8 +290,7 @@ def run_trl(args: TrlOptions) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="hacrl-peer-"))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (code_path(), env.get("PYTHONPATH")) if x)
+    env = child_env()
     try:
         trl_py = ensure_venv(args.venv or default_venv(), trl_pin=args.trl, log=log) if "trl" in args.sides else None
         spec_path = work / "spec.json"
@@ -282,21 +300,10 @@ def run_trl(args: TrlOptions) -> int:
             for side in args.sides:
                 out = work / f"{side}-{rep}.json"
                 if side == "ours":
-                    cmd = [
-                        sys.executable,
-                        "-m",
-                        "hacrl_tools.bench.trl",
-                        "_ours",
-                        str(spec_path),
-                        str(out),
-                    ]
+                    cmd = [sys.executable, "-m", "hacrl_tools.bench.trl_compare", "_ours", str(spec_path), str(out)]
                 else:
-                    cmd = [
-                        str(trl_py),
-                        str(Path(__file__).with_name("trl_runner.py")),
-                        str(spec_path),
-                        str(out),
-                    ]
+                    assert trl_py is not None  # made above whenever "trl" is a side
+                    cmd = peer_command(trl_py, spec_path, out)
                 log(f"  trl: run {rep + 1}/{args.repeats}, {side} ...")
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
                 if proc.returncode != 0:
