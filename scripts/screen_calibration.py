@@ -35,6 +35,7 @@ from hacrl_fed.security.envelope import signed
 from hacrl_fed.security.identity import identity_path, load_identity
 from hacrl_fed.security.keyring import auto_keys_dir
 from hacrl_fed.worker import build_worker
+from hacrl_fed.worker.policy_worker import PolicyWorker
 
 STRING = "Hail to the thief! "
 
@@ -78,6 +79,10 @@ class Doctor:
             for r, t, s, c in zip(batch.rollouts, texts, sums, counts)
         )
         return signed(dataclasses.replace(batch, rollouts=rollouts, signature=b""), self.key)
+
+    def step(self, request):
+        """The worker's own step (its checks and challenge hold) with this doctored ``generate``."""
+        return PolicyWorker.step(self, request)
 
     def __getattr__(self, name):
         return getattr(self.worker, name)

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 
 from hacrl_fed.config import load_config
+from hacrl_fed.trainer import TrainRow
 from hacrl_fed.types import ChatMessage, Prompt, Rollout, RolloutBatch, TrainRequest
 from hacrl_fed.worker import intake
 from hacrl_fed.worker.identity_border import IdentityBorder
 from hacrl_fed.worker.intake import Intake, OwnRound, Scoring
-from hacrl_fed.trainer import TrainRow
 from tests.helpers_tiny import tiny_char_tokenizer
 
 G, MAX_NEW, ROUND, CONTEXT = 2, 16, 3, 60

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hacrl_fed.results import OrgSummary, RunSummary
 from hacrl_fed.metrics import RunLogger, eval_curves, format_table, plot_accuracy, read_metrics
+from hacrl_fed.results import OrgSummary, RunSummary
 
 
 def test_jsonl_lines_have_round_wall_time_and_strict_json(tmp_path):

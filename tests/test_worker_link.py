@@ -23,7 +23,7 @@ from hacrl_fed.cli.worker import main as main_worker
 from hacrl_fed.wire.grpc_server import (
     SERVICE, ListenError, WorkerTLS, check_listen, is_local_address, serve_worker,
 )
-from hacrl_fed.worker.cancel import raise_if_cancelled
+from hacrl_fed.cancel import raise_if_cancelled
 from helpers_fake_workers import FakeWorker
 
 SERVER_LOG = "hacrl_fed.wire.grpc_server"

@@ -11,8 +11,7 @@ from hacrl_fed.coordinator import Coordinator
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.metrics import RunLogger, read_metrics
 from hacrl_fed.types import RoundPlan, SamplingParams, TrainRequest
-from hacrl_fed.worker import build_worker
-from hacrl_fed.worker import intake
+from hacrl_fed.worker import build_worker, intake
 
 ORGS = [{"id": "char", "model": {"zoo": "micro-qwen-char"}}, {"id": "bpe", "model": {"zoo": "micro-gpt2-bpe"}}]
 

@@ -36,7 +36,7 @@ from hacrl_fed.engines.base import (
     stop_token_ids,
 )
 from hacrl_fed.scoring import build_scoring_batch_from_ids, per_token_log_probs
-from hacrl_fed.worker.cancel import raise_if_cancelled
+from hacrl_fed.cancel import raise_if_cancelled
 
 
 class _PaddedStepWarningFilter(logging.Filter):

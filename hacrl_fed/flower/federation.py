@@ -21,7 +21,9 @@ from hacrl_fed.flower.settings import (
     run_dir_of,
 )
 from hacrl_fed.flower.transport import FlowerTransport, discover_orgs
+from hacrl_fed.config import ConfigError
 from hacrl_fed.lifecycle import CLI_KEYS, FLWR_KEYS, Run, RunDirError, check_run_dir, setup_logging
+from hacrl_fed.security.keyring import check_worker_keys
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +71,11 @@ def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path, f
 
     Any failure raises: the Flower runtime then marks the run failed (``run_simulation`` re-raises it).
     """
-    from hacrl_fed.config import ConfigError
-
     setup_logging(None, others=None)  # flwr run shows the ServerApp's stderr; Flower configured the rest itself
     quiet_refusals()
     simulation = _is_simulation(grid)
     keys = CLI_KEYS if ENV_VAR in os.environ else FLWR_KEYS  # hacrl-fed simulate / flwr run
-    try:
-        settings = read_settings(run_config)
-        cfg = load_run_config(settings, app_dir)
-        run_dir = run_dir_of(settings, cfg)
-        check_run_dir(run_dir, settings.resume, keys)
-    except (SettingsError, ConfigError, RunDirError) as err:
-        log.error("hacrl-fed: the run is refused: %s", err)
-        raise RunRefused(str(err)) from None
+    settings, cfg, run_dir = _accept_run(run_config, app_dir, keys)
     progress = os.environ.get(PROGRESS_ENV) == "1"
     run = Run(
         cfg,
@@ -95,22 +88,39 @@ def run_federation(grid: Any, run_config: Mapping[str, Any], *, app_dir: Path, f
         entry="hacrl-fed simulate" if ENV_VAR in os.environ else "flwr run (ServerApp)",
     )
     with run:
-        expected = [o.id for o in cfg.orgs]
-        timeout = discovery_timeout_of(settings, cfg)
-        log.info("hacrl-fed: waiting up to %g s for orgs %s", timeout, expected)
-        poll = settings.reply_poll_s
-        org_by_node = discover_orgs(grid, expected, timeout, min_orgs=cfg.federation.min_orgs, max_poll_s=poll)
-        log.info("hacrl-fed: nodes %s", org_by_node)
-        transport = FlowerTransport(grid, org_by_node, expected_orgs=expected, max_poll_s=poll)
-        try:
-            from hacrl_fed.security.keyring import check_worker_keys  # keys that do not match: stop before round 1
-
-            check_worker_keys(cfg, run_dir, transport.health(sorted(set(org_by_node.values())), timeout))
-            summary = run.execute(transport)
-        finally:
-            transport.close()
+        summary = _execute(run, grid, settings, cfg, run_dir)
     if progress:  # hacrl-fed simulate prints the table itself, last
         log.info("hacrl-fed: run %s finished; outputs in %s", summary.run_id, run.run_dir)
     else:
         log.info("hacrl-fed: run %s finished\n%s", summary.run_id, run.table)
     return summary
+
+
+def _accept_run(run_config: Mapping[str, Any], app_dir: Path, keys: Any) -> tuple[Any, Any, Path]:
+    """Step 1 of :func:`run_federation`: the settings, the run config and the run dir, or :class:`RunRefused`."""
+    try:
+        settings = read_settings(run_config)
+        cfg = load_run_config(settings, app_dir)
+        run_dir = run_dir_of(settings, cfg)
+        check_run_dir(run_dir, settings.resume, keys)
+    except (SettingsError, ConfigError, RunDirError) as err:
+        log.error("hacrl-fed: the run is refused: %s", err)
+        raise RunRefused(str(err)) from None
+    return settings, cfg, run_dir
+
+
+def _execute(run: Run, grid: Any, settings: Any, cfg: Any, run_dir: Path) -> Any:
+    """Steps 2-3 of :func:`run_federation`: discover the orgs' nodes, check their workers' keys against the
+    roster (keys that do not match stop the run before round 1), then run the coordinator over Flower."""
+    expected = [o.id for o in cfg.orgs]
+    timeout = discovery_timeout_of(settings, cfg)
+    log.info("hacrl-fed: waiting up to %g s for orgs %s", timeout, expected)
+    poll = settings.reply_poll_s
+    org_by_node = discover_orgs(grid, expected, timeout, min_orgs=cfg.federation.min_orgs, max_poll_s=poll)
+    log.info("hacrl-fed: nodes %s", org_by_node)
+    transport = FlowerTransport(grid, org_by_node, expected_orgs=expected, max_poll_s=poll)
+    try:
+        check_worker_keys(cfg, run_dir, transport.health(sorted(set(org_by_node.values())), timeout))
+        return run.execute(transport)
+    finally:
+        transport.close()

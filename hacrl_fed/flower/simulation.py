@@ -21,13 +21,14 @@ One virtual SuperNode per org (partition ``i`` = ``orgs[i]``), the repository's 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -141,10 +142,8 @@ def simulate(
     apps = load_apps(find_app_dir(app_dir))
     backend = backend_config(num_cpus or available_cpus(), detect_gpus() if num_gpus is None else num_gpus)
     env = {ENV_VAR: json.dumps(to_run_config(settings)), PROGRESS_ENV: "1" if progress else "0"}
-    old_env = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     start = time.perf_counter()
-    try:
+    with _environ(env):
         log.info(
             "simulating %d orgs %s, backend %s, run dir %s", len(cfg.orgs), [o.id for o in cfg.orgs], backend, run_path
         )
@@ -155,11 +154,20 @@ def simulate(
             backend_config=backend,
             verbose_logging=verbose,
         )
+    log.info("simulation finished in %.1f s; run dir %s", time.perf_counter() - start, run_path)
+    return run_path
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``env`` set inside the block (the ServerApp reads its settings there), as it was after."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
     finally:
-        for key, value in old_env.items():
+        for key, value in old.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    log.info("simulation finished in %.1f s; run dir %s", time.perf_counter() - start, run_path)
-    return run_path

@@ -57,7 +57,7 @@ from hacrl_fed.types import (
     TrainRequest,
 )
 from hacrl_fed.worker.api import run_step
-from hacrl_fed.worker.cancel import raise_if_cancelled
+from hacrl_fed.cancel import raise_if_cancelled
 from hacrl_fed.worker.guard import check_capability, check_eval, check_plan, check_step, check_train
 from hacrl_fed.worker.identity_border import IdentityBorder
 from hacrl_fed.worker.intake import Intake, OwnRound, Scoring

@@ -196,7 +196,7 @@ def wire_bytes(summary: Mapping[str, float], text_bytes_per_rollout: float | Non
 
 
 class TextMeter:
-    """Wraps a transport: counts the rollouts and response-text bytes of every generate reply (delegates
+    """Wraps a transport: counts the rollouts and response-text bytes of every step reply's batch (delegates
     everything else, ``last_call_seconds`` / ``last_call_bytes`` included). CPU seconds come from the workers'
     own ``cpu/...`` metrics."""
 
@@ -214,18 +214,10 @@ class TextMeter:
                 self.rollouts += 1
                 self.text_bytes += len(str(r.response).encode())
 
-    def generate(self, plans, timeout_s):
-        replies = self.inner.generate(plans, timeout_s)
-        self._count(replies.values())
-        return replies
-
-    def step(self, requests, timeout_s):  # federation.protocol: fused
+    def step(self, requests, timeout_s):  # every round is a step (either protocol)
         replies = self.inner.step(requests, timeout_s)
         self._count(getattr(reply, "batch", None) for reply in replies.values())
         return replies
-
-    def train(self, requests, timeout_s):
-        return self.inner.train(requests, timeout_s)
 
     def evaluate(self, requests, timeout_s):
         return self.inner.evaluate(requests, timeout_s)
