@@ -500,8 +500,9 @@ class FederationConfig(_Section):
     protocol: Literal["fused", "two_message"] = Field(
         "fused",
         description=_d(
-            "fused: one message per org per round (round r-1's train request with round r's plan; the worker trains, "
-            "then generates); two_message: a generate message, then a train message (same numbers)"
+            "fused: one step message per org per round (round r-1's train request, its evaluation and checkpoint when "
+            "due, and round r's plan; the worker trains, then generates); two_message: a plan-only step, then a "
+            "train-only step (same numbers)"
         ),
     )
     checkpoint_every: int = Field(0, ge=0, description="worker checkpoints every this many rounds; 0 = only at the end")
