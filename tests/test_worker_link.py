@@ -14,17 +14,22 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers_fake_workers import FakeWorker
 
 from hacrl_fed import types as t
+from hacrl_fed.cancel import raise_if_cancelled
+from hacrl_fed.cli.worker import main as main_worker
 from hacrl_fed.security.keys import KeyLayout, cert_pem, key_pem, make_ca, make_client_cert, write_keys
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.grpc_client import ClientTLS, GrpcWorkerClient, WorkerCallError, WorkerCallTimeout
-from hacrl_fed.cli.worker import main as main_worker
 from hacrl_fed.wire.grpc_server import (
-    SERVICE, ListenError, WorkerTLS, check_listen, is_local_address, serve_worker,
+    SERVICE,
+    ListenError,
+    WorkerTLS,
+    check_listen,
+    is_local_address,
+    serve_worker,
 )
-from hacrl_fed.cancel import raise_if_cancelled
-from helpers_fake_workers import FakeWorker
 
 SERVER_LOG = "hacrl_fed.wire.grpc_server"
 RUN_YAML = "name: link-test\norgs:\n  - id: acme\n    model: {zoo: tiny}\n"

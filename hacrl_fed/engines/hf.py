@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import torch
 from transformers import GenerationConfig
 
+from hacrl_fed.cancel import raise_if_cancelled
 from hacrl_fed.engines.base import (
     Generation,
     GenerationEngine,
@@ -36,7 +37,6 @@ from hacrl_fed.engines.base import (
     stop_token_ids,
 )
 from hacrl_fed.scoring import build_scoring_batch_from_ids, per_token_log_probs
-from hacrl_fed.cancel import raise_if_cancelled
 
 
 class _PaddedStepWarningFilter(logging.Filter):

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hacrl_fed.config import ConfigError
 from hacrl_fed.flower.settings import (
     ENV_VAR,
     SettingsError,
@@ -21,7 +22,6 @@ from hacrl_fed.flower.settings import (
     run_dir_of,
 )
 from hacrl_fed.flower.transport import FlowerTransport, discover_orgs
-from hacrl_fed.config import ConfigError
 from hacrl_fed.lifecycle import CLI_KEYS, FLWR_KEYS, Run, RunDirError, check_run_dir, setup_logging
 from hacrl_fed.security.keyring import check_worker_keys
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from hacrl_fed.algorithm import get_algorithm
+from hacrl_fed.cancel import raise_if_cancelled
 from hacrl_fed.config import RunConfig, org_generation, org_trainer
 from hacrl_fed.engines import EngineOptions, build_engine
 from hacrl_fed.models.chat import eos_token_id
@@ -57,7 +58,6 @@ from hacrl_fed.types import (
     TrainRequest,
 )
 from hacrl_fed.worker.api import run_step
-from hacrl_fed.cancel import raise_if_cancelled
 from hacrl_fed.worker.guard import check_capability, check_eval, check_plan, check_step, check_train
 from hacrl_fed.worker.identity_border import IdentityBorder
 from hacrl_fed.worker.intake import Intake, OwnRound, Scoring
