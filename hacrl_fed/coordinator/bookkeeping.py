@@ -211,7 +211,7 @@ class RoundKeeper:
         """One TrainRequest per replying org (foreign = the others' accepted rollouts)."""
         table, requests = self.capability_table(), {}
         for org in accepted:
-            foreign, sources = self.guard.pool_for(org, accepted)
+            foreign, sources = self.guard.pool_for(org, round, accepted)
             requests[org] = TrainRequest(run_id, round, org, prompts, foreign, dict(table), sources)
         return requests
 

@@ -177,7 +177,7 @@ class Coordinator:
     def _open_round(self, round: int) -> RoundState:
         """Who gets round ``round``'s plan (the live orgs) and who is already out of it (excluded, unreachable)."""
         orgs = self.live_orgs()
-        self.guard.new_round()
+        self.guard.new_round(round)
         out = {o: ("excluded" if o in self.guard.excluded else "unreachable") for o in self.org_order if o not in orgs}
         unreachable = sorted(org for org, why in out.items() if why == "unreachable")
         if unreachable:

@@ -25,8 +25,12 @@ Capability uses verified rewards only: the coordinator's own re-verification, or
 where it cannot read the text — the receivers' verdicts, which count only when checkable
 (:meth:`PoolGuard.receiver_verified`): reports signed by their org; no accusation, the source's claimed rewards
 stand; an accusation comes with the batch's content key, so the coordinator re-verifies that batch itself and
-excludes the liar or the false accuser. Blind mode therefore updates the capability table after each round's
-training: the table a round trains with covers the rounds before it.
+excludes the liar or the false accuser. An accusation is about the batch of the round the report trains on, and
+is matched against that batch whatever ``federation.protocol`` (under ``fused`` the reports of round t come back
+with the batches of round t+1), so a liar is out from the round after the first proven accusation; an accusation
+is a whole count >= 1, and a report with a malformed counter is counted against its sender
+(``round/<org>/malformed_accusation``) and opens nothing. Blind mode therefore updates the capability table after
+each round's training: the table a round trains with covers the rounds before it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ from hacrl_fed.types import Rollout, RolloutBatch, RoundPlan, TrainReport
 log = logging.getLogger(__name__)
 
 
+def accusation(report: TrainReport, src: str) -> float:
+    """How many mismatches ``report`` claims in ``src``'s batch (0: no accusation; only a count >= 1 accuses)."""
+    return float(report.metrics.get(f"trust/{src}/mismatches", 0.0))
+
+
 class PoolGuard:
     """Signature checks, screening and exclusion for one run (state: the excluded orgs and why)."""
 
@@ -53,8 +62,10 @@ class PoolGuard:
         self.cfg, self.roster = cfg, roster
         self.verify = verify if cfg.security.reverify_rewards else None
         self.excluded: dict[str, str] = {}  # org -> why (for logs, metrics and the final table)
-        self.signed: dict[str, RolloutBatch] = {}  # this round's accepted orgs' batches, verbatim
-        self.plans: dict[str, RoundPlan] = {}  # the plan each of them answered (to re-verify a disputed batch)
+        # round -> org -> its accepted batch verbatim, and the plan it answered (to re-verify a disputed batch):
+        # kept until the reports on that round are in (fused: they come back with the next round's batches)
+        self.signed: dict[int, dict[str, RolloutBatch]] = {}
+        self.plans: dict[int, dict[str, RoundPlan]] = {}
         self.screened: dict[str, dict[str, list[float]]] = {}  # source -> receiver -> [dropped, checked] so far
 
     @property
@@ -79,7 +90,8 @@ class PoolGuard:
             out.rejected["excluded_org"] += len(out.accepted)
             out.accepted = []
         if out.accepted:
-            self.signed[org], self.plans[org] = batch, plan
+            self.signed.setdefault(round, {})[org] = batch
+            self.plans.setdefault(round, {})[org] = plan
         metrics[f"round/{org}/shortfall"] = float(out.shortfall)
         if out.checked:
             metrics[f"round/{org}/mismatch_rate"] = out.mismatch_rate
@@ -112,16 +124,20 @@ class PoolGuard:
     # -- the pool ----------------------------------------------------------------------------------------------
 
     def pool_for(
-        self, learner: str, accepted: Mapping[str, list[Rollout]]
+        self, learner: str, round: int, accepted: Mapping[str, list[Rollout]]
     ) -> tuple[tuple[Rollout, ...], tuple[RolloutBatch, ...]]:
-        """``(foreign, source_batches)`` of ``learner``'s TrainRequest."""
+        """``(foreign, source_batches)`` of ``learner``'s TrainRequest of round ``round``."""
         others = [org for org in accepted if org != learner]
         if self.roster is not None:
-            return (), tuple(self.signed[org] for org in others)
+            return (), tuple(self.signed[round][org] for org in others)
         return tuple(r for org in others for r in accepted[org]), ()
 
-    def new_round(self) -> None:
-        self.signed, self.plans = {}, {}
+    def new_round(self, round: int) -> None:
+        """Round ``round`` opens: forget the batches of rounds before ``round - 1`` (whose reports are all in;
+        round ``round - 1``'s may still be out under the fused protocol)."""
+        for old in [r for r in self.signed.keys() | self.plans.keys() if r < round - 1]:
+            self.signed.pop(old, None)
+            self.plans.pop(old, None)
 
     # -- blind mode: what the receivers verified ---------------------------------------------------------------
 
@@ -136,8 +152,9 @@ class PoolGuard:
 
         ``reports``: the round's reports that :meth:`signed_reports` let through. With no accusation, a source's
         accuracy is the mean of its accepted claimed rewards (visible to the coordinator; a learner's own count
-        cannot move it). A learner reporting mismatches in a source's batch must disclose that batch's content key:
-        the coordinator opens the batch it relayed and re-verifies every accepted rollout itself. Mismatch rate
+        cannot move it). A learner reporting mismatches (a count >= 1) in a source's batch must disclose that
+        batch's content key: the coordinator opens the batch it relayed in round ``round`` and re-verifies every
+        accepted rollout itself. Mismatch rate
         above ``security.max_mismatch_rate``: the source is excluded; an accuser claiming more mismatches than the
         coordinator found is excluded (``round/<accuser>/false_accusation``); an accusation without a key that
         opens the batch is ignored (``round/<accuser>/unproven_accusation``).
@@ -147,8 +164,8 @@ class PoolGuard:
             receivers = {org: rep for org, rep in reports.items() if org != src}
             if not rollouts or not any(rep.metrics.get(f"trust/{src}/checked", 0.0) > 0 for rep in receivers.values()):
                 continue
-            accusers = {org: rep for org, rep in receivers.items() if rep.metrics.get(f"trust/{src}/mismatches", 0.0)}
-            own = self._reverify(src, accusers, metrics) if accusers else None
+            accusers = {org: rep for org, rep in receivers.items() if accusation(rep, src) >= 1}
+            own = self._reverify(round, src, accusers, metrics) if accusers else None
             if own is None or not own.checked:
                 accuracy[src] = sum(float(r.reward) for r in rollouts) / len(rollouts)
                 metrics[f"round/{src}/mismatch_rate"] = 0.0
@@ -163,11 +180,13 @@ class PoolGuard:
     def signed_reports(
         self, round: int, reports: Mapping[str, TrainReport], metrics: dict[str, float]
     ) -> dict[str, TrainReport]:
-        """The reports whose signature verifies against the roster (all of them when signing is off): only these
-        receivers' verdicts (screen drop counts, accusations) are acted on; the others are counted as
-        ``round/<org>/report_rejected/<reason>``."""
+        """The reports whose signature verifies against the roster (all of them when signing is off) and whose
+        accusations are whole counts (:func:`~hacrl_fed.wire.codec.check_report`): only these receivers' verdicts
+        (screen drop counts, accusations) are acted on; the others are counted as
+        ``round/<org>/report_rejected/<reason>``, or ``round/<org>/malformed_accusation``."""
+        reports = self._well_formed(round, reports, metrics)
         if self.roster is None:
-            return dict(reports)
+            return reports
         from hacrl_fed.security.envelope import RejectedBatch
         from hacrl_fed.security.reports import verify_report
 
@@ -185,13 +204,35 @@ class PoolGuard:
             out[org] = rep
         return out
 
-    def _reverify(self, src: str, accusers: Mapping[str, TrainReport], metrics: dict[str, float]) -> Screened | None:
-        """Open ``src``'s relayed batch with the first disclosed key that opens it and re-verify it; None when no
-        accuser's evidence opens it (each such accusation is counted as unproven)."""
+    @staticmethod
+    def _well_formed(
+        round: int, reports: Mapping[str, TrainReport], metrics: dict[str, float]
+    ) -> dict[str, TrainReport]:
+        """``reports`` less those with a negative, fractional or non-finite mismatch counter (the codec refuses
+        them on the wire; in process they are caught here), each counted against its sender."""
+        from hacrl_fed.wire.codec import WireError, check_report
+
+        out = {}
+        for org, rep in reports.items():
+            try:
+                check_report(rep)
+            except (WireError, AttributeError, TypeError) as err:
+                log.warning("round %d: ignoring the verdicts of %s: malformed accusation: %s", round, org, err)
+                metrics[f"round/{org}/malformed_accusation"] = 1.0
+                continue
+            out[org] = rep
+        return out
+
+    def _reverify(
+        self, round: int, src: str, accusers: Mapping[str, TrainReport], metrics: dict[str, float]
+    ) -> Screened | None:
+        """Open ``src``'s batch of round ``round`` (the batch the accusations are about, whatever the protocol)
+        with the first disclosed key that opens it and re-verify it; None when no accuser's evidence opens it
+        (each such accusation is counted as unproven)."""
         from hacrl_fed.security.envelope import RejectedBatch
         from hacrl_fed.security.sealing import open_with_content_key
 
-        batch, plan = self.signed.get(src), self.plans.get(src)
+        batch, plan = self.signed.get(round, {}).get(src), self.plans.get(round, {}).get(src)
         for org, rep in accusers.items():
             key = rep.disclosed_keys.get(src)
             if batch is None or plan is None or key is None:
@@ -216,7 +257,7 @@ class PoolGuard:
             why = f"reward mismatch {own.mismatches}/{own.checked} in round {round}, re-verified by the coordinator"
             self.exclude(round, src, why)
         for org, rep in accusers.items():
-            claimed = float(rep.metrics.get(f"trust/{src}/mismatches", 0.0))
+            claimed = accusation(rep, src)
             if claimed > own.mismatches:
                 metrics[f"round/{org}/false_accusation"] = 1.0
                 self.exclude(

@@ -509,11 +509,35 @@ def _train_rep_from(m: pb.TrainReport, where: str, lim: WireLimits) -> t.TrainRe
         run_id=_string(m.run_id, f"{where}.run_id", lim.max_name_chars),
         round=_at_least(m.round, f"{where}.round"),
         org_id=_string(m.org_id, f"{where}.org_id", lim.max_name_chars, required=True),
-        metrics=_float_map(m.metrics, f"{where}.metrics", lim),
+        metrics=_accusations(_float_map(m.metrics, f"{where}.metrics", lim), f"{where}.metrics"),
         signature=_bytes(m.signature, f"{where}.signature", lim.max_signature_bytes),
         disclosed_keys=_key_map(m.disclosed_keys, f"{where}.disclosed_keys", lim),
         challenge=_bytes(m.challenge, f"{where}.challenge", MAX_KEY_BYTES),
     )
+
+
+ACCUSATION_SUFFIX = "/mismatches"  # trust/<source>/mismatches: a learner's count of lies in <source>'s batch
+
+
+def _accusations(metrics: dict[str, float], where: str) -> dict[str, float]:
+    """``metrics`` of a TrainReport, whose ``trust/<source>/mismatches`` counters must be whole counts >= 0 (an
+    accusation is a count >= 1); raises :class:`WireError` naming the counter otherwise."""
+    for key, value in metrics.items():
+        if key.startswith("trust/") and key.endswith(ACCUSATION_SUFFIX) and not accusation_ok(value):
+            _fail(f"{where}[{key[:80]!r}]", f"{value!r} is not a whole count >= 0")
+    return metrics
+
+
+def accusation_ok(value: Any) -> bool:
+    """Whether ``value`` is a valid mismatch counter: a finite whole number >= 0 (0: no accusation)."""
+    ok_type = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return ok_type and math.isfinite(value) and value >= 0 and float(value).is_integer()
+
+
+def check_report(report: t.TrainReport) -> None:
+    """The accusation rule of ``decode(TrainReport, ...)`` (:func:`_accusations`) for an in-process report, whose
+    metrics never passed the codec; raises :class:`WireError` naming the counter."""
+    _accusations(dict(report.metrics), "TrainReport.metrics")
 
 
 def _key_map(m: Mapping[str, bytes], where: str, lim: WireLimits) -> dict[str, bytes]:
