@@ -130,6 +130,19 @@ def test_plaintext_is_refused_off_loopback_even_in_the_python_api(address):
         GrpcWorkerClient(address)  # no channel is opened
 
 
+def test_insecure_without_a_link_secret_is_refused_in_the_python_api(servers):
+    worker = CountingWorker()
+    with pytest.raises(ListenError, match=r"insecure=True needs secret="):
+        serve_worker(worker, "127.0.0.1:0", insecure=True)  # refused before anything binds
+    secret = "ab" * 32
+    server = servers(worker, "127.0.0.1:0", insecure=True, secret=secret)  # as --insecure does: with its secret
+    with GrpcWorkerClient(server.address, timeout_s=10) as stranger, pytest.raises(WorkerCallError) as info:
+        stranger.health()
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED and worker.called == []
+    with GrpcWorkerClient(server.address, timeout_s=10, secret=secret) as owner:
+        assert owner.health()["org_id"] == "acme" and worker.called == ["health"]
+
+
 def _worker_cli(tmp_path: Path, capsys, *link: str) -> tuple[int, str]:
     cfg = tmp_path / "run.yaml"
     cfg.write_text(RUN_YAML)
