@@ -297,6 +297,20 @@ def test_garbage_bytes_are_invalid_argument_with_one_log_line(servers, tmp_path,
         assert client.health()["status"] == "ok"  # still serving
 
 
+def test_a_request_with_an_undeclared_field_is_refused_before_the_worker_sees_it(servers, tmp_path, caplog):
+    worker = CountingWorker()
+    server = servers(worker, f"unix:{tmp_path}/w.sock")
+    data = codec.encode(_plan()) + b"\x40\x01"  # RoundPlan field 8: reserved
+    with caplog.at_level(logging.WARNING, logger=SERVER_LOG), grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary(f"/{SERVICE}/Generate")(data, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    expected = "WireError: RoundPlan: 2 bytes of fields schema v1 does not declare (reserved or unknown)"
+    assert info.value.details() == expected
+    assert f"Generate refused (INVALID_ARGUMENT): {expected}" in caplog.text
+    assert worker.called == []
+
+
 # ------------------------------------------------------------------------------------------- cancellation
 
 
