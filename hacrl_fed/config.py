@@ -779,7 +779,9 @@ def parse_overrides(items: list[str] | str | None) -> dict[str, Any]:
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.field=value")
         try:
-            out[key] = yaml.safe_load(raw)
+            out[key] = load_unique(raw)
+        except DuplicateKey as err:
+            raise ConfigError(f"override {key!r}: {err}") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"override {key!r}: value {raw!r} is not a YAML scalar or list: {err}") from None
     return out

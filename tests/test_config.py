@@ -156,6 +156,8 @@ def test_a_key_listed_twice_anywhere_in_a_config_is_refused(tmp_path):
     path = _write(tmp_path, "orgs:\n  - id: acme\n    seed: 1\n    seed: 2\n")
     with pytest.raises(ConfigError, match=r"orgs\[0\]: 'seed' is listed twice \(line 4\)$"):
         load_config(path)
+    with pytest.raises(ConfigError, match=r"^override 'security.roster': 'acme' is listed twice \(line 1\)$"):
+        load_config(_write(tmp_path, TWO_ORGS_YAML), overrides=["security.roster={acme: a, globex: b, acme: c}"])
 
 
 def test_empty_yaml_file_reports_missing_orgs(tmp_path):
