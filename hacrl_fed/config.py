@@ -23,6 +23,7 @@ from pydantic_core import PydanticCustomError
 
 from hacrl_fed.limits import MAX_BYTES_PER_TOKEN, MAX_MESSAGE_MB
 from hacrl_fed.run_files import ERROR_LOG
+from hacrl_fed.unique_yaml import DuplicateKey, load_unique
 
 
 class ConfigError(ValueError):
@@ -778,7 +779,9 @@ def parse_overrides(items: list[str] | str | None) -> dict[str, Any]:
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.field=value")
         try:
-            out[key] = yaml.safe_load(raw)
+            out[key] = load_unique(raw)
+        except DuplicateKey as err:
+            raise ConfigError(f"override {key!r}: {err}") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"override {key!r}: value {raw!r} is not a YAML scalar or list: {err}") from None
     return out
@@ -797,7 +800,9 @@ def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] |
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = load_unique(path.read_text()) or {}  # e.g. security.roster listing one org twice is refused
+        except DuplicateKey as err:
+            raise ConfigError(f"{path}: {err}") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
         if not isinstance(data, dict):

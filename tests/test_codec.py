@@ -338,6 +338,29 @@ def test_decode_rejects_garbage_and_invalid_utf8():
         codec.decode(t.TrainReport, "not bytes")
 
 
+_UNKNOWN_FIELD = b"\xc0\x3e\x01"  # field 1000 (declared by no message), varint 1
+
+
+@pytest.mark.parametrize("obj", _samples(), ids=lambda o: type(o).__name__)
+def test_a_field_the_schema_does_not_declare_is_refused(obj):
+    data = codec.encode(obj)
+    assert codec.decode(type(obj), data) == obj
+    with pytest.raises(WireError, match=rf"^{type(obj).__name__}: 3 bytes of fields schema v1 does not declare"):
+        codec.decode(type(obj), data + _UNKNOWN_FIELD)
+
+
+def test_a_reserved_field_is_refused_at_any_depth():
+    msg = codec.to_proto(_first(t.TrainRequest))
+    reserved = codec.to_proto(_first(t.TrainRequest))
+    reserved.MergeFromString(b"\x48\x01")  # TrainRequest field 9: reserved
+    nested = codec.to_proto(_first(t.TrainRequest))
+    nested.prompts[0].MergeFromString(b"\x20\x01")  # Prompt field 4: reserved (planned verifier_metadata)
+    assert codec.decode(t.TrainRequest, msg.SerializeToString()) == _first(t.TrainRequest)
+    for bad in (reserved, nested):
+        with pytest.raises(WireError, match=r"^TrainRequest: \d+ bytes of fields schema v1 does not declare"):
+            codec.decode(t.TrainRequest, bad.SerializeToString())
+
+
 def test_unknown_kinds_and_types_are_rejected():
     with pytest.raises(WireError, match=r"unknown wire kind 'Nope'; expected one of \[.*'RolloutBatch'"):
         codec.decode("Nope", b"")

@@ -137,6 +137,29 @@ def test_invalid_yaml_syntax_is_a_config_error(tmp_path):
     assert str(path) in str(info.value)
 
 
+def test_an_inline_roster_listing_one_org_twice_is_refused_like_a_roster_file(tmp_path):
+    k1, k2 = "ed25519:AAAA x25519:BBBB", "ed25519:CCCC x25519:DDDD"  # shapes only: duplicates go first
+    roster = f'security:\n  roster:\n    acme: "{k1}"\n    globex: "{k2}"\n    acme: "{k2}"\n'
+    path = _write(tmp_path, TWO_ORGS_YAML + roster)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    line = (TWO_ORGS_YAML + roster).splitlines().index(f'    acme: "{k2}"') + 1
+    assert str(info.value) == f"{path}: security.roster: 'acme' is listed twice (line {line})"
+    assert load_config(_write(tmp_path, TWO_ORGS_YAML + roster.replace(f'    acme: "{k2}"\n', ""))).security.roster == {
+        "acme": k1, "globex": k2}
+
+
+def test_a_key_listed_twice_anywhere_in_a_config_is_refused(tmp_path):
+    path = _write(tmp_path, TWO_ORGS_YAML + "federation:\n  rounds: 9\n")
+    with pytest.raises(ConfigError, match=r"^.*run.yaml: 'federation' is listed twice \(line \d+\)$"):
+        load_config(path)
+    path = _write(tmp_path, "orgs:\n  - id: acme\n    seed: 1\n    seed: 2\n")
+    with pytest.raises(ConfigError, match=r"orgs\[0\]: 'seed' is listed twice \(line 4\)$"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^override 'security.roster': 'acme' is listed twice \(line 1\)$"):
+        load_config(_write(tmp_path, TWO_ORGS_YAML), overrides=["security.roster={acme: a, globex: b, acme: c}"])
+
+
 def test_empty_yaml_file_reports_missing_orgs(tmp_path):
     with pytest.raises(ConfigError, match="orgs: Field required"):
         load_config(_write(tmp_path, ""))

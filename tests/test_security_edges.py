@@ -239,7 +239,7 @@ def test_a_roster_with_a_duplicate_org_or_a_shared_key_is_refused(tmp_path):
         load_roster({"a": a, "b": a})
     path = tmp_path / "roster.yaml"
     path.write_text(f'a: "{a}"\nb: "{b}"\na: "{b}"\n')
-    with pytest.raises(IdentityError, match=r"org 'a' is listed twice \(line 1\)") as info:
+    with pytest.raises(IdentityError, match=r"org 'a' is listed twice \(line 3\)") as info:
         load_roster(path)
     assert "\n" not in str(info.value)
     cfg = make_cfg(roster={"acme": a, "globex": a})

@@ -250,8 +250,9 @@ def test_garbage_is_malformed(roster, garbage):
 
 def test_non_canonical_envelopes_are_malformed(ids, roster):
     envelope = sign_batch(_batch(), ids["acme"])
-    unknown_field = envelope + b"\xf8\x06\x01"  # field 111 (varint) = 1: decodes to the same batch
-    assert codec.decode(t.RolloutBatch, unknown_field) == codec.decode(t.RolloutBatch, envelope)
+    unknown_field = envelope + b"\xf8\x06\x01"  # field 111 (varint) = 1: the codec refuses undeclared fields
+    with pytest.raises(codec.WireError, match="3 bytes of fields schema v1 does not declare"):
+        codec.decode(t.RolloutBatch, unknown_field)
     _reject("malformed", verify_batch, unknown_field, roster, run_id=RUN, round=ROUND)
     repeated_header = envelope + b"\x18" + bytes([ROUND])  # round repeated at the end (last one wins)
     _reject("malformed", verify_batch, repeated_header, roster, run_id=RUN, round=ROUND)

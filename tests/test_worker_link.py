@@ -130,6 +130,19 @@ def test_plaintext_is_refused_off_loopback_even_in_the_python_api(address):
         GrpcWorkerClient(address)  # no channel is opened
 
 
+def test_insecure_without_a_link_secret_is_refused_in_the_python_api(servers):
+    worker = CountingWorker()
+    with pytest.raises(ListenError, match=r"insecure=True needs secret="):
+        serve_worker(worker, "127.0.0.1:0", insecure=True)  # refused before anything binds
+    secret = "ab" * 32
+    server = servers(worker, "127.0.0.1:0", insecure=True, secret=secret)  # as --insecure does: with its secret
+    with GrpcWorkerClient(server.address, timeout_s=10) as stranger, pytest.raises(WorkerCallError) as info:
+        stranger.health()
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED and worker.called == []
+    with GrpcWorkerClient(server.address, timeout_s=10, secret=secret) as owner:
+        assert owner.health()["org_id"] == "acme" and worker.called == ["health"]
+
+
 def _worker_cli(tmp_path: Path, capsys, *link: str) -> tuple[int, str]:
     cfg = tmp_path / "run.yaml"
     cfg.write_text(RUN_YAML)
@@ -282,6 +295,20 @@ def test_garbage_bytes_are_invalid_argument_with_one_log_line(servers, tmp_path,
     assert worker.called == []
     with GrpcWorkerClient(server.address, timeout_s=10) as client:
         assert client.health()["status"] == "ok"  # still serving
+
+
+def test_a_request_with_an_undeclared_field_is_refused_before_the_worker_sees_it(servers, tmp_path, caplog):
+    worker = CountingWorker()
+    server = servers(worker, f"unix:{tmp_path}/w.sock")
+    data = codec.encode(_plan()) + b"\x40\x01"  # RoundPlan field 8: reserved
+    with caplog.at_level(logging.WARNING, logger=SERVER_LOG), grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary(f"/{SERVICE}/Generate")(data, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    expected = "WireError: RoundPlan: 2 bytes of fields schema v1 does not declare (reserved or unknown)"
+    assert info.value.details() == expected
+    assert f"Generate refused (INVALID_ARGUMENT): {expected}" in caplog.text
+    assert worker.called == []
 
 
 # ------------------------------------------------------------------------------------------- cancellation

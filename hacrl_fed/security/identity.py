@@ -42,6 +42,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from hacrl_fed.fsio import write_atomic
+from hacrl_fed.unique_yaml import DuplicateKey, load_unique
 
 KEY_FILE_FORMAT = "hacrl-fed-identity-v1"
 KEY_BYTES = 32  # raw Ed25519 / X25519 keys, private and public
@@ -307,25 +308,6 @@ def _distinct_keys(roster: Mapping[str, PublicIdentity], where: str) -> None:
             seen[raw] = org
 
 
-class _DuplicateOrg(Exception):
-    """A roster file that lists one org twice."""
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe YAML loader that refuses a mapping listing one key twice (YAML would keep the last silently)."""
-
-
-def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
-    keys = [loader.construct_object(k, deep=deep) for k, _ in node.value]
-    dup = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
-    if dup is not None:
-        raise _DuplicateOrg(f"org {dup!r} is listed twice (line {node.start_mark.line + 1})")
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
 def load_roster(source: RosterSource) -> dict[str, PublicIdentity]:
     """``{org_id: PublicIdentity}`` from a YAML roster file (path) or an already parsed ``{org_id: text}`` mapping.
 
@@ -342,9 +324,9 @@ def load_roster(source: RosterSource) -> dict[str, PublicIdentity]:
     if len(data) > _MAX_FILE_BYTES:
         raise IdentityError(f"roster {path} is larger than {_MAX_FILE_BYTES} bytes")
     try:
-        doc = yaml.load(data, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader that also refuses duplicate keys
-    except _DuplicateOrg as err:
-        raise IdentityError(f"roster {path}: {err}") from None
+        doc = load_unique(data)
+    except DuplicateKey as err:
+        raise IdentityError(f"roster {path}: org {err}") from None
     except yaml.YAMLError as err:
         raise IdentityError(f"roster {path} is not valid YAML ({err})") from None
     return _roster_entries(doc, f"roster {path}")

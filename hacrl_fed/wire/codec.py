@@ -29,6 +29,7 @@ Decoding is the trust boundary, so every decoded field is checked (input hygiene
   ``RoundPlan.challenges`` at most ``max_recipients`` entries of at most 64 bytes (the worker bounds the
   challenges further by its roster, :mod:`hacrl_fed.worker.guard`); ``TrainReport.challenge`` and
   ``RolloutBatch.plan_digest`` at most 64 bytes;
+* a field the schema does not declare (a reserved or unknown number, at any depth) is refused, never ignored;
 * ``TrainRequest.source_batches`` are checked like any ``RolloutBatch``; with
   ``WireLimits.skip_unsigned_foreign`` (a worker with signing on, which ignores unsigned rollouts)
   ``TrainRequest.foreign`` is only counted (``unread_foreign``), never converted;
@@ -732,6 +733,10 @@ def decode(kind: type | str, data: bytes, *, limits: WireLimits = DEFAULT_LIMITS
         msg.ParseFromString(bytes(data))
     except (DecodeError, RuntimeError, ValueError) as err:
         raise WireError(f"{name}: not a valid serialized message ({err})") from None
+    size = msg.ByteSize()  # counts the fields this schema does not declare (protobuf keeps them silently)
+    msg.DiscardUnknownFields()  # at every depth
+    if (extra := size - msg.ByteSize()) != 0:
+        _fail(name, f"{extra} bytes of fields schema v{SCHEMA_VERSION} does not declare (reserved or unknown)")
     return from_proto(msg, limits=limits)
 
 

@@ -17,7 +17,8 @@ The link (who may call the worker):
   per-launch link secret (``--secret-file``, :mod:`hacrl_fed.wire.link_secret`): another local process cannot
   drive the worker. Anything else exits 2.
 * The Python API (:func:`serve_worker`) takes ``tls=WorkerTLS(...)`` / ``insecure=``; a plaintext loopback TCP
-  address is allowed there without ``insecure`` (tests), a non-loopback one never.
+  address is allowed there without ``insecure`` (tests), a non-loopback one never. ``insecure=True`` is the CLI's
+  ``--insecure`` and needs its ``secret=`` too (ListenError without one: no unauthenticated plaintext by flag).
 
 Behaviour:
 
@@ -460,6 +461,8 @@ def serve_worker(
     it is decoded.
     """
     check_listen(address, tls=tls, insecure=insecure)
+    if insecure and secret is None:
+        raise ListenError("insecure=True needs secret= (the link secret every call must carry, as --insecure makes)")
     credentials = tls.server_credentials() if tls is not None else None
     options = message_size_options(max_message_mb) + [("grpc.so_reuseport", 0)]
     if max_receive_bytes is not None:
