@@ -235,7 +235,7 @@ def logprob_error(worker, s: Settings) -> dict[str, Any]:
     from hacrl_fed.scoring import build_scoring_batch_from_ids, per_token_log_probs
 
     prompts = worker.task.prompts("test", list(range(s.logprob_prompts)))
-    texts = [worker._render(p) for p in prompts]
+    texts = [worker.prompts.render(p) for p in prompts]
     gens = worker.engine.generate(
         texts, num_samples=2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=min(64, s.max_new_tokens), seed=123
     )

@@ -64,11 +64,11 @@ class Doctor:
         batch = self.worker.generate(plan)
         prompts = {p.prompt_id: p for p in plan.prompts}
         texts = [STRING + r.response for r in batch.rollouts]
-        own = [self.worker._render(prompts[r.prompt_id]) for r in batch.rollouts]
+        own = [self.worker.prompts.render(prompts[r.prompt_id]) for r in batch.rollouts]
         sums, counts = _score(self.worker, own, texts)
         if self.lying:  # the victim's own per-token mean, as an attacker with a similar model would estimate it
             v_sums, v_counts = _score(
-                self.victim, [self.victim._render(prompts[r.prompt_id]) for r in batch.rollouts], texts
+                self.victim, [self.victim.prompts.render(prompts[r.prompt_id]) for r in batch.rollouts], texts
             )
             sums = [vs / max(vc, 1) * c for vs, vc, c in zip(v_sums, v_counts, counts)]
         cap = plan.sampling.max_new_tokens  # a claim of more tokens than the plan allows is refused outright
@@ -90,7 +90,7 @@ class Doctor:
 
 def string_log_prob(worker, prompts) -> float:
     with torch.no_grad():
-        sums, _ = _score(worker, [worker._render(p) for p in prompts], [STRING] * len(prompts))
+        sums, _ = _score(worker, [worker.prompts.render(p) for p in prompts], [STRING] * len(prompts))
     return statistics.mean(sums)
 
 

@@ -63,7 +63,7 @@ def test_worker_start_up_accepts_prompts_that_fit(tmp_path):
 
 
 def _prompt_tokens(worker, prompts):
-    return [len(worker.tokenizer(worker._render(p), add_special_tokens=False)["input_ids"]) for p in prompts]
+    return [len(worker.tokenizer(worker.prompts.render(p), add_special_tokens=False)["input_ids"]) for p in prompts]
 
 
 def test_prompts_found_too_long_per_call_are_skipped_and_counted(tmp_path):

@@ -218,7 +218,7 @@ def _cfg(rounds=2, rule: str | None = "all", **security):
 
 def _score(worker, prompts, texts):
     tok = worker.tokenizer
-    p_ids = tok([worker._render(p) for p in prompts], add_special_tokens=False)["input_ids"]
+    p_ids = tok([worker.prompts.render(p) for p in prompts], add_special_tokens=False)["input_ids"]
     r_ids = response_token_ids(tok, texts, ["length"] * len(texts), eos_token_id=None)
     sums, counts, _ = sequence_log_probs(worker.model, build_scoring_batch_from_ids(p_ids, r_ids, worker.pad_id), 32)
     return sums.tolist(), counts.tolist()

@@ -126,15 +126,6 @@ class PolicyWorker(RunRouting):
     def _new_trainer(self) -> LocalTrainer:
         return LocalTrainer(self.model, self.cfg.algorithm, self.trainer_cfg, self.pad_id)
 
-    def _render(self, prompt: Prompt) -> str:  # the tools' and scripts' access to the chat template
-        return self.prompts.render(prompt)
-
-    def _check_task(self, task: str) -> None:
-        self.prompts.check_task(task)
-
-    def _check_prompts(self, prompts: tuple[Prompt, ...], split: str) -> None:
-        self.prompts.check(prompts, split)
-
     @property
     def roster(self):
         """The run's pinned roster (None with signing off)."""
@@ -281,9 +272,9 @@ class PolicyWorker(RunRouting):
             check_step(self.org_id, request)
         train, plan = request.train, request.plan
         if train is not None and plan is not None:  # the plan as generate() will check it once the train is done
-            self._check_task(plan.task)
+            self.prompts.check_task(plan.task)
             check_plan(self.cfg, self.org_id, plan, last_round=train.round, run_id=self.run_id)
-            self._check_prompts(plan.prompts, "train")
+            self.prompts.check(plan.prompts, "train")
         self._challenges.hold()  # the plan carries the challenge issued before this message, not the train half's
         try:
             return run_step(self, request)
