@@ -457,6 +457,34 @@ class ModelConfig(_Section):
         return self
 
 
+class ShardingConfig(_Section):
+    """An organization's worker as several ranks of one torch.distributed group (FSDP2), launched by torchrun."""
+
+    ranks: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=_d(
+            "processes (one per device) behind the org's one endpoint, launched by torchrun; 1 = one plain process"
+        ),
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend: auto = nccl on CUDA, gloo on CPU"
+    )
+    mixed_precision: Literal["off", "bf16", "fp16"] = Field(
+        "off",
+        description=_d("FSDP2 compute dtype of the sharded parameters (gradients reduced in fp32); off = the model's"),
+    )
+    cpu_offload: bool = Field(
+        False, description=_d("keep parameter shards and optimizer state on CPU between uses (FSDP2 CPUOffloadPolicy)")
+    )
+    hang_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description=_d("seconds a rank may stay silent inside one request before the org's reply fails naming it"),
+    )
+
+
 class OrgConfig(_Section):
     """One organization: its id, its private model and optional per-org overrides."""
 
@@ -473,6 +501,9 @@ class OrgConfig(_Section):
     )
     generation: dict[str, Any] = Field(
         default_factory=dict, description=_d("overrides of the run's generation section for this org (same fields)")
+    )
+    sharding: ShardingConfig = Field(
+        default_factory=ShardingConfig, description="the org's worker sharded over several ranks (FSDP2, torchrun)"
     )
 
 
