@@ -177,7 +177,7 @@ class AlgorithmConfig(_Section):
         description=_d(
             "the foreign rows' loss: band (HACPO's stepwise band around the source's log-prob) or decoupled (a "
             "trust region around the learner's pre-update policy and a stop-gradient behaviour weight w = "
-            "pi_prox / mu_source; hacpo)"
+            "pi_prox / mu_source; hacpo; usable in today's synchronous rounds)"
         ),
     )
     cross_weight_mode: Literal["filter", "clamp"] = Field(
