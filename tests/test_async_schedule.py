@@ -85,7 +85,10 @@ def test_properties_bound_window_at_most_once_accounting_determinism(faults):
 
 
 def _assert_bound(spec, out):
-    """No step plans round t before every org has published round t - K - 1; every org plays every round."""
+    """No step plans round t before every org has published round t - K - 1; every org plays every round; a batch
+    of round r has version r - 1, so a foreign row's age is t - 1 - r, in 0 .. W - 1."""
+    assert all(tag.version == tag.round - 1 for _, tag in out.published)
+    assert all(0 <= age < spec.effective_window for s in out.steps for age in s.ages())
     for step in out.steps:
         need = step.round - spec.staleness - 1
         for org in spec.durations:

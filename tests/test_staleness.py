@@ -333,3 +333,14 @@ def test_a_synchronous_in_process_run_with_the_decoupled_loss(tmp_path):
         assert f"{org}/hacpo_decoupled/num_cross" in keys and f"{org}/hacpo/num_cross" not in keys
     patterns = [key_pattern(k) for k in documented_keys()]
     assert not [k for k in keys if not any(p.fullmatch(k) for p in patterns)]
+
+
+def test_the_trainer_reports_each_row_s_age():
+    """A driver sets TrainRow.age; the update's metrics split the cross rows by it (sources named)."""
+    trainer = _trainer(cross_staleness="decoupled")
+    rows = _on_policy(trainer, _train_rows(seed=3), [0.1] * 18)
+    rows = [dataclasses.replace(r, age=0 if r.is_self else 1 + r.source) for r in rows]  # source 1: 2, source 2: 3
+    metrics = trainer.update(rows, 0, [0.5, 0.25, 1.0], names=["own", "a", "b"])
+    assert metrics["hacpo_decoupled/age2/num_cross/a"] == 6 and metrics["hacpo_decoupled/age3/num_cross/b"] == 6
+    assert "hacpo_decoupled/age0/num_cross" not in metrics  # own rows are not counted in the cross histogram
+    assert metrics["hacpo_decoupled/age2/log_w_mean/a"] == pytest.approx(-0.1, abs=1e-4)  # w = e^-offset
