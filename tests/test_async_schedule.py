@@ -148,3 +148,14 @@ def test_bad_specs_are_refused():
         ScheduleSpec({"a": 1.0}, 3, dies={"b": 1.0})
     with pytest.raises(ValueError, match="rejoins"):
         ScheduleSpec({"a": 1.0}, 3, dies={"a": 2.0}, rejoins={"a": 1.0})
+
+
+@pytest.mark.parametrize("f", [2.0, 4.0])
+def test_the_bound_caps_the_lead_not_the_pace(f):
+    """One org f times slower, R rounds: the fast orgs finish at max((R - K) f d, R d) + d (lock-step: R f d + d),
+    the slow org as in lock-step (docs/ALGORITHM.md "What the bound implies for clock time")."""
+    rounds = 10
+    for k in range(0, rounds):
+        out = simulate(ScheduleSpec({"a": 1.0, "b": 1.0, "slow": f}, rounds, staleness=k))
+        assert out.finished["a"] == out.finished["b"] == max((rounds - k) * f, rounds) + 1.0
+        assert out.finished["slow"] == rounds * f + f
