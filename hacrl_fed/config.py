@@ -172,11 +172,43 @@ class AlgorithmConfig(_Section):
         ),
     )
     adv_eps: float = Field(1e-6, gt=0, description="epsilon added to the group's reward std in every advantage")
+    cross_staleness: Literal["band", "decoupled"] = Field(
+        "band",
+        description=_d(
+            "the foreign rows' loss: band (HACPO's stepwise band around the source's log-prob) or decoupled (a "
+            "trust region around the learner's pre-update policy and a stop-gradient behaviour weight w = "
+            "pi_prox / mu_source; hacpo; usable in today's synchronous rounds)"
+        ),
+    )
+    cross_weight_mode: Literal["filter", "clamp"] = Field(
+        "filter",
+        description=_d(
+            "decoupled: a foreign row whose behaviour weight w is outside [cross_weight_min, cross_weight_max] is "
+            "left out (filter) or has w clamped into it (clamp)"
+        ),
+    )
+    cross_weight_min: float = Field(
+        0.8, ge=0, le=1, description=_d("decoupled: lower bound of the behaviour weight w (<= 1)")
+    )
+    cross_weight_max: float = Field(
+        1.0, ge=1, le=10, description=_d("decoupled: upper bound of the behaviour weight w (>= 1)")
+    )
 
     @model_validator(mode="after")
     def _ratio_bounds(self) -> AlgorithmConfig:
         if self.ratio_min > self.ratio_max:
             raise ValueError("ratio_min must be <= ratio_max")
+        return self
+
+    @model_validator(mode="after")
+    def _decoupled_needs_a_cross_loss(self) -> AlgorithmConfig:
+        from hacrl_fed.algorithm.specs import ALGORITHMS  # lazy: algorithm/__init__ imports config
+
+        spec = ALGORITHMS.get(self.name)
+        if self.cross_staleness == "decoupled" and spec is not None and spec.decoupled_loss is None:
+            raise ValueError(
+                f"cross_staleness: decoupled needs an algorithm with foreign rows (hacpo), not {self.name!r}"
+            )
         return self
 
     @field_validator("name")

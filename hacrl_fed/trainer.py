@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
 import time
@@ -56,6 +57,7 @@ from hacrl_fed.algorithm import (
     order_rows,
 )
 from hacrl_fed.algorithm.likelihood_screen import GapHistory
+from hacrl_fed.algorithm.staleness import staleness_summary
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.models.context import context_length
 from hacrl_fed.models.native import unsupported_reason
@@ -86,6 +88,17 @@ class TrainRow:
     n_bytes: int = 0  # UTF-8 bytes of the response text (the likelihood screen's per_byte unit)
     claimed_log_prob_sum: float | None = None  # cross rows: the source's claimed sum over its own tokens
     claimed_token_count: int = 0  # cross rows: the source's token count of that claim
+    prox_log_prob_sum: float | None = None  # the learner's pre-update log-prob sum (decoupled loss; None: not yet)
+    age: int = 0  # rounds between the learner's version and the row's batch's (0: this round's)
+
+    def prox_seq_log_prob(self) -> float:
+        """``lbar_prox``: the pre-update sum over this row's divisor (``norm_length``, else its tokens); a self row
+        without one takes its ``old_seq_log_prob`` (the same pre-update weights sampled it)."""
+        if self.prox_log_prob_sum is None:
+            if not self.is_self:
+                raise ValueError("a cross row needs its prox_log_prob_sum for the decoupled loss")
+            return self.old_seq_log_prob
+        return self.prox_log_prob_sum / max(self.norm_length if self.norm_length > 0 else len(self.response_ids), 1)
 
 
 def adapter_dropout_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -182,8 +195,9 @@ class LocalTrainer:
     def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, trainer: TrainerConfig, pad_id: int):
         self.model, self.algo, self.cfg, self.pad_id = model, algo, trainer, int(pad_id)
         self.spec = get_algorithm(algo.name)
-        self.loss_fn = get_policy_loss(self.spec.loss)
-        self.gradient_rows = get_gradient_rows(self.spec.loss)  # rows with a gradient (trainer.skip_no_gradient_rows)
+        self.loss_fn = get_policy_loss(self.spec.policy_loss(algo))  # algorithm.cross_staleness picks the form
+        self.gradient_rows = get_gradient_rows(self.spec.policy_loss(algo))  # trainer.skip_no_gradient_rows
+        self.proximal = self.spec.needs_proximal(algo)  # the loss needs every row's pre-update lbar
         self.loss_cfg = PolicyLossConfig.from_algorithm(algo)
         self.by_tokens = self.spec.weights_by_tokens(self.loss_cfg)  # micro-batch weights: tokens or rows
         self.context = context_length(model)[0]  # rows longer than this cannot be scored (the intake's last stage)
@@ -278,6 +292,7 @@ class LocalTrainer:
         rows, adv = [rows[i] for i in scorable], adv_all[scorable]
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
+        rows = self.with_proximal(rows) if self.proximal else rows  # before the first step: pre-update weights
         sources = torch.tensor([r.source for r in rows])
         if self.spec.uses_capability_coefficient and self.algo.capability_coefficient:
             v = capability_coefficients(capability, learner, sources, self.algo.ratio_min, self.algo.ratio_max)
@@ -293,7 +308,7 @@ class LocalTrainer:
             with adapter_dropout(self.dropout):
                 acc.add(self._step(step, [rows[i] for i in picked], adv[picked], is_self[picked], v[picked]))
         # shares over the whole update (not means of per-step shares), per source pair too
-        out = fractions_from_counts(name_sources(acc.result(), names))
+        out = staleness_summary(fractions_from_counts(name_sources(acc.result(), names)))
         if names is not None:
             out.update(
                 advantage_metrics(adv_all, torch.tensor([r.source for r in all_rows]), names, prefix=self.algo.name)
@@ -327,6 +342,13 @@ class LocalTrainer:
                     tok_lp, _ = token_log_probs(self.model, batch, native=self.native)
                 sums.update(zip(micro_idx, tok_lp.double().sum(-1).tolist()))
         return [sums[i] for i in range(len(rows))]
+
+    def with_proximal(self, rows: Sequence[TrainRow]) -> list[TrainRow]:
+        """``rows`` with every cross row's pre-update log-prob sum (``prox_log_prob_sum``) where it has none: one
+        no-grad pass of :meth:`log_prob_sums` over those rows with the current (pre-update) weights."""
+        todo = [i for i, r in enumerate(rows) if not r.is_self and r.prox_log_prob_sum is None]
+        sums = dict(zip(todo, self.log_prob_sums([rows[i] for i in todo]))) if todo else {}
+        return [dataclasses.replace(r, prox_log_prob_sum=sums[i]) if i in sums else r for i, r in enumerate(rows)]
 
     def _step(self, step: int, rows: list[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor) -> dict[str, float]:
         """Optimizer step ``step`` of the round (counted across epochs) over one mini-batch, accumulated over
@@ -445,7 +467,15 @@ class LocalTrainer:
             old_token_log_probs=old_tok,
             seq_lengths=torch.tensor([r.norm_length for r in micro], device=lp.device),
             source_ids=torch.tensor([r.source for r in micro], device=lp.device),
+            **self._proximal_inputs(micro, lp.device),
         )
+
+    def _proximal_inputs(self, rows: Sequence[TrainRow], device: torch.device) -> dict[str, Tensor]:
+        """The decoupled loss's ``prox_seq_log_probs`` and ``ages`` [B] (nothing for the other losses)."""
+        if not self.proximal:
+            return {}
+        prox = torch.tensor([r.prox_seq_log_prob() for r in rows], device=device)
+        return {"prox_seq_log_probs": prox, "ages": torch.tensor([r.age for r in rows], device=device)}
 
     def _sequence_inputs(
         self, rows: Sequence[TrainRow], lbar: Tensor, adv: Tensor, is_self: Tensor, v: Tensor
@@ -460,6 +490,7 @@ class LocalTrainer:
             is_self=is_self,
             capability_coefficient=v,
             source_ids=torch.tensor([r.source for r in rows], device=device),
+            **self._proximal_inputs(rows, device),
         )
 
     def _gradient_rows(

@@ -15,6 +15,7 @@ from hacrl_fed.algorithm.advantages import (
 )
 from hacrl_fed.algorithm.batching import minibatch_schedule, order_rows
 from hacrl_fed.algorithm.capability import CapabilityTracker
+from hacrl_fed.algorithm.capability_rounds import RoundCapabilities
 from hacrl_fed.algorithm.losses import (
     FRACTION_COUNTS,
     GRPO_AGG_MODES,
@@ -47,6 +48,7 @@ from hacrl_fed.algorithm.registry import (
     register_gradient_rows,
     register_policy_loss,
 )
+from hacrl_fed.algorithm.staleness import hacpo_decoupled_loss, staleness_summary
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -58,6 +60,7 @@ __all__ = [
     "CapabilityTracker",
     "PolicyLossConfig",
     "PolicyLossInputs",
+    "RoundCapabilities",
     "advantage_metrics",
     "capability_coefficients",
     "capability_ratios",
@@ -74,6 +77,7 @@ __all__ = [
     "gspo_objective",
     "hacpo_advantages",
     "hacpo_cross_band",
+    "hacpo_decoupled_loss",
     "hacpo_loss",
     "kl_k3",
     "masked_mean",
@@ -85,4 +89,5 @@ __all__ = [
     "register_policy_loss",
     "rows_with_gradient",
     "sequence_mean_log_prob",
+    "staleness_summary",
 ]

@@ -119,19 +119,24 @@ def hacpo_advantages(
     w = capability_ratios(capability, learner, src, ratio_min, ratio_max)  # validates the capability either way
     if not calibrate:
         w = torch.ones_like(w)
+    return calibrated_advantages(r, gid, src == learner, w, reward_max=reward_max, eps=eps).to(out_dtype)
+
+
+def calibrated_advantages(r: Tensor, gid: Tensor, own: Tensor, w: Tensor, *, reward_max: float, eps: float) -> Tensor:
+    """§2's advantage from each row's capability ratio ``w`` [N] (float64): rewards ``r`` [N] float64, ``gid`` [N]
+    group ids, ``own`` [N] bool (the learner's rows). → [N] float64. :func:`hacpo_advantages` takes ``w`` from one
+    ``Phat`` per agent; :mod:`.capability_rounds` from the figures of each row's round."""
     g = _Groups(gid)
     n = g.count()
     mean = g.sum(r) / n  # plain joint-group mean
     mu_w = g.sum(w * r) / n  # mu_k = mean(w(k, src) * R)
-    own = src == learner
     own_n = g.count(own)
     own_mean = torch.where(own_n > 0, g.sum(torch.where(own, r, 0.0)) / own_n.clamp(min=1), mean)
     mu = torch.where(mu_w > reward_max, own_mean, mu_w)  # baseline guard
     std = g.std(r, mean)  # Bessel-corrected std of raw rewards over the group
     adv = (r - mu[g.idx]) / (std[g.idx] + eps)  # A = (R - mu_k) / (std + eps)
     uniform = g.amax(r) == g.amin(r)
-    adv = torch.where(uniform[g.idx], torch.zeros_like(adv), adv)  # uniform group → 0
-    return adv.to(out_dtype)
+    return torch.where(uniform[g.idx], torch.zeros_like(adv), adv)  # uniform group → 0
 
 
 def group_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = DEFAULTS.adv_eps) -> Tensor:

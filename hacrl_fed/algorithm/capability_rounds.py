@@ -1,0 +1,175 @@
+"""The capability table per (org, round) (docs/ALGORITHM.md "Asynchronous rounds", "Capability per round").
+
+:class:`~hacrl_fed.algorithm.capability.CapabilityTracker` keeps one running ``Phat`` per org, right for lock-step
+rounds where every row a learner trains on comes from the round just played. With rows from several rounds (a
+staleness window) each row's capability ratio and coefficient use the figures **of the round the row comes from**:
+
+    Phat_x(t)  = max(floor, mean of the last `window` recorded P_x(t') with t' <= t)   (1 when x has none yet)
+    warm-up(t) = (rounds recorded with t' <= t) <= warmup_rounds                        (then every Phat is 1)
+    row y of round t(y) from source j, learner k:
+      w(k, y)    = clamp(Phat_k(t(y)) / Phat_j(t(y)), ratio_min, ratio_max),  1 on k's own rows     (§2 baseline)
+      v(j, k; y) = clamp(Phat_j(t(y)) / Phat_k(t(y)), ratio_min, ratio_max),  1 on k's own rows     (§3)
+
+With every row from the current round ``t`` and the rounds recorded in order these are the tracker's numbers bit
+for bit (tested): the same values averaged in the same order and the same float operations per row.
+Shapes: ``N`` rows; ``learner_capability`` / ``source_capability`` [N] hold ``Phat_k(t(y))`` / ``Phat_j(t(y))``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hacrl_fed.algorithm.advantages import _as_tensor, _check_rows, calibrated_advantages
+from hacrl_fed.algorithm.capability import DEFAULTS, CapabilityTracker
+
+
+class RoundCapabilities:
+    """``P_x(t)`` per (org, round), recorded in any order; ``Phat_x(t)`` and the warm-up as of any round ``t``."""
+
+    def __init__(
+        self,
+        window: int = DEFAULTS.capability_window,
+        floor: float = DEFAULTS.capability_floor,
+        ratio_min: float = DEFAULTS.ratio_min,
+        ratio_max: float = DEFAULTS.ratio_max,
+        warmup_rounds: int = DEFAULTS.warmup_rounds,
+    ):
+        CapabilityTracker(window, floor, ratio_min, ratio_max, warmup_rounds)  # the one place the settings are checked
+        self.window, self.floor = int(window), float(floor)
+        self.ratio_min, self.ratio_max = float(ratio_min), float(ratio_max)
+        self.warmup_rounds = int(warmup_rounds)
+        self._history: dict[str, dict[int, float]] = {}
+        self._rounds: set[int] = set()  # rounds recorded (a round with a record counts once for the warm-up)
+
+    @classmethod
+    def from_algorithm(cls, algo: Any) -> RoundCapabilities:
+        """The table an ``algorithm`` config section (:class:`~hacrl_fed.config.AlgorithmConfig`) asks for."""
+        return cls(algo.capability_window, algo.capability_floor, algo.ratio_min, algo.ratio_max, algo.warmup_rounds)
+
+    def record(self, round: int, accuracies: Mapping[str, float]) -> None:
+        """Record round ``round`` (>= 1): ``{org: P_org(round)}``. An (org, round) already recorded is refused."""
+        if isinstance(round, bool) or not isinstance(round, int) or round < 1:
+            raise ValueError(f"round must be an integer >= 1, got {round!r}")
+        clean = {}
+        for org, acc in accuracies.items():
+            acc = float(acc)
+            if not math.isfinite(acc) or acc < 0:
+                raise ValueError(f"accuracy of {org!r} must be finite and >= 0, got {acc}")
+            if round in self._history.get(str(org), {}):
+                raise ValueError(f"round {round} of {org!r} is already recorded")
+            clean[str(org)] = acc
+        for org, acc in clean.items():
+            self._history.setdefault(org, {})[round] = acc
+        self._rounds.add(round)
+
+    def in_warmup(self, round: int) -> bool:
+        """True while ``Phat`` is reported as 1 at ``round``: at most ``warmup_rounds`` rounds recorded up to it."""
+        return sum(1 for t in self._rounds if t <= round) <= self.warmup_rounds
+
+    def capability(self, org: str, round: int) -> float:
+        """``Phat_org(round)``: floored mean of the last ``window`` values recorded at rounds ``<= round`` (1: none)."""
+        hist = self._history.get(str(org), {})
+        recent = [hist[t] for t in sorted(t for t in hist if t <= round)][-self.window :]
+        if not recent:
+            return 1.0
+        return max(self.floor, sum(recent) / len(recent))
+
+    def effective(self, org: str, round: int) -> float:
+        """``Phat_org(round)`` as the advantage and loss see it: 1 during the warm-up."""
+        return 1.0 if self.in_warmup(round) else self.capability(org, round)
+
+    def table(self, round: int, orgs: Sequence[str]) -> dict[str, float]:
+        """``{org: Phat_org(round)}`` for ``orgs`` as the workers should use it (all 1 during the warm-up)."""
+        return {org: self.effective(org, round) for org in orgs}
+
+    def row_figures(self, learner: str, rows: Sequence[tuple[str, int]]) -> tuple[list[float], list[float]]:
+        """Per row ``(source, round)``: ``([Phat_learner(round)], [Phat_source(round)])``, as the workers see them."""
+        return [self.effective(learner, t) for _, t in rows], [self.effective(src, t) for src, t in rows]
+
+    def state_dict(self) -> dict[str, Any]:
+        settings = (self.window, self.floor, self.ratio_min, self.ratio_max, self.warmup_rounds)
+        history = {org: {str(t): p for t, p in sorted(h.items())} for org, h in self._history.items()}
+        return {"settings": list(settings), "rounds": sorted(self._rounds), "history": history}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (settings included), validating it first."""
+        fresh = RoundCapabilities(*state["settings"])
+        for t in state["rounds"]:
+            fresh.record(int(t), {})
+        for org, hist in dict(state["history"]).items():
+            for t, p in dict(hist).items():
+                fresh.record(int(t), {str(org): p})
+        self.__dict__.update(fresh.__dict__)
+
+
+def round_capability_ratios(
+    learner_capability: Tensor | Sequence[float],
+    source_capability: Tensor | Sequence[float],
+    own: Tensor,
+    ratio_min: float = DEFAULTS.ratio_min,
+    ratio_max: float = DEFAULTS.ratio_max,
+) -> Tensor:
+    """``w(k, y) = clamp(Phat_k(t(y)) / Phat_j(t(y)), ratio_min, ratio_max)``, exactly 1 on own rows. All [N] →
+    [N] float64."""
+    lc = _as_tensor(learner_capability, torch.float64, "learner_capability")
+    sc = _as_tensor(source_capability, torch.float64, "source_capability")
+    if lc.shape != sc.shape or own.shape != lc.shape:
+        raise ValueError(f"capabilities and own must all be [N], got {lc.shape}, {sc.shape}, {own.shape}")
+    if not (torch.isfinite(lc).all() and torch.isfinite(sc).all()) or (lc <= 0).any() or (sc <= 0).any():
+        raise ValueError("capability values must be finite and > 0 (floored Phat)")
+    w = torch.clamp(lc / sc, ratio_min, ratio_max)  # w(k, y) = clamp(Phat_k(t) / Phat_j(t))
+    return torch.where(own, torch.ones_like(w), w)  # w(k, k) = 1
+
+
+def hacpo_advantages_at_rounds(
+    rewards: Tensor,
+    group_ids: Tensor,
+    source_ids: Tensor,
+    learner: int,
+    learner_capability: Tensor | Sequence[float],
+    source_capability: Tensor | Sequence[float],
+    *,
+    reward_max: float = DEFAULTS.reward_max,
+    ratio_min: float = DEFAULTS.ratio_min,
+    ratio_max: float = DEFAULTS.ratio_max,
+    eps: float = DEFAULTS.adv_eps,
+    calibrate: bool = DEFAULTS.advantage_calibration,
+) -> Tensor:
+    """§2's capability-aware advantage with each row's ``w`` from the figures of its round
+    (:func:`round_capability_ratios`); otherwise :func:`~hacrl_fed.algorithm.advantages.hacpo_advantages`. [N]."""
+    r_in = torch.as_tensor(rewards)
+    out_dtype = r_in.dtype if r_in.is_floating_point() else torch.float32
+    r = _as_tensor(r_in, torch.float64, "rewards")
+    gid = _as_tensor(group_ids, torch.long, "group_ids")
+    src = _as_tensor(source_ids, torch.long, "source_ids")
+    _check_rows(r, gid, src)
+    if r.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype)
+    own = src == learner
+    w = round_capability_ratios(learner_capability, source_capability, own, ratio_min, ratio_max)  # validates
+    if not calibrate:
+        w = torch.ones_like(w)
+    return calibrated_advantages(r, gid, own, w, reward_max=reward_max, eps=eps).to(out_dtype)
+
+
+def capability_coefficients_at_rounds(
+    learner_capability: Tensor | Sequence[float],
+    source_capability: Tensor | Sequence[float],
+    source_ids: Tensor,
+    learner: int,
+    ratio_min: float = DEFAULTS.ratio_min,
+    ratio_max: float = DEFAULTS.ratio_max,
+) -> Tensor:
+    """``v(j, k; y) = clamp(Phat_j(t(y)) / Phat_k(t(y)), ratio_min, ratio_max)`` per row, 1 on own rows. [N] → [N]
+    float32 (as :func:`~hacrl_fed.algorithm.advantages.capability_coefficients`)."""
+    own = torch.as_tensor(source_ids, dtype=torch.long) == learner
+    w = round_capability_ratios(learner_capability, source_capability, own, ratio_min, ratio_max)  # validates
+    lc = _as_tensor(learner_capability, torch.float64, "learner_capability")
+    sc = _as_tensor(source_capability, torch.float64, "source_capability")
+    v = torch.clamp(sc / lc, ratio_min, ratio_max)  # v(j, k) = clamp(Phat_j(t) / Phat_k(t))
+    return torch.where(own, torch.ones_like(w), v).to(torch.float32)
