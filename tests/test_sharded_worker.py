@@ -1,0 +1,75 @@
+"""The sharded policy worker (issue 28) on CPU with gloo: 2 ranks under torchrun against the 1-process worker.
+
+One torchrun launch (``tests/sharded_round.py``, 2 ranks) runs every case; the reference is the same script's
+``run_case`` in this process (no process group: the plain worker). Rollouts and evaluation must be equal; the
+weights after the update equal up to float32 round-off: ``atol = 1e-5`` on updates of 1e-3 (full parameters, lr
+1e-3) to 2e-2 (LoRA, lr 1e-2) per weight (measured difference <= 1e-6: the gradient's sum over ranks runs in
+another order).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.sharded_round import run_case
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ("hacpo", "gspo", "hacpo-lora", "gspo-lora")
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone --nproc-per-node nproc tests/sharded_round.py args`` with
+    this worktree first on the path and one thread per rank; the whole process group is killed on a timeout."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(ROOT / "tests" / "sharded_round.py"),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sharded")
+    torchrun(2, str(out), *CASES)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_give_the_one_process_round(two_ranks, tmp_path, case):
+    torch.set_num_threads(1)
+    want = run_case(case, 1, tmp_path)
+    got = torch.load(two_ranks / f"{case}-2.pt", weights_only=False)
+    assert got["rollouts"] == want["rollouts"] and got["eval"] == want["eval"]
+    for key in ("train/steps", "train/num_rows", "train/num_self", "train/num_cross", "train/num_backward"):
+        assert got["train"][key] == want["train"][key], key
+    for key in ("train/loss", "train/grad_norm"):
+        assert got["train"][key] == pytest.approx(want["train"][key], rel=1e-5, abs=1e-7), key
+    assert want["train"]["train/grad_norm"] > 0
+    moved = max((want["weights"][k] - want["before"][k]).abs().max().item() for k in want["weights"])
+    assert moved > 5e-4  # the update is far above the tolerance
+    for k, w in want["weights"].items():
+        torch.testing.assert_close(got["weights"][k], w, atol=1e-5, rtol=0, msg=k)
