@@ -33,6 +33,7 @@ def make_cfg(case: str, ranks: int):
         "selection": {"rule": "all"},
         "likelihood_screen": {"enabled": False},
     }
+    generation = {"num_samples": 4, "max_new_tokens": 12, "batch_size": 8, "seed_per_batch": "batchseed" in opts}
     if "lora" in opts:
         trainer.update(lr=1e-2, lora=LORA)
     orgs = [dict(ORGS[0], sharding={"ranks": ranks}), ORGS[1]]
@@ -43,7 +44,7 @@ def make_cfg(case: str, ranks: int):
             "orgs": orgs,
             "algorithm": {"name": algorithm},
             "trainer": trainer,
-            "generation": {"num_samples": 4, "max_new_tokens": 12, "batch_size": 8},
+            "generation": generation,
             "task": {"name": "arithmetic", "eval_size": 8},
             "security": {"signing": False, "reverify_rewards": False},
         }
@@ -51,6 +52,7 @@ def make_cfg(case: str, ranks: int):
 
 
 def run_case(case: str, ranks: int, run_dir: Path) -> dict:
+    from hacrl_fed.sharded.fsdp import gather
     from hacrl_fed.sharded.worker import ShardedPolicyWorker
     from hacrl_fed.worker.policy_worker import PolicyWorker
 
@@ -60,6 +62,10 @@ def run_case(case: str, ranks: int, run_dir: Path) -> dict:
     before = {k: v.detach().clone() for k, v in w.model.state_dict().items()}
     prompts = tuple(w.task.prompts("train", list(range(10, 14))))
     plan = RoundPlan("run", 1, "arithmetic", prompts, SamplingParams(max_new_tokens=12, num_samples=4, seed=11))
+    inner = getattr(w.engine, "inner", w.engine)
+    calls = []  # the engine batches this rank sampled (first sequence of each)
+    sample_batch = inner.sample_batch
+    inner.sample_batch = lambda flat, start, *a: calls.append(start) or sample_batch(flat, start, *a)
     mine = w.generate(plan)
     for i, row in enumerate(w._own.rows):  # a tiny model solves nothing: give its own groups a spread to learn from
         row.reward = float(i % 2)
@@ -71,6 +77,7 @@ def run_case(case: str, ranks: int, run_dir: Path) -> dict:
         "rollouts": [r.__dict__ for r in mine.rollouts],
         "train": report.metrics,
         "eval": ev.accuracy,
+        "batches": gather(calls),
         "before": before,
         "weights": {k: v.detach().clone() for k, v in w.model.state_dict().items()},
     }

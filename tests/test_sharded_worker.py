@@ -21,7 +21,7 @@ import torch
 from tests.sharded_round import run_case
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("hacpo", "gspo", "hacpo-lora", "gspo-lora")
+CASES = ("hacpo", "gspo-batchseed", "hacpo-lora-batchseed", "gspo-lora")
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -64,6 +64,9 @@ def test_two_ranks_give_the_one_process_round(two_ranks, tmp_path, case):
     want = run_case(case, 1, tmp_path)
     got = torch.load(two_ranks / f"{case}-2.pt", weights_only=False)
     assert got["rollouts"] == want["rollouts"] and got["eval"] == want["eval"]
+    # 16 sequences in engine batches of 8: with a seed per batch each rank samples one, else rank 0 samples both
+    assert want["batches"] == [[0, 8]]
+    assert got["batches"] == ([[0], [8]] if "batchseed" in case else [[0, 8], []])
     for key in ("train/steps", "train/num_rows", "train/num_self", "train/num_cross", "train/num_backward"):
         assert got["train"][key] == want["train"][key], key
     for key in ("train/loss", "train/grad_norm"):

@@ -6,11 +6,15 @@ replica that holds the whole weights, :mod:`hacrl_fed.sharded.trainer`):
 * **greedy** (evaluation): the prompts in the engine's own batches of ``batch_size`` (the calls one process makes);
   rank ``r`` decodes batches ``r, r + N, ...`` and the ranks gather them back in order. Greedy decoding draws no
   random numbers and each batch is the one a single process decodes, so the result is the single process's.
-* **generate** (sampling): the engines draw every batch of a call from one random stream seeded once per call
-  (:mod:`hacrl_fed.engines.hf`), so a later batch's samples depend on the draws of the batches before it; handing
-  batches to different ranks would change the rollouts. Rank 0 therefore samples the whole call exactly as one
-  process does and broadcasts the generations: a seeded round gives the single process's rollouts, bit for bit,
-  whatever ``N``; the other ranks wait.
+* **generate** (sampling) with ``generation.seed_per_batch: true``: each engine batch is seeded on its own from
+  the round's seed and its first sequence (:meth:`~hacrl_fed.engines.hf.HFEngine.sample_batch`), so rank ``r``
+  samples batches ``r, r + N, ...`` and the ranks gather them in order: the rollouts are the single process's (with
+  the same setting), whatever ``N``, in about ``1/N`` of the time when the round spans several batches.
+* **generate** with ``seed_per_batch: false`` (the default): the engines draw every batch of a call from one random
+  stream seeded once per call (:mod:`hacrl_fed.engines.hf`), so a later batch's samples depend on the draws of the
+  batches before it and handing batches to different ranks would change the rollouts. Rank 0 then samples the
+  whole call exactly as one process does and broadcasts the generations (the other ranks wait): the single
+  process's rollouts, bit for bit, whatever ``N``.
 
 An error on the rank doing the work (cancellation, a bad argument) is handed to every rank and raised there too,
 so no rank is left waiting in a collective.
@@ -22,7 +26,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from hacrl_fed.engines.base import Generation, GenerationEngine
+from hacrl_fed.engines.base import Generation, GenerationEngine, sampling_prompts
+from hacrl_fed.engines.hf import HFEngine, _seeded, sampling_kwargs
 from hacrl_fed.sharded.fsdp import broadcast, gather, world
 
 T = TypeVar("T")
@@ -49,6 +54,8 @@ class RankEngine(GenerationEngine):
         self.rank, self.size = world()
 
     def generate(self, prompt_texts: list[str], **sampling: Any) -> list[list[Generation]]:
+        if getattr(self.inner, "seed_per_batch", False):
+            return self._generate_batches(prompt_texts, **sampling)
         result, err = None, None
         if self.rank == 0:
             result, err = _outcome(lambda: self.inner.generate(prompt_texts, **sampling))
@@ -56,6 +63,48 @@ class RankEngine(GenerationEngine):
         _raise_any([err])
         assert result is not None
         return result
+
+    def _generate_batches(
+        self,
+        prompt_texts: list[str],
+        *,
+        num_samples: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        max_new_tokens: int,
+        seed: int,
+    ) -> list[list[Generation]]:
+        """Sampling with one seed per engine batch: this rank's batches, gathered in order (module docstring)."""
+        inner = self.inner
+        assert isinstance(inner, HFEngine)
+        prompts = sampling_prompts(
+            inner.tokenizer,
+            prompt_texts,
+            num_samples=num_samples,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+        )
+        flat = [p for p in prompts for _ in range(num_samples)]
+        starts = list(range(0, len(flat), inner.batch_size))
+        sampling = sampling_kwargs(temperature, top_p, top_k)
+
+        def mine() -> dict[int, list[Generation]]:
+            with _seeded(int(seed), inner._device()):
+                return {
+                    s: inner.sample_batch(flat, s, max_new_tokens, sampling, seed)
+                    for s in starts[self.rank :: self.size]
+                }
+
+        parts = gather(_outcome(mine))
+        _raise_any([e for _, e in parts])
+        done: dict[int, list[Generation]] = {}
+        for part, _ in parts:
+            done.update(part or {})
+        gens = [g for s in starts for g in done[s]]
+        return [gens[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
     def greedy(self, prompt_texts: list[str], *, max_new_tokens: int) -> list[Generation]:
         size = int(getattr(self.inner, "batch_size", len(prompt_texts)) or 1)

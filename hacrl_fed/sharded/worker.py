@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hacrl_fed.config import RunConfig, org_generation
+from hacrl_fed.config import RunConfig, org_generation, org_trainer
 from hacrl_fed.sharded.fsdp import world
 from hacrl_fed.sharded.generation import RankEngine
 from hacrl_fed.sharded.trainer import ShardedTrainer
@@ -31,13 +31,19 @@ from hacrl_fed.worker.policy_worker import PolicyWorker
 
 def check_supported(cfg: RunConfig, org_id: str, world_size: int | None = None) -> None:
     """ValueError naming the field when org ``org_id``'s worker cannot run sharded as configured: the ``vllm``
-    engine with ``sharding.ranks > 1``, or a process group whose size is not ``sharding.ranks``."""
+    engine or ``trainer.precision: bf16-master`` with ``sharding.ranks > 1``, or a process group whose size is
+    not ``sharding.ranks``."""
     org = cfg.org(org_id)
     ranks = org.sharding.ranks
     if ranks > 1 and org_generation(cfg, org_id).engine == "vllm":
         raise ValueError(
             f"orgs[{org_id}].sharding.ranks={ranks} with generation.engine=vllm is not supported (vLLM tensor "
             "parallelism over the org's ranks is not implemented): use generation.engine hf or fast, or ranks: 1"
+        )
+    if ranks > 1 and org_trainer(cfg, org_id).precision == "bf16-master":
+        raise ValueError(
+            f"orgs[{org_id}].sharding.ranks={ranks} with trainer.precision=bf16-master is not supported: the "
+            "shards keep their own float32 copy; use model.dtype float32 with sharding.mixed_precision: bf16"
         )
     if world_size is not None and world_size != ranks:
         raise ValueError(f"orgs[{org_id}].sharding.ranks={ranks} but the worker's process group has {world_size} ranks")
