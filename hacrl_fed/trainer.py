@@ -544,7 +544,8 @@ class LocalTrainer:
             with torch.no_grad():
                 for i, (p, m) in enumerate(zip(self.model_params, self.master)):
                     m.copy_(saved[i] if saved is not None else p.float())
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("optimizer") is not None:  # None: a sharded trainer restored its shards itself
+            self.optimizer.load_state_dict(state["optimizer"])
         self.screen_history = {
             str(k): GapHistory(float(v[0]), float(v[1]), int(v[2]))
             for k, v in (state.get("likelihood_screen") or {}).items()

@@ -4,7 +4,9 @@ Run as ``python -m torch.distributed.run --standalone --nproc-per-node N tests/s
 ranks, gloo) or as ``python tests/sharded_round.py OUT CASE...`` (one process, no process group: the plain
 worker). For each CASE (``hacpo``, ``gspo``, ``hacpo-lora``, ...) it builds the tiny two-org config, generates round
 1 for ``char`` (with ``bpe``'s rollouts as the foreign rows), trains it, evaluates, and rank 0 writes
-``OUT/CASE.pt``: the rollouts, the train and eval metrics and the whole weights after the update.
+``OUT/CASE-N.pt``: the rollouts, the train and eval metrics and the whole weights after the update (a ``-ckpt``
+case also checkpoints round 1 and plays round 2). ``resume:CASE:RUN_DIR`` resumes a ``-ckpt`` case's run dir
+(checkpointed at any N) and plays round 2 (``OUT/resume-CASE-N.pt``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ LORA = {"enabled": True, "r": 4, "target_modules": "all-linear"}
 
 
 def make_cfg(case: str, ranks: int):
+    return load_config(cfg_data(case, ranks))
+
+
+def cfg_data(case: str, ranks: int) -> dict:
+    """The tiny two-org run config of ``case`` with org ``char`` on ``ranks`` ranks."""
     algorithm, *opts = case.split("-")
     trainer = {
         "lr": 1e-3,
@@ -37,50 +44,71 @@ def make_cfg(case: str, ranks: int):
     if "lora" in opts:
         trainer.update(lr=1e-2, lora=LORA)
     orgs = [dict(ORGS[0], sharding={"ranks": ranks}), ORGS[1]]
-    return load_config(
-        {
-            "name": "t",
-            "seed": 3,
-            "orgs": orgs,
-            "algorithm": {"name": algorithm},
-            "trainer": trainer,
-            "generation": generation,
-            "task": {"name": "arithmetic", "eval_size": 8},
-            "security": {"signing": False, "reverify_rewards": False},
-        }
-    )
+    return {
+        "name": "t",
+        "seed": 3,
+        "orgs": orgs,
+        "algorithm": {"name": algorithm},
+        "trainer": trainer,
+        "generation": generation,
+        "task": {"name": "arithmetic", "eval_size": 8},
+        "security": {"signing": False, "reverify_rewards": False},
+    }
 
 
-def run_case(case: str, ranks: int, run_dir: Path) -> dict:
-    from hacrl_fed.sharded.fsdp import gather
+def play(w, b, round_: int) -> tuple:
+    """Round ``round_`` of ``char`` (worker ``w``) with ``bpe``'s (``b``) rollouts as foreign rows, rewards spread
+    over each group (a tiny model solves nothing); returns ``(char's rollouts, its train metrics)``."""
+    prompts = tuple(w.task.prompts("train", list(range(10 * round_, 10 * round_ + 4))))
+    sampling = SamplingParams(max_new_tokens=12, num_samples=4, seed=11 + round_)
+    plan = RoundPlan("run", round_, "arithmetic", prompts, sampling)
+    mine = w.generate(plan)
+    for i, row in enumerate(w._own.rows):
+        row.reward = float(i % 2)
+    theirs = b.generate(plan).rollouts
+    foreign = tuple(r.__class__(**{**r.__dict__, "reward": float(i % 2)}) for i, r in enumerate(theirs))
+    report = w.train(TrainRequest("run", round_, "char", prompts, foreign, {"char": 0.5, "bpe": 0.25}))
+    return [r.__dict__ for r in mine.rollouts], report.metrics
+
+
+def weights(w) -> dict:
+    return {k: v.detach().clone() for k, v in w.model.state_dict().items()}
+
+
+def workers(case: str, ranks: int, run_dir: Path, resume: bool = False) -> tuple:
     from hacrl_fed.sharded.worker import ShardedPolicyWorker
     from hacrl_fed.worker.policy_worker import PolicyWorker
 
     cfg = make_cfg(case, ranks)
-    w = ShardedPolicyWorker(cfg, "char", run_dir=run_dir / case)
-    b = PolicyWorker(cfg, "bpe", run_dir=run_dir / case)
-    before = {k: v.detach().clone() for k, v in w.model.state_dict().items()}
-    prompts = tuple(w.task.prompts("train", list(range(10, 14))))
-    plan = RoundPlan("run", 1, "arithmetic", prompts, SamplingParams(max_new_tokens=12, num_samples=4, seed=11))
+    return ShardedPolicyWorker(cfg, "char", run_dir=run_dir, resume=resume), PolicyWorker(cfg, "bpe", run_dir=run_dir)
+
+
+def run_case(case: str, ranks: int, run_dir: Path) -> dict:
+    """Round 1, then an evaluation; with ``-ckpt`` a checkpoint of round 1 and round 2 as well."""
+    from hacrl_fed.sharded.fsdp import gather
+
+    w, b = workers(case, ranks, run_dir / case)
+    before = weights(w)
     inner = getattr(w.engine, "inner", w.engine)
-    calls = []  # the engine batches this rank sampled (first sequence of each)
+    calls: list[int] = []  # the engine batches this rank sampled (first sequence of each)
     sample_batch = inner.sample_batch
     inner.sample_batch = lambda flat, start, *a: calls.append(start) or sample_batch(flat, start, *a)
-    mine = w.generate(plan)
-    for i, row in enumerate(w._own.rows):  # a tiny model solves nothing: give its own groups a spread to learn from
-        row.reward = float(i % 2)
-    theirs = b.generate(plan).rollouts
-    foreign = tuple(r.__class__(**{**r.__dict__, "reward": float(i % 2)}) for i, r in enumerate(theirs))
-    report = w.train(TrainRequest("run", 1, "char", prompts, foreign, {"char": 0.5, "bpe": 0.25}))
+    rollouts, metrics = play(w, b, 1)
     ev = w.evaluate(EvalRequest("run", 1, "arithmetic", tuple(w.task.prompts("test", range(8))), max_new_tokens=12))
-    return {
-        "rollouts": [r.__dict__ for r in mine.rollouts],
-        "train": report.metrics,
-        "eval": ev.accuracy,
-        "batches": gather(calls),
-        "before": before,
-        "weights": {k: v.detach().clone() for k, v in w.model.state_dict().items()},
-    }
+    out = {"rollouts": rollouts, "train": metrics, "eval": ev.accuracy, "batches": gather(calls), "before": before}
+    out["weights"] = weights(w)
+    if "ckpt" in case:
+        out["checkpoint"] = w.checkpoint(1)
+        out["round2"] = play(w, b, 2)
+        out["weights2"] = weights(w)
+    return out
+
+
+def resume_case(case: str, ranks: int, run_dir: Path) -> dict:
+    """Resume ``run_dir`` (a ``-ckpt`` case's run, written at any N) at round 1 and play round 2."""
+    w, b = workers(case, ranks, run_dir, resume=True)
+    assert w.last_round == 1
+    return {"resumed": weights(w), "round2": play(w, b, 2), "weights2": weights(w)}
 
 
 def main() -> None:
@@ -90,8 +118,12 @@ def main() -> None:
     if ranks > 1:
         torch.distributed.init_process_group("gloo")
     try:
-        for case in cases:
-            result = run_case(case, ranks, out / f"run-{ranks}")
+        for case in cases:  # CASE, or resume:CASE:RUN_DIR
+            if case.startswith("resume:"):
+                _, name, run_dir = case.split(":", 2)
+                result, case = resume_case(name, ranks, Path(run_dir)), f"resume-{name}"
+            else:
+                result = run_case(case, ranks, out / f"run-{ranks}")
             if int(os.environ.get("RANK", "0")) == 0:
                 torch.save(result, out / f"{case}-{ranks}.pt")
     finally:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from tests.sharded_round import run_case
+from tests.sharded_round import cfg_data, resume_case, run_case
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("hacpo", "gspo-batchseed", "hacpo-lora-batchseed", "gspo-lora")
@@ -52,9 +53,17 @@ def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.Complet
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> Path:
+    """One launch of 2 ranks: every case, the checkpointed run, and the resume of the plain checkpointed run."""
     out = tmp_path_factory.mktemp("sharded")
-    torchrun(2, str(out), *CASES)
+    torch.set_num_threads(1)
+    torch.save(run_case("hacpo-ckpt", 1, out / "run-1"), out / "hacpo-ckpt-1.pt")
+    torchrun(2, str(out), *CASES, "hacpo-ckpt", f"resume:hacpo-ckpt:{out / 'run-1' / 'hacpo-ckpt'}")
     return out
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @pytest.mark.slow
@@ -76,3 +85,41 @@ def test_two_ranks_give_the_one_process_round(two_ranks, tmp_path, case):
     assert moved > 5e-4  # the update is far above the tolerance
     for k, w in want["weights"].items():
         torch.testing.assert_close(got["weights"][k], w, atol=1e-5, rtol=0, msg=k)
+
+
+@pytest.mark.slow
+def test_resume_with_another_number_of_ranks(two_ranks):
+    """1 -> 2 (the 2 ranks resumed the plain checkpoint) and 2 -> 1 (here, from the sharded one): the weights come
+    back bit for bit, round 2 samples the same rollouts and trains to the uninterrupted run's weights."""
+    plain, sharded = (torch.load(two_ranks / f"hacpo-ckpt-{n}.pt", weights_only=False) for n in (1, 2))
+    up = torch.load(two_ranks / "resume-hacpo-ckpt-2.pt", weights_only=False)
+    down = resume_case("hacpo-ckpt", 1, two_ranks / "run-2" / "hacpo-ckpt")
+    assert (Path(sharded["checkpoint"]) / "dcp").is_dir() and not (
+        Path(sharded["checkpoint"]) / "model.safetensors"
+    ).exists()
+    assert _max_diff(up["resumed"], plain["weights"]) == 0.0 and _max_diff(down["resumed"], sharded["weights"]) == 0.0
+    assert up["round2"][0] == plain["round2"][0] and down["round2"][0] == sharded["round2"][0]
+    assert _max_diff(plain["weights2"], plain["weights"]) > 1e-3  # round 2 moves the weights (Adam's 2nd step)
+    for resumed, ref in ((up, plain), (down, sharded), (down, plain)):
+        assert _max_diff(resumed["weights2"], ref["weights2"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_export_from_a_sharded_checkpoint_equals_the_plain_export(two_ranks, tmp_path):
+    from safetensors.torch import load_file
+
+    from hacrl_fed.export import export_model
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg_data("hacpo-ckpt", 1)))
+    out = {
+        n: export_model(two_ranks / f"run-{n}" / "hacpo-ckpt", "char", tmp_path / f"export-{n}", config=config)
+        for n in (1, 2)
+    }
+    assert sorted(p.name for p in out[1].iterdir()) == sorted(p.name for p in out[2].iterdir())
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        assert (out[1] / name).read_text() == (out[2] / name).read_text(), name
+    exported = {n: load_file(str(out[n] / "model.safetensors")) for n in (1, 2)}
+    sharded = torch.load(two_ranks / "hacpo-ckpt-2.pt", weights_only=False)["weights"]
+    assert _max_diff(exported[2], {k: sharded[k] for k in exported[2]}) == 0.0  # the sharded run's own weights
+    assert _max_diff(exported[2], exported[1]) < 1e-5  # and the plain run's up to round-off

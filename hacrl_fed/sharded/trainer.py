@@ -87,3 +87,26 @@ class ShardedTrainer(LocalTrainer):
         if out.get("train/steps", 0.0):
             copy_full_weights(self.model, self.replica)
         return out
+
+    def state_dict(self) -> dict:
+        """The trainer state but the optimizer's, which the checkpoint's shards hold
+        (:mod:`hacrl_fed.sharded.checkpoint`)."""
+        return {**super().state_dict(), "optimizer": None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the trainer state; with a one-process checkpoint's optimizer state (keyed by position), the
+        whole weights the replica was just given and that state go into the shards (collective)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from hacrl_fed.sharded.dcp_files import named_optimizer_state
+
+        if state.get("optimizer") is not None:
+            whole = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, self.replica.state_dict(), options=whole)
+            named = named_optimizer_state(state["optimizer"], self.replica)
+            set_optimizer_state_dict(self.model, self.optimizer, named, options=whole)
+        super().load_state_dict({**state, "optimizer": None})

@@ -20,12 +20,15 @@ is refused (:func:`check_supported`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from hacrl_fed.config import RunConfig, org_generation, org_trainer
-from hacrl_fed.sharded.fsdp import world
+from hacrl_fed.sharded.checkpoint import load_sharded, save_sharded
+from hacrl_fed.sharded.fsdp import copy_full_weights, world
 from hacrl_fed.sharded.generation import RankEngine
 from hacrl_fed.sharded.trainer import ShardedTrainer
 from hacrl_fed.trainer import LocalTrainer
+from hacrl_fed.worker.checkpoint import SHARDED_DIR, load_checkpoint, load_trainer_state
 from hacrl_fed.worker.policy_worker import PolicyWorker
 
 
@@ -69,3 +72,23 @@ class ShardedPolicyWorker(PolicyWorker):
         if not self.sharded:
             return super()._new_trainer()
         return ShardedTrainer(self.model, self.cfg.algorithm, self.trainer_cfg, self.pad_id, self.sharding)
+
+    def _save(self, root: Path, round: int, extra: dict[str, Any]) -> Path:
+        if not self.sharded:
+            return super()._save(root, round, extra)
+        return save_sharded(root, round, self.trainer.model, self.trainer.optimizer, self.trainer.state_dict(), extra)
+
+    def _restore(self, path: Path) -> None:
+        """Weights, optimizer and RNG states of checkpoint ``path``, written at any ``N``: a sharded checkpoint's
+        shards straight into this rank's shards; a one-process checkpoint through the whole weights."""
+        if not self.sharded:
+            return super()._restore(path)
+        if (path / SHARDED_DIR).is_dir():
+            load_sharded(path, self.trainer.model, self.trainer.optimizer)
+            copy_full_weights(self.trainer.model, self.model)
+            trainer_state = load_trainer_state(path)
+        else:
+            trainer_state, _ = load_checkpoint(path, self.model)
+        self.trainer.load_state_dict(trainer_state)
+        self.engine.sync_weights(self.model)
+        self._pristine = False
