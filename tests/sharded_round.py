@@ -41,9 +41,16 @@ def cfg_data(case: str, ranks: int) -> dict:
         "likelihood_screen": {"enabled": False},
     }
     generation = {"num_samples": 4, "max_new_tokens": 12, "batch_size": 8, "seed_per_batch": "batchseed" in opts}
+    if "gc" in opts:
+        trainer["gradient_checkpointing"] = True
     if "lora" in opts:
         trainer.update(lr=1e-2, lora=LORA)
-    orgs = [dict(ORGS[0], sharding={"ranks": ranks}), ORGS[1]]
+    sharding = {
+        "ranks": ranks,
+        "mixed_precision": "bf16" if "bf16" in opts else "off",
+        "cpu_offload": "offload" in opts,
+    }
+    orgs = [dict(ORGS[0], sharding=sharding), ORGS[1]]
     return {
         "name": "t",
         "seed": 3,

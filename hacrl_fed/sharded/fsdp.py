@@ -3,7 +3,9 @@
 :func:`shard_model` applies ``torch.distributed.fsdp.fully_shard`` to every decoder layer, then to the whole model
 (the root holds the embeddings, the final norm and the head), with ``sharding.mixed_precision`` as FSDP2's
 ``MixedPrecisionPolicy`` (parameters cast to the compute dtype for forward/backward, gradients reduced in float32)
-and ``sharding.cpu_offload`` as its ``CPUOffloadPolicy``. Gradients are *summed* over the ranks, not averaged
+and ``sharding.cpu_offload`` as its ``CPUOffloadPolicy`` (parameter shards, gradients and AdamW state in host
+memory, the optimizer step on the CPU; a model on the CPU has nothing to offload and the option is a no-op there).
+Gradients are *summed* over the ranks, not averaged
 (FSDP2's default): each rank back-propagates its share of a mini-batch's micro-batches with the mini-batch's global
 weights, so the sum is the single-process gradient.
 """
@@ -46,7 +48,8 @@ def shard_model(model: nn.Module, mixed_precision: str = "off", cpu_offload: boo
         raise ValueError(f"sharding: {type(model).__name__} has no transformers decoder layers to shard")
     dtype = _DTYPES.get(mixed_precision)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    on_cpu = next(model.parameters()).device.type == "cpu"  # already in host memory: nothing to offload
+    offload = CPUOffloadPolicy() if cpu_offload and not on_cpu else OffloadPolicy()
     for layer in layers:
         fully_shard(layer, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mp_policy=mp, offload_policy=offload)

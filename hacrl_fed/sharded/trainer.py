@@ -15,6 +15,9 @@ every rank takes the same decisions.
 Two copies of the weights per rank: the FSDP2 shards (what trains, with the optimizer state) and a plain replica
 with the whole weights (what the engine generates with, what a fresh run starts from); after each update the
 replica is refreshed from the shards (``DTensor.full_tensor()``, :func:`~hacrl_fed.sharded.fsdp.copy_full_weights`).
+With ``sharding.mixed_precision`` the shards (and AdamW) are float32 whatever the replica's dtype (e.g. a
+bfloat16 replica with ``model.dtype: bfloat16``), FSDP2 computes forward and backward in bf16/fp16 and reduces
+gradients in float32, and the replica receives the updated weights rounded to its dtype.
 The KL reference is a plain frozen copy of the replica. Scoring runs through the model's own ``forward`` (FSDP2's
 hooks gather each layer), never the hand-written native forward, which reads parameters directly.
 """
@@ -45,7 +48,10 @@ class ShardedTrainer(LocalTrainer):
     ):
         self.replica = replica
         self.rank, self.size = world()
-        sharded = shard_model(copy.deepcopy(replica), sharding.mixed_precision, sharding.cpu_offload)
+        sharded = copy.deepcopy(replica)
+        if sharding.mixed_precision != "off":  # float32 shards and AdamW; FSDP2 computes in the policy's dtype
+            sharded = sharded.float()
+        sharded = shard_model(sharded, sharding.mixed_precision, sharding.cpu_offload)
         super().__init__(sharded, algo, trainer, pad_id)
 
     @staticmethod
