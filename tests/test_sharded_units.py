@@ -71,3 +71,17 @@ def test_unsupported_sharded_settings_are_refused_naming_the_field():
         check_supported(_cfg(2), "char", world_size=3)
     check_supported(_cfg(1, generation={"engine": "vllm"}), "char", world_size=1)  # one plain process: all engines
     check_supported(_cfg(2, generation={"engine": "fast"}), "char", world_size=2)
+
+
+def test_the_sharded_gpu_recipe_loads_and_is_supported_at_8_ranks():
+    from pathlib import Path
+
+    from hacrl_fed.config import org_generation, org_trainer
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "recipes" / "qwen3-8b-sharded+qwen3-1.7b.yaml")
+    big = cfg.org("qwen3-8b").sharding
+    assert (big.ranks, big.backend, big.mixed_precision, big.cpu_offload) == (8, "nccl", "bf16", True)
+    assert org_generation(cfg, "qwen3-8b").engine == "hf" and org_generation(cfg, "qwen3-8b").seed_per_batch
+    assert org_trainer(cfg, "qwen3-8b").precision == "model" and org_trainer(cfg, "qwen3-8b").gradient_checkpointing
+    check_supported(cfg, "qwen3-8b", world_size=8)
+    check_supported(cfg, "qwen3-1.7b", world_size=1)
