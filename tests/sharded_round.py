@@ -41,6 +41,8 @@ def cfg_data(case: str, ranks: int) -> dict:
         "likelihood_screen": {"enabled": False},
     }
     generation = {"num_samples": 4, "max_new_tokens": 12, "batch_size": 8, "seed_per_batch": "batchseed" in opts}
+    if "kl" in opts:  # self rows come first: two mini-batches of them, so the second sees a KL off the reference
+        trainer["minibatch_size"] = 8
     if "gc" in opts:
         trainer["gradient_checkpointing"] = True
     if "lora" in opts:
@@ -55,7 +57,7 @@ def cfg_data(case: str, ranks: int) -> dict:
         "name": "t",
         "seed": 3,
         "orgs": orgs,
-        "algorithm": {"name": algorithm},
+        "algorithm": {"name": algorithm, "kl_beta": 0.05 if "kl" in opts else 0.0},
         "trainer": trainer,
         "generation": generation,
         "task": {"name": "arithmetic", "eval_size": 8},

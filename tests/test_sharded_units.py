@@ -85,3 +85,15 @@ def test_the_sharded_gpu_recipe_loads_and_is_supported_at_8_ranks():
     assert org_trainer(cfg, "qwen3-8b").precision == "model" and org_trainer(cfg, "qwen3-8b").gradient_checkpointing
     check_supported(cfg, "qwen3-8b", world_size=8)
     check_supported(cfg, "qwen3-1.7b", world_size=1)
+
+
+def test_an_error_that_cannot_travel_to_the_other_ranks_travels_as_its_text():
+    from hacrl_fed.sharded.fsdp import portable
+
+    class Local(Exception):  # defined in a function: pickle cannot find it by name
+        pass
+
+    plain = ValueError("bad")
+    assert portable(plain) is plain
+    moved = portable(Local("rank 0 failed"))
+    assert type(moved) is RuntimeError and str(moved) == "Local: rank 0 failed"

@@ -23,8 +23,8 @@ from tests.sharded_round import cfg_data, resume_case, run_case
 
 ROOT = Path(__file__).resolve().parents[1]
 # -batchseed: generation.seed_per_batch; -gc: gradient checkpointing; -offload: sharding.cpu_offload (a no-op for a
-# model on the CPU: it must change nothing)
-CASES = ("hacpo", "gspo-batchseed", "hacpo-lora-batchseed", "gspo-lora", "hacpo-offload-gc")
+# model on the CPU: it must change nothing); -kl: algorithm.kl_beta 0.05 (the KL term's mean over all self tokens)
+CASES = ("hacpo", "gspo-batchseed", "hacpo-lora-batchseed", "gspo-lora", "hacpo-offload-gc", "hacpo-kl")
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -80,9 +80,9 @@ def test_two_ranks_give_the_one_process_round(two_ranks, tmp_path, case):
     assert got["batches"] == ([[0], [8]] if "batchseed" in case else [[0, 8], []])
     for key in ("train/steps", "train/num_rows", "train/num_self", "train/num_cross", "train/num_backward"):
         assert got["train"][key] == want["train"][key], key
-    for key in ("train/loss", "train/grad_norm"):
+    for key in ("train/loss", "train/grad_norm", "train/kl"):
         assert got["train"][key] == pytest.approx(want["train"][key], rel=1e-5, abs=1e-7), key
-    assert want["train"]["train/grad_norm"] > 0
+    assert want["train"]["train/grad_norm"] > 0 and (want["train"]["train/kl"] > 0) == ("kl" in case)
     moved = max((want["weights"][k] - want["before"][k]).abs().max().item() for k in want["weights"])
     assert moved > 5e-4  # the update is far above the tolerance
     for k, w in want["weights"].items():

@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from hacrl_fed.sharded.dcp_files import SHARDED_DIR
-from hacrl_fed.sharded.fsdp import broadcast, world
+from hacrl_fed.sharded.fsdp import broadcast, portable, world
 from hacrl_fed.worker.checkpoint import commit_checkpoint, stage_checkpoint
 
 
@@ -34,7 +34,7 @@ def _on_rank0(fn):
         try:
             result = fn()
         except Exception as e:  # handed to every rank so none waits for a directory that never comes
-            err = e
+            err = portable(e)
     result, err = broadcast((result, err))
     if err is not None:
         raise err

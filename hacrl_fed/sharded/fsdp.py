@@ -5,13 +5,15 @@
 ``MixedPrecisionPolicy`` (parameters cast to the compute dtype for forward/backward, gradients reduced in float32)
 and ``sharding.cpu_offload`` as its ``CPUOffloadPolicy`` (parameter shards, gradients and AdamW state in host
 memory, the optimizer step on the CPU; a model on the CPU has nothing to offload and the option is a no-op there).
-Gradients are *summed* over the ranks, not averaged
-(FSDP2's default): each rank back-propagates its share of a mini-batch's micro-batches with the mini-batch's global
-weights, so the sum is the single-process gradient.
+With ``cpu_offload`` on CUDA the process group needs a CPU backend beside NCCL (``init_process_group(
+"cpu:gloo,cuda:nccl")``): the gradient clip's norm and the checkpoint's collectives then run on host tensors.
+Gradients are *summed* over the ranks, not averaged (FSDP2's default): each rank back-propagates its share of a
+mini-batch's micro-batches with the mini-batch's global weights, so the sum is the single-process gradient.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -72,8 +74,18 @@ def copy_full_weights(sharded: nn.Module, replica: nn.Module) -> None:
     """Write the sharded model's whole parameters into ``replica`` (same names), in place. Collective."""
     target = dict(replica.named_parameters())
     for name, p in sharded.named_parameters():
-        whole = full_tensor(p.detach())
-        target[name].copy_(whole.to(device=target[name].device, dtype=target[name].dtype))
+        dest = target[name]
+        whole = full_tensor(p.detach().to(dest.device))  # an offloaded (CPU) shard gathers on the replica's device
+        dest.copy_(whole.to(dtype=dest.dtype))
+
+
+def portable(err: Exception) -> Exception:
+    """``err`` as it can travel to the other ranks: itself when it pickles, else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
 
 
 def broadcast(obj: T, src: int = 0) -> T:

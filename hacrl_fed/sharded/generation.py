@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from hacrl_fed.engines.base import Generation, GenerationEngine, sampling_prompts
 from hacrl_fed.engines.hf import HFEngine, _seeded, sampling_kwargs
-from hacrl_fed.sharded.fsdp import broadcast, gather, world
+from hacrl_fed.sharded.fsdp import broadcast, gather, portable, world
 
 T = TypeVar("T")
 
@@ -37,7 +37,7 @@ def _outcome(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
     try:
         return fn(), None
     except Exception as err:  # handed to every rank and raised there (module docstring)
-        return None, err
+        return None, portable(err)
 
 
 def _raise_any(errors: list[BaseException | None]) -> None:

@@ -5,7 +5,9 @@ Same constructor and the same :class:`~hacrl_fed.worker.api.WorkerAPI` methods a
 initialised by the caller (torchrun's environment, the endpoint side), and every rank calls the same method with
 the same request in the same order. Each rank then runs the same checks, the same intake and the same bookkeeping
 on the same request, so they all take the same decisions; rank 0's return value is the org's reply (the other
-ranks return the same value, signed alike).
+ranks return the same value, signed alike). Collective: ``step``, ``evaluate``, ``checkpoint`` (and the
+deprecated ``generate`` / ``train`` halves); construction with ``resume=True`` too. ``health`` is local (no
+collective): rank 0 may answer it alone.
 
 What is split over the ranks: the update (FSDP2 shards of the trainable weights and optimizer state, each rank's
 share of a mini-batch's micro-batches, :mod:`hacrl_fed.sharded.trainer`), the evaluation's engine batches, and
