@@ -59,7 +59,15 @@ def two_ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sharded")
     torch.set_num_threads(1)
     torch.save(run_case("hacpo-ckpt", 1, out / "run-1"), out / "hacpo-ckpt-1.pt")
-    torchrun(2, str(out), *CASES, "hacpo-bf16", "hacpo-ckpt", f"resume:hacpo-ckpt:{out / 'run-1' / 'hacpo-ckpt'}")
+    torchrun(
+        2,
+        str(out),
+        *CASES,
+        "hacpo-bf16",
+        "hacpo-ckpt",
+        "hacpo-lora-ckpt",
+        f"resume:hacpo-ckpt:{out / 'run-1' / 'hacpo-ckpt'}",
+    )
     return out
 
 
@@ -122,6 +130,16 @@ def test_resume_with_another_number_of_ranks(two_ranks):
     assert _max_diff(plain["weights2"], plain["weights"]) > 1e-3  # round 2 moves the weights (Adam's 2nd step)
     for resumed, ref in ((up, plain), (down, sharded), (down, plain)):
         assert _max_diff(resumed["weights2"], ref["weights2"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_sharded_lora_checkpoint_resumes_in_one_process(two_ranks):
+    """The adapters' shards and their AdamW state come back by name in a one-process worker (2 -> 1)."""
+    sharded = torch.load(two_ranks / "hacpo-lora-ckpt-2.pt", weights_only=False)
+    down = resume_case("hacpo-lora-ckpt", 1, two_ranks / "run-2" / "hacpo-lora-ckpt")
+    assert _max_diff(down["resumed"], sharded["weights"]) == 0.0 and down["round2"][0] == sharded["round2"][0]
+    assert _max_diff(sharded["weights2"], sharded["weights"]) > 1e-3
+    assert _max_diff(down["weights2"], sharded["weights2"]) < 1e-5
 
 
 @pytest.mark.slow
