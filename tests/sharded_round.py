@@ -104,7 +104,13 @@ def run_case(case: str, ranks: int, run_dir: Path) -> dict:
     inner.sample_batch = lambda flat, start, *a: calls.append(start) or sample_batch(flat, start, *a)
     rollouts, metrics = play(w, b, 1)
     ev = w.evaluate(EvalRequest("run", 1, "arithmetic", tuple(w.task.prompts("test", range(8))), max_new_tokens=12))
-    out = {"rollouts": rollouts, "train": metrics, "eval": ev.accuracy, "batches": gather(calls), "before": before}
+    out = {
+        "rollouts": rollouts,
+        "train": metrics,
+        "eval": ev.accuracy,
+        "batches": gather(list(calls)),
+        "before": before,
+    }
     out["weights"] = weights(w)
     if "ckpt" in case:
         out["checkpoint"] = w.checkpoint(1)

@@ -23,8 +23,9 @@ from tests.sharded_round import cfg_data, resume_case, run_case
 
 ROOT = Path(__file__).resolve().parents[1]
 # -batchseed: generation.seed_per_batch; -gc: gradient checkpointing; -offload: sharding.cpu_offload (a no-op for a
-# model on the CPU: it must change nothing); -kl: algorithm.kl_beta 0.05 (the KL term's mean over all self tokens)
-CASES = ("hacpo", "gspo-batchseed", "hacpo-lora-batchseed", "gspo-lora", "hacpo-offload-gc", "hacpo-kl")
+# model on the CPU: it must change nothing); -kl: algorithm.kl_beta 0.05 (the KL term's mean over all self tokens);
+# -ckpt: a checkpoint of round 1, then round 2 (the resume tests)
+CASES = ("hacpo-ckpt", "gspo-batchseed", "hacpo-lora-batchseed-ckpt", "gspo-lora", "hacpo-kl-gc-offload")
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -59,16 +60,14 @@ def two_ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sharded")
     torch.set_num_threads(1)
     torch.save(run_case("hacpo-ckpt", 1, out / "run-1"), out / "hacpo-ckpt-1.pt")
-    torchrun(
-        2,
-        str(out),
-        *CASES,
-        "hacpo-bf16",
-        "hacpo-ckpt",
-        "hacpo-lora-ckpt",
-        f"resume:hacpo-ckpt:{out / 'run-1' / 'hacpo-ckpt'}",
-    )
+    torchrun(2, str(out), *CASES, "hacpo-bf16", f"resume:hacpo-ckpt:{out / 'run-1' / 'hacpo-ckpt'}")
     return out
+
+
+def one_process(two_ranks: Path, case: str, tmp_path: Path) -> dict:
+    """The one-process run of ``case`` (the fixture's when it made one)."""
+    made = two_ranks / f"{case}-1.pt"
+    return torch.load(made, weights_only=False) if made.is_file() else run_case(case, 1, tmp_path)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -80,7 +79,7 @@ def _max_diff(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks_give_the_one_process_round(two_ranks, tmp_path, case):
     torch.set_num_threads(1)
-    want = run_case(case, 1, tmp_path)
+    want = one_process(two_ranks, case, tmp_path)
     got = torch.load(two_ranks / f"{case}-2.pt", weights_only=False)
     assert got["rollouts"] == want["rollouts"] and got["eval"] == want["eval"]
     # 16 sequences in engine batches of 8: with a seed per batch each rank samples one, else rank 0 samples both
@@ -102,7 +101,7 @@ def test_bf16_mixed_precision_trains_float32_shards_close_to_the_float32_update(
     """sharding.mixed_precision: bf16 computes in bfloat16: the same rollouts (sampled before the update), the loss
     within 2%, float32 weights, and an update pointing the float32 update's way (Adam's first steps are nearly
     sign steps, so bf16 noise flips small components: measured cosine 0.68)."""
-    want = run_case("hacpo", 1, tmp_path)
+    want = one_process(two_ranks, "hacpo-ckpt", tmp_path)  # its round 1 is the plain hacpo round
     got = torch.load(two_ranks / "hacpo-bf16-2.pt", weights_only=False)
     assert got["rollouts"] == want["rollouts"]
     assert got["train"]["train/loss"] == pytest.approx(want["train"]["train/loss"], rel=0.02)
@@ -135,8 +134,8 @@ def test_resume_with_another_number_of_ranks(two_ranks):
 @pytest.mark.slow
 def test_a_sharded_lora_checkpoint_resumes_in_one_process(two_ranks):
     """The adapters' shards and their AdamW state come back by name in a one-process worker (2 -> 1)."""
-    sharded = torch.load(two_ranks / "hacpo-lora-ckpt-2.pt", weights_only=False)
-    down = resume_case("hacpo-lora-ckpt", 1, two_ranks / "run-2" / "hacpo-lora-ckpt")
+    sharded = torch.load(two_ranks / "hacpo-lora-batchseed-ckpt-2.pt", weights_only=False)
+    down = resume_case("hacpo-lora-batchseed-ckpt", 1, two_ranks / "run-2" / "hacpo-lora-batchseed-ckpt")
     assert _max_diff(down["resumed"], sharded["weights"]) == 0.0 and down["round2"][0] == sharded["round2"][0]
     assert _max_diff(sharded["weights2"], sharded["weights"]) > 1e-3
     assert _max_diff(down["weights2"], sharded["weights2"]) < 1e-5
