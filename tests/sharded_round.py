@@ -6,7 +6,8 @@ worker). For each CASE (``hacpo``, ``gspo``, ``hacpo-lora``, ...) it builds the 
 1 for ``char`` (with ``bpe``'s rollouts as the foreign rows), trains it, evaluates, and rank 0 writes
 ``OUT/CASE-N.pt``: the rollouts, the train and eval metrics and the whole weights after the update (a ``-ckpt``
 case also checkpoints round 1 and plays round 2). ``resume:CASE:RUN_DIR`` resumes a ``-ckpt`` case's run dir
-(checkpointed at any N) and plays round 2 (``OUT/resume-CASE-N.pt``).
+(checkpointed at any N) and plays round 2 (``OUT/resume-CASE-N.pt``); a ``-step`` case plays two rounds through
+``step``.
 """
 
 from __future__ import annotations
@@ -119,6 +120,33 @@ def run_case(case: str, ranks: int, run_dir: Path) -> dict:
     return out
 
 
+def step_case(case: str, ranks: int, run_dir: Path) -> dict:
+    """Two rounds through ``step`` (the API the endpoint serves): round 1's plan, then one message with round 1's
+    train, an evaluation, a checkpoint and round 2's plan."""
+    from hacrl_fed.types import StepRequest
+
+    w, _ = workers(case, ranks, run_dir / case)
+
+    def plan(r: int) -> RoundPlan:
+        prompts = tuple(w.task.prompts("train", list(range(10 * r, 10 * r + 4))))
+        return RoundPlan("run", r, "arithmetic", prompts, SamplingParams(max_new_tokens=12, num_samples=4, seed=11))
+
+    first = w.step(StepRequest(plan=plan(1)))
+    for i, row in enumerate(w._own.rows):
+        row.reward = float(i % 2)
+    ev = EvalRequest("run", 1, "arithmetic", tuple(w.task.prompts("test", range(8))), max_new_tokens=12)
+    train = TrainRequest("run", 1, "char", plan(1).prompts, (), {"char": 0.5})
+    second = w.step(StepRequest(train=train, evaluate=ev, checkpoint=1, plan=plan(2)))
+    assert first.batch is not None and second.batch is not None and second.report is not None
+    return {
+        "rounds": [[r.__dict__ for r in reply.batch.rollouts] for reply in (first, second)],
+        "errors": [second.train_error, second.generate_error, second.eval_error, second.checkpoint_error],
+        "loss": second.report.metrics["train/loss"],
+        "eval": second.eval_report.accuracy if second.eval_report else None,
+        "checkpoint": second.checkpoint,
+    }
+
+
 def resume_case(case: str, ranks: int, run_dir: Path) -> dict:
     """Resume ``run_dir`` (a ``-ckpt`` case's run, written at any N) at round 1 and play round 2."""
     w, b = workers(case, ranks, run_dir, resume=True)
@@ -137,6 +165,8 @@ def main() -> None:
             if case.startswith("resume:"):
                 _, name, run_dir = case.split(":", 2)
                 result, case = resume_case(name, ranks, Path(run_dir)), f"resume-{name}"
+            elif "step" in case:
+                result = step_case(case, ranks, out / f"run-{ranks}")
             else:
                 result = run_case(case, ranks, out / f"run-{ranks}")
             if int(os.environ.get("RANK", "0")) == 0:

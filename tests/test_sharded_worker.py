@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from tests.sharded_round import cfg_data, resume_case, run_case
+from tests.sharded_round import cfg_data, resume_case, run_case, step_case
 
 ROOT = Path(__file__).resolve().parents[1]
 # -batchseed: generation.seed_per_batch; -gc: gradient checkpointing; -offload: sharding.cpu_offload (a no-op for a
@@ -60,7 +60,8 @@ def two_ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sharded")
     torch.set_num_threads(1)
     torch.save(run_case("hacpo-ckpt", 1, out / "run-1"), out / "hacpo-ckpt-1.pt")
-    torchrun(2, str(out), *CASES, "hacpo-bf16", f"resume:hacpo-ckpt:{out / 'run-1' / 'hacpo-ckpt'}")
+    resume = f"resume:hacpo-ckpt:{out / 'run-1' / 'hacpo-ckpt'}"
+    torchrun(2, str(out), *CASES, "hacpo-bf16", "hacpo-batchseed-step", resume)
     return out
 
 
@@ -112,6 +113,22 @@ def test_bf16_mixed_precision_trains_float32_shards_close_to_the_float32_update(
 
     assert torch.nn.functional.cosine_similarity(step(got), step(want), dim=0) > 0.5
     assert 0 < _max_diff(got["weights"], want["weights"]) < 1e-2
+
+
+@pytest.mark.slow
+def test_two_rounds_through_step_give_the_one_process_rewards(two_ranks, tmp_path):
+    """The endpoint's API: round 1's plan, then train + evaluate + checkpoint + round 2's plan in one message. Every
+    part succeeds; each round's rollouts and rewards are the one-process ones (round 2's log-prob sums, sampled
+    after an update equal only up to round-off, within 1e-4)."""
+    want = step_case("hacpo-batchseed-step", 1, tmp_path)
+    got = torch.load(two_ranks / "hacpo-batchseed-step-2.pt", weights_only=False)
+    assert got["errors"] == want["errors"] == ["", "", "", ""]
+    assert got["rounds"][0] == want["rounds"][0] and got["eval"] == want["eval"]
+    for mine, theirs in zip(got["rounds"][1], want["rounds"][1], strict=True):
+        assert mine["logprob_sum"] == pytest.approx(theirs["logprob_sum"], abs=1e-4)
+        assert {**mine, "logprob_sum": 0.0} == {**theirs, "logprob_sum": 0.0}
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    assert (Path(got["checkpoint"]) / "dcp").is_dir()
 
 
 @pytest.mark.slow
