@@ -48,7 +48,7 @@ def check_supported(cfg: RunConfig, org_id: str, world_size: int | None = None) 
     if ranks > 1 and org_trainer(cfg, org_id).precision == "bf16-master":
         raise ValueError(
             f"orgs[{org_id}].sharding.ranks={ranks} with trainer.precision=bf16-master is not supported: the "
-            "shards keep their own float32 copy; use model.dtype float32 with sharding.mixed_precision: bf16"
+            "shards are the float32 masters; use trainer.precision: model with sharding.mixed_precision: bf16"
         )
     if world_size is not None and world_size != ranks:
         raise ValueError(f"orgs[{org_id}].sharding.ranks={ranks} but the worker's process group has {world_size} ranks")
