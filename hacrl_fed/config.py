@@ -427,6 +427,13 @@ class GenerationConfig(_Section):
         ),
     )
     batch_size: int = Field(64, ge=1, description="sequences per generate() call (hf) / max_num_seqs (vllm)")
+    seed_per_batch: bool = Field(
+        False,
+        description=_d(
+            "hf/fast: seed each generate() call of batch_size sequences on its own (from the round's seed and the "
+            "batch), not one random stream per round; lets a sharded worker sample its batches on every rank"
+        ),
+    )
     gpu_memory_utilization: float = Field(
         0.5,
         gt=0,

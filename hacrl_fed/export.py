@@ -3,7 +3,8 @@
 :func:`export_model` rebuilds the org's model exactly as its worker did (the run's ``config.yaml``: ``model.*``,
 ``trainer.lora``), loads the chosen checkpoint (``<run dir>/orgs/<org>/checkpoints/<run id>/round-NNNNNN``, the
 latest when no round is given) and writes a folder that ``AutoModelForCausalLM.from_pretrained`` and
-``AutoTokenizer.from_pretrained`` (and vLLM) load offline:
+``AutoTokenizer.from_pretrained`` (and vLLM) load offline (a sharded worker's checkpoint, ``dcp/`` shards written
+at any number of ranks, is read back whole: :mod:`hacrl_fed.sharded.checkpoint`):
 
 - ``config.json`` + ``model.safetensors``: the weights in the dtype the checkpoint holds (``dtype`` overrides);
   a LoRA run's adapters are **merged** into the base weights (``adapter_only=True`` writes peft's
@@ -27,12 +28,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from hacrl_fed.config import BuildError, RunConfig, load_config, org_generation, org_trainer
 from hacrl_fed.models.loading import load_model_and_tokenizer, resolve_dtype
 from hacrl_fed.run_files import CONFIG_FILE, INFO_FILE
-from hacrl_fed.worker.checkpoint import checkpoint_round, checkpointed_runs, latest_checkpoint, latest_run
+from hacrl_fed.worker.checkpoint import (
+    SHARDED_DIR,
+    checkpoint_round,
+    checkpoint_weights,
+    checkpointed_runs,
+    latest_checkpoint,
+    latest_run,
+)
 from hacrl_fed.worker.policy_worker import _wrap_lora
 
 EXPORT_INFO = "hacrl_export.json"
@@ -75,6 +82,11 @@ def find_checkpoint(run_dir: Path, org_id: str, round: int | None = None) -> tup
 def _checkpoint_dtype(path: Path) -> torch.dtype:
     from safetensors import safe_open
 
+    if not (path / "model.safetensors").is_file() and (path / SHARDED_DIR).is_dir():
+        from hacrl_fed.sharded.dcp_files import weights_dtype
+
+        return weights_dtype(path)
+
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         for key in f.keys():
             t = f.get_slice(key)
@@ -93,7 +105,7 @@ def load_trained(cfg: RunConfig, org_id: str, checkpoint: Path) -> tuple[Any, An
     trainer_cfg = org_trainer(cfg, org_id)
     if trainer_cfg.lora.enabled:
         model = _wrap_lora(model, trainer_cfg)
-    weights = load_file(str(checkpoint / "model.safetensors"))
+    weights = checkpoint_weights(checkpoint)  # safetensors, or a sharded worker's shards read back whole
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or any("lm_head" not in k for k in missing):  # tied heads may be absent
         raise BuildError(

@@ -152,6 +152,18 @@ class _MetricAccumulator:
                 self.sums[k] = self.sums.get(k, 0.0) + v * weight
                 self.counts[k] = self.counts.get(k, 0.0) + weight
 
+    def merge(self, other: _MetricAccumulator) -> None:
+        """Fold in another accumulator's sums and counts (another rank's share of the same steps)."""
+        for k, v in other.sums.items():
+            if k.endswith("_min"):
+                self.sums[k] = min(self.sums.get(k, math.inf), v)
+            elif k.endswith("_max"):
+                self.sums[k] = max(self.sums.get(k, -math.inf), v)
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v
+        for k, c in other.counts.items():
+            self.counts[k] = self.counts.get(k, 0.0) + c
+
     def result(self) -> dict[str, float]:
         return {k: (v / self.counts[k] if k in self.counts else v) for k, v in self.sums.items()}
 
@@ -215,7 +227,7 @@ class LocalTrainer:
         self.screen_history: dict[str, GapHistory] = {}  # per source name: its claimed-minus-learner gap so far
         self.ref_model = None
         if algo.kl_beta > 0:
-            self.ref_model = copy.deepcopy(model).eval()
+            self.ref_model = self._reference_copy(model)
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         if trainer.gradient_checkpointing:
@@ -371,7 +383,7 @@ class LocalTrainer:
         train = list(range(len(rows))) if lbar is None else torch.isnan(lbar).nonzero().flatten().tolist()
         acc = _MetricAccumulator()
         loss_total, kl_total = 0.0, 0.0
-        for micro_idx in self._micro_batches(rows, train):
+        for micro_idx, scale in self._rank_share(self._micro_batches(rows, train)):
             sel, batch, inputs = self._score_micro(rows, micro_idx, adv, is_self, v)
             micro, lp, mask = [rows[i] for i in micro_idx], inputs.token_log_probs, inputs.response_mask
             loss, metrics = self.loss_fn(inputs, step, self.loss_cfg)
@@ -381,13 +393,16 @@ class LocalTrainer:
             if self.ref_model is not None and self_tokens > 0:
                 kl_term = self._kl_sum(batch, lp, mask, is_self[sel]) / self_tokens  # token mean over self tokens
                 objective = objective + self.algo.kl_beta * kl_term
-                kl_total += kl_term.item()
-            objective.backward()
+                kl_total += kl_term.item() * scale
+            (objective if scale == 1.0 else objective * scale).backward()
+            if not scale:  # a stand-in pass of a rank with fewer micro-batches (_rank_share): no gradient, no metric
+                continue
             if lbar is None:
                 loss_total += loss.item() * weight
                 acc.add(metrics, weight=len(micro))
             else:
                 lbar[sel] = inputs.seq_log_probs().detach().float()
+        loss_total, kl_total, lbar = self._across_ranks(acc, loss_total, kl_total, lbar)
         if lbar is not None:  # the loss and metrics of every row, from the lbar scored with and without gradient
             loss, metrics = self.loss_fn(self._sequence_inputs(rows, lbar, adv, is_self, v), step, self.loss_cfg)
             loss_total = loss.item()
@@ -424,6 +439,23 @@ class LocalTrainer:
                 for p, master in zip(self.model_params, self.master):
                     p.copy_(master)
         return grad_norm
+
+    def _rank_share(self, micro_batches: list[list[int]]) -> list[tuple[list[int], float]]:
+        """The micro-batches of a mini-batch this process runs forward and backward, each with its scale (1: its
+        own; 0: a stand-in pass that keeps the ranks' collectives in step). One process: all of them, scale 1;
+        the sharded trainer (:mod:`hacrl_fed.sharded.trainer`) hands each rank its share."""
+        return [(m, 1.0) for m in micro_batches]
+
+    def _across_ranks(
+        self, acc: _MetricAccumulator, loss_total: float, kl_total: float, lbar: Tensor | None
+    ) -> tuple[float, float, Tensor | None]:
+        """The mini-batch's loss, KL and metrics (into ``acc``) and ``lbar`` [N] summed over the ranks that each
+        ran a share of its micro-batches; one process: as they are."""
+        return loss_total, kl_total, lbar
+
+    def _reference_copy(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The frozen KL reference: a copy of the model as it is now (``algorithm.kl_beta > 0``)."""
+        return copy.deepcopy(model).eval()
 
     def _micro_batches(self, rows: Sequence[TrainRow], index: Sequence[int]) -> list[list[int]]:
         """``index`` in micro-batches of ``trainer.micro_batch_size`` rows; when it takes more than one, the rows
@@ -543,7 +575,8 @@ class LocalTrainer:
             with torch.no_grad():
                 for i, (p, m) in enumerate(zip(self.model_params, self.master)):
                     m.copy_(saved[i] if saved is not None else p.float())
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("optimizer") is not None:  # None: a sharded trainer restored its shards itself
+            self.optimizer.load_state_dict(state["optimizer"])
         self.screen_history = {
             str(k): GapHistory(float(v[0]), float(v[1]), int(v[2]))
             for k, v in (state.get("likelihood_screen") or {}).items()

@@ -215,8 +215,8 @@ def test_engine_options_from_config_reach_the_factory(bpe):
         7, 99, 0.3, 512, "float16")
     assert (opts.enforce_eager, opts.sleep_level, opts.llm_kwargs, opts.model_path, opts.tokenizer_path) == (
         True, 1, {"swap_space": 2}, "/m", "/t")
-    # the hf engine takes only what it knows (batch_size); explicit keyword arguments win over the options
-    assert opts.kwargs_for(HFEngine) == {"batch_size": 7}
+    # the hf engine takes only what it knows (batch_size, seed_per_batch); explicit keyword arguments win
+    assert opts.kwargs_for(HFEngine) == {"batch_size": 7, "seed_per_batch": False}
     engine = build_engine("hf", tiny_model("gpt2", bpe, seed=0), bpe, opts, logprobs_from_generation=True)
     assert engine.batch_size == 7 and engine.logprobs_from_generation
     assert set(opts.kwargs_for(vllm_engine.VLLMEngine)) == {

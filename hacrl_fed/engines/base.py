@@ -179,6 +179,7 @@ class EngineOptions:
     """
 
     batch_size: int = 64  # sequences per generate() call (hf) / max concurrent sequences (vllm max_num_seqs)
+    seed_per_batch: bool = False  # hf/fast: each generate() call seeded on its own (generation.seed_per_batch)
     seed: int = 0  # the org's seed (vllm: the engine seed; per-request seeds come from the plan)
     model_path: str | None = None  # where the engine loads the model from (vllm); default: the model's own path
     tokenizer_path: str | None = None  # where the engine loads the tokenizer from (vllm); default: model_path
@@ -197,6 +198,7 @@ class EngineOptions:
         and the local sources of its model and tokenizer."""
         return cls(
             batch_size=gen.batch_size,
+            seed_per_batch=gen.seed_per_batch,
             seed=int(seed),
             model_path=model_path,
             tokenizer_path=tokenizer_path,

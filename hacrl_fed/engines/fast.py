@@ -156,8 +156,8 @@ class FastEngine(HFEngine):
     and a full forward differ by more than the tolerance the published values promise).
     """
 
-    def __init__(self, model, tokenizer, *, batch_size: int = 64) -> None:
-        super().__init__(model, tokenizer, batch_size=batch_size)
+    def __init__(self, model, tokenizer, *, batch_size: int = 64, seed_per_batch: bool = False) -> None:
+        super().__init__(model, tokenizer, batch_size=batch_size, seed_per_batch=seed_per_batch)
         self.steps = 0  # decoder forward calls made (prefill + one per further token), for tests and profiling
 
     def _run(self, prompt_ids: list[list[int]], max_new_tokens: int, sampling: dict) -> list[Generation]:

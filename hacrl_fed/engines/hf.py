@@ -3,6 +3,10 @@
 Sampling: prompts (rendered text, encoded with ``add_special_tokens=False``) are repeated ``num_samples`` times,
 left-padded and generated in calls of at most ``batch_size`` sequences, under ``torch.manual_seed(seed)`` inside a
 forked RNG state (the global RNG is left untouched, and the same seed and ``batch_size`` give the same outputs).
+With ``seed_per_batch=True`` (``generation.seed_per_batch``) each call of ``batch_size`` sequences is instead seeded
+on its own with ``stable_seed(seed, "batch", first sequence)``, so a batch's samples do not depend on the batches
+before it and the batches can be sampled anywhere, in any order (:meth:`HFEngine.sample_batch`; the sharded worker
+hands them to its ranks, :mod:`hacrl_fed.sharded.generation`).
 Only the requested sampling parameters apply: the model's own ``generation_config`` (repetition penalty, top-k
 default, …) is swapped for a bare one during the call, so no hidden processor reshapes the distribution.
 
@@ -37,6 +41,7 @@ from hacrl_fed.engines.base import (
     stop_token_ids,
 )
 from hacrl_fed.scoring import build_scoring_batch_from_ids, per_token_log_probs
+from hacrl_fed.seeding import stable_seed
 
 
 class _PaddedStepWarningFilter(logging.Filter):
@@ -49,6 +54,11 @@ class _PaddedStepWarningFilter(logging.Filter):
 
 
 logging.getLogger("transformers.modeling_utils").addFilter(_PaddedStepWarningFilter())
+
+
+def sampling_kwargs(temperature: float, top_p: float, top_k: int) -> dict:
+    """``generate()``'s sampling arguments: exactly the requested ones (module docstring)."""
+    return dict(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
 
 
 @contextmanager
@@ -103,6 +113,7 @@ class HFEngine(GenerationEngine):
         batch_size: int = 64,
         score_batch_size: int | None = None,
         logprobs_from_generation: bool = False,
+        seed_per_batch: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -113,6 +124,7 @@ class HFEngine(GenerationEngine):
         self.batch_size = batch_size
         self.score_batch_size = score_batch_size or batch_size
         self.logprobs_from_generation = logprobs_from_generation
+        self.seed_per_batch = seed_per_batch
         self.stop_ids = stop_token_ids(tokenizer, model)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else min(self.stop_ids)
@@ -138,13 +150,22 @@ class HFEngine(GenerationEngine):
             max_new_tokens=max_new_tokens,
         )
         flat = [p for p in prompts for _ in range(num_samples)]
-        sampling = dict(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
+        sampling = sampling_kwargs(temperature, top_p, top_k)
         gens: list[Generation] = []
         with _seeded(int(seed), self._device()):
             for start in range(0, len(flat), self.batch_size):
                 raise_if_cancelled("while generating")  # the caller is gone: stop between batches
-                gens += self._run(flat[start : start + self.batch_size], max_new_tokens, sampling)
+                gens += self.sample_batch(flat, start, max_new_tokens, sampling, seed)
         return [gens[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
+
+    def sample_batch(
+        self, flat: list[list[int]], start: int, max_new_tokens: int, sampling: dict, seed: int
+    ) -> list[Generation]:
+        """The call over sequences ``flat[start : start + batch_size]`` (prompt ids, one per sample), reseeded from
+        ``(seed, start)`` first when ``seed_per_batch`` (module docstring); else it continues the call's stream."""
+        if self.seed_per_batch:
+            torch.manual_seed(stable_seed(int(seed), "batch", start))
+        return self._run(flat[start : start + self.batch_size], max_new_tokens, sampling)
 
     def greedy(self, prompt_texts: list[str], *, max_new_tokens: int) -> list[Generation]:
         prompts = greedy_prompts(self.tokenizer, prompt_texts, max_new_tokens=max_new_tokens)

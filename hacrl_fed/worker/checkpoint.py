@@ -2,6 +2,8 @@
 one folder of rounds per run.
 
 Layout: ``<ckpt_root>/round-000012/{model.safetensors, trainer.pt, state.json}`` and ``<ckpt_root>/LATEST``
+(a sharded worker writes ``dcp/``, its ``torch.distributed.checkpoint`` of weights and optimizer state, in place of
+``model.safetensors``; :mod:`hacrl_fed.sharded.checkpoint`)
 (the directory name, replaced atomically; it never moves back to an older round). The last ``keep`` checkpoints
 are kept, and pruning removes only checkpoints older than the one just written, never a newer one. A policy worker
 keeps each run's checkpoints apart: ``ckpt_root`` is ``<run dir>/orgs/<org>/checkpoints/<run id>``
@@ -22,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hacrl_fed.fsio import write_atomic
+from hacrl_fed.sharded.dcp_files import SHARDED_DIR
 
 # a run id that is a safe directory name; "+" as in run names (RunConfig.name, e.g. qwen3-1.7b+qwen3-4b)
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,199}$")
@@ -63,13 +66,26 @@ def save_checkpoint(
     root: Path, round: int, model: torch.nn.Module, trainer_state: dict, extra: dict[str, Any], keep: int = 2
 ) -> Path:
     """Write a checkpoint for ``round`` and point ``LATEST`` at it; returns its directory."""
-    root.mkdir(parents=True, exist_ok=True)
-    out = root / f"round-{round:06d}"
-    tmp = root / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = stage_checkpoint(root, round)
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(_untie(weights), str(tmp / "model.safetensors"))
+    return commit_checkpoint(root, round, trainer_state, extra, keep)
+
+
+def stage_checkpoint(root: Path, round: int) -> Path:
+    """The empty staging directory of ``round``'s checkpoint (``root/.tmp-round-NNNNNN``), weights go there first."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-round-{round:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def commit_checkpoint(root: Path, round: int, trainer_state: dict, extra: dict[str, Any], keep: int = 2) -> Path:
+    """Write the trainer state, RNG states and ``state.json`` beside the staged weights, move the staging
+    directory into place, point ``LATEST`` at it and prune older checkpoints; returns its directory."""
+    out = root / f"round-{round:06d}"
+    tmp = root / f".tmp-{out.name}"
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     torch.save({"trainer": trainer_state, "rng": rng}, tmp / "trainer.pt")
     (tmp / "state.json").write_text(json.dumps({"round": round, **extra}, indent=2, sort_keys=True))
@@ -128,16 +144,38 @@ def latest_checkpoint(root: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The whole weights of checkpoint ``path`` by parameter name: its ``model.safetensors``, or for a sharded
+    worker's checkpoint (``dcp/``, :mod:`hacrl_fed.sharded.checkpoint`) the shards read back whole."""
+    if (path / "model.safetensors").is_file() or not (path / SHARDED_DIR).is_dir():
+        return load_file(str(path / "model.safetensors"))
+    from hacrl_fed.sharded.dcp_files import read_whole
+
+    return read_whole(path, "model")
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module) -> tuple[dict, dict[str, Any]]:
-    """Load weights into ``model`` and restore RNG states; returns ``(trainer_state, state_json)``."""
-    weights = load_file(str(path / "model.safetensors"))
+    """Load weights into ``model`` and restore RNG states; returns ``(trainer_state, state_json)``. A sharded
+    worker's checkpoint has its optimizer state in ``dcp/``: it is read back whole here, keyed by the position of
+    each trainable parameter of ``model`` as the one-process optimizer keys it."""
+    weights = checkpoint_weights(path)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or [k for k in missing if k not in weights]:
         real_missing = [k for k in missing if k not in weights]
         if unexpected or any("lm_head" not in k for k in real_missing):
             raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing} unexpected={unexpected}")
+    trainer = load_trainer_state(path)
+    if trainer.get("optimizer") is None and (path / SHARDED_DIR).is_dir():
+        from hacrl_fed.sharded.dcp_files import indexed_optimizer_state, read_whole
+
+        trainer["optimizer"] = indexed_optimizer_state(read_whole(path, "optim"), model)
+    return trainer, json.loads((path / "state.json").read_text())
+
+
+def load_trainer_state(path: Path) -> dict:
+    """Restore the RNG states of checkpoint ``path`` and return its trainer state (``trainer.pt``)."""
     blob = torch.load(path / "trainer.pt", weights_only=True)  # never unpickle arbitrary objects
     rng = blob["rng"]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    return blob["trainer"], json.loads((path / "state.json").read_text())
+    return blob["trainer"]

@@ -134,14 +134,16 @@ class RunRouting:
         """Checkpoint the round just trained into this run's folder, ``<run dir>/orgs/<org>/checkpoints/<run id>``."""
         check_checkpoint(self.org_id, round, last_round=self.last_round)
         assert self.run_id is not None  # last_round > 0: a run was trained
-        path = save_checkpoint(
+        path = self._save(
             run_checkpoint_root(self.ckpt_base, self.run_id),
             round,
-            self.model,
-            self.trainer.state_dict(),
             {"org_id": self.org_id, "last_round": self.last_round, "run_id": self.run_id},
         )
         return str(path)
+
+    def _save(self, root: Path, round: int, extra: dict[str, Any]) -> Path:
+        """Write the checkpoint of ``round`` under ``root`` (the sharded worker writes its shards instead)."""
+        return save_checkpoint(root, round, self.model, self.trainer.state_dict(), extra)
 
     def restore(self) -> int:
         """Resume the run checkpointed last (``resume=True``), if any; returns its round (0 when none)."""

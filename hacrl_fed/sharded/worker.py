@@ -1,0 +1,96 @@
+"""The collective policy worker: :class:`ShardedPolicyWorker`, one org's worker over ``N`` ranks.
+
+Same constructor and the same :class:`~hacrl_fed.worker.api.WorkerAPI` methods as
+:class:`~hacrl_fed.worker.policy_worker.PolicyWorker`, but every method is *collective*: ``torch.distributed`` is
+initialised by the caller (torchrun's environment, the endpoint side), and every rank calls the same method with
+the same request in the same order. Each rank then runs the same checks, the same intake and the same bookkeeping
+on the same request, so they all take the same decisions; rank 0's return value is the org's reply (the other
+ranks return the same value, signed alike). Collective: ``step``, ``evaluate``, ``checkpoint`` (and the
+deprecated ``generate`` / ``train`` halves); construction with ``resume=True`` too. ``health`` is local (no
+collective): rank 0 may answer it alone.
+
+What is split over the ranks: the update (FSDP2 shards of the trainable weights and optimizer state, each rank's
+share of a mini-batch's micro-batches, :mod:`hacrl_fed.sharded.trainer`), the evaluation's engine batches, and
+the sampling's single random stream on rank 0 (:mod:`hacrl_fed.sharded.generation`). With one process (no
+process group, or a group of one) it *is* a :class:`PolicyWorker`: the same trainer, engine and checkpoints.
+
+Supported: the ``hf`` and ``fast`` engines (each rank generates with a plain replica of the whole weights). The
+``vllm`` engine with ``sharding.ranks > 1`` (vLLM tensor parallelism over the org's GPUs) is not implemented and
+is refused (:func:`check_supported`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hacrl_fed.config import RunConfig, org_generation, org_trainer
+from hacrl_fed.sharded.checkpoint import load_sharded, save_sharded
+from hacrl_fed.sharded.fsdp import copy_full_weights, world
+from hacrl_fed.sharded.generation import RankEngine
+from hacrl_fed.sharded.trainer import ShardedTrainer
+from hacrl_fed.trainer import LocalTrainer
+from hacrl_fed.worker.checkpoint import SHARDED_DIR, load_checkpoint, load_trainer_state
+from hacrl_fed.worker.policy_worker import PolicyWorker
+
+
+def check_supported(cfg: RunConfig, org_id: str, world_size: int | None = None) -> None:
+    """ValueError naming the field when org ``org_id``'s worker cannot run sharded as configured: the ``vllm``
+    engine or ``trainer.precision: bf16-master`` with ``sharding.ranks > 1``, or a process group whose size is
+    not ``sharding.ranks``."""
+    org = cfg.org(org_id)
+    ranks = org.sharding.ranks
+    if ranks > 1 and org_generation(cfg, org_id).engine == "vllm":
+        raise ValueError(
+            f"orgs[{org_id}].sharding.ranks={ranks} with generation.engine=vllm is not supported (vLLM tensor "
+            "parallelism over the org's ranks is not implemented): use generation.engine hf or fast, or ranks: 1"
+        )
+    if ranks > 1 and org_trainer(cfg, org_id).precision == "bf16-master":
+        raise ValueError(
+            f"orgs[{org_id}].sharding.ranks={ranks} with trainer.precision=bf16-master is not supported: the "
+            "shards are the float32 masters; use trainer.precision: model with sharding.mixed_precision: bf16"
+        )
+    if world_size is not None and world_size != ranks:
+        raise ValueError(f"orgs[{org_id}].sharding.ranks={ranks} but the worker's process group has {world_size} ranks")
+
+
+class ShardedPolicyWorker(PolicyWorker):
+    """One organization's worker as one rank of its process group (module docstring); collective methods."""
+
+    def __init__(self, cfg: RunConfig, org_id: str, *, run_dir: str | Path, resume: bool = False):
+        self.rank, self.world_size = world()
+        check_supported(cfg, org_id, self.world_size)
+        self.sharding = cfg.org(org_id).sharding
+        super().__init__(cfg, org_id, run_dir=run_dir, resume=resume)
+        if self.world_size > 1:
+            self.engine = RankEngine(self.engine)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the update is sharded over several ranks (a group of one trains as one process)."""
+        return self.world_size > 1
+
+    def _new_trainer(self) -> LocalTrainer:
+        if not self.sharded:
+            return super()._new_trainer()
+        return ShardedTrainer(self.model, self.cfg.algorithm, self.trainer_cfg, self.pad_id, self.sharding)
+
+    def _save(self, root: Path, round: int, extra: dict[str, Any]) -> Path:
+        if not self.sharded:
+            return super()._save(root, round, extra)
+        return save_sharded(root, round, self.trainer.model, self.trainer.optimizer, self.trainer.state_dict(), extra)
+
+    def _restore(self, path: Path) -> None:
+        """Weights, optimizer and RNG states of checkpoint ``path``, written at any ``N``: a sharded checkpoint's
+        shards straight into this rank's shards; a one-process checkpoint through the whole weights."""
+        if not self.sharded:
+            return super()._restore(path)
+        if (path / SHARDED_DIR).is_dir():
+            load_sharded(path, self.trainer.model, self.trainer.optimizer)
+            copy_full_weights(self.trainer.model, self.model)
+            trainer_state = load_trainer_state(path)
+        else:
+            trainer_state, _ = load_checkpoint(path, self.model)
+        self.trainer.load_state_dict(trainer_state)
+        self.engine.sync_weights(self.model)
+        self._pristine = False
