@@ -118,6 +118,19 @@ def test_sharded_org_started_without_torchrun_exits_2_with_one_line(tmp_path):
     assert len(lines) == 1 and "orgs[0].sharding.ranks=2" in lines[0] and "torchrun --nproc-per-node 2" in lines[0]
 
 
+def test_in_process_transports_refuse_a_sharded_org(tmp_path, capsys):
+    from hacrl_fed.cli.run import main as run_main
+    from hacrl_fed.flower.simulation import simulate
+
+    config = _config(tmp_path)
+    assert run_main([str(config), "--transport", "inprocess", "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "orgs[0].sharding.ranks=2" in err[0] and "use --transport grpc" in err[0], err
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(ShardingError, match=r"orgs\[0\]\.sharding\.ranks=2 .*Flower simulation"):
+        simulate(config, run_dir=tmp_path / "f")
+
+
 def test_launcher_wraps_a_sharded_org_in_torchrun():
     assert torchrun_argv(1, FAULTY) == FAULTY
     assert torchrun_argv(2, [sys.executable, "-m", "hacrl_fed.cli", "worker"]) == [

@@ -5,11 +5,12 @@ launcher (``torchrun --nproc-per-node N -m hacrl_fed.cli worker ...``, or severa
 rendezvous). Each process reads its place from the environment torchrun sets (:func:`torchrun_env`: ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); :func:`check_launch` refuses, in one line naming
 the field, a world size other than ``ranks`` and a sharded org started without torchrun (the line gives the
-torchrun command). :func:`init_group` joins the ``torch.distributed`` group: backend ``auto`` = ``nccl`` on CUDA
-(each rank on its ``LOCAL_RANK`` device) else ``gloo``; collectives time out ``hang_timeout_s +``
-:data:`COLLECTIVE_MARGIN_S` (after the watchdog of :mod:`hacrl_fed.sharded.watchdog` has named the rank that
-hung). The group's TCPStore (torchrun's agent store, or rank 0's when torchrun hosts none) also carries the
-endpoint's own keys under ``hacrl_fed/`` (:meth:`RankGroup.connect`): requests, heartbeats, outcomes.
+torchrun command); :func:`check_in_process` refuses a sharded org where every worker is built in one process
+(the ``inprocess`` transport, the Flower simulation). :func:`init_group` joins the ``torch.distributed`` group:
+backend ``auto`` = ``nccl`` on CUDA (each rank on its ``LOCAL_RANK`` device) else ``gloo``; collectives time out
+``hang_timeout_s +`` :data:`COLLECTIVE_MARGIN_S` (after the watchdog of :mod:`hacrl_fed.sharded.watchdog` has named
+the rank that hung). The group's TCPStore (torchrun's agent store, or rank 0's when torchrun hosts none) also
+carries the endpoint's own keys under ``hacrl_fed/`` (:meth:`RankGroup.connect`): requests, heartbeats, outcomes.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from hacrl_fed.config import ConfigError
+
 COLLECTIVE_MARGIN_S = 30.0  # a collective waits this much longer than the watchdog's hang_timeout_s
 STORE_CONNECT_S = 120.0  # how long a rank waits for the store (a slow node of a multi-node rendezvous)
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-class ShardingError(ValueError):
+class ShardingError(ConfigError):
     """A sharded worker started the wrong way (one line naming the field or saying the torchrun command)."""
 
 
@@ -87,6 +90,19 @@ def check_launch(cfg: Any, org_id: str, env: TorchrunEnv | None, worker_argv: Se
             f"give torchrun --nproc-per-node {ranks} (in all, over its nodes) or set {field}={env.world_size}"
         )
     return ranks > 1
+
+
+def check_in_process(cfg: Any, transport: str) -> None:
+    """ShardingError for an org with ``sharding.ranks > 1`` in a transport that builds every worker in one process
+    (``inprocess``, the Flower simulation): its ranks need torchrun, i.e. a worker process of their own."""
+    for i, org in enumerate(cfg.orgs):
+        if org.sharding.ranks > 1:
+            raise ShardingError(
+                f"orgs[{i}].sharding.ranks={org.sharding.ranks} (org {org.id!r}): the {transport} transport builds "
+                "every worker in this process, and a sharded worker runs as ranks under torchrun; use --transport "
+                "grpc (hacrl-fed run starts the ranks), or a Flower deployment whose SuperNode reaches a worker "
+                "started by torchrun"
+            )
 
 
 def resolve_backend(backend: str, cuda: bool | None = None) -> str:
