@@ -331,3 +331,56 @@ def test_one_org_on_two_gloo_ranks_over_grpc_gives_the_plain_numbers(tmp_path):
         for key, value in metrics.items():
             assert got[rnd][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (rnd, key)
     assert "on 2 ranks (gloo)" in (tmp_path / "grpc" / "logs" / "acme.log").read_text()
+
+
+# --------------------------------------------------------------------------------------------- one order
+
+
+def test_concurrent_requests_reach_every_rank_in_one_order():
+    """Rank 0's dispatcher and rank 1's loop over a real TCPStore in this process (threads for ranks): requests sent
+    at once from several threads run on both ranks in the same order, and rank 0 replies with its own value."""
+    import threading
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from helpers_fake_workers import FakeWorker
+    from torch.distributed import PrefixStore, TCPStore
+
+    from hacrl_fed.sharded.dispatch import RankDispatcher, rank_loop
+    from hacrl_fed.sharded.watchdog import Heartbeat
+    from hacrl_fed.wire import codec
+
+    master = TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+
+    def group(rank):
+        def connect():
+            client = TCPStore("127.0.0.1", master.port, None, is_master=False, timeout=timedelta(seconds=30))
+            return PrefixStore("hacrl_fed/", client)
+
+        return SimpleNamespace(rank=rank, world_size=2, org_id="a", hang_timeout_s=30.0, connect=connect)
+
+    workers = [FakeWorker("a"), FakeWorker("a")]
+    beats = [Heartbeat(group(r)).start() for r in (0, 1)]
+    codes = []
+    other = threading.Thread(
+        target=lambda: codes.append(rank_loop(group(1), workers[1], beats[1], codec.DEFAULT_LIMITS, lambda: True))
+    )
+    other.start()
+    dispatcher = RankDispatcher(group(0), workers[0], beats[0])
+    replies = {}
+
+    def send(round_):
+        replies[round_] = dispatcher.step(_plan(round_))
+
+    senders = [threading.Thread(target=send, args=(r,)) for r in range(1, 9)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(30)
+    dispatcher.shutdown()
+    other.join(30)
+    for b in beats:
+        b.stop()
+    order = [[p.round for p in w.plans] for w in workers]
+    assert sorted(order[0]) == list(range(1, 9)) and order[0] == order[1] and codes == [0]
+    assert all(replies[r].batch.round == r for r in range(1, 9))
