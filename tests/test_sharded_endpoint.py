@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers_fake_workers import FakeTask, fake_config
+from helpers_fake_workers import FakeTask, FakeWorker, fake_config
 
 from hacrl_fed.coordinator.grpc_transport import GrpcTransport
 from hacrl_fed.coordinator.launcher import WorkerProcesses, torchrun_argv
@@ -336,51 +336,111 @@ def test_one_org_on_two_gloo_ranks_over_grpc_gives_the_plain_numbers(tmp_path):
 # --------------------------------------------------------------------------------------------- one order
 
 
-def test_concurrent_requests_reach_every_rank_in_one_order():
-    """Rank 0's dispatcher and rank 1's loop over a real TCPStore in this process (threads for ranks): requests sent
-    at once from several threads run on both ranks in the same order, and rank 0 replies with its own value."""
-    import threading
-    from datetime import timedelta
-    from types import SimpleNamespace
+class _Pair:
+    """Rank 0's dispatcher and rank 1's loop over a real TCPStore in this process, ranks as threads."""
 
-    from helpers_fake_workers import FakeWorker
-    from torch.distributed import PrefixStore, TCPStore
+    def __init__(self, workers, hang_timeout_s: float = 30.0):
+        import threading
+        from datetime import timedelta
 
-    from hacrl_fed.sharded.dispatch import RankDispatcher, rank_loop
-    from hacrl_fed.sharded.watchdog import Heartbeat
-    from hacrl_fed.wire import codec
+        from torch.distributed import TCPStore
 
-    master = TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+        from hacrl_fed.sharded.dispatch import RankDispatcher, rank_loop
+        from hacrl_fed.sharded.watchdog import Heartbeat
+        from hacrl_fed.wire import codec
 
-    def group(rank):
+        self.master = TCPStore(
+            "127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False
+        )
+        self.hang_timeout_s = hang_timeout_s
+        self.beats = [Heartbeat(self.group(r)).start() for r in (0, 1)]
+        self.codes: list[int] = []
+        self.other = threading.Thread(target=self._loop, args=(workers[1], rank_loop, codec), daemon=True)
+        self.other.start()
+        self.dispatcher = RankDispatcher(self.group(0), workers[0], self.beats[0])
+
+    def _loop(self, worker, rank_loop, codec) -> None:
+        self.codes.append(rank_loop(self.group(1), worker, self.beats[1], codec.DEFAULT_LIMITS, lambda: True))
+
+    def group(self, rank):
+        from datetime import timedelta
+        from types import SimpleNamespace
+
+        from torch.distributed import PrefixStore, TCPStore
+
         def connect():
-            client = TCPStore("127.0.0.1", master.port, None, is_master=False, timeout=timedelta(seconds=30))
+            client = TCPStore("127.0.0.1", self.master.port, None, is_master=False, timeout=timedelta(seconds=30))
             return PrefixStore("hacrl_fed/", client)
 
-        return SimpleNamespace(rank=rank, world_size=2, org_id="a", hang_timeout_s=30.0, connect=connect)
+        return SimpleNamespace(rank=rank, world_size=2, org_id="a", hang_timeout_s=self.hang_timeout_s, connect=connect)
+
+    def stop(self) -> None:
+        self.dispatcher.shutdown()  # no process group here: shutdown() alone ends rank 1's loop
+        self.other.join(30)
+        for b in self.beats:
+            b.stop()
+
+
+def test_concurrent_requests_reach_every_rank_in_one_order():
+    """Requests sent at once from several threads run on both ranks in the same order, and rank 0 replies with its
+    own value."""
+    import threading
+
+    from helpers_fake_workers import FakeWorker
 
     workers = [FakeWorker("a"), FakeWorker("a")]
-    beats = [Heartbeat(group(r)).start() for r in (0, 1)]
-    codes = []
-    other = threading.Thread(
-        target=lambda: codes.append(rank_loop(group(1), workers[1], beats[1], codec.DEFAULT_LIMITS, lambda: True))
-    )
-    other.start()
-    dispatcher = RankDispatcher(group(0), workers[0], beats[0])
-    replies = {}
+    pair, replies = _Pair(workers), {}
 
     def send(round_):
-        replies[round_] = dispatcher.step(_plan(round_))
+        replies[round_] = pair.dispatcher.step(_plan(round_))
 
     senders = [threading.Thread(target=send, args=(r,)) for r in range(1, 9)]
     for t in senders:
         t.start()
     for t in senders:
         t.join(30)
-    dispatcher.shutdown()
-    other.join(30)
-    for b in beats:
-        b.stop()
+    pair.stop()
     order = [[p.round for p in w.plans] for w in workers]
-    assert sorted(order[0]) == list(range(1, 9)) and order[0] == order[1] and codes == [0]
+    assert sorted(order[0]) == list(range(1, 9)) and order[0] == order[1] and pair.codes == [0]
     assert all(replies[r].batch.round == r for r in range(1, 9))
+
+
+class _Rank1(FakeWorker):
+    """Rank 1's stand-in in this process: raises ``error`` in step, or waits for ``release`` first."""
+
+    error: BaseException | None = None
+    release = None
+
+    def step(self, request):
+        if self.release is not None:
+            self.release.wait(30)
+        if self.error is not None:
+            raise self.error
+        return super().step(request)
+
+
+@pytest.mark.parametrize(
+    ("error", "hang", "line", "code"),
+    [
+        (MemoryError("no room for the KV cache"), False, r"rank 1 of a: out of memory in step \(no room", [1]),
+        (ValueError("bad rows"), False, r"rank 1 of a: failed in step \(ValueError: bad rows\)", [0]),
+        (None, True, r"rank 1 of a: hung in step for [0-9] s", [0]),
+    ],
+)
+def test_a_rank_fault_fails_the_reply_naming_it_in_process(error, hang, line, code):
+    import threading
+
+    from hacrl_fed.sharded.watchdog import RankFault
+
+    rank1 = _Rank1("a")
+    rank1.error, rank1.release = error, threading.Event() if hang else None
+    pair = _Pair([FakeWorker("a"), rank1], hang_timeout_s=0.5)
+    with pytest.raises(RankFault, match=line):
+        pair.dispatcher.step(_plan(1))
+    assert pair.dispatcher.failed.is_set()
+    with pytest.raises(RuntimeError, match="the org's ranks stopped: rank 1 of a"):
+        pair.dispatcher.health()
+    if hang:
+        rank1.release.set()
+    pair.stop()
+    assert pair.codes == code  # out of memory: rank 1 leaves by itself once rank 0 has its cause

@@ -65,6 +65,7 @@ def _serve_other_rank(
     try:
         worker = build()
     except Exception as err:  # rank 0 reports it, naming this rank
+        log.error("rank %d of %s: build failed: %s", group.rank, group.org_id, failures.describe(err))
         store.set(f"done/{_BUILD_SEQ}/{group.rank}", json.dumps({"fault": f"build failed ({failures.describe(err)})"}))
         wait_ack(store, group.rank)
         return 2

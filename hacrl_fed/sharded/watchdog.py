@@ -12,7 +12,8 @@ Rank 0's :meth:`Watchdog.wait` polls the store every :data:`POLL_S` while its ow
 thread, and raises :class:`RankFault` (``rank 1 of acme: out of memory in train (CUDA out of memory ...)``) as
 soon as one of these holds, in this order of blame:
 
-* a rank *died*: its pid is gone (a rank on rank 0's host), or its counter has not moved for :data:`DEAD_AFTER_S`;
+* a rank *died*: its pid is gone (a rank on rank 0's host), or its counter has not moved for :data:`DEAD_AFTER_S`
+  (a rank on another host);
 * a rank reported a fault;
 * a rank *hung*: the request has run ``sharding.hang_timeout_s`` and the rank is not done; of several such ranks
   the one not waiting in a collective is blamed (the others wait for it);
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 HEARTBEAT_S = 0.5
-DEAD_AFTER_S = 10.0  # a counter that has not moved this long: the rank is gone (a remote rank; local ones by pid)
+DEAD_AFTER_S = 30.0  # a remote rank whose counter has not moved this long is gone (a local one: by its pid)
 POLL_S = 0.05
 ACK_WAIT_S = 10.0
 _COLLECTIVE = f"{os.sep}torch{os.sep}distributed{os.sep}"
@@ -220,8 +221,8 @@ class Watchdog:
             info = json.loads(self.store.get(f"rank/{rank}"))
             self._pids[rank] = int(info["pid"]) if info.get("host") == self.host else None
         pid = self._pids.get(rank)
-        if pid is not None and pid_gone(pid):
-            return f"process {pid} exited"
+        if pid is not None:  # on this host the pid says it (a busy rank may hold its GIL past DEAD_AFTER_S)
+            return f"process {pid} exited" if pid_gone(pid) else ""
         self._read_beats([rank], now)
         count, moved = self._beats[rank]
         return f"no heartbeat for {now - moved:.1f} s" if now - moved > DEAD_AFTER_S else ""
