@@ -137,10 +137,11 @@ def serve(args: argparse.Namespace, p: argparse.ArgumentParser, *, rank_worker: 
     from hacrl_fed.sharded.group import check_launch, torchrun_env
 
     try:
-        tls, insecure = link_settings(args)
+        env = torchrun_env()
+        # the link (TLS files, listen address) is rank 0's alone: other ranks, maybe on other nodes, never bind
+        tls, insecure = link_settings(args) if env is None or env.rank == 0 else (None, False)
         cfg = load_config(args.config, overrides=args.overrides)
         org_id = _pick_org(cfg, args.org)
-        env = torchrun_env()
         sharded = check_launch(cfg, org_id, env, getattr(args, "argv", []))
     except (ConfigError, ValueError) as err:
         p.exit(USAGE, f"{PROG}: {err}\n")

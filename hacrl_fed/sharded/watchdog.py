@@ -100,7 +100,7 @@ class Heartbeat:
 
     def start(self) -> Heartbeat:
         store = self.group.connect()
-        store.set(f"rank/{self.group.rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        store.set(f"rank/{self.group.rank}", json.dumps({"pid": os.getpid(), "host": host_id()}))
         self._store = store
         self._beat(0)
         self._thread.start()
@@ -129,6 +129,15 @@ class Heartbeat:
         self._stop.set()
 
 
+def host_id() -> str:
+    """This host and pid namespace (``name/pid:[inode]``): pids are comparable only between equal ids."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return f"{socket.gethostname()}/{namespace}"
+
+
 def pid_gone(pid: int) -> bool:
     """Whether process ``pid`` of this host has exited (gone, or a zombie its parent has not reaped yet)."""
     try:
@@ -148,7 +157,7 @@ class Watchdog:
     """Rank 0's watch over the ranks' outcomes of one request at a time (module docstring)."""
 
     def __init__(self, group: Any, store: Any) -> None:
-        self.group, self.store, self.host = group, store, socket.gethostname()
+        self.group, self.store, self.host = group, store, host_id()
         self._pids: dict[int, int | None] = {}  # rank -> its pid when it runs on this host, else None
         self._beats: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
         self._where: dict[int, str] = {}
