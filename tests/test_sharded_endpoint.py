@@ -331,6 +331,19 @@ def test_one_org_on_two_gloo_ranks_over_grpc_gives_the_plain_numbers(tmp_path):
         for key, value in metrics.items():
             assert got[rnd][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (rnd, key)
     assert "on 2 ranks (gloo)" in (tmp_path / "grpc" / "logs" / "acme.log").read_text()
+    assert _all_gone(_processes_naming(tmp_path / "grpc")), "a rank outlived the run"
+
+
+def _processes_naming(path: Path) -> list[int]:
+    """Pids of live processes whose command line names ``path`` (torchrun's agent and its ranks do)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(path).encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return [pid for pid in found if not pid_gone(pid)]
 
 
 # --------------------------------------------------------------------------------------------- one order
