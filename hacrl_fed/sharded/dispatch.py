@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hacrl_fed.sharded.watchdog import ACK_WAIT_S, POLL_S, Heartbeat, RankFault, Watchdog, outcome
+from hacrl_fed.sharded.watchdog import ACK_WAIT_S, POLL_S, Heartbeat, RankFault, Watchdog, outcome, poll_pauses
 from hacrl_fed.wire import codec
 from hacrl_fed.wire import operations as ops
 from hacrl_fed.wire.operations import BY_RPC, Operation
@@ -172,11 +172,11 @@ def close_worker(worker: Any) -> None:
 
 
 def _next_request(store: Any, seq: int, alive: Callable[[], bool]) -> bytes | None:
-    key = f"req/{seq}"
+    key, pauses = f"req/{seq}", poll_pauses()
     while not store.check([key]):
         if not alive():
             return None
-        time.sleep(POLL_S)
+        time.sleep(next(pauses))
     return bytes(store.get(key))
 
 

@@ -31,7 +31,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 HEARTBEAT_S = 0.5
@@ -49,6 +49,15 @@ class RankFault(RuntimeError):
     def __init__(self, org_id: str, rank: int, cause: str) -> None:
         super().__init__(f"rank {rank} of {org_id}: {cause}")
         self.rank, self.cause = rank, cause
+
+
+def poll_pauses(first_s: float = 0.002) -> Iterator[float]:
+    """Pauses between polls of the store: ``first_s``, doubling up to :data:`POLL_S` (a short request is seen
+    within milliseconds, a long wait costs one look every POLL_S)."""
+    pause = first_s
+    while True:
+        yield pause
+        pause = min(POLL_S, pause * 2)
 
 
 def _short(text: str) -> str:
@@ -168,7 +177,7 @@ class Watchdog:
     ) -> dict[int, dict[str, str]]:
         """Every rank's outcome of request ``seq`` (rank 0's from ``own()``, None while it runs); RankFault as soon
         as a rank dies, reports a fault, outlives ``deadline_s`` or raised where rank 0 did not."""
-        start, outcomes = time.monotonic(), dict[int, dict[str, str]]()
+        start, outcomes, pauses = time.monotonic(), dict[int, dict[str, str]](), poll_pauses()
         while True:
             self._collect(seq, outcomes)
             if 0 not in outcomes and (mine := own()) is not None:
@@ -184,7 +193,7 @@ class Watchdog:
             if faults:
                 _, rank, cause = min(faults)
                 raise RankFault(self.group.org_id, rank, cause)
-            time.sleep(POLL_S)
+            time.sleep(next(pauses))
 
     def ack(self, rank: int) -> None:
         """Let a rank that reported a fault exit now (it waits for this up to :data:`ACK_WAIT_S`)."""
