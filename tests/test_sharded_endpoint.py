@@ -243,6 +243,25 @@ def test_a_killed_rank_fails_the_reply_naming_it(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_to_rank_0_ends_every_rank_cleanly(tmp_path):
+    """A served request, then SIGTERM to rank 0 alone: it stops serving, tells rank 1 to leave, both exit 0 and so
+    does torchrun's agent."""
+    procs, transport = _start(tmp_path, "")
+    pids = list(_rank_pids(tmp_path / "run" / "logs" / "a.log").items())
+    try:
+        reply = transport.step({"a": _plan()}, 60.0)["a"]
+        assert reply.batch is not None and reply.batch.round == 1, reply
+        os.kill(dict(pids)[0], signal.SIGTERM)
+        assert procs.workers["a"].proc.wait(timeout=45) == 0
+        assert _all_gone([pid for _, pid in pids])
+    finally:
+        transport.close()
+        procs.close()
+        _kill_leftovers([pid for _, pid in pids])
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_the_coordinator_treats_a_rank_fault_as_a_failed_org(tmp_path):
     """Org a (2 ranks, rank 1 out of memory) fails round 1 and is gone after it; org b goes on: the existing rules."""

@@ -1,7 +1,9 @@
 """``hacrl-fed worker --config RUN.yaml [--org ID] --listen ADDRESS [LINK FLAGS] [--set K=V ...] [--run-dir DIR]
 [--resume]``: build one org's worker (:func:`hacrl_fed.worker.build_worker`) and serve it over gRPC
 (:func:`hacrl_fed.wire.grpc_server.serve_worker`) until SIGTERM / SIGINT; the link rules are those of
-:mod:`hacrl_fed.wire.grpc_server`.
+:mod:`hacrl_fed.wire.grpc_server`. An org with ``sharding.ranks > 1`` runs this command under torchrun, one
+process per rank (``torchrun --nproc-per-node N -m hacrl_fed.cli worker ...``): rank 0 serves, every rank computes
+(:mod:`hacrl_fed.sharded.endpoint`).
 """
 
 from __future__ import annotations
