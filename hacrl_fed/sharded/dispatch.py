@@ -21,7 +21,6 @@ to its end on every rank, so the ranks never part ways; the reply of a call nobo
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -30,7 +29,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hacrl_fed.sharded.watchdog import ACK_WAIT_S, POLL_S, Heartbeat, RankFault, Watchdog, outcome, poll_pauses
+from hacrl_fed.sharded.watchdog import (
+    ACK_WAIT_S,
+    POLL_S,
+    Heartbeat,
+    RankFault,
+    Watchdog,
+    outcome,
+    poll_pauses,
+    post_outcome,
+)
 from hacrl_fed.wire import codec
 from hacrl_fed.wire import operations as ops
 from hacrl_fed.wire.operations import BY_RPC, Operation
@@ -210,7 +218,7 @@ def rank_loop(
             state = outcome(op.name, error=err)
         finally:
             heartbeat.leave()
-        store.set(f"done/{seq}/{group.rank}", json.dumps(state))
+        post_outcome(store, seq, group.rank, state)
         if "fault" in state:
             log.error("rank %d of %s: %s", group.rank, group.org_id, state["fault"])
             wait_ack(store, group.rank)

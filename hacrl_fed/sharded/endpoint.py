@@ -18,7 +18,6 @@ own parent is no longer the launcher that started it (``HACRL_FED_PARENT_PID``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -30,7 +29,7 @@ from hacrl_fed import failures
 from hacrl_fed.config import BuildError
 from hacrl_fed.sharded.dispatch import RankDispatcher, close_worker, parent_alive, rank_loop, wait_ack
 from hacrl_fed.sharded.group import RankGroup, TorchrunEnv, init_group
-from hacrl_fed.sharded.watchdog import Heartbeat, RankFault
+from hacrl_fed.sharded.watchdog import Heartbeat, RankFault, post_outcome
 from hacrl_fed.wire import codec
 
 log = logging.getLogger("hacrl_fed.wire.grpc_server")
@@ -66,10 +65,10 @@ def _serve_other_rank(
         worker = build()
     except Exception as err:  # rank 0 reports it, naming this rank
         log.error("rank %d of %s: build failed: %s", group.rank, group.org_id, failures.describe(err))
-        store.set(f"done/{_BUILD_SEQ}/{group.rank}", json.dumps({"fault": f"build failed ({failures.describe(err)})"}))
+        post_outcome(store, _BUILD_SEQ, group.rank, {"fault": f"build failed ({failures.describe(err)})"})
         wait_ack(store, group.rank)
         return 2
-    store.set(f"done/{_BUILD_SEQ}/{group.rank}", json.dumps({}))
+    post_outcome(store, _BUILD_SEQ, group.rank, {})
     limits = codec.WireLimits(skip_unsigned_foreign=cfg.security.signing)
     code = rank_loop(group, worker, heartbeat, limits, alive)
     if code == 0:  # a clean stop; after a fault torchrun's agent ends this process

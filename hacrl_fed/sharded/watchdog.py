@@ -4,13 +4,15 @@ fails the org's reply with one line naming it.
 Each rank runs a :class:`Heartbeat` thread that writes ``hb/<rank>`` in the group's store every
 :data:`HEARTBEAT_S`: a counter, the request it is in (``seq``, operation) and whether its request thread waits in
 ``torch.distributed`` (a collective) or not. At start it writes ``rank/<rank>``: its pid and host. A rank ends each
-request by writing its outcome, ``done/<seq>/<rank>`` (:func:`outcome`): ok, the error it raised, or a *fault*,
-which it does not survive: out of memory (``torch.OutOfMemoryError`` / ``MemoryError``, raised or in a step
-part's failure). After a fault the rank waits up to :data:`ACK_WAIT_S` for rank 0's ``ack/<rank>``, then exits.
+request by writing its outcome, ``done/<seq>/<rank>`` (:func:`post_outcome`, :func:`outcome`): ok, the error
+it raised, or a *fault*, which it does not survive: out of memory (``torch.OutOfMemoryError`` / ``MemoryError``,
+raised or in a step part's failure). After a fault the rank waits up to :data:`ACK_WAIT_S` for rank 0's
+``ack/<rank>``, then exits. Rank 0 reads the outcomes once the ``ndone/<seq>`` counter says all are in or
+``faulted/<seq>`` is set (one look per poll, however many ranks).
 
-Rank 0's :meth:`Watchdog.wait` polls the store every :data:`POLL_S` while its own share of the request runs in a
-thread, and raises :class:`RankFault` (``rank 1 of acme: out of memory in train (CUDA out of memory ...)``) as
-soon as one of these holds, in this order of blame:
+Rank 0's :meth:`Watchdog.wait` polls the store (pauses doubling up to :data:`POLL_S`) while its own share of the
+request runs in a thread, and raises :class:`RankFault` (``rank 1 of acme: out of memory in train (CUDA out of
+memory ...)``) as soon as one of these holds, in this order of blame:
 
 * a rank *died*: its pid is gone (a rank on rank 0's host), or its counter has not moved for :data:`DEAD_AFTER_S`
   (a rank on another host);
@@ -87,6 +89,15 @@ def outcome(op: str, result: Any = None, error: BaseException | None = None) -> 
         if _is_oom(err):
             return {"fault": f"out of memory in {part} ({_short(str(err))})"}
     return {}
+
+
+def post_outcome(store: Any, seq: int, rank: int, state: dict[str, str]) -> None:
+    """Rank ``rank``'s outcome of request ``seq`` (:func:`outcome`): ``done/<seq>/<rank>``, one more on the
+    ``ndone/<seq>`` counter, and ``faulted/<seq>`` for a fault."""
+    store.set(f"done/{seq}/{rank}", json.dumps(state))
+    store.add(f"ndone/{seq}", 1)
+    if "fault" in state:
+        store.set(f"faulted/{seq}", str(rank))
 
 
 def _where(thread_id: int | None) -> str:
@@ -185,6 +196,7 @@ class Watchdog:
             now = time.monotonic()
             faults = self._faults(outcomes, op, now)
             if not faults and deadline_s is not None and now - start > deadline_s:
+                self._collect(seq, outcomes, full=True)
                 faults = self._hung(outcomes, op, now - start)
             if not faults and len(outcomes) == self.group.world_size:
                 faults = self._diverged(outcomes, op)
@@ -204,10 +216,16 @@ class Watchdog:
 
     def forget(self, seq: int) -> None:
         """Drop request ``seq``'s keys once every rank is done with it."""
-        for key in [f"req/{seq}"] + [f"done/{seq}/{r}" for r in range(1, self.group.world_size)]:
+        keys = [f"req/{seq}", f"ndone/{seq}", f"faulted/{seq}"]
+        for key in keys + [f"done/{seq}/{r}" for r in range(1, self.group.world_size)]:
             self.store.delete_key(key)
 
-    def _collect(self, seq: int, outcomes: dict[int, dict[str, str]]) -> None:
+    def _collect(self, seq: int, outcomes: dict[int, dict[str, str]], full: bool = False) -> None:
+        """Read the ranks' outcomes once all are in, a fault is flagged, or ``full``: one counter read per poll,
+        however many ranks."""
+        others = self.group.world_size - 1
+        if not full and self.store.add(f"ndone/{seq}", 0) < others and not self.store.check([f"faulted/{seq}"]):
+            return
         for r in range(1, self.group.world_size):
             key = f"done/{seq}/{r}"
             if r not in outcomes and self.store.check([key]):
