@@ -152,6 +152,13 @@ def _resolve_run(args: argparse.Namespace):
     if args.workers and transport != "grpc":
         raise UsageError("--worker needs --transport grpc")
     parse_worker_addresses(args.workers, [o.id for o in cfg.orgs])  # bad usage fails before the run dir is used
+    if transport == "inprocess":
+        from hacrl_fed.sharded.group import ShardingError, check_in_process
+
+        try:
+            check_in_process(cfg, "inprocess")
+        except ShardingError as err:
+            raise UsageError(str(err)) from None
     run_dir = (Path(args.run_dir) if args.run_dir else Path(cfg.run_dir) / cfg.name).absolute()
     try:
         check_run_dir(run_dir, args.resume, CLI_KEYS)

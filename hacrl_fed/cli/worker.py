@@ -1,7 +1,9 @@
 """``hacrl-fed worker --config RUN.yaml [--org ID] --listen ADDRESS [LINK FLAGS] [--set K=V ...] [--run-dir DIR]
 [--resume]``: build one org's worker (:func:`hacrl_fed.worker.build_worker`) and serve it over gRPC
 (:func:`hacrl_fed.wire.grpc_server.serve_worker`) until SIGTERM / SIGINT; the link rules are those of
-:mod:`hacrl_fed.wire.grpc_server`.
+:mod:`hacrl_fed.wire.grpc_server`. An org with ``sharding.ranks > 1`` runs this command under torchrun, one
+process per rank (``torchrun --nproc-per-node N -m hacrl_fed.cli worker ...``): rank 0 serves, every rank computes
+(:mod:`hacrl_fed.sharded.endpoint`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -121,32 +124,88 @@ def main(argv: list[str] | None = None) -> int:
     """
     p = build_parser()
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the torchrun command a sharded org needs
     from hacrl_fed.lifecycle import setup_logging
 
     setup_logging(args.log_level)
     return run_command(PROG, lambda: serve(args, p))
 
 
-def serve(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
-    """The command's work: check the link and config, build the worker, serve until stopped."""
+def serve(args: argparse.Namespace, p: argparse.ArgumentParser, *, rank_worker: Any = None) -> int:
+    """The command's work: check the link and config, build the worker, serve until stopped. Under torchrun (an
+    org with ``sharding.ranks > 1``) each rank goes to :func:`hacrl_fed.sharded.endpoint.serve_ranks`, which builds
+    its worker with ``rank_worker`` (default :func:`hacrl_fed.sharded.dispatch.rank_worker`)."""
     from hacrl_fed.config import ConfigError, load_config
+    from hacrl_fed.sharded.group import check_launch, torchrun_env
 
     try:
-        tls, insecure = link_settings(args)
+        env = torchrun_env()
+        # the link (TLS files, listen address) is rank 0's alone: other ranks, maybe on other nodes, never bind
+        tls, insecure = link_settings(args) if env is None or env.rank == 0 else (None, False)
         cfg = load_config(args.config, overrides=args.overrides)
         org_id = _pick_org(cfg, args.org)
+        sharded = check_launch(cfg, org_id, env, getattr(args, "argv", []))
     except (ConfigError, ValueError) as err:
         p.exit(USAGE, f"{PROG}: {err}\n")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+    if sharded:
+        return _serve_rank(args, p, cfg, org_id, env, link=(tls, insecure), rank_worker=rank_worker)
+    stop = stop_on_signals()
     from hacrl_fed.worker import build_worker  # heavy (torch, model); only the real entry point needs it
 
     extra = {"run_dir": args.run_dir} if args.run_dir is not None else {}
     if args.resume:
         extra["resume"] = True
-    worker = build_worker(cfg, org_id, **extra)
+    worker = rank_worker(cfg, org_id, args.run_dir, args.resume) if rank_worker else build_worker(cfg, org_id, **extra)
     log.info("hacrl-fed worker serves %s", describe_worker(worker))
+    return serve_endpoint(args, p, cfg, org_id, worker, link=(tls, insecure), stop=stop)
+
+
+def _serve_rank(
+    args: argparse.Namespace,
+    p: argparse.ArgumentParser,
+    cfg: Any,
+    org_id: str,
+    env: Any,
+    *,
+    link: tuple[WorkerTLS | None, bool],
+    rank_worker: Any,
+) -> int:
+    """One rank of a sharded worker (:func:`hacrl_fed.sharded.endpoint.serve_ranks`); rank 0 serves the endpoint."""
+    from hacrl_fed.sharded.dispatch import rank_worker as default_factory
+    from hacrl_fed.sharded.endpoint import serve_ranks
+
+    factory = rank_worker or default_factory
+
+    def endpoint(dispatcher: Any, halt: Any) -> int:
+        return serve_endpoint(args, p, cfg, org_id, dispatcher, link=link, stop=stop_on_signals(), halt=halt)
+
+    def build() -> Any:
+        return factory(cfg, org_id, args.run_dir, bool(args.resume))
+
+    return serve_ranks(cfg, org_id, env, build=build, serve=endpoint)
+
+
+def stop_on_signals() -> threading.Event:
+    """An event SIGTERM / SIGINT set (the graceful stop of :func:`serve_endpoint`)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    return stop
+
+
+def serve_endpoint(
+    args: argparse.Namespace,
+    p: argparse.ArgumentParser,
+    cfg: Any,
+    org_id: str,
+    worker: Any,
+    *,
+    link: tuple[WorkerTLS | None, bool],
+    stop: threading.Event,
+    halt: Any = None,
+) -> int:
+    """Serve ``worker`` over gRPC on ``args.listen`` until ``stop`` is set, the launcher is gone or ``halt()`` is
+    true; print the ready line once it accepts calls; stop gracefully and close the worker."""
     max_mb = args.max_message_mb or cfg.federation.max_message_mb
     from hacrl_fed.wire import codec
     from hacrl_fed.wire.bounds import max_request_bytes
@@ -155,8 +214,8 @@ def serve(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         server = serve_worker(
             worker,
             args.listen,
-            tls=tls,
-            insecure=insecure,
+            tls=link[0],
+            insecure=link[1],
             max_message_mb=max_mb,
             secret=link_secret(args, org_id),
             max_receive_bytes=max_request_bytes(cfg, org_id),
@@ -170,6 +229,8 @@ def serve(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     while not stop.wait(0.5):
         if parent and os.getppid() != int(parent):
             log.warning("launcher (pid %s) is gone: stopping", parent)
+            break
+        if halt is not None and halt():
             break
     log.info("stopping (grace %.1f s)", args.grace_s)
     server.stop(args.grace_s).wait()

@@ -17,7 +17,14 @@ called :meth:`WorkerProcesses.start`: start workers from a thread that lives as 
 ``die_with_parent=False``.
 
 The workers on one machine share its cores: each gets ``OMP_NUM_THREADS = max(1, cores // workers)`` (torch's
-intra-op threads) unless the environment sets ``OMP_NUM_THREADS`` already (:func:`worker_threads`).
+intra-op threads) unless the environment sets ``OMP_NUM_THREADS`` already (:func:`worker_threads`); a rank of a
+sharded worker counts as a worker.
+
+An org with ``orgs[i].sharding.ranks = N > 1`` is started by torch's own launcher,
+``python -m torch.distributed.run --standalone --nproc-per-node N -m hacrl_fed.cli worker ...``
+(:func:`torchrun_argv`, :mod:`hacrl_fed.sharded`): the PID the launcher holds is torchrun's agent, whose rank 0
+prints the ready line; SIGTERM to the agent stops every rank, and the ranks stop by themselves when the agent is
+gone.
 
 The workers get no ``--set``: with overrides the launcher writes the resolved config to
 ``<run_dir>/worker_config.yaml`` and starts the workers from it.
@@ -99,6 +106,23 @@ def private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     os.chmod(path, 0o700)
     return path
+
+
+def torchrun_argv(ranks: int, command: Sequence[str]) -> list[str]:
+    """``command`` (``[python, -m, hacrl_fed.cli, worker]`` or ``[python, SCRIPT]``) for an org on ``ranks`` ranks:
+    ``python -m torch.distributed.run --standalone --nproc-per-node N`` in place of the interpreter, so that
+    torch's own launcher starts the ranks (:mod:`hacrl_fed.sharded`); unchanged for one rank."""
+    if ranks <= 1:
+        return list(command)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *command[1:]]
+
+
+def org_ranks(config_path: str | Path, overrides: Mapping[str, Any] | Sequence[str]) -> dict[str, int]:
+    """``{org: orgs[i].sharding.ranks}`` of the config the workers get."""
+    from hacrl_fed.config import load_config
+
+    cfg = load_config(config_path, overrides=dict(overrides) if isinstance(overrides, Mapping) else list(overrides))
+    return {o.id: o.sharding.ranks for o in cfg.orgs}
 
 
 def write_resolved_config(config_path: str | Path, overrides: Mapping[str, Any] | Sequence[str], out: Path) -> Path:
@@ -202,9 +226,10 @@ class WorkerProcesses:
         self.secrets: dict[str, str] = {}  # org -> link secret of a loopback TCP worker (pass to GrpcTransport)
         self.exit_codes: dict[str, int | None] = {}  # filled by close()
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, processes: int | None = None) -> dict[str, str]:
+        """The workers' environment; ``processes``: how many share this machine (default: one per org)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.update(worker_thread_env(len(self.org_ids)))
+        env.update(worker_thread_env(len(self.org_ids) if processes is None else processes))
         if self.die_with_parent:  # the worker also polls for its parent (PDEATHSIG alone proved unreliable)
             env[PARENT_PID_ENV] = str(os.getpid())
         root = str(Path(__file__).resolve().parents[2])  # so the child imports this very hacrl_fed
@@ -218,8 +243,9 @@ class WorkerProcesses:
         config = self.config_path
         if self.overrides:
             config = write_resolved_config(config, self.overrides, self.run_dir / "worker_config.yaml")
+        ranks = org_ranks(config, self.overrides if config == self.config_path else {})
         atexit.register(self.close)
-        env = self._env()
+        env = self._env(sum(ranks.get(org, 1) for org in self.org_ids))  # one share of the cores per rank
         try:
             for org in self.org_ids:
                 listen = listen_address(self.run_dir, org)
@@ -230,7 +256,7 @@ class WorkerProcesses:
                     secret_file = self.run_dir / "sock" / f"{org}.secret"
                     self.secrets[org] = create_secret_file(secret_file)
                 argv = [
-                    *self.command,
+                    *torchrun_argv(ranks.get(org, 1), self.command),
                     "--config",
                     str(config),
                     "--org",

@@ -124,6 +124,9 @@ def simulate(
 
     config_path = Path(config_path).expanduser().resolve()
     cfg = load_config(config_path, parse_overrides(list(overrides)))  # fail early, in this process
+    from hacrl_fed.sharded.group import check_in_process
+
+    check_in_process(cfg, "Flower simulation")  # its workers are in-process: no ranks (ShardingError, a ConfigError)
     settings = AppSettings(
         config_path=str(config_path),
         overrides=" ".join(overrides),

@@ -8,4 +8,10 @@ and :mod:`hacrl_fed.sharded.dcp_files` (sharded checkpoints, read at any ``N``) 
 :class:`~hacrl_fed.worker.policy_worker.PolicyWorker`). The worker's methods but ``health`` are collective: the
 process group is initialised by the caller, and every rank calls the same method with the same request in the
 same order.
+
+The endpoint side: :mod:`~hacrl_fed.sharded.group` (torchrun's environment, the process group, the rank store),
+:mod:`~hacrl_fed.sharded.dispatch` (rank 0 hands each request to every rank), :mod:`~hacrl_fed.sharded.watchdog`
+(heartbeats; a rank that dies, hangs or runs out of memory fails the reply naming it) and
+:mod:`~hacrl_fed.sharded.endpoint` (``hacrl-fed worker`` under torchrun). docs/ARCHITECTURE.md "An org on
+several ranks".
 """
