@@ -25,6 +25,7 @@ hooks gather each layer), never the hand-written native forward, which reads par
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +34,16 @@ from torch import Tensor
 from hacrl_fed.config import AlgorithmConfig, ShardingConfig, TrainerConfig
 from hacrl_fed.sharded.fsdp import copy_full_weights, full_tensor, gather, shard_model, shares, world
 from hacrl_fed.trainer import LocalTrainer, TrainRow, _MetricAccumulator
+
+
+def rows_digest(rows: Sequence[TrainRow]) -> str:
+    """A short digest of what an update trains on (each row's tokens, reward, group, source and claim), equal on
+    every rank that admitted the same rows."""
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(repr((r.prompt_token_ids, r.response_ids, r.reward, r.group, r.source, r.is_self)).encode())
+        h.update(repr((r.old_seq_log_prob, r.norm_length, r.claimed_log_prob_sum)).encode())
+    return h.hexdigest()[:16]
 
 
 class ShardedTrainer(LocalTrainer):
@@ -88,7 +99,12 @@ class ShardedTrainer(LocalTrainer):
     def update(
         self, rows: Sequence[TrainRow], learner: int, capability: Sequence[float], names: Sequence[str] | None = None
     ) -> dict[str, float]:
-        """:meth:`LocalTrainer.update` on the shards, then the replica refreshed from them (collective)."""
+        """:meth:`LocalTrainer.update` on the shards, then the replica refreshed from them (collective). The ranks
+        first check they admitted the same rows (:func:`rows_digest`): a rank that took another decision would
+        otherwise wait in a collective the others never reach."""
+        digests = gather(rows_digest(rows))
+        if len(set(digests)) > 1:
+            raise RuntimeError(f"the ranks admitted different rows for this update (digests by rank: {digests})")
         out = super().update(rows, learner, capability, names)
         if out.get("train/steps", 0.0):
             copy_full_weights(self.model, self.replica)

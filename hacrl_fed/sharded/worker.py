@@ -4,8 +4,10 @@ Same constructor and the same :class:`~hacrl_fed.worker.api.WorkerAPI` methods a
 :class:`~hacrl_fed.worker.policy_worker.PolicyWorker`, but every method is *collective*: ``torch.distributed`` is
 initialised by the caller (torchrun's environment, the endpoint side), and every rank calls the same method with
 the same request in the same order. Each rank then runs the same checks, the same intake and the same bookkeeping
-on the same request, so they all take the same decisions; rank 0's return value is the org's reply (the other
-ranks return the same value, signed alike). Collective: ``step``, ``evaluate``, ``checkpoint`` (and the
+on the same request, so they all take the same decisions; the one random input to those decisions, the replay
+challenge a TrainReport issues, is drawn on rank 0 and broadcast (:class:`RankChallengeBook`), and one is agreed at
+construction so that ``health`` (rank 0 alone) never has to issue one; rank 0's return value is the org's reply
+(the other ranks return the same value, signed alike). Collective: ``step``, ``evaluate``, ``checkpoint`` (and the
 deprecated ``generate`` / ``train`` halves); construction with ``resume=True`` too. ``health`` is local (no
 collective): rank 0 may answer it alone.
 
@@ -25,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from hacrl_fed.config import RunConfig, org_generation, org_trainer
+from hacrl_fed.security.freshness import ChallengeBook
 from hacrl_fed.sharded.checkpoint import load_sharded, save_sharded
-from hacrl_fed.sharded.fsdp import copy_full_weights, world
+from hacrl_fed.sharded.fsdp import broadcast, copy_full_weights, world
 from hacrl_fed.sharded.generation import RankEngine
 from hacrl_fed.sharded.trainer import ShardedTrainer
 from hacrl_fed.trainer import LocalTrainer
@@ -54,6 +57,15 @@ def check_supported(cfg: RunConfig, org_id: str, world_size: int | None = None) 
         raise ValueError(f"orgs[{org_id}].sharding.ranks={ranks} but the worker's process group has {world_size} ranks")
 
 
+class RankChallengeBook(ChallengeBook):
+    """The replay challenges of a worker over ranks: rank 0's fresh challenge on every rank (collective
+    :meth:`issue`), so that every rank expects the challenge the org's reply carried."""
+
+    def issue(self) -> bytes:
+        self.latest = broadcast(super().issue())
+        return self.latest
+
+
 class ShardedPolicyWorker(PolicyWorker):
     """One organization's worker as one rank of its process group (module docstring); collective methods."""
 
@@ -64,6 +76,8 @@ class ShardedPolicyWorker(PolicyWorker):
         super().__init__(cfg, org_id, run_dir=run_dir, resume=resume)
         if self.world_size > 1:
             self.engine = RankEngine(self.engine)
+            self._challenges = RankChallengeBook()
+            self._challenges.issue()  # agreed now: Health (rank 0 alone) reports it instead of issuing one
 
     @property
     def sharded(self) -> bool:
