@@ -71,7 +71,9 @@ def test_silent_worker_times_out_and_is_stopped(tmp_path, config_path):
                             worker_args=["--silent"], ready_timeout_s=2.0)
     with pytest.raises(WorkerStartError, match="was not ready after 2 s"):
         procs.start()
-    assert procs.exit_codes == {"a": 0}
+    # stopped by the launcher's SIGTERM: 0 through the worker's handler, or -15 when the signal came before the
+    # handler was installed (a loaded machine can take longer than the 2 s to import); never left running / killed
+    assert procs.exit_codes in ({"a": 0}, {"a": -15})
 
 
 def test_long_run_dir_falls_back_to_a_free_tcp_port(tmp_path, config_path):
