@@ -341,3 +341,19 @@ def test_a_doctoring_source_crowds_an_honest_one_out_of_a_pooled_budget_not_out_
     crowded = [m for (t, m) in pooled if not t]
     assert crowded
     assert all(m["select/doctor/selected"] == BUDGET and m["select/doctor/over_share"] == 2 for m in crowded)
+
+
+def test_train_cost_script_averages_each_orgs_train_rounds_after_the_first(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("train_cost", Path(__file__).parent.parent / "scripts/train_cost.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rounds = [{"round": 0, "eval/a/accuracy": 0.5}]  # an eval-only row: no train call
+    rounds += [{"round": r, "a/cpu/train": float(r), "a/select/selected": 2.0 * r} for r in (1, 2, 4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rounds) + "\n")
+    got = mod.per_org(tmp_path)
+    assert got["a"]["cpu_train"] == 3.0 and got["a"]["selected"] == 6.0 and got["a"]["rounds"] == 2.0
