@@ -269,6 +269,16 @@ class SelectionConfig(_Section):
             "not with budget"
         ),
     )
+    budget_split: Literal["pooled", "per_source"] = Field(
+        "pooled",
+        description=_d(
+            "how the budget is divided among the round's sources: pooled (one budget over every source's rows: a "
+            "source with many eligible rows can take most of it) or per_source (each source a max-min fair share, "
+            "at least floor(budget / sources) or its eligible rows, that no other source can spend: a budget a "
+            'doctoring peer cannot squat; docs/ALGORITHM.md "A budget per source"); no effect without a budget; '
+            "not with peer_sample"
+        ),
+    )
 
     @field_validator("rule")
     @classmethod
@@ -284,6 +294,15 @@ class SelectionConfig(_Section):
         if self.budget is not None and self.budget_multiple is not None:
             raise ValueError("budget and budget_multiple are exclusive: set one of them (the other null)")
         problem = selection_budget_problem(self.rule, self.budget is not None or self.budget_multiple is not None)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _split(self) -> SelectionConfig:
+        from hacrl_fed.algorithm.selection import budget_split_problem
+
+        problem = budget_split_problem(self.rule, self.budget_split)
         if problem is not None:
             raise ValueError(problem)
         return self

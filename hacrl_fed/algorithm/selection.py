@@ -33,6 +33,12 @@ budget keeps first):
   (:func:`hacrl_fed.worker.intake.screen_sources`): a source it never reaches is never authenticated, checked or
   re-verified, and the selection is the same as if every source had been screened.
 
+Budget split (``trainer.selection.budget_split``, :mod:`hacrl_fed.algorithm.budget_split`): ``pooled`` takes the
+first ``budget`` rows of the rule's order over every source's rows; ``per_source`` gives each source a max-min
+fair share of the budget, filled from its own rows only (the first rows of that source in the rule's order; a rule
+that spends the budget itself, ``max_variance``, runs on the source's rows with its share), so no source spends
+another's share. Not with a source-ordered rule.
+
 Determinism: the seeded order of the rows is their canonical order (by source, prompt id, sample index) shuffled by
 ``random.Random(seed)``; a seeded order of prompts sorts them by ``stable_seed(seed, "prompt", prompt_id)``
 (:mod:`hacrl_fed.seeding`). A selection depends on the seed and the rows, not on their arrival order.
@@ -47,6 +53,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from hacrl_fed.algorithm.budget_split import BUDGET_SPLITS, share_metrics, source_shares, take_shares
 from hacrl_fed.seeding import stable_seed
 
 COUNTS = ("offered", "selected", "dropped_rule", "dropped_budget")
@@ -75,27 +82,35 @@ RuleFn = Callable[[Offer], tuple[list[int], list[int]]]  # -> (eligible rows, th
 @dataclass(frozen=True)
 class SelectionRule:
     """A registered rule: its function, whether it needs a budget (``needs_budget``) or refuses one
-    (``allows_budget`` False), and whether its budget takes whole sources in :func:`source_order`
-    (``source_ordered``: the worker can then screen sources lazily)."""
+    (``allows_budget`` False), whether its budget takes whole sources in :func:`source_order`
+    (``source_ordered``: the worker can then screen sources lazily), and whether its function spends the budget
+    itself (``picks_within_budget``: its order is already the budget's choice, so a per-source split runs it once
+    per source with that source's share)."""
 
     pick: RuleFn
     needs_budget: bool = False
     allows_budget: bool = True
     source_ordered: bool = False
+    picks_within_budget: bool = False
 
 
 SELECTION_RULES: dict[str, SelectionRule] = {}
 
 
 def register_selection_rule(
-    name: str, *, needs_budget: bool = False, allows_budget: bool = True, source_ordered: bool = False
+    name: str,
+    *,
+    needs_budget: bool = False,
+    allows_budget: bool = True,
+    source_ordered: bool = False,
+    picks_within_budget: bool = False,
 ) -> Callable[[RuleFn], RuleFn]:
     """Register a rule under ``name`` (``trainer.selection.rule``); the config accepts exactly the registered names."""
 
     def deco(fn: RuleFn) -> RuleFn:
         if name in SELECTION_RULES:
             raise ValueError(f"selection rule {name!r} is already registered")
-        SELECTION_RULES[name] = SelectionRule(fn, needs_budget, allows_budget, source_ordered)
+        SELECTION_RULES[name] = SelectionRule(fn, needs_budget, allows_budget, source_ordered, picks_within_budget)
         return fn
 
     return deco
@@ -116,15 +131,18 @@ def source_ordered(name: str) -> bool:
 @dataclass(frozen=True)
 class Selection:
     """What a rule kept: ``eligible`` (indices into the offered rows that passed the rule's filter) and
-    ``selected`` (those the budget kept), both ascending."""
+    ``selected`` (those the budget kept), both ascending; ``shares``: each source's share of the budget
+    (:mod:`hacrl_fed.algorithm.budget_split`; under ``pooled`` the share it would have had), None without a
+    budget or under a source-ordered rule."""
 
     eligible: tuple[int, ...]
     selected: tuple[int, ...]
+    shares: Mapping[str, int] | None = None
 
     def metrics(self, source_ids: Sequence[Any], budget: int | None = None) -> dict[str, float]:
         """``select/<source>/{offered,selected,dropped_rule,dropped_budget}`` per source of the offered rows (every
-        source, zeros included), the same four totals as ``select/<count>``, and ``select/budget`` when there is
-        one."""
+        source, zeros included), the same four totals as ``select/<count>``, ``select/budget`` when there is
+        one, and ``select/<source>/{share,over_share}`` when there are shares."""
         eligible, selected = set(self.eligible), set(self.selected)
         per: dict[str, dict[str, float]] = {}
         for i, src in enumerate(source_ids):
@@ -140,6 +158,8 @@ class Selection:
         out.update({f"select/{k}": v for k, v in totals.items()})
         if budget is not None:
             out["select/budget"] = float(budget)
+        if self.shares is not None:
+            out.update(share_metrics([str(s) for s in source_ids], self.selected, self.shares))
         return out
 
 
@@ -168,14 +188,44 @@ def select_rows(
     rule: str,
     budget: int | None,
     seed: int,
+    split: str = "pooled",
 ) -> Selection:
     """The offered foreign rows a learner trains on (module docstring: rules, budget, order, determinism).
 
     Args: per offered row (``N`` each) its reward, prompt id, source and sample index; ``own_rewards``: the
     learner's own rewards per prompt id; ``rule`` one of :data:`RULES`; ``budget``: most rows kept (``None``: no
-    budget; required by ``uniform`` and ``max_variance``, refused by ``all``); ``seed``: any int.
+    budget; required by ``uniform`` and ``max_variance``, refused by ``all``); ``seed``: any int; ``split``:
+    ``pooled`` (one budget over every source's rows) or ``per_source`` (each source its share:
+    :mod:`hacrl_fed.algorithm.budget_split`; refused by a source-ordered rule).
     Returns a :class:`Selection` (indices into the ``N`` rows, ascending).
     """
+    spec = _checked_rule(rewards, prompt_ids, source_ids, sample_indices, rule, budget, split)
+    n = len(rewards)
+    by_key = sorted(range(n), key=lambda i: (str(source_ids[i]), int(prompt_ids[i]), int(sample_indices[i]), i))
+    random.Random(seed).shuffle(by_key)  # a seeded order of the rows (canonical first: arrival order plays no part)
+    keys = [0] * n
+    for rank, i in enumerate(by_key):
+        keys[i] = rank
+    offer = Offer(rewards, prompt_ids, source_ids, sample_indices, own_rewards, budget, seed, by_key, keys)
+    if budget is not None and split == "per_source":
+        return _per_source(spec, offer, budget)
+    eligible, order = spec.pick(offer)
+    if budget is None:
+        return Selection(tuple(eligible), tuple(sorted(order)))
+    shares = None if spec.source_ordered else source_shares(_demands(spec, offer, order), budget, seed)
+    return Selection(tuple(eligible), tuple(sorted(order[:budget])), shares)
+
+
+def _checked_rule(
+    rewards: Sequence[float],
+    prompt_ids: Sequence[int],
+    source_ids: Sequence[Any],
+    sample_indices: Sequence[int],
+    rule: str,
+    budget: int | None,
+    split: str,
+) -> SelectionRule:
+    """The registered rule ``rule``, once the arguments of :func:`select_rows` are consistent (ValueError if not)."""
     n = len(rewards)
     if not len(prompt_ids) == len(source_ids) == len(sample_indices) == n:
         raise ValueError(
@@ -189,17 +239,57 @@ def select_rows(
         raise ValueError(f"rule {rule} keeps every row: a budget needs another rule")
     if budget is None and spec.needs_budget:
         raise ValueError(f"rule {rule} needs a budget")
+    problem = budget_split_problem(rule, split)
+    if problem is not None:
+        raise ValueError(problem)
     if not all(math.isfinite(r) for r in rewards):
         raise ValueError("rewards must be finite")
-    by_key = sorted(range(n), key=lambda i: (str(source_ids[i]), int(prompt_ids[i]), int(sample_indices[i]), i))
-    random.Random(seed).shuffle(by_key)  # a seeded order of the rows (canonical first: arrival order plays no part)
-    keys = [0] * n
-    for rank, i in enumerate(by_key):
-        keys[i] = rank
-    offer = Offer(rewards, prompt_ids, source_ids, sample_indices, own_rewards, budget, seed, by_key, keys)
-    eligible, order = spec.pick(offer)
-    chosen = order if budget is None else order[:budget]
-    return Selection(tuple(eligible), tuple(sorted(chosen)))
+    return spec
+
+
+def _demands(spec: SelectionRule, offer: Offer, order: Sequence[int]) -> dict[str, int]:
+    """Per source, the rows the rule could take (budget_split module docstring): those in its order (its eligible
+    rows), or every offered row for a rule that spends the budget itself (``max_variance``, no filter)."""
+    rows = range(len(offer.rewards)) if spec.picks_within_budget else order
+    demands = dict.fromkeys((str(s) for s in offer.source_ids), 0)
+    for i in rows:
+        demands[str(offer.source_ids[i])] += 1
+    return demands
+
+
+def _per_source(spec: SelectionRule, offer: Offer, budget: int) -> Selection:
+    """``budget_split: per_source``: each source's share (:func:`~hacrl_fed.algorithm.budget_split.source_shares`)
+    filled from its own rows: the first rows of the rule's order over the whole pool (its filter and order see
+    every source), or, for a rule that spends the budget itself, the rule run on that source's rows alone with the
+    share as its budget."""
+    sources = [str(s) for s in offer.source_ids]
+    if not spec.picks_within_budget:
+        eligible, order = spec.pick(offer)
+        shares = source_shares(_demands(spec, offer, order), budget, offer.seed)
+        return Selection(tuple(eligible), tuple(sorted(take_shares(order, sources, shares))), shares)
+    shares = source_shares(_demands(spec, offer, ()), budget, offer.seed)
+    chosen: list[int] = []
+    for src, share in shares.items():
+        rows = [i for i in range(len(sources)) if sources[i] == src]
+        _, order = spec.pick(_restricted(offer, rows, share))
+        chosen += [rows[k] for k in order[:share]]
+    return Selection(tuple(range(len(sources))), tuple(sorted(chosen)), shares)
+
+
+def _restricted(offer: Offer, rows: Sequence[int], budget: int) -> Offer:
+    """``offer`` with only ``rows`` (re-indexed 0..len-1, the seeded order kept) and ``budget``."""
+    local = {i: k for k, i in enumerate(rows)}
+    return Offer(
+        [offer.rewards[i] for i in rows],
+        [offer.prompt_ids[i] for i in rows],
+        [offer.source_ids[i] for i in rows],
+        [offer.sample_indices[i] for i in rows],
+        offer.own_rewards,
+        budget,
+        offer.seed,
+        [local[i] for i in offer.by_key if i in local],
+        [offer.keys[i] for i in rows],
+    )
 
 
 def selection_budget_problem(rule: str, budgeted: bool) -> str | None:
@@ -209,6 +299,18 @@ def selection_budget_problem(rule: str, budgeted: bool) -> str | None:
         return f"rule {rule} keeps every foreign row: a budget needs another rule (uniform samples one)"
     if not budgeted and spec.needs_budget:
         return f"rule {rule} picks a subset of the budget's size: set budget or budget_multiple"
+    return None
+
+
+def budget_split_problem(rule: str, split: str) -> str | None:
+    """Why rule ``rule`` cannot divide its budget by ``split``, or None when it can."""
+    if split not in BUDGET_SPLITS:
+        return f"budget_split must be one of {', '.join(BUDGET_SPLITS)}, got {split!r}"
+    if split == "per_source" and get_selection_rule(rule).source_ordered:
+        return (
+            f"budget_split per_source needs a rule that looks at every source: rule {rule} takes whole sources "
+            "in a seeded order (use budget_split pooled, or another rule)"
+        )
     return None
 
 
@@ -239,7 +341,7 @@ def _failed(o: Offer) -> tuple[list[int], list[int]]:
     return _learner_failed(o.rewards, o.prompt_ids, o.own_rewards, o.seed, o.by_key)
 
 
-@register_selection_rule("max_variance", needs_budget=True)
+@register_selection_rule("max_variance", needs_budget=True, picks_within_budget=True)
 def _variance(o: Offer) -> tuple[list[int], list[int]]:
     assert o.budget is not None
     return list(range(len(o.rewards))), _max_variance(o.rewards, o.prompt_ids, o.own_rewards, o.budget, o.seed, o.keys)
@@ -387,10 +489,12 @@ def select_rollouts(
     budget: int | None,
     budget_multiple: float | None,
     seed: int,
+    split: str = "pooled",
 ) -> tuple[list[Any], dict[str, float]]:
     """The worker's hook: the screened foreign rollouts (``.reward``, ``.prompt_id``, ``.org_id``,
     ``.sample_index``) this learner trains on, in their arrival order, and the ``select/...`` counts. ``own``: the
-    learner's own rows of the round (``.group`` = prompt id, ``.reward``); a ``budget_multiple`` counts them.
+    learner's own rows of the round (``.group`` = prompt id, ``.reward``); a ``budget_multiple`` counts them;
+    ``split``: how the budget is divided among the sources (:func:`select_rows`).
     Rule ``all`` without a budget returns the rollouts unchanged."""
     limit = resolve_budget(budget, budget_multiple, len(own))
     own_rewards: dict[int, list[float]] = {}
@@ -406,6 +510,7 @@ def select_rollouts(
         rule,
         limit,
         seed,
+        split,
     )
     return [foreign[i] for i in picked.selected], picked.metrics(sources, limit)
 

@@ -10,7 +10,9 @@
 3. **screen_batch** (:mod:`hacrl_fed.plan.screening`) against the plan the source answered, with this org's own
    verifier re-checking every claimed reward;
 4. **exclude** a source whose share of contradicted rewards exceeds ``security.max_mismatch_rate``;
-5. **select** by the org's ``trainer.selection`` rule and budget (:mod:`hacrl_fed.algorithm.selection`); a
+5. **select** by the org's ``trainer.selection`` rule and budget (:mod:`hacrl_fed.algorithm.selection`), the
+   budget pooled or split into per-source shares (``budget_split``, :mod:`hacrl_fed.algorithm.budget_split`: a
+   share is fixed here, before stage 7, so rows the likelihood screen drops spend only their own source's); a
    source-ordered rule (``peer_sample``) screens lazily (:class:`LazyTake`): sources it never reaches are never
    opened (``unscreened``);
 6. **re-tokenize** the selected text with this learner's template and tokenizer;
@@ -208,7 +210,7 @@ class Intake:
         """Stage 5: the rows this learner's selection rule and budget take, before any tokenization."""
         sel = self.selection
         kept, ledger.select_metrics = select_rollouts(
-            foreign, own_rows, sel.rule, sel.budget, sel.budget_multiple, seed
+            foreign, own_rows, sel.rule, sel.budget, sel.budget_multiple, seed, sel.budget_split
         )
         offered = Counter(str(r.org_id) for r in foreign)
         offered.subtract(str(r.org_id) for r in kept)
