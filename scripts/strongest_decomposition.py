@@ -39,9 +39,19 @@ def main() -> int:
         metavar="ORG=RULE",
         help="this org's trainer.selection.rule (the others keep the method's), e.g. acme=rescue",
     )
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, help="the JSON the runs are appended to")
+    p.add_argument("--table", type=Path, nargs="*", help="print the markdown table of these JSONs and exit")
+    p.add_argument("--orgs", nargs="*", default=[], help="--table: only these orgs")
     args = p.parse_args()
 
+    if args.table:
+        from hacrl_tools.bench.strongest import TABLE_HEAD, table_rows
+
+        runs = [run for path in args.table for run in json.loads(path.read_text())["runs"]]
+        print("\n".join([TABLE_HEAD, *table_rows(runs, args.orgs)]))
+        return 0
+    if args.out is None:
+        p.error("--out is required (or --table)")
     import torch
 
     from hacrl_fed.config import parse_overrides

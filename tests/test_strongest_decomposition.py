@@ -62,3 +62,21 @@ def test_own_shift_is_zero_when_the_joint_group_is_the_own_group():
     adv = group_advantages(torch.tensor(r), torch.tensor(g)).tolist()
     out = own_shift(r, g, own, adv, 4)["partial"]
     assert out["right_shrunk"] == out["wrong_pushed"] == 0 and out["sum_adv"] == pytest.approx(out["sum_ref"])
+
+
+def test_table_row_reads_the_summary():
+    from hacrl_tools.bench.strongest import TABLE_HEAD, table_rows
+
+    out = own_shift(REWARDS, GROUPS, OWN, joint_adv(), ref_size=4, eps=0.0)
+    s = summarize(out, prompt_outcomes(REWARDS, GROUPS, OWN, 4), {"num_cross": 3.0, "num_cross_grad": 1.0})
+    run = {
+        "setting": "x",
+        "method": "m",
+        "rounds": 1,
+        "orgs": {"a": {"accuracy_before": 0.5, "accuracy_after": 0.6, **s}},
+    }
+    (row,) = table_rows([run])
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == TABLE_HEAD.splitlines()[0].count("|") - 1
+    assert cells[:4] == ["`x`", "m", "a", "0.500 → 0.600"]
+    assert cells[6:8] == ["1.00", "1.00"] and cells[9] == "3, 0.33" and cells[10:] == ["0.50", "0.50", "0.00"]

@@ -295,3 +295,37 @@ def run_decomposition(
             for org, rec in recorders.items()
         },
     }
+
+
+TABLE_HEAD = (
+    "| setting | method | org | acc. before → after | mean own A (GSPO: 0) | from partial / fail prompts "
+    "| right rows shrunk | wrong rows pushed | mean A of own right rows (GSPO's) | foreign rows a round, with gradient "
+    "| prompts: failed, peer succeeds | partial, peer succeeds | failed, no peer success |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def table_rows(runs: Sequence[dict[str, Any]], orgs: Sequence[str] = ()) -> list[str]:
+    """One markdown row per (run, org) of :data:`TABLE_HEAD` (``orgs``: only these; empty: all)."""
+
+    def f(x: float | None, spec: str = "+.2f") -> str:
+        return "–" if x is None else format(x, spec)
+
+    out = []
+    for r in runs:
+        method = r["method"] + "".join(f", {o}: {rule}" for o, rule in r.get("org_rules", {}).items())
+        for org, o in r["orgs"].items():
+            if orgs and org not in orgs:
+                continue
+            cat, p = o["by_category"], o["prompts"]
+            grad = f"{o['foreign_rows'] / r['rounds']:.0f}, {f(o['foreign_grad_share'], '.2f')}"
+            out.append(
+                f"| `{r['setting']}` | {method} | {org} | {o['accuracy_before']:.3f} → {o['accuracy_after']:.3f} "
+                f"| {f(o['mean_shift'])} | {f(cat['partial']['shift_contribution'])} / "
+                f"{f(cat['fail']['shift_contribution'])} | {f(o['right_shrunk_share'], '.2f')} "
+                f"| {f(o['wrong_pushed_share'], '.2f')} | {f(cat['partial']['mean_adv_right'])} "
+                f"({f(cat['partial']['mean_ref_right'])}) | {grad if o['foreign_rows'] else '–'} "
+                f"| {p['fail/other_success']:.2f} | {p['partial/other_success']:.2f} "
+                f"| {p['fail/no_other_success']:.2f} |"
+            )
+    return out
