@@ -42,6 +42,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="the JSON the runs are appended to")
     p.add_argument("--table", type=Path, nargs="*", help="print the markdown table of these JSONs and exit")
     p.add_argument("--orgs", nargs="*", default=[], help="--table: only these orgs")
+    p.add_argument("--compare", type=Path, nargs="*", help="print the accuracy comparison of these JSONs and exit")
     args = p.parse_args()
 
     if args.table:
@@ -49,6 +50,14 @@ def main() -> int:
 
         runs = [run for path in args.table for run in json.loads(path.read_text())["runs"]]
         print("\n".join([TABLE_HEAD, *table_rows(runs, args.orgs)]))
+        return 0
+    if args.compare:
+        from hacrl_tools.bench.strongest import compare_rows
+
+        runs = [run for path in args.compare for run in json.loads(path.read_text())["runs"]]
+        print("| setting | org | method | seeds | final accuracy (per seed) | − gspo_x2, points (paired) |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(compare_rows(runs)))
         return 0
     if args.out is None:
         p.error("--out is required (or --table)")

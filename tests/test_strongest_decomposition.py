@@ -80,3 +80,17 @@ def test_table_row_reads_the_summary():
     assert len(cells) == TABLE_HEAD.splitlines()[0].count("|") - 1
     assert cells[:4] == ["`x`", "m", "a", "0.500 → 0.600"]
     assert cells[6:8] == ["1.00", "1.00"] and cells[9] == "3, 0.33" and cells[10:] == ["0.50", "0.50", "0.00"]
+
+
+def test_compare_rows_pair_each_method_with_gspo_x2_by_seed():
+    from hacrl_tools.bench.strongest import compare_rows
+
+    def run(method, seed, acc, rules=None):
+        return {"setting": "s", "method": method, "seed": seed, "org_rules": rules or {},
+                "orgs": {"a": {"accuracy_after": acc}}}  # fmt: skip
+
+    runs = [run("gspo_x2", 0, 0.5), run("gspo_x2", 1, 0.6), run("d", 0, 0.52), run("d", 1, 0.6, {"a": "rescue"})]
+    rows = compare_rows(runs)
+    assert rows[0] == "| `s` | a | gspo_x2 | 2 | 0.550 (0.500, 0.600) | – |"
+    assert rows[1] == "| `s` | a | d | 1 | 0.520 (0.520) | +2.0 |"
+    assert rows[2] == "| `s` | a | d, a: rescue | 1 | 0.600 (0.600) | +0.0 |"

@@ -329,3 +329,27 @@ def table_rows(runs: Sequence[dict[str, Any]], orgs: Sequence[str] = ()) -> list
                 f"| {p['fail/no_other_success']:.2f} |"
             )
     return out
+
+
+def method_label(run: dict[str, Any]) -> str:
+    """A run's method with its per-org rules (``hacpo_defended, acme: rescue``)."""
+    return run["method"] + "".join(f", {o}: {rule}" for o, rule in run.get("org_rules", {}).items())
+
+
+def compare_rows(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown rows: per setting and org, the final accuracy of each method label (mean over the seeds it ran,
+    and the seeds' own values), and each label's difference from ``gspo_x2`` paired by seed."""
+    acc: dict[tuple[str, str], dict[str, dict[int, float]]] = {}
+    for r in runs:
+        for org, o in r["orgs"].items():
+            acc.setdefault((r["setting"], org), {}).setdefault(method_label(r), {})[r["seed"]] = o["accuracy_after"]
+    out = []
+    for (setting, org), by_label in acc.items():
+        ref = by_label.get("gspo_x2", {})
+        for label, seeds in by_label.items():
+            mean = sum(seeds.values()) / len(seeds)
+            paired = [100 * (seeds[k] - ref[k]) for k in seeds if k in ref]
+            delta = f"{sum(paired) / len(paired):+.1f}" if paired and label != "gspo_x2" else "–"
+            vals = ", ".join(f"{seeds[k]:.3f}" for k in sorted(seeds))
+            out.append(f"| `{setting}` | {org} | {label} | {len(seeds)} | {mean:.3f} ({vals}) | {delta} |")
+    return out
