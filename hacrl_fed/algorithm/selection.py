@@ -25,6 +25,8 @@ budget keeps first):
   for some ``i`` (a kept row strictly between two left-out ones can be swapped for one of them without lowering the
   variance, which is convex in each reward), so the ``q + 1`` splits are compared exactly; ties keep more high
   rewards. It has no filter: every row it leaves out counts under the budget.
+- ``rescue`` (its own module, :mod:`hacrl_fed.algorithm.rescue`): rows with reward > 0 on the prompts where every
+  own row of the learner has reward 0. Budget: seeded uniform sample of the eligible.
 - ``peer_sample``: needs a budget. Every row eligible; the budget takes whole sources in a seeded order of the
   sources (:func:`source_order`), the last one's rows in a seeded order of that source's rows (``stable_seed(seed,
   "row", source, prompt id, sample index)``, which depends on no other row): the learner trains on a few random
@@ -54,6 +56,7 @@ from fractions import Fraction
 from typing import Any
 
 from hacrl_fed.algorithm.budget_split import BUDGET_SPLITS, share_metrics, source_shares, take_shares
+from hacrl_fed.algorithm.rescue import rescue_rows
 from hacrl_fed.seeding import stable_seed
 
 COUNTS = ("offered", "selected", "dropped_rule", "dropped_budget")
@@ -345,6 +348,11 @@ def _failed(o: Offer) -> tuple[list[int], list[int]]:
 def _variance(o: Offer) -> tuple[list[int], list[int]]:
     assert o.budget is not None
     return list(range(len(o.rewards))), _max_variance(o.rewards, o.prompt_ids, o.own_rewards, o.budget, o.seed, o.keys)
+
+
+@register_selection_rule("rescue")  # its own module: hacrl_fed/algorithm/rescue.py
+def _rescue(o: Offer) -> tuple[list[int], list[int]]:
+    return rescue_rows(o.rewards, o.prompt_ids, o.own_rewards, o.by_key)
 
 
 @register_selection_rule("peer_sample", needs_budget=True, source_ordered=True)

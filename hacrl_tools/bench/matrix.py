@@ -33,6 +33,9 @@ class Method:
     scale: dict[str, float] = field(default_factory=dict)
     same_as: str | None = None
     about: str = ""
+    # org id -> dotted fields of that org's entry in the setting's ``orgs`` list (``trainer.selection.rule``): one
+    # org's own settings (every org keeps its own rule); a setting without that org skips the cell
+    orgs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -66,11 +69,12 @@ def load_matrix(path: str | Path = MATRIX) -> Matrix:
     methods = {}
     for name, m in (data.get("methods") or {}).items():
         m = m or {}
-        unknown = set(m) - {"set", "scale", "same_as", "about"}
+        unknown = set(m) - {"set", "scale", "same_as", "about", "orgs"}
         if unknown:
             raise MatrixError(f"{path}: methods.{name}: unknown keys {sorted(unknown)}")
+        orgs = {str(o): dict(v or {}) for o, v in (m.get("orgs") or {}).items()}
         methods[name] = Method(
-            name, dict(m.get("set") or {}), dict(m.get("scale") or {}), m.get("same_as"), m.get("about", "")
+            name, dict(m.get("set") or {}), dict(m.get("scale") or {}), m.get("same_as"), m.get("about", ""), orgs
         )
     for m in methods.values():
         if m.same_as is not None and m.same_as not in methods:
@@ -188,6 +192,9 @@ def build_cell(
         return cell
     raw = yaml.safe_load(matrix.setting_config(setting).read_text()) or {}
     raw, cell.agents = _resolve_model_paths(raw)
+    if (absent := _set_orgs(raw, m.orgs)) is not None:
+        cell.skip = f"the setting has no org {absent} (method {method} sets its fields)"
+        return cell
     cell.config_dict = raw
     overrides: dict[str, Any] = dict(m.set)
     missing = [k for k in overrides if not field_exists(k)]
@@ -221,6 +228,22 @@ def build_cell(
         cell.config, exclude=("run_dir", "name"), relative_to=Path.cwd(), digits=12, exclude_defaults=True
     )
     return cell
+
+
+def _set_orgs(raw: dict[str, Any], orgs: dict[str, dict[str, Any]]) -> str | None:
+    """Apply a method's per-org fields to the setting's ``orgs`` entries (in place); the first org id the setting
+    lacks, or None."""
+    entries = {str(o.get("id")): o for o in raw.get("orgs") or [] if isinstance(o, dict)}
+    for org, fields in orgs.items():
+        if org not in entries:
+            return org
+        for key, value in fields.items():
+            *path, last = key.split(".")
+            node = entries[org]
+            for k in path:
+                node = node.setdefault(k, {})
+            node[last] = value
+    return None
 
 
 def _match(patterns: list[str], setting: str, method: str, group: str) -> bool:
