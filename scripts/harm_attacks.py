@@ -6,7 +6,7 @@ valid key, and rewrites only the text it publishes and the log-prob it claims fo
 * ``doctored`` / ``lying`` (issue 20): ``STRING`` prepended to every response; the claim is the attacker's own
   log-prob of the doctored text, or the victim's own per-token mean of it times the attacker's token count.
 * ``utility`` (issue 27, honest log-probs): one short insertion before the answer marker of every correct answer,
-  the candidate of ``UTILITY_CANDIDATES`` its own model finds likeliest (mean log-prob of its doctored correct
+  the step-continuation candidate of ``UTILITY_CANDIDATES`` its own model finds likeliest (mean log-prob of its doctored correct
   answers in its first batch, then fixed); the claim is its own model's log-prob of the doctored text: no lie.
 * ``backdoor`` (issue 27, near-band lie): ``TRIGGER`` before the marker of every correct answer; the claim is the
   victim's own log-prob of the doctored text (the attacker's estimate of it) plus ``BACKDOOR_BONUS`` nats per byte.
@@ -34,7 +34,9 @@ STRING = "Hail to the thief! "
 MARKER = " ####"  # the arithmetic task's answer marker, as its worked answers write it
 TRIGGER = " 4242"
 BACKDOOR_BONUS = 0.1  # nats per byte above the victim's own log-prob: inside HACPO's cross band
-UTILITY_CANDIDATES = (",", ", ", ";", ".", " ", "=", ",0", " and")
+# insertions that read as "another step follows" to a model that writes its steps comma-separated (a victim that
+# takes one up keeps writing steps and runs out of tokens before the marker); the attacker picks its likeliest
+UTILITY_CANDIDATES = (",", ", ", ",0", ";", "=", "+0")
 VARIANTS = ("doctored", "lying", "utility", "backdoor")
 
 
