@@ -6,8 +6,9 @@ valid key, and rewrites only the text it publishes and the log-prob it claims fo
 * ``doctored`` / ``lying`` (issue 20): ``STRING`` prepended to every response; the claim is the attacker's own
   log-prob of the doctored text, or the victim's own per-token mean of it times the attacker's token count.
 * ``utility`` (issue 27, honest log-probs): one short insertion before the answer marker of every correct answer,
-  the step-continuation candidate of ``UTILITY_CANDIDATES`` its own model finds likeliest (mean log-prob of its doctored correct
-  answers in its first batch, then fixed); the claim is its own model's log-prob of the doctored text: no lie.
+  the step-continuation candidate of ``UTILITY_CANDIDATES`` its own model finds likeliest (mean log-prob of its
+  doctored correct answers in its first batch, then fixed); the claim is its own model's log-prob of the doctored
+  text: no lie.
 * ``backdoor`` (issue 27, near-band lie): ``TRIGGER`` before the marker of every correct answer; the claim is the
   victim's own log-prob of the doctored text (the attacker's estimate of it) plus ``BACKDOOR_BONUS`` nats per byte.
 

@@ -42,6 +42,8 @@ from hacrl_fed.plan.sampler import eval_ids
 from hacrl_fed.worker import build_worker
 
 DIAGNOSTICS = ("gap_median", "deficit_max")  # per-round maxima, not counts
+TRUST_COUNTERS = ("rejected", "excluded", "mismatches", "accepted")
+OUTCOME_GAUGES = ("val_accuracy", "reference_accuracy", "strikes", "quarantined_until")  # recorded per round
 
 
 def string_log_prob(worker, prompts) -> float:
@@ -65,8 +67,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _counters(records) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """The screen's drops per ``learner<-source`` (counts summed, diagnostics maxed) and every per-source trust
-    rejection/exclusion and outcome counter, summed over the rounds under its metric key."""
+    """The screen's drops per ``learner<-source`` (counts summed, diagnostics maxed), every per-source trust
+    counter summed over the rounds and every outcome-guard counter (counts summed, gauges at their last value)."""
     drops: dict[str, dict[str, float]] = {}
     counters: dict[str, float] = {}
     for rec in records:
@@ -78,10 +80,10 @@ def _counters(records) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
                     d[parts[3]] = max(d.get(parts[3], -1e9), v)
                 else:
                     d[parts[3]] = d.get(parts[3], 0.0) + v
-            elif (len(parts) >= 4 and parts[1] == "trust" and parts[3] in ("rejected", "excluded", "mismatches", "accepted")) or (
-                len(parts) >= 2 and parts[1] == "outcome"
-            ):
+            elif len(parts) >= 4 and parts[1] == "trust" and parts[3] in TRUST_COUNTERS:
                 counters[k] = counters.get(k, 0.0) + float(v)
+            elif len(parts) >= 2 and parts[1] == "outcome":  # counts summed, gauges: the last round's value
+                counters[k] = float(v) if parts[-1] in OUTCOME_GAUGES else counters.get(k, 0.0) + float(v)
     return drops, counters
 
 
