@@ -41,18 +41,28 @@ def test_the_paired_test_counts_discordant_prompts():
 def test_a_regression_rolls_back_and_quarantines_the_sources_trained_since():
     g = OutcomeGuard(P)
     first = g.judge(0, vec(50))
-    assert first.save and first.new_reference and not first.rollback and g.reference == vec(50)
+    assert first.new_reference and not first.rollback and g.reference == vec(50)
     g.trained(["globex"])
     better = g.judge(2, vec(55))
-    assert better.save and better.new_reference and g.reference == vec(55) and g.implicated == set()
+    assert better.new_reference and g.reference == vec(55) and g.implicated == set()
     g.trained(["initech"])
-    within = g.judge(4, vec(53))  # 2 lost: within the slack, passes, but the reference stays the best
-    assert within.save and not within.new_reference and g.reference == vec(55) and g.implicated == set()
-    g.trained(["globex", "initech"])
+    within = g.judge(4, vec(53))  # 2 lost: within the slack; the reference stays the best, initech stays implicated
+    assert not within.new_reference and not within.rollback and g.reference == vec(55)
+    assert g.implicated == {"initech"}
+    g.trained(["globex"])
     worse = g.judge(6, vec(30))
-    assert worse.rollback and not worse.save and worse.quarantined == {"globex": 10, "initech": 10}
-    assert g.reference == vec(55) and g.strikes == {"globex": 1, "initech": 1}
+    assert worse.rollback and not worse.new_reference and worse.quarantined == {"globex": 10, "initech": 10}
+    assert g.reference == vec(55) and g.strikes == {"globex": 1, "initech": 1} and g.implicated == set()
     assert not g.admits("globex", 10) and g.admits("globex", 11)
+
+
+def test_a_regression_on_the_learners_own_rows_alone_rebases():
+    """No foreign row since the reference: training alone did it, not a member; no rollback, no strike."""
+    g = OutcomeGuard(P)
+    g.judge(0, vec(60))
+    own = g.judge(4, vec(30))
+    assert own.rebased and own.new_reference and not own.rollback and own.quarantined == {}
+    assert g.reference == vec(30) and g.strikes == {}
 
 
 def test_slow_harm_is_measured_against_the_same_reference():
@@ -98,7 +108,7 @@ def test_an_attacker_that_waits_out_its_trial_is_caught_at_the_next_validation()
     for t in (7, 8):  # its trial: honest, validated every round
         assert g.admits("globex", t) and g.due(t, 100)
         g.trained(["globex"])
-        assert g.judge(t, vec(60)).save
+        assert not g.judge(t, vec(60)).rollback
     assert g.passed == {"globex"} and g.trial == {} and not g.due(9, 100)
     g.trained(["globex"])  # round 9 doctored, unvalidated; round 10 is due
     assert g.due(10, 100) and g.judge(10, vec(25)).quarantined == {"globex": 18}  # second strike: 4 * 2 rounds
@@ -112,10 +122,10 @@ def test_readmitted_sources_go_on_trial_one_at_a_time():
     assert g.admits("globex", 7) and not g.admits("initech", 7)  # globex on trial, initech waits
     assert g.admits("hooli", 7)  # a source without strikes is always admitted
     g.trained(["globex", "hooli"])
-    assert g.judge(7, vec(62)).save and g.trial == {"globex": 7}  # one round is not a whole trial
+    assert g.judge(7, vec(62)).new_reference and g.trial == {"globex": 7}  # one round is not a whole trial
     assert not g.admits("initech", 8) and g.admits("globex", 8)
     g.trained(["globex"])
-    assert g.judge(8, vec(62)).save and g.passed == {"globex"}
+    assert g.judge(8, vec(62)).new_reference and g.passed == {"globex"}
     assert g.admits("initech", 9) and g.admits("globex", 9)  # globex passed its trial, initech now on trial
     g.trained(["globex", "initech"])
     again = g.judge(9, vec(30))

@@ -4,34 +4,34 @@ own accuracy does, not by what doctored text looks like. Pure decision logic, no
 
 On a schedule the learner answers a small private validation split of its own task greedily and gets a per-prompt
 correctness vector ``v`` (``V`` prompts, drawn with its private seed from the train split, so disjoint from the
-held-out evaluation). It keeps a **reference** vector ``r``: that of the best weights it validated (its initial
-weights first; it moves only up), and the last weights that **passed** (kept in memory). The paired comparison on
-the same prompts (McNemar):
+held-out evaluation). It keeps a **reference**: the vector ``r`` of the best weights it validated (its initial
+weights first) and those weights (in memory). The paired comparison on the same prompts (McNemar):
 
     lost   = #{p : r_p and not v_p}            gained = #{p : v_p and not r_p}
     regressed  <=>  lost - gained > max(z * sqrt(lost + gained), margin)
 
-* **regressed**: roll back to the last passing weights (and optimizer state) and quarantine every source whose rows
-  the update trained on since they passed: source ``j``'s ``strikes_j`` grows by one and it is left out through
-  round ``t + probation * backoff ** (strikes_j - 1)``;
-* otherwise the weights **pass**: they become the rollback target and the sources trained since are cleared; when
-  also no worse (``gained >= lost``) their vector becomes the reference.
+* **regressed, and a foreign source was trained on since the reference**: roll back to the reference weights (and
+  optimizer state) and quarantine every such source: ``strikes_j`` grows by one and source ``j`` is left out
+  through round ``t + probation * backoff ** (strikes_j - 1)``;
+* **regressed on the learner's own rows alone** (no foreign row since the reference): that is training alone, not a
+  member's harm; the current weights become the reference (``rebased``);
+* **no worse** (``gained >= lost``): the current weights become the reference, the sources are cleared;
+* otherwise (worse within the slack): nothing changes, the sources stay implicated until the next verdict.
 
 Validation is due after every ``every``-th round's update, after the last round's, after each of the first
 ``every`` rounds (every source is new then) and after every round while a source is **on trial**: a source whose
 quarantine ended is readmitted one at a time (no two sources with strikes on trial together, so the next regression
-is attributed to it alone) for ``every`` rounds, after which a passing validation clears it (it keeps its strikes).
-A source with no strike is always admitted.
+is attributed to it alone) for ``every`` rounds, after which a validation that is not a regression clears it (it
+keeps its strikes). A source with no strike is always admitted.
 
-Why an adaptive attacker gains little (SECURITY.md): every weights the learner keeps have passed the comparison with
-its best validated ones, and the final round is always validated, so whatever a source publishes the learner ends
-within the test's slack of its best validated accuracy; harm that accumulates slowly is measured against the same
-reference (it moves only up) until it is significant; a source that alternates honest and doctored windows keeps
-its strikes, and each strike multiplies its next quarantine, so it causes at most ``1 + log_backoff(rounds /
-probation)`` rollbacks in a run, each losing at most ``every`` rounds of the learner's own progress (one round on
-trial). What it cannot see: harm that costs no validation accuracy (a trigger that leaves answers right), harm
-within the slack, and a slower climb than training alone would give (it compares with its own best, not with a
-counterfactual learner).
+Why an adaptive attacker gains little (SECURITY.md): the weights the learner ends with were either validated no
+worse than its best, within the test's slack of it, or reached from it by its own rows only (the final round is
+always validated); harm that accumulates slowly or shows late is measured against the same reference and blamed on
+every source trained since it; a source that alternates honest and doctored windows keeps its strikes, and each
+strike multiplies its next quarantine, so it causes at most ``1 + log_backoff(rounds / probation)`` rollbacks in a
+run. What it cannot see: harm that costs no validation accuracy (a trigger that leaves answers right), harm within
+the slack, the rounds a rollback throws away, and a slower climb than training alone would give (it compares with
+its own best, not with a counterfactual learner).
 """
 
 from __future__ import annotations
@@ -67,14 +67,14 @@ class Comparison:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What one validation decided: ``rollback`` to the last passing weights, or ``save`` the current ones as the
-    rollback target (``new_reference``: their vector is the new reference), and the sources ``quarantined`` by it
-    (source -> last round it is left out)."""
+    """What one validation decided: ``rollback`` to the reference weights, or make the current ones the reference
+    (``new_reference``; ``rebased`` when they regressed on the learner's own rows alone), and the sources
+    ``quarantined`` by it (source -> last round it is left out)."""
 
     comparison: Comparison
     rollback: bool
-    save: bool
     new_reference: bool
+    rebased: bool
     quarantined: dict[str, int]
 
 
@@ -90,9 +90,9 @@ def compare(reference: Sequence[bool], current: Sequence[bool], z: float, margin
 @dataclass
 class OutcomeGuard:
     """One learner's guard state for one run (module doc). ``reference``: the reference vector (None until the
-    first validation); ``strikes``/``until``: per source; ``implicated``: sources trained since the last passing
-    weights; ``trial``: the source with strikes readmitted, by the round its trial began; ``passed``: sources with
-    strikes that completed a trial (admitted until their next strike)."""
+    first validation); ``strikes``/``until``: per source; ``implicated``: sources trained since the reference;
+    ``trial``: the source with strikes readmitted, by the round its trial began; ``passed``: sources with strikes
+    that completed a trial (admitted until their next strike)."""
 
     params: OutcomeParams
     reference: list[bool] | None = None
@@ -127,22 +127,23 @@ class OutcomeGuard:
         """The verdict on the weights after ``round``'s update (module doc); the first call sets the reference."""
         if self.reference is None:
             self.reference = list(current)
-            return Verdict(Comparison(0, 0, False), False, True, True, {})
+            return Verdict(Comparison(0, 0, False), False, True, False, {})
         cmp = compare(self.reference, current, self.params.z, self.params.margin)
         quarantined: dict[str, int] = {}
-        if cmp.regressed:
+        if cmp.regressed and self.implicated:
             for src in sorted(self.implicated):
                 self.strikes[src] = self.strikes.get(src, 0) + 1
                 self.passed.discard(src)
                 self.trial.pop(src, None)
                 span = self.params.probation * self.params.backoff ** (self.strikes[src] - 1)
                 self.until[src] = quarantined[src] = round + int(math.ceil(span))
-        else:
-            done = [s for s, start in self.trial.items() if round >= start + self.params.every - 1]
-            self.passed.update(done)
-            for src in done:
-                del self.trial[src]
-            if cmp.not_worse:
-                self.reference = list(current)
-        self.implicated.clear()
-        return Verdict(cmp, cmp.regressed, not cmp.regressed, cmp.not_worse and not cmp.regressed, quarantined)
+            self.implicated.clear()
+            return Verdict(cmp, True, False, False, quarantined)
+        done = [s for s, start in self.trial.items() if round >= start + self.params.every - 1]
+        self.passed.update(done)
+        for src in done:
+            del self.trial[src]
+        if cmp.regressed or cmp.not_worse:
+            self.reference = list(current)
+            self.implicated.clear()
+        return Verdict(cmp, False, cmp.regressed or cmp.not_worse, cmp.regressed, quarantined)

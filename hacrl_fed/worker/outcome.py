@@ -4,10 +4,10 @@ the quarantine of foreign rows and the rollback.
 
 * the split: ``val_size`` prompts of the task's **train** split, ids drawn with the org's private seed (the
   train/test partition keeps them apart from the held-out evaluation; the coordinator never sees which they are);
-* before the first update of a run the initial weights are validated and kept as the reference and the rollback
-  target; after an update when validation is due the updated weights are validated and judged: passing weights
-  replace the rollback target (a copy in memory), and a rollback copies its parameters and trainer state
-  (optimizer, likelihood-screen history) back and syncs the engine;
+* before the first update of a run the initial weights are validated and kept as the reference; after an update
+  when validation is due the updated weights are validated and judged: a new reference replaces the copy in
+  memory, and a rollback copies the reference's parameters and trainer state (optimizer, likelihood-screen history)
+  back and syncs the engine;
 * :meth:`OutcomeMonitor.leave_out` drops a quarantined source's rows before selection (ledger stage ``outcome``).
 
 The state lives in memory for the worker's current run: a worker restarted from a checkpoint validates the restored
@@ -102,7 +102,7 @@ class OutcomeMonitor:
         verdict = self.guard.judge(round, right)
         if verdict.rollback and self.saved is not None:
             _restore(worker, self.saved)
-        elif verdict.save:
+        elif verdict.new_reference:
             self.saved = _snapshot(worker)
         out = {
             "outcome/validated": 1.0,
@@ -110,6 +110,7 @@ class OutcomeMonitor:
             "outcome/lost": float(verdict.comparison.lost),
             "outcome/gained": float(verdict.comparison.gained),
             "outcome/rollback": float(verdict.rollback),
+            "outcome/rebased": float(verdict.rebased),
             "outcome/new_reference": float(verdict.new_reference),
             "time/outcome": time.perf_counter() - t0,
         }
