@@ -43,6 +43,7 @@ from hacrl_fed.worker import build_worker
 
 DIAGNOSTICS = ("gap_median", "deficit_max")  # per-round maxima, not counts
 TRUST_COUNTERS = ("rejected", "excluded", "mismatches", "accepted")
+TIMES = ("outcome", "outcome_reference", "train", "generate", "screen")
 OUTCOME_GAUGES = ("val_accuracy", "reference_accuracy", "strikes", "quarantined_until")  # recorded per round
 
 
@@ -68,7 +69,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 def _counters(records) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """The screen's drops per ``learner<-source`` (counts summed, diagnostics maxed), every per-source trust
-    counter summed over the rounds and every outcome-guard counter (counts summed, gauges at their last value)."""
+    counter summed over the rounds, every outcome-guard counter (counts summed, gauges at their last value) and the
+    learners' seconds in ``TIMES`` summed."""
     drops: dict[str, dict[str, float]] = {}
     counters: dict[str, float] = {}
     for rec in records:
@@ -81,6 +83,8 @@ def _counters(records) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
                 else:
                     d[parts[3]] = d.get(parts[3], 0.0) + v
             elif len(parts) >= 4 and parts[1] == "trust" and parts[3] in TRUST_COUNTERS:
+                counters[k] = counters.get(k, 0.0) + float(v)
+            elif len(parts) == 3 and parts[1] == "time" and parts[2] in TIMES:  # seconds, summed over the rounds
                 counters[k] = counters.get(k, 0.0) + float(v)
             elif len(parts) >= 2 and parts[1] == "outcome":  # counts summed, gauges: the last round's value
                 counters[k] = float(v) if parts[-1] in OUTCOME_GAUGES else counters.get(k, 0.0) + float(v)
