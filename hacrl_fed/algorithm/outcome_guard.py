@@ -21,8 +21,9 @@ weights first) and those weights (in memory). The paired comparison on the same 
 Validation is due after every ``every``-th round's update, after the last round's, after each of the first
 ``every`` rounds (every source is new then) and after every round while a source is **on trial**: a source whose
 quarantine ended is readmitted one at a time (no two sources with strikes on trial together, so the next regression
-is attributed to it alone) for ``every`` rounds, after which a validation that is not a regression clears it (it
-keeps its strikes). A source with no strike is always admitted.
+is attributed to it alone) for ``every`` rounds; the trial ends at the first validation after them, which must find
+the weights no worse than the reference (``gained >= lost``): then the source is cleared (it keeps its strikes),
+else it gets another strike and the weights go back to the reference. A source with no strike is always admitted.
 
 Why an adaptive attacker gains little (SECURITY.md): the weights the learner ends with were either validated no
 worse than its best, within the test's slack of it, or reached from it by its own rows only (the final round is
@@ -129,21 +130,28 @@ class OutcomeGuard:
             self.reference = list(current)
             return Verdict(Comparison(0, 0, False), False, True, False, {})
         cmp = compare(self.reference, current, self.params.z, self.params.margin)
-        quarantined: dict[str, int] = {}
-        if cmp.regressed and self.implicated:
-            for src in sorted(self.implicated):
-                self.strikes[src] = self.strikes.get(src, 0) + 1
-                self.passed.discard(src)
-                self.trial.pop(src, None)
-                span = self.params.probation * self.params.backoff ** (self.strikes[src] - 1)
-                self.until[src] = quarantined[src] = round + int(math.ceil(span))
-            self.implicated.clear()
-            return Verdict(cmp, True, False, False, quarantined)
         done = [s for s, start in self.trial.items() if round >= start + self.params.every - 1]
+        if cmp.regressed and self.implicated:
+            return Verdict(cmp, True, False, False, self._strike(sorted(self.implicated), round))
+        if done and not cmp.not_worse:  # a trial ends only with weights no worse than the reference
+            return Verdict(cmp, True, False, False, self._strike(done, round))
         self.passed.update(done)
         for src in done:
             del self.trial[src]
         if cmp.regressed or cmp.not_worse:
             self.reference = list(current)
             self.implicated.clear()
-        return Verdict(cmp, False, cmp.regressed or cmp.not_worse, cmp.regressed, quarantined)
+        return Verdict(cmp, False, cmp.regressed or cmp.not_worse, cmp.regressed, {})
+
+    def _strike(self, sources: Sequence[str], round: int) -> dict[str, int]:
+        """A strike for each of ``sources`` (quarantined through the round returned per source); the weights go
+        back to the reference, so no source stays implicated."""
+        quarantined: dict[str, int] = {}
+        for src in sources:
+            self.strikes[src] = self.strikes.get(src, 0) + 1
+            self.passed.discard(src)
+            self.trial.pop(src, None)
+            span = self.params.probation * self.params.backoff ** (self.strikes[src] - 1)
+            self.until[src] = quarantined[src] = round + int(math.ceil(span))
+        self.implicated.clear()
+        return quarantined
