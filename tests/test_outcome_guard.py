@@ -114,20 +114,20 @@ def test_an_attacker_that_waits_out_its_trial_is_caught_at_the_next_validation()
     assert g.due(10, 100) and g.judge(10, vec(25)).quarantined == {"globex": 18}  # second strike: 4 * 2 rounds
 
 
-def test_a_trial_that_ends_worse_than_the_reference_is_a_strike():
-    """An attacker that stays inside the slack while on trial: the trial asks for weights no worse, not merely not
-    significantly worse."""
+def test_a_source_with_strikes_must_leave_the_weights_no_worse():
+    """An attacker that stays inside the slack after its first strike: it is held to weights no worse, not merely
+    not significantly worse, at every validation after its rows."""
     g = OutcomeGuard(P)
     g.judge(0, vec(60))
     g.trained(["globex"])
     g.judge(2, vec(20))  # struck: out through round 6
     assert g.admits("globex", 7)
     g.trained(["globex"])
-    assert not g.judge(7, vec(59)).rollback  # one round into the trial, within the slack
-    g.trained(["globex"])
-    end = g.judge(8, vec(58))  # the trial's last round: 2 lost, within the slack, but worse
-    assert end.rollback and end.quarantined == {"globex": 16} and g.strikes == {"globex": 2}
+    end = g.judge(7, vec(59))  # one round into its trial: 1 lost, within the slack, but worse
+    assert end.rollback and end.quarantined == {"globex": 15} and g.strikes == {"globex": 2}
     assert g.trial == {} and g.passed == set() and g.reference == vec(60)
+    g.trained(["hooli"])  # a source without strikes keeps the slack
+    assert not g.judge(16, vec(59)).rollback and g.strikes == {"globex": 2}
 
 
 def test_readmitted_sources_go_on_trial_one_at_a_time():

@@ -21,9 +21,10 @@ weights first) and those weights (in memory). The paired comparison on the same 
 Validation is due after every ``every``-th round's update, after the last round's, after each of the first
 ``every`` rounds (every source is new then) and after every round while a source is **on trial**: a source whose
 quarantine ended is readmitted one at a time (no two sources with strikes on trial together, so the next regression
-is attributed to it alone) for ``every`` rounds; the trial ends at the first validation after them, which must find
-the weights no worse than the reference (``gained >= lost``): then the source is cleared (it keeps its strikes),
-else it gets another strike and the weights go back to the reference. A source with no strike is always admitted.
+is attributed to it alone) for ``every`` rounds, after which a validation that is not a regression clears it (it
+keeps its strikes). A source with no strike is always admitted. A source **with strikes** is held to more than the
+slack: any validation after updates that trained on its rows must find the weights no worse than the reference
+(``gained >= lost``), else it gets another strike and the weights go back to the reference.
 
 Why an adaptive attacker gains little (SECURITY.md): the weights the learner ends with were either validated no
 worse than its best, within the test's slack of it, or reached from it by its own rows only (the final round is
@@ -133,8 +134,9 @@ class OutcomeGuard:
         done = [s for s, start in self.trial.items() if round >= start + self.params.every - 1]
         if cmp.regressed and self.implicated:
             return Verdict(cmp, True, False, False, self._strike(sorted(self.implicated), round))
-        if done and not cmp.not_worse:  # a trial ends only with weights no worse than the reference
-            return Verdict(cmp, True, False, False, self._strike(done, round))
+        suspects = [s for s in sorted(self.implicated) if self.strikes.get(s, 0) > 0]
+        if suspects and not cmp.not_worse:  # a source with strikes is held to "no worse", not to "within the slack"
+            return Verdict(cmp, True, False, False, self._strike(suspects, round))
         self.passed.update(done)
         for src in done:
             del self.trial[src]
