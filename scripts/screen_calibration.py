@@ -108,6 +108,7 @@ def _commit() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
+    commit = _commit()  # the code that runs: read before the run, not after it
     if args.threads:
         torch.set_num_threads(args.threads)
     over = {
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "victim": victim.org_id,
         "eval_size": args.eval_size,
         "set": list(args.overrides),  # the extra overrides this run had (part of what it measured)
-        "commit": _commit(),
+        "commit": commit,
         "doctored_batches": attack.batches if attack else 0,
         "doctored_rows": attack.rows if attack else 0,
         "insertion": attack.insertion if attack else None,
