@@ -9,7 +9,9 @@
    roster, freshness (``stale_plan``) and decryption;
 3. **screen_batch** (:mod:`hacrl_fed.plan.screening`) against the plan the source answered, with this org's own
    verifier re-checking every claimed reward;
-4. **exclude** a source whose share of contradicted rewards exceeds ``security.max_mismatch_rate``;
+4. **exclude** a source whose share of contradicted rewards exceeds ``security.max_mismatch_rate``; with
+   ``trainer.outcome_guard`` on, leave out the rows of a source it quarantines (:mod:`hacrl_fed.worker.outcome`,
+   ledger stage ``outcome``);
 5. **select** by the org's ``trainer.selection`` rule and budget (:mod:`hacrl_fed.algorithm.selection`); a
    source-ordered rule (``peer_sample``) screens lazily (:class:`LazyTake`): sources it never reaches are never
    opened (``unscreened``);
