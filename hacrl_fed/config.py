@@ -356,6 +356,30 @@ class LikelihoodScreenConfig(_Section):
     )
 
 
+class OutcomeGuardConfig(_Section):
+    """The learner's outcome guard (docs/ALGORITHM.md "Outcome guard", SECURITY.md): a private validation split,
+    rollback to the best validated weights and quarantine of the sources trained on since then."""
+
+    enabled: bool = Field(
+        False,
+        description=_d(
+            "(off by default until measured on the matrix) validate this learner's greedy accuracy on a private split "
+            "of its task on a schedule; on a significant regression against its best validated weights, roll back to "
+            "them and quarantine the sources trained on since, counted as outcome/<source>/..."
+        ),
+    )
+    every: int = Field(4, ge=1, description=_d("validate after every this many rounds' updates (and the last round's)"))
+    val_size: int = Field(
+        400,
+        ge=8,
+        description=_d("prompts of the private validation split, drawn with the org's seed from the train split"),
+    )
+    z: float = Field(2.5, gt=0, description=_d("a regression: lost - gained > z * sqrt(lost + gained) (McNemar)"))
+    margin: int = Field(2, ge=0, description=_d("and lost - gained > margin (prompts)"))
+    probation: int = Field(8, ge=1, description=_d("rounds a source is left out after its first strike"))
+    backoff: float = Field(2.0, ge=1, description=_d("each further strike multiplies the source's quarantine by this"))
+
+
 class TrainerConfig(_Section):
     """The local update of each org (hacrl_fed/trainer.py); an org may override any field under orgs[].trainer."""
 
@@ -412,6 +436,10 @@ class TrainerConfig(_Section):
     likelihood_screen: LikelihoodScreenConfig = Field(
         default_factory=LikelihoodScreenConfig,
         description=_d("leave implausible foreign rows out of this org's update (the learner's own choice)"),
+    )
+    outcome_guard: OutcomeGuardConfig = Field(
+        default_factory=OutcomeGuardConfig,
+        description=_d("bound a member's harm by this learner's own validated accuracy (the learner's own choice)"),
     )
 
 

@@ -4,9 +4,9 @@
 
 Reads the JSON lines of ``scripts/screen_calibration.py`` runs (one per setting, variant, seed) and, for every honest
 org of a run (not the attacker), the matrix cell ``<results>/<setting>/gspo/seed<k>.json`` of the same seed (the
-same held-out prompts: the eval draw depends on the seed). Prints, per setting and variant, each honest org's
-final accuracy under attack, its isolated GSPO accuracy, and the difference paired by seed (mean ± standard error
-over seeds); ``--json`` writes the table.
+same held-out prompts: the eval draw depends on the seed) at the run's number of rounds (its curve point). Prints,
+per setting and variant, each honest org's final accuracy under attack, its isolated GSPO accuracy, and the
+difference paired by seed (mean ± standard error over seeds); ``--json`` writes the table.
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def _gspo(results: Path, setting: str, seed: int) -> dict[str, float] | None:
+def _gspo(results: Path, setting: str, seed: int, rounds: int) -> dict[str, float] | None:
+    """Each org's isolated GSPO accuracy after ``rounds`` rounds: the cell's curve point at that round (a run of
+    fewer rounds than the cell trains exactly the cell's first rounds), None without the cell or the point."""
     cell = results / setting / "gspo" / f"seed{seed}.json"
     if not cell.exists():
         return None
-    return {org: a["accuracy_after"] for org, a in json.loads(cell.read_text())["agents"].items()}
+    agents = json.loads(cell.read_text())["agents"]
+    at = {org: [acc for r, _, acc in a["curve"] if r == rounds] for org, a in agents.items()}
+    return {org: accs[0] for org, accs in at.items() if accs} or None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,14 +42,18 @@ def main(argv: list[str] | None = None) -> int:
             continue
         run = json.loads(line)
         setting = Path(run["config"]).stem
-        alone = _gspo(args.results, setting, run["seed"])
+        alone = _gspo(args.results, setting, run["seed"], run["rounds"])
         if alone is None:
-            print(f"no isolated GSPO cell for {setting} seed {run['seed']}: skipped", file=sys.stderr)
+            print(
+                f"no isolated GSPO cell for {setting} seed {run['seed']} at round {run['rounds']}: skipped",
+                file=sys.stderr,
+            )
             continue
         for org, acc in run["accuracy"].items():
             if org != run.get("attacker") and org in alone:
                 extra = "".join(f", {kv}" for kv in run.get("set", []))  # runs of other configs stay apart
-                diffs[(setting, f"{run['variant']} (screen {run['screen']}{extra})", org)].append(
+                by = f", by {run['attacker']}" if run.get("attacker") else ""
+                diffs[(setting, f"{run['variant']}{by} (screen {run['screen']}{extra})", org)].append(
                     (run["seed"], acc, alone[org])
                 )
     rows = []

@@ -67,6 +67,9 @@ def test_unsupported_sharded_settings_are_refused_naming_the_field():
         check_supported(_cfg(2, generation={"engine": "vllm"}), "char")
     with pytest.raises(ValueError, match=r"trainer\.precision=bf16-master.*sharding\.mixed_precision"):
         check_supported(_cfg(2, trainer={"precision": "bf16-master"}), "char")
+    with pytest.raises(ValueError, match=r"orgs\[char\]\.sharding\.ranks=2 with trainer\.outcome_guard"):
+        check_supported(_cfg(2, trainer={"outcome_guard": {"enabled": True}}), "char")
+    check_supported(_cfg(1, trainer={"outcome_guard": {"enabled": True}}), "char", world_size=1)
     with pytest.raises(ValueError, match=r"sharding\.ranks=2 but the worker's process group has 3 ranks"):
         check_supported(_cfg(2), "char", world_size=3)
     check_supported(_cfg(1, generation={"engine": "vllm"}), "char", world_size=1)  # one plain process: all engines

@@ -39,8 +39,8 @@ from hacrl_fed.worker.policy_worker import PolicyWorker
 
 def check_supported(cfg: RunConfig, org_id: str, world_size: int | None = None) -> None:
     """ValueError naming the field when org ``org_id``'s worker cannot run sharded as configured: the ``vllm``
-    engine or ``trainer.precision: bf16-master`` with ``sharding.ranks > 1``, or a process group whose size is
-    not ``sharding.ranks``."""
+    engine, ``trainer.precision: bf16-master`` or ``trainer.outcome_guard`` with ``sharding.ranks > 1``, or a
+    process group whose size is not ``sharding.ranks``."""
     org = cfg.org(org_id)
     ranks = org.sharding.ranks
     if ranks > 1 and org_generation(cfg, org_id).engine == "vllm":
@@ -52,6 +52,11 @@ def check_supported(cfg: RunConfig, org_id: str, world_size: int | None = None) 
         raise ValueError(
             f"orgs[{org_id}].sharding.ranks={ranks} with trainer.precision=bf16-master is not supported: the "
             "shards are the float32 masters; use trainer.precision: model with sharding.mixed_precision: bf16"
+        )
+    if ranks > 1 and org_trainer(cfg, org_id).outcome_guard.enabled:
+        raise ValueError(
+            f"orgs[{org_id}].sharding.ranks={ranks} with trainer.outcome_guard.enabled is not supported: the guard's "
+            "validation and rollback work on one process's weights; use ranks: 1 or turn the guard off"
         )
     if world_size is not None and world_size != ranks:
         raise ValueError(f"orgs[{org_id}].sharding.ranks={ranks} but the worker's process group has {world_size} ranks")

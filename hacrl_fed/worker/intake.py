@@ -9,7 +9,9 @@
    roster, freshness (``stale_plan``) and decryption;
 3. **screen_batch** (:mod:`hacrl_fed.plan.screening`) against the plan the source answered, with this org's own
    verifier re-checking every claimed reward;
-4. **exclude** a source whose share of contradicted rewards exceeds ``security.max_mismatch_rate``;
+4. **exclude** a source whose share of contradicted rewards exceeds ``security.max_mismatch_rate``; with
+   ``trainer.outcome_guard`` on, leave out the rows of a source it quarantines (:mod:`hacrl_fed.worker.outcome`,
+   ledger stage ``outcome``);
 5. **select** by the org's ``trainer.selection`` rule and budget (:mod:`hacrl_fed.algorithm.selection`), the
    budget pooled or split into per-source shares (``budget_split``, :mod:`hacrl_fed.algorithm.budget_split`: a
    share is fixed here, before stage 7, so rows the likelihood screen drops spend only their own source's); a
@@ -51,6 +53,8 @@ log = logging.getLogger(__name__)
 FOREIGN_LENGTH_FACTOR = 8  # foreign responses longer than this × max_new_tokens (learner tokens) are not trained on
 
 Opener = Callable[[RolloutBatch], RolloutBatch]  # verifies (and decrypts) one signed batch; raises RejectedBatch
+# the outcome guard's quarantine (hacrl_fed.worker.outcome): the rows it admits and its outcome/<source>/... counts
+LeaveOut = Callable[[list[Rollout], Ledger], tuple[list[Rollout], dict[str, float]]]
 
 
 @dataclasses.dataclass
@@ -115,6 +119,7 @@ class Admitted:
     ledger: Ledger
     scored_tokens: int
     times: dict[str, float]
+    outcome: dict[str, float] = dataclasses.field(default_factory=dict)  # the outcome guard's quarantine counts
 
     def update_metrics(self, update: dict[str, float]) -> dict[str, float]:
         """The update's metrics with the last two stages' counts (:func:`update_metrics`)."""
@@ -127,6 +132,7 @@ class Admitted:
             **self.ledger.trust_metrics(),
             **self.ledger.select_metrics,
             **self.times,
+            **self.outcome,
             "train/foreign_received": float(received),
             "train/foreign_unscored": float(self.ledger.unscored()),
         }
@@ -151,14 +157,23 @@ class Intake:
         self.uses_cross, self.task, self.tokenizer, self.eos_id = uses_cross, task, tokenizer, eos_id
 
     def admit(
-        self, request: TrainRequest, own: OwnRound, *, seed: int, opener: Opener | None, scoring: Scoring
+        self,
+        request: TrainRequest,
+        own: OwnRound,
+        *,
+        seed: int,
+        opener: Opener | None,
+        scoring: Scoring,
+        leave_out: LeaveOut | None = None,
     ) -> Admitted:
         """Every stage in order (module docstring); ``seed``: the round's selection seed; ``opener``: the identity
-        border's check of a signed batch (None: signing off)."""
+        border's check of a signed batch (None: signing off); ``leave_out``: the outcome guard's quarantine, after
+        stage 4 (None: the guard is off)."""
         t0, c0 = time.perf_counter(), time.process_time()
         ledger = Ledger()
         lazy = lazy_take(self.selection, len(own.rows), seed)
         foreign = self.screen(request, own, ledger, opener=opener, lazy=lazy)  # stages 1-4
+        foreign, outcome = leave_out(foreign, ledger) if leave_out is not None else (foreign, {})
         t1, c1 = time.perf_counter(), time.process_time()
         agents, learner, capability = self.agents(request, foreign)
         for row in own.rows:
@@ -174,7 +189,7 @@ class Intake:
         t2 = time.perf_counter()
         rows = admit_rows(rows, agents, scoring, self.screen_cfg, ledger)  # stages 7-8
         times = {"time/trust": t1 - t0, "time/score": t2 - t1, "cpu/trust": c1 - c0}
-        return Admitted(rows, agents, learner, capability, ledger, scored, times)
+        return Admitted(rows, agents, learner, capability, ledger, scored, times, outcome)
 
     def agents(self, request: TrainRequest, foreign: Sequence[Rollout]) -> tuple[list[str], int, list[float]]:
         """The agents of the round (sorted: the capability table's configured orgs, this org, the screened

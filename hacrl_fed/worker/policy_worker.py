@@ -61,6 +61,7 @@ from hacrl_fed.worker.api import run_step
 from hacrl_fed.worker.guard import check_capability, check_eval, check_plan, check_step, check_train
 from hacrl_fed.worker.identity_border import IdentityBorder
 from hacrl_fed.worker.intake import Intake, OwnRound, Scoring
+from hacrl_fed.worker.outcome import OutcomeMonitor
 from hacrl_fed.worker.prompts import PromptBook
 from hacrl_fed.worker.routing import RunRouting
 
@@ -113,6 +114,7 @@ class PolicyWorker(RunRouting):
             tokenizer=self.tokenizer,
             eos_id=self.eos_id,
         )
+        self.outcome = OutcomeMonitor.of(self.trainer_cfg.outcome_guard, self)  # None: off
         self.run_id: str | None = None  # the run this worker serves (None: it has served none yet)
         self.last_round = 0  # the last round of run_id it trained (0: none)
         self._trained: dict[str, int] = {}  # run id -> last round this process trained in that run
@@ -234,14 +236,20 @@ class PolicyWorker(RunRouting):
         c0, perf = time.process_time(), PhaseMeter(self._device())
         opener = self.border.opener(own.run_id, own.round, own.fresh_digest)
         seed = stable_seed(self.seed, "select", own.round)
-        admitted = self.intake.admit(request, own, seed=seed, opener=opener, scoring=Scoring.of(self.trainer))
+        outcome, leave_out = self._outcome_start(request.run_id, own.round)
+        admitted = self.intake.admit(
+            request, own, seed=seed, opener=opener, scoring=Scoring.of(self.trainer), leave_out=leave_out
+        )
         score_perf = perf.lap("score", admitted.scored_tokens)
         raise_if_cancelled("before the update")
         t1, c1 = time.perf_counter(), time.process_time()
         with self.engine.released():  # a vLLM engine may sleep during the update (generation.sleep_during_train)
             update = self.trainer.update(admitted.rows, admitted.learner, admitted.capability, names=admitted.agents)
         self.engine.sync_weights(self.model)
-        metrics = {**admitted.update_metrics(update), **score_perf}
+        if self.outcome is not None:  # validate when due; a regression rolls the weights back
+            trained = sorted({admitted.agents[r.source] for r in admitted.rows if not r.is_self})
+            outcome.update(self.outcome.after_update(own.round, self.cfg.federation.rounds, trained, self))
+        metrics = {**admitted.update_metrics(update), **score_perf, **outcome}
         metrics.update(perf.lap("train", update.get("train/num_tokens", 0.0)))
         c2 = time.process_time()  # cpu/...: this process's CPU seconds (all its threads), split as time/...
         metrics.update(admitted.metrics(request), **{"time/train": time.perf_counter() - t1})
@@ -249,6 +257,14 @@ class PolicyWorker(RunRouting):
         self._own = None
         self.last_round, self._trained[request.run_id], self._pristine = request.round, request.round, False
         return self._report(request, metrics)
+
+    def _outcome_start(self, run_id: str, round: int):
+        """The outcome guard's metrics so far (its reference, validated before a run's first update) and its
+        quarantine for the intake; ``({}, None)`` with the guard off."""
+        if self.outcome is None:
+            return {}, None
+        monitor = self.outcome
+        return monitor.start(run_id, self), lambda foreign, ledger: monitor.leave_out(foreign, round, ledger)
 
     def _report(self, request: TrainRequest, metrics: dict[str, float]) -> TrainReport:
         """The signed TrainReport with a fresh challenge and, in blind mode, the evidence of lying sources."""

@@ -1,0 +1,159 @@
+"""The learner's outcome guard (docs/ALGORITHM.md "Outcome guard", SECURITY.md): harm bounded by what the learner's
+own accuracy does, not by what doctored text looks like. Pure decision logic, no I/O and no tensors; the worker
+(:mod:`hacrl_fed.worker.outcome`) runs the validation, keeps the weights and applies the verdicts.
+
+On a schedule the learner answers a small private validation split of its own task greedily and gets a per-prompt
+correctness vector ``v`` (``V`` prompts, drawn with its private seed from the train split, so disjoint from the
+held-out evaluation). It keeps a **reference**: the vector ``r`` of the best weights it validated (its initial
+weights first) and those weights (in memory). The paired comparison on the same prompts (McNemar):
+
+    lost   = #{p : r_p and not v_p}            gained = #{p : v_p and not r_p}
+    regressed  <=>  lost - gained > max(z * sqrt(lost + gained), margin)
+
+* **regressed, and a foreign source was trained on since the reference**: roll back to the reference weights (and
+  optimizer state) and quarantine every such source: ``strikes_j`` grows by one and source ``j`` is left out
+  through round ``t + probation * backoff ** (strikes_j - 1)``;
+* **regressed on the learner's own rows alone** (no foreign row since the reference): that is training alone, not a
+  member's harm; the current weights become the reference (``rebased``);
+* **no worse** (``gained >= lost``): the current weights become the reference, the sources are cleared;
+* otherwise (worse within the slack): nothing changes, the sources stay implicated until the next verdict.
+
+Validation is due after every ``every``-th round's update, after the last round's, after each of the first
+``every`` rounds (every source is new then) and after every round while a source is **on trial**: a source whose
+quarantine ended is readmitted one at a time (no two sources with strikes on trial together, so the next regression
+is attributed to it alone) for ``every`` rounds, after which a validation that is not a regression clears it (it
+keeps its strikes). A source with no strike is always admitted. A source **with strikes** is held to more than the
+slack: any validation after updates that trained on its rows must find the weights no worse than the reference
+(``gained >= lost``), else it gets another strike and the weights go back to the reference.
+
+Why an adaptive attacker gains little (SECURITY.md): the weights the learner ends with were either validated no
+worse than its best, within the test's slack of it, or reached from it by its own rows only (the final round is
+always validated); harm that accumulates slowly or shows late is measured against the same reference and blamed on
+every source trained since it; a source that alternates honest and doctored windows keeps its strikes, and each
+strike multiplies its next quarantine, so it causes at most ``1 + log_backoff(rounds / probation)`` rollbacks in a
+run. What it cannot see: harm that costs no validation accuracy (a trigger that leaves answers right), harm within
+the slack, the rounds a rollback throws away, and a slower climb than training alone would give (it compares with
+its own best, not with a counterfactual learner).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class OutcomeParams:
+    """The thresholds (config ``trainer.outcome_guard``; docs/ALGORITHM.md)."""
+
+    every: int = 4
+    z: float = 2.5
+    margin: int = 2
+    probation: int = 8
+    backoff: float = 2.0
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The paired comparison of a validation vector with the reference's (module doc)."""
+
+    lost: int
+    gained: int
+    regressed: bool
+
+    @property
+    def not_worse(self) -> bool:
+        return self.gained >= self.lost
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one validation decided: ``rollback`` to the reference weights, or make the current ones the reference
+    (``new_reference``; ``rebased`` when they regressed on the learner's own rows alone), and the sources
+    ``quarantined`` by it (source -> last round it is left out)."""
+
+    comparison: Comparison
+    rollback: bool
+    new_reference: bool
+    rebased: bool
+    quarantined: dict[str, int]
+
+
+def compare(reference: Sequence[bool], current: Sequence[bool], z: float, margin: int) -> Comparison:
+    """Paired (McNemar) comparison of two correctness vectors over the same prompts (module doc)."""
+    if len(reference) != len(current):
+        raise ValueError(f"reference has {len(reference)} prompts, current {len(current)}")
+    lost = sum(1 for r, v in zip(reference, current) if r and not v)
+    gained = sum(1 for r, v in zip(reference, current) if v and not r)
+    return Comparison(lost, gained, lost - gained > max(z * math.sqrt(lost + gained), float(margin)))
+
+
+@dataclass
+class OutcomeGuard:
+    """One learner's guard state for one run (module doc). ``reference``: the reference vector (None until the
+    first validation); ``strikes``/``until``: per source; ``implicated``: sources trained since the reference;
+    ``trial``: the source with strikes readmitted, by the round its trial began; ``passed``: sources with strikes
+    that completed a trial (admitted until their next strike)."""
+
+    params: OutcomeParams
+    reference: list[bool] | None = None
+    strikes: dict[str, int] = field(default_factory=dict)
+    until: dict[str, int] = field(default_factory=dict)
+    implicated: set[str] = field(default_factory=set)
+    trial: dict[str, int] = field(default_factory=dict)
+    passed: set[str] = field(default_factory=set)
+
+    def due(self, round: int, last_round: int) -> bool:
+        """Validate after the update of ``round`` (module doc)."""
+        every = self.params.every
+        return round % every == 0 or round >= last_round or round <= every or bool(self.trial)
+
+    def admits(self, source: str, round: int) -> bool:
+        """Whether ``source``'s rows may enter the update of ``round``; a readmitted source with strikes is put on
+        trial here, unless another one already is."""
+        if round <= self.until.get(source, 0):
+            return False
+        if self.strikes.get(source, 0) == 0 or source in self.trial or source in self.passed:
+            return True
+        if self.trial:
+            return False  # one source on trial at a time: the next regression names it alone
+        self.trial[source] = round
+        return True
+
+    def trained(self, sources: Iterable[str]) -> None:
+        """The update of this round trained on rows of ``sources``."""
+        self.implicated.update(sources)
+
+    def judge(self, round: int, current: Sequence[bool]) -> Verdict:
+        """The verdict on the weights after ``round``'s update (module doc); the first call sets the reference."""
+        if self.reference is None:
+            self.reference = list(current)
+            return Verdict(Comparison(0, 0, False), False, True, False, {})
+        cmp = compare(self.reference, current, self.params.z, self.params.margin)
+        done = [s for s, start in self.trial.items() if round >= start + self.params.every - 1]
+        if cmp.regressed and self.implicated:
+            return Verdict(cmp, True, False, False, self._strike(sorted(self.implicated), round))
+        suspects = [s for s in sorted(self.implicated) if self.strikes.get(s, 0) > 0]
+        if suspects and not cmp.not_worse:  # a source with strikes is held to "no worse", not to "within the slack"
+            return Verdict(cmp, True, False, False, self._strike(suspects, round))
+        self.passed.update(done)
+        for src in done:
+            del self.trial[src]
+        if cmp.regressed or cmp.not_worse:
+            self.reference = list(current)
+            self.implicated.clear()
+        return Verdict(cmp, False, cmp.regressed or cmp.not_worse, cmp.regressed, {})
+
+    def _strike(self, sources: Sequence[str], round: int) -> dict[str, int]:
+        """A strike for each of ``sources`` (quarantined through the round returned per source); the weights go
+        back to the reference, so no source stays implicated."""
+        quarantined: dict[str, int] = {}
+        for src in sources:
+            self.strikes[src] = self.strikes.get(src, 0) + 1
+            self.passed.discard(src)
+            self.trial.pop(src, None)
+            span = self.params.probation * self.params.backoff ** (self.strikes[src] - 1)
+            self.until[src] = quarantined[src] = round + int(math.ceil(span))
+        self.implicated.clear()
+        return quarantined

@@ -1,0 +1,139 @@
+"""The worker side of the outcome guard (``trainer.outcome_guard``; the decisions are
+:mod:`hacrl_fed.algorithm.outcome_guard`'s): the private validation split, the reference weights kept in memory,
+the quarantine of foreign rows and the rollback.
+
+* the split: ``val_size`` prompts of the task's **train** split, ids drawn with the org's private seed (the
+  train/test partition keeps them apart from the held-out evaluation; the coordinator never sees which they are);
+* before the first update of a run the initial weights are validated and kept as the reference; after an update
+  when validation is due the updated weights are validated and judged: a new reference replaces the copy in
+  memory, and a rollback copies the reference's parameters and trainer state (optimizer, likelihood-screen history)
+  back and syncs the engine;
+* :meth:`OutcomeMonitor.leave_out` drops a quarantined source's rows before selection (ledger stage ``outcome``).
+
+The state lives in memory for the worker's current run: a worker restarted from a checkpoint validates the restored
+weights as its new reference (SECURITY.md says what that leaves open).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hacrl_fed.algorithm.outcome_guard import OutcomeGuard, OutcomeParams
+from hacrl_fed.config import OutcomeGuardConfig
+from hacrl_fed.seeding import stable_seed
+from hacrl_fed.types import Rollout
+from hacrl_fed.worker.ledger import Ledger
+
+
+class OutcomeMonitor:
+    """One learner's outcome guard with its validation split and reference weights (module doc)."""
+
+    def __init__(self, cfg: OutcomeGuardConfig, *, seed: int, task: Any, prompts: Any, max_new_tokens: int):
+        self.cfg, self.task, self.book, self.max_new_tokens = cfg, task, prompts, max_new_tokens
+        rng = random.Random(stable_seed(seed, "outcome-validation"))
+        ids = sorted(rng.sample(range(task.size("train")), min(cfg.val_size, task.size("train"))))
+        self.prompts = task.prompts("train", ids)
+        self.params = OutcomeParams(cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff)
+        self.run_id: str | None = None
+        self.guard = OutcomeGuard(self.params)
+        self.saved: tuple[dict[str, torch.Tensor], dict] | None = None
+
+    @classmethod
+    def of(cls, cfg: OutcomeGuardConfig, worker: Any) -> OutcomeMonitor | None:
+        """A worker's monitor (its private seed, task, prompt book and evaluation budget); None when off."""
+        if not cfg.enabled:
+            return None
+        return cls(
+            cfg,
+            seed=worker.seed,
+            task=worker.task,
+            prompts=worker.prompts,
+            max_new_tokens=worker.gen_cfg.eval_max_new_tokens,
+        )
+
+    def validate(self, engine: Any, context: int | None) -> list[bool]:
+        """Greedy correctness of the current weights on the split (a prompt that does not fit counts as wrong)."""
+        texts, lengths = self.book.tokens(self.prompts)
+        keep = self.book.fitting(self.prompts, lengths, self.max_new_tokens, "generation.eval_max_new_tokens", context)
+        gens = engine.greedy([texts[i] for i in keep], max_new_tokens=self.max_new_tokens) if keep else []
+        right = [False] * len(self.prompts)
+        for i, g in zip(keep, gens):
+            right[i] = float(self.task.verify(g.text, self.prompts[i].reference)) >= 1.0
+        return right
+
+    def start(self, run_id: str, worker: Any) -> dict[str, float]:
+        """Before an update: a run this monitor has no reference of starts with the current weights validated and
+        kept as the reference."""
+        if run_id == self.run_id and self.saved is not None:
+            return {}
+        t0 = time.perf_counter()
+        self.run_id, self.guard = run_id, OutcomeGuard(self.params)
+        right = self.validate(worker.engine, worker.context)
+        self.guard.judge(0, right)
+        self.saved = _snapshot(worker)
+        return {"outcome/reference_accuracy": _acc(right), "time/outcome_reference": time.perf_counter() - t0}
+
+    def leave_out(self, foreign: list[Rollout], round: int, ledger: Ledger) -> tuple[list[Rollout], dict[str, float]]:
+        """The rows of sources the guard admits this round; ``outcome/<source>/...`` for every source offered."""
+        admitted = {src: self.guard.admits(src, round) for src in sorted({str(r.org_id) for r in foreign})}
+        dropped = Counter(str(r.org_id) for r in foreign if not admitted[str(r.org_id)])
+        out: dict[str, float] = {}
+        for src, ok in admitted.items():
+            ledger.drop(src, "outcome", "quarantined", dropped[src])
+            out[f"outcome/{src}/quarantined"] = float(not ok)
+            out[f"outcome/{src}/dropped_quarantine"] = float(dropped[src])
+            out[f"outcome/{src}/strikes"] = float(self.guard.strikes.get(src, 0))
+        return [r for r in foreign if admitted[str(r.org_id)]], out
+
+    def after_update(self, round: int, last_round: int, trained: Sequence[str], worker: Any) -> dict[str, float]:
+        """Record the sources the update trained on; when due, validate, judge and apply the verdict."""
+        self.guard.trained(trained)
+        if not self.guard.due(round, last_round):
+            return {"outcome/validated": 0.0}
+        t0 = time.perf_counter()
+        right = self.validate(worker.engine, worker.context)
+        verdict = self.guard.judge(round, right)
+        if verdict.rollback and self.saved is not None:
+            _restore(worker, self.saved)
+        elif verdict.new_reference:
+            self.saved = _snapshot(worker)
+        out = {
+            "outcome/validated": 1.0,
+            "outcome/val_accuracy": _acc(right),
+            "outcome/lost": float(verdict.comparison.lost),
+            "outcome/gained": float(verdict.comparison.gained),
+            "outcome/rollback": float(verdict.rollback),
+            "outcome/rebased": float(verdict.rebased),
+            "outcome/new_reference": float(verdict.new_reference),
+            "time/outcome": time.perf_counter() - t0,
+        }
+        out.update({f"outcome/{src}/quarantined_until": float(t) for src, t in verdict.quarantined.items()})
+        return out
+
+
+def _acc(right: Sequence[bool]) -> float:
+    return sum(right) / max(len(right), 1)
+
+
+def _snapshot(worker: Any) -> tuple[dict[str, torch.Tensor], dict]:
+    """A copy of the trainable parameters and the trainer's state (optimizer, screen history, masters)."""
+    params = {n: p.detach().clone() for n, p in worker.model.named_parameters() if p.requires_grad}
+    return params, copy.deepcopy(worker.trainer.state_dict())
+
+
+def _restore(worker: Any, saved: tuple[dict[str, torch.Tensor], dict]) -> None:
+    """Put a :func:`_snapshot` back on the worker's model, trainer and engine."""
+    params, state = saved
+    with torch.no_grad():
+        for name, p in worker.model.named_parameters():
+            if name in params:
+                p.copy_(params[name])
+    worker.trainer.load_state_dict(copy.deepcopy(state))
+    worker.engine.sync_weights(worker.model)

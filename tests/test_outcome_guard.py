@@ -1,0 +1,205 @@
+"""The learner's outcome guard (hacrl_fed/algorithm/outcome_guard.py, hacrl_fed/worker/outcome.py): the paired
+regression test, the verdicts and quarantines as an adaptive attacker would probe them, and the worker's rollback
+and quarantine counters over a short in-process run of micro agents."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hacrl_fed.algorithm.outcome_guard import OutcomeGuard, OutcomeParams, compare
+from hacrl_fed.config import load_config
+from hacrl_fed.coordinator import Coordinator
+from hacrl_fed.coordinator.inprocess import InProcessTransport
+from hacrl_fed.worker import build_worker
+
+P = OutcomeParams(every=2, z=2.0, margin=2, probation=4, backoff=2.0)
+
+
+def vec(right: int, n: int = 100) -> list[bool]:
+    return [i < right for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------ pure logic
+
+
+def test_the_paired_test_counts_discordant_prompts():
+    ref = [True, True, True, False, False, True]
+    cur = [False, True, False, True, False, False]
+    cmp = compare(ref, cur, z=2.0, margin=0)
+    assert (cmp.lost, cmp.gained) == (3, 1)
+    assert not cmp.regressed  # 3 - 1 = 2 <= 2 * sqrt(4) = 4
+    assert compare(vec(60), vec(40), 2.0, 2).regressed  # 20 lost, 0 gained: 20 > 2 * sqrt(20) = 8.9
+    assert not compare(vec(60), vec(57), 2.0, 2).regressed  # 3 > max(3.46, 2) is false
+    assert not compare(vec(60), vec(60), 2.0, 0).regressed and compare(vec(60), vec(60), 2.0, 0).not_worse
+    with pytest.raises(ValueError, match="reference has 100 prompts, current 99"):
+        compare(vec(1), vec(1, 99), 2.0, 0)
+
+
+def test_a_regression_rolls_back_and_quarantines_the_sources_trained_since():
+    g = OutcomeGuard(P)
+    first = g.judge(0, vec(50))
+    assert first.new_reference and not first.rollback and g.reference == vec(50)
+    g.trained(["globex"])
+    better = g.judge(2, vec(55))
+    assert better.new_reference and g.reference == vec(55) and g.implicated == set()
+    g.trained(["initech"])
+    within = g.judge(4, vec(53))  # 2 lost: within the slack; the reference stays the best, initech stays implicated
+    assert not within.new_reference and not within.rollback and g.reference == vec(55)
+    assert g.implicated == {"initech"}
+    g.trained(["globex"])
+    worse = g.judge(6, vec(30))
+    assert worse.rollback and not worse.new_reference and worse.quarantined == {"globex": 10, "initech": 10}
+    assert g.reference == vec(55) and g.strikes == {"globex": 1, "initech": 1} and g.implicated == set()
+    assert not g.admits("globex", 10) and g.admits("globex", 11)
+
+
+def test_a_regression_on_the_learners_own_rows_alone_rebases():
+    """No foreign row since the reference: training alone did it, not a member; no rollback, no strike."""
+    g = OutcomeGuard(P)
+    g.judge(0, vec(60))
+    own = g.judge(4, vec(30))
+    assert own.rebased and own.new_reference and not own.rollback and own.quarantined == {}
+    assert g.reference == vec(30) and g.strikes == {}
+
+
+def test_slow_harm_is_measured_against_the_same_reference():
+    """An attacker that costs a little each window, never significant against the previous validation: the
+    reference does not move down, so the sum is caught."""
+    g = OutcomeGuard(P)
+    g.judge(0, vec(60))
+    verdicts = []
+    for t, right in zip(range(2, 20, 2), (59, 58, 57, 56, 55)):
+        g.trained(["globex"])
+        verdicts.append(g.judge(t, vec(right)))
+        assert not compare(vec(right + 1), vec(right), P.z, P.margin).regressed  # each step alone is noise
+    assert [v.rollback for v in verdicts] == [False, False, False, False, True]
+    assert g.strikes == {"globex": 1} and g.reference == vec(60)
+
+
+def test_each_strike_multiplies_the_quarantine_so_alternating_attacks_are_few():
+    """A source that doctors every time it is let back in (and is honest in between) causes at most
+    1 + log2(rounds / probation) rollbacks, each caught in the first round of its trial."""
+    g = OutcomeGuard(P)
+    g.judge(0, vec(60))
+    rollbacks, rounds, wasted = 0, 200, 0
+    for t in range(1, rounds + 1):
+        attacking = g.admits("globex", t)
+        if attacking:
+            g.trained(["globex"])
+            wasted += 1
+        if g.due(t, rounds):
+            v = g.judge(t, vec(30 if attacking else 60))
+            rollbacks += v.rollback
+        else:
+            assert not attacking  # an attacker is never let in unvalidated after its first strike
+    assert g.strikes["globex"] == rollbacks and wasted == rollbacks
+    assert rollbacks <= 1 + math.log2(rounds / P.probation)
+    assert g.until["globex"] >= rounds - 1  # still out at the end
+
+
+def test_an_attacker_that_waits_out_its_trial_is_caught_at_the_next_validation():
+    g = OutcomeGuard(P)
+    g.judge(0, vec(60))
+    g.trained(["globex"])
+    g.judge(2, vec(20))  # struck: out through round 6
+    for t in (7, 8):  # its trial: honest, validated every round
+        assert g.admits("globex", t) and g.due(t, 100)
+        g.trained(["globex"])
+        assert not g.judge(t, vec(60)).rollback
+    assert g.passed == {"globex"} and g.trial == {} and not g.due(9, 100)
+    g.trained(["globex"])  # round 9 doctored, unvalidated; round 10 is due
+    assert g.due(10, 100) and g.judge(10, vec(25)).quarantined == {"globex": 18}  # second strike: 4 * 2 rounds
+
+
+def test_a_source_with_strikes_must_leave_the_weights_no_worse():
+    """An attacker that stays inside the slack after its first strike: it is held to weights no worse, not merely
+    not significantly worse, at every validation after its rows."""
+    g = OutcomeGuard(P)
+    g.judge(0, vec(60))
+    g.trained(["globex"])
+    g.judge(2, vec(20))  # struck: out through round 6
+    assert g.admits("globex", 7)
+    g.trained(["globex"])
+    end = g.judge(7, vec(59))  # one round into its trial: 1 lost, within the slack, but worse
+    assert end.rollback and end.quarantined == {"globex": 15} and g.strikes == {"globex": 2}
+    assert g.trial == {} and g.passed == set() and g.reference == vec(60)
+    g.trained(["hooli"])  # a source without strikes keeps the slack
+    assert not g.judge(16, vec(59)).rollback and g.strikes == {"globex": 2}
+
+
+def test_readmitted_sources_go_on_trial_one_at_a_time():
+    g = OutcomeGuard(P)
+    g.judge(0, vec(60))
+    g.trained(["globex", "initech"])
+    g.judge(2, vec(20))  # both struck, out through round 6
+    assert g.admits("globex", 7) and not g.admits("initech", 7)  # globex on trial, initech waits
+    assert g.admits("hooli", 7)  # a source without strikes is always admitted
+    g.trained(["globex", "hooli"])
+    assert g.judge(7, vec(62)).new_reference and g.trial == {"globex": 7}  # one round is not a whole trial
+    assert not g.admits("initech", 8) and g.admits("globex", 8)
+    g.trained(["globex"])
+    assert g.judge(8, vec(62)).new_reference and g.passed == {"globex"}
+    assert g.admits("initech", 9) and g.admits("globex", 9)  # globex passed its trial, initech now on trial
+    g.trained(["globex", "initech"])
+    again = g.judge(9, vec(30))
+    assert again.quarantined == {"globex": 17, "initech": 17}  # second strikes: 4 * 2 rounds
+
+
+def test_validation_is_due_on_the_schedule_the_first_window_the_last_round_and_on_trial():
+    g = OutcomeGuard(P)
+    assert [t for t in range(1, 12) if g.due(t, 11)] == [1, 2, 4, 6, 8, 10, 11]
+
+
+# ------------------------------------------------------------------------------------------------ the worker
+
+
+ORGS = [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}, {"id": "globex", "model": {"zoo": "micro-qwen-char"}}]
+
+
+def _cfg(**guard):
+    return load_config({
+        "name": "outcome", "seed": 0, "orgs": ORGS, "algorithm": {"name": "hacpo"},
+        "trainer": {"lr": 1e-2, "minibatch_size": 64, "micro_batch_size": 32, "selection": {"rule": "all"},
+                    "likelihood_screen": {"enabled": False},
+                    "outcome_guard": {"enabled": True, "every": 1, "val_size": 8, "probation": 2, **guard}},
+        "generation": {"num_samples": 4, "max_new_tokens": 12, "eval_max_new_tokens": 12},
+        "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
+        "federation": {"rounds": 3, "prompts_per_round": 4, "eval_every": 0, "min_orgs": 1},
+    })
+
+
+def test_a_regression_restores_the_weights_and_the_quarantine_names_the_source(tmp_path, monkeypatch):
+    cfg = _cfg()
+    workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
+    acme = workers["acme"]
+    real = acme.outcome.validate(acme.engine, acme.context)
+    assert len(real) == 8 and all(isinstance(r, bool) for r in real)
+    answers = iter([[True] * 8, [False] * 8, [True] * 8, [True] * 8])  # initial, round 1 (regressed), 2, 3
+    monkeypatch.setattr(acme.outcome, "validate", lambda engine, context: next(answers))
+    initial = [p.detach().clone() for p in acme.model.parameters()]
+    coord = Coordinator(cfg, InProcessTransport(workers), tmp_path)
+    m1 = coord.run_round(1).metrics
+    assert m1["acme/outcome/reference_accuracy"] == 1.0 and m1["acme/outcome/val_accuracy"] == 0.0
+    assert m1["acme/outcome/rollback"] == 1.0 and m1["acme/outcome/lost"] == 8.0
+    assert m1["acme/outcome/globex/quarantined_until"] == 3.0  # round 1 + probation 2
+    assert m1["acme/outcome/globex/quarantined"] == 0.0 and m1["acme/train/num_cross"] == 16  # it trained on them
+    assert all(torch.equal(a, b) for a, b in zip(initial, acme.model.parameters()))  # rolled back
+    assert "globex/outcome/rollback" in m1 and m1["globex/outcome/rollback"] == 0.0  # the other org's own guard
+    m2 = coord.run_round(2).metrics
+    assert m2["acme/outcome/globex/quarantined"] == 1.0 and m2["acme/outcome/globex/dropped_quarantine"] == 16
+    assert m2["acme/outcome/globex/strikes"] == 1.0 and m2.get("acme/train/num_cross", 0.0) == 0.0
+    assert m2["acme/trust/globex/accepted"] == 16 and m2["acme/outcome/new_reference"] == 1.0  # accepted, then left out
+    m3 = coord.run_round(3).metrics
+    assert m3["acme/outcome/globex/quarantined"] == 1.0  # through round 1 + 2
+
+
+def test_the_guard_is_off_by_default_and_writes_nothing(tmp_path):
+    cfg = _cfg(enabled=False)
+    assert not load_config({"orgs": ORGS}).trainer.outcome_guard.enabled
+    workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
+    assert workers["acme"].outcome is None
+    m = Coordinator(cfg, InProcessTransport(workers), tmp_path).run_round(1).metrics
+    assert not any("/outcome/" in k for k in m)
