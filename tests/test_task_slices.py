@@ -141,3 +141,29 @@ def test_evaluate_reports_accuracy_per_slice_and_unchanged_keys_without_slices()
         assert got[f"eval/slice/{name}/accuracy"] == pytest.approx(sum(mine) / len(mine))
     assert got["eval/slice/add/accuracy"] == 1.0
     assert got["eval/accuracy"] == pytest.approx(sum(p.reference in add_refs for p in prompts) / 24)
+
+
+def test_a_federated_evaluation_reports_each_orgs_accuracy_per_slice(tmp_path):
+    from hacrl_fed.config import load_config
+    from hacrl_fed.coordinator import Coordinator
+    from hacrl_fed.coordinator.inprocess import InProcessTransport
+    from hacrl_fed.metrics import RunLogger, read_metrics
+    from hacrl_fed.worker import build_worker
+
+    cfg = load_config({
+        "name": "slices", "seed": 0, "orgs": [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}],
+        "algorithm": {"name": "gspo"}, "trainer": {"lr": 1e-3, "minibatch_size": 8, "micro_batch_size": 8},
+        "generation": {"num_samples": 2, "max_new_tokens": 8, "eval_max_new_tokens": 16},
+        "task": {"name": "arithmetic", "params": {"difficulty": 2, "slices": SLICES}, "eval_size": 12},
+        "federation": {"rounds": 1, "prompts_per_round": 4, "eval_every": 1, "min_orgs": 1},
+    })  # fmt: skip
+    workers = {o.id: build_worker(cfg, o.id, run_dir=tmp_path) for o in cfg.orgs}
+    with RunLogger(tmp_path, tensorboard=False) as logger:
+        Coordinator(cfg, InProcessTransport(workers), tmp_path, logger=logger).run()
+    records = read_metrics(tmp_path)
+    assert [r["round"] for r in records] == [0, 1]  # the evaluation before round 1 and after it
+    for rec in records:
+        counts = {s: rec[f"eval/acme/slice/{s}/prompts"] for s in SLICES}
+        assert sum(counts.values()) == 12 and min(counts.values()) > 0
+        total = sum(rec[f"eval/acme/slice/{s}/accuracy"] * n for s, n in counts.items())
+        assert total / 12 == pytest.approx(rec["eval/acme/accuracy"])
