@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hacrl_fed.tasks import get_task
-from hacrl_tools.bench import agents
+from hacrl_tools.bench import agents, learning
 from hacrl_tools.bench import matrix as bench_matrix
 
 EXPERTS = {"qwen-char-add": "add", "qwen-char-sub": "sub", "qwen-char-mul": "mul"}
@@ -48,3 +48,13 @@ def test_the_expertise_cells_mix_every_orgs_slice_in_the_eval():
         task = get_task(cell.config.task.name, dict(cell.config.task.params))  # the config's params validate
         assert {task.slice_label("test", i) for i in range(60)} == set(slices)
         assert slices == {EXPERTS[a]: agents.EXPERTISE_SLICES[EXPERTS[a]] for a in names}  # one slice per org
+
+
+def test_a_cell_keeps_each_orgs_accuracy_per_slice_and_nothing_new_without_slices():
+    rec0 = {"eval/acme/accuracy": 0.5, "eval/acme/slice/add/accuracy": 0.9, "eval/acme/slice/sub/accuracy": 0.1,
+            "eval/acme/slice/add/prompts": 10.0, "eval/globex/slice/add/accuracy": 0.2}  # fmt: skip
+    rec1 = {"eval/acme/accuracy": 0.6, "eval/acme/slice/add/accuracy": 0.95, "eval/acme/slice/sub/accuracy": 0.25}
+    got = learning.summarize_agent("acme", [(0, rec0), (10, rec1)])
+    assert got["slice_curves"] == {"add": [[0, 0.9], [10, 0.95]], "sub": [[0, 0.1], [10, 0.25]]}
+    plain = learning.summarize_agent("acme", [(0, {"eval/acme/accuracy": 0.5})])
+    assert "slice_curves" not in plain and plain["curve"] == [[0, 0, 0.5]]
