@@ -8,7 +8,9 @@ model's own chat template, answered by the ``hf`` engine (:mod:`hacrl_fed.engine
 - ``eval/pass@1`` and ``eval/pass@{k}``: with ``k`` sampled answers per prompt, ``c`` of them correct (reward
   ≥ ``threshold``), the unbiased estimator ``pass@j = mean_prompts(1 - C(k-c, j) / C(k, j))`` (Chen et al.
   2021) for ``j = 1`` and ``j = k``;
-- ``eval/mean_reward@{k}``: mean reward of the sampled answers; ``eval/prompts``, ``eval/samples``.
+- ``eval/mean_reward@{k}``: mean reward of the sampled answers; ``eval/prompts``, ``eval/samples``;
+- ``eval/slice/<s>/accuracy`` and ``eval/slice/<s>/prompts``: the greedy accuracy per slice, for a task that labels
+  its problems (:mod:`hacrl_fed.tasks.slices`; none otherwise).
 
 The model is an exported folder (:mod:`hacrl_fed.export`) or a run's checkpoint; both go through
 :func:`evaluate`, a function of ``(model, tokenizer, task)`` only.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hacrl_fed.config import BuildError
+from hacrl_fed.tasks.slices import slice_labels, slice_metrics
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ def evaluate(model: Any, tokenizer: Any, task: Any, settings: EvalSettings) -> d
         f"eval/pass@{s.k}": sum(pass_at(s.k, c, s.k) for c in correct) / count,
         f"eval/mean_reward@{s.k}": sum(map(sum, sampled)) / (count * s.k),
     }
+    labels = slice_labels(task, "test", [p.prompt_id for p in prompts])
+    out.update({f"eval/{key}": v for key, v in slice_metrics(labels, greedy_rewards).items()})  # sliced tasks only
     return out
 
 

@@ -12,15 +12,24 @@ Disjoint splits: a problem is a *test problem* iff ``stable_hash(PARTITION_SALT,
 first problem drawn from ``Random(stable_hash("arithmetic", seed, split, id))`` whose partition matches
 ``split`` (rejection sampling). Test ids may repeat a problem (draws are with replacement); train and test never
 share one.
+
+Slices (``slices``, off by default): named single-operator families, e.g. ``{add: {ops: "+"}, mul: {ops: "*",
+max_operand: 9}}``. Each problem first draws its slice uniformly (``rng.choice`` over the names in the order given),
+then its operators from the slice's ``ops`` and its operands up to the slice's ``max_operand`` (default: the task's);
+``ops`` is then unused. :meth:`ArithmeticTask.slice_label` names a problem's slice, so an evaluation can report
+accuracy per slice (:mod:`hacrl_fed.tasks.slices`). A slice problem is the same expression as the problem the plain
+task with that slice's ``ops`` / ``max_operand`` draws, so the partition keeps them disjoint across both. Without
+``slices`` the draws are exactly the ones above.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hacrl_fed.tasks.base import (
     NUMBER_RE,
@@ -41,6 +50,28 @@ TEST_BUCKETS = 10  # 1 in TEST_BUCKETS problems is a test problem
 MAX_ATTEMPTS = 2000
 MIN_PROBLEM_SPACE = 200
 ALLOWED_OPS = "+-*"
+SLICE_NAME_RE = r"^[a-z][a-z0-9_]{0,31}$"
+MAX_SLICES = 16
+
+
+def _check_ops_string(v: str) -> str:
+    bad = sorted(set(v) - set(ALLOWED_OPS))
+    if not v or bad:
+        raise ValueError(f"must be a non-empty string of characters from {ALLOWED_OPS!r}, got {v!r}")
+    return "".join(dict.fromkeys(v))  # dedupe, keep order
+
+
+class ArithmeticSlice(BaseModel):
+    """One named slice: its operators and (optionally) its own operand bound."""
+
+    model_config = ConfigDict(extra="forbid")
+    ops: str
+    max_operand: int | None = Field(None, ge=1, le=10**6)
+
+    @field_validator("ops")
+    @classmethod
+    def _check_ops(cls, v: str) -> str:
+        return _check_ops_string(v)
 
 
 class ArithmeticParams(TaskParams):
@@ -50,14 +81,24 @@ class ArithmeticParams(TaskParams):
     train_size: int = Field(1_000_000, ge=1)
     test_size: int = Field(1000, ge=1)
     system_prompt: str | None = None
+    slices: dict[str, ArithmeticSlice] | None = None  # None: one family drawn from ``ops`` (the module docstring)
 
     @field_validator("ops")
     @classmethod
     def _check_ops(cls, v: str) -> str:
-        bad = sorted(set(v) - set(ALLOWED_OPS))
-        if not v or bad:
-            raise ValueError(f"must be a non-empty string of characters from {ALLOWED_OPS!r}, got {v!r}")
-        return "".join(dict.fromkeys(v))  # dedupe, keep order
+        return _check_ops_string(v)
+
+    @field_validator("slices")
+    @classmethod
+    def _check_slices(cls, v: dict[str, ArithmeticSlice] | None) -> dict[str, ArithmeticSlice] | None:
+        if v is None:
+            return v
+        if not 1 <= len(v) <= MAX_SLICES:
+            raise ValueError(f"need 1..{MAX_SLICES} slices, got {len(v)}")
+        bad = [name for name in v if not re.match(SLICE_NAME_RE, name)]
+        if bad:
+            raise ValueError(f"slice names must match {SLICE_NAME_RE}, got {bad}")
+        return v
 
 
 @dataclass(frozen=True)
@@ -65,11 +106,21 @@ class Problem:
     expression: str  # what the user sees, e.g. "53-93-1"
     steps: tuple[str, ...]  # e.g. ("53-93=-40", "-40-1=-41")
     answer: int
+    slice: str | None = None  # the slice it was drawn from (``slices`` set), else None
 
     @property
     def worked(self) -> str:
         """The supervised target: ``"53-93=-40,-40-1=-41 #### -41"``."""
         return ",".join(self.steps) + f" #### {self.answer}"
+
+
+@dataclass(frozen=True)
+class _Family:
+    """What one draw picks from: a slice's name (None without ``slices``), operators and largest operand."""
+
+    name: str | None
+    ops: str
+    max: int
 
 
 def build_problem(operands: Sequence[int], ops: Sequence[str]) -> Problem:
@@ -140,13 +191,24 @@ class ArithmeticTask(Task):
         super().__init__(params, seed)
         p = params
         self._steps = p.difficulty
-        self._max = p.max_operand if p.difficulty < 3 else 10 * p.max_operand + 9
-        space = (self._max + 1) ** (self._steps + 1) * len(p.ops) ** self._steps
-        if space < MIN_PROBLEM_SPACE:
-            raise ValueError(
-                f"task.params.max_operand: only {space} distinct problems with max_operand={p.max_operand}, "
-                f"difficulty={p.difficulty}, ops={p.ops!r}; need >= {MIN_PROBLEM_SPACE} to split train/test"
-            )
+        if p.slices is None:
+            self._families = [_Family(None, p.ops, self._bound(p.max_operand))]
+        else:
+            self._families = [
+                _Family(name, s.ops, self._bound(s.max_operand or p.max_operand)) for name, s in p.slices.items()
+            ]
+        for fam in self._families:
+            space = (fam.max + 1) ** (self._steps + 1) * len(fam.ops) ** self._steps
+            if space < MIN_PROBLEM_SPACE:
+                where = "max_operand" if fam.name is None else f"slices.{fam.name}"
+                raise ValueError(
+                    f"task.params.{where}: only {space} distinct problems with max operand {fam.max}, "
+                    f"difficulty={p.difficulty}, ops={fam.ops!r}; need >= {MIN_PROBLEM_SPACE} to split train/test"
+                )
+
+    def _bound(self, max_operand: int) -> int:
+        """The largest operand drawn: ``max_operand``, or ``10 * max_operand + 9`` at difficulty 3."""
+        return max_operand if self._steps < 3 else 10 * max_operand + 9
 
     def size(self, split: str) -> int:
         return self.params.train_size if check_split(split) == "train" else self.params.test_size
@@ -155,12 +217,14 @@ class ArithmeticTask(Task):
         """The problem behind ``prompt_id`` of ``split`` (see the module docstring for the rule)."""
         want_test = split == "test"
         rng = random.Random(stable_hash("arithmetic", self.seed, split, prompt_id))
+        sliced = self.params.slices is not None
         for _ in range(MAX_ATTEMPTS):
-            operands = [rng.randint(0, self._max) for _ in range(self._steps + 1)]
-            ops = [rng.choice(self.params.ops) for _ in range(self._steps)]
+            fam = rng.choice(self._families) if sliced else self._families[0]  # no extra draw without slices
+            operands = [rng.randint(0, fam.max) for _ in range(self._steps + 1)]
+            ops = [rng.choice(fam.ops) for _ in range(self._steps)]
             prob = build_problem(operands, ops)
             if is_test_problem(prob.expression) == want_test:
-                return prob
+                return replace(prob, slice=fam.name)
         raise RuntimeError(f"no {split} problem found for id {prompt_id} in {MAX_ATTEMPTS} draws")
 
     def prompts(self, split: str, ids: Sequence[int]) -> list[Prompt]:
@@ -172,6 +236,11 @@ class ArithmeticTask(Task):
                 msgs = (ChatMessage("system", self.params.system_prompt),) + msgs
             out.append(Prompt(prompt_id=i, messages=msgs, reference=str(prob.answer)))
         return out
+
+    def slice_label(self, split: str, prompt_id: int) -> str | None:
+        """The slice of ``prompt_id``'s problem (``slices`` set), else None."""
+        (i,) = self.check_ids(split, [prompt_id])
+        return self.problem(split, i).slice
 
     def verify(self, response: str, reference: str) -> float:
         try:

@@ -61,6 +61,10 @@ class Task(ABC):
         """A correct worked response for ``prompt_id``; tasks without one raise NotImplementedError."""
         raise NotImplementedError(f"task {self.name!r} has no supervised targets")
 
+    def slice_label(self, split: str, prompt_id: int) -> str | None:
+        """The named slice ``prompt_id`` belongs to, for per-slice evaluation; None (the default): no slices."""
+        return None
+
     def check_ids(self, split: str, ids: Sequence[int]) -> list[int]:
         """Validate ``split`` and every id (an int in ``range(size(split))``); returns the ids as ints."""
         n = self.size(check_split(split))

@@ -44,6 +44,7 @@ from hacrl_fed.plan.sampler import eval_ids
 from hacrl_fed.security.freshness import HEALTH_KEY, ChallengeBook, fresh_digest, plan_digest
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.tasks import get_task
+from hacrl_fed.tasks.slices import slice_labels, slice_metrics
 from hacrl_fed.trainer import LocalTrainer, TrainRow
 from hacrl_fed.types import (
     EvalReport,
@@ -314,13 +315,18 @@ class PolicyWorker(RunRouting):
         for i, g in zip(keep, gens):
             rewards[i] = float(self.task.verify(g.text, request.prompts[i].reference))
         acc = sum(rewards) / max(len(rewards), 1)
+        labels = slice_labels(self.task, "test", [p.prompt_id for p in request.prompts])
         return EvalReport(
             request.run_id,
             request.round,
             self.org_id,
             acc,
             len(rewards),
-            {"time/eval": time.perf_counter() - t0, "skipped_too_long": float(len(request.prompts) - len(keep))},
+            {
+                "time/eval": time.perf_counter() - t0,
+                "skipped_too_long": float(len(request.prompts) - len(keep)),
+                **slice_metrics(labels, rewards),  # per-slice accuracy (sliced tasks only; hacrl_fed.tasks.slices)
+            },
         )
 
     def _device(self) -> torch.device:

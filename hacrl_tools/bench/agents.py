@@ -6,7 +6,10 @@ The shipped zoo (:mod:`hacrl_fed.models.zoo`) has one agent per architecture. Tw
   ``qwen-char``'s architecture and character tokenizer, SFT from another init seed, stopped at a lower accuracy;
 - **size heterogeneity** (same family, two sizes): ``qwen-char-small`` is a ~5x smaller Qwen3-style char model;
 - **the agent-count curve** (4 and 8 orgs): ``qwen-char-c``, ``gpt2-bpe-b`` and ``llama-bpe-b``, the shipped
-  architectures again from other init seeds.
+  architectures again from other init seeds;
+- **expertise** (issue 30; configs/bench/expertise2.yaml, expertise3.yaml): ``qwen-char-add``, ``qwen-char-sub`` and
+  ``qwen-char-mul``, qwen-char's architecture and tokenizer, each SFT on one operator slice of the arithmetic task
+  only (:data:`EXPERTISE_SLICES`, the slices of those configs' held-out eval), so each is strongest on its own.
 
 Each recipe is a :class:`~hacrl_fed.models.catalog.ZooEntry`, built by the zoo's own build code (SFT on the arithmetic
 task, one thread, greedy accuracy measured on 200 held-out prompts, ``zoo_recipe.json`` written beside the
@@ -53,6 +56,29 @@ _QWEN_SMALL = dict(
     head_dim=32,
 )  # ~0.15 M params
 _SFT = DEMO_SFT  # the demo agents' SFT schedule
+
+# The expertise settings' slices (task.params.slices of configs/bench/expertise*.yaml must match): one operator each,
+# so every problem belongs to exactly one slice; ``*`` with operands up to 9, since two-digit products of three
+# operands are beyond a 0.7 M-parameter model's reach in the demo's SFT budget.
+EXPERTISE_SLICES: dict[str, dict[str, object]] = {
+    "add": {"ops": "+"},
+    "sub": {"ops": "-"},
+    "mul": {"ops": "*", "max_operand": 9},
+}
+
+
+def _expert(slice_name: str, seed: int) -> ZooEntry:
+    """qwen-char's architecture and tokenizer, SFT (and its accuracy check) on slice ``slice_name`` only."""
+    return ZooEntry(
+        f"qwen-char-{slice_name}",
+        "qwen3",
+        dict(QWEN_ARCH),
+        "char",
+        SFTRecipe(lr=3e-3, seed=seed, stop_at_accuracy=0.45, **_SFT),
+        task_params={"difficulty": 2, **EXPERTISE_SLICES[slice_name]},
+        target_accuracy=(0.3, 0.7),
+    )
+
 
 BENCH_AGENTS: dict[str, ZooEntry] = {
     e.name: e
@@ -101,6 +127,10 @@ BENCH_AGENTS: dict[str, ZooEntry] = {
             SFTRecipe(lr=2e-3, seed=23, stop_at_accuracy=0.30, **_SFT),
             target_accuracy=(0.15, 0.5),
         ),
+        # expertise (issue 30): one specialist per operator slice, each from its own init seed
+        _expert("add", 31),
+        _expert("sub", 32),
+        _expert("mul", 33),
         # for tests: micro-qwen-char's architecture, another seed (builds in seconds)
         ZooEntry(
             "micro-qwen-char-b",

@@ -11,7 +11,8 @@ overrides, ``seed=<k>`` and the command line's ``--rounds`` / ``--set``, run in 
 ``<results>/<setting>/<method>/seed<k>.json`` (:func:`summarize_cell`: per agent held-out greedy accuracy before,
 after and along the run with the rollouts generated so far, rollouts generated, sequences trained on, time per
 phase, the algorithm's ratio and clip statistics over the rounds, the foreign rows offered / selected / left out by
-the rule and by the budget per source summed over the rounds (``selection``); for the cell its resolved config, its
+the rule and by the budget per source summed over the rounds (``selection``), the held-out accuracy per slice along
+the run for a task with slices (``slice_curves``, absent otherwise); for the cell its resolved config, its
 hash, the code version and the machine). A rerun skips every cell whose JSON holds the same config hash, so the
 matrix can run in pieces, in any order, across sessions; a cell whose config changed is rerun and its JSON replaced.
 At the end the report (:mod:`hacrl_tools.bench.report`) is rewritten from every JSON found.
@@ -193,7 +194,20 @@ def summarize_agent(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[
         "stats": {k: _stats(v) for k, v in sorted(algo.items())},
         "shares": _shares(algo),  # every *_frac over the whole run, from the summed counts
         "selection": {k: int(v) for k, v in sorted(selection.items())},  # foreign rows offered/selected/dropped
+        **({"slice_curves": slices} if (slices := slice_curves(org, rounds)) else {}),
     }
+
+
+def slice_curves(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[str, list[list[float]]]:
+    """``{slice: [[round, held-out accuracy], ...]}`` from ``eval/<org>/slice/<slice>/accuracy`` (``{}`` for a
+    task without slices)."""
+    prefix, suffix = f"eval/{org}/slice/", "/accuracy"
+    out: dict[str, list[list[float]]] = {}
+    for t, rec in rounds:
+        for key, value in rec.items():
+            if key.startswith(prefix) and key.endswith(suffix):
+                out.setdefault(key[len(prefix) : -len(suffix)], []).append([t, float(value)])
+    return dict(sorted(out.items()))
 
 
 def _quiet() -> None:

@@ -1,0 +1,60 @@
+"""The expertise settings (issue 30): recipes of the slice specialists, the configs whose held-out eval mixes their
+slices, and the matrix cells that run them (the agents themselves are built by ``hacrl-fed bench agents build``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hacrl_fed.tasks import get_task
+from hacrl_tools.bench import agents, learning
+from hacrl_tools.bench import matrix as bench_matrix
+
+EXPERTS = {"qwen-char-add": "add", "qwen-char-sub": "sub", "qwen-char-mul": "mul"}
+
+
+@pytest.mark.parametrize(("name", "slice_name"), list(EXPERTS.items()))
+def test_each_specialists_sft_draws_its_own_slice_only(name, slice_name):
+    entry = agents.BENCH_AGENTS[name]
+    assert entry.task_params == {"difficulty": 2, **agents.EXPERTISE_SLICES[slice_name]}
+    task = get_task(entry.task, dict(entry.task_params), seed=entry.task_seed)
+    ops = set(agents.EXPERTISE_SLICES[slice_name]["ops"])
+    for i in range(200):
+        expr = task.problem("train", i).expression
+        assert set(expr) - set("0123456789") == ops, expr
+
+
+def test_the_specialists_differ_only_in_slice_and_seed():
+    entries = [agents.BENCH_AGENTS[n] for n in EXPERTS]
+    assert len({e.recipe_hash() for e in entries}) == len({e.sft.seed for e in entries}) == 3
+    assert len({(e.arch, e.tokenizer, tuple(sorted(e.arch_kwargs.items()))) for e in entries}) == 1
+
+
+def test_a_missing_specialist_names_the_command_that_builds_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="hacrl-fed bench agents build qwen-char-mul"):
+        agents.ensure_agent(tmp_path / "qwen-char-mul", allow_build=False)
+
+
+def test_the_expertise_cells_mix_every_orgs_slice_in_the_eval():
+    cells = bench_matrix.plan_cells(bench_matrix.load_matrix(), only=["expertise"], seeds=[0])
+    by = {(c.setting, c.method): c for c in cells}
+    assert set(by) == {
+        (s, m) for s in ("expertise2", "expertise3") for m in ("gspo", "gspo_x2", "hacpo", "hacpo_defended")
+    }
+    for setting, n in (("expertise2", 2), ("expertise3", 3)):
+        cell = by[(setting, "hacpo")]
+        names = [a.name for a in cell.agents]
+        assert len(names) == n == len(cell.config.orgs) and set(names) <= set(EXPERTS)
+        slices = cell.config.task.params["slices"]
+        task = get_task(cell.config.task.name, dict(cell.config.task.params))  # the config's params validate
+        assert {task.slice_label("test", i) for i in range(60)} == set(slices)
+        assert slices == {EXPERTS[a]: agents.EXPERTISE_SLICES[EXPERTS[a]] for a in names}  # one slice per org
+
+
+def test_a_cell_keeps_each_orgs_accuracy_per_slice_and_nothing_new_without_slices():
+    rec0 = {"eval/acme/accuracy": 0.5, "eval/acme/slice/add/accuracy": 0.9, "eval/acme/slice/sub/accuracy": 0.1,
+            "eval/acme/slice/add/prompts": 10.0, "eval/globex/slice/add/accuracy": 0.2}  # fmt: skip
+    rec1 = {"eval/acme/accuracy": 0.6, "eval/acme/slice/add/accuracy": 0.95, "eval/acme/slice/sub/accuracy": 0.25}
+    got = learning.summarize_agent("acme", [(0, rec0), (10, rec1)])
+    assert got["slice_curves"] == {"add": [[0, 0.9], [10, 0.95]], "sub": [[0, 0.1], [10, 0.25]]}
+    plain = learning.summarize_agent("acme", [(0, {"eval/acme/accuracy": 0.5})])
+    assert "slice_curves" not in plain and plain["curve"] == [[0, 0, 0.5]]
