@@ -16,7 +16,7 @@ import time
 
 from helpers_fake_workers import FakeWorker
 
-from hacrl_fed.cli.common import run_command
+from hacrl_fed.cli.common import run_command, say_line
 from hacrl_fed.cli.worker import PROG, build_parser, serve
 from hacrl_fed.lifecycle import setup_logging
 
@@ -33,7 +33,7 @@ class FaultyWorker(FakeWorker):
 
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test)")
         if self.fault in ("hang", "die"):
-            print(f"rank {rank} in step pid {os.getpid()}", flush=True)
+            say_line(f"rank {rank} in step pid {os.getpid()}")
             time.sleep(3600)
         return super().step(request)
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         rank = int(os.environ.get("RANK", "0"))
         worker = FaultyWorker(org_id)
         worker.fault = known.fault if rank == known.fault_rank else ""
-        print(f"rank {rank} pid {os.getpid()}", flush=True)
+        say_line(f"rank {rank} pid {os.getpid()}")
         return worker
 
     return run_command(PROG, lambda: serve(args, p, rank_worker=factory))

@@ -119,3 +119,23 @@ def test_local_workers_share_the_cores(tmp_path, config_path, monkeypatch):
     assert procs._env()["OMP_NUM_THREADS"] == str(worker_threads(2))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the operator's choice wins
     assert procs._env()["OMP_NUM_THREADS"] == "3"
+
+
+def test_a_line_other_ranks_share_the_pipe_with_is_written_in_one_write(monkeypatch):
+    """``print`` under PYTHONUNBUFFERED writes text and newline apart, so a second rank could split the ready line."""
+    from hacrl_fed.cli.common import say_line
+
+    class Pipe:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            pass
+
+    pipe = Pipe()
+    monkeypatch.setattr("sys.stdout", pipe)
+    say_line("hacrl-fed worker a listening on unix:/x.sock")
+    assert pipe.writes == ["hacrl-fed worker a listening on unix:/x.sock\n"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,14 +42,14 @@ def _plan(round_: int = 1) -> StepRequest:
     return StepRequest(plan=RoundPlan("run-x", round_, "fake", prompts, SamplingParams(num_samples=2, seed=3)))
 
 
-def _rank_pids(log: Path) -> dict[int, int]:
-    """``{rank: pid}`` from the stand-in's ``rank R pid P`` lines."""
-    out = {}
-    for line in log.read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 4 and parts[0] == "rank" and parts[2] == "pid":
-            out[int(parts[1])] = int(parts[3])
-    return out
+def _rank_pids(log: Path, ranks: int = 2, within_s: float = 30.0) -> dict[int, int]:
+    """``{rank: pid}`` from the stand-in's ``rank R pid P`` lines, waiting up to ``within_s`` for all ``ranks``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        found = {int(m[1]): int(m[2]) for m in re.finditer(r"^rank (\d+) pid (\d+)$", log.read_text(), re.M)}
+        if len(found) >= ranks or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
 
 
 def _all_gone(pids, within_s: float = 15.0) -> bool:

@@ -47,6 +47,16 @@ def add_set_flag(
     )
 
 
+def say_line(text: str) -> None:
+    """Write ``text`` and its newline to stdout in one write, then flush.
+
+    ``print`` writes the text and the newline separately; with ``PYTHONUNBUFFERED`` (the launcher sets it) those are
+    two writes to a pipe that other ranks of the same org also write to, so another rank's output can land between
+    them and split the line a reader parses (the ready line, the link-secret path)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def run_command(
     prog: str,
     work: Callable[[], int | None],

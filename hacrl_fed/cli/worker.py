@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Any
 
-from hacrl_fed.cli.common import USAGE, add_set_flag, parser, run_command
+from hacrl_fed.cli.common import USAGE, add_set_flag, parser, run_command, say_line
 from hacrl_fed.wire.grpc_server import ListenError, WorkerTLS, check_listen, describe_worker, serve_worker
 
 log = logging.getLogger("hacrl_fed.wire.grpc_server")
@@ -81,7 +81,7 @@ def link_secret(args: argparse.Namespace, org: str) -> str | None:
     from hacrl_fed.wire.link_secret import worker_secret
 
     secret, path = worker_secret(args.secret_file)
-    print(f"hacrl-fed worker {org} link secret in {path}", flush=True)
+    say_line(f"hacrl-fed worker {org} link secret in {path}")
     return secret
 
 
@@ -224,7 +224,7 @@ def serve_endpoint(
     except (ValueError, RuntimeError) as err:
         _close(worker)
         p.exit(USAGE, f"{PROG}: {err}\n")
-    print(f"hacrl-fed worker {org_id} listening on {server.address}", flush=True)  # the one ready line
+    say_line(f"hacrl-fed worker {org_id} listening on {server.address}")  # the one ready line
     parent = os.environ.get("HACRL_FED_PARENT_PID")  # set by the launcher: stop when it is gone
     while not stop.wait(0.5):
         if parent and os.getppid() != int(parent):
