@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hacrl_fed.algorithm.advantages import _as_tensor, _check_rows, calibrated_advantages
+from hacrl_fed.algorithm.advantages import _as_tensor, _rows, calibrated_advantages
 from hacrl_fed.algorithm.capability import DEFAULTS, CapabilityTracker
 
 
@@ -142,12 +142,7 @@ def hacpo_advantages_at_rounds(
 ) -> Tensor:
     """§2's capability-aware advantage with each row's ``w`` from the figures of its round
     (:func:`round_capability_ratios`); otherwise :func:`~hacrl_fed.algorithm.advantages.hacpo_advantages`. [N]."""
-    r_in = torch.as_tensor(rewards)
-    out_dtype = r_in.dtype if r_in.is_floating_point() else torch.float32
-    r = _as_tensor(r_in, torch.float64, "rewards")
-    gid = _as_tensor(group_ids, torch.long, "group_ids")
-    src = _as_tensor(source_ids, torch.long, "source_ids")
-    _check_rows(r, gid, src)
+    r, gid, src, out_dtype = _rows(rewards, group_ids, source_ids)
     if r.numel() == 0:
         return torch.zeros(0, dtype=out_dtype)
     own = src == learner
