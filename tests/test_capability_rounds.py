@@ -110,3 +110,37 @@ def test_bad_records_are_refused():
     with pytest.raises(ValueError, match="finite and > 0"):
         round_capability_ratios([0.5], [0.0], torch.tensor([False]))
     assert table.capability("acme", 5) == 0.5 and table.capability("acme", 2) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("rewards", "groups", "sources", "message"),
+    [
+        ([1.0, 0.0], [0, 0, 0], [0, 1], "same length, got 2, 3"),
+        ([1.0, 0.0], [0, 0], [0, 1, 1], "same length, got 2, 2, 3"),
+        ([[1.0, 0.0]], [0], [0], "rewards must be 1-D"),
+        ([1.0, 0.0], [[0, 0]], [0, 1], "group_ids must be 1-D"),
+        ([1.0, float("inf")], [0, 0], [0, 1], "rewards must be finite"),
+    ],
+)
+def test_both_entry_points_refuse_bad_rows_with_the_same_message(rewards, groups, sources, message):
+    """One rule for the row inputs: the per-round entry point refuses what the lock-step one does, in its words."""
+    args = (torch.tensor(rewards), torch.tensor(groups), torch.tensor(sources), 0)
+    errors = []
+    for call in (lambda: hacpo_advantages(*args, [1.0, 1.0]), lambda: hacpo_advantages_at_rounds(*args, [1.0], [1.0])):
+        with pytest.raises(ValueError, match=message) as caught:
+            call()
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.float16, torch.float64])
+def test_both_entry_points_give_the_same_dtype_and_empty_rows(dtype):
+    """Integer rewards give float32, float ones their own dtype; no rows give an empty tensor of that dtype."""
+    want = dtype if dtype.is_floating_point else torch.float32
+    rows = (torch.tensor([1, 0, 1], dtype=dtype), torch.zeros(3, dtype=torch.long), torch.tensor([0, 1, 1]), 0)
+    lc, sc = [1.0, 1.0, 1.0], [1.0, 0.5, 0.5]
+    today = hacpo_advantages(*rows, [1.0, 0.5])
+    assert today.dtype == want and torch.equal(today, hacpo_advantages_at_rounds(*rows, lc, sc))
+    empty = (torch.tensor([], dtype=dtype), torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long), 0)
+    for got in (hacpo_advantages(*empty, [1.0]), hacpo_advantages_at_rounds(*empty, [], [])):
+        assert got.dtype == want and got.shape == (0,)

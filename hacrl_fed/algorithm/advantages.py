@@ -7,6 +7,7 @@ the agent index that produced the row, ``capability[n_agents]`` the ``Phat`` val
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import overload
 
 import torch
 from torch import Tensor
@@ -23,15 +24,29 @@ def _as_tensor(x: Tensor | Sequence[float], dtype: torch.dtype, name: str) -> Te
     return t
 
 
-def _check_rows(rewards: Tensor, group_ids: Tensor, source_ids: Tensor | None = None) -> None:
-    n = rewards.shape[0]
-    if group_ids.shape[0] != n or (source_ids is not None and source_ids.shape[0] != n):
+@overload
+def _rows(rewards: Tensor, group_ids: Tensor, source_ids: None = None) -> tuple[Tensor, Tensor, None, torch.dtype]: ...
+@overload
+def _rows(rewards: Tensor, group_ids: Tensor, source_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, torch.dtype]: ...
+def _rows(
+    rewards: Tensor, group_ids: Tensor, source_ids: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor | None, torch.dtype]:
+    """The row inputs of every advantage estimator, checked: ``(r [N] float64, gid [N] long, src [N] long or None,
+    out_dtype)``; ``out_dtype`` is the dtype of ``rewards``, float32 for integer rewards."""
+    r_in = torch.as_tensor(rewards)
+    out_dtype = r_in.dtype if r_in.is_floating_point() else torch.float32
+    r = _as_tensor(r_in, torch.float64, "rewards")
+    gid = _as_tensor(group_ids, torch.long, "group_ids")
+    src = None if source_ids is None else _as_tensor(source_ids, torch.long, "source_ids")
+    n = r.shape[0]
+    if gid.shape[0] != n or (src is not None and src.shape[0] != n):
         raise ValueError(
-            f"rewards, group_ids and source_ids must have the same length, got {n}, {group_ids.shape[0]}"
-            + (f", {source_ids.shape[0]}" if source_ids is not None else "")
+            f"rewards, group_ids and source_ids must have the same length, got {n}, {gid.shape[0]}"
+            + (f", {src.shape[0]}" if src is not None else "")
         )
-    if not torch.isfinite(rewards).all():
+    if not torch.isfinite(r).all():
         raise ValueError("rewards must be finite")
+    return r, gid, src, out_dtype
 
 
 class _Groups:
@@ -108,12 +123,7 @@ def hacpo_advantages(
     in the dtype of ``rewards`` (float32 for integer rewards). ``calibrate=False`` takes ``w = 1`` for every row
     (the ``algorithm.advantage_calibration`` ablation: the baseline is the plain joint-group mean).
     """
-    r_in = torch.as_tensor(rewards)
-    out_dtype = r_in.dtype if r_in.is_floating_point() else torch.float32
-    r = _as_tensor(r_in, torch.float64, "rewards")
-    gid = _as_tensor(group_ids, torch.long, "group_ids")
-    src = _as_tensor(source_ids, torch.long, "source_ids")
-    _check_rows(r, gid, src)
+    r, gid, src, out_dtype = _rows(rewards, group_ids, source_ids)
     if r.numel() == 0:
         return torch.zeros(0, dtype=out_dtype)
     w = capability_ratios(capability, learner, src, ratio_min, ratio_max)  # validates the capability either way
@@ -144,11 +154,7 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = DEFAULT
 
     ``A = (R - mean_g(R)) / (std_bessel_g(R) + eps)``; 0 for groups whose rewards are all equal (incl. size 1).
     """
-    r_in = torch.as_tensor(rewards)
-    out_dtype = r_in.dtype if r_in.is_floating_point() else torch.float32
-    r = _as_tensor(r_in, torch.float64, "rewards")
-    gid = _as_tensor(group_ids, torch.long, "group_ids")
-    _check_rows(r, gid)
+    r, gid, _, out_dtype = _rows(rewards, group_ids)
     if r.numel() == 0:
         return torch.zeros(0, dtype=out_dtype)
     g = _Groups(gid)

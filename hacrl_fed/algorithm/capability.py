@@ -11,6 +11,22 @@ from hacrl_fed.config import AlgorithmConfig
 DEFAULTS = AlgorithmConfig()  # the documented defaults: the run config's (docs/ALGORITHM.md "Parameters")
 
 
+def _accuracy(agent: object, acc: float) -> float:
+    """One reported ``P_k(t)`` as a float, refused unless finite and >= 0."""
+    acc = float(acc)
+    if not math.isfinite(acc) or acc < 0:
+        raise ValueError(f"accuracy of {agent!r} must be finite and >= 0, got {acc}")
+    return acc
+
+
+def _phat(history: Sequence[float], window: int, floor: float) -> float:
+    """``Phat = max(floor, mean of the last `window` values of history)``; 1.0 for an empty history (§1)."""
+    recent = history[-window:]
+    if not recent:
+        return 1.0
+    return max(floor, sum(recent) / len(recent))
+
+
 class CapabilityTracker:
     """Tracks each agent's per-round accuracy ``P_k(t)`` and serves ``Phat_k`` and capability ratios.
 
@@ -50,10 +66,7 @@ class CapabilityTracker:
         """Record one round: ``{agent: P_k(t)}``. Agents absent this round keep their history unchanged."""
         clean = {}
         for agent, acc in accuracies.items():
-            acc = float(acc)
-            if not math.isfinite(acc) or acc < 0:
-                raise ValueError(f"accuracy of {agent!r} must be finite and >= 0, got {acc}")
-            clean[str(agent)] = acc
+            clean[str(agent)] = _accuracy(agent, acc)
         for agent, acc in clean.items():
             self._history.setdefault(agent, []).append(acc)
         self.rounds_seen += 1
@@ -65,11 +78,7 @@ class CapabilityTracker:
 
     def capability(self, agent: str) -> float:
         """``Phat_k``: floored mean of the last ``window`` recorded accuracies; 1.0 when never seen."""
-        hist = self._history.get(str(agent))
-        if not hist:
-            return 1.0
-        recent = hist[-self.window :]
-        return max(self.floor, sum(recent) / len(recent))
+        return _phat(self._history.get(str(agent), []), self.window, self.floor)
 
     def ratio(self, num: str, den: str) -> float:
         """``clamp(Phat_num / Phat_den, ratio_min, ratio_max)``; 1 for ``num == den`` or during warm-up."""

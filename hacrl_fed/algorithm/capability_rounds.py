@@ -17,15 +17,14 @@ Shapes: ``N`` rows; ``learner_capability`` / ``source_capability`` [N] hold ``Ph
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from hacrl_fed.algorithm.advantages import _as_tensor, _check_rows, calibrated_advantages
-from hacrl_fed.algorithm.capability import DEFAULTS, CapabilityTracker
+from hacrl_fed.algorithm.advantages import _as_tensor, _rows, calibrated_advantages
+from hacrl_fed.algorithm.capability import DEFAULTS, CapabilityTracker, _accuracy, _phat
 
 
 class RoundCapabilities:
@@ -57,9 +56,7 @@ class RoundCapabilities:
             raise ValueError(f"round must be an integer >= 1, got {round!r}")
         clean = {}
         for org, acc in accuracies.items():
-            acc = float(acc)
-            if not math.isfinite(acc) or acc < 0:
-                raise ValueError(f"accuracy of {org!r} must be finite and >= 0, got {acc}")
+            acc = _accuracy(org, acc)
             if round in self._history.get(str(org), {}):
                 raise ValueError(f"round {round} of {org!r} is already recorded")
             clean[str(org)] = acc
@@ -74,10 +71,7 @@ class RoundCapabilities:
     def capability(self, org: str, round: int) -> float:
         """``Phat_org(round)``: floored mean of the last ``window`` values recorded at rounds ``<= round`` (1: none)."""
         hist = self._history.get(str(org), {})
-        recent = [hist[t] for t in sorted(t for t in hist if t <= round)][-self.window :]
-        if not recent:
-            return 1.0
-        return max(self.floor, sum(recent) / len(recent))
+        return _phat([hist[t] for t in sorted(t for t in hist if t <= round)], self.window, self.floor)
 
     def effective(self, org: str, round: int) -> float:
         """``Phat_org(round)`` as the advantage and loss see it: 1 during the warm-up."""
@@ -142,12 +136,7 @@ def hacpo_advantages_at_rounds(
 ) -> Tensor:
     """§2's capability-aware advantage with each row's ``w`` from the figures of its round
     (:func:`round_capability_ratios`); otherwise :func:`~hacrl_fed.algorithm.advantages.hacpo_advantages`. [N]."""
-    r_in = torch.as_tensor(rewards)
-    out_dtype = r_in.dtype if r_in.is_floating_point() else torch.float32
-    r = _as_tensor(r_in, torch.float64, "rewards")
-    gid = _as_tensor(group_ids, torch.long, "group_ids")
-    src = _as_tensor(source_ids, torch.long, "source_ids")
-    _check_rows(r, gid, src)
+    r, gid, src, out_dtype = _rows(rewards, group_ids, source_ids)
     if r.numel() == 0:
         return torch.zeros(0, dtype=out_dtype)
     own = src == learner
