@@ -43,6 +43,7 @@ from hacrl_fed.coordinator.async_schedule import HOLD, TAKE, BatchTag, Step, off
 from hacrl_fed.coordinator.rounds import StepOutcome, split_reply
 from hacrl_fed.plan.screening import accepted_accuracy
 from hacrl_fed.results import RoundResult
+from hacrl_fed.security.freshness import parse_challenge
 from hacrl_fed.types import EvalReport, Rollout, RoundPlan, StepRequest, TrainReport, TrainRequest
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ class AsyncDriver:
     def run(self) -> None:
         """Step every org until each has trained the last round (or stopped); log every round."""
         now: float | None = 0.0
+        self.co.keeper.refresh_challenges(self.co.live_orgs(), self.co.transport)
         while now is not None:
             for org in self.orgs.values():  # completions at this instant, config order
                 if org.busy is not None and org.busy.step.end <= now:
@@ -210,7 +212,8 @@ class AsyncDriver:
                 version=org.version,
             )
         evaluate, ckpt = co._due(t - 1) if t > 1 else (False, False)
-        plan = co.plan_for(t, org.name, co.round_prompts(t)) if t <= self.rounds else None
+        challenges = {o: co.challenges[o] for o in co.live_orgs() if o in co.challenges}  # each org's latest
+        plan = co.plan_for(t, org.name, co.round_prompts(t), challenges) if t <= self.rounds else None
         eval_request = co._eval_request(t - 1, org.name) if evaluate else None
         return StepRequest(train, plan, eval_request, t - 1 if ckpt else None)
 
@@ -240,6 +243,11 @@ class AsyncDriver:
             return
         org.version += 1
         rd.metrics[f"async/{org.name}/version"] = float(org.version)
+        challenge = parse_challenge(reply.challenge) if reply.challenge else None
+        if challenge is not None:  # goes into its next plans (freshness plumbing; signing is off in this slice)
+            self.co.challenges[org.name] = challenge
+        elif reply.challenge:
+            rd.metrics[f"round/{org.name}/bad_challenge"] = 1.0
         rm.train_metrics(org.name, None, reply.metrics, rd.metrics)
         self.co.book.note_trained(org.name, train.round, len(train.foreign))
         rd.trained.append(org.name)
