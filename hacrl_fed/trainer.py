@@ -56,7 +56,7 @@ from hacrl_fed.algorithm import (
     name_sources,
     order_rows,
 )
-from hacrl_fed.algorithm.capability_rounds import capability_coefficients_at_rounds, hacpo_advantages_at_rounds
+from hacrl_fed.algorithm.capability_rounds import ROUND_ADVANTAGE_ESTIMATORS, capability_coefficients_at_rounds
 from hacrl_fed.algorithm.likelihood_screen import GapHistory
 from hacrl_fed.algorithm.staleness import staleness_summary
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
@@ -286,9 +286,11 @@ class LocalTrainer:
     ) -> Tensor:
         """Advantages of ``rows`` (docs/ALGORITHM.md §2, or plain group normalisation for the baselines). → [N].
         ``row_capability``: per row ``(Phat_learner(t(y)), Phat_source(t(y)))`` of the row's round (asynchronous
-        rounds): HACPO's advantage then takes each row's ratio from them (``hacpo_advantages_at_rounds``)."""
-        if row_capability is not None and self.spec.advantage == "hacpo":
-            return hacpo_advantages_at_rounds(
+        rounds): an estimator with a per-round form (``ROUND_ADVANTAGE_ESTIMATORS``: HACPO's) then takes each row's
+        ratio from them; the others do not read capability."""
+        at_rounds = ROUND_ADVANTAGE_ESTIMATORS.get(self.spec.advantage)
+        if row_capability is not None and at_rounds is not None:
+            return at_rounds(
                 torch.tensor([r.reward for r in rows], dtype=torch.float64),
                 torch.tensor([r.group for r in rows]),
                 torch.tensor([r.source for r in rows]),

@@ -145,7 +145,10 @@ def test_two_runs_are_equal(tmp_path):
     for org in SKILLS:
         assert [r.tags for r in runs[0][1][org].train_requests] == [r.tags for r in runs[1][1][org].train_requests]
     strip = [
-        [{k: v for k, v in rec.items() if not k.startswith(("time/", "cpu/", "wall"))} for rec in read_metrics(tmp_path / str(i))]
+        [
+            {k: v for k, v in rec.items() if not k.startswith(("time/", "cpu/", "wall")) and not k.endswith("/step_s")}
+            for rec in read_metrics(tmp_path / str(i))
+        ]
         for i in range(2)
     ]
     assert strip[0] == strip[1]
@@ -214,20 +217,32 @@ def _tiny_run(tmp_path, cfg, patch=None):
 
 
 @pytest.mark.slow
-def test_a_k1_run_on_tiny_models_trains_on_late_batches(tmp_path):
+@pytest.mark.parametrize("loss", ["band", "decoupled"])
+def test_a_k1_run_on_tiny_models_trains_on_late_batches(tmp_path, loss):
+    """globex 4x slower, K = 1: acme trains round 2 on its own batch and globex's round-1 batch (one round late,
+    age 1), and so on; every key it logs is documented."""
+    from tests.test_docs import documented_keys, key_pattern
+
     cfg = _tiny_cfg(staleness=1, virtual_step_s={"acme": 1.0, "globex": 4.0})
+    cfg.algorithm.cross_staleness = loss
     co, workers, summary, records = _tiny_run(tmp_path, cfg)
     drv = co.async_driver
     assert summary.rounds_completed == 4
-    sim = simulate(ScheduleSpec({"acme": 1.0, "globex": 4.0}, 4, 1))
-    assert drv.steps == sim.steps
-    ages = {step.org: step.ages() for step in drv.steps}
-    assert any(a for a in ages["globex"]) or any(a for a in ages["acme"])  # some batch was a round late
-    keys = {k for rec in records for k in rec}
-    assert "acme/hacpo/loss" in keys or any(k.startswith("acme/hacpo/") for k in keys)
+    assert drv.steps == simulate(ScheduleSpec({"acme": 1.0, "globex": 4.0}, 4, 1)).steps
+    assert [s.ages() for s in drv.steps if s.org == "acme" and s.foreign] == [(1,), (1,), (1,)]
+    assert [s.ages() for s in drv.steps if s.org == "globex" and s.foreign] == [(0,), (0,), (0,), (0,)]
     assert [rec["round"] for rec in records] == [0, 1, 2, 3, 4]
+    assert records[2]["acme/trust/globex/received"] == 4 * 4  # globex's round-1 batch: B prompts x G
+    assert records[2]["acme/train/num_cross"] > 0
+    if loss == "decoupled":  # the trainer sees the rows' age
+        assert records[2]["acme/hacpo_decoupled/age1/num_cross/globex"] == records[2]["acme/train/num_cross"]
+        assert records[2]["globex/hacpo_decoupled/age0/num_cross/acme"] > 0
     for org in ("acme", "globex"):
         assert records[-1][f"async/{org}/version"] == 4
+    assert records[-1]["round/acme/refused/learner_finished"] == 1  # globex's round 4 came after acme finished
+    patterns = [key_pattern(k) for k in documented_keys()]
+    keys = {k for rec in records for k in rec}
+    assert not [k for k in keys if not any(p.fullmatch(k) for p in patterns)]
 
 
 def _weights(worker):

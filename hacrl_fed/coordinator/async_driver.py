@@ -273,7 +273,7 @@ class AsyncDriver:
         t, rd = plan.round, self.bucket(plan.round)
         rd.metrics[f"async/{org.name}/clock_s"] = now
         rd.metrics[f"async/{org.name}/idle_s"] = self.idle[org.name]
-        rd.metrics[f"time/step/{org.name}"] = seconds
+        rd.metrics[f"async/{org.name}/step_s"] = seconds
         batch = out.batch
         if isinstance(batch, Exception):
             rd.failed[org.name] = failures.cause_of(batch)
