@@ -290,3 +290,32 @@ def test_k0_is_today_s_loop_bit_for_bit_and_the_driver_at_k0_reproduces_it(tmp_p
     assert any(k.startswith("acme/hacpo/") for k in common[2]) and "eval/acme/accuracy" in common[2]
     differ = [(k, a[k], b[k]) for a, b, c in zip(mine, theirs, common) for k in c if a[k] != b[k]]
     assert not differ
+
+
+def test_a_failed_batch_or_train_half_is_counted_and_the_others_run_on(tmp_path):
+    """b's generate fails in round 2 and c's train half fails once: nobody stalls, b's step planning 3 trains
+    nothing, c's next batch is refused version_mismatch by everyone, and every pair is still taken or counted."""
+    cfg = fake_config(("a", "b", "c"), rounds=5, staleness=1, virtual_step_s={"a": 1.0, "b": 2.0, "c": 1.0})
+    workers = {o: FakeWorker(o, s) for o, s in SKILLS.items()}
+    workers["b"].fail_generate_rounds = {2}
+    real_train = workers["c"].train
+
+    def train_once_failing(request):
+        if request.round == 2:
+            raise RuntimeError("c's update crashed")
+        return real_train(request)
+
+    workers["c"].train = train_once_failing
+    co = Coordinator(cfg, InProcessTransport(workers), tmp_path, task=FakeTask())
+    summary = co.run()
+    drv = co.async_driver
+    assert summary.rounds_completed == 5
+    assert not any(s.own for s in drv.steps if s.org == "b" and s.round == 3)  # no batch of round 2: no train
+    assert ("b", 2) not in {(t.source, t.round) for _, t in drv.published}
+    assert all(drv.refused[o]["version_mismatch"] == 1 for o in ("a", "b"))  # c's round-3 batch
+    assert [s for s in drv.steps if s.org == "c" and s.round == 3][0].foreign  # sent with the train that failed
+    for org in workers:
+        offered = [(t.source, t.round) for s in drv.steps if s.org == org for t in s.foreign]
+        assert len(offered) == len(set(offered))
+        foreign = [tag for _, tag in drv.published if tag.source != org]
+        assert len(offered) + sum(drv.refused[org].values()) == len(foreign)
