@@ -3,6 +3,8 @@ each is checked against, the late groups' baselines and each row's round, age an
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from helpers_fake_workers import FakeTask, fake_config
@@ -100,7 +102,7 @@ def test_late_groups_count_the_learner_s_own_rewards_and_the_rows_it_took_before
     taken = TrainRow([9], [5], 0.5, 1, 1, False, -1.0)  # b's row of prompt 1 admitted when round 2 was current
     recent.note_admitted([taken], agents, 2)
     late = [Rollout("c", 2, late_group(2, 1), 0, "1", "stop", 1.0, -1.0, 3)]
-    base = baseline_rows(late, recent, 0, agents)
+    base = baseline_rows([r.prompt_id for r in late], recent, 0, agents)
     own = [r for r in base if r.is_self]
     assert [r.reward for r in own] == [1.0, 1.0, 0.0, 0.0]  # prompt 1 only, the learner's round-2 rewards
     assert all(r.group == late_group(2, 1) and r.response_ids == [] and r.source == (0 if r.is_self else 1) for r in base)
@@ -126,3 +128,63 @@ def test_recent_rounds_forget_what_no_request_may_reach(window):
     for r in range(1, 6):
         recent.keep(_own(r))
     assert sorted(recent.rounds) == list(range(6 - window, 6))
+
+
+def _intake(cfg):
+    from hacrl_fed.config import LikelihoodScreenConfig, SelectionConfig
+    from hacrl_fed.worker.intake import Intake
+    from tests.helpers_tiny import tiny_char_tokenizer
+
+    tok = tiny_char_tokenizer()
+    return Intake(
+        cfg,
+        "a",
+        selection=SelectionConfig(rule="all"),
+        screen=LikelihoodScreenConfig(enabled=False),
+        uses_cross=True,
+        task=TASK,
+        tokenizer=tok,
+        eos_id=tok.eos_token_id,
+    )
+
+
+def test_admit_late_end_to_end_baselines_rounds_and_at_most_once():
+    """Two steps of learner a (W = 3): the late rows join their round's group with a's own round-2 rewards (and, the
+    second time, b's round-2 rows a took before), never as their own baseline; a reused batch is refused."""
+    from hacrl_fed.worker.intake import Scoring
+
+    cfg = fake_config(staleness=2)
+    intake, recent = _intake(cfg), RecentRounds(3)
+    scoring = Scoring(lambda rows: [-1.0] * len(rows), None, {})
+    own = {r: _own(r, ids=(1, 2, 3) if r == 2 else (3 + r, 4 + r, 5 + r)) for r in (2, 3, 4)}
+    table = {2: {"a": 0.5, "b": 0.25, "c": 1.0}, 3: {"a": 0.5, "b": 0.5, "c": 0.5}, 4: {"a": 1.0, "b": 1.0, "c": 1.0}}
+    recent.keep(own[2])
+    recent.keep(own[3])
+    rows = _batch("b", 2, ids=(1, 2, 3)) + _batch("c", 3, ids=(6, 7, 8))
+    req = _request(3, rows, round_capability=table, tags=(("b", 2, 1), ("c", 3, 2)), version=2)
+    first = intake.admit(req, own[3], seed=0, opener=None, scoring=scoring, recent=recent)
+    late = [r for r in first.rows if r.group < 0]
+    assert {(r.is_self, bool(r.response_ids), r.round) for r in late} == {(False, True, 2), (True, False, 2)}
+    assert sum(r.is_self for r in late) == 3 * G and sum(not r.is_self for r in late) == 3 * G
+    assert {r.age for r in first.rows if not r.is_self} == {1, 0}  # b's round-2 batch of version 1: age 2 - 1
+    lc, sc = first.row_capability
+    assert {(r.round, r.is_self, l, s) for r, l, s in zip(first.rows, lc, sc) if not r.is_self} == {
+        (2, False, 0.5, 0.25),
+        (3, False, 0.5, 0.5),
+    }
+    recent.keep(own[4])
+    again = _batch("b", 2, ids=(1, 2, 3)) + _batch("c", 2, ids=(1, 2, 3))
+    second = intake.admit(
+        _request(4, again, round_capability=table, tags=(("c", 2, 1),), version=3),
+        own[4],
+        seed=0,
+        opener=None,
+        scoring=scoring,
+        recent=recent,
+    )
+    assert second.ledger.trust_metrics()["trust/b/rejected/already_used"] == 3 * G
+    late = [r for r in second.rows if r.group < 0]
+    trained = [r for r in late if r.response_ids]
+    assert len(trained) == 3 * G and {r.source for r in trained} == {second.agents.index("c")}
+    no_tokens = Counter((r.is_self, second.agents[r.source]) for r in late if not r.response_ids)
+    assert no_tokens == {(True, "a"): 3 * G, (False, "b"): 3 * G}  # a's own and b's taken rows, not c's own copy

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from hacrl_fed.config import RunConfig
@@ -182,11 +182,11 @@ def late_tokens(late: Sequence[Rollout], recent: RecentRounds) -> dict[int, list
     return out
 
 
-def baseline_rows(late: Sequence[Rollout], recent: RecentRounds, learner: int, agents: list[str]) -> list[TrainRow]:
-    """Rows without tokens for the joint groups of ``late``: the learner's own rows of those prompts of their round
-    and the foreign rows of that round it admitted before (module docstring)."""
+def baseline_rows(groups: Iterable[int], recent: RecentRounds, learner: int, agents: list[str]) -> list[TrainRow]:
+    """Rows without tokens for the late joint ``groups``: the learner's own rows of those prompts of their round and
+    the foreign rows of that round it admitted before (module docstring)."""
     out = []
-    for group in sorted({r.prompt_id for r in late}, reverse=True):
+    for group in sorted(set(groups), reverse=True):
         rnd, prompt = group_round(group, 0)
         kept = recent.rounds[rnd]
         for row in kept.own.rows:
@@ -221,11 +221,11 @@ def admit_late(intake: Any, request: TrainRequest, own: OwnRound, recent: Recent
     agents, learner, capability = intake.agents(request, foreign)
     for row in own.rows:
         row.source, row.round = learner, own.round
-    baseline = baseline_rows(late_rows, recent, learner, agents)
     rows: list[TrainRow] = list(own.rows)
     if intake.uses_cross:
         own_view = dataclasses.replace(own, tokens_by_prompt={**own.tokens_by_prompt, **late_tokens(late_rows, recent)})
-        chosen = intake.select(foreign, own.rows, ledger, seed, [r for r in baseline if r.is_self])
+        offered = baseline_rows((r.prompt_id for r in late_rows), recent, learner, agents)
+        chosen = intake.select(foreign, own.rows, ledger, seed, [r for r in offered if r.is_self])
         rows += intake.retokenize(chosen, own_view, agents, ledger)
     else:
         for r in foreign:
@@ -234,7 +234,8 @@ def admit_late(intake: Any, request: TrainRequest, own: OwnRound, recent: Recent
     t2 = time.perf_counter()
     rows = admit_rows(rows, agents, scoring, intake.screen_cfg, ledger)  # stages 7-8
     set_rounds(rows, request, own.round, agents)
-    recent.note_admitted(rows, agents, own.round)
+    baseline = baseline_rows({r.group for r in rows if r.group < 0}, recent, learner, agents)  # late groups kept
+    recent.note_admitted(rows, agents, own.round)  # after: this step's rows are not their own baseline
     rows += baseline
     times = {"time/trust": t1 - t0, "time/score": t2 - t1, "cpu/trust": c1 - c0}
     admitted = Admitted(rows, agents, learner, capability, ledger, scored, times)
