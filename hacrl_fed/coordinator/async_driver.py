@@ -114,6 +114,7 @@ class AsyncDriver:
         self.finished: dict[str, float] = {}
         self.rounds_open: dict[int, _Round] = {}
         self.logged = 0  # the last round logged
+        self.mark = time.perf_counter()  # when the last round was logged (time/round: the wall time since)
 
     # -- the clock ---------------------------------------------------------------------------------------------
 
@@ -222,6 +223,7 @@ class AsyncDriver:
         flight, org.busy, org.idle_since = org.busy, None, now
         assert flight is not None
         step, request = flight.step, flight.request
+        self.co.book.note_call_time({org.name: flight.seconds})
         out = split_reply(request, flight.reply)
         if request.train is not None:
             self.take_train(org, request.train, out)
@@ -328,7 +330,8 @@ class AsyncDriver:
         co.book.note_replies(rd.accepted, bool(rd.accepted))
         table = self.capabilities.table(r, co.org_order)
         counts = (len(rd.accepted), len(rd.trained), not rd.accepted)
-        rm.close_metrics(table, co.guard.metrics(co.org_order), counts, 0.0, {}, rd.metrics)
+        start, self.mark = self.mark, time.perf_counter()
+        rm.close_metrics(table, co.guard.metrics(co.org_order), counts, self.mark - start, {}, rd.metrics)
         failed = {org: rd.failed[org] for org in co.org_order if org in rd.failed}
         result = RoundResult(r, not rd.accepted, list(rd.accepted), rd.accuracy, rd.trained, rd.metrics, failed)
-        co._finish(result, time.perf_counter())
+        co._finish(result, start)
