@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -627,6 +628,42 @@ class FederationConfig(_Section):
     checkpoint_every: int = Field(0, ge=0, description="worker checkpoints every this many rounds; 0 = only at the end")
     max_failed_rounds: int = Field(3, ge=1, description=_d("consecutive rounds below min_orgs before the run aborts"))
     max_message_mb: int = Field(MAX_MESSAGE_MB, ge=1, description="largest gRPC / Flower message, in MB")
+    staleness: int = Field(
+        0,
+        ge=0,
+        description=_d(
+            "K: asynchronous rounds when >= 1 (in-process transport only): an org may plan round t once every live "
+            "org has published round t-K-1, so no org runs more than K rounds ahead of the slowest; 0 = today's "
+            "lock-step rounds (docs/ALGORITHM.md 'Asynchronous rounds')"
+        ),
+    )
+    window: int | None = Field(
+        None,
+        ge=1,
+        description=_d(
+            "W: a step planning round t takes the foreign batches of rounds t-W..t-1 it has not used; null = K+1"
+        ),
+    )
+    virtual_step_s: dict[str, float] = Field(
+        default_factory=dict,
+        description=_d(
+            "asynchronous rounds in-process: org id -> the virtual seconds one step of that org takes (default 1.0; "
+            "e.g. 4.0 = four times slower); the driver orders the replies by this clock, so a run is deterministic"
+        ),
+    )
+
+    @property
+    def effective_window(self) -> int:
+        """``W``: ``window``, or ``K + 1`` when unset."""
+        return self.staleness + 1 if self.window is None else self.window
+
+    @field_validator("virtual_step_s")
+    @classmethod
+    def _positive_steps(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {org: s for org, s in value.items() if not (math.isfinite(s) and s > 0)}
+        if bad:
+            raise ValueError(f"every step duration must be finite and > 0, got {bad}")
+        return value
 
 
 class SecurityConfig(_Section):
@@ -786,6 +823,7 @@ class RunConfig(_Section):
             raise ValueError(f"duplicate org ids: {dupes}")
         if self.federation.min_orgs > len(self.orgs):
             raise ValueError(f"federation.min_orgs={self.federation.min_orgs} exceeds the {len(self.orgs)} orgs")
+        _check_asynchronous(self)
         for org in self.orgs:  # per-org overrides must name real fields with valid values
             org_trainer(self, org.id)
             org_generation(self, org.id)
@@ -815,6 +853,33 @@ def _merged(base: _Section, overrides: dict[str, Any], where: str) -> Any:
         return type(base).model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, prefix=where, header="")) from None
+
+
+def _check_asynchronous(cfg: RunConfig) -> None:
+    """What asynchronous rounds (``federation.staleness >= 1``) need in this first slice of the driver; each
+    refusal names its field (docs/ALGORITHM.md "Asynchronous rounds")."""
+    fed = cfg.federation
+    unknown = sorted(set(fed.virtual_step_s) - {o.id for o in cfg.orgs})
+    if unknown:
+        raise ValueError(f"federation.virtual_step_s names orgs not in the run: {unknown}")
+    if fed.staleness == 0:
+        if fed.window is not None and fed.window != 1:
+            raise ValueError(f"federation.window={fed.window} needs federation.staleness >= 1 (K = 0: W = 1)")
+        return
+    needs = {
+        "federation.transport: inprocess (gRPC and Flower run lock-step rounds only)": fed.transport == "inprocess",
+        "federation.protocol: fused": fed.protocol == "fused",
+        "federation.min_orgs: 1 (each org steps alone)": fed.min_orgs == 1,
+        "security.signing: false (replay protection with several plans in flight is not built yet)": (
+            not cfg.security.signing
+        ),
+        "trainer.outcome_guard.enabled: false (its rollback assumes one round per update)": not any(
+            org_trainer(cfg, o.id).outcome_guard.enabled for o in cfg.orgs
+        ),
+    }
+    for need, ok in needs.items():
+        if not ok:
+            raise ValueError(f"federation.staleness={fed.staleness} (asynchronous rounds) needs {need}")
 
 
 def config_hash(

@@ -56,6 +56,7 @@ from hacrl_fed.algorithm import (
     name_sources,
     order_rows,
 )
+from hacrl_fed.algorithm.capability_rounds import ROUND_ADVANTAGE_ESTIMATORS, capability_coefficients_at_rounds
 from hacrl_fed.algorithm.likelihood_screen import GapHistory
 from hacrl_fed.algorithm.staleness import staleness_summary
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
@@ -64,6 +65,8 @@ from hacrl_fed.models.native import unsupported_reason
 from hacrl_fed.scoring import ScoringBatch, build_scoring_batch_from_ids, token_log_probs
 
 log = logging.getLogger(__name__)
+
+RowCapability = tuple[Sequence[float], Sequence[float]]  # per row: (Phat_learner(t(y)), Phat_source(t(y)))
 
 
 @dataclass
@@ -90,6 +93,7 @@ class TrainRow:
     claimed_token_count: int = 0  # cross rows: the source's token count of that claim
     prox_log_prob_sum: float | None = None  # the learner's pre-update log-prob sum (decoupled loss; None: not yet)
     age: int = 0  # rounds between the learner's version and the row's batch's (0: this round's)
+    round: int = 0  # the round the row answers (asynchronous rounds; 0: the train request's round)
 
     def prox_seq_log_prob(self) -> float:
         """``lbar_prox``: the pre-update sum over this row's divisor (``norm_length``, else its tokens); a self row
@@ -273,8 +277,31 @@ class LocalTrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
-    def advantages(self, rows: Sequence[TrainRow], learner: int, capability: Sequence[float]) -> Tensor:
-        """Advantages of ``rows`` (docs/ALGORITHM.md §2, or plain group normalisation for the baselines). → [N]."""
+    def advantages(
+        self,
+        rows: Sequence[TrainRow],
+        learner: int,
+        capability: Sequence[float],
+        row_capability: RowCapability | None = None,
+    ) -> Tensor:
+        """Advantages of ``rows`` (docs/ALGORITHM.md §2, or plain group normalisation for the baselines). → [N].
+        ``row_capability``: per row ``(Phat_learner(t(y)), Phat_source(t(y)))`` of the row's round (asynchronous
+        rounds): an estimator with a per-round form (``ROUND_ADVANTAGE_ESTIMATORS``: HACPO's) then takes each row's
+        ratio from them; the others do not read capability."""
+        at_rounds = ROUND_ADVANTAGE_ESTIMATORS.get(self.spec.advantage)
+        if row_capability is not None and at_rounds is not None:
+            return at_rounds(
+                torch.tensor([r.reward for r in rows], dtype=torch.float64),
+                torch.tensor([r.group for r in rows]),
+                torch.tensor([r.source for r in rows]),
+                learner,
+                *row_capability,
+                reward_max=self.algo.reward_max,
+                ratio_min=self.algo.ratio_min,
+                ratio_max=self.algo.ratio_max,
+                eps=self.algo.adv_eps,
+                calibrate=self.algo.advantage_calibration,
+            ).float()
         fn = get_advantage_estimator(self.spec.advantage)
         return fn(
             torch.tensor([r.reward for r in rows], dtype=torch.float64),
@@ -290,15 +317,22 @@ class LocalTrainer:
         ).float()
 
     def update(
-        self, rows: Sequence[TrainRow], learner: int, capability: Sequence[float], names: Sequence[str] | None = None
+        self,
+        rows: Sequence[TrainRow],
+        learner: int,
+        capability: Sequence[float],
+        names: Sequence[str] | None = None,
+        row_capability: RowCapability | None = None,
     ) -> dict[str, float]:
         """One round's update. ``learner``: this agent's index into ``capability`` (``Phat`` per agent);
-        ``names``: agent names for the per-source advantage metrics (``hacpo/adv_mean/<name>``)."""
+        ``names``: agent names for the per-source advantage metrics (``hacpo/adv_mean/<name>``);
+        ``row_capability``: per row of ``rows``, ``(Phat_learner, Phat_source)`` of the row's round (asynchronous
+        rounds; docs/ALGORITHM.md "Capability per round"), used instead of ``capability`` when given."""
         start = time.perf_counter()
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
         # every response counts in its joint group's baseline and std, even one with no tokens to train on
-        adv_all = self.advantages(rows, learner, capability)
+        adv_all = self.advantages(rows, learner, capability, row_capability)
         all_rows = rows
         scorable = [i for i, r in enumerate(rows) if r.response_ids]
         rows, adv = [rows[i] for i in scorable], adv_all[scorable]
@@ -306,7 +340,10 @@ class LocalTrainer:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
         rows = self.with_proximal(rows) if self.proximal else rows  # before the first step: pre-update weights
         sources = torch.tensor([r.source for r in rows])
-        if self.spec.uses_capability_coefficient and self.algo.capability_coefficient:
+        if self.spec.uses_capability_coefficient and self.algo.capability_coefficient and row_capability is not None:
+            lc, sc = ([row_capability[k][i] for i in scorable] for k in (0, 1))
+            v = capability_coefficients_at_rounds(lc, sc, sources, learner, self.algo.ratio_min, self.algo.ratio_max)
+        elif self.spec.uses_capability_coefficient and self.algo.capability_coefficient:
             v = capability_coefficients(capability, learner, sources, self.algo.ratio_min, self.algo.ratio_max)
         else:
             v = torch.ones(len(rows))

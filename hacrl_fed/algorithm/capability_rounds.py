@@ -162,3 +162,8 @@ def capability_coefficients_at_rounds(
     sc = _as_tensor(source_capability, torch.float64, "source_capability")
     v = torch.clamp(sc / lc, ratio_min, ratio_max)  # v(j, k) = clamp(Phat_j(t) / Phat_k(t))
     return torch.where(own, torch.ones_like(w), v).to(torch.float32)
+
+
+# advantage estimator (registry name) -> its form with per-row figures of each row's round; the estimators not
+# listed read no capability (``group``), so their one form serves every round
+ROUND_ADVANTAGE_ESTIMATORS = {"hacpo": hacpo_advantages_at_rounds}

@@ -120,6 +120,10 @@ class Coordinator:
         self.guard = PoolGuard(cfg, load_run_roster(cfg, self.run_dir), task.verify)
         self.keeper = RoundKeeper(cfg, self.guard, self.tracker, self.book)
         self.challenges = self.keeper.challenges  # each org's latest, for its next plan (replay protection)
+        if resume and cfg.federation.staleness >= 1:
+            raise BuildError(
+                f"federation.staleness={cfg.federation.staleness}: resuming asynchronous rounds is not built yet"
+            )
         if resume:
             state = read_state(self.state_path, config_hash(cfg))
             self.run_id = state["run_id"]
@@ -159,7 +163,11 @@ class Coordinator:
         return tuple(self.task.prompts("train", ids))
 
     def capability_table(self) -> dict[str, float]:
-        """``{org: Phat}`` over every configured org as the workers should use it (1.0 during warm-up)."""
+        """``{org: Phat}`` over every configured org as the workers should use it (1.0 during warm-up); in
+        asynchronous rounds the per-round table's figures at the last round."""
+        driver = getattr(self, "async_driver", None)
+        if driver is not None:
+            return driver.capabilities.table(self.cfg.federation.rounds, self.org_order)
         return self.keeper.capability_table()
 
     def _eval_request(self, round: int, org: str) -> EvalRequest:
@@ -220,6 +228,8 @@ class Coordinator:
             self.book.wall_time_s += time.perf_counter() - start
             self._log(0, metrics)
             write_state(self.state_path, self.state_dict())
+        if fed.staleness >= 1:  # asynchronous rounds: their own driver (docs/ALGORITHM.md "Asynchronous rounds")
+            return self._run_async()
         fused, last, mark = fed.protocol == "fused", None, time.perf_counter()
         for t in range(self.round + 1, fed.rounds + 2):  # the one loop over rounds; t = rounds + 1 only closes
             rd = self._open_round(t) if t <= fed.rounds else None
@@ -232,6 +242,21 @@ class Coordinator:
                 if opening is not None:
                     self.keeper.take_batches(opening, {org: out.batch for org, out in outcomes.items()}, self.run_id)
             last = rd
+        return self.summary()
+
+    def _run_async(self) -> RunSummary:
+        """``federation.staleness >= 1``: :class:`~hacrl_fed.coordinator.async_driver.AsyncDriver` on the
+        in-process transport (the only one that runs it yet)."""
+        from hacrl_fed.coordinator.async_driver import AsyncDriver
+        from hacrl_fed.coordinator.inprocess import InProcessTransport
+
+        if not isinstance(self.transport, InProcessTransport):
+            raise BuildError(
+                f"federation.staleness={self.cfg.federation.staleness}: asynchronous rounds run on the in-process "
+                f"transport only, not on {type(self.transport).__name__}"
+            )
+        self.async_driver = AsyncDriver(self)
+        self.async_driver.run()  # the wall time goes into the run book round by round, as in lock-step rounds
         return self.summary()
 
     def run_round(self, round: int) -> RoundResult:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from hacrl_fed.config import AlgorithmConfig, ShardingConfig, TrainerConfig
 from hacrl_fed.sharded.fsdp import copy_full_weights, full_tensor, gather, shard_model, shares, world
-from hacrl_fed.trainer import LocalTrainer, TrainRow, _MetricAccumulator
+from hacrl_fed.trainer import LocalTrainer, RowCapability, TrainRow, _MetricAccumulator
 
 
 def rows_digest(rows: Sequence[TrainRow]) -> str:
@@ -97,7 +97,12 @@ class ShardedTrainer(LocalTrainer):
         return full_tensor(super()._apply_gradient())  # the global norm (a replicated DTensor over the ranks)
 
     def update(
-        self, rows: Sequence[TrainRow], learner: int, capability: Sequence[float], names: Sequence[str] | None = None
+        self,
+        rows: Sequence[TrainRow],
+        learner: int,
+        capability: Sequence[float],
+        names: Sequence[str] | None = None,
+        row_capability: RowCapability | None = None,
     ) -> dict[str, float]:
         """:meth:`LocalTrainer.update` on the shards, then the replica refreshed from them (collective). The ranks
         first check they admitted the same rows (:func:`rows_digest`): a rank that took another decision would
@@ -105,7 +110,7 @@ class ShardedTrainer(LocalTrainer):
         digests = gather(rows_digest(rows))
         if len(set(digests)) > 1:
             raise RuntimeError(f"the ranks admitted different rows for this update (digests by rank: {digests})")
-        out = super().update(rows, learner, capability, names)
+        out = super().update(rows, learner, capability, names, row_capability)
         if out.get("train/steps", 0.0):
             copy_full_weights(self.model, self.replica)
         return out

@@ -33,6 +33,8 @@ Decoding is the trust boundary, so every decoded field is checked (input hygiene
 * ``TrainRequest.source_batches`` are checked like any ``RolloutBatch``; with
   ``WireLimits.skip_unsigned_foreign`` (a worker with signing on, which ignores unsigned rollouts)
   ``TrainRequest.foreign`` is only counted (``unread_foreign``), never converted;
+* a ``TrainRequest`` with the asynchronous-rounds fields set (``round_capability``, ``tags``, ``version``:
+  in-process only, docs/ALGORITHM.md "Asynchronous rounds") is refused on encoding, never sent without them;
 * ``StepRequest`` (every message of a round) carries at least one of ``train``, ``plan``, ``evaluate``,
   ``checkpoint``, each checked as its own message; ``StepReply`` never carries both a part's reply and its error
   (``report`` / ``train_error``, ``batch`` / ``generate_error``, ``eval_report`` / ``eval_error``, ``checkpoint``
@@ -227,6 +229,8 @@ def _batch_to(b: t.RolloutBatch) -> pb.RolloutBatch:
 
 
 def _train_req_to(r: t.TrainRequest) -> pb.TrainRequest:
+    if r.round_capability or r.tags or r.version:  # asynchronous rounds run in process only (no wire fields yet)
+        raise WireError("TrainRequest: the asynchronous fields (round_capability, tags, version) do not travel yet")
     return pb.TrainRequest(
         schema_version=SCHEMA_VERSION,
         run_id=r.run_id,

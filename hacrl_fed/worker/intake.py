@@ -120,6 +120,8 @@ class Admitted:
     scored_tokens: int
     times: dict[str, float]
     outcome: dict[str, float] = dataclasses.field(default_factory=dict)  # the outcome guard's quarantine counts
+    # asynchronous rounds: per row, (Phat_learner, Phat_source) of the row's round (None: one figure per agent)
+    row_capability: tuple[list[float], list[float]] | None = None
 
     def update_metrics(self, update: dict[str, float]) -> dict[str, float]:
         """The update's metrics with the last two stages' counts (:func:`update_metrics`)."""
@@ -165,10 +167,16 @@ class Intake:
         opener: Opener | None,
         scoring: Scoring,
         leave_out: LeaveOut | None = None,
+        recent: Any = None,
     ) -> Admitted:
         """Every stage in order (module docstring); ``seed``: the round's selection seed; ``opener``: the identity
         border's check of a signed batch (None: signing off); ``leave_out``: the outcome guard's quarantine, after
-        stage 4 (None: the guard is off)."""
+        stage 4 (None: the guard is off); ``recent``: asynchronous rounds, the learner's
+        :class:`~hacrl_fed.worker.late_rounds.RecentRounds` (rows of earlier rounds of the window may join)."""
+        if recent is not None:
+            from hacrl_fed.worker.late_rounds import admit_late
+
+            return admit_late(self, request, own, recent, seed=seed, scoring=scoring)
         t0, c0 = time.perf_counter(), time.process_time()
         ledger = Ledger()
         lazy = lazy_take(self.selection, len(own.rows), seed)
@@ -221,12 +229,26 @@ class Intake:
             ledger=ledger,
         )[0]
 
-    def select(self, foreign: list[Rollout], own_rows: Sequence[TrainRow], ledger: Ledger, seed: int) -> list[Rollout]:
-        """Stage 5: the rows this learner's selection rule and budget take, before any tokenization."""
+    def select(
+        self,
+        foreign: list[Rollout],
+        own_rows: Sequence[TrainRow],
+        ledger: Ledger,
+        seed: int,
+        baseline: Sequence[TrainRow] = (),
+    ) -> list[Rollout]:
+        """Stage 5: the rows this learner's selection rule and budget take, before any tokenization.
+        ``baseline``: own rows of earlier rounds (asynchronous rounds) the rules see; the budget counts ``own_rows``."""
         sel = self.selection
-        kept, ledger.select_metrics = select_rollouts(
-            foreign, own_rows, sel.rule, sel.budget, sel.budget_multiple, seed, sel.budget_split
-        )
+        if baseline:
+            budget = resolve_budget(sel.budget, sel.budget_multiple, len(own_rows))
+            kept, ledger.select_metrics = select_rollouts(
+                foreign, [*own_rows, *baseline], sel.rule, budget, None, seed, sel.budget_split
+            )
+        else:
+            kept, ledger.select_metrics = select_rollouts(
+                foreign, own_rows, sel.rule, sel.budget, sel.budget_multiple, seed, sel.budget_split
+            )
         offered = Counter(str(r.org_id) for r in foreign)
         offered.subtract(str(r.org_id) for r in kept)
         for src, dropped in offered.items():  # what the budget left, the rest the rule's filter

@@ -62,6 +62,7 @@ from hacrl_fed.worker.api import run_step
 from hacrl_fed.worker.guard import check_capability, check_eval, check_plan, check_step, check_train
 from hacrl_fed.worker.identity_border import IdentityBorder
 from hacrl_fed.worker.intake import Intake, OwnRound, Scoring
+from hacrl_fed.worker.late_rounds import RecentRounds
 from hacrl_fed.worker.outcome import OutcomeMonitor
 from hacrl_fed.worker.prompts import PromptBook
 from hacrl_fed.worker.routing import RunRouting
@@ -121,6 +122,9 @@ class PolicyWorker(RunRouting):
         self._trained: dict[str, int] = {}  # run id -> last round this process trained in that run
         self._pristine = True  # weights, optimizer and RNG as configured: nothing trained or restored since
         self._own: OwnRound | None = None
+        # asynchronous rounds: its last W rounds, for foreign batches of earlier rounds (hacrl_fed.worker.late_rounds)
+        fed = cfg.federation
+        self._recent = RecentRounds(fed.effective_window) if fed.staleness >= 1 else None
         self._challenges = ChallengeBook()  # replay protection (hacrl_fed.security.freshness)
         self._initial = self._snapshot()
         if resume:
@@ -155,6 +159,8 @@ class PolicyWorker(RunRouting):
         self._own = OwnRound(
             plan.run_id, plan.round, plan.task, plan.prompts, sp.max_new_tokens, tokens_by_prompt, rows, fresh
         )
+        if self._recent is not None:
+            self._recent.keep(self._own)
         n = max(len(rollouts), 1)
         metrics = {
             "time/generate": t1 - t0,
@@ -233,19 +239,33 @@ class PolicyWorker(RunRouting):
         """Admit the foreign rows through the intake and run this round's update on exactly the rows it admits."""
         own = check_train(self.org_id, request, self._own)
         check_capability(self.cfg, request.capability)
+        for table in request.round_capability.values():
+            check_capability(self.cfg, table)
         raise_if_cancelled("before training")
         c0, perf = time.process_time(), PhaseMeter(self._device())
         opener = self.border.opener(own.run_id, own.round, own.fresh_digest)
         seed = stable_seed(self.seed, "select", own.round)
         outcome, leave_out = self._outcome_start(request.run_id, own.round)
         admitted = self.intake.admit(
-            request, own, seed=seed, opener=opener, scoring=Scoring.of(self.trainer), leave_out=leave_out
+            request,
+            own,
+            seed=seed,
+            opener=opener,
+            scoring=Scoring.of(self.trainer),
+            leave_out=leave_out,
+            recent=self._recent,
         )
         score_perf = perf.lap("score", admitted.scored_tokens)
         raise_if_cancelled("before the update")
         t1, c1 = time.perf_counter(), time.process_time()
         with self.engine.released():  # a vLLM engine may sleep during the update (generation.sleep_during_train)
-            update = self.trainer.update(admitted.rows, admitted.learner, admitted.capability, names=admitted.agents)
+            update = self.trainer.update(
+                admitted.rows,
+                admitted.learner,
+                admitted.capability,
+                names=admitted.agents,
+                row_capability=admitted.row_capability,
+            )
         self.engine.sync_weights(self.model)
         if self.outcome is not None:  # validate when due; a regression rolls the weights back
             trained = sorted({admitted.agents[r.source] for r in admitted.rows if not r.is_self})

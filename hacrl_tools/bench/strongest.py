@@ -218,11 +218,11 @@ def _wrap_update(recorders: dict[str, Recorder]):
 
     original = LocalTrainer.update
 
-    def update(self, rows, learner, capability, names=None):
-        out = original(self, rows, learner, capability, names)
+    def update(self, rows, learner, capability, names=None, row_capability=None):
+        out = original(self, rows, learner, capability, names, row_capability)
         rec = recorders.get(names[learner]) if names is not None and rows else None
-        if rec is not None:
-            adv = self.advantages(rows, learner, capability).tolist()  # the update's own (pure) advantages
+        if rec is not None:  # the update's own (pure) advantages
+            adv = self.advantages(rows, learner, capability, row_capability).tolist()
             rec.add(rows, adv, out, self.algo.name)
         return out
 

@@ -1,0 +1,337 @@
+"""The asynchronous round driver on the in-process transport (docs/ALGORITHM.md "Asynchronous rounds").
+
+``federation.staleness`` ``K >= 1``: each org steps as soon as the staleness bound lets it, instead of every org
+waiting at :meth:`~hacrl_fed.coordinator.loop.Coordinator.round_barrier`. The rules are those of
+:mod:`.async_schedule` (the bound on ``floor``, the window ``W``, :func:`~.async_schedule.offer_verdict`), followed
+on the workers' real replies:
+
+- An org's step planning round ``t`` carries its train request for round ``t - 1`` (its own accepted batch of
+  ``t - 1``, held by its worker, plus every foreign batch of rounds ``t - W … t - 1`` it has not used, each with
+  its tag ``(source, round, version)``, and the capability figures of each of those rounds from
+  :class:`~hacrl_fed.algorithm.capability_rounds.RoundCapabilities`), the evaluation and checkpoint of round
+  ``t - 1`` when due, and the plan of round ``t``.
+- **Virtual clock**: one step of org ``x`` takes ``federation.virtual_step_s[x]`` virtual seconds (default 1).
+  In-process calls run one after another, so the driver calls the worker when the step starts and takes its reply
+  at ``start + duration``; events at one instant: completions (config order), then the steps that may start
+  (config order). The schedule is therefore :func:`~.async_schedule.simulate`'s for the same durations (tested)
+  whenever every reply comes back and is accepted.
+- A batch enters the pool when the trust guard accepts it; its tag's version is the source's count of successful
+  train reports (the coordinator's, not signed by the source: versions do not travel yet). A tag whose version
+  differs from the one expected when its plan was issued (a train half failed) is refused ``version_mismatch``.
+- A step trains only with its own batch of ``t - 1`` accepted (the worker trains on the round it generated); foreign
+  batches not offered then wait for a later step or are refused when they leave the window, so every
+  (learner, foreign batch) pair is taken or counted (``round/<learner>/refused/<reason>``), never dropped silently.
+- A failed step still advances the org's published round (it counts in ``floor``: a failing org does not stall the
+  others); an org the trust guard excludes stops stepping and its unused batches are refused ``source_excluded``.
+
+Round ``r``'s metrics (its batches, the train reports of round ``r``, its evaluations, the refusals made by the steps
+that train ``r``) are logged once every org still stepping has trained round ``r``; the last round after the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hacrl_fed import failures
+from hacrl_fed.algorithm.capability_rounds import RoundCapabilities
+from hacrl_fed.coordinator import round_metrics as rm
+from hacrl_fed.coordinator.async_schedule import HOLD, TAKE, BatchTag, Step, offer_verdict
+from hacrl_fed.coordinator.rounds import StepOutcome, split_reply
+from hacrl_fed.plan.screening import accepted_accuracy
+from hacrl_fed.results import RoundResult
+from hacrl_fed.security.freshness import parse_challenge
+from hacrl_fed.types import EvalReport, Rollout, RoundPlan, StepRequest, TrainReport, TrainRequest
+
+if TYPE_CHECKING:
+    from hacrl_fed.coordinator.loop import Coordinator
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STEP_S = 1.0  # virtual seconds of a step of an org federation.virtual_step_s does not name
+EXCLUDED = "source_excluded"  # the driver's one refusal beyond async_schedule.REASONS
+
+
+@dataclass
+class _Flight:
+    """A step in flight: its schedule entry, the request sent and the reply (taken at ``step.end``)."""
+
+    step: Step
+    request: StepRequest
+    reply: Any
+    seconds: float
+
+
+@dataclass
+class _Org:
+    name: str
+    duration: float
+    busy: _Flight | None = None
+    planned: int = 0  # the round its last step planned
+    level: int = 0  # its last published round (counts in the floor)
+    version: int = 0  # updates done (successful train reports)
+    own: BatchTag | None = None  # its last accepted batch, not trained on yet
+    done: bool = False
+    idle_since: float = 0.0
+    used: set[tuple[str, int]] = field(default_factory=set)
+    seen: set[tuple[str, int]] = field(default_factory=set)
+
+
+@dataclass
+class _Round:
+    """What round ``r`` collected until it is logged."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)  # org -> rollouts accepted
+    accuracy: dict[str, float] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    trained: list[str] = field(default_factory=list)
+    evals: dict[str, EvalReport] = field(default_factory=dict)
+    refused: dict[str, Counter[str]] = field(default_factory=dict)
+
+
+class AsyncDriver:
+    """Runs ``coordinator``'s rounds asynchronously (module docstring); the coordinator keeps the trust guard, the
+    run book, the logger and the state file. ``steps`` / ``published`` / ``refused`` / ``idle`` / ``finished``
+    mirror :class:`~.async_schedule.Schedule`'s fields."""
+
+    def __init__(self, coordinator: Coordinator):
+        self.co, cfg = coordinator, coordinator.cfg
+        fed = cfg.federation
+        self.rounds, self.staleness, self.window = fed.rounds, fed.staleness, fed.effective_window
+        order = coordinator.org_order
+        self.orgs = {o: _Org(o, float(fed.virtual_step_s.get(o, DEFAULT_STEP_S))) for o in order}
+        self.capabilities = RoundCapabilities.from_algorithm(cfg.algorithm)
+        self.issued: dict[tuple[str, int], int] = {}
+        self.pool: dict[BatchTag, tuple[Rollout, ...]] = {}  # accepted batches, publish order
+        self.steps: list[Step] = []
+        self.published: list[tuple[float, BatchTag]] = []
+        self.refused: dict[str, Counter[str]] = {o: Counter() for o in order}
+        self.idle = {o: 0.0 for o in order}
+        self.finished: dict[str, float] = {}
+        self.rounds_open: dict[int, _Round] = {}
+        self.logged = 0  # the last round logged
+        self.mark = time.perf_counter()  # when the last round was logged (time/round: the wall time since)
+
+    # -- the clock ---------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Step every org until each has trained the last round (or stopped); log every round."""
+        now: float | None = 0.0
+        self.co.keeper.refresh_challenges(self.co.live_orgs(), self.co.transport)
+        while now is not None:
+            for org in self.orgs.values():  # completions at this instant, config order
+                if org.busy is not None and org.busy.step.end <= now:
+                    self.complete(org, now)
+            self.flush(final=False)
+            self.start_ready(now)
+            ends = [o.busy.step.end for o in self.orgs.values() if o.busy is not None]
+            now = min(ends) if ends else None
+        self.close()
+        self.flush(final=True)
+
+    def alive(self, org: _Org) -> bool:
+        return org.name not in self.co.guard.excluded and org.name in self.co.transport.org_ids()
+
+    def floor(self) -> int | None:
+        """The lowest published round over the live orgs (None: none is live)."""
+        levels = [o.level for o in self.orgs.values() if self.alive(o)]
+        return min(levels) if levels else None
+
+    def start_ready(self, now: float) -> None:
+        """Start every org the bound lets step at ``now`` (config order), as :mod:`.async_schedule` does."""
+        for org in self.orgs.values():
+            floor = self.floor()
+            if self.alive(org) and org.busy is None and not org.done and floor is not None:
+                if org.planned + 1 <= floor + self.staleness + 1:  # the staleness bound
+                    self.start(org, now)
+
+    # -- one step ----------------------------------------------------------------------------------------------
+
+    def start(self, org: _Org, now: float) -> None:
+        """Build org's step planning ``t = planned + 1``, send it, and put it in flight until ``now + duration``."""
+        t = org.planned + 1
+        own = self.take(org, org.own, t) if org.own is not None else None
+        foreign: tuple[BatchTag, ...] = ()
+        if own is not None:  # a worker trains only on the round it generated: no own batch, no train request
+            offered = [self.take(org, tag, t) for tag in self.pool if tag.source != org.name]
+            foreign = tuple(tag for tag in offered if tag is not None)
+        step = Step(org.name, now, now + org.duration, t, org.version, own, foreign)
+        if t <= self.rounds:  # the version that will answer the plan
+            self.issued[(org.name, t)] = org.version + (1 if own is not None else 0)
+        request = self.request(org, t, own, foreign)
+        t0 = time.perf_counter()
+        reply = self.co.transport.step({org.name: request}, self.co.cfg.federation.round_timeout_s * request.parts())
+        seconds = time.perf_counter() - t0
+        self.idle[org.name] += now - org.idle_since
+        org.busy, org.planned, org.own = _Flight(step, request, reply.get(org.name), seconds), t, None
+        self.steps.append(step)
+
+    def take(self, org: _Org, tag: BatchTag, round: int) -> BatchTag | None:
+        """``tag`` if org's step planning ``round`` takes it (marked used); a refusal is counted once, in the
+        round the step trains (``round - 1``)."""
+        key = (tag.source, tag.round)
+        if key in org.seen:
+            return None
+        verdict = EXCLUDED if tag.source in self.co.guard.excluded else None
+        verdict = verdict or offer_verdict(tag, round, self.window, org.used, self.issued)
+        if verdict == HOLD:
+            return None
+        org.seen.add(key)
+        if verdict != TAKE:
+            self.refuse(org.name, max(round - 1, 1), verdict, own=tag.source == org.name)
+            return None
+        org.used.add(key)
+        return tag
+
+    def refuse(self, learner: str, round: int, reason: str, *, own: bool = False) -> None:
+        what = "own_refused" if own else "refused"
+        counts = self.bucket(round).refused.setdefault(f"{what}/{reason}", Counter())
+        counts[learner] += 1
+        if not own:
+            self.refused[learner][reason] += 1
+
+    def request(self, org: _Org, t: int, own: BatchTag | None, foreign: tuple[BatchTag, ...]) -> StepRequest:
+        """The step message: round ``t - 1``'s train request (with its tags and per-round capability table), its
+        evaluation and checkpoint when due, and round ``t``'s plan."""
+        co, train = self.co, None
+        if own is not None:
+            rounds = sorted({own.round, *(tag.round for tag in foreign)})
+            table = {r: self.capabilities.table(r, co.org_order) for r in rounds}
+            train = TrainRequest(
+                co.run_id,
+                own.round,
+                org.name,
+                co.round_prompts(own.round),
+                tuple(r for tag in foreign for r in self.pool[tag]),
+                dict(table[own.round]),
+                round_capability=table,
+                tags=tuple((tag.source, tag.round, tag.version) for tag in foreign),
+                version=org.version,
+            )
+        evaluate, ckpt = co._due(t - 1) if t > 1 else (False, False)
+        challenges = {o: co.challenges[o] for o in co.live_orgs() if o in co.challenges}  # each org's latest
+        plan = co.plan_for(t, org.name, co.round_prompts(t), challenges) if t <= self.rounds else None
+        eval_request = co._eval_request(t - 1, org.name) if evaluate else None
+        return StepRequest(train, plan, eval_request, t - 1 if ckpt else None)
+
+    def complete(self, org: _Org, now: float) -> None:
+        """Take org's reply at ``now``: its train report, evaluation and checkpoint of ``t - 1``, its batch of ``t``."""
+        flight, org.busy, org.idle_since = org.busy, None, now
+        assert flight is not None
+        step, request = flight.step, flight.request
+        self.co.book.note_call_time({org.name: flight.seconds})
+        out = split_reply(request, flight.reply)
+        if request.train is not None:
+            self.take_train(org, request.train, out)
+        self.take_extras(org.name, step.round - 1, request, out)
+        if step.round > self.rounds:
+            org.done, self.finished[org.name] = True, now
+            return
+        org.level = step.round  # published (or failed): counts in the floor either way
+        assert request.plan is not None
+        self.take_batch(org, request.plan, out, now, flight.seconds)
+
+    def take_train(self, org: _Org, train: TrainRequest, out: StepOutcome) -> None:
+        rd = self.bucket(train.round)
+        reply = out.train
+        if not isinstance(reply, TrainReport):
+            why = failures.cause_of(reply) if isinstance(reply, BaseException) else "error"
+            log.warning("round %d: org %s failed to train (%s): %s", train.round, org.name, why, reply)
+            rm.train_metrics(org.name, why, {}, rd.metrics)
+            return
+        org.version += 1
+        rd.metrics[f"async/{org.name}/version"] = float(org.version)
+        challenge = parse_challenge(reply.challenge) if reply.challenge else None
+        if challenge is not None:  # goes into its next plans (freshness plumbing; signing is off in this slice)
+            self.co.challenges[org.name] = challenge
+        elif reply.challenge:
+            rd.metrics[f"round/{org.name}/bad_challenge"] = 1.0
+        rm.train_metrics(org.name, None, reply.metrics, rd.metrics)
+        self.co.book.note_trained(org.name, train.round, len(train.foreign))
+        rd.trained.append(org.name)
+        valid = self.co.guard.signed_reports(train.round, {org.name: reply}, rd.metrics)
+        sources = sorted({tag[0] for tag in train.tags})
+        self.co.guard.receiver_screened(train.round, valid, sources, rd.metrics)
+
+    def take_extras(self, org: str, round: int, request: StepRequest, out: StepOutcome) -> None:
+        """The evaluation and checkpoint parts of round ``round``."""
+        rd = self.bucket(round) if round >= 1 else None
+        if request.evaluate is not None and rd is not None:
+            if rm.valid_accuracy(out.evaluation) is not None:
+                rd.evals[org] = out.evaluation
+            else:
+                log.warning("round %d: org %s failed to evaluate: %s", round, org, out.evaluation)
+        if request.checkpoint is not None and rd is not None:
+            failed = [] if isinstance(out.checkpoint, str) else [org]
+            rd.metrics["checkpoint/failed_orgs"] = rd.metrics.get("checkpoint/failed_orgs", 0.0) + len(failed)
+            self.co.book.note_checkpoints(round, [org], failed)
+
+    def take_batch(self, org: _Org, plan: RoundPlan, out: StepOutcome, now: float, seconds: float) -> None:
+        """Screen org's batch of ``plan.round``; accepted, it enters the pool with its tag."""
+        t, rd = plan.round, self.bucket(plan.round)
+        rd.metrics[f"async/{org.name}/clock_s"] = now
+        rd.metrics[f"async/{org.name}/idle_s"] = self.idle[org.name]
+        rd.metrics[f"async/{org.name}/step_s"] = seconds
+        batch = out.batch
+        if isinstance(batch, Exception):
+            rd.failed[org.name] = failures.cause_of(batch)
+            log.warning("round %d: org %s skipped (%s): %s", t, org.name, rd.failed[org.name], batch)
+            return
+        ok = self.co.keeper.check_batch(t, org.name, batch, plan, rd.metrics)
+        if not ok:
+            rd.failed[org.name] = "excluded" if org.name in self.co.guard.excluded else "invalid"
+            return
+        tag = BatchTag(org.name, t, org.version)
+        self.pool[tag], org.own = tuple(ok), tag
+        self.published.append((now, tag))
+        rd.accepted[org.name] = len(ok)
+        acc = accepted_accuracy(ok)
+        if acc is not None:
+            rd.accuracy[org.name] = acc
+            self.capabilities.record(t, {org.name: acc})
+
+    # -- the end and the logs ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Count every accepted foreign batch a learner never reached (``learner_finished`` / ``learner_dead``)."""
+        for org in self.orgs.values():
+            for tag in self.pool:
+                if tag.source != org.name and (tag.source, tag.round) not in org.seen:
+                    why = "learner_finished" if org.done else "learner_dead"
+                    self.refuse(org.name, self.rounds, why)
+
+    def bucket(self, round: int) -> _Round:
+        return self.rounds_open.setdefault(round, _Round())
+
+    def trained_through(self) -> int:
+        """The last round every org still stepping has trained (its step planning the next one came back)."""
+        rounds = [o.planned - (1 if o.busy is not None else 0) - 1 for o in self.orgs.values() if self.alive(o)]
+        return min(rounds) if rounds else self.rounds
+
+    def flush(self, *, final: bool) -> None:
+        """Log every round whose parts are all in, in order (``final``: every round left)."""
+        last = self.rounds if final else min(self.trained_through(), self.rounds - 1)
+        while self.logged < last:
+            self.logged += 1
+            self.log_round(self.logged)
+
+    def log_round(self, r: int) -> None:
+        co, rd = self.co, self.rounds_open.pop(r, _Round())
+        if rd.evals:
+            co.book.eval_history[r] = rm.eval_metrics(rd.evals, rd.metrics)
+        rm.failure_metrics(rd.failed, rd.metrics)
+        for key, per_learner in rd.refused.items():
+            for learner, n in per_learner.items():
+                rd.metrics[f"round/{learner}/{key}"] = float(n)
+        co.book.note_replies(rd.accepted, bool(rd.accepted))
+        table = self.capabilities.table(r, co.org_order)
+        counts = (len(rd.accepted), len(rd.trained), not rd.accepted)
+        start, self.mark = self.mark, time.perf_counter()
+        rm.close_metrics(table, co.guard.metrics(co.org_order), counts, self.mark - start, {}, rd.metrics)
+        failed = {org: rd.failed[org] for org in co.org_order if org in rd.failed}
+        result = RoundResult(r, not rd.accepted, list(rd.accepted), rd.accuracy, rd.trained, rd.metrics, failed)
+        co._finish(result, start)

@@ -1,0 +1,267 @@
+"""Asynchronous rounds at the learner: foreign batches of earlier rounds of the window (docs/ALGORITHM.md
+"Asynchronous rounds", "Capability per round").
+
+With ``federation.staleness`` ``K >= 1`` a train request for the learner's round ``t`` may carry foreign rows of
+rounds ``t - W + 1 … t`` (``W = federation.window``). The rows of round ``t`` go through the intake as in
+lock-step rounds; this module handles the others:
+
+- :class:`RecentRounds` keeps what the learner generated in its last ``W`` rounds (prompts as its own plans carried
+  them, its tokens of them, its own rows with their rewards), the no-token copies of the foreign rows it admitted
+  of each (their rewards), and every (source, round) it has received, so a batch is used at most once.
+- :func:`split_rounds` refuses, with a counted reason (``trust/<source>/rejected/<reason>``), rows of a round
+  after the request's (``future_round``), before the window (``beyond_window``), of a round this learner did not
+  generate (``not_generated``) or of a (source, round) it already received (``already_used``); the rest of the
+  late rows are grouped per (round, source).
+- :func:`screen_late` checks each late batch against the plan **of its own round**, re-derived from the learner's
+  own prompts of that round (``screen_batch`` with the learner's verifier), and excludes a source whose share of
+  contradicted rewards exceeds ``security.max_mismatch_rate``.
+- A late row of round ``r`` joins the joint group ``late_group(r, prompt)``: its baseline and standard deviation
+  count the learner's own rewards of that prompt of round ``r`` and the foreign rows of that round it admitted in
+  earlier steps (:func:`baseline_rows`: rows without tokens, not trained on again, like rows without tokens in
+  lock-step rounds). Rows of the request's own round keep their prompt id as group, as today.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from hacrl_fed.config import RunConfig
+from hacrl_fed.plan.screening import Screened, screen_batch
+from hacrl_fed.trainer import TrainRow
+from hacrl_fed.types import Rollout, RolloutBatch, TrainRequest
+from hacrl_fed.worker.intake import OwnRound, max_foreign, source_plan
+from hacrl_fed.worker.ledger import Ledger
+
+LATE_GROUP_STRIDE = 2**32  # > any prompt id: late groups never collide with each other or with a prompt id
+
+
+def late_group(round: int, prompt_id: int) -> int:
+    """The joint-group id of prompt ``prompt_id`` of an earlier round ``round``: negative, one per (round, prompt)."""
+    return -(round * LATE_GROUP_STRIDE + prompt_id) - 1
+
+
+def group_round(group: int, own_round: int) -> tuple[int, int]:
+    """``(round, prompt id)`` of a joint group: :func:`late_group`'s inverse; a prompt id is of ``own_round``."""
+    if group >= 0:
+        return own_round, group
+    return divmod(-(group + 1), LATE_GROUP_STRIDE)
+
+
+@dataclasses.dataclass
+class KeptRound:
+    """One round this learner generated: its :class:`OwnRound` and the no-token copies of the foreign rows it
+    admitted of that round (``taken``; their rewards count in the baselines of later batches of the round)."""
+
+    own: OwnRound
+    taken: list[tuple[str, TrainRow]] = dataclasses.field(default_factory=list)  # (source, row in its late group)
+
+
+class RecentRounds:
+    """What a learner keeps of its last ``window`` rounds of one run (module docstring)."""
+
+    def __init__(self, window: int):
+        self.window = int(window)
+        self.run_id: str | None = None
+        self.rounds: dict[int, KeptRound] = {}
+        self.used: set[tuple[str, int]] = set()
+
+    def keep(self, own: OwnRound) -> None:
+        """Round ``own.round`` was generated: keep it; forget the rounds no later request may reach."""
+        if own.run_id != self.run_id:
+            self.run_id, self.rounds, self.used = own.run_id, {}, set()
+        self.rounds[own.round] = KeptRound(own)
+        for old in [r for r in self.rounds if r <= own.round - self.window]:
+            del self.rounds[old]
+        self.used = {(s, r) for s, r in self.used if r > own.round - self.window}
+
+    def note_admitted(self, rows: Sequence[TrainRow], agents: Sequence[str], own_round: int) -> None:
+        """Keep the no-token copies of the cross rows the update used, in their round's late group (baselines of
+        that round's later batches)."""
+        for row in rows:
+            rnd, prompt = group_round(row.group, own_round)
+            kept = self.rounds.get(rnd)
+            if kept is not None and not row.is_self:
+                copy = dataclasses.replace(row, prompt_token_ids=[], response_ids=[], group=late_group(rnd, prompt))
+                kept.taken.append((agents[row.source], copy))
+
+
+def split_rounds(
+    cfg: RunConfig, org_id: str, request: TrainRequest, own: OwnRound, recent: RecentRounds, ledger: Ledger
+) -> tuple[TrainRequest, dict[int, dict[str, list[Rollout]]]]:
+    """``request`` with only its own round's foreign rows, and the late rows ``{round: {source: rows}}`` that may
+    join; every other row is refused and counted (module docstring). More rows than ``W`` honest rounds hold are
+    refused whole (``too_many_foreign``)."""
+    if len(request.foreign) > recent.window * max_foreign(cfg, org_id, len(own.prompts)):
+        ledger.receive("*", len(request.foreign))
+        ledger.reject("*", "too_many_foreign", len(request.foreign))
+        return dataclasses.replace(request, foreign=()), {}
+    grouped: dict[tuple[str, int], list[Rollout]] = {}
+    for r in request.foreign:
+        grouped.setdefault((str(r.org_id)[:64], int(r.round)), []).append(r)
+    current: list[Rollout] = []
+    late: dict[int, dict[str, list[Rollout]]] = {}
+    for (src, rnd), rows in grouped.items():
+        reason = _refusal(src, rnd, own.round, recent)
+        if rnd == own.round and reason is None:
+            current.extend(rows)
+        elif reason is None:
+            late.setdefault(rnd, {})[src] = rows
+        else:
+            ledger.receive(src, len(rows))
+            ledger.reject(src, reason, len(rows))
+        recent.used.add((src, rnd))
+    return dataclasses.replace(request, foreign=tuple(current)), late
+
+
+def _refusal(src: str, rnd: int, own_round: int, recent: RecentRounds) -> str | None:
+    if rnd > own_round:
+        return "future_round"
+    if rnd <= own_round - recent.window:
+        return "beyond_window"
+    if (src, rnd) in recent.used:
+        return "already_used"
+    if rnd != own_round and rnd not in recent.rounds:
+        return "not_generated"
+    return None
+
+
+def screen_late(
+    cfg: RunConfig,
+    org_id: str,
+    request: TrainRequest,
+    late: Mapping[int, Mapping[str, list[Rollout]]],
+    recent: RecentRounds,
+    verify: Callable[[str, str], float] | None,
+    ledger: Ledger,
+) -> list[Rollout]:
+    """The late rows that pass ``screen_batch`` against the plan of their own round, each with its prompt id
+    replaced by its joint group (:func:`late_group`), in (round, arrival) order."""
+    known = {o.id for o in cfg.orgs if o.id != org_id}
+    out: list[Rollout] = []
+    for rnd in sorted(late):
+        own = recent.rounds[rnd].own
+        for src, rows in late[rnd].items():
+            ledger.receive(src, len(rows))
+            if src not in known:
+                ledger.reject(src, "unknown_org", len(rows))
+                continue
+            batch = RolloutBatch(request.run_id, rnd, src, tuple(rows), 0.0)
+            plan = source_plan(cfg, src, request.run_id, rnd, own.task, own.prompts)
+            result = screen_batch(batch, plan, src, verify=verify, max_bytes_per_token=cfg.security.max_bytes_per_token)
+            merge_screened(ledger, src, result, len(rows))
+            if result.mismatch_rate > cfg.security.max_mismatch_rate and not ledger.entry(src).excluded:
+                ledger.exclude(src)
+            out += [dataclasses.replace(r, prompt_id=late_group(rnd, r.prompt_id)) for r in result.accepted]
+    return [r for r in out if not ledger.entry(str(r.org_id)).excluded]
+
+
+def merge_screened(ledger: Ledger, src: str, result: Screened, rows: int) -> None:
+    """Record ``result`` for ``src`` in ``ledger``, added to what the source's other batches of this request got."""
+    before = ledger.entry(src).screened
+    ledger.screened(src, result, rows)
+    if before is not None:
+        ledger.entry(src).screened = Screened(
+            before.accepted + result.accepted,
+            before.rejected + result.rejected,
+            before.checked + result.checked,
+            before.mismatches + result.mismatches,
+            before.verified_reward_sum + result.verified_reward_sum,
+            before.shortfall + result.shortfall,
+        )
+
+
+def late_tokens(late: Sequence[Rollout], recent: RecentRounds) -> dict[int, list[int]]:
+    """``{late group: the learner's tokens of that prompt}`` for the late rows (re-tokenization)."""
+    out = {}
+    for r in late:
+        rnd, prompt = group_round(r.prompt_id, 0)
+        out[r.prompt_id] = recent.rounds[rnd].own.tokens_by_prompt[prompt]
+    return out
+
+
+def baseline_rows(groups: Iterable[int], recent: RecentRounds, learner: int, agents: list[str]) -> list[TrainRow]:
+    """Rows without tokens for the late joint ``groups``: the learner's own rows of those prompts of their round and
+    the foreign rows of that round it admitted before (module docstring)."""
+    out = []
+    for group in sorted(set(groups), reverse=True):
+        rnd, prompt = group_round(group, 0)
+        kept = recent.rounds[rnd]
+        for row in kept.own.rows:
+            if row.group == prompt:
+                out.append(
+                    dataclasses.replace(
+                        row, prompt_token_ids=[], response_ids=[], group=group, source=learner, round=rnd
+                    )
+                )
+        for name, row in kept.taken:
+            if row.group == group and name in agents:
+                out.append(dataclasses.replace(row, source=agents.index(name)))
+    return out
+
+
+def admit_late(intake: Any, request: TrainRequest, own: OwnRound, recent: RecentRounds, *, seed: int, scoring: Any):
+    """:meth:`~hacrl_fed.worker.intake.Intake.admit` in asynchronous rounds (signing off, no outcome guard, no lazy
+    screen: the config refuses them with ``federation.staleness >= 1``): the request's own round through stages
+    1-4 as in lock-step rounds, the late rows through :func:`split_rounds` and :func:`screen_late`, then selection,
+    re-tokenization, the likelihood screen and the context fit over both, with the late groups' baselines
+    (:func:`baseline_rows`); each row's round, age and per-round capability figures set."""
+    from hacrl_fed.worker.intake import Admitted, admit_rows
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    ledger = Ledger()
+    current, late = split_rounds(intake.cfg, intake.org_id, request, own, recent, ledger)
+    foreign = intake.screen(current, own, ledger, opener=None, lazy=None)  # stages 1-4, the request's own round
+    verify = intake.task.verify if intake.cfg.security.reverify_rewards else None
+    late_rows = screen_late(intake.cfg, intake.org_id, request, late, recent, verify, ledger)
+    foreign = [r for r in foreign if not ledger.entry(str(r.org_id)).excluded] + late_rows
+    t1, c1 = time.perf_counter(), time.process_time()
+    agents, learner, capability = intake.agents(request, foreign)
+    for row in own.rows:
+        row.source, row.round = learner, own.round
+    rows: list[TrainRow] = list(own.rows)
+    if intake.uses_cross:
+        own_view = dataclasses.replace(own, tokens_by_prompt={**own.tokens_by_prompt, **late_tokens(late_rows, recent)})
+        offered = baseline_rows((r.prompt_id for r in late_rows), recent, learner, agents)
+        chosen = intake.select(foreign, own.rows, ledger, seed, [r for r in offered if r.is_self])
+        rows += intake.retokenize(chosen, own_view, agents, ledger)
+    else:
+        for r in foreign:
+            ledger.drop(str(r.org_id), "unused", "no_cross_rows")
+    scored = sum(len(r.response_ids) for r in rows if not r.is_self)
+    t2 = time.perf_counter()
+    rows = admit_rows(rows, agents, scoring, intake.screen_cfg, ledger)  # stages 7-8
+    set_rounds(rows, request, own.round, agents)
+    baseline = baseline_rows({r.group for r in rows if r.group < 0}, recent, learner, agents)  # late groups kept
+    recent.note_admitted(rows, agents, own.round)  # after: this step's rows are not their own baseline
+    rows += baseline
+    times = {"time/trust": t1 - t0, "time/score": t2 - t1, "cpu/trust": c1 - c0}
+    admitted = Admitted(rows, agents, learner, capability, ledger, scored, times)
+    admitted.row_capability = row_figures(rows, request, own.round, agents, learner)
+    return admitted
+
+
+def set_rounds(rows: Sequence[TrainRow], request: TrainRequest, own_round: int, agents: Sequence[str]) -> None:
+    """Each row's round (from its group) and each cross row's age: the learner's version before the update minus
+    its batch's (the request's tags; ``own_round - round`` where a tag is missing)."""
+    versions = {(s, r): v for s, r, v in request.tags}
+    for row in rows:
+        row.round, _ = group_round(row.group, own_round)
+        if not row.is_self:
+            version = versions.get((agents[row.source], row.round))
+            row.age = request.version - version if version is not None else own_round - row.round
+
+
+def row_figures(
+    rows: Sequence[TrainRow], request: TrainRequest, own_round: int, agents: Sequence[str], learner: int
+) -> tuple[list[float], list[float]]:
+    """Per row ``(Phat_learner(t(y)), Phat_source(t(y)))`` from the request's per-round table (the request's own
+    round's ``capability`` where the table lacks the round; 1 where it lacks the org)."""
+    learner_fig, source_fig = [], []
+    for row in rows:
+        table = request.round_capability.get(row.round or own_round, request.capability)
+        learner_fig.append(float(table.get(agents[learner], 1.0)))
+        source_fig.append(float(table.get(agents[row.source], 1.0)))
+    return learner_fig, source_fig

@@ -1,0 +1,321 @@
+"""The asynchronous round driver (hacrl_fed/coordinator/async_driver.py) on the in-process transport.
+
+* config: the fields, their defaults and the refusals naming the field;
+* on fake workers (microseconds per step): the schedule is async_schedule.simulate's for the same spec, the fast org
+  runs at most K rounds ahead of the slowest published round, every (learner, foreign batch) pair is taken once or
+  refused with a counted reason, the train requests carry their tags and per-round capability table, two runs are
+  equal;
+* on tiny models (slow): K = 0 is today's loop bit for bit, and a K = 1 run trains with late foreign batches.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from helpers_fake_workers import FakeTask, FakeWorker, fake_config
+from hacrl_fed.config import ConfigError, load_config
+from hacrl_fed.coordinator.async_schedule import ScheduleSpec, simulate
+from hacrl_fed.coordinator.inprocess import InProcessTransport
+from hacrl_fed.coordinator.loop import Coordinator
+from hacrl_fed.metrics import RunLogger, read_metrics
+from hacrl_fed.types import TrainRequest
+from hacrl_fed.wire import codec
+from hacrl_fed.wire.codec import WireError
+
+SKILLS = {"a": 0.25, "b": 0.5, "c": 0.75}
+
+
+def _run(tmp_path, steps, *, staleness=1, window=None, rounds=6, skills=SKILLS, logger=False):
+    fed = {"rounds": rounds, "staleness": staleness, "virtual_step_s": steps}
+    if window is not None:
+        fed["window"] = window
+    cfg = fake_config(tuple(skills), **fed)
+    workers = {o: FakeWorker(o, s) for o, s in skills.items()}
+    co = Coordinator(cfg, InProcessTransport(workers), tmp_path, task=FakeTask())
+    if logger:
+        with RunLogger(tmp_path, tensorboard=False) as log:
+            co.logger = log
+            summary = co.run()
+    else:
+        summary = co.run()
+    return co, workers, summary
+
+
+# -- config ------------------------------------------------------------------------------------------------------
+
+
+def test_the_config_fields_and_their_refusals():
+    cfg = fake_config()
+    assert (cfg.federation.staleness, cfg.federation.window, cfg.federation.effective_window) == (0, None, 1)
+    cfg = fake_config(staleness=2, virtual_step_s={"a": 4.0})
+    assert cfg.federation.effective_window == 3
+    refusals = {
+        "federation.staleness": {"staleness": -1},
+        "federation.window": {"staleness": 1, "window": 0},
+        "virtual_step_s": {"virtual_step_s": {"a": 0.0}},
+        "names orgs not in the run": {"virtual_step_s": {"zz": 1.0}},
+        "window=2 needs federation.staleness": {"window": 2},
+        "needs federation.protocol: fused": {"staleness": 1, "protocol": "two_message"},
+        "needs federation.min_orgs: 1": {"staleness": 1, "min_orgs": 2},
+        "needs federation.transport: inprocess": {"staleness": 1, "transport": "grpc"},
+    }
+    for words, fed in refusals.items():
+        with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("(", r"\(")):
+            fake_config(**fed)
+    with pytest.raises(ConfigError, match=r"needs security\.signing: false"):
+        fake_config(security={"signing": True}, staleness=1)
+    with pytest.raises(ConfigError, match=r"needs trainer\.outcome_guard"):
+        base = fake_config().model_dump()
+        base["federation"]["staleness"] = 1
+        base["trainer"]["outcome_guard"] = {"enabled": True}
+        load_config(base)
+
+
+def test_the_asynchronous_fields_do_not_travel():
+    req = TrainRequest("r", 1, "a", (), (), {"a": 1.0}, round_capability={1: {"a": 1.0}})
+    with pytest.raises(WireError, match="asynchronous fields"):
+        codec.encode(req)
+    plain = TrainRequest("r", 1, "a", (), (), {"a": 1.0})
+    assert codec.decode("TrainRequest", codec.encode(plain)) == plain
+
+
+# -- the schedule on fake workers --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("staleness,window", [(1, None), (2, None), (1, 3), (3, 1)])
+def test_the_schedule_is_the_simulation_s(tmp_path, staleness, window):
+    steps = {"a": 1.0, "b": 4.0, "c": 1.5}
+    co, _, summary = _run(tmp_path, steps, staleness=staleness, window=window)
+    drv = co.async_driver
+    sim = simulate(ScheduleSpec(steps, 6, staleness, window))
+    assert drv.steps == sim.steps
+    assert drv.published == sim.published
+    assert {o: dict(c) for o, c in drv.refused.items()} == {o: dict(c) for o, c in sim.refused.items()}
+    assert drv.idle == pytest.approx(sim.idle) and drv.finished == sim.finished
+    assert summary.rounds_completed == 6
+
+
+def test_the_fast_org_runs_at_most_k_rounds_ahead_and_uses_each_batch_once(tmp_path):
+    k = 2
+    co, workers, _ = _run(tmp_path, {"a": 1.0, "b": 4.0, "c": 1.0}, staleness=k, rounds=8)
+    drv = co.async_driver
+    published: dict[str, list[tuple[float, int]]] = {o: [] for o in SKILLS}
+    for when, tag in drv.published:
+        published[tag.source].append((when, tag.round))
+    for step in drv.steps:  # when a step starts, every org has published round step.round - K - 1
+        for org, pubs in published.items():
+            assert step.round - k - 1 <= max([r for when, r in pubs if when <= step.start], default=0)
+    assert max(s.round for s in drv.steps if s.org == "a" and s.start < 4.0) == k + 1  # ran ahead, by K at most
+    for org, worker in workers.items():
+        offered = Counter()
+        for req in worker.train_requests:
+            assert {(r.org_id, r.round) for r in req.foreign} == {(s, t) for s, t, _ in req.tags}
+            assert set(req.round_capability) == {req.round, *(t for _, t, _ in req.tags)}
+            assert all(req.round - t < drv.window for _, t, _ in req.tags)  # inside the window
+            offered.update((s, t) for s, t, _ in req.tags)
+        assert max(offered.values()) == 1  # at most once
+        foreign = [tag for _, tag in drv.published if tag.source != org]
+        assert len(offered) + sum(drv.refused[org].values()) == len(foreign)  # taken or counted
+    assert drv.refused["a"]["beyond_window"] == 0  # K + 1 window: nothing ages out under the bound
+
+
+def test_refusals_are_counted_per_learner_and_reason_in_the_metrics(tmp_path):
+    co, _, _ = _run(tmp_path, {"a": 1.0, "b": 4.0, "c": 1.0}, staleness=2, window=1, rounds=6, logger=True)
+    drv = co.async_driver
+    assert drv.refused["a"]["beyond_window"] > 0
+    records = read_metrics(tmp_path)
+    logged = Counter()
+    for rec in records:
+        for key, value in rec.items():
+            parts = key.split("/")
+            if len(parts) == 4 and parts[0] == "round" and parts[2] == "refused":
+                logged[parts[1], parts[3]] += value
+    expected = Counter({(o, why): n for o, c in drv.refused.items() for why, n in c.items() if n})
+    assert logged == expected
+    assert [rec["round"] for rec in records] == list(range(0, 7))  # every round logged once, in order
+    assert records[-1]["async/a/version"] == records[-1]["async/b/version"] == 6
+
+
+def test_two_runs_are_equal(tmp_path):
+    steps = {"a": 1.0, "b": 4.0, "c": 2.0}
+    runs = [_run(tmp_path / str(i), steps, staleness=1, logger=True) for i in range(2)]
+    assert runs[0][0].async_driver.steps == runs[1][0].async_driver.steps
+    for org in SKILLS:
+        assert [r.tags for r in runs[0][1][org].train_requests] == [r.tags for r in runs[1][1][org].train_requests]
+    strip = [
+        [
+            {k: v for k, v in rec.items() if not k.startswith(("time/", "cpu/", "wall")) and not k.endswith("/step_s")}
+            for rec in read_metrics(tmp_path / str(i))
+        ]
+        for i in range(2)
+    ]
+    assert strip[0] == strip[1]
+
+
+def test_asynchronous_rounds_refuse_another_transport_and_a_resume(tmp_path):
+    from hacrl_fed.config import BuildError
+
+    cfg = fake_config(staleness=1)
+
+    class Other(InProcessTransport):
+        pass
+
+    with pytest.raises(BuildError, match="resuming asynchronous rounds"):
+        Coordinator(cfg, InProcessTransport({"a": FakeWorker("a")}), tmp_path, task=FakeTask(), resume=True)
+    assert Other  # a subclass is still in process; another transport class is refused:
+    from hacrl_fed.coordinator.transport import Transport
+
+    class NotInProcess(Transport):
+        def org_ids(self):
+            return ["a", "b", "c"]
+
+        def evaluate(self, requests, timeout_s):
+            return {o: FakeWorker(o).evaluate(r) for o, r in requests.items()}
+
+        def checkpoint(self, org_ids, round, timeout_s):
+            return {}
+
+        def step(self, requests, timeout_s):
+            return {}
+
+    with pytest.raises(BuildError, match="in-process transport only"):
+        Coordinator(cfg, NotInProcess(), tmp_path / "x", task=FakeTask()).run()
+
+
+# -- tiny models (the real worker, trainer and intake) ------------------------------------------------------------
+
+
+def _tiny_cfg(**federation):
+    from tests.test_docs import ORGS
+
+    fed = {"rounds": 4, "prompts_per_round": 4, "eval_every": 2, "min_orgs": 1, **federation}
+    return load_config(
+        {
+            "name": "async",
+            "seed": 0,
+            "orgs": ORGS,
+            "algorithm": {"name": "hacpo", "warmup_rounds": 0},
+            "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32, "selection": {"rule": "all"}},
+            "generation": {"num_samples": 4, "max_new_tokens": 16, "eval_max_new_tokens": 16},
+            "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
+            "federation": fed,
+            "security": {"signing": False},
+        }
+    )
+
+
+def _tiny_run(tmp_path, cfg, patch=None):
+    from hacrl_fed.worker import build_worker
+
+    workers = {o.id: build_worker(cfg, o.id, run_dir=tmp_path) for o in cfg.orgs}
+    with RunLogger(tmp_path, tensorboard=False) as logger:
+        co = Coordinator(cfg, InProcessTransport(workers), tmp_path, logger=logger)
+        summary = co.run()
+    return co, workers, summary, read_metrics(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["band", "decoupled"])
+def test_a_k1_run_on_tiny_models_trains_on_late_batches(tmp_path, loss):
+    """globex 4x slower, K = 1: acme trains round 2 on its own batch and globex's round-1 batch (one round late,
+    age 1), and so on; every key it logs is documented."""
+    from tests.test_docs import documented_keys, key_pattern
+
+    cfg = _tiny_cfg(staleness=1, virtual_step_s={"acme": 1.0, "globex": 4.0})
+    cfg.algorithm.cross_staleness = loss
+    co, workers, summary, records = _tiny_run(tmp_path, cfg)
+    drv = co.async_driver
+    assert summary.rounds_completed == 4
+    assert drv.steps == simulate(ScheduleSpec({"acme": 1.0, "globex": 4.0}, 4, 1)).steps
+    assert [s.ages() for s in drv.steps if s.org == "acme" and s.foreign] == [(1,), (1,), (1,)]
+    assert [s.ages() for s in drv.steps if s.org == "globex" and s.foreign] == [(0,), (0,), (0,), (0,)]
+    assert [rec["round"] for rec in records] == [0, 1, 2, 3, 4]
+    assert records[2]["acme/trust/globex/received"] == 4 * 4  # globex's round-1 batch: B prompts x G
+    assert records[2]["acme/train/num_cross"] > 0
+    if loss == "decoupled":  # the trainer sees the rows' age
+        assert records[2]["acme/hacpo_decoupled/age1/num_cross/globex"] == records[2]["acme/train/num_cross"]
+        assert records[2]["globex/hacpo_decoupled/age0/num_cross/acme"] > 0
+    for org in ("acme", "globex"):
+        assert records[-1][f"async/{org}/version"] == 4
+    assert records[-1]["round/acme/refused/learner_finished"] == 1  # globex's round 4 came after acme finished
+    patterns = [key_pattern(k) for k in documented_keys()]
+    keys = {k for rec in records for k in rec}
+    assert not [k for k in keys if not any(p.fullmatch(k) for p in patterns)]
+
+
+def _weights(worker):
+    import torch
+
+    return torch.cat([p.detach().flatten() for p in worker.model.parameters()])
+
+
+def _comparable(records):
+    """Per round, the metrics both drivers write, less timings."""
+    skip = ("time/", "cpu/", "perf/", "async/", "wall_time")
+    return [{k: v for k, v in rec.items() if not k.startswith(skip) and "/time/" not in k and "/cpu/" not in k
+             and "/perf/" not in k and not k.endswith("/messages") and "/gen/tok" not in k} for rec in records]
+
+
+@pytest.mark.slow
+def test_k0_is_today_s_loop_bit_for_bit_and_the_driver_at_k0_reproduces_it(tmp_path, monkeypatch):
+    """K = 0 runs today's lock-step loop (an explicit ``staleness: 0`` changes nothing); the asynchronous driver
+    held at K = 0 (with the workers' asynchronous intake, window 1) gives the same metrics and the same weights."""
+    import torch
+
+    from hacrl_fed.coordinator import async_driver
+
+    today = _tiny_run(tmp_path / "today", _tiny_cfg())
+    explicit = _tiny_run(tmp_path / "k0", _tiny_cfg(staleness=0, window=1))
+    assert _comparable(today[3]) == _comparable(explicit[3])
+    for org in ("acme", "globex"):
+        assert torch.equal(_weights(today[1][org]), _weights(explicit[1][org]))
+    assert today[2].capability == explicit[2].capability and today[2].eval_history == explicit[2].eval_history
+
+    init = async_driver.AsyncDriver.__init__
+
+    def held_at_k0(self, coordinator):
+        init(self, coordinator)
+        self.staleness = 0
+
+    monkeypatch.setattr(async_driver.AsyncDriver, "__init__", held_at_k0)
+    driven = _tiny_run(tmp_path / "driver", _tiny_cfg(staleness=1, window=1))
+    assert driven[0].async_driver.steps == simulate(ScheduleSpec({"acme": 1.0, "globex": 1.0}, 4, 0)).steps
+    for org in ("acme", "globex"):
+        assert torch.equal(_weights(today[1][org]), _weights(driven[1][org])), org
+    assert today[2].eval_history == driven[2].eval_history
+    mine, theirs = _comparable(driven[3]), _comparable(today[3])
+    common = [sorted(a.keys() & b.keys()) for a, b in zip(mine, theirs)]
+    assert any(k.startswith("acme/hacpo/") for k in common[2]) and "eval/acme/accuracy" in common[2]
+    differ = [(k, a[k], b[k]) for a, b, c in zip(mine, theirs, common) for k in c if a[k] != b[k]]
+    assert not differ
+
+
+def test_a_failed_batch_or_train_half_is_counted_and_the_others_run_on(tmp_path):
+    """b's generate fails in round 2 and c's train half fails once: nobody stalls, b's step planning 3 trains
+    nothing, c's next batch is refused version_mismatch by everyone, and every pair is still taken or counted."""
+    cfg = fake_config(("a", "b", "c"), rounds=5, staleness=1, virtual_step_s={"a": 1.0, "b": 2.0, "c": 1.0})
+    workers = {o: FakeWorker(o, s) for o, s in SKILLS.items()}
+    workers["b"].fail_generate_rounds = {2}
+    real_train = workers["c"].train
+
+    def train_once_failing(request):
+        if request.round == 2:
+            raise RuntimeError("c's update crashed")
+        return real_train(request)
+
+    workers["c"].train = train_once_failing
+    co = Coordinator(cfg, InProcessTransport(workers), tmp_path, task=FakeTask())
+    summary = co.run()
+    drv = co.async_driver
+    assert summary.rounds_completed == 5
+    assert not any(s.own for s in drv.steps if s.org == "b" and s.round == 3)  # no batch of round 2: no train
+    assert ("b", 2) not in {(t.source, t.round) for _, t in drv.published}
+    assert all(drv.refused[o]["version_mismatch"] == 1 for o in ("a", "b"))  # c's round-3 batch
+    assert [s for s in drv.steps if s.org == "c" and s.round == 3][0].foreign  # sent with the train that failed
+    for org in workers:
+        offered = [(t.source, t.round) for s in drv.steps if s.org == org for t in s.foreign]
+        assert len(offered) == len(set(offered))
+        foreign = [tag for _, tag in drv.published if tag.source != org]
+        assert len(offered) + sum(drv.refused[org].values()) == len(foreign)
