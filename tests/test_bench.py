@@ -219,9 +219,20 @@ def test_system_aggregation():
     text = system.format_tables({"transports": {"rounds": 3, "repeats": 1, "summary": {"grpc": s},
                                                 "overhead_vs_inprocess": {"grpc": 1.2}, "wire": {"grpc": w}}})
     assert "| grpc | 1.500 | 1.20 |" in text and "| grpc | 100 | 200 | 20.0 | 5.0 | 10.0 |" in text
+    # a spec states the whole budget whatever the defaults: none, or a multiple pooled unless it names the split
     assert system.selection_overrides("uniform:1") == ["trainer.selection.rule=uniform",
-                                                       "trainer.selection.budget_multiple=1.0"]
-    assert system.selection_overrides("all") == ["trainer.selection.rule=all"]
+                                                       "trainer.selection.budget_multiple=1.0",
+                                                       "trainer.selection.budget_split=pooled"]
+    assert system.selection_overrides("successes:0.5:per_source")[1:] == ["trainer.selection.budget_multiple=0.5",
+                                                                         "trainer.selection.budget_split=per_source"]
+    assert system.selection_overrides("all") == ["trainer.selection.rule=all", "trainer.selection.budget_multiple=null"]
+    from hacrl_fed.config import load_config
+
+    for spec in ("all", "successes", "uniform:1", "peer_sample:1", "successes:0.5:per_source"):
+        sel = load_config(TINY, system.selection_overrides(spec)).trainer.selection
+        multiple = spec.split(":")[1] if ":" in spec else None
+        assert sel.budget_multiple == (float(multiple) if multiple else None)
+        assert sel.budget_split == ("per_source" if spec.endswith("per_source") else "pooled")
     row = {"round_wall_s": 2.0, "coordinator_s_per_round": 0.1, "train_share": 0.5, "per_org_call_s": 0.3,
            "per_org_compute_s": 0.2, "per_org_generate_s": 0.05, "per_org_train_s": 0.125, "per_org_screen_s": 0.02,
            "per_org_update_s": 0.1, "per_org_generate_cpu_s": 0.04, "per_org_train_cpu_s": 0.1,
