@@ -272,9 +272,9 @@ class SelectionConfig(_Section):
         ge=0,
         description=_d(
             "at most floor(this x the learner's own rows of the round) foreign rows per round (null: no budget); "
-            "not with budget. Left out together with budget: 0.5 (a learner's train cost stays nearly flat as "
-            'orgs join: BENCHMARKS.md "A per-source budget at 2 and 8 orgs"), or null under a rule that keeps '
-            "every row (all)"
+            "not with budget. Left out: 0.5 (a learner's train cost stays nearly flat as orgs join: "
+            'BENCHMARKS.md "A per-source budget at 2 and 8 orgs"), or null where the section gives budget or '
+            "its rule keeps every row (all)"
         ),
     )
     budget_split: Literal["pooled", "per_source"] = Field(
@@ -310,7 +310,8 @@ class SelectionConfig(_Section):
 
         if not isinstance(data, dict):
             return data
-        spec = SELECTION_RULES.get(data.get("rule", cls.model_fields["rule"].default))
+        rule = data.get("rule", cls.model_fields["rule"].default)
+        spec = SELECTION_RULES.get(rule) if isinstance(rule, str) else None
         if spec is None:
             return data
         out = dict(data)
