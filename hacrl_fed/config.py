@@ -241,9 +241,14 @@ class LoraConfig(_Section):
     )
 
 
+DEFAULT_BUDGET_MULTIPLE = 0.5  # BENCHMARKS.md "A per-source budget at 2 and 8 orgs" (issue 27)
+DEFAULT_BUDGET_SPLIT: Literal["pooled", "per_source"] = "per_source"
+
+
 class SelectionConfig(_Section):
     """Which screened foreign rows a learner trains on (hacrl_fed/algorithm/selection.py, docs/ALGORITHM.md
-    "Selecting foreign rows"): a rule and an optional budget of foreign rows per round."""
+    "Selecting foreign rows"): a rule and a budget of foreign rows per round (by default 0.5x the learner's own
+    rows, divided per source; :meth:`_default_budget` says where the default does not apply)."""
 
     rule: str = Field(
         "successes",
@@ -264,22 +269,27 @@ class SelectionConfig(_Section):
         description=_d("at most this many foreign rows per round (null: no budget); not with budget_multiple"),
     )
     budget_multiple: float | None = Field(
-        None,
+        DEFAULT_BUDGET_MULTIPLE,
         ge=0,
         description=_d(
             "at most floor(this x the learner's own rows of the round) foreign rows per round (null: no budget); "
-            "not with budget"
+            "not with budget. Left out: 0.5 (a learner's train cost stays nearly flat as orgs join: "
+            'BENCHMARKS.md "A per-source budget at 2 and 8 orgs"), or null where the section gives budget or '
+            "its rule keeps every row (all)"
         ),
     )
     budget_split: Literal["pooled", "per_source"] = Field(
-        "pooled",
+        DEFAULT_BUDGET_SPLIT,
         description=_d(
             "how the budget is divided among the round's sources: pooled (one budget over every source's rows: a "
             "source with many eligible rows can take most of it) or per_source (each source a max-min fair share, "
             "at least floor(budget / sources) or its eligible rows, that no other source can spend: a budget a "
             'doctoring peer cannot squat; docs/ALGORITHM.md "A budget per source"); no effect without a budget; '
-            "not with peer_sample"
+            "not with peer_sample. Left out: per_source, or pooled where there is no budget or the rule takes "
+            "whole sources (peer_sample)"
         ),
+        # a stored run config without this field (a benchmark cell run before it existed) ran pooled
+        json_schema_extra={"absent_means": "pooled"},
     )
 
     @field_validator("rule")
@@ -288,6 +298,30 @@ class SelectionConfig(_Section):
         from hacrl_fed.algorithm.selection import SELECTION_RULES  # lazy: algorithm/__init__ imports config
 
         return _registered(rule, SELECTION_RULES)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_budget(cls, data: Any) -> Any:
+        """The default budget where the section leaves it out: naming neither ``budget`` nor ``budget_multiple``
+        gives ``budget_multiple`` 0.5, or null under a rule that keeps every row (``all``); not naming
+        ``budget_split`` gives ``per_source``, or ``pooled`` where there is no budget (nothing to divide) or the
+        rule takes whole sources (``peer_sample``, which refuses ``per_source``). A field the section names is
+        kept as named; an unknown rule is left to the rule's own check."""
+        from hacrl_fed.algorithm.selection import SELECTION_RULES
+
+        if not isinstance(data, dict):
+            return data
+        rule = data.get("rule", cls.model_fields["rule"].default)
+        spec = SELECTION_RULES.get(rule) if isinstance(rule, str) else None
+        if spec is None:
+            return data
+        out = dict(data)
+        if "budget_multiple" not in out:  # ``budget`` named: the section chose its budget (null: none)
+            out["budget_multiple"] = DEFAULT_BUDGET_MULTIPLE if spec.allows_budget and "budget" not in out else None
+        if "budget_split" not in out:
+            budgeted = out.get("budget") is not None or out.get("budget_multiple") is not None
+            out["budget_split"] = DEFAULT_BUDGET_SPLIT if budgeted and not spec.source_ordered else "pooled"
+        return out
 
     @model_validator(mode="after")
     def _budget(self) -> SelectionConfig:

@@ -3,7 +3,8 @@ screen", "Bounded harm"): in-process runs of a bench setting, honest or with one
 
     python scripts/screen_calibration.py configs/bench/model.yaml --variant honest --screen on --rounds 20
     python scripts/screen_calibration.py configs/bench/state.yaml --variant utility --attacker acme --rounds 40 \\
-        --eval-size 1000 --threads 1 --set algorithm.logprob_norm=per_byte trainer.selection.rule=successes
+        --eval-size 1000 --threads 1 --set algorithm.logprob_norm=per_byte trainer.selection.rule=successes \\
+        trainer.selection.budget_multiple=null   # the defaults before issue 27's budget, as measured then
 
 ``--variant``: ``honest``, or an attack of ``scripts/harm_attacks.py`` by the org ``--attacker`` (else the
 config's second org) against the first org that is not the attacker (the victim): ``doctored`` and ``lying``

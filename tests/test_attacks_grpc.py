@@ -46,7 +46,11 @@ def test_doctored_text_over_grpc_is_screened_out_and_counted_against_the_attacke
     coord = Coordinator(cfg, transport, run_dir)
     m = coord.run_round(1).metrics
     checked = m["acme/screen/globex/checked"]
-    assert checked == G * B and m.get("round/globex/rejected/reward_mismatch", 0.0) == 0  # every answer correct
+    # every answer correct, so the rule passes them all; under the defaults the budget is floor(0.5 x acme's G x B
+    # own rows), all of it globex's share (its only source), and the screen checks what was selected
+    selected = G * B // 2 if defaults else G * B
+    assert checked == selected and m["acme/select/globex/selected"] == selected
+    assert m.get("round/globex/rejected/reward_mismatch", 0.0) == 0
     assert m["acme/trust/globex/accepted"] == G * B  # the text passed every signed check: only the screen acts
     dropped = m["acme/screen/globex/dropped_low_likelihood"] + m["acme/screen/globex/dropped_claim_outlier"]
     assert dropped >= 0.75 * checked and m["acme/train/num_cross"] == checked - dropped

@@ -219,9 +219,20 @@ def test_system_aggregation():
     text = system.format_tables({"transports": {"rounds": 3, "repeats": 1, "summary": {"grpc": s},
                                                 "overhead_vs_inprocess": {"grpc": 1.2}, "wire": {"grpc": w}}})
     assert "| grpc | 1.500 | 1.20 |" in text and "| grpc | 100 | 200 | 20.0 | 5.0 | 10.0 |" in text
+    # a spec states the whole budget whatever the defaults: none, or a multiple pooled unless it names the split
     assert system.selection_overrides("uniform:1") == ["trainer.selection.rule=uniform",
-                                                       "trainer.selection.budget_multiple=1.0"]
-    assert system.selection_overrides("all") == ["trainer.selection.rule=all"]
+                                                       "trainer.selection.budget_multiple=1.0",
+                                                       "trainer.selection.budget_split=pooled"]
+    assert system.selection_overrides("successes:0.5:per_source")[1:] == ["trainer.selection.budget_multiple=0.5",
+                                                                         "trainer.selection.budget_split=per_source"]
+    assert system.selection_overrides("all") == ["trainer.selection.rule=all", "trainer.selection.budget_multiple=null"]
+    from hacrl_fed.config import load_config
+
+    for spec in ("all", "successes", "uniform:1", "peer_sample:1", "successes:0.5:per_source"):
+        sel = load_config(TINY, system.selection_overrides(spec)).trainer.selection
+        multiple = spec.split(":")[1] if ":" in spec else None
+        assert sel.budget_multiple == (float(multiple) if multiple else None)
+        assert sel.budget_split == ("per_source" if spec.endswith("per_source") else "pooled")
     row = {"round_wall_s": 2.0, "coordinator_s_per_round": 0.1, "train_share": 0.5, "per_org_call_s": 0.3,
            "per_org_compute_s": 0.2, "per_org_generate_s": 0.05, "per_org_train_s": 0.125, "per_org_screen_s": 0.02,
            "per_org_update_s": 0.1, "per_org_generate_cpu_s": 0.04, "per_org_train_cpu_s": 0.1,
@@ -423,19 +434,24 @@ def test_rule_comparison_pairs_each_agent_with_gspo_x2_and_states_only_resolved_
     assert report.rule_comparison({"hacpo": by_method["hacpo_r"]}) == []
 
 
-def test_the_bench_pins_the_papers_hacpo_and_hacpo_defended_runs_the_defaults(tmp_path):
-    from hacrl_fed.config import AlgorithmConfig, TrainerConfig
+def test_the_bench_pins_the_papers_hacpo_and_hacpo_defended_split_runs_the_defaults(tmp_path):
+    from hacrl_fed.config import AlgorithmConfig, SelectionConfig, TrainerConfig
 
     matrix = bench_matrix.load_matrix()
     by = {(c.setting, c.method): c.config for c in bench_matrix.plan_cells(matrix, seeds=[0])}
     for setting in ("state", "size", "model", "three"):
         paper, defended = by[(setting, "hacpo")], by[(setting, "hacpo_defended")]
         off = by[(setting, "hacpo_defended_no_screen")]
+        split = bench_matrix.build_cell(matrix, setting, "hacpo_defended_split", 0, "budget_split").config
         assert paper.algorithm.logprob_norm == "per_token" and paper.trainer.selection.rule == "all"
-        assert not paper.trainer.likelihood_screen.enabled
-        assert defended.algorithm == AlgorithmConfig(name="hacpo")
-        assert defended.trainer.selection == TrainerConfig().selection
-        assert defended.trainer.likelihood_screen == TrainerConfig().likelihood_screen
+        assert paper.trainer.selection.budget_multiple is None and not paper.trainer.likelihood_screen.enabled
+        # the defaults since issue 27: hacpo_defended_split; hacpo_defended: the same without a budget
+        assert split.algorithm == AlgorithmConfig(name="hacpo")
+        assert split.trainer.selection == TrainerConfig().selection
+        assert split.trainer.likelihood_screen == TrainerConfig().likelihood_screen
+        assert defended.trainer.selection == SelectionConfig(budget_multiple=None, budget_split="pooled")
+        assert defended.model_dump(exclude={"trainer", "name"}) == split.model_dump(exclude={"trainer", "name"})
+        assert defended.trainer.model_dump(exclude={"selection"}) == split.trainer.model_dump(exclude={"selection"})
         assert off.model_dump(exclude={"trainer", "name"}) == defended.model_dump(exclude={"trainer", "name"})
         assert off.trainer.model_dump(exclude={"likelihood_screen"}) == defended.trainer.model_dump(
             exclude={"likelihood_screen"}
@@ -494,6 +510,33 @@ def test_a_cell_is_done_when_its_stored_config_holds_what_the_cell_runs(tmp_path
     # a stored field the schema no longer has, or another org list, is another run
     assert not bench_matrix.same_run_config({**stored, "gone": 1}, cfg)
     assert not bench_matrix.same_run_config({**stored, "orgs": stored["orgs"][:1]}, cfg)
+
+
+def test_a_field_whose_default_changed_after_it_was_added_is_compared_with_what_its_absence_ran():
+    # trainer.selection.budget_split came in pooled and became per_source (issue 27): a cell stored before the
+    # field existed ran pooled, whatever today's default
+    from hacrl_fed.config import load_config
+
+    pooled = {"trainer.selection": {"rule": "successes", "budget_multiple": 1.0, "budget_split": "pooled"}}
+    stored = json.loads(json.dumps(load_config(TINY, pooled).model_dump(mode="json")))
+    del stored["trainer"]["selection"]["budget_split"]
+    assert bench_matrix.same_run_config(stored, load_config(TINY, pooled))
+    per_source = {"trainer.selection": {"rule": "successes", "budget_multiple": 1.0}}  # today's default split
+    assert load_config(TINY, per_source).trainer.selection.budget_split == "per_source"
+    assert not bench_matrix.same_run_config(stored, load_config(TINY, per_source))
+
+
+def test_every_committed_cell_is_still_done_with_the_config_it_ran():
+    # a default change must leave every finished cell done (pin the value it ran with in its setting or method):
+    # each JSON under benchmarks/results/ is planned by the matrix and its stored config is the cell's config
+    results = Path.cwd() / "benchmarks" / "results"
+    files = sorted(results.glob("*/*/seed*.json"))
+    assert len(files) >= 238  # the cells committed when this test was written
+    pairs = sorted({f"{p.parent.parent.name}/{p.parent.name}" for p in files})
+    cells = {c.path(results): c for c in bench_matrix.plan_cells(bench_matrix.load_matrix(), only=pairs)}
+    not_done = [str(p.relative_to(results)) for p in files if p not in cells or bench_matrix.cell_status(
+        cells[p], results) != "done"]
+    assert not_done == []
 
 
 def test_cell_status_compares_configs_and_falls_back_to_the_hash(tmp_path):

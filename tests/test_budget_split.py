@@ -126,6 +126,28 @@ def test_max_variance_per_source_runs_the_rule_on_each_sources_rows_with_its_sha
     assert sel.eligible == tuple(range(5))
 
 
+@pytest.mark.parametrize("rule", BUDGETED)
+def test_with_one_foreign_source_per_source_is_pooled(rule):
+    # the default split (issue 27) changes nothing where one peer sends rows: its share is the whole budget
+    only_b = [row for row in POOL if row[2] == "b"]
+    for budget in range(len(only_b) + 2):
+        for seed in range(3):
+            split = pick(rule, budget, "per_source", seed, pool=only_b)
+            assert split.selected == pick(rule, budget, "pooled", seed, pool=only_b).selected
+            assert split.shares is not None and set(split.shares) == {"b"}
+
+
+def test_a_source_that_sends_nothing_has_no_share_and_takes_none_from_the_others():
+    # a round where s (the squatter) sends nothing: b and c divide the budget as if s were not in the federation,
+    # and a source with rows but no eligible row (demand 0) leaves its part to the others
+    without_s = [row for row in POOL if row[2] != "s"]
+    sel = pick("successes", 4, "per_source", pool=without_s)
+    assert sel.shares == {"b": 3, "c": 1} and per_source_counts(sel, without_s) == {"b": 3, "c": 1}
+    no_success_c = [row for row in without_s if not (row[2] == "c" and row[0] > 0)]
+    sel = pick("successes", 4, "per_source", pool=no_success_c)
+    assert sel.shares == {"b": 4, "c": 0} and per_source_counts(sel, no_success_c) == {"b": 4}
+
+
 def test_per_source_is_refused_by_a_source_ordered_rule_and_an_unknown_split():
     with pytest.raises(ValueError, match="budget_split per_source needs a rule that looks at every source"):
         pick("peer_sample", 4, "per_source")
@@ -221,8 +243,29 @@ def test_select_rollouts_passes_the_split_on():
 ORGS = [{"id": "a", "model": {"zoo": "micro-qwen-char"}}, {"id": "b", "model": {"zoo": "micro-gpt2-bpe"}}]
 
 
-def test_config_budget_split_defaults_to_pooled_and_is_validated_naming_the_field():
-    assert SelectionConfig().budget_split == "pooled"
+@pytest.mark.parametrize(
+    ("given", "budget_multiple", "split"),
+    [
+        ({}, 0.5, "per_source"),  # the defaults since issue 27
+        ({"rule": "rescue"}, 0.5, "per_source"),
+        ({"rule": "all"}, None, "pooled"),  # keeps every row: no budget, nothing to divide
+        ({"budget_multiple": None}, None, "pooled"),  # the defaults before issue 27
+        ({"budget": None}, None, "pooled"),  # a budget field named: the section chose its budget
+        ({"rule": "uniform", "budget": 3}, None, "per_source"),
+        ({"rule": "peer_sample"}, 0.5, "pooled"),  # takes whole sources: per_source refused
+        ({"budget_multiple": 1.0, "budget_split": "pooled"}, 1.0, "pooled"),  # named: kept as named
+        ({"rule": "all", "budget_split": "per_source"}, None, "per_source"),
+    ],
+)
+def test_config_the_default_budget_is_half_own_rows_per_source_where_the_section_leaves_it_out(
+    given, budget_multiple, split
+):
+    sel = SelectionConfig(**given)
+    assert (sel.budget_multiple, sel.budget_split) == (budget_multiple, split)
+    assert SelectionConfig(**sel.model_dump()) == sel  # a resolved dump (a run dir, a worker's config) reloads as is
+
+
+def test_config_budget_split_is_validated_naming_the_field():
     cfg = load_config(
         {
             "name": "x",
@@ -247,7 +290,9 @@ def test_config_describe_lists_budget_split(capsys):
     from hacrl_fed.cli import main
 
     assert main(["config", "--describe"]) == 0
-    assert "trainer.selection.budget_split  (pooled | per_source)  default pooled" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "trainer.selection.budget_split  (pooled | per_source)  default per_source" in out
+    assert "trainer.selection.budget_multiple  (float | null, >= 0)  default 0.5" in out
 
 
 # ------------------------------------------------------------------------------------------------- the intake

@@ -91,8 +91,10 @@ def test_the_attack_is_applied_and_counted_under_the_protocol(tmp_path, monkeypa
     # the victim accepted every doctored row: no reward is contradicted, nothing is rejected
     assert c["acme/trust/globex/accepted"] == ROUNDS * B * G and c["acme/trust/globex/mismatches"] == 0
     assert not any("/rejected/" in k for k in c) and out["excluded"] == {}
-    # the rule selects the doctored successes and the victim's screen saw each one, counted against the attacker
-    assert out["drops"]["acme<-globex"]["checked"] == ROUNDS * B * G
+    # the rule selects the doctored successes up to the default budget, floor(0.5 x the victim's B x G own rows) a
+    # round, all of it the attacker's share (its only source); the victim's screen saw each selected row, counted
+    # against the attacker
+    assert out["drops"]["acme<-globex"]["checked"] == ROUNDS * (B * G // 2)
     assert set(out["drops"]["acme<-globex"]) >= {"dropped_low_likelihood", "dropped_claim_outlier"}
     assert out["adoption"]["answers"] == 8 and 0.0 <= out["adoption"]["trigger_share"] <= 1.0
 

@@ -41,7 +41,10 @@ EXPECTED = {
 
 
 def make_cfg(algorithm="hacpo", **selection):
-    # "silent" sends nothing this round, so dup's second batch is not one batch more than there are orgs
+    """Rule successes without a budget unless ``selection`` says otherwise: the request is built for every row to
+    reach the stage whose drop it hits (the default budget, 0.5x the learner's 4 own rows, would leave all but 2 at
+    the selection). "silent" sends nothing this round, so dup's second batch is not one batch more than there are
+    orgs."""
     orgs = [{"id": o, "model": {"zoo": "micro-qwen-char"}} for o in ["me", *SOURCES, "silent"]]
     return load_config({
         "name": "intake", "seed": 0, "orgs": orgs, "algorithm": {"name": algorithm},
@@ -49,7 +52,7 @@ def make_cfg(algorithm="hacpo", **selection):
         "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
         "federation": {"prompts_per_round": len(PROMPTS)},
         "security": {"signing": True, "max_bytes_per_token": 8},
-        "trainer": {"selection": selection or {"rule": "successes"}},
+        "trainer": {"selection": selection or {"rule": "successes", "budget_multiple": None}},
     })
 
 
@@ -153,6 +156,21 @@ def test_every_foreign_row_is_kept_or_dropped_once_with_its_reason(tmp_path):
     assert m["trust/dup/rejected/duplicate_source"] == 2 and m["trust/liar/excluded"] == 1
     assert m["select/zero/dropped_rule"] == 4 and m["screen/odd/dropped_low_likelihood"] == 4
     assert m["train/num_too_long"] == 2 and m["train/foreign_unscored"] == 4
+
+
+def test_under_the_default_budget_the_ledger_balances_and_a_silent_org_has_no_share(tmp_path):
+    cfg, tok = make_cfg(rule="successes"), tiny_char_tokenizer()  # the default budget: 0.5x own rows, per source
+    assert (cfg.trainer.selection.budget_multiple, cfg.trainer.selection.budget_split) == (0.5, "per_source")
+    request, admitted = admit(cfg, tmp_path, tok)
+    for src, (received, kept, dropped) in admitted.ledger.balance().items():
+        assert received == kept + dropped, src
+    m = admitted.metrics(request)
+    shares = {k.split("/")[1]: v for k, v in m.items() if k.startswith("select/") and k.endswith("/share")}
+    # 4 own rows (2 prompts x G=2): a budget of 2, one row each for two of the sources with successes (good, odd,
+    # long, empty, dup, messy: more sources than rows, so every level-0 share but the seeded remainder)
+    assert m["select/budget"] == 2 and sum(shares.values()) == 2 and max(shares.values()) == 1
+    assert "silent" not in shares and "zero" in shares and shares["zero"] == 0  # no rows; no successes
+    assert m["select/selected"] == 2 and all(m.get(f"select/{s}/over_share", 0) == 0 for s in shares)
 
 
 def test_the_ledger_balances_when_the_request_is_too_large_or_screened_lazily(tmp_path):

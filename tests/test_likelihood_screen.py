@@ -274,12 +274,14 @@ def test_doctored_rows_are_dropped_and_counted_against_the_attacker(tmp_path, ly
 
 @pytest.mark.parametrize("lying", [False, True], ids=["honest_logprobs", "lying_logprobs"])
 def test_doctored_correct_answers_are_dropped_under_the_defaults(tmp_path, lying):
-    """The project's defaults (successes, no budget, the screen on, per byte; the margin set for the flat micro
-    models) against an attacker whose every response is right: the doctored rows are exactly what the rule
-    selects, and the screen leaves them out."""
+    """The project's defaults (successes, a budget of 0.5x own rows per source, the screen on, per byte; the
+    margin set for the flat micro models) against an attacker whose every response is right: the doctored rows the
+    rule selects fill the attacker's share of the budget (its only source: the whole budget), and the screen leaves
+    them out."""
     run_dir = tmp_path / "run"
     cfg = _cfg(rule=None)
-    assert cfg.trainer.selection.rule == "successes" and cfg.trainer.selection.budget is None
+    sel = cfg.trainer.selection
+    assert (sel.rule, sel.budget, sel.budget_multiple, sel.budget_split) == ("successes", None, 0.5, "per_source")
     assert cfg.trainer.likelihood_screen.enabled and cfg.algorithm.logprob_norm == "per_byte"
     acme = build_worker(cfg, "acme", run_dir=run_dir)
     globex_worker = build_worker(cfg, "globex", run_dir=run_dir)
@@ -289,10 +291,13 @@ def test_doctored_correct_answers_are_dropped_under_the_defaults(tmp_path, lying
     for t in (1, 2):
         m = coord.run_round(t).metrics
         assert m["acme/trust/globex/accepted"] == 16 and m.get("round/globex/rejected/reward_mismatch", 0.0) == 0
-        assert m["acme/select/globex/selected"] == 16  # every doctored row is a verified success
+        # all 16 doctored rows are verified successes; acme's own rows are 4 prompts x 4 samples = 16, so the
+        # budget is floor(0.5 x 16) = 8, all of it globex's share (one source): 8 selected, 8 left by the budget
+        assert m["acme/select/budget"] == 8 and m["acme/select/globex/share"] == 8
+        assert m["acme/select/globex/selected"] == 8 and m["acme/select/globex/dropped_budget"] == 8
         checked = m["acme/screen/globex/checked"]
         dropped = m["acme/screen/globex/dropped_low_likelihood"] + m["acme/screen/globex/dropped_claim_outlier"]
-        assert checked == 16 and dropped >= 0.75 * checked and m["acme/train/num_cross"] == checked - dropped
+        assert checked == 8 and dropped >= 0.75 * checked and m["acme/train/num_cross"] == checked - dropped
     assert not _same(before, [p.detach() for p in acme.model.parameters()])  # acme still trained on its own rows
 
 

@@ -214,9 +214,10 @@ ORGS = [{"id": "a", "model": {"zoo": "micro-qwen-char"}}, {"id": "b", "model": {
     [
         ({"rule": "uniform", "budget": 3, "budget_multiple": 1}, "trainer.selection: budget and budget_multiple"),
         ({"rule": "all", "budget": 3}, "trainer.selection: rule all keeps every foreign row"),
-        ({"rule": "uniform"}, "trainer.selection: rule uniform picks a subset"),
-        ({"rule": "max_variance"}, "trainer.selection: rule max_variance picks a subset"),
-        ({"rule": "peer_sample"}, "trainer.selection: rule peer_sample picks a subset"),
+        # a rule that needs a budget, with the default budget turned off (left out, it gets 0.5x own rows)
+        ({"rule": "uniform", "budget_multiple": None}, "trainer.selection: rule uniform picks a subset"),
+        ({"rule": "max_variance", "budget": None}, "trainer.selection: rule max_variance picks a subset"),
+        ({"rule": "peer_sample", "budget_multiple": None}, "trainer.selection: rule peer_sample picks a subset"),
         ({"rule": "successes", "budget": -1}, "trainer.selection.budget: Input should be greater than or equal"),
         ({"rule": "successes", "budget_multiple": -0.5}, "trainer.selection.budget_multiple: Input should be"),
         ({"rule": "best"}, "trainer.selection.rule: Input should be 'all'"),
@@ -245,6 +246,13 @@ def test_config_per_org_override():
     from hacrl_fed.config import org_trainer
 
     assert org_trainer(cfg, "a").selection.rule == "successes" and org_trainer(cfg, "b").selection.budget_multiple == 1.0
-    bad = [ORGS[0], {**ORGS[1], "trainer": {"selection": {"rule": "max_variance"}}}]
+    bad = [ORGS[0], {**ORGS[1], "trainer": {"selection": {"rule": "max_variance", "budget_multiple": None}}}]
     with pytest.raises(ConfigError, match=r"orgs\[b\]\.trainer\.selection: rule max_variance"):
         load_config({"name": "x", "orgs": bad})
+    # an org's fields apply on top of the run's resolved section: the run's default budget stays unless the org
+    # turns it off, and the error says how
+    paper = [ORGS[0], {**ORGS[1], "trainer": {"selection": {"rule": "all"}}}]
+    with pytest.raises(ConfigError, match=r"orgs\[b\]\.trainer\.selection: rule all .* set budget_multiple: null"):
+        load_config({"name": "x", "orgs": paper})
+    paper[1]["trainer"]["selection"]["budget_multiple"] = None
+    assert org_trainer(load_config({"name": "x", "orgs": paper}), "b").selection.budget_multiple is None

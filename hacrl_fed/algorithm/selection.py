@@ -299,7 +299,11 @@ def selection_budget_problem(rule: str, budgeted: bool) -> str | None:
     """Why rule ``rule`` cannot run with (``budgeted``) or without a budget, or None when it can."""
     spec = get_selection_rule(rule)
     if budgeted and not spec.allows_budget:
-        return f"rule {rule} keeps every foreign row: a budget needs another rule (uniform samples one)"
+        return (
+            f"rule {rule} keeps every foreign row: a budget needs another rule (uniform samples one), or set "
+            "budget_multiple: null (the default budget of 0.5x own rows is left out only where the rule is named "
+            "in the same section)"
+        )
     if not budgeted and spec.needs_budget:
         return f"rule {rule} picks a subset of the budget's size: set budget or budget_multiple"
     return None

@@ -101,9 +101,10 @@ def system_parser(tool: ModuleType) -> argparse.ArgumentParser:
         "--scale-selection",
         nargs="*",
         default=[],
-        metavar="RULE[:MULTIPLE]",
-        help="run the scaling case once per trainer.selection (rule, and budget_multiple after a colon: all "
-        "uniform:1); none: the config's own",
+        metavar="RULE[:MULTIPLE[:SPLIT]]",
+        help="run the scaling case once per trainer.selection: the rule, then budget_multiple (none: no budget) "
+        "and budget_split (default pooled) after colons, e.g. all uniform:1 successes:0.5:per_source; no spec: "
+        "the config's own",
     )
     p.add_argument("--deploy-rounds", type=int, default=3, help="rounds on the deployment engine (0: skip)")
     p.add_argument(

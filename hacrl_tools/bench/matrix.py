@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 # relative to the working directory (the repository root when run from a checkout)
 MATRIX = Path("configs") / "bench" / "matrix.yaml"
@@ -122,8 +123,6 @@ class Cell:
 
 def field_exists(dotted: str) -> bool:
     """Whether ``dotted`` (``algorithm.alpha``) names a field of the run config (``seed``, ``orgs`` included)."""
-    from pydantic import BaseModel
-
     from hacrl_fed.config import RunConfig
 
     model: Any = RunConfig
@@ -329,20 +328,36 @@ def _comparable(data: dict[str, Any]) -> dict[str, Any]:
 
 def same_run_config(stored: dict[str, Any], cfg: Any) -> bool:
     """Whether a cell that ran with the resolved config ``stored`` (its JSON's ``config``) ran ``cfg``: every field
-    of ``cfg`` equal to the stored one, or, where ``stored`` lacks the field, ``cfg`` at the schema's default; a
-    stored field ``cfg`` no longer has is a difference."""
+    of ``cfg`` equal to the stored one, or, where ``stored`` lacks the field (the cell predates it), ``cfg`` at the
+    value that field's absence stands for: its ``absent_means`` where the schema records one (a field whose default
+    changed after it was added: ``trainer.selection.budget_split``), else the schema's default; a stored field
+    ``cfg`` no longer has is a difference."""
     current = _comparable(cfg.model_dump(mode="json"))
     non_default = _comparable(cfg.model_dump(mode="json", exclude_defaults=True))
-    return _same(_comparable(stored), current, non_default)
+    return _same(_comparable(stored), current, non_default, cfg)
 
 
-def _same(stored: Any, current: Any, non_default: Any) -> bool:
+def _absent_ok(model: Any, key: str, value: Any, non_default: dict[str, Any]) -> bool:
+    """Whether field ``key`` of ``model`` (a config section, or anything else: no schema) at ``value`` is what a
+    stored config without the field ran with (:func:`same_run_config`)."""
+    info = type(model).model_fields.get(key) if isinstance(model, BaseModel) else None
+    extra = info.json_schema_extra if info is not None else None
+    if isinstance(extra, dict) and "absent_means" in extra:
+        return bool(value == extra["absent_means"])
+    return key not in non_default  # a new field: at its default
+
+
+def _same(stored: Any, current: Any, non_default: Any, model: Any = None) -> bool:
+    """``current`` (a dumped config, ``model`` the object it was dumped from where there is one) against
+    ``stored`` (:func:`same_run_config`)."""
     if isinstance(current, dict):
         if not isinstance(stored, dict) or set(stored) - set(current):
             return False
         nd = non_default if isinstance(non_default, dict) else {}
         return all(
-            _same(stored[k], v, nd.get(k)) if k in stored else k not in nd  # a new field: at its default
+            _same(stored[k], v, nd.get(k), getattr(model, k, None) if isinstance(model, BaseModel) else None)
+            if k in stored
+            else _absent_ok(model, k, v, nd)
             for k, v in current.items()
         )
     if isinstance(current, list):
@@ -351,5 +366,6 @@ def _same(stored: Any, current: Any, non_default: Any) -> bool:
         nds: list[Any] = (
             non_default if isinstance(non_default, list) and len(non_default) == len(current) else [None] * len(current)
         )
-        return all(_same(a, b, c) for a, b, c in zip(stored, current, nds))
+        models = list(model) if isinstance(model, list) and len(model) == len(current) else [None] * len(current)
+        return all(_same(a, b, c, m) for a, b, c, m in zip(stored, current, nds, models))
     return stored == current

@@ -23,7 +23,7 @@
    foreign rows each org trained on, the coordinator's own time and CPU per round, peak RSS per process (the
    coordinator's from its own ``getrusage``, each worker's from the ``perf/*/peak_rss_mb`` it reports) and the
    machine's load average before and after each run. ``--scale-selection all uniform:1`` repeats it per
-   ``trainer.selection`` (rule, budget multiple).
+   ``trainer.selection`` (rule, budget multiple, split: :func:`selection_overrides`).
 4. **Flower deployment engine** on loopback (SuperLink + one SuperNode per org + policy workers, insecure, through
    :mod:`hacrl_tools.deploy_local`) with the micro agents of ``configs/smoke.yaml``: its median round time minus
    the in-process median of the same config (the fixed cost per round), where it goes (per org and phase: call
@@ -418,10 +418,18 @@ def scaling_config(n: int, work: Path) -> Path:
 
 
 def selection_overrides(spec: str) -> list[str]:
-    """``RULE`` or ``RULE:MULTIPLE`` (``uniform:1``) as config overrides of every org's ``trainer.selection``."""
-    rule, _, multiple = spec.partition(":")
+    """``RULE`` (no budget), ``RULE:MULTIPLE`` (``uniform:1``: that budget, pooled) or ``RULE:MULTIPLE:SPLIT``
+    (``successes:0.5:per_source``) as config overrides of every org's ``trainer.selection``. A spec states the
+    whole budget, whatever the defaults (issue 27 gave them one), so a scaling command measures what it says."""
+    rule, _, rest = spec.partition(":")
+    multiple, _, split = rest.partition(":")
     out = [f"trainer.selection.rule={rule}"]
-    return out + [f"trainer.selection.budget_multiple={float(multiple)}"] if multiple else out
+    if not multiple:
+        return out + ["trainer.selection.budget_multiple=null"]
+    return out + [
+        f"trainer.selection.budget_multiple={float(multiple)}",
+        f"trainer.selection.budget_split={split or 'pooled'}",
+    ]
 
 
 def _median_over(s: Mapping[str, float], orgs: Sequence[str], field: str) -> float | None:
