@@ -58,3 +58,27 @@ def test_a_cell_keeps_each_orgs_accuracy_per_slice_and_nothing_new_without_slice
     assert got["slice_curves"] == {"add": [[0, 0.9], [10, 0.95]], "sub": [[0, 0.1], [10, 0.25]]}
     plain = learning.summarize_agent("acme", [(0, {"eval/acme/accuracy": 0.5})])
     assert "slice_curves" not in plain and plain["curve"] == [[0, 0, 0.5]]
+
+
+MIXED = {"qwen-char-mostly-add": "add", "qwen-char-mostly-sub": "sub", "qwen-char-mostly-mul": "mul"}
+
+
+@pytest.mark.parametrize(("name", "slice_name"), list(MIXED.items()))
+def test_each_mixed_agents_sft_draws_mostly_its_own_slice_and_every_other(name, slice_name):
+    entry = agents.BENCH_AGENTS[name]
+    task = get_task(entry.task, dict(entry.task_params), seed=entry.task_seed)
+    labels = [task.slice_label("train", i) for i in range(1200)]
+    assert set(labels) == set(agents.EXPERTISE_SLICES)
+    assert 0.70 < labels.count(slice_name) / len(labels) < 0.80  # 6:1:1
+
+
+def test_the_mixed_cells_run_every_orgs_mostly_agent_on_the_uniform_eval():
+    cells = bench_matrix.plan_cells(bench_matrix.load_matrix(), only=["mixed"], seeds=[0])
+    by = {(c.setting, c.method): c for c in cells}
+    assert set(by) == {(s, m) for s in ("mixed2", "mixed3") for m in ("gspo", "gspo_x2", "hacpo", "hacpo_defended_split")}
+    for setting, n in (("mixed2", 2), ("mixed3", 3)):
+        cell = by[(setting, "hacpo")]
+        names = [a.name for a in cell.agents]
+        assert len(names) == n and set(names) <= set(MIXED)
+        slices = cell.config.task.params["slices"]
+        assert slices == {MIXED[a]: agents.EXPERTISE_SLICES[MIXED[a]] for a in names}  # uniform: no weights

@@ -167,3 +167,16 @@ def test_a_federated_evaluation_reports_each_orgs_accuracy_per_slice(tmp_path):
         assert sum(counts.values()) == 12 and min(counts.values()) > 0
         total = sum(rec[f"eval/acme/slice/{s}/accuracy"] * n for s, n in counts.items())
         assert total / 12 == pytest.approx(rec["eval/acme/accuracy"])
+
+
+def test_slice_weights_draw_in_proportion_and_equal_weights_keep_the_uniform_draw():
+    uniform = get_task("arithmetic", {"difficulty": 2, "slices": SLICES}, seed=1)
+    equal = get_task("arithmetic", {"difficulty": 2, "slices": {n: {**s, "weight": 3.0} for n, s in SLICES.items()}}, seed=1)
+    assert [equal.problem("train", i) for i in range(200)] == [uniform.problem("train", i) for i in range(200)]
+    weighted = {n: {**s, "weight": 6.0 if n == "sub" else 1.0} for n, s in SLICES.items()}
+    task = get_task("arithmetic", {"difficulty": 2, "slices": weighted}, seed=1)
+    labels = [task.slice_label("train", i) for i in range(2000)]
+    share = {n: labels.count(n) / len(labels) for n in SLICES}
+    assert abs(share["sub"] - 0.75) < 0.04 and min(share["add"], share["mul"]) > 0.09  # 6:1:1 -> 0.75, 0.125 each
+    with pytest.raises(BuildError, match="weight"):
+        get_task("arithmetic", {"difficulty": 2, "slices": {"add": {"ops": "+", "weight": 0}}})

@@ -14,12 +14,13 @@ first problem drawn from ``Random(stable_hash("arithmetic", seed, split, id))`` 
 share one.
 
 Slices (``slices``, off by default): named single-operator families, e.g. ``{add: {ops: "+"}, mul: {ops: "*",
-max_operand: 9}}``. Each problem first draws its slice uniformly (``rng.choice`` over the names in the order given),
-then its operators from the slice's ``ops`` and its operands up to the slice's ``max_operand`` (default: the task's);
-``ops`` is then unused. :meth:`ArithmeticTask.slice_label` names a problem's slice, so an evaluation can report
-accuracy per slice (:mod:`hacrl_fed.tasks.slices`). A slice problem is the same expression as the problem the plain
-task with that slice's ``ops`` / ``max_operand`` draws, so the partition keeps them disjoint across both. Without
-``slices`` the draws are exactly the ones above.
+max_operand: 9}}``. Each problem first draws its slice: uniformly (``rng.choice`` over the names in the order given)
+when every slice has the same ``weight`` (default 1), else in proportion to the weights (``rng.choices``; a warm
+start trained mostly on one slice); then its operators from the slice's ``ops`` and its operands up to the slice's
+``max_operand`` (default: the task's); ``ops`` is then unused. :meth:`ArithmeticTask.slice_label` names a problem's
+slice, so an evaluation can report accuracy per slice (:mod:`hacrl_fed.tasks.slices`). A slice problem is the same
+expression as the problem the plain task with that slice's ``ops`` / ``max_operand`` draws, so the partition keeps
+them disjoint across both. Without ``slices`` the draws are exactly the ones above.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class ArithmeticSlice(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ops: str
     max_operand: int | None = Field(None, ge=1, le=10**6)
+    weight: float = Field(1.0, gt=0, le=1000)  # relative draw probability (the module docstring)
 
     @field_validator("ops")
     @classmethod
@@ -191,12 +193,15 @@ class ArithmeticTask(Task):
         super().__init__(params, seed)
         p = params
         self._steps = p.difficulty
+        self._weights: list[float] | None = None
         if p.slices is None:
             self._families = [_Family(None, p.ops, self._bound(p.max_operand))]
         else:
             self._families = [
                 _Family(name, s.ops, self._bound(s.max_operand or p.max_operand)) for name, s in p.slices.items()
             ]
+            weights = [s.weight for s in p.slices.values()]
+            self._weights = None if len(set(weights)) == 1 else weights  # equal weights: the uniform draw
         for fam in self._families:
             space = (fam.max + 1) ** (self._steps + 1) * len(fam.ops) ** self._steps
             if space < MIN_PROBLEM_SPACE:
@@ -205,6 +210,12 @@ class ArithmeticTask(Task):
                     f"task.params.{where}: only {space} distinct problems with max operand {fam.max}, "
                     f"difficulty={p.difficulty}, ops={fam.ops!r}; need >= {MIN_PROBLEM_SPACE} to split train/test"
                 )
+
+    def _draw_family(self, rng: random.Random) -> _Family:
+        """A problem's slice: uniform over the slices, or in proportion to their weights (the module docstring)."""
+        if self._weights is None:
+            return rng.choice(self._families)
+        return rng.choices(self._families, weights=self._weights)[0]
 
     def _bound(self, max_operand: int) -> int:
         """The largest operand drawn: ``max_operand``, or ``10 * max_operand + 9`` at difficulty 3."""
@@ -219,7 +230,7 @@ class ArithmeticTask(Task):
         rng = random.Random(stable_hash("arithmetic", self.seed, split, prompt_id))
         sliced = self.params.slices is not None
         for _ in range(MAX_ATTEMPTS):
-            fam = rng.choice(self._families) if sliced else self._families[0]  # no extra draw without slices
+            fam = self._draw_family(rng) if sliced else self._families[0]  # no extra draw without slices
             operands = [rng.randint(0, fam.max) for _ in range(self._steps + 1)]
             ops = [rng.choice(fam.ops) for _ in range(self._steps)]
             prob = build_problem(operands, ops)

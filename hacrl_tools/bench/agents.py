@@ -9,7 +9,10 @@ The shipped zoo (:mod:`hacrl_fed.models.zoo`) has one agent per architecture. Tw
   architectures again from other init seeds;
 - **expertise** (issue 30; configs/bench/expertise2.yaml, expertise3.yaml): ``qwen-char-add``, ``qwen-char-sub`` and
   ``qwen-char-mul``, qwen-char's architecture and tokenizer, each SFT on one operator slice of the arithmetic task
-  only (:data:`EXPERTISE_SLICES`, the slices of those configs' held-out eval), so each is strongest on its own.
+  only (:data:`EXPERTISE_SLICES`, the slices of those configs' held-out eval), so each is strongest on its own;
+- **mixed expertise** (issue 30; configs/bench/mixed2.yaml, mixed3.yaml): ``qwen-char-mostly-add``, ``-sub`` and
+  ``-mul``, the same, each SFT on every slice with its own drawn 6 times as often as each other
+  (:func:`mixed_slices`), so each is strongest on its own slice and not at zero on the others.
 
 Each recipe is a :class:`~hacrl_fed.models.catalog.ZooEntry`, built by the zoo's own build code (SFT on the arithmetic
 task, one thread, greedy accuracy measured on 200 held-out prompts, ``zoo_recipe.json`` written beside the
@@ -80,6 +83,30 @@ def _expert(slice_name: str, seed: int) -> ZooEntry:
     )
 
 
+# The mixed-expertise agents (configs/bench/mixed*.yaml): SFT on every slice, their own drawn MIXED_OWN_WEIGHT
+# times as often as each other one (6:1:1, i.e. 75 % of their SFT problems), so each is strongest on its own slice
+# and not at zero on the others, as labs differ in what they are good at without knowing nothing else.
+MIXED_OWN_WEIGHT = 6.0
+
+
+def mixed_slices(own: str) -> dict[str, dict[str, object]]:
+    """Every expertise slice, ``own`` weighted :data:`MIXED_OWN_WEIGHT`, the others 1."""
+    return {n: {**s, "weight": MIXED_OWN_WEIGHT if n == own else 1.0} for n, s in EXPERTISE_SLICES.items()}
+
+
+def _mostly(slice_name: str, seed: int) -> ZooEntry:
+    """qwen-char's architecture and tokenizer, SFT on every slice, mostly ``slice_name`` (:func:`mixed_slices`)."""
+    return ZooEntry(
+        f"qwen-char-mostly-{slice_name}",
+        "qwen3",
+        dict(QWEN_ARCH),
+        "char",
+        SFTRecipe(lr=3e-3, seed=seed, stop_at_accuracy=0.45, **_SFT),
+        task_params={"difficulty": 2, "slices": mixed_slices(slice_name)},
+        target_accuracy=(0.3, 0.7),
+    )
+
+
 BENCH_AGENTS: dict[str, ZooEntry] = {
     e.name: e
     for e in (
@@ -131,6 +158,10 @@ BENCH_AGENTS: dict[str, ZooEntry] = {
         _expert("add", 31),
         _expert("sub", 32),
         _expert("mul", 33),
+        # mixed expertise (issue 30): mostly one slice, a little of the others, each from its own init seed
+        _mostly("add", 41),
+        _mostly("sub", 42),
+        _mostly("mul", 43),
         # for tests: micro-qwen-char's architecture, another seed (builds in seconds)
         ZooEntry(
             "micro-qwen-char-b",
