@@ -856,7 +856,7 @@ def _merged(base: _Section, overrides: dict[str, Any], where: str) -> Any:
 
 
 def _check_asynchronous(cfg: RunConfig) -> None:
-    """What asynchronous rounds (``federation.staleness >= 1``) need in this first slice of the driver; each
+    """What asynchronous rounds (``federation.staleness >= 1``) need in this slice of the driver; each
     refusal names its field (docs/ALGORITHM.md "Asynchronous rounds")."""
     fed = cfg.federation
     unknown = sorted(set(fed.virtual_step_s) - {o.id for o in cfg.orgs})
@@ -870,8 +870,8 @@ def _check_asynchronous(cfg: RunConfig) -> None:
         "federation.transport: inprocess (gRPC and Flower run lock-step rounds only)": fed.transport == "inprocess",
         "federation.protocol: fused": fed.protocol == "fused",
         "federation.min_orgs: 1 (each org steps alone)": fed.min_orgs == 1,
-        "security.signing: false (replay protection with several plans in flight is not built yet)": (
-            not cfg.security.signing
+        "security.encrypt: false (coordinator-blind capability and accusations assume one round per update)": (
+            not cfg.security.encrypt
         ),
         "trainer.outcome_guard.enabled: false (its rollback assumes one round per update)": not any(
             org_trainer(cfg, o.id).outcome_guard.enabled for o in cfg.orgs

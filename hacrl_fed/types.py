@@ -103,6 +103,11 @@ class RolloutBatch:
     wrapped_keys: tuple[WrappedKey, ...] = ()
     # Digest of the RoundPlan answered (hacrl_fed.security.freshness.plan_digest); covered by the signature.
     plan_digest: bytes = b""
+    # Asynchronous rounds (federation.staleness >= 1; 0 / empty otherwise, so lock-step bytes are unchanged): the
+    # source's version (updates done) that generated the batch, and the challenges of the plan it answered (a
+    # learner re-derives that plan's digest from its own prompts of the round and these; hacrl_fed.security.freshness).
+    version: int = 0
+    plan_challenges: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

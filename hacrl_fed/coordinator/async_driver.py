@@ -15,9 +15,13 @@ on the workers' real replies:
   at ``start + duration``; events at one instant: completions (config order), then the steps that may start
   (config order). The schedule is therefore :func:`~.async_schedule.simulate`'s for the same durations (tested)
   whenever every reply comes back and is accepted.
-- A batch enters the pool when the trust guard accepts it; its tag's version is the source's count of successful
-  train reports (the coordinator's, not signed by the source: versions do not travel yet). A tag whose version
-  differs from the one expected when its plan was issued (a train half failed) is refused ``version_mismatch``.
+- A batch enters the pool when the trust guard accepts it; its tag's version is, with ``security.signing``, the
+  version the source signed in the batch (``RolloutBatch.version``), else the source's count of successful train
+  reports. A tag whose version differs from the one issued with its plan (a train half failed, or a forged
+  version) is refused ``version_mismatch``. With signing the trust guard also requires the batch to sign the
+  plan sent to its org (digest and challenges, ``stale_plan``), and a train request carries the accepted batches
+  verbatim (``source_batches``) with their tags, so the learner checks each end to end
+  (:mod:`hacrl_fed.worker.late_signed`).
 - A step trains only with its own batch of ``t - 1`` accepted (the worker trains on the round it generated); foreign
   batches not offered then wait for a later step or are refused when they leave the window, so every
   (learner, foreign batch) pair is taken or counted (``round/<learner>/refused/<reason>``), never dropped silently.
@@ -44,7 +48,7 @@ from hacrl_fed.coordinator.rounds import StepOutcome, split_reply
 from hacrl_fed.plan.screening import accepted_accuracy
 from hacrl_fed.results import RoundResult
 from hacrl_fed.security.freshness import parse_challenge
-from hacrl_fed.types import EvalReport, Rollout, RoundPlan, StepRequest, TrainReport, TrainRequest
+from hacrl_fed.types import EvalReport, Rollout, RolloutBatch, RoundPlan, StepRequest, TrainReport, TrainRequest
 
 if TYPE_CHECKING:
     from hacrl_fed.coordinator.loop import Coordinator
@@ -107,6 +111,8 @@ class AsyncDriver:
         self.capabilities = RoundCapabilities.from_algorithm(cfg.algorithm)
         self.issued: dict[tuple[str, int], int] = {}
         self.pool: dict[BatchTag, tuple[Rollout, ...]] = {}  # accepted batches, publish order
+        self.signing = cfg.security.signing
+        self.envelopes: dict[BatchTag, RolloutBatch] = {}  # signing on: each accepted batch verbatim
         self.steps: list[Step] = []
         self.published: list[tuple[float, BatchTag]] = []
         self.refused: dict[str, Counter[str]] = {o: Counter() for o in order}
@@ -201,13 +207,15 @@ class AsyncDriver:
         if own is not None:
             rounds = sorted({own.round, *(tag.round for tag in foreign)})
             table = {r: self.capabilities.table(r, co.org_order) for r in rounds}
+            signed = self.signing  # the batches verbatim, so the learner verifies them end to end
             train = TrainRequest(
                 co.run_id,
                 own.round,
                 org.name,
                 co.round_prompts(own.round),
-                tuple(r for tag in foreign for r in self.pool[tag]),
+                () if signed else tuple(r for tag in foreign for r in self.pool[tag]),
                 dict(table[own.round]),
+                tuple(self.envelopes[tag] for tag in foreign) if signed else (),
                 round_capability=table,
                 tags=tuple((tag.source, tag.round, tag.version) for tag in foreign),
                 version=org.version,
@@ -246,12 +254,13 @@ class AsyncDriver:
         org.version += 1
         rd.metrics[f"async/{org.name}/version"] = float(org.version)
         challenge = parse_challenge(reply.challenge) if reply.challenge else None
-        if challenge is not None:  # goes into its next plans (freshness plumbing; signing is off in this slice)
+        if challenge is not None:  # goes into its next plans (freshness, hacrl_fed.security.freshness)
             self.co.challenges[org.name] = challenge
         elif reply.challenge:
             rd.metrics[f"round/{org.name}/bad_challenge"] = 1.0
         rm.train_metrics(org.name, None, reply.metrics, rd.metrics)
-        self.co.book.note_trained(org.name, train.round, len(train.foreign))
+        offered = len(train.foreign) + sum(len(b.rollouts) for b in train.source_batches)
+        self.co.book.note_trained(org.name, train.round, offered)
         rd.trained.append(org.name)
         valid = self.co.guard.signed_reports(train.round, {org.name: reply}, rd.metrics)
         sources = sorted({tag[0] for tag in train.tags})
@@ -285,8 +294,10 @@ class AsyncDriver:
         if not ok:
             rd.failed[org.name] = "excluded" if org.name in self.co.guard.excluded else "invalid"
             return
-        tag = BatchTag(org.name, t, org.version)
+        tag = BatchTag(org.name, t, batch.version if self.signing else org.version)  # signed: the source's word
         self.pool[tag], org.own = tuple(ok), tag
+        if self.signing:
+            self.envelopes[tag] = batch
         self.published.append((now, tag))
         rd.accepted[org.name] = len(ok)
         acc = accepted_accuracy(ok)

@@ -26,7 +26,8 @@ Decoding is the trust boundary, so every decoded field is checked (input hygiene
 * wrapped keys (``RolloutBatch.wrapped_keys``): at most ``max_recipients``, recipients non-empty and distinct
   names, ``ephemeral_public`` exactly 32 bytes, ``wrapped`` at most 128 bytes;
 * ``TrainReport.signature`` at most ``max_signature_bytes``; ``TrainReport.disclosed_keys`` and
-  ``RoundPlan.challenges`` at most ``max_recipients`` entries of at most 64 bytes (the worker bounds the
+  ``RoundPlan.challenges`` and ``RolloutBatch.plan_challenges`` at most ``max_recipients`` entries of at most 64
+  bytes (the worker bounds the
   challenges further by its roster, :mod:`hacrl_fed.worker.guard`); ``TrainReport.challenge`` and
   ``RolloutBatch.plan_digest`` at most 64 bytes;
 * a field the schema does not declare (a reserved or unknown number, at any depth) is refused, never ignored;
@@ -225,6 +226,8 @@ def _batch_to(b: t.RolloutBatch) -> pb.RolloutBatch:
         signature=bytes(b.signature),
         wrapped_keys=[_wrapped_to(w) for w in b.wrapped_keys],
         plan_digest=bytes(b.plan_digest),
+        version=b.version,
+        plan_challenges={k: bytes(v) for k, v in b.plan_challenges.items()},
     )
 
 
@@ -486,6 +489,8 @@ def _batch_from(m: pb.RolloutBatch, where: str, lim: WireLimits) -> t.RolloutBat
         signature=bytes(m.signature),
         wrapped_keys=_wrapped_keys_from(m.wrapped_keys, f"{where}.wrapped_keys", lim),
         plan_digest=_bytes(m.plan_digest, f"{where}.plan_digest", MAX_KEY_BYTES),
+        version=_at_least(m.version, f"{where}.version"),
+        plan_challenges=_key_map(m.plan_challenges, f"{where}.plan_challenges", lim),
     )
 
 
@@ -785,6 +790,9 @@ def check_batch(batch: t.RolloutBatch, data: bytes, *, limits: WireLimits = DEFA
         and len(batch.rollouts) <= lim.max_items
         and all(_rollout_ok(r, lim) for r in batch.rollouts)
         and _wrapped_ok(batch.wrapped_keys, lim)
+        and batch.version >= 0
+        and len(batch.plan_challenges) <= lim.max_recipients
+        and all(0 < len(k) <= lim.max_name_chars and len(v) <= MAX_KEY_BYTES for k, v in batch.plan_challenges.items())
     )
     if not ok:
         decode(t.RolloutBatch, data, limits=lim)  # raises the WireError that names the field
