@@ -124,7 +124,7 @@ class TrainRequest:
     source_batches: tuple[RolloutBatch, ...] = ()
     # Unsigned ``foreign`` rollouts the codec counted without decoding them (signing on: they are ignored).
     unread_foreign: int = 0
-    # Asynchronous rounds (federation.staleness >= 1; in process only, the codec refuses them):
+    # Asynchronous rounds (federation.staleness >= 1; empty / 0 in lock-step rounds; bounded by the codec):
     # round -> {org_id: Phat} for the request's own round and every round its foreign rows come from;
     round_capability: dict[int, dict[str, float]] = field(default_factory=dict)
     # (source, round, version) of every foreign batch in ``foreign``; the learner's version before this update.
@@ -133,9 +133,9 @@ class TrainRequest:
 
 
 # Dataclass fields that never travel: filled in by the receiving codec, or kept in one process
-# (tests/test_proto_drift.py). The asynchronous fields of TrainRequest are refused by the codec when set.
+# (tests/test_proto_drift.py).
 LOCAL_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
-    "TrainRequest": ("unread_foreign", "round_capability", "tags", "version"),
+    "TrainRequest": ("unread_foreign",),
     "StepReply": ("raised",),
 }
 

@@ -20,9 +20,8 @@ from hacrl_fed.coordinator.async_schedule import ScheduleSpec, simulate
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.loop import Coordinator
 from hacrl_fed.metrics import RunLogger, read_metrics
-from hacrl_fed.types import TrainRequest
 from hacrl_fed.wire import codec
-from hacrl_fed.wire.codec import WireError
+from hacrl_fed.wire.bounds import worker_limits
 
 SKILLS = {"a": 0.25, "b": 0.5, "c": 0.75}
 
@@ -72,14 +71,6 @@ def test_the_config_fields_and_their_refusals():
         base["federation"]["staleness"] = 1
         base["trainer"]["outcome_guard"] = {"enabled": True}
         load_config(base)
-
-
-def test_the_asynchronous_fields_do_not_travel():
-    req = TrainRequest("r", 1, "a", (), (), {"a": 1.0}, round_capability={1: {"a": 1.0}})
-    with pytest.raises(WireError, match="asynchronous fields"):
-        codec.encode(req)
-    plain = TrainRequest("r", 1, "a", (), (), {"a": 1.0})
-    assert codec.decode("TrainRequest", codec.encode(plain)) == plain
 
 
 # -- the schedule on fake workers --------------------------------------------------------------------------------
@@ -409,6 +400,7 @@ def test_signed_batches_travel_verbatim_with_their_signed_versions(tmp_path):
     assert not any(drv.refused[o] - Counter({"learner_finished": drv.refused[o]["learner_finished"]}) for o in workers)
     for org, w in workers.items():
         for req in w.train_requests:
+            assert codec.decode("TrainRequest", codec.encode(req), limits=worker_limits(co.cfg)) == req  # the wire
             assert req.foreign == () and all(b.signature for b in req.source_batches)
             assert sorted(req.tags) == sorted((b.org_id, b.round, b.version) for b in req.source_batches)
         offered = sum(len(r.source_batches) for r in w.train_requests)
