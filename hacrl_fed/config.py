@@ -632,8 +632,8 @@ class FederationConfig(_Section):
         0,
         ge=0,
         description=_d(
-            "K: asynchronous rounds when >= 1 (in-process transport only): an org may plan round t once every live "
-            "org has published round t-K-1, so no org runs more than K rounds ahead of the slowest; 0 = today's "
+            "K: asynchronous rounds when >= 1 (in-process and gRPC transports): an org may plan round t once every "
+            "live org has published round t-K-1, so no org runs more than K rounds ahead of the slowest; 0 = today's "
             "lock-step rounds (docs/ALGORITHM.md 'Asynchronous rounds')"
         ),
     )
@@ -648,7 +648,8 @@ class FederationConfig(_Section):
         default_factory=dict,
         description=_d(
             "asynchronous rounds in-process: org id -> the virtual seconds one step of that org takes (default 1.0; "
-            "e.g. 4.0 = four times slower); the driver orders the replies by this clock, so a run is deterministic"
+            "e.g. 4.0 = four times slower); the driver orders the replies by this clock, so a run is deterministic "
+            "(over gRPC the replies come on the wall clock and this is not used)"
         ),
     )
 
@@ -867,7 +868,8 @@ def _check_asynchronous(cfg: RunConfig) -> None:
             raise ValueError(f"federation.window={fed.window} needs federation.staleness >= 1 (K = 0: W = 1)")
         return
     needs = {
-        "federation.transport: inprocess (gRPC and Flower run lock-step rounds only)": fed.transport == "inprocess",
+        "federation.transport: inprocess or grpc (Flower runs lock-step rounds only)": fed.transport
+        in ("inprocess", "grpc"),
         "federation.protocol: fused": fed.protocol == "fused",
         "federation.min_orgs: 1 (each org steps alone)": fed.min_orgs == 1,
         "security.encrypt: false (coordinator-blind capability and accusations assume one round per update)": (

@@ -58,7 +58,7 @@ def test_the_config_fields_and_their_refusals():
         "window=2 needs federation.staleness": {"window": 2},
         "needs federation.protocol: fused": {"staleness": 1, "protocol": "two_message"},
         "needs federation.min_orgs: 1": {"staleness": 1, "min_orgs": 2},
-        "needs federation.transport: inprocess": {"staleness": 1, "transport": "grpc"},
+        "needs federation.transport: inprocess or grpc": {"staleness": 1, "transport": "flower"},
     }
     for words, fed in refusals.items():
         with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("(", r"\(")):
@@ -172,8 +172,81 @@ def test_asynchronous_rounds_refuse_another_transport_and_a_resume(tmp_path):
         def step(self, requests, timeout_s):
             return {}
 
-    with pytest.raises(BuildError, match="in-process transport only"):
+    with pytest.raises(BuildError, match="in-process and gRPC transports only"):
         Coordinator(cfg, NotInProcess(), tmp_path / "x", task=FakeTask()).run()
+
+
+# -- the wall clock (a transport that calls in parallel) ------------------------------------------------------------
+
+
+def _wall_transport(workers, delays):
+    """A GrpcTransport whose "calls" are the fake workers' steps on its thread pool, each after ``delays[org]`` s."""
+    import time as clock
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hacrl_fed.coordinator.grpc_transport import GrpcTransport
+
+    class Wall(GrpcTransport):
+        def __init__(self):
+            self.clients = dict(workers)
+            self._pool = ThreadPoolExecutor(max_workers=len(workers))
+
+        def _fan_out(self, items, call, timeout_s):
+            return {org: call(self.clients[org], item) for org, item in items.items()}
+
+        def submit_step(self, org, request, timeout_s):
+            def slow():
+                clock.sleep(delays[org])
+                return workers[org].step(request), delays[org]
+
+            return self._pool.submit(slow)
+
+        def close(self):
+            self._pool.shutdown()
+
+    class Client:  # GrpcWorkerClient's calls the transport makes outside steps
+        def __init__(self, worker):
+            self.worker = worker
+
+        def evaluate(self, request, timeout_s):
+            return self.worker.evaluate(request)
+
+        def health(self, timeout_s):
+            return self.worker.health()
+
+        def checkpoint(self, round, timeout_s):
+            return self.worker.checkpoint(round)
+
+    wall = Wall()
+    wall.clients = {org: Client(w) for org, w in workers.items()}
+    return wall
+
+
+def test_on_the_wall_clock_replies_are_taken_as_they_come_within_the_bound(tmp_path):
+    """b's steps take 4x as long on the wall: a and c step ahead of it by at most K = 1 round, the steps' times
+    are the replies' arrivals, and every (learner, foreign batch) pair is taken once or counted."""
+    cfg = fake_config(("a", "b", "c"), rounds=5, staleness=1)
+    workers = {o: FakeWorker(o, s) for o, s in SKILLS.items()}
+    delays = {"a": 0.02, "b": 0.08, "c": 0.02}
+    transport = _wall_transport(workers, delays)
+    co = Coordinator(cfg, transport, tmp_path, task=FakeTask())
+    summary = co.run()
+    transport.close()
+    drv = co.async_driver
+    assert drv.wall and summary.rounds_completed == 5
+    assert all(s.end - s.start >= delays[s.org] * 0.9 for s in drv.steps)
+    for step in drv.steps:  # the staleness bound: every other org had published round - K - 1 when it started
+        for other in workers:
+            published = [t.round for at, t in drv.published if t.source == other and at <= step.start]
+            assert other == step.org or step.round - 2 <= max(published, default=0), (step, other)
+    ahead = [s for s in drv.steps if s.org == "a" and s.round <= 5
+             and max([t.round for at, t in drv.published if t.source == "b" and at <= s.start], default=0) < s.round - 1]
+    assert ahead  # a planned a round before b had published the one before it: it did not wait for b
+    for org in workers:
+        offered = [(t.source, t.round) for s in drv.steps if s.org == org for t in s.foreign]
+        assert len(offered) == len(set(offered))
+        assert len(offered) + sum(drv.refused[org].values()) == len([t for _, t in drv.published if t.source != org])
+    assert [w.trained_rounds for w in workers.values()] == [5, 5, 5]
 
 
 # -- tiny models (the real worker, trainer and intake) ------------------------------------------------------------
