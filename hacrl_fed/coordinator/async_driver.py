@@ -369,6 +369,7 @@ class AsyncDriver:
 
     def log_round(self, r: int) -> None:
         co, rd = self.co, self.rounds_open.pop(r, _Round())
+        co.guard.new_round(r + 1)  # every report on round r is in: the guard forgets the batches before it
         if rd.evals:
             co.book.eval_history[r] = rm.eval_metrics(rd.evals, rd.metrics)
         rm.failure_metrics(rd.failed, rd.metrics)
