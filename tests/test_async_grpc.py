@@ -1,7 +1,8 @@
 """Asynchronous rounds over real gRPC worker processes (issue 29, Deliver 3): a signed K = 1 run of the smoke config
 with its two `hacrl-fed worker` processes (started as `hacrl-fed run --transport grpc` starts them, stopped by PID),
 the replies taken on the wall clock as they come, the signed batches, tags and per-round tables through the codec's
-bounds, and every (learner, foreign batch) pair taken once or counted."""
+bounds, and every (learner, foreign batch) pair taken once or counted; a train request naming a round outside the
+worker's window is refused by the worker's codec, naming the field."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hacrl_fed.coordinator.grpc_transport import GrpcTransport
 from hacrl_fed.coordinator.launcher import WorkerProcesses
 from hacrl_fed.metrics import RunLogger, read_metrics
 from hacrl_fed.security.keyring import load_run_roster
+from hacrl_fed.types import StepRequest, TrainRequest
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 OVERRIDES = ["federation.staleness=1", "federation.rounds=3", "trainer.selection.rule=all", "task.eval_size=8"]
@@ -36,6 +38,9 @@ def test_a_signed_k1_run_over_grpc_worker_processes(tmp_path):
         with RunLogger(run_dir, tensorboard=False) as logger:
             co = Coordinator(cfg, transport, run_dir, logger=logger)
             summary = co.run()
+        hostile = TrainRequest(co.run_id, 3, "acme", (), (), {"acme": 1.0}, tags=(("globex", 1, 0),))  # W = 2
+        with pytest.raises(Exception, match=r"tags\[0\]\.round: round 1 outside the window \[2, 3\]"):
+            transport.clients["acme"].step(StepRequest(train=hostile), timeout_s=60)  # refused by the worker's codec
         transport.close()
     finally:
         procs.close()
