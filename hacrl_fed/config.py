@@ -666,8 +666,8 @@ class FederationConfig(_Section):
         0,
         ge=0,
         description=_d(
-            "K: asynchronous rounds when >= 1 (in-process transport only): an org may plan round t once every live "
-            "org has published round t-K-1, so no org runs more than K rounds ahead of the slowest; 0 = today's "
+            "K: asynchronous rounds when >= 1 (in-process and gRPC transports): an org may plan round t once every "
+            "live org has published round t-K-1, so no org runs more than K rounds ahead of the slowest; 0 = today's "
             "lock-step rounds (docs/ALGORITHM.md 'Asynchronous rounds')"
         ),
     )
@@ -682,7 +682,8 @@ class FederationConfig(_Section):
         default_factory=dict,
         description=_d(
             "asynchronous rounds in-process: org id -> the virtual seconds one step of that org takes (default 1.0; "
-            "e.g. 4.0 = four times slower); the driver orders the replies by this clock, so a run is deterministic"
+            "e.g. 4.0 = four times slower); the driver orders the replies by this clock, so a run is deterministic "
+            "(over gRPC the replies come on the wall clock and this is not used)"
         ),
     )
 
@@ -890,7 +891,7 @@ def _merged(base: _Section, overrides: dict[str, Any], where: str) -> Any:
 
 
 def _check_asynchronous(cfg: RunConfig) -> None:
-    """What asynchronous rounds (``federation.staleness >= 1``) need in this first slice of the driver; each
+    """What asynchronous rounds (``federation.staleness >= 1``) need in this slice of the driver; each
     refusal names its field (docs/ALGORITHM.md "Asynchronous rounds")."""
     fed = cfg.federation
     unknown = sorted(set(fed.virtual_step_s) - {o.id for o in cfg.orgs})
@@ -901,11 +902,12 @@ def _check_asynchronous(cfg: RunConfig) -> None:
             raise ValueError(f"federation.window={fed.window} needs federation.staleness >= 1 (K = 0: W = 1)")
         return
     needs = {
-        "federation.transport: inprocess (gRPC and Flower run lock-step rounds only)": fed.transport == "inprocess",
+        "federation.transport: inprocess or grpc (Flower runs lock-step rounds only)": fed.transport
+        in ("inprocess", "grpc"),
         "federation.protocol: fused": fed.protocol == "fused",
         "federation.min_orgs: 1 (each org steps alone)": fed.min_orgs == 1,
-        "security.signing: false (replay protection with several plans in flight is not built yet)": (
-            not cfg.security.signing
+        "security.encrypt: false (coordinator-blind capability and accusations assume one round per update)": (
+            not cfg.security.encrypt
         ),
         "trainer.outcome_guard.enabled: false (its rollback assumes one round per update)": not any(
             org_trainer(cfg, o.id).outcome_guard.enabled for o in cfg.orgs

@@ -103,6 +103,11 @@ class RolloutBatch:
     wrapped_keys: tuple[WrappedKey, ...] = ()
     # Digest of the RoundPlan answered (hacrl_fed.security.freshness.plan_digest); covered by the signature.
     plan_digest: bytes = b""
+    # Asynchronous rounds (federation.staleness >= 1; 0 / empty otherwise, so lock-step bytes are unchanged): the
+    # source's version (updates done) that generated the batch, and the challenges of the plan it answered (a
+    # learner re-derives that plan's digest from its own prompts of the round and these; hacrl_fed.security.freshness).
+    version: int = 0
+    plan_challenges: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ class TrainRequest:
     source_batches: tuple[RolloutBatch, ...] = ()
     # Unsigned ``foreign`` rollouts the codec counted without decoding them (signing on: they are ignored).
     unread_foreign: int = 0
-    # Asynchronous rounds (federation.staleness >= 1; in process only, the codec refuses them):
+    # Asynchronous rounds (federation.staleness >= 1; empty / 0 in lock-step rounds; bounded by the codec):
     # round -> {org_id: Phat} for the request's own round and every round its foreign rows come from;
     round_capability: dict[int, dict[str, float]] = field(default_factory=dict)
     # (source, round, version) of every foreign batch in ``foreign``; the learner's version before this update.
@@ -128,9 +133,9 @@ class TrainRequest:
 
 
 # Dataclass fields that never travel: filled in by the receiving codec, or kept in one process
-# (tests/test_proto_drift.py). The asynchronous fields of TrainRequest are refused by the codec when set.
+# (tests/test_proto_drift.py).
 LOCAL_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
-    "TrainRequest": ("unread_foreign", "round_capability", "tags", "version"),
+    "TrainRequest": ("unread_foreign",),
     "StepReply": ("raised",),
 }
 

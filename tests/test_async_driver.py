@@ -20,9 +20,8 @@ from hacrl_fed.coordinator.async_schedule import ScheduleSpec, simulate
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.loop import Coordinator
 from hacrl_fed.metrics import RunLogger, read_metrics
-from hacrl_fed.types import TrainRequest
 from hacrl_fed.wire import codec
-from hacrl_fed.wire.codec import WireError
+from hacrl_fed.wire.bounds import worker_limits
 
 SKILLS = {"a": 0.25, "b": 0.5, "c": 0.75}
 
@@ -59,26 +58,19 @@ def test_the_config_fields_and_their_refusals():
         "window=2 needs federation.staleness": {"window": 2},
         "needs federation.protocol: fused": {"staleness": 1, "protocol": "two_message"},
         "needs federation.min_orgs: 1": {"staleness": 1, "min_orgs": 2},
-        "needs federation.transport: inprocess": {"staleness": 1, "transport": "grpc"},
+        "needs federation.transport: inprocess or grpc": {"staleness": 1, "transport": "flower"},
     }
     for words, fed in refusals.items():
         with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("(", r"\(")):
             fake_config(**fed)
-    with pytest.raises(ConfigError, match=r"needs security\.signing: false"):
-        fake_config(security={"signing": True}, staleness=1)
+    fake_config(security={"signing": True}, staleness=1)  # signing holds with several plans in flight
+    with pytest.raises(ConfigError, match=r"needs security\.encrypt: false"):
+        fake_config(security={"signing": True, "encrypt": True}, staleness=1)
     with pytest.raises(ConfigError, match=r"needs trainer\.outcome_guard"):
         base = fake_config().model_dump()
         base["federation"]["staleness"] = 1
         base["trainer"]["outcome_guard"] = {"enabled": True}
         load_config(base)
-
-
-def test_the_asynchronous_fields_do_not_travel():
-    req = TrainRequest("r", 1, "a", (), (), {"a": 1.0}, round_capability={1: {"a": 1.0}})
-    with pytest.raises(WireError, match="asynchronous fields"):
-        codec.encode(req)
-    plain = TrainRequest("r", 1, "a", (), (), {"a": 1.0})
-    assert codec.decode("TrainRequest", codec.encode(plain)) == plain
 
 
 # -- the schedule on fake workers --------------------------------------------------------------------------------
@@ -180,14 +172,87 @@ def test_asynchronous_rounds_refuse_another_transport_and_a_resume(tmp_path):
         def step(self, requests, timeout_s):
             return {}
 
-    with pytest.raises(BuildError, match="in-process transport only"):
+    with pytest.raises(BuildError, match="in-process and gRPC transports only"):
         Coordinator(cfg, NotInProcess(), tmp_path / "x", task=FakeTask()).run()
+
+
+# -- the wall clock (a transport that calls in parallel) ------------------------------------------------------------
+
+
+def _wall_transport(workers, delays):
+    """A GrpcTransport whose "calls" are the fake workers' steps on its thread pool, each after ``delays[org]`` s."""
+    import time as clock
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hacrl_fed.coordinator.grpc_transport import GrpcTransport
+
+    class Wall(GrpcTransport):
+        def __init__(self):
+            self.clients = dict(workers)
+            self._pool = ThreadPoolExecutor(max_workers=len(workers))
+
+        def _fan_out(self, items, call, timeout_s):
+            return {org: call(self.clients[org], item) for org, item in items.items()}
+
+        def submit_step(self, org, request, timeout_s):
+            def slow():
+                clock.sleep(delays[org])
+                return workers[org].step(request), delays[org]
+
+            return self._pool.submit(slow)
+
+        def close(self):
+            self._pool.shutdown()
+
+    class Client:  # GrpcWorkerClient's calls the transport makes outside steps
+        def __init__(self, worker):
+            self.worker = worker
+
+        def evaluate(self, request, timeout_s):
+            return self.worker.evaluate(request)
+
+        def health(self, timeout_s):
+            return self.worker.health()
+
+        def checkpoint(self, round, timeout_s):
+            return self.worker.checkpoint(round)
+
+    wall = Wall()
+    wall.clients = {org: Client(w) for org, w in workers.items()}
+    return wall
+
+
+def test_on_the_wall_clock_replies_are_taken_as_they_come_within_the_bound(tmp_path):
+    """b's steps take 4x as long on the wall: a and c step ahead of it by at most K = 1 round, the steps' times
+    are the replies' arrivals, and every (learner, foreign batch) pair is taken once or counted."""
+    cfg = fake_config(("a", "b", "c"), rounds=5, staleness=1)
+    workers = {o: FakeWorker(o, s) for o, s in SKILLS.items()}
+    delays = {"a": 0.02, "b": 0.08, "c": 0.02}
+    transport = _wall_transport(workers, delays)
+    co = Coordinator(cfg, transport, tmp_path, task=FakeTask())
+    summary = co.run()
+    transport.close()
+    drv = co.async_driver
+    assert drv.wall and summary.rounds_completed == 5
+    assert all(s.end - s.start >= delays[s.org] * 0.9 for s in drv.steps)
+    for step in drv.steps:  # the staleness bound: every other org had published round - K - 1 when it started
+        for other in workers:
+            published = [t.round for at, t in drv.published if t.source == other and at <= step.start]
+            assert other == step.org or step.round - 2 <= max(published, default=0), (step, other)
+    ahead = [s for s in drv.steps if s.org == "a" and s.round <= 5
+             and max([t.round for at, t in drv.published if t.source == "b" and at <= s.start], default=0) < s.round - 1]
+    assert ahead  # a planned a round before b had published the one before it: it did not wait for b
+    for org in workers:
+        offered = [(t.source, t.round) for s in drv.steps if s.org == org for t in s.foreign]
+        assert len(offered) == len(set(offered))
+        assert len(offered) + sum(drv.refused[org].values()) == len([t for _, t in drv.published if t.source != org])
+    assert [w.trained_rounds for w in workers.values()] == [5, 5, 5]
 
 
 # -- tiny models (the real worker, trainer and intake) ------------------------------------------------------------
 
 
-def _tiny_cfg(**federation):
+def _tiny_cfg(security=None, **federation):
     from tests.test_docs import ORGS
 
     fed = {"rounds": 4, "prompts_per_round": 4, "eval_every": 2, "min_orgs": 1, **federation}
@@ -201,7 +266,7 @@ def _tiny_cfg(**federation):
             "generation": {"num_samples": 4, "max_new_tokens": 16, "eval_max_new_tokens": 16},
             "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
             "federation": fed,
-            "security": {"signing": False},
+            "security": {"signing": False, **(security or {})},
         }
     )
 
@@ -292,6 +357,27 @@ def test_k0_is_today_s_loop_bit_for_bit_and_the_driver_at_k0_reproduces_it(tmp_p
     assert not differ
 
 
+@pytest.mark.slow
+def test_an_honest_signed_k1_run_gives_the_unsigned_run_s_numbers(tmp_path):
+    """globex 4x slower, K = 1, signing on: every batch is verified by the coordinator and end to end by each
+    learner (signature, window, tag, version, fresh plan), none is refused, and the weights and metrics are those of
+    the same run unsigned."""
+    import torch
+
+    steps = {"acme": 1.0, "globex": 4.0}
+    plain = _tiny_run(tmp_path / "plain", _tiny_cfg(staleness=1, virtual_step_s=steps))
+    signed = _tiny_run(tmp_path / "signed", _tiny_cfg({"signing": True}, staleness=1, virtual_step_s=steps))
+    assert signed[0].async_driver.steps == plain[0].async_driver.steps
+    assert all(b.signature and b.plan_challenges for b in signed[0].async_driver.envelopes.values())
+    assert not plain[0].async_driver.envelopes and signed[3][2]["acme/trust/globex/received"] == 4 * 4
+    for org in ("acme", "globex"):
+        assert torch.equal(_weights(plain[1][org]), _weights(signed[1][org])), org
+    assert plain[2].eval_history == signed[2].eval_history and plain[2].capability == signed[2].capability
+    mine, theirs = _comparable(signed[3]), _comparable(plain[3])
+    assert not [k for rec in mine for k in rec if "/rejected/" in k]
+    assert [(r, k) for r, (a, b) in enumerate(zip(mine, theirs)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)] == []
+
+
 def test_a_failed_batch_or_train_half_is_counted_and_the_others_run_on(tmp_path):
     """b's generate fails in round 2 and c's train half fails once: nobody stalls, b's step planning 3 trains
     nothing, c's next batch is refused version_mismatch by everyone, and every pair is still taken or counted."""
@@ -319,3 +405,90 @@ def test_a_failed_batch_or_train_half_is_counted_and_the_others_run_on(tmp_path)
         assert len(offered) == len(set(offered))
         foreign = [tag for _, tag in drv.published if tag.source != org]
         assert len(offered) + sum(drv.refused[org].values()) == len(foreign)
+
+
+# -- signing with several plans in flight (fake workers that sign) -----------------------------------------------
+
+
+class SigningWorker(FakeWorker):
+    """A fake worker that signs its batches (version, plan digest, plan challenges) and reports, and issues
+    challenges; ``forge_version`` / ``wrong_round``: the rounds whose batch signs another version / another round."""
+
+    def __init__(self, org_id, skill, identity, forge_version=(), wrong_round=()):
+        super().__init__(org_id, skill)
+        from hacrl_fed.security.freshness import ChallengeBook
+
+        self.identity, self.version, self.book = identity, 0, ChallengeBook(8)
+        self.forge_version, self.wrong_round = set(forge_version), set(wrong_round)
+
+    def generate(self, plan):
+        import dataclasses
+
+        from hacrl_fed.security.envelope import signed
+        from hacrl_fed.security.freshness import plan_digest
+
+        batch = super().generate(plan)
+        round = plan.round + 1 if plan.round in self.wrong_round else plan.round
+        rollouts = tuple(dataclasses.replace(r, round=round) for r in batch.rollouts)
+        version = self.version + (1 if plan.round in self.forge_version else 0)
+        batch = dataclasses.replace(
+            batch, round=round, rollouts=rollouts, plan_digest=plan_digest(plan), version=version,
+            plan_challenges=dict(plan.challenges),
+        )  # fmt: skip
+        return signed(batch, self.identity)
+
+    def train(self, request):
+        import dataclasses
+
+        from hacrl_fed.security.reports import sign_report
+
+        report = super().train(request)
+        self.version += 1
+        return sign_report(dataclasses.replace(report, challenge=self.book.issue()), self.identity)
+
+    def health(self):
+        return {**super().health(), "challenge": self.book.for_health().hex()}
+
+
+def _signed_run(tmp_path, **kinds):
+    from hacrl_fed.security.keyring import load_org_identity
+
+    steps = {"a": 1.0, "b": 2.0, "c": 1.0}
+    cfg = fake_config(("a", "b", "c"), rounds=5, staleness=1, virtual_step_s=steps, security={"signing": True})
+    workers = {
+        o: SigningWorker(o, s, load_org_identity(cfg, o, tmp_path), **kinds.get(o, {})) for o, s in SKILLS.items()
+    }
+    with RunLogger(tmp_path, tensorboard=False) as log:
+        co = Coordinator(cfg, InProcessTransport(workers), tmp_path, task=FakeTask())
+        co.logger = log
+        summary = co.run()
+    return co, workers, summary, read_metrics(tmp_path)
+
+
+def test_signed_batches_travel_verbatim_with_their_signed_versions(tmp_path):
+    co, workers, summary, _ = _signed_run(tmp_path)
+    drv = co.async_driver
+    assert summary.rounds_completed == 5
+    assert set(co.guard.signed) <= {5}  # the trust guard forgets a round's batches once the round is logged
+    assert drv.steps == simulate(ScheduleSpec({"a": 1.0, "b": 2.0, "c": 1.0}, 5, 1)).steps
+    assert not any(drv.refused[o] - Counter({"learner_finished": drv.refused[o]["learner_finished"]}) for o in workers)
+    for org, w in workers.items():
+        for req in w.train_requests:
+            assert codec.decode("TrainRequest", codec.encode(req), limits=worker_limits(co.cfg)) == req  # the wire
+            assert req.foreign == () and all(b.signature for b in req.source_batches)
+            assert sorted(req.tags) == sorted((b.org_id, b.round, b.version) for b in req.source_batches)
+        offered = sum(len(r.source_batches) for r in w.train_requests)
+        assert offered == len([t for _, t in drv.published if t.source != org]) - drv.refused[org]["learner_finished"]
+
+
+def test_a_forged_version_or_a_batch_for_a_plan_never_issued_is_refused_and_counted(tmp_path):
+    """b signs version + 1 in round 3: every learner refuses it version_mismatch; c answers its round-2 plan with a
+    batch of round 3: the trust guard refuses it (wrong_round), it never enters the pool, and the run goes on."""
+    co, workers, summary, records = _signed_run(tmp_path, b={"forge_version": {3}}, c={"wrong_round": {2}})
+    drv = co.async_driver
+    assert summary.rounds_completed == 5
+    assert all(drv.refused[o]["version_mismatch"] == 1 for o in ("a", "c"))
+    assert ("c", 2) not in {(t.source, t.round) for _, t in drv.published}
+    assert records[2]["round/c/rejected/wrong_round"] == 4 * 3  # G x B rollouts
+    assert not any(b.org_id == "c" and b.round == 2 for w in workers.values() for r in w.train_requests
+                   for b in r.source_batches)  # fmt: skip

@@ -12,13 +12,13 @@ Properties (hypothesis, derandomized, so every run checks the same cases):
 
 Generated cases (max_examples x parametrizations; each test reaches its max_examples, as
 ``--hypothesis-show-statistics`` shows):
-  arbitrary bytes per kind      17 kinds x 250 =  4,250
-  mutated encodings per kind    17 kinds x 200 =  3,400
+  arbitrary bytes per kind      19 kinds x 250 =  4,750
+  mutated encodings per kind    19 kinds x 200 =  3,800
   verify_batch on bytes                        =  1,000
   verify_batch on mutations  2 envelopes x 2000 =  4,000
   open_batch on mutations                      =  2,000
   open_batch on forged seals                   =    500
-  total                                        = 15,150   (about 20 s on one core)
+  total                                        = 16,050   (about 20 s on one core)
 """
 
 from __future__ import annotations
@@ -120,6 +120,8 @@ def _valid_encodings() -> dict[str, bytes]:
     out["HealthReply"] = codec.encode(codec.health_reply_to_proto({"org_id": "beta", "status": "ok"}))
     out["CheckpointRequest"] = codec.encode(codec.checkpoint_request_to_proto(ROUND))
     out["CheckpointReply"] = codec.encode(codec.checkpoint_reply_to_proto("/ckpt/beta/round-5"))
+    out["CapabilityTable"] = codec.encode(pb.CapabilityTable(capability={"acme": 0.5, "beta": 1.0}))
+    out["BatchTag"] = codec.encode(pb.BatchTag(source="acme", round=ROUND, version=2))
     return out
 
 
@@ -127,7 +129,7 @@ VALID = _valid_encodings()
 
 
 def test_fixtures_cover_every_kind_and_are_valid():
-    assert sorted(VALID) == KINDS and len(KINDS) == 17 and TOTAL == 15_150
+    assert sorted(VALID) == KINDS and len(KINDS) == 19 and TOTAL == 16_050
     for kind, data in VALID.items():
         codec.decode(kind, data)
     assert verify_batch(SEALED_ENVELOPE, ROSTER, run_id=RUN, round=ROUND) == codec.decode(t.RolloutBatch,

@@ -151,8 +151,6 @@ def _resolve_run(args: argparse.Namespace):
         raise UsageError("federation.transport=flower: use `hacrl-fed simulate CONFIG` (or flwr run)")
     if args.workers and transport != "grpc":
         raise UsageError("--worker needs --transport grpc")
-    if transport != "inprocess" and cfg.federation.staleness >= 1:
-        raise UsageError(f"federation.staleness={cfg.federation.staleness}: asynchronous rounds run in-process only")
     parse_worker_addresses(args.workers, [o.id for o in cfg.orgs])  # bad usage fails before the run dir is used
     if transport == "inprocess":
         from hacrl_fed.sharded.group import ShardingError, check_in_process

@@ -207,8 +207,7 @@ def serve_endpoint(
     """Serve ``worker`` over gRPC on ``args.listen`` until ``stop`` is set, the launcher is gone or ``halt()`` is
     true; print the ready line once it accepts calls; stop gracefully and close the worker."""
     max_mb = args.max_message_mb or cfg.federation.max_message_mb
-    from hacrl_fed.wire import codec
-    from hacrl_fed.wire.bounds import max_request_bytes
+    from hacrl_fed.wire.bounds import max_request_bytes, worker_limits
 
     try:
         server = serve_worker(
@@ -219,7 +218,7 @@ def serve_endpoint(
             max_message_mb=max_mb,
             secret=link_secret(args, org_id),
             max_receive_bytes=max_request_bytes(cfg, org_id),
-            limits=codec.WireLimits(skip_unsigned_foreign=cfg.security.signing),
+            limits=worker_limits(cfg),
         )
     except (ValueError, RuntimeError) as err:
         _close(worker)

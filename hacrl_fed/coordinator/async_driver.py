@@ -1,4 +1,4 @@
-"""The asynchronous round driver on the in-process transport (docs/ALGORITHM.md "Asynchronous rounds").
+"""The asynchronous round driver, in process and over gRPC (docs/ALGORITHM.md "Asynchronous rounds").
 
 ``federation.staleness`` ``K >= 1``: each org steps as soon as the staleness bound lets it, instead of every org
 waiting at :meth:`~hacrl_fed.coordinator.loop.Coordinator.round_barrier`. The rules are those of
@@ -15,9 +15,17 @@ on the workers' real replies:
   at ``start + duration``; events at one instant: completions (config order), then the steps that may start
   (config order). The schedule is therefore :func:`~.async_schedule.simulate`'s for the same durations (tested)
   whenever every reply comes back and is accepted.
-- A batch enters the pool when the trust guard accepts it; its tag's version is the source's count of successful
-  train reports (the coordinator's, not signed by the source: versions do not travel yet). A tag whose version
-  differs from the one expected when its plan was issued (a train half failed) is refused ``version_mismatch``.
+- **Wall clock** (any other transport the coordinator accepts: gRPC): a step is sent without waiting
+  (:meth:`~hacrl_fed.coordinator.transport.Transport.submit_step`, the round deadline times its parts as gRPC
+  deadline), the driver sleeps until a reply comes, takes every reply in by then (config order), then starts what
+  the bound lets start; a step's ``end`` is its reply's arrival (seconds since the run's start).
+- A batch enters the pool when the trust guard accepts it; its tag's version is, with ``security.signing``, the
+  version the source signed in the batch (``RolloutBatch.version``), else the source's count of successful train
+  reports. A tag whose version differs from the one issued with its plan (a train half failed, or a forged
+  version) is refused ``version_mismatch``. With signing the trust guard also requires the batch to sign the
+  plan sent to its org (digest and challenges, ``stale_plan``), and a train request carries the accepted batches
+  verbatim (``source_batches``) with their tags, so the learner checks each end to end
+  (:mod:`hacrl_fed.worker.late_signed`).
 - A step trains only with its own batch of ``t - 1`` accepted (the worker trains on the round it generated); foreign
   batches not offered then wait for a later step or are refused when they leave the window, so every
   (learner, foreign batch) pair is taken or counted (``round/<learner>/refused/<reason>``), never dropped silently.
@@ -30,9 +38,11 @@ that train ``r``) are logged once every org still stepping has trained round ``r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +50,12 @@ from hacrl_fed import failures
 from hacrl_fed.algorithm.capability_rounds import RoundCapabilities
 from hacrl_fed.coordinator import round_metrics as rm
 from hacrl_fed.coordinator.async_schedule import HOLD, TAKE, BatchTag, Step, offer_verdict
+from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.rounds import StepOutcome, split_reply
 from hacrl_fed.plan.screening import accepted_accuracy
 from hacrl_fed.results import RoundResult
 from hacrl_fed.security.freshness import parse_challenge
-from hacrl_fed.types import EvalReport, Rollout, RoundPlan, StepRequest, TrainReport, TrainRequest
+from hacrl_fed.types import EvalReport, Rollout, RolloutBatch, RoundPlan, StepRequest, TrainReport, TrainRequest
 
 if TYPE_CHECKING:
     from hacrl_fed.coordinator.loop import Coordinator
@@ -57,12 +68,15 @@ EXCLUDED = "source_excluded"  # the driver's one refusal beyond async_schedule.R
 
 @dataclass
 class _Flight:
-    """A step in flight: its schedule entry, the request sent and the reply (taken at ``step.end``)."""
+    """A step in flight: its schedule entry, the request sent and the reply (taken at ``step.end``; on the wall
+    clock ``future`` holds ``(reply, seconds)`` until it comes, and ``index`` is the step's place in ``steps``)."""
 
     step: Step
     request: StepRequest
     reply: Any
     seconds: float
+    future: Future[tuple[Any, float]] | None = None
+    index: int = 0
 
 
 @dataclass
@@ -107,12 +121,16 @@ class AsyncDriver:
         self.capabilities = RoundCapabilities.from_algorithm(cfg.algorithm)
         self.issued: dict[tuple[str, int], int] = {}
         self.pool: dict[BatchTag, tuple[Rollout, ...]] = {}  # accepted batches, publish order
+        self.signing = cfg.security.signing
+        self.envelopes: dict[BatchTag, RolloutBatch] = {}  # signing on: each accepted batch verbatim
         self.steps: list[Step] = []
         self.published: list[tuple[float, BatchTag]] = []
         self.refused: dict[str, Counter[str]] = {o: Counter() for o in order}
         self.idle = {o: 0.0 for o in order}
         self.finished: dict[str, float] = {}
         self.rounds_open: dict[int, _Round] = {}
+        # the wall clock on a transport that calls in parallel (gRPC); the virtual clock in process
+        self.wall = not isinstance(coordinator.transport, InProcessTransport)
         self.logged = 0  # the last round logged
         self.mark = time.perf_counter()  # when the last round was logged (time/round: the wall time since)
 
@@ -120,8 +138,13 @@ class AsyncDriver:
 
     def run(self) -> None:
         """Step every org until each has trained the last round (or stopped); log every round."""
-        now: float | None = 0.0
         self.co.keeper.refresh_challenges(self.co.live_orgs(), self.co.transport)
+        self.run_wall() if self.wall else self.run_virtual()
+        self.close()
+        self.flush(final=True)
+
+    def run_virtual(self) -> None:
+        now: float | None = 0.0
         while now is not None:
             for org in self.orgs.values():  # completions at this instant, config order
                 if org.busy is not None and org.busy.step.end <= now:
@@ -130,8 +153,20 @@ class AsyncDriver:
             self.start_ready(now)
             ends = [o.busy.step.end for o in self.orgs.values() if o.busy is not None]
             now = min(ends) if ends else None
-        self.close()
-        self.flush(final=True)
+
+    def run_wall(self) -> None:
+        """The wall clock: every step is sent without waiting; each reply is taken as it comes (those come by the
+        same wake-up in config order), then every org the bound lets step starts. Times: seconds since the start."""
+        origin = time.monotonic()
+        self.start_ready(0.0)
+        while pending := [o.busy.future for o in self.orgs.values() if o.busy is not None and o.busy.future]:
+            wait(pending, return_when=FIRST_COMPLETED)
+            now = time.monotonic() - origin
+            for org in self.orgs.values():
+                if org.busy is not None and org.busy.future is not None and org.busy.future.done():
+                    self.complete(org, now)
+            self.flush(final=False)
+            self.start_ready(now)
 
     def alive(self, org: _Org) -> bool:
         return org.name not in self.co.guard.excluded and org.name in self.co.transport.org_ids()
@@ -163,11 +198,16 @@ class AsyncDriver:
         if t <= self.rounds:  # the version that will answer the plan
             self.issued[(org.name, t)] = org.version + (1 if own is not None else 0)
         request = self.request(org, t, own, foreign)
-        t0 = time.perf_counter()
-        reply = self.co.transport.step({org.name: request}, self.co.cfg.federation.round_timeout_s * request.parts())
-        seconds = time.perf_counter() - t0
+        timeout = self.co.cfg.federation.round_timeout_s * request.parts()
+        if self.wall:  # its end is known when its reply comes
+            future = self.co.transport.submit_step(org.name, request, timeout)
+            flight = _Flight(step, request, None, 0.0, future, len(self.steps))
+        else:
+            t0 = time.perf_counter()
+            reply = self.co.transport.step({org.name: request}, timeout)
+            flight = _Flight(step, request, reply.get(org.name), time.perf_counter() - t0)
         self.idle[org.name] += now - org.idle_since
-        org.busy, org.planned, org.own = _Flight(step, request, reply.get(org.name), seconds), t, None
+        org.busy, org.planned, org.own = flight, t, None
         self.steps.append(step)
 
     def take(self, org: _Org, tag: BatchTag, round: int) -> BatchTag | None:
@@ -201,13 +241,15 @@ class AsyncDriver:
         if own is not None:
             rounds = sorted({own.round, *(tag.round for tag in foreign)})
             table = {r: self.capabilities.table(r, co.org_order) for r in rounds}
+            signed = self.signing  # the batches verbatim, so the learner verifies them end to end
             train = TrainRequest(
                 co.run_id,
                 own.round,
                 org.name,
                 co.round_prompts(own.round),
-                tuple(r for tag in foreign for r in self.pool[tag]),
+                () if signed else tuple(r for tag in foreign for r in self.pool[tag]),
                 dict(table[own.round]),
+                tuple(self.envelopes[tag] for tag in foreign) if signed else (),
                 round_capability=table,
                 tags=tuple((tag.source, tag.round, tag.version) for tag in foreign),
                 version=org.version,
@@ -222,6 +264,9 @@ class AsyncDriver:
         """Take org's reply at ``now``: its train report, evaluation and checkpoint of ``t - 1``, its batch of ``t``."""
         flight, org.busy, org.idle_since = org.busy, None, now
         assert flight is not None
+        if flight.future is not None:  # the wall clock: the step ends now
+            flight.reply, flight.seconds = flight.future.result()
+            flight.step = self.steps[flight.index] = dataclasses.replace(flight.step, end=now)
         step, request = flight.step, flight.request
         self.co.book.note_call_time({org.name: flight.seconds})
         out = split_reply(request, flight.reply)
@@ -246,12 +291,13 @@ class AsyncDriver:
         org.version += 1
         rd.metrics[f"async/{org.name}/version"] = float(org.version)
         challenge = parse_challenge(reply.challenge) if reply.challenge else None
-        if challenge is not None:  # goes into its next plans (freshness plumbing; signing is off in this slice)
+        if challenge is not None:  # goes into its next plans (freshness, hacrl_fed.security.freshness)
             self.co.challenges[org.name] = challenge
         elif reply.challenge:
             rd.metrics[f"round/{org.name}/bad_challenge"] = 1.0
         rm.train_metrics(org.name, None, reply.metrics, rd.metrics)
-        self.co.book.note_trained(org.name, train.round, len(train.foreign))
+        offered = len(train.foreign) + sum(len(b.rollouts) for b in train.source_batches)
+        self.co.book.note_trained(org.name, train.round, offered)
         rd.trained.append(org.name)
         valid = self.co.guard.signed_reports(train.round, {org.name: reply}, rd.metrics)
         sources = sorted({tag[0] for tag in train.tags})
@@ -285,8 +331,10 @@ class AsyncDriver:
         if not ok:
             rd.failed[org.name] = "excluded" if org.name in self.co.guard.excluded else "invalid"
             return
-        tag = BatchTag(org.name, t, org.version)
+        tag = BatchTag(org.name, t, batch.version if self.signing else org.version)  # signed: the source's word
         self.pool[tag], org.own = tuple(ok), tag
+        if self.signing:
+            self.envelopes[tag] = batch
         self.published.append((now, tag))
         rd.accepted[org.name] = len(ok)
         acc = accepted_accuracy(ok)
@@ -321,6 +369,7 @@ class AsyncDriver:
 
     def log_round(self, r: int) -> None:
         co, rd = self.co, self.rounds_open.pop(r, _Round())
+        co.guard.new_round(r + 1)  # every report on round r is in: the guard forgets the batches before it
         if rd.evals:
             co.book.eval_history[r] = rm.eval_metrics(rd.evals, rd.metrics)
         rm.failure_metrics(rd.failed, rd.metrics)

@@ -1,9 +1,9 @@
 """Staleness-bounded asynchronous rounds on a virtual clock (docs/ARCHITECTURE.md "Asynchronous rounds").
 
 A pure, deterministic event simulation: no I/O, no transport, no model. It states the rules the asynchronous
-round driver (:mod:`.async_driver`, in-process only) follows and says, for given per-org step durations, who steps
-when, which round each step plans, which batches each train request carries and which are refused, and why. The
-driver's schedule on real replies is this one when every reply is accepted (tested); the lock-step round loop
+round driver (:mod:`.async_driver`, in process and over gRPC) follows and says, for given per-org step durations,
+who steps when, which round each step plans, which batches each train request carries and which are refused, and
+why. The driver's schedule on real replies is this one when every reply is accepted (tested); the lock-step round loop
 (:mod:`.loop`) is this schedule with ``K = 0`` (tested). Deaths and rejoins exist here only.
 
 The rules (``K`` = ``staleness``, ``W`` = ``window``, default ``K + 1``):

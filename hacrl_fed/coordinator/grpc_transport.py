@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from hacrl_fed.coordinator.transport import Transport, TransportTimeout
@@ -134,6 +134,25 @@ class GrpcTransport(Transport):
 
     def step(self, requests: Mapping[str, StepRequest], timeout_s: float) -> dict[str, StepReply | Exception]:
         return self._call(ops.STEP, requests, timeout_s)
+
+    def submit_step(self, org: str, request: StepRequest, timeout_s: float) -> Future[tuple[Any, float]]:
+        """``org``'s step message on the pool, not waited for (asynchronous rounds take the replies as they come):
+        a future of ``(reply | Exception, seconds)``; the gRPC deadline ``timeout_s`` bounds it."""
+        client = self.clients.get(org)
+        if client is None:
+            missing: Future[tuple[Any, float]] = Future()
+            missing.set_result((NoWorker(f"no gRPC worker address for org {org!r}"), 0.0))
+            return missing
+        self.count_messages(ops.STEP.name, [org])
+
+        def timed() -> tuple[Any, float]:
+            start = time.perf_counter()
+            try:
+                return client.step(request, timeout_s=timeout_s), time.perf_counter() - start
+            except Exception as err:
+                return err, time.perf_counter() - start
+
+        return self._pool.submit(timed)
 
     def close(self) -> None:
         """Close every channel and the thread pool (idempotent)."""

@@ -246,14 +246,15 @@ class Coordinator:
 
     def _run_async(self) -> RunSummary:
         """``federation.staleness >= 1``: :class:`~hacrl_fed.coordinator.async_driver.AsyncDriver` on the
-        in-process transport (the only one that runs it yet)."""
+        in-process transport (virtual clock) or gRPC (wall clock), the transports that run it yet."""
         from hacrl_fed.coordinator.async_driver import AsyncDriver
+        from hacrl_fed.coordinator.grpc_transport import GrpcTransport
         from hacrl_fed.coordinator.inprocess import InProcessTransport
 
-        if not isinstance(self.transport, InProcessTransport):
+        if not isinstance(self.transport, (InProcessTransport, GrpcTransport)):
             raise BuildError(
                 f"federation.staleness={self.cfg.federation.staleness}: asynchronous rounds run on the in-process "
-                f"transport only, not on {type(self.transport).__name__}"
+                f"and gRPC transports only, not on {type(self.transport).__name__}"
             )
         self.async_driver = AsyncDriver(self)
         self.async_driver.run()  # the wall time goes into the run book round by round, as in lock-step rounds

@@ -12,11 +12,14 @@ it sends, per operation and org, in :attr:`Transport.messages_sent`.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import TypeVar
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
+from hacrl_fed.failures import NoWorker
 from hacrl_fed.types import EvalReport, EvalRequest, StepReply, StepRequest
 
 R = TypeVar("R")
@@ -40,6 +43,16 @@ class Transport(ABC):
 
     @abstractmethod
     def step(self, requests: Mapping[str, StepRequest], timeout_s: float) -> dict[str, StepReply | Exception]: ...
+
+    def submit_step(self, org: str, request: StepRequest, timeout_s: float) -> Future[tuple[Any, float]]:
+        """One org's step message without waiting for it (asynchronous rounds on the wall clock): a future of
+        ``(reply | Exception, seconds)``. This default calls :meth:`step` at once and returns a done future; a
+        transport that calls in parallel (gRPC) overrides it."""
+        start = time.perf_counter()
+        reply = self.step({org: request}, timeout_s).get(org, NoWorker(f"no reply from {org!r}"))
+        done: Future[tuple[Any, float]] = Future()
+        done.set_result((reply, time.perf_counter() - start))
+        return done
 
     def health(self, org_ids: list[str], timeout_s: float) -> dict[str, dict[str, str] | Exception]:
         """Health replies of ``org_ids`` (``{org: info | Exception}``); a transport without the call answers

@@ -108,6 +108,9 @@ class PoolGuard:
             verify_signed(batch, self.roster, run_id=plan.run_id, round=plan.round)
             if batch.plan_digest != plan_digest(plan):  # signed for another plan than the one sent to this org
                 raise RejectedBatch("stale_plan", f"batch from {org!r} does not answer its plan of round {plan.round}")
+            if self.cfg.federation.staleness >= 1 and dict(batch.plan_challenges) != dict(plan.challenges):
+                # asynchronous rounds: learners re-derive the plan from these (hacrl_fed.security.freshness)
+                raise RejectedBatch("stale_plan", f"batch from {org!r} signs other challenges than its plan's")
         except RejectedBatch as err:
             n = len(getattr(batch, "rollouts", ()) or ())
             log.warning("round %d: rejected the batch of %s: %s", plan.round, org, err)

@@ -30,10 +30,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import secrets
+from collections import deque
 from collections.abc import Iterable, Mapping
 
 from hacrl_fed.security.envelope import RejectedBatch
-from hacrl_fed.types import RolloutBatch, RoundPlan, SamplingParams
+from hacrl_fed.types import Prompt, RolloutBatch, RoundPlan, SamplingParams
 from hacrl_fed.wire import codec
 
 CHALLENGE_BYTES = 32
@@ -96,13 +97,15 @@ class ChallengeBook:
     arrival until :meth:`release`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 1) -> None:
         self.latest: bytes | None = None
         self._held: tuple[bytes | None] | None = None
+        self.recent: deque[bytes] = deque(maxlen=max(int(keep), 1))  # the last ``keep`` issued, latest last
 
     def issue(self) -> bytes:
         """A fresh challenge, now the latest (for a TrainReport)."""
         self.latest = new_challenge()
+        self.recent.append(self.latest)
         return self.latest
 
     def for_health(self) -> bytes:
@@ -142,4 +145,37 @@ def check_fresh(batch: RolloutBatch, expected_digest: bytes | None) -> None:
     if not secrets.compare_digest(bytes(batch.plan_digest), expected_digest):
         raise RejectedBatch(
             "stale_plan", f"batch from {batch.org_id!r} answers another plan than this learner's round {batch.round}"
+        )
+
+
+def recent_keep(staleness: int, window: int) -> int:
+    """How many of its last challenges a learner accepts in asynchronous rounds: ``2 (K + W + 2)``. A source's plan
+    of round ``r`` is issued once the learner has published round ``r - K - 1``, and a batch of round ``r`` reaches
+    the learner at the latest in its step planning ``r + W``: at most ``K + W + 1`` of the learner's steps (one
+    challenge each) lie between; the factor 2 is slack for a challenge the coordinator got late."""
+    return 2 * (staleness + window + 2)
+
+
+def check_fresh_late(
+    batch: RolloutBatch, learner: str, run_id: str, task: str, prompts: tuple[Prompt, ...], recent: Iterable[bytes]
+) -> None:
+    """Asynchronous rounds: refuse (``RejectedBatch("stale_plan")``) a signed source batch not made for a plan of
+    this run that carried one of the learner's ``recent`` challenges.
+
+    The plans of one round differ per org there (each is issued when its org may step, with the challenges known
+    then), so the learner re-derives the plan ``batch`` answered from its own copy of the round (``run_id``,
+    ``task``, ``prompts``: its own plan of ``batch.round``) and the challenges the batch signs
+    (``batch.plan_challenges``): that plan's digest must be ``batch.plan_digest``, and its challenge for
+    ``learner`` one the learner issued among its last :func:`recent_keep`. A batch made for any plan of an earlier
+    incarnation of the run cannot carry a challenge this learner issued since.
+    """
+    plan = RoundPlan(run_id, batch.round, task, prompts, SamplingParams(), dict(batch.plan_challenges))
+    if not secrets.compare_digest(bytes(batch.plan_digest), plan_digest(plan)):
+        raise RejectedBatch(
+            "stale_plan", f"batch from {batch.org_id!r} round {batch.round} does not answer this learner's prompts"
+        )
+    got = batch.plan_challenges.get(learner)
+    if got is None or not any(secrets.compare_digest(got, c) for c in recent):
+        raise RejectedBatch(
+            "stale_plan", f"batch from {batch.org_id!r} round {batch.round}: its plan carried no recent challenge"
         )

@@ -30,7 +30,7 @@ from hacrl_fed.config import BuildError
 from hacrl_fed.sharded.dispatch import RankDispatcher, close_worker, parent_alive, rank_loop, wait_ack
 from hacrl_fed.sharded.group import RankGroup, TorchrunEnv, init_group
 from hacrl_fed.sharded.watchdog import Heartbeat, RankFault, post_outcome
-from hacrl_fed.wire import codec
+from hacrl_fed.wire.bounds import worker_limits
 
 log = logging.getLogger("hacrl_fed.wire.grpc_server")
 _BUILD_SEQ = 0
@@ -69,7 +69,7 @@ def _serve_other_rank(
         wait_ack(store, group.rank)
         return 2
     post_outcome(store, _BUILD_SEQ, group.rank, {})
-    limits = codec.WireLimits(skip_unsigned_foreign=cfg.security.signing)
+    limits = worker_limits(cfg)
     code = rank_loop(group, worker, heartbeat, limits, alive)
     if code == 0:  # a clean stop; after a fault torchrun's agent ends this process
         close_worker(worker)

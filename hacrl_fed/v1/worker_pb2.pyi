@@ -109,7 +109,7 @@ class WrappedKey(_message.Message):
     def __init__(self, recipient: _Optional[str] = ..., ephemeral_public: _Optional[bytes] = ..., wrapped: _Optional[bytes] = ...) -> None: ...
 
 class RolloutBatch(_message.Message):
-    __slots__ = ("schema_version", "run_id", "round", "org_id", "rollouts", "accuracy", "metrics", "signature", "wrapped_keys", "plan_digest")
+    __slots__ = ("schema_version", "run_id", "round", "org_id", "rollouts", "accuracy", "metrics", "signature", "wrapped_keys", "plan_digest", "version", "plan_challenges")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,13 @@ class RolloutBatch(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PlanChallengesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +134,8 @@ class RolloutBatch(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     WRAPPED_KEYS_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_CHALLENGES_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     run_id: str
     round: int
@@ -137,10 +146,12 @@ class RolloutBatch(_message.Message):
     signature: bytes
     wrapped_keys: _containers.RepeatedCompositeFieldContainer[WrappedKey]
     plan_digest: bytes
-    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., accuracy: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., signature: _Optional[bytes] = ..., wrapped_keys: _Optional[_Iterable[_Union[WrappedKey, _Mapping]]] = ..., plan_digest: _Optional[bytes] = ...) -> None: ...
+    version: int
+    plan_challenges: _containers.ScalarMap[str, bytes]
+    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., accuracy: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., signature: _Optional[bytes] = ..., wrapped_keys: _Optional[_Iterable[_Union[WrappedKey, _Mapping]]] = ..., plan_digest: _Optional[bytes] = ..., version: _Optional[int] = ..., plan_challenges: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
-    __slots__ = ("schema_version", "run_id", "round", "org_id", "prompts", "foreign", "capability", "source_batches")
+    __slots__ = ("schema_version", "run_id", "round", "org_id", "prompts", "foreign", "capability", "source_batches", "round_capability", "tags", "version")
     class CapabilityEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +159,13 @@ class TrainRequest(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class RoundCapabilityEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: CapabilityTable
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[CapabilityTable, _Mapping]] = ...) -> None: ...
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +174,9 @@ class TrainRequest(_message.Message):
     FOREIGN_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     SOURCE_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    ROUND_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     run_id: str
     round: int
@@ -164,7 +185,33 @@ class TrainRequest(_message.Message):
     foreign: _containers.RepeatedCompositeFieldContainer[Rollout]
     capability: _containers.ScalarMap[str, float]
     source_batches: _containers.RepeatedCompositeFieldContainer[RolloutBatch]
-    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., foreign: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., capability: _Optional[_Mapping[str, float]] = ..., source_batches: _Optional[_Iterable[_Union[RolloutBatch, _Mapping]]] = ...) -> None: ...
+    round_capability: _containers.MessageMap[int, CapabilityTable]
+    tags: _containers.RepeatedCompositeFieldContainer[BatchTag]
+    version: int
+    def __init__(self, schema_version: _Optional[int] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., org_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., foreign: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., capability: _Optional[_Mapping[str, float]] = ..., source_batches: _Optional[_Iterable[_Union[RolloutBatch, _Mapping]]] = ..., round_capability: _Optional[_Mapping[int, CapabilityTable]] = ..., tags: _Optional[_Iterable[_Union[BatchTag, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class CapabilityTable(_message.Message):
+    __slots__ = ("capability",)
+    class CapabilityEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    capability: _containers.ScalarMap[str, float]
+    def __init__(self, capability: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class BatchTag(_message.Message):
+    __slots__ = ("source", "round", "version")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    round: int
+    version: int
+    def __init__(self, source: _Optional[str] = ..., round: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class TrainReport(_message.Message):
     __slots__ = ("schema_version", "run_id", "round", "org_id", "metrics", "signature", "disclosed_keys", "challenge")

@@ -26,15 +26,18 @@ Decoding is the trust boundary, so every decoded field is checked (input hygiene
 * wrapped keys (``RolloutBatch.wrapped_keys``): at most ``max_recipients``, recipients non-empty and distinct
   names, ``ephemeral_public`` exactly 32 bytes, ``wrapped`` at most 128 bytes;
 * ``TrainReport.signature`` at most ``max_signature_bytes``; ``TrainReport.disclosed_keys`` and
-  ``RoundPlan.challenges`` at most ``max_recipients`` entries of at most 64 bytes (the worker bounds the
+  ``RoundPlan.challenges`` and ``RolloutBatch.plan_challenges`` at most ``max_recipients`` entries of at most 64
+  bytes (the worker bounds the
   challenges further by its roster, :mod:`hacrl_fed.worker.guard`); ``TrainReport.challenge`` and
   ``RolloutBatch.plan_digest`` at most 64 bytes;
 * a field the schema does not declare (a reserved or unknown number, at any depth) is refused, never ignored;
 * ``TrainRequest.source_batches`` are checked like any ``RolloutBatch``; with
   ``WireLimits.skip_unsigned_foreign`` (a worker with signing on, which ignores unsigned rollouts)
   ``TrainRequest.foreign`` is only counted (``unread_foreign``), never converted;
-* a ``TrainRequest`` with the asynchronous-rounds fields set (``round_capability``, ``tags``, ``version``:
-  in-process only, docs/ALGORITHM.md "Asynchronous rounds") is refused on encoding, never sent without them;
+* a ``TrainRequest``'s asynchronous-rounds fields (docs/ALGORITHM.md "Asynchronous rounds"): ``round_capability``
+  and ``tags`` name rounds of the receiver's window (``WireLimits.window`` ``W``: ``round - W + 1 .. round``; none
+  set: ``0 .. round``), capability values finite and >= 0, at most ``W × WireLimits.max_sources`` tags and source
+  batches (each batch of a round of the window), one tag per (source, round), versions >= 0;
 * ``StepRequest`` (every message of a round) carries at least one of ``train``, ``plan``, ``evaluate``,
   ``checkpoint``, each checked as its own message; ``StepReply`` never carries both a part's reply and its error
   (``report`` / ``train_error``, ``batch`` / ``generate_error``, ``eval_report`` / ``eval_error``, ``checkpoint``
@@ -84,6 +87,10 @@ class WireLimits:
     max_recipients: int = 1024  # wrapped keys of one batch
     # signing on: TrainRequest.foreign (unsigned, ignored by the learner) is counted, not decoded (unread_foreign)
     skip_unsigned_foreign: bool = False
+    # asynchronous rounds at the receiving worker: its window W (a TrainRequest's rounds lie in round-W+1..round;
+    # None: rounds 0..round) and the number of other orgs (at most W x that many source batches and tags)
+    window: int | None = None
+    max_sources: int | None = None
 
 
 DEFAULT_LIMITS = WireLimits()
@@ -225,12 +232,12 @@ def _batch_to(b: t.RolloutBatch) -> pb.RolloutBatch:
         signature=bytes(b.signature),
         wrapped_keys=[_wrapped_to(w) for w in b.wrapped_keys],
         plan_digest=bytes(b.plan_digest),
+        version=b.version,
+        plan_challenges={k: bytes(v) for k, v in b.plan_challenges.items()},
     )
 
 
 def _train_req_to(r: t.TrainRequest) -> pb.TrainRequest:
-    if r.round_capability or r.tags or r.version:  # asynchronous rounds run in process only (no wire fields yet)
-        raise WireError("TrainRequest: the asynchronous fields (round_capability, tags, version) do not travel yet")
     return pb.TrainRequest(
         schema_version=SCHEMA_VERSION,
         run_id=r.run_id,
@@ -240,6 +247,9 @@ def _train_req_to(r: t.TrainRequest) -> pb.TrainRequest:
         foreign=[_rollout_to(x) for x in r.foreign],
         capability=dict(r.capability),
         source_batches=[_batch_to(b) for b in r.source_batches],
+        round_capability={int(k): pb.CapabilityTable(capability=dict(v)) for k, v in r.round_capability.items()},
+        tags=[pb.BatchTag(source=s, round=rnd, version=v) for s, rnd, v in r.tags],
+        version=r.version,
     )
 
 
@@ -486,12 +496,79 @@ def _batch_from(m: pb.RolloutBatch, where: str, lim: WireLimits) -> t.RolloutBat
         signature=bytes(m.signature),
         wrapped_keys=_wrapped_keys_from(m.wrapped_keys, f"{where}.wrapped_keys", lim),
         plan_digest=_bytes(m.plan_digest, f"{where}.plan_digest", MAX_KEY_BYTES),
+        version=_at_least(m.version, f"{where}.version"),
+        plan_challenges=_key_map(m.plan_challenges, f"{where}.plan_challenges", lim),
     )
 
 
 def _batches_from(seq: Any, where: str, lim: WireLimits) -> tuple[t.RolloutBatch, ...]:
     _items(seq, where, lim)
     return tuple(_batch_from(b, f"{where}[{i}]", lim) for i, b in enumerate(seq))
+
+
+def _window_of(m: pb.TrainRequest, lim: WireLimits) -> tuple[int, int]:
+    """The rounds a TrainRequest of round ``m.round`` may name: ``round - W + 1 .. round`` (``0 .. round`` when the
+    receiver set no window)."""
+    return (max(m.round - lim.window + 1, 0) if lim.window else 0), m.round
+
+
+def _in_window(r: int, where: str, window: tuple[int, int]) -> int:
+    if not window[0] <= r <= window[1]:
+        _fail(where, f"round {r} outside the window [{window[0]}, {window[1]}]")
+    return int(r)
+
+
+def _table_from(m: pb.CapabilityTable, where: str, lim: WireLimits) -> dict[str, float]:
+    """One round's capability table: org ids -> finite values >= 0."""
+    return _float_map(m.capability, where, lim, low=0.0)
+
+
+def _tag_from(m: pb.BatchTag, where: str, lim: WireLimits) -> tuple[str, int, int]:
+    """``(source, round, version)``: a named source, round and version >= 0."""
+    source = _string(m.source, f"{where}.source", lim.max_name_chars, required=True)
+    return source, _at_least(m.round, f"{where}.round"), _at_least(m.version, f"{where}.version")
+
+
+def _round_tables(m: pb.TrainRequest, where: str, lim: WireLimits) -> dict[int, dict[str, float]]:
+    """``round_capability``: rounds of the window, each table's values finite and >= 0."""
+    _items(m.round_capability, f"{where}.round_capability", lim)
+    window = _window_of(m, lim)
+    return {
+        _in_window(r, f"{where}.round_capability key", window): _table_from(
+            table, f"{where}.round_capability[{r}]", lim
+        )
+        for r, table in sorted(m.round_capability.items())
+    }
+
+
+def _tags_from(m: pb.TrainRequest, where: str, lim: WireLimits) -> tuple[tuple[str, int, int], ...]:
+    """``tags``: at most ``W x max_sources`` (with the receiver's bounds), rounds of the window, versions >= 0, one
+    per (source, round)."""
+    cap = lim.window * lim.max_sources if lim.window and lim.max_sources is not None else lim.max_items
+    if len(m.tags) > cap:
+        _fail(f"{where}.tags", f"{len(m.tags)} tags exceed the cap of {cap} (window x other orgs)")
+    window, out, seen = _window_of(m, lim), [], set()
+    for i, msg in enumerate(m.tags):
+        at = f"{where}.tags[{i}]"
+        tag = _tag_from(msg, at, lim)
+        _in_window(tag[1], f"{at}.round", window)
+        if tag[:2] in seen:
+            _fail(at, f"a second tag for ({tag[0][:40]!r}, {tag[1]})")
+        seen.add(tag[:2])
+        out.append(tag)
+    return tuple(out)
+
+
+def _source_batches_from(m: pb.TrainRequest, where: str, lim: WireLimits) -> tuple[t.RolloutBatch, ...]:
+    """``source_batches``: with the receiver's window, at most ``W x max_sources``, each of a round of the window."""
+    if lim.window and lim.max_sources is not None:
+        cap = lim.window * lim.max_sources
+        if len(m.source_batches) > cap:
+            _fail(f"{where}.source_batches", f"{len(m.source_batches)} batches exceed the cap of {cap}")
+        window = _window_of(m, lim)
+        for i, b in enumerate(m.source_batches):
+            _in_window(b.round, f"{where}.source_batches[{i}].round", window)
+    return _batches_from(m.source_batches, f"{where}.source_batches", lim)
 
 
 def _train_req_from(m: pb.TrainRequest, where: str, lim: WireLimits) -> t.TrainRequest:
@@ -503,8 +580,11 @@ def _train_req_from(m: pb.TrainRequest, where: str, lim: WireLimits) -> t.TrainR
         prompts=_prompts_from(m.prompts, f"{where}.prompts", lim),
         foreign=() if lim.skip_unsigned_foreign else _rollouts_from(m.foreign, f"{where}.foreign", lim),
         capability=_float_map(m.capability, f"{where}.capability", lim, low=0.0),
-        source_batches=_batches_from(m.source_batches, f"{where}.source_batches", lim),
+        source_batches=_source_batches_from(m, where, lim),
         unread_foreign=len(m.foreign) if lim.skip_unsigned_foreign else 0,
+        round_capability=_round_tables(m, where, lim),
+        tags=_tags_from(m, where, lim),
+        version=_at_least(m.version, f"{where}.version"),
     )
 
 
@@ -674,6 +754,8 @@ _FROM_PROTO: dict[type[Message], Callable[[Any, str, WireLimits], Any]] = {
     pb.HealthReply: _health_rep_from,
     pb.CheckpointRequest: _ckpt_req_from,
     pb.CheckpointReply: _ckpt_rep_from,
+    pb.CapabilityTable: _table_from,  # parts of TrainRequest: {org: Phat} and (source, round, version)
+    pb.BatchTag: _tag_from,
 }
 _PROTO_BY_NAME: dict[str, type[Message]] = {cls.DESCRIPTOR.name: cls for cls in _FROM_PROTO}
 _PROTO_BY_DATACLASS: dict[type, type[Message]] = {dc: _PROTO_BY_NAME[dc.__name__] for dc in _TO_PROTO}
@@ -785,6 +867,9 @@ def check_batch(batch: t.RolloutBatch, data: bytes, *, limits: WireLimits = DEFA
         and len(batch.rollouts) <= lim.max_items
         and all(_rollout_ok(r, lim) for r in batch.rollouts)
         and _wrapped_ok(batch.wrapped_keys, lim)
+        and batch.version >= 0
+        and len(batch.plan_challenges) <= lim.max_recipients
+        and all(0 < len(k) <= lim.max_name_chars and len(v) <= MAX_KEY_BYTES for k, v in batch.plan_challenges.items())
     )
     if not ok:
         decode(t.RolloutBatch, data, limits=lim)  # raises the WireError that names the field

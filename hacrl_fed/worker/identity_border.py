@@ -10,12 +10,14 @@ a foreign batch: signature, freshness, decryption), :meth:`~IdentityBorder.sign_
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from hacrl_fed.config import RunConfig
 from hacrl_fed.security.envelope import RejectedBatch, signed, verify_signed
-from hacrl_fed.security.freshness import check_fresh
+from hacrl_fed.security.freshness import check_fresh, check_fresh_late
 from hacrl_fed.security.keyring import load_org_identity, load_run_roster
 from hacrl_fed.security.reports import sign_report
 from hacrl_fed.security.sealing import content_key, is_sealed, open_batch, seal_batch
@@ -61,6 +63,15 @@ class IdentityBorder:
 
         return open_source
 
+    def late_opener(self, run_id: str, recent: Any, challenges: Iterable[bytes]) -> LateOpener | None:
+        """Asynchronous rounds: the checks of a foreign batch of any round of the window (:class:`LateOpener`);
+        ``recent``: the learner's :class:`~hacrl_fed.worker.late_rounds.RecentRounds`, ``challenges``: its last
+        issued ones. None with signing off."""
+        if self.identity is None:
+            return None
+        assert self.roster is not None
+        return LateOpener(self, run_id, recent, tuple(challenges))
+
     def evidence(self, request: TrainRequest, trust: dict[str, float]) -> dict[str, bytes]:
         """Blind mode: the content key of every source batch in which this learner found reward mismatches, so
         the coordinator can open that batch and check the verdict itself (SECURITY.md)."""
@@ -81,3 +92,35 @@ class IdentityBorder:
         if self.identity is None:
             return report
         return sign_report(report, self.identity)
+
+
+@dataclass(frozen=True)
+class LateOpener:
+    """A learner's checks of a signed source batch in asynchronous rounds, in two halves so that nothing in the
+    header is trusted before the signature holds: :meth:`verify` (signature against the pinned roster, run, the
+    rollouts naming the batch's org and round; the round is the batch's own, checked against the window by the
+    caller) and :meth:`open` (freshness against the learner's own plan of that round,
+    :func:`~hacrl_fed.security.freshness.check_fresh_late`, then decryption when sealed). Both raise only
+    RejectedBatch."""
+
+    border: IdentityBorder
+    run_id: str
+    recent: Any  # RecentRounds: the learner's own plans of the window
+    challenges: tuple[bytes, ...]
+
+    def verify(self, batch: Any) -> RolloutBatch:
+        if not isinstance(batch, RolloutBatch) or not isinstance(batch.round, int):
+            raise RejectedBatch("malformed", f"expected a RolloutBatch, got {type(batch).__name__}")
+        assert self.border.roster is not None
+        return verify_signed(batch, self.border.roster, run_id=self.run_id, round=batch.round)
+
+    def open(self, batch: RolloutBatch) -> RolloutBatch:
+        """``batch`` (verified) checked fresh against the learner's own plan of ``batch.round`` (which the caller
+        made sure it generated), opened when sealed."""
+        own = self.recent.rounds[batch.round].own
+        check_fresh_late(batch, self.border.org_id, self.run_id, own.task, own.prompts, self.challenges)
+        if not is_sealed(batch):
+            return batch
+        identity = self.border.identity
+        assert identity is not None
+        return open_batch(batch, self.border.org_id, identity.box_key, padded=self.border.cfg.security.pad_sealed)

@@ -164,7 +164,7 @@ class Intake:
         own: OwnRound,
         *,
         seed: int,
-        opener: Opener | None,
+        opener: Opener | Any | None,
         scoring: Scoring,
         leave_out: LeaveOut | None = None,
         recent: Any = None,
@@ -172,11 +172,12 @@ class Intake:
         """Every stage in order (module docstring); ``seed``: the round's selection seed; ``opener``: the identity
         border's check of a signed batch (None: signing off); ``leave_out``: the outcome guard's quarantine, after
         stage 4 (None: the guard is off); ``recent``: asynchronous rounds, the learner's
-        :class:`~hacrl_fed.worker.late_rounds.RecentRounds` (rows of earlier rounds of the window may join)."""
+        :class:`~hacrl_fed.worker.late_rounds.RecentRounds` (rows of earlier rounds of the window may join; then
+        ``opener`` is the identity border's :class:`~hacrl_fed.worker.identity_border.LateOpener`)."""
         if recent is not None:
             from hacrl_fed.worker.late_rounds import admit_late
 
-            return admit_late(self, request, own, recent, seed=seed, scoring=scoring)
+            return admit_late(self, request, own, recent, seed=seed, scoring=scoring, opener=opener)
         t0, c0 = time.perf_counter(), time.process_time()
         ledger = Ledger()
         lazy = lazy_take(self.selection, len(own.rows), seed)

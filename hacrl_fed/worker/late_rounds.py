@@ -104,7 +104,7 @@ def split_rounds(
     current: list[Rollout] = []
     late: dict[int, dict[str, list[Rollout]]] = {}
     for (src, rnd), rows in grouped.items():
-        reason = _refusal(src, rnd, own.round, recent)
+        reason = round_refusal(src, rnd, own.round, recent)
         if rnd == own.round and reason is None:
             current.extend(rows)
         elif reason is None:
@@ -116,7 +116,9 @@ def split_rounds(
     return dataclasses.replace(request, foreign=tuple(current)), late
 
 
-def _refusal(src: str, rnd: int, own_round: int, recent: RecentRounds) -> str | None:
+def round_refusal(src: str, rnd: int, own_round: int, recent: RecentRounds) -> str | None:
+    """Why rows of ``src``'s round ``rnd`` may not join a request of the learner's round ``own_round`` (None: they
+    may)."""
     if rnd > own_round:
         return "future_round"
     if rnd <= own_round - recent.window:
@@ -202,17 +204,25 @@ def baseline_rows(groups: Iterable[int], recent: RecentRounds, learner: int, age
     return out
 
 
-def admit_late(intake: Any, request: TrainRequest, own: OwnRound, recent: RecentRounds, *, seed: int, scoring: Any):
-    """:meth:`~hacrl_fed.worker.intake.Intake.admit` in asynchronous rounds (signing off, no outcome guard, no lazy
-    screen: the config refuses them with ``federation.staleness >= 1``): the request's own round through stages
-    1-4 as in lock-step rounds, the late rows through :func:`split_rounds` and :func:`screen_late`, then selection,
+def admit_late(
+    intake: Any, request: TrainRequest, own: OwnRound, recent: RecentRounds, *, seed: int, scoring: Any, opener: Any
+):
+    """:meth:`~hacrl_fed.worker.intake.Intake.admit` in asynchronous rounds (no outcome guard, no lazy screen: the
+    config refuses them with ``federation.staleness >= 1``): the request's own round through stages 1-4 as in
+    lock-step rounds, the late rows through :func:`split_rounds` (signing on: the signed batches through
+    :func:`~hacrl_fed.worker.late_signed.split_signed` with ``opener``) and :func:`screen_late`, then selection,
     re-tokenization, the likelihood screen and the context fit over both, with the late groups' baselines
     (:func:`baseline_rows`); each row's round, age and per-round capability figures set."""
     from hacrl_fed.worker.intake import Admitted, admit_rows
 
     t0, c0 = time.perf_counter(), time.process_time()
     ledger = Ledger()
-    current, late = split_rounds(intake.cfg, intake.org_id, request, own, recent, ledger)
+    if intake.cfg.security.signing:
+        from hacrl_fed.worker.late_signed import split_signed
+
+        current, late = split_signed(intake.cfg, intake.org_id, request, own, recent, ledger, opener)
+    else:
+        current, late = split_rounds(intake.cfg, intake.org_id, request, own, recent, ledger)
     foreign = intake.screen(current, own, ledger, opener=None, lazy=None)  # stages 1-4, the request's own round
     verify = intake.task.verify if intake.cfg.security.reverify_rewards else None
     late_rows = screen_late(intake.cfg, intake.org_id, request, late, recent, verify, ledger)

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,7 +43,7 @@ from hacrl_fed.models.context import context_length
 from hacrl_fed.models.loading import load_model_and_tokenizer, model_sources
 from hacrl_fed.perf import PhaseMeter
 from hacrl_fed.plan.sampler import eval_ids
-from hacrl_fed.security.freshness import HEALTH_KEY, ChallengeBook, fresh_digest, plan_digest
+from hacrl_fed.security.freshness import HEALTH_KEY, ChallengeBook, fresh_digest, plan_digest, recent_keep
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.tasks import get_task
 from hacrl_fed.tasks.slices import slice_labels, slice_metrics
@@ -125,7 +127,9 @@ class PolicyWorker(RunRouting):
         # asynchronous rounds: its last W rounds, for foreign batches of earlier rounds (hacrl_fed.worker.late_rounds)
         fed = cfg.federation
         self._recent = RecentRounds(fed.effective_window) if fed.staleness >= 1 else None
-        self._challenges = ChallengeBook()  # replay protection (hacrl_fed.security.freshness)
+        self._version = 0  # asynchronous rounds: updates done in run_id (signed into every batch it publishes)
+        keep = recent_keep(fed.staleness, fed.effective_window) if fed.staleness >= 1 else 1
+        self._challenges = ChallengeBook(keep)  # replay protection (hacrl_fed.security.freshness)
         self._initial = self._snapshot()
         if resume:
             self.restore()
@@ -176,6 +180,8 @@ class PolicyWorker(RunRouting):
         batch = RolloutBatch(
             plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics, plan_digest=plan_digest(plan)
         )
+        if self._recent is not None:  # asynchronous rounds: the version and the plan's challenges, signed
+            batch = replace(batch, version=self._version, plan_challenges=dict(plan.challenges))
         return self.border.publish(batch, sp.max_new_tokens * self.cfg.security.max_bytes_per_token)
 
     def _sample(self, plan: RoundPlan) -> tuple[dict[int, list[int]], list[int], list]:
@@ -243,7 +249,11 @@ class PolicyWorker(RunRouting):
             check_capability(self.cfg, table)
         raise_if_cancelled("before training")
         c0, perf = time.process_time(), PhaseMeter(self._device())
-        opener = self.border.opener(own.run_id, own.round, own.fresh_digest)
+        opener: Any
+        if self._recent is not None:  # asynchronous rounds: each source batch against the plan of its own round
+            opener = self.border.late_opener(own.run_id, self._recent, self._challenges.recent)
+        else:
+            opener = self.border.opener(own.run_id, own.round, own.fresh_digest)
         seed = stable_seed(self.seed, "select", own.round)
         outcome, leave_out = self._outcome_start(request.run_id, own.round)
         admitted = self.intake.admit(
@@ -277,6 +287,7 @@ class PolicyWorker(RunRouting):
         metrics.update({"cpu/update": c2 - c1, "cpu/train": c2 - c0})
         self._own = None
         self.last_round, self._trained[request.run_id], self._pristine = request.round, request.round, False
+        self._version += 1
         return self._report(request, metrics)
 
     def _outcome_start(self, run_id: str, round: int):

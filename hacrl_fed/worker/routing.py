@@ -56,6 +56,7 @@ class RunRouting:
     _trained: dict[str, int]
     _pristine: bool
     _own: Any
+    _version: int
     _initial: tuple
 
     def _new_trainer(self) -> Any:  # pragma: no cover - PolicyWorker defines it
@@ -129,6 +130,7 @@ class RunRouting:
                 )
             self._start_fresh()
         self.run_id, self.last_round, self._own = run_id, last_round, None
+        self._version = last_round  # updates done in this run: one per round trained (asynchronous runs do not resume)
 
     def checkpoint(self, round: int) -> str:
         """Checkpoint the round just trained into this run's folder, ``<run dir>/orgs/<org>/checkpoints/<run id>``."""

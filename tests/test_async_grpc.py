@@ -1,0 +1,57 @@
+"""Asynchronous rounds over real gRPC worker processes (issue 29, Deliver 3): a signed K = 1 run of the smoke config
+with its two `hacrl-fed worker` processes (started as `hacrl-fed run --transport grpc` starts them, stopped by PID),
+the replies taken on the wall clock as they come, the signed batches, tags and per-round tables through the codec's
+bounds, and every (learner, foreign batch) pair taken once or counted; a train request naming a round outside the
+worker's window is refused by the worker's codec, naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hacrl_fed.config import load_config
+from hacrl_fed.coordinator import Coordinator
+from hacrl_fed.coordinator.grpc_transport import GrpcTransport
+from hacrl_fed.coordinator.launcher import WorkerProcesses
+from hacrl_fed.metrics import RunLogger, read_metrics
+from hacrl_fed.security.keyring import load_run_roster
+from hacrl_fed.types import StepRequest, TrainRequest
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+OVERRIDES = ["federation.staleness=1", "federation.rounds=3", "trainer.selection.rule=all", "task.eval_size=8"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_signed_k1_run_over_grpc_worker_processes(tmp_path):
+    cfg = load_config(CONFIG, overrides=OVERRIDES)
+    assert cfg.security.signing and cfg.federation.staleness == 1
+    run_dir, config = tmp_path / "run", tmp_path / "async.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    load_run_roster(cfg, run_dir)  # provisions the run's keys before the processes start
+    procs = WorkerProcesses(config, ["acme", "globex"], run_dir=run_dir, worker_args=["--run-dir", str(run_dir)])
+    try:
+        transport = GrpcTransport(procs.start(), secrets=procs.secrets)
+        assert all(not isinstance(v, Exception) for v in transport.wait_ready(120).values())
+        with RunLogger(run_dir, tensorboard=False) as logger:
+            co = Coordinator(cfg, transport, run_dir, logger=logger)
+            summary = co.run()
+        hostile = TrainRequest(co.run_id, 3, "acme", (), (), {"acme": 1.0}, tags=(("globex", 1, 0),))  # W = 2
+        with pytest.raises(Exception, match=r"tags\[0\]\.round: round 1 outside the window \[2, 3\]"):
+            transport.clients["acme"].step(StepRequest(train=hostile), timeout_s=60)  # refused by the worker's codec
+        transport.close()
+    finally:
+        procs.close()
+    assert all(w.proc.poll() is not None for w in procs.workers.values())  # stopped by PID
+    drv, records = co.async_driver, read_metrics(run_dir)
+    assert drv.wall and summary.rounds_completed == 3 and [r["round"] for r in records] == [0, 1, 2, 3]
+    assert all(s.end >= s.start for s in drv.steps) and drv.envelopes  # wall times; signed batches relayed
+    assert records[-1]["async/acme/version"] == records[-1]["async/globex/version"] == 3
+    assert not [k for rec in records for k in rec if "/rejected/" in k and rec[k]]  # honest: nothing refused
+    assert sum(rec.get(f"{o}/train/num_cross", 0) for rec in records for o in ("acme", "globex")) > 0
+    for org in ("acme", "globex"):
+        offered = [(t.source, t.round) for s in drv.steps if s.org == org for t in s.foreign]
+        assert len(offered) == len(set(offered))
+        assert len(offered) + sum(drv.refused[org].values()) == len([t for _, t in drv.published if t.source != org])
