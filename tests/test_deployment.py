@@ -1,12 +1,13 @@
 """Real Flower deployment on loopback: flower-superlink, flower-supernode per org, policy-worker processes, flwr run.
 
 Fast checks of the harness itself (process-tree teardown, readiness failures, the files it writes for flwr) come
-first; the two end-to-end tests are marked slow:
+first; the end-to-end tests are marked slow:
 
 (a) insecure Flower, real ``hacrl-fed worker`` processes with the micro zoo agents of ``configs/smoke.yaml`` on
 unix sockets (mode 0600 in a 0700 directory); ``flwr log`` shows one line per round, the workers say what they
 serve and log one line per call, and the same ``flwr run`` again into the used run dir fails with one line naming
-``resume=true`` / ``run-dir=``, no traceback;
+``resume=true`` / ``run-dir=``, no traceback; on the same deployment (one per module: :func:`insecure_runs`), the
+seeded run with the two-message protocol gives the numbers of the fused one;
 (b) TLS + SuperNode authentication with keys from ``hacrl-fed keys`` and fake workers (no models) serving mutual
 TLS on loopback TCP (the ClientApps present their org's client certificate), plus an unregistered SuperNode that
 must be refused.
@@ -217,23 +218,61 @@ def test_every_process_gets_a_private_flwr_home_and_the_quiet_env(tmp_path):
 # ------------------------------------------------------------------------------------------ real deployments
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_insecure_deployment_with_real_workers(tmp_path):
-    run_dir = tmp_path / "run"
+def _log_through(path: Path, pattern: re.Pattern, timeout_s: float = 60) -> str:
+    """``path``'s text once ``pattern`` is in it (the worker logs a call after answering it)."""
+    deadline = time.monotonic() + timeout_s
+    while not pattern.search(text := path.read_text()):
+        assert time.monotonic() < deadline, f"no {pattern.pattern!r} in {path} within {timeout_s:g} s:\n{text[-2000:]}"
+        time.sleep(0.2)
+    return text
+
+
+@pytest.fixture(scope="module")
+def insecure_runs(tmp_path_factory) -> dict:
+    """One insecure deployment (SuperLink, SuperNodes, real ``hacrl-fed worker`` processes on unix sockets that serve
+    run after run from their initial weights), three runs on it, then every process stopped by PID:
+
+    1. the seeded smoke run with ``federation.protocol=fused``, into ``fused/``;
+    2. the same ``flwr run`` again into that used run dir (it must be refused);
+    3. the same seeded run with ``two_message``, into ``two_message/``.
+
+    Each worker's log up to the end of run 2 (``worker_logs``) is the log of the fused run alone: the refused run
+    reached no worker. Both real-deployment tests below read what this leaves; a failure here fails both."""
+    tmp = tmp_path_factory.mktemp("insecure")
+    out: dict = {"tmp": tmp, "run_ids": {}}
     t0 = time.monotonic()
-    with Deployment(tmp_path / "dep") as dep:  # __exit__ stops every process, also when an assertion fails
-        identities = identity_overrides(tmp_path / "identity_set", ORGS)  # workers and coordinator: one roster
-        addresses = start_local(dep, SMOKE, ORGS, overrides=identities)
-        socket_modes = {org: stat.S_IMODE(os.stat(a[len("unix:"):]).st_mode) for org, a in addresses.items()}
+    with Deployment(tmp / "dep") as dep:  # __exit__ stops every process, also when an assertion fails
+        identities = identity_overrides(tmp / "identity_set", ORGS)  # workers and coordinator: one roster
+        out["addresses"] = start_local(dep, SMOKE, ORGS, overrides=identities)
+        out["socket_modes"] = {org: stat.S_IMODE(os.stat(a[len("unix:"):]).st_mode)
+                               for org, a in out["addresses"].items()}
         up_s = time.monotonic() - t0
-        run_id, info, run_s = _submit_and_wait(dep, run_dir, tuple(identities))
-        server_log = dep.flwr_log(run_id)
-        again = dep.submit(REPO, {"config-path": str(SMOKE), "run-dir": str(run_dir),
-                                  "overrides": " ".join([f"federation.rounds={ROUNDS}", *identities])})
-        refused = dep.wait_run(again, timeout_s=120)
-        refused_log = dep.flwr_log(again)
-    assert dep.leftovers() == {}
+        fused = (*identities, "federation.protocol=fused")
+        run_id, _, run_s = _submit_and_wait(dep, tmp / "fused", fused)
+        out["run_ids"]["fused"], out["server_log"] = run_id, dep.flwr_log(run_id)
+        again = dep.submit(REPO, {"config-path": str(SMOKE), "run-dir": str(tmp / "fused"),
+                                  "overrides": " ".join([f"federation.rounds={ROUNDS}", *fused])})
+        out["refused"] = dep.wait_run(again, timeout_s=120)
+        out["refused_log"] = dep.flwr_log(again)
+        last_call = re.compile(rf"Step train round {ROUNDS} \+ evaluate \+ checkpoint ok in")
+        out["worker_logs"] = {org: _log_through(tmp / "dep" / "logs" / f"worker-{org}.log", last_call)
+                              for org in ORGS}
+        out["run_ids"]["two_message"] = _submit_and_wait(
+            dep, tmp / "two_message", (*identities, "federation.protocol=two_message"))[0]
+    out["leftovers"] = dep.leftovers()
+    metrics = _metrics(tmp / "fused")
+    _report(tmp, "insecure-real-workers", dep, up_s=up_s, run_s=run_s, total_s=time.monotonic() - t0,
+            round_times={t: {k: v for k, v in m.items() if k.startswith("time/")} for t, m in metrics.items()})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_insecure_deployment_with_real_workers(insecure_runs):
+    tmp, run_dir = insecure_runs["tmp"], insecure_runs["tmp"] / "fused"
+    run_id, server_log, refused_log = (insecure_runs["run_ids"]["fused"], insecure_runs["server_log"],
+                                       insecure_runs["refused_log"])
+    assert insecure_runs["leftovers"] == {}
     metrics = _metrics(run_dir)
     _assert_per_org_metrics(metrics, ORGS)
     # progress in the ServerApp's log as flwr log shows it, and the run's outputs link the two run ids
@@ -247,14 +286,15 @@ def test_insecure_deployment_with_real_workers(tmp_path):
     assert "\n# transport: flower-deployment\n" in (run_dir / "config.yaml").read_text()
     assert f"Flower run id {run_id}" in (run_dir / "summary.txt").read_text()
     # the same run again into the used run dir: fails cleanly, with the keys of flwr run
+    refused = insecure_runs["refused"]
     assert refused["status"] == "finished:failed" and "resume=true" in refused.get("status-details", "")
     assert "already holds a run: set resume=true to continue it, or another run-dir=" in refused_log
     assert "Traceback" not in refused_log, refused_log
     for org in ORGS:  # each worker: what it serves, one line per call, the ready line once
-        worker_log = (tmp_path / "dep" / "logs" / f"worker-{org}.log").read_text()
+        worker_log = insecure_runs["worker_logs"][org]  # up to the end of the refused run
         assert re.search(rf"hacrl-fed worker serves org {org}, model zoo:micro-\S+, [\d.]+ M parameters, "
                          r"device \w+, dtype \w+", worker_log), worker_log[-2000:]
-        assert worker_log.count("listening on unix:") == 1
+        assert (tmp / "dep" / "logs" / f"worker-{org}.log").read_text().count("listening on unix:") == 1
         # fused rounds: one Step call per round (plan 1 alone, train 1 with plan 2, the last train alone with the
         # evaluation and checkpoint of the last round)
         assert re.search(r"Step plan round 1 ok in [\d.]+ s", worker_log), worker_log[-2000:]
@@ -262,41 +302,35 @@ def test_insecure_deployment_with_real_workers(tmp_path):
         assert f"Step train round {ROUNDS} + evaluate + checkpoint ok in" in worker_log
         # the message counter: each Flower message is one ClientApp process and one call to the worker, so these
         # are all the messages the org got (Health polls log at DEBUG): every round one, evaluation and
-        # checkpoint rounds included; only the evaluation before round 1 is a message of its own
+        # checkpoint rounds included; only the evaluation before round 1 is a message of its own; the refused run
+        # sent none
         calls = Counter(m.group(1) for m in re.finditer(r"grpc_server: (\w+)\b[^\n]* ok in [\d.]+ s", worker_log))
         assert calls == {"Step": ROUNDS + 1, "Evaluate": 1}, (org, calls)
         assert "Evaluate round 0 ok in" in worker_log
     for org in ORGS:  # the real workers did the work: their own timings came back through Flower
         assert metrics[1][f"{org}/time/generate"] > 0
-        assert addresses[org] == f"unix:{tmp_path / 'dep' / 'sock' / f'{org}.sock'}"
-        assert "listening on unix:" in (tmp_path / "dep" / "logs" / f"worker-{org}.log").read_text()
-    assert socket_modes == {org: 0o600 for org in ORGS}
+        assert insecure_runs["addresses"][org] == f"unix:{tmp / 'dep' / 'sock' / f'{org}.sock'}"
+    assert insecure_runs["socket_modes"] == {org: 0o600 for org in ORGS}
     assert all(metrics[1][f"round/{org}/messages"] == 1.0 for org in ORGS)  # one Flower message per org and round
-    _report(tmp_path, "insecure-real-workers", dep, up_s=up_s, run_s=run_s, total_s=time.monotonic() - t0,
-            round_times={t: {k: v for k, v in m.items() if k.startswith("time/")} for t, m in metrics.items()})
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_deployment_fused_and_two_message_protocols_give_identical_numbers(tmp_path):
+def test_deployment_fused_and_two_message_protocols_give_identical_numbers(insecure_runs):
     """One deployment (SuperLink, SuperNodes, real workers serving run after run from their initial weights): the
     same seeded run with each protocol gives identical per-round rewards, counts, losses and accuracies."""
     learned = {}
-    with Deployment(tmp_path / "dep") as dep:
-        identities = identity_overrides(tmp_path / "identity_set", ORGS)
-        start_local(dep, SMOKE, ORGS, overrides=identities)
-        for protocol in ("two_message", "fused"):
-            _submit_and_wait(dep, tmp_path / protocol, (*identities, f"federation.protocol={protocol}"))
-            learned[protocol] = {t: {k: v for k, v in m.items() if k != "wall_time"
-                                     and not {"time", "cpu", "bytes", "messages", "perf"} & set(k.split("/"))}
-                                 for t, m in _metrics(tmp_path / protocol).items()}
-            messages = _metrics(tmp_path / protocol)[1]
-            assert all(messages[f"round/{o}/messages"] == (2.0 if protocol == "two_message" else 1.0) for o in ORGS)
-    assert dep.leftovers() == {}
+    for protocol in ("two_message", "fused"):
+        metrics = _metrics(insecure_runs["tmp"] / protocol)
+        learned[protocol] = {t: {k: v for k, v in m.items() if k != "wall_time"
+                                 and not {"time", "cpu", "bytes", "messages", "perf"} & set(k.split("/"))}
+                             for t, m in metrics.items()}
+        assert all(metrics[1][f"round/{o}/messages"] == (2.0 if protocol == "two_message" else 1.0) for o in ORGS)
+    assert insecure_runs["leftovers"] == {}
     assert learned["fused"] == learned["two_message"]
-    for t in range(1, ROUNDS + 1):  # the second run, on the same long-lived workers, was fresh too
+    for t in range(1, ROUNDS + 1):  # the later run (two_message), on the same long-lived workers, was fresh too
         for org in ORGS:
-            _assert_fresh(learned["fused"][t], org, ORGS, t)
+            _assert_fresh(learned["two_message"][t], org, ORGS, t)
     assert all(f"{o}/train/loss" in learned["fused"][ROUNDS] and f"eval/{o}/accuracy" in learned["fused"][ROUNDS]
                for o in ORGS)
 
