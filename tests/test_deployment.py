@@ -10,10 +10,11 @@ serve and log one line per call, and the same ``flwr run`` again into the used r
 seeded run with the two-message protocol gives the numbers of the fused one;
 (b) TLS + SuperNode authentication with keys from ``hacrl-fed keys`` and fake workers (no models) serving mutual
 TLS on loopback TCP (the ClientApps present their org's client certificate), plus an unregistered SuperNode that
-must be refused.
+must be refused;
 
 (c) ``hacrl-fed deploy-local`` (:func:`run_local`, stand-in workers): streams the ServerApp's log and ends with
-the final table.
+the final table. (b) and (c) read one ``deploy-local --tls --worker-link tls`` run (:func:`tls_local_run`), which
+probes the live deployment of (b) before its run.
 
 Every process is stopped by PID in the harness's teardown (also when a test fails), and each test checks that
 nothing it started is left running. Timings go to ``<tmp>/timings.json`` (and stdout with ``-s``).
@@ -39,9 +40,9 @@ import pytest
 from hacrl_fed.cli.deploy_local import main as main_local
 from hacrl_tools.deploy_local import (
     HOST, Deployment, HarnessError, descendants, identity_overrides, process_table, run_local,
-    start_local, toml_table, worker_command, worker_link_args, worker_listen, worker_node_config,
+    WORKER_READY, start_local, toml_table, worker_command, worker_link_args, worker_listen, worker_node_config,
 )
-from hacrl_fed.security.keys import KeyLayout, write_keys
+from hacrl_fed.security.keys import KeyLayout, make_supernode_keypair
 from hacrl_fed.wire.grpc_client import GrpcWorkerClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -335,24 +336,6 @@ def test_deployment_fused_and_two_message_protocols_give_identical_numbers(insec
                for o in ORGS)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_deploy_local_streams_the_server_log_and_ends_with_the_table(tmp_path):
-    lines: list[str] = []
-    rc = run_local(SMOKE, workdir=tmp_path / "dep", app=REPO, worker_argv=_fake_worker, timeout_s=300,
-                   overrides=[f"federation.rounds={ROUNDS}", "security.signing=false"],  # stand-ins do not sign
-                   out=lambda text: lines.extend(text.splitlines()))
-    assert rc == 0, "\n".join(lines[-60:])
-    text = "\n".join(lines)
-    status = next(i for i, line in enumerate(lines) if "finished:completed" in line)
-    assert all(f"round {t}/{ROUNDS} in " in "\n".join(lines[:status]) for t in range(1, ROUNDS + 1)), text[-3000:]
-    table = (tmp_path / "dep" / "run" / "summary.txt").read_text().rstrip().splitlines()
-    assert lines[-len(table):] == table and table[0].startswith("org ")  # ends with the final table
-    assert table[-1] == f"outputs in {tmp_path / 'dep' / 'run'}"
-    assert f"round {ROUNDS}/{ROUNDS} in " in (tmp_path / "dep" / "logs" / "serverapp.log").read_text()
-    assert json.loads((tmp_path / "dep" / "timings.json").read_text())["run"]["status"] == "finished:completed"
-
-
 def _fake_worker(org: str, listen: str) -> list[str]:
     return [sys.executable, str(FAKE_WORKER), "--config", str(SMOKE), "--org", org, "--listen", listen]
 
@@ -375,36 +358,73 @@ def _peer_sans(ca_cert: Path, port: int) -> list[tuple[str, str]]:
             return list(tls.getpeercert()["subjectAltName"])
 
 
+def _probe_tls_deployment(dep: Deployment, seen: dict) -> None:
+    """``run_local``'s ``on_up``: from outside the live TLS deployment, what the TLS test checks (into ``seen``)."""
+    seen["dep"] = dep
+    seen["addresses"] = {org: WORKER_READY.search(next(p for p in dep.procs if p.name == f"worker-{org}").log_text())
+                         ["address"] for org in ORGS}
+    seen["plaintext_health"] = {}
+    for org, address in seen["addresses"].items():  # the workers serve mutual TLS: a plaintext client is refused
+        try:
+            seen["plaintext_health"][org] = f"answered {GrpcWorkerClient(address, timeout_s=5).health()}"
+        except Exception as err:  # the test matches the error's text
+            seen["plaintext_health"][org] = f"{type(err).__name__}: {err}"
+    seen["sans"] = _peer_sans(dep.tls.ca_cert, dep.superlink_port)
+    seen["plain_http"] = _plain_http_reply(dep.superlink_port)
+    # mallory's SuperNode key is made here but never registered
+    private, _ = make_supernode_keypair(comment="hacrl-fed-supernode-mallory")
+    mallory_key = dep.workdir / "mallory.key"
+    mallory_key.write_bytes(private)
+    mallory_key.chmod(0o600)
+    intruder = dep.start_supernode("mallory", f"{HOST}:1", auth_key=mallory_key, wait=False)
+    seen["intruder_rc"] = intruder.popen.wait(timeout=120)
+    seen["intruder_log"], seen["intruder_id"] = intruder.log_text(), dep.supernode_id(intruder)
+    seen["superlink_log"] = dep.superlink.log_text()
+    seen["nodes"] = dep.list_supernodes()
+    seen["supernode_ids"] = {dep.supernode_id(p) for p in dep.procs if p.name.startswith("supernode-")} - {None}
+
+
+@pytest.fixture(scope="module")
+def tls_local_run(tmp_path_factory) -> dict:
+    """One ``hacrl-fed deploy-local --tls --worker-link tls`` (:func:`run_local`: keys from ``hacrl-fed keys``,
+    SuperNode authentication) with stand-in workers (no models) serving mutual TLS on loopback TCP, the ClientApps
+    presenting their org's client certificate. Once everything is up and before the run,
+    :func:`_probe_tls_deployment` looks at it from outside (``seen``); then the run, its streamed output
+    (``lines``) and return code (``rc``). Every process is stopped (by PID) before the tests read this."""
+    tmp = tmp_path_factory.mktemp("tls-local")
+    lines: list[str] = []
+    seen: dict = {}
+    t0 = time.monotonic()
+    rc = run_local(SMOKE, workdir=tmp / "dep", app=REPO, tls=True, worker_link="tls", worker_argv=_fake_worker,
+                   timeout_s=300, overrides=[f"federation.rounds={ROUNDS}", "security.signing=false"],  # unsigned
+                   out=lambda text: lines.extend(text.splitlines()), on_up=lambda dep: _probe_tls_deployment(dep, seen))
+    dep = seen["dep"]
+    _report(tmp, "tls-auth-fake-workers", dep, total_s=time.monotonic() - t0, intruder_exit_code=seen["intruder_rc"])
+    return {"tmp": tmp, "rc": rc, "lines": lines, "seen": seen, "leftovers": dep.leftovers()}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_tls_and_supernode_auth_refuse_an_unregistered_node(tmp_path):
-    keys = write_keys(tmp_path / "keys", [*ORGS, "mallory"])  # mallory's key is made but never registered
-    run_dir = tmp_path / "run"
-    t0 = time.monotonic()
-    with Deployment(tmp_path / "dep", tls=keys) as dep:
-        addresses = start_local(dep, SMOKE, ORGS, worker_argv=_fake_worker, worker_link="tls")
-        up_s = time.monotonic() - t0
-        for org, address in addresses.items():  # the workers serve mutual TLS: a plaintext client is refused
-            assert address.startswith(f"{HOST}:")
-            with pytest.raises(Exception, match="UNAVAILABLE"):
-                GrpcWorkerClient(address, timeout_s=5).health()
-        assert ("IP Address", HOST) in _peer_sans(keys.ca_cert, dep.superlink_port)
-        assert not _plain_http_reply(dep.superlink_port).startswith(b"HTTP/")  # TLS only, no plaintext
+def test_tls_and_supernode_auth_refuse_an_unregistered_node(tls_local_run):
+    seen, run_dir = tls_local_run["seen"], tls_local_run["tmp"] / "dep" / "run"
+    dep = seen["dep"]
+    for org, address in seen["addresses"].items():  # the workers serve mutual TLS: a plaintext client is refused
+        assert address.startswith(f"{HOST}:")
+        assert "UNAVAILABLE" in seen["plaintext_health"][org], seen["plaintext_health"][org]
+    assert ("IP Address", HOST) in seen["sans"]
+    assert not seen["plain_http"].startswith(b"HTTP/")  # TLS only, no plaintext
 
-        intruder = dep.start_supernode("mallory", f"{HOST}:1", wait=False)
-        rc = intruder.popen.wait(timeout=120)
-        assert rc != 0
-        assert "Failed to activate SuperNode" in intruder.log_text()
-        assert dep.supernode_id(intruder) is None
-        assert "No SuperNode found with the given public key" in dep.superlink.log_text()
+    assert seen["intruder_rc"] != 0
+    assert "Failed to activate SuperNode" in seen["intruder_log"]
+    assert seen["intruder_id"] is None
+    assert "No SuperNode found with the given public key" in seen["superlink_log"]
 
-        nodes = dep.list_supernodes()
-        assert len(nodes) == len(ORGS) and {n["status"] for n in nodes} == {"online"}, nodes
-        registered = {int(n["node-id"]) for n in nodes}
-        assert {dep.supernode_id(p) for p in dep.procs if p.name.startswith("supernode-")} - {None} == registered
+    nodes = seen["nodes"]
+    assert len(nodes) == len(ORGS) and {n["status"] for n in nodes} == {"online"}, nodes
+    assert seen["supernode_ids"] == {int(n["node-id"]) for n in nodes}
 
-        run_id, info, run_s = _submit_and_wait(dep, run_dir, ("security.signing=false",))  # fake workers: unsigned
-    assert dep.leftovers() == {}
+    assert tls_local_run["rc"] == 0, "\n".join(tls_local_run["lines"][-60:])  # the run finished:completed
+    assert tls_local_run["leftovers"] == {}
     metrics = _metrics(run_dir)
     _assert_per_org_metrics(metrics, ORGS, fresh=False)  # fake workers: unsigned, no challenges
     for org in ORGS:  # the ClientApps reached their workers over mutual TLS with their org's client certificate
@@ -413,5 +433,19 @@ def test_tls_and_supernode_auth_refuse_an_unregistered_node(tmp_path):
         assert metrics[1][f"round/{org}/rollouts_accepted"] == 4 * 4
         assert metrics[1][f"round/{org}/accuracy"] == 0.5
     assert not any("mallory" in key for m in metrics.values() for key in m)
-    _report(tmp_path, "tls-auth-fake-workers", dep, up_s=up_s, run_s=run_s, total_s=time.monotonic() - t0,
-            intruder_exit_code=rc)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_deploy_local_streams_the_server_log_and_ends_with_the_table(tls_local_run):
+    lines, workdir = tls_local_run["lines"], tls_local_run["tmp"] / "dep"
+    assert tls_local_run["rc"] == 0, "\n".join(lines[-60:])
+    text = "\n".join(lines)
+    status = next(i for i, line in enumerate(lines) if "finished:completed" in line)
+    assert all(f"round {t}/{ROUNDS} in " in "\n".join(lines[:status]) for t in range(1, ROUNDS + 1)), text[-3000:]
+    table = (workdir / "run" / "summary.txt").read_text().rstrip().splitlines()
+    assert lines[-len(table):] == table and table[0].startswith("org ")  # ends with the final table
+    assert table[-1] == f"outputs in {workdir / 'run'}"
+    assert f"round {ROUNDS}/{ROUNDS} in " in (workdir / "logs" / "serverapp.log").read_text()
+    assert json.loads((workdir / "timings.json").read_text())["run"]["status"] == "finished:completed"
+    assert tls_local_run["leftovers"] == {}
