@@ -782,13 +782,16 @@ def run_local(
     timeout_s: float = 1800.0,
     out: Callable[[str], Any] = print,
     worker_argv: Callable[[str, str], Sequence[str]] | None = None,
+    on_up: Callable[[Deployment], Any] | None = None,
 ) -> int:
     """One hacrl-fed config through a real local Flower deployment (:func:`start_local`), then stop everything.
 
     ``out`` gets the ServerApp's log as it streams (one line per round, the eval tables), a status line, and last
     the final per-org table (``summary.txt`` of the run dir ``WORKDIR/run``). ``flwr log`` of the run is kept in
     ``WORKDIR/logs/serverapp.log``, the processes' start/stop times in ``WORKDIR/timings.json``. 0 iff the run
-    ends ``finished:completed``. ``worker_argv`` as in :func:`start_local` (tests use stand-in workers).
+    ends ``finished:completed``. ``worker_argv`` as in :func:`start_local` (tests use stand-in workers);
+    ``on_up(deployment)`` is called once every process is up, before the run is submitted (tests probe the live
+    deployment from outside; an exception it raises stops everything and propagates).
     """
     from hacrl_fed.config import load_config
     from hacrl_fed.security.keys import write_keys
@@ -807,6 +810,8 @@ def run_local(
     logs = workdir / "logs"
     with Deployment(workdir, tls=keys) as dep:
         start_local(dep, config, orgs, overrides=overrides, worker_link=worker_link, worker_argv=worker_argv)
+        if on_up is not None:
+            on_up(dep)
         run_id = dep.submit(
             app, {"config-path": str(config), "overrides": " ".join(overrides), "run-dir": str(run_dir)}
         )

@@ -1,18 +1,20 @@
 """Real Flower deployment on loopback: flower-superlink, flower-supernode per org, policy-worker processes, flwr run.
 
 Fast checks of the harness itself (process-tree teardown, readiness failures, the files it writes for flwr) come
-first; the two end-to-end tests are marked slow:
+first; the end-to-end tests are marked slow:
 
 (a) insecure Flower, real ``hacrl-fed worker`` processes with the micro zoo agents of ``configs/smoke.yaml`` on
 unix sockets (mode 0600 in a 0700 directory); ``flwr log`` shows one line per round, the workers say what they
 serve and log one line per call, and the same ``flwr run`` again into the used run dir fails with one line naming
-``resume=true`` / ``run-dir=``, no traceback;
+``resume=true`` / ``run-dir=``, no traceback; on the same deployment (one per module: :func:`insecure_runs`), the
+seeded run with the two-message protocol gives the numbers of the fused one;
 (b) TLS + SuperNode authentication with keys from ``hacrl-fed keys`` and fake workers (no models) serving mutual
 TLS on loopback TCP (the ClientApps present their org's client certificate), plus an unregistered SuperNode that
-must be refused.
+must be refused;
 
 (c) ``hacrl-fed deploy-local`` (:func:`run_local`, stand-in workers): streams the ServerApp's log and ends with
-the final table.
+the final table. (b) and (c) read one ``deploy-local --tls --worker-link tls`` run (:func:`tls_local_run`), which
+probes the live deployment of (b) before its run.
 
 Every process is stopped by PID in the harness's teardown (also when a test fails), and each test checks that
 nothing it started is left running. Timings go to ``<tmp>/timings.json`` (and stdout with ``-s``).
@@ -38,9 +40,9 @@ import pytest
 from hacrl_fed.cli.deploy_local import main as main_local
 from hacrl_tools.deploy_local import (
     HOST, Deployment, HarnessError, descendants, identity_overrides, process_table, run_local,
-    start_local, toml_table, worker_command, worker_link_args, worker_listen, worker_node_config,
+    WORKER_READY, start_local, toml_table, worker_command, worker_link_args, worker_listen, worker_node_config,
 )
-from hacrl_fed.security.keys import KeyLayout, write_keys
+from hacrl_fed.security.keys import KeyLayout, make_supernode_keypair
 from hacrl_fed.wire.grpc_client import GrpcWorkerClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -217,23 +219,61 @@ def test_every_process_gets_a_private_flwr_home_and_the_quiet_env(tmp_path):
 # ------------------------------------------------------------------------------------------ real deployments
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_insecure_deployment_with_real_workers(tmp_path):
-    run_dir = tmp_path / "run"
+def _log_through(path: Path, pattern: re.Pattern, timeout_s: float = 60) -> str:
+    """``path``'s text once ``pattern`` is in it (the worker logs a call after answering it)."""
+    deadline = time.monotonic() + timeout_s
+    while not pattern.search(text := path.read_text()):
+        assert time.monotonic() < deadline, f"no {pattern.pattern!r} in {path} within {timeout_s:g} s:\n{text[-2000:]}"
+        time.sleep(0.2)
+    return text
+
+
+@pytest.fixture(scope="module")
+def insecure_runs(tmp_path_factory) -> dict:
+    """One insecure deployment (SuperLink, SuperNodes, real ``hacrl-fed worker`` processes on unix sockets that serve
+    run after run from their initial weights), three runs on it, then every process stopped by PID:
+
+    1. the seeded smoke run with ``federation.protocol=fused``, into ``fused/``;
+    2. the same ``flwr run`` again into that used run dir (it must be refused);
+    3. the same seeded run with ``two_message``, into ``two_message/``.
+
+    Each worker's log up to the end of run 2 (``worker_logs``) is the log of the fused run alone: the refused run
+    reached no worker. Both real-deployment tests below read what this leaves; a failure here fails both."""
+    tmp = tmp_path_factory.mktemp("insecure")
+    out: dict = {"tmp": tmp, "run_ids": {}}
     t0 = time.monotonic()
-    with Deployment(tmp_path / "dep") as dep:  # __exit__ stops every process, also when an assertion fails
-        identities = identity_overrides(tmp_path / "identity_set", ORGS)  # workers and coordinator: one roster
-        addresses = start_local(dep, SMOKE, ORGS, overrides=identities)
-        socket_modes = {org: stat.S_IMODE(os.stat(a[len("unix:"):]).st_mode) for org, a in addresses.items()}
+    with Deployment(tmp / "dep") as dep:  # __exit__ stops every process, also when an assertion fails
+        identities = identity_overrides(tmp / "identity_set", ORGS)  # workers and coordinator: one roster
+        out["addresses"] = start_local(dep, SMOKE, ORGS, overrides=identities)
+        out["socket_modes"] = {org: stat.S_IMODE(os.stat(a[len("unix:"):]).st_mode)
+                               for org, a in out["addresses"].items()}
         up_s = time.monotonic() - t0
-        run_id, info, run_s = _submit_and_wait(dep, run_dir, tuple(identities))
-        server_log = dep.flwr_log(run_id)
-        again = dep.submit(REPO, {"config-path": str(SMOKE), "run-dir": str(run_dir),
-                                  "overrides": " ".join([f"federation.rounds={ROUNDS}", *identities])})
-        refused = dep.wait_run(again, timeout_s=120)
-        refused_log = dep.flwr_log(again)
-    assert dep.leftovers() == {}
+        fused = (*identities, "federation.protocol=fused")
+        run_id, _, run_s = _submit_and_wait(dep, tmp / "fused", fused)
+        out["run_ids"]["fused"], out["server_log"] = run_id, dep.flwr_log(run_id)
+        again = dep.submit(REPO, {"config-path": str(SMOKE), "run-dir": str(tmp / "fused"),
+                                  "overrides": " ".join([f"federation.rounds={ROUNDS}", *fused])})
+        out["refused"] = dep.wait_run(again, timeout_s=120)
+        out["refused_log"] = dep.flwr_log(again)
+        last_call = re.compile(rf"Step train round {ROUNDS} \+ evaluate \+ checkpoint ok in")
+        out["worker_logs"] = {org: _log_through(tmp / "dep" / "logs" / f"worker-{org}.log", last_call)
+                              for org in ORGS}
+        out["run_ids"]["two_message"] = _submit_and_wait(
+            dep, tmp / "two_message", (*identities, "federation.protocol=two_message"))[0]
+    out["leftovers"] = dep.leftovers()
+    metrics = _metrics(tmp / "fused")
+    _report(tmp, "insecure-real-workers", dep, up_s=up_s, run_s=run_s, total_s=time.monotonic() - t0,
+            round_times={t: {k: v for k, v in m.items() if k.startswith("time/")} for t, m in metrics.items()})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_insecure_deployment_with_real_workers(insecure_runs):
+    tmp, run_dir = insecure_runs["tmp"], insecure_runs["tmp"] / "fused"
+    run_id, server_log, refused_log = (insecure_runs["run_ids"]["fused"], insecure_runs["server_log"],
+                                       insecure_runs["refused_log"])
+    assert insecure_runs["leftovers"] == {}
     metrics = _metrics(run_dir)
     _assert_per_org_metrics(metrics, ORGS)
     # progress in the ServerApp's log as flwr log shows it, and the run's outputs link the two run ids
@@ -247,14 +287,15 @@ def test_insecure_deployment_with_real_workers(tmp_path):
     assert "\n# transport: flower-deployment\n" in (run_dir / "config.yaml").read_text()
     assert f"Flower run id {run_id}" in (run_dir / "summary.txt").read_text()
     # the same run again into the used run dir: fails cleanly, with the keys of flwr run
+    refused = insecure_runs["refused"]
     assert refused["status"] == "finished:failed" and "resume=true" in refused.get("status-details", "")
     assert "already holds a run: set resume=true to continue it, or another run-dir=" in refused_log
     assert "Traceback" not in refused_log, refused_log
     for org in ORGS:  # each worker: what it serves, one line per call, the ready line once
-        worker_log = (tmp_path / "dep" / "logs" / f"worker-{org}.log").read_text()
+        worker_log = insecure_runs["worker_logs"][org]  # up to the end of the refused run
         assert re.search(rf"hacrl-fed worker serves org {org}, model zoo:micro-\S+, [\d.]+ M parameters, "
                          r"device \w+, dtype \w+", worker_log), worker_log[-2000:]
-        assert worker_log.count("listening on unix:") == 1
+        assert (tmp / "dep" / "logs" / f"worker-{org}.log").read_text().count("listening on unix:") == 1
         # fused rounds: one Step call per round (plan 1 alone, train 1 with plan 2, the last train alone with the
         # evaluation and checkpoint of the last round)
         assert re.search(r"Step plan round 1 ok in [\d.]+ s", worker_log), worker_log[-2000:]
@@ -262,61 +303,37 @@ def test_insecure_deployment_with_real_workers(tmp_path):
         assert f"Step train round {ROUNDS} + evaluate + checkpoint ok in" in worker_log
         # the message counter: each Flower message is one ClientApp process and one call to the worker, so these
         # are all the messages the org got (Health polls log at DEBUG): every round one, evaluation and
-        # checkpoint rounds included; only the evaluation before round 1 is a message of its own
+        # checkpoint rounds included; only the evaluation before round 1 is a message of its own; the refused run
+        # sent none
         calls = Counter(m.group(1) for m in re.finditer(r"grpc_server: (\w+)\b[^\n]* ok in [\d.]+ s", worker_log))
         assert calls == {"Step": ROUNDS + 1, "Evaluate": 1}, (org, calls)
         assert "Evaluate round 0 ok in" in worker_log
     for org in ORGS:  # the real workers did the work: their own timings came back through Flower
         assert metrics[1][f"{org}/time/generate"] > 0
-        assert addresses[org] == f"unix:{tmp_path / 'dep' / 'sock' / f'{org}.sock'}"
-        assert "listening on unix:" in (tmp_path / "dep" / "logs" / f"worker-{org}.log").read_text()
-    assert socket_modes == {org: 0o600 for org in ORGS}
+        assert insecure_runs["addresses"][org] == f"unix:{tmp / 'dep' / 'sock' / f'{org}.sock'}"
+    assert insecure_runs["socket_modes"] == {org: 0o600 for org in ORGS}
     assert all(metrics[1][f"round/{org}/messages"] == 1.0 for org in ORGS)  # one Flower message per org and round
-    _report(tmp_path, "insecure-real-workers", dep, up_s=up_s, run_s=run_s, total_s=time.monotonic() - t0,
-            round_times={t: {k: v for k, v in m.items() if k.startswith("time/")} for t, m in metrics.items()})
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_deployment_fused_and_two_message_protocols_give_identical_numbers(tmp_path):
+def test_deployment_fused_and_two_message_protocols_give_identical_numbers(insecure_runs):
     """One deployment (SuperLink, SuperNodes, real workers serving run after run from their initial weights): the
     same seeded run with each protocol gives identical per-round rewards, counts, losses and accuracies."""
     learned = {}
-    with Deployment(tmp_path / "dep") as dep:
-        identities = identity_overrides(tmp_path / "identity_set", ORGS)
-        start_local(dep, SMOKE, ORGS, overrides=identities)
-        for protocol in ("two_message", "fused"):
-            _submit_and_wait(dep, tmp_path / protocol, (*identities, f"federation.protocol={protocol}"))
-            learned[protocol] = {t: {k: v for k, v in m.items() if k != "wall_time"
-                                     and not {"time", "cpu", "bytes", "messages", "perf"} & set(k.split("/"))}
-                                 for t, m in _metrics(tmp_path / protocol).items()}
-            messages = _metrics(tmp_path / protocol)[1]
-            assert all(messages[f"round/{o}/messages"] == (2.0 if protocol == "two_message" else 1.0) for o in ORGS)
-    assert dep.leftovers() == {}
+    for protocol in ("two_message", "fused"):
+        metrics = _metrics(insecure_runs["tmp"] / protocol)
+        learned[protocol] = {t: {k: v for k, v in m.items() if k != "wall_time"
+                                 and not {"time", "cpu", "bytes", "messages", "perf"} & set(k.split("/"))}
+                             for t, m in metrics.items()}
+        assert all(metrics[1][f"round/{o}/messages"] == (2.0 if protocol == "two_message" else 1.0) for o in ORGS)
+    assert insecure_runs["leftovers"] == {}
     assert learned["fused"] == learned["two_message"]
-    for t in range(1, ROUNDS + 1):  # the second run, on the same long-lived workers, was fresh too
+    for t in range(1, ROUNDS + 1):  # the later run (two_message), on the same long-lived workers, was fresh too
         for org in ORGS:
-            _assert_fresh(learned["fused"][t], org, ORGS, t)
+            _assert_fresh(learned["two_message"][t], org, ORGS, t)
     assert all(f"{o}/train/loss" in learned["fused"][ROUNDS] and f"eval/{o}/accuracy" in learned["fused"][ROUNDS]
                for o in ORGS)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_deploy_local_streams_the_server_log_and_ends_with_the_table(tmp_path):
-    lines: list[str] = []
-    rc = run_local(SMOKE, workdir=tmp_path / "dep", app=REPO, worker_argv=_fake_worker, timeout_s=300,
-                   overrides=[f"federation.rounds={ROUNDS}", "security.signing=false"],  # stand-ins do not sign
-                   out=lambda text: lines.extend(text.splitlines()))
-    assert rc == 0, "\n".join(lines[-60:])
-    text = "\n".join(lines)
-    status = next(i for i, line in enumerate(lines) if "finished:completed" in line)
-    assert all(f"round {t}/{ROUNDS} in " in "\n".join(lines[:status]) for t in range(1, ROUNDS + 1)), text[-3000:]
-    table = (tmp_path / "dep" / "run" / "summary.txt").read_text().rstrip().splitlines()
-    assert lines[-len(table):] == table and table[0].startswith("org ")  # ends with the final table
-    assert table[-1] == f"outputs in {tmp_path / 'dep' / 'run'}"
-    assert f"round {ROUNDS}/{ROUNDS} in " in (tmp_path / "dep" / "logs" / "serverapp.log").read_text()
-    assert json.loads((tmp_path / "dep" / "timings.json").read_text())["run"]["status"] == "finished:completed"
 
 
 def _fake_worker(org: str, listen: str) -> list[str]:
@@ -341,36 +358,73 @@ def _peer_sans(ca_cert: Path, port: int) -> list[tuple[str, str]]:
             return list(tls.getpeercert()["subjectAltName"])
 
 
+def _probe_tls_deployment(dep: Deployment, seen: dict) -> None:
+    """``run_local``'s ``on_up``: from outside the live TLS deployment, what the TLS test checks (into ``seen``)."""
+    seen["dep"] = dep
+    seen["addresses"] = {org: WORKER_READY.search(next(p for p in dep.procs if p.name == f"worker-{org}").log_text())
+                         ["address"] for org in ORGS}
+    seen["plaintext_health"] = {}
+    for org, address in seen["addresses"].items():  # the workers serve mutual TLS: a plaintext client is refused
+        try:
+            seen["plaintext_health"][org] = f"answered {GrpcWorkerClient(address, timeout_s=5).health()}"
+        except Exception as err:  # the test matches the error's text
+            seen["plaintext_health"][org] = f"{type(err).__name__}: {err}"
+    seen["sans"] = _peer_sans(dep.tls.ca_cert, dep.superlink_port)
+    seen["plain_http"] = _plain_http_reply(dep.superlink_port)
+    # mallory's SuperNode key is made here but never registered
+    private, _ = make_supernode_keypair(comment="hacrl-fed-supernode-mallory")
+    mallory_key = dep.workdir / "mallory.key"
+    mallory_key.write_bytes(private)
+    mallory_key.chmod(0o600)
+    intruder = dep.start_supernode("mallory", f"{HOST}:1", auth_key=mallory_key, wait=False)
+    seen["intruder_rc"] = intruder.popen.wait(timeout=120)
+    seen["intruder_log"], seen["intruder_id"] = intruder.log_text(), dep.supernode_id(intruder)
+    seen["superlink_log"] = dep.superlink.log_text()
+    seen["nodes"] = dep.list_supernodes()
+    seen["supernode_ids"] = {dep.supernode_id(p) for p in dep.procs if p.name.startswith("supernode-")} - {None}
+
+
+@pytest.fixture(scope="module")
+def tls_local_run(tmp_path_factory) -> dict:
+    """One ``hacrl-fed deploy-local --tls --worker-link tls`` (:func:`run_local`: keys from ``hacrl-fed keys``,
+    SuperNode authentication) with stand-in workers (no models) serving mutual TLS on loopback TCP, the ClientApps
+    presenting their org's client certificate. Once everything is up and before the run,
+    :func:`_probe_tls_deployment` looks at it from outside (``seen``); then the run, its streamed output
+    (``lines``) and return code (``rc``). Every process is stopped (by PID) before the tests read this."""
+    tmp = tmp_path_factory.mktemp("tls-local")
+    lines: list[str] = []
+    seen: dict = {}
+    t0 = time.monotonic()
+    rc = run_local(SMOKE, workdir=tmp / "dep", app=REPO, tls=True, worker_link="tls", worker_argv=_fake_worker,
+                   timeout_s=300, overrides=[f"federation.rounds={ROUNDS}", "security.signing=false"],  # unsigned
+                   out=lambda text: lines.extend(text.splitlines()), on_up=lambda dep: _probe_tls_deployment(dep, seen))
+    dep = seen["dep"]
+    _report(tmp, "tls-auth-fake-workers", dep, total_s=time.monotonic() - t0, intruder_exit_code=seen["intruder_rc"])
+    return {"tmp": tmp, "rc": rc, "lines": lines, "seen": seen, "leftovers": dep.leftovers()}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_tls_and_supernode_auth_refuse_an_unregistered_node(tmp_path):
-    keys = write_keys(tmp_path / "keys", [*ORGS, "mallory"])  # mallory's key is made but never registered
-    run_dir = tmp_path / "run"
-    t0 = time.monotonic()
-    with Deployment(tmp_path / "dep", tls=keys) as dep:
-        addresses = start_local(dep, SMOKE, ORGS, worker_argv=_fake_worker, worker_link="tls")
-        up_s = time.monotonic() - t0
-        for org, address in addresses.items():  # the workers serve mutual TLS: a plaintext client is refused
-            assert address.startswith(f"{HOST}:")
-            with pytest.raises(Exception, match="UNAVAILABLE"):
-                GrpcWorkerClient(address, timeout_s=5).health()
-        assert ("IP Address", HOST) in _peer_sans(keys.ca_cert, dep.superlink_port)
-        assert not _plain_http_reply(dep.superlink_port).startswith(b"HTTP/")  # TLS only, no plaintext
+def test_tls_and_supernode_auth_refuse_an_unregistered_node(tls_local_run):
+    seen, run_dir = tls_local_run["seen"], tls_local_run["tmp"] / "dep" / "run"
+    dep = seen["dep"]
+    for org, address in seen["addresses"].items():  # the workers serve mutual TLS: a plaintext client is refused
+        assert address.startswith(f"{HOST}:")
+        assert "UNAVAILABLE" in seen["plaintext_health"][org], seen["plaintext_health"][org]
+    assert ("IP Address", HOST) in seen["sans"]
+    assert not seen["plain_http"].startswith(b"HTTP/")  # TLS only, no plaintext
 
-        intruder = dep.start_supernode("mallory", f"{HOST}:1", wait=False)
-        rc = intruder.popen.wait(timeout=120)
-        assert rc != 0
-        assert "Failed to activate SuperNode" in intruder.log_text()
-        assert dep.supernode_id(intruder) is None
-        assert "No SuperNode found with the given public key" in dep.superlink.log_text()
+    assert seen["intruder_rc"] != 0
+    assert "Failed to activate SuperNode" in seen["intruder_log"]
+    assert seen["intruder_id"] is None
+    assert "No SuperNode found with the given public key" in seen["superlink_log"]
 
-        nodes = dep.list_supernodes()
-        assert len(nodes) == len(ORGS) and {n["status"] for n in nodes} == {"online"}, nodes
-        registered = {int(n["node-id"]) for n in nodes}
-        assert {dep.supernode_id(p) for p in dep.procs if p.name.startswith("supernode-")} - {None} == registered
+    nodes = seen["nodes"]
+    assert len(nodes) == len(ORGS) and {n["status"] for n in nodes} == {"online"}, nodes
+    assert seen["supernode_ids"] == {int(n["node-id"]) for n in nodes}
 
-        run_id, info, run_s = _submit_and_wait(dep, run_dir, ("security.signing=false",))  # fake workers: unsigned
-    assert dep.leftovers() == {}
+    assert tls_local_run["rc"] == 0, "\n".join(tls_local_run["lines"][-60:])  # the run finished:completed
+    assert tls_local_run["leftovers"] == {}
     metrics = _metrics(run_dir)
     _assert_per_org_metrics(metrics, ORGS, fresh=False)  # fake workers: unsigned, no challenges
     for org in ORGS:  # the ClientApps reached their workers over mutual TLS with their org's client certificate
@@ -379,5 +433,19 @@ def test_tls_and_supernode_auth_refuse_an_unregistered_node(tmp_path):
         assert metrics[1][f"round/{org}/rollouts_accepted"] == 4 * 4
         assert metrics[1][f"round/{org}/accuracy"] == 0.5
     assert not any("mallory" in key for m in metrics.values() for key in m)
-    _report(tmp_path, "tls-auth-fake-workers", dep, up_s=up_s, run_s=run_s, total_s=time.monotonic() - t0,
-            intruder_exit_code=rc)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_deploy_local_streams_the_server_log_and_ends_with_the_table(tls_local_run):
+    lines, workdir = tls_local_run["lines"], tls_local_run["tmp"] / "dep"
+    assert tls_local_run["rc"] == 0, "\n".join(lines[-60:])
+    text = "\n".join(lines)
+    status = next(i for i, line in enumerate(lines) if "finished:completed" in line)
+    assert all(f"round {t}/{ROUNDS} in " in "\n".join(lines[:status]) for t in range(1, ROUNDS + 1)), text[-3000:]
+    table = (workdir / "run" / "summary.txt").read_text().rstrip().splitlines()
+    assert lines[-len(table):] == table and table[0].startswith("org ")  # ends with the final table
+    assert table[-1] == f"outputs in {workdir / 'run'}"
+    assert f"round {ROUNDS}/{ROUNDS} in " in (workdir / "logs" / "serverapp.log").read_text()
+    assert json.loads((workdir / "timings.json").read_text())["run"]["status"] == "finished:completed"
+    assert tls_local_run["leftovers"] == {}

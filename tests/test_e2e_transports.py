@@ -1,9 +1,14 @@
 """The transports are faithful: same seed and config → the same per-round rewards and losses in-process, over
-gRPC worker processes, and over the Flower Simulation Engine (real micro agents, real processes)."""
+gRPC worker processes, and over the Flower Simulation Engine (real micro agents, real processes).
+
+Each (transport, protocol) run is made once per module (:func:`runs`): the default protocol is fused, so the fused
+run of each transport serves both the transport comparison and that transport's fused/two-message comparison.
+"""
 
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,19 +38,39 @@ def _rows(run_dir: Path) -> dict[int, dict[str, float]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Callable[[str, str | None], Path]:
+    """``runs(transport, protocol)``: the run dir of CONFIG + OVERRIDES over ``transport`` with
+    ``federation.protocol=protocol`` (None: the config's default), run on first use and reused after."""
+    root = tmp_path_factory.mktemp("e2e")
+    made: dict[tuple[str, str | None], Path] = {}
+
+    def run(transport: str, protocol: str | None) -> Path:
+        if (transport, protocol) not in made:
+            run_dir = root / f"{transport}-{protocol or 'default'}"
+            extra = [] if protocol is None else [f"federation.protocol={protocol}"]
+            if transport == "flower-simulation":
+                simulate(CONFIG, OVERRIDES + extra, run_dir=run_dir)
+            else:
+                grpc = ["--transport", "grpc"] if transport == "grpc" else []
+                _cli_run(run_dir, *[a for o in extra for a in ("--set", o)], *grpc)
+            made[transport, protocol] = run_dir
+        return made[transport, protocol]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_inprocess_grpc_and_flower_simulation_agree(tmp_path):
-    _cli_run(tmp_path / "inproc")
-    _cli_run(tmp_path / "grpc", "--transport", "grpc")
-    simulate(CONFIG, OVERRIDES, run_dir=tmp_path / "flower")
-    ref = _rows(tmp_path / "inproc")
+def test_inprocess_grpc_and_flower_simulation_agree(runs):
+    dirs = {name: runs(name, None) for name in ("inprocess", "grpc", "flower-simulation")}
+    ref = _rows(dirs["inprocess"])
     assert sorted(ref) == [0, 1, 2]
     assert any(k.startswith("round/acme/accuracy") for k in ref[1]) and any("train/loss" in k for k in ref[2])
     # cross ratios depend on every foreign response's text and source log-prob: a strong fingerprint
     assert any(abs(v - 1) > 1e-3 for m in ref.values() for k, v in m.items() if k.endswith("cross_ratio_mean"))
-    for name in ("grpc", "flower"):
-        got = _rows(tmp_path / name)
+    for name in ("grpc", "flower-simulation"):
+        got = _rows(dirs[name])
         assert sorted(got) == sorted(ref), name
         for rnd, metrics in ref.items():
             assert set(got[rnd]) >= set(metrics), (name, rnd, set(metrics) - set(got[rnd]))
@@ -67,16 +92,12 @@ def _learning(run_dir: Path) -> dict[int, dict[str, float]]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("transport", ["inprocess", "grpc", "flower-simulation"])
-def test_fused_and_two_message_protocols_give_identical_numbers(tmp_path, transport):
-    """The same seeded run with federation.protocol fused and two_message: identical rewards, accepted / rejected
-    counts, losses and final accuracies (exact equality), and one message per org per round with fused."""
-    for protocol in ("two_message", "fused"):
-        run_dir, extra = tmp_path / protocol, [f"federation.protocol={protocol}"]
-        if transport == "flower-simulation":
-            simulate(CONFIG, OVERRIDES + extra, run_dir=run_dir)
-        else:
-            _cli_run(run_dir, "--set", extra[0], *(["--transport", "grpc"] if transport == "grpc" else []))
-    two, fused = _learning(tmp_path / "two_message"), _learning(tmp_path / "fused")
+def test_fused_and_two_message_protocols_give_identical_numbers(runs, transport):
+    """The same seeded run with federation.protocol fused (the default: the run the transport comparison made) and
+    two_message: identical rewards, accepted / rejected counts, losses and final accuracies (exact equality), and one
+    message per org per round with fused."""
+    dirs = {"two_message": runs(transport, "two_message"), "fused": runs(transport, None)}
+    two, fused = _learning(dirs["two_message"]), _learning(dirs["fused"])
     assert sorted(two) == [0, 1, 2] and any(k.endswith("train/loss") for k in two[2])
     for key in ("round/acme/accuracy", "round/acme/rollouts_accepted", "round/acme/rollouts_rejected",
                 "acme/train/loss", "eval/acme/accuracy"):
@@ -88,7 +109,7 @@ def test_fused_and_two_message_protocols_give_identical_numbers(tmp_path, transp
         assert not any(k.endswith("rejected/stale_plan") for k in two[t]), t
         assert two[t]["acme/trust/globex/accepted"] > 0 and two[t]["globex/trust/acme/accepted"] > 0
     sent = {protocol: {t: {k: v for k, v in json.loads(line).items() if k.endswith("/messages")}
-                       for t, line in enumerate((tmp_path / protocol / "metrics.jsonl").read_text().splitlines())}
+                       for t, line in enumerate((dirs[protocol] / "metrics.jsonl").read_text().splitlines())}
             for protocol in ("two_message", "fused")}
     assert all(v == 2.0 for m in list(sent["two_message"].values())[1:] for v in m.values())
     assert sent["fused"][1] and all(v == 1.0 for v in sent["fused"][1].values())  # round 1 of 2: one message
