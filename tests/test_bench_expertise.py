@@ -82,3 +82,33 @@ def test_the_mixed_cells_run_every_orgs_mostly_agent_on_the_uniform_eval():
         assert len(names) == n and set(names) <= set(MIXED)
         slices = cell.config.task.params["slices"]
         assert slices == {MIXED[a]: agents.EXPERTISE_SLICES[MIXED[a]] for a in names}  # uniform: no weights
+
+
+def test_org_gains_pairs_each_org_with_its_references_by_seed(tmp_path, capsys):
+    """Hand-computed: acme +10 and +20 points over GSPO at seeds 0 and 1 (mean 15, se 5: above); globex -1 and +1."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    def cell(method, seed, acme, globex):
+        path = tmp_path / "s" / method / f"seed{seed}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        agents = {o: {"accuracy_after": a, "slice_curves": {"add": [[0, 0.1], [60, a]]}} for o, a in
+                  (("acme", acme), ("globex", globex))}  # fmt: skip
+        path.write_text(json.dumps({"setting": "s", "method": method, "seed": seed, "agents": agents}))
+
+    for seed, (g, x2, h) in enumerate([((0.3, 0.5), (0.35, 0.5), (0.4, 0.49)), ((0.3, 0.5), (0.3, 0.5), (0.5, 0.51))]):
+        cell("gspo", seed, *g)
+        cell("gspo_x2", seed, *x2)
+        cell("hacpo", seed, *h)
+    spec = importlib.util.spec_from_file_location("org_gains", Path(__file__).parents[1] / "scripts" / "org_gains.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["s", "--methods", "hacpo", "--results", str(tmp_path), "--json", str(tmp_path / "o.json")]) == 0
+    rows = {r["org"]: r for r in json.loads((tmp_path / "o.json").read_text())}
+    assert rows["acme"]["gspo"]["mean"] == pytest.approx(15.0) and rows["acme"]["gspo"]["se"] == pytest.approx(5.0)
+    assert rows["acme"]["gspo"]["verdict"] == "above" and rows["acme"]["gspo_x2"]["mean"] == pytest.approx(12.5)
+    assert rows["globex"]["gspo"]["mean"] == pytest.approx(0.0) and rows["globex"]["gspo"]["verdict"] == "not resolved"
+    assert rows["acme"]["slices"] == {"add": pytest.approx(0.45)} and rows["acme"]["seeds"] == [0, 1]
+    assert "| `hacpo` | acme | 0,1 | 0.450 | +15.0 ± 5.0 (above)" in capsys.readouterr().out
+    assert mod.main(["nothing", "--methods", "hacpo", "--results", str(tmp_path)]) == 2
