@@ -191,7 +191,8 @@ class AsyncDriver:
             self.start_ready(now)
 
     def faults(self, now: float) -> None:
-        """The deaths and rejoins at ``now`` (:class:`~.async_liveness.Liveness`), in config order."""
+        """The deaths and rejoins at ``now`` (:class:`~.async_liveness.Liveness`): the virtual faults in time order,
+        then the orgs whose rejoin probe answered, in config order."""
         dies, rejoins = self.liveness.events(now, [o.name for o in self.orgs.values() if not o.alive])
         for name in dies:
             if self.orgs[name].alive:
