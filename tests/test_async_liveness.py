@@ -4,7 +4,8 @@
   async_schedule.simulate's for the same deaths and rejoins (steps, lost steps, batches, refusals, idle times);
   the fast org is never held back by the dead one; every (learner, foreign batch) pair is taken or counted;
 * a step whose call fails (unreachable) kills the org; it is probed with Health on the reconnect policy and rejoins
-  at the current round; a part failing at the worker is no death;
+  at the current round, on the virtual clock and on the wall clock (the probes hold no step); a part failing at the
+  worker is no death;
 * the config refusals.
 """
 
@@ -162,7 +163,9 @@ def test_liveness_probes_on_its_schedule():
 def test_the_fault_fields_and_their_refusals():
     refusals = {
         "virtual_dies names orgs not in the run": {"staleness": 1, "virtual_dies": {"zz": 1.0}},
-        "rejoins only after its virtual_dies": {"staleness": 1, "virtual_dies": {"a": 2.0}, "virtual_rejoins": {"a": 2.0}},
+        "rejoins only after its virtual_dies": {
+            "staleness": 1, "virtual_dies": {"a": 2.0}, "virtual_rejoins": {"a": 2.0},
+        },
         "virtual_dies needs federation.staleness": {"virtual_dies": {"a": 1.0}},
         "finite and >= 0": {"staleness": 1, "virtual_dies": {"a": -1.0}},
     }
@@ -171,3 +174,46 @@ def test_the_fault_fields_and_their_refusals():
             fake_config(**fed)
     with pytest.raises(ConfigError, match="rejoins only after"):
         fake_config(staleness=1, virtual_rejoins={"a": 2.0})
+
+
+@pytest.mark.slow
+def test_on_the_wall_clock_a_dead_org_is_probed_off_the_round_and_rejoins(tmp_path):
+    """b's third call fails (unreachable) and its first probe too: a and c run on without waiting (nothing holds a
+    step), b's second probe PROBE_S later brings it back at the current round, and every pair is taken or counted."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_async_driver import _wall_transport
+
+    workers = {o: FakeWorker(o, s) for o, s in SKILLS.items()}
+    workers["b"] = Unplugged("b", SKILLS["b"], down={3}, deaf=1)
+    delays = {"a": 0.05, "b": 0.05, "c": 0.05}
+    wall = _wall_transport(workers, delays)
+    pool = ThreadPoolExecutor(max_workers=3)
+
+    def submit_step(org, request, timeout_s):  # as GrpcTransport: a failed call is the reply, not a raise
+        def call():
+            time.sleep(delays[org])
+            try:
+                return workers[org].step(request), delays[org]
+            except Exception as err:
+                return err, delays[org]
+
+        return pool.submit(call)
+
+    wall.submit_step = submit_step
+    cfg = fake_config(tuple(SKILLS), rounds=150, staleness=1)  # >= 7.5 s: b is back (4 s) before the end
+    co = Coordinator(cfg, wall, tmp_path, task=FakeTask())
+    summary = co.run()
+    pool.shutdown()
+    wall.close()
+    drv = co.async_driver
+    assert drv.wall and summary.rounds_completed == 150 and set(drv.finished) == set(SKILLS)
+    (lost,) = drv.lost
+    assert (lost.org, lost.round) == ("b", 3) and workers["b"].probes == 2
+    b_back = [s for s in drv.steps if s.org == "b" and s.start > lost.end][0]
+    assert b_back.start - lost.end >= 2 * PROBE_S * 0.95 and b_back.own is None
+    a_while_dead = [s for s in drv.steps if s.org == "a" and lost.end < s.start < b_back.start]
+    assert len(a_while_dead) > 10  # a ran on while b was dead (0.05 s a step over 4 s)
+    for org in SKILLS:
+        _taken_or_counted(drv, org)
