@@ -687,6 +687,22 @@ class FederationConfig(_Section):
         ),
     )
 
+    virtual_dies: dict[str, float] = Field(
+        default_factory=dict,
+        description=_d(
+            "asynchronous rounds in-process: org id -> the virtual second it dies (its step in flight is lost, it "
+            "stops counting in the staleness bound): fault injection on the virtual clock (not used over gRPC, "
+            "where a step whose call fails or times out is the death)"
+        ),
+    )
+    virtual_rejoins: dict[str, float] = Field(
+        default_factory=dict,
+        description=_d(
+            "asynchronous rounds in-process: org id -> the virtual second it comes back (after its virtual_dies "
+            "second), at the current round"
+        ),
+    )
+
     @property
     def effective_window(self) -> int:
         """``W``: ``window``, or ``K + 1`` when unset."""
@@ -698,6 +714,14 @@ class FederationConfig(_Section):
         bad = {org: s for org, s in value.items() if not (math.isfinite(s) and s > 0)}
         if bad:
             raise ValueError(f"every step duration must be finite and > 0, got {bad}")
+        return value
+
+    @field_validator("virtual_dies", "virtual_rejoins")
+    @classmethod
+    def _fault_times(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {org: s for org, s in value.items() if not (math.isfinite(s) and s >= 0)}
+        if bad:
+            raise ValueError(f"every fault time must be finite and >= 0, got {bad}")
         return value
 
 
@@ -894,12 +918,18 @@ def _check_asynchronous(cfg: RunConfig) -> None:
     """What asynchronous rounds (``federation.staleness >= 1``) need in this slice of the driver; each
     refusal names its field (docs/ALGORITHM.md "Asynchronous rounds")."""
     fed = cfg.federation
-    unknown = sorted(set(fed.virtual_step_s) - {o.id for o in cfg.orgs})
-    if unknown:
-        raise ValueError(f"federation.virtual_step_s names orgs not in the run: {unknown}")
+    for name in ("virtual_step_s", "virtual_dies", "virtual_rejoins"):
+        unknown = sorted(set(getattr(fed, name)) - {o.id for o in cfg.orgs})
+        if unknown:
+            raise ValueError(f"federation.{name} names orgs not in the run: {unknown}")
+    late = {o: t for o, t in fed.virtual_rejoins.items() if not t > fed.virtual_dies.get(o, math.inf)}
+    if late:
+        raise ValueError(f"federation.virtual_rejoins: an org rejoins only after its virtual_dies second, got {late}")
     if fed.staleness == 0:
         if fed.window is not None and fed.window != 1:
             raise ValueError(f"federation.window={fed.window} needs federation.staleness >= 1 (K = 0: W = 1)")
+        if fed.virtual_dies:
+            raise ValueError("federation.virtual_dies needs federation.staleness >= 1 (the asynchronous driver)")
         return
     needs = {
         "federation.transport: inprocess or grpc (Flower runs lock-step rounds only)": fed.transport

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
 
     Takes the real worker's link flags (``--listen``, ``--insecure``, ``--tls-*``) with the same rules (exit 2 on a
     refused setting). Extra flags for launcher tests: ``--ignore-sigterm`` (needs SIGKILL), ``--exit-code N`` (die
-    before ready), ``--silent`` (never print the ready line).
+    before ready), ``--silent`` (never print the ready line), ``--step-s S`` (each step sleeps S seconds first).
     """
     import argparse
     import signal
@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--exit-code", type=int)
     p.add_argument("--silent", action="store_true")
+    p.add_argument("--step-s", type=float, default=0.0, help="each step sleeps this long first (a slow org)")
     args = p.parse_args(argv)
     try:
         tls, insecure = link_settings(args)
@@ -156,7 +157,13 @@ def main(argv=None) -> int:
         return args.exit_code
     stop = threading.Event()
     signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_sigterm else (lambda *_: stop.set()))
-    server = serve_worker(FakeWorker(args.org, SCRIPT_SKILLS.get(args.org, 0.5)), args.listen, tls=tls,
+    worker = FakeWorker(args.org, SCRIPT_SKILLS.get(args.org, 0.5))
+    if args.step_s > 0:
+        import time
+
+        fused = worker.step
+        worker.step = lambda request: (time.sleep(args.step_s), fused(request))[1]  # type: ignore[method-assign]
+    server = serve_worker(worker, args.listen, tls=tls,
                           insecure=insecure, secret=secret)
     if not args.silent:
         print(f"hacrl-fed worker {args.org} listening on {server.address}", flush=True)

@@ -29,8 +29,16 @@ on the workers' real replies:
 - A step trains only with its own batch of ``t - 1`` accepted (the worker trains on the round it generated); foreign
   batches not offered then wait for a later step or are refused when they leave the window, so every
   (learner, foreign batch) pair is taken or counted (``round/<learner>/refused/<reason>``), never dropped silently.
-- A failed step still advances the org's published round (it counts in ``floor``: a failing org does not stall the
-  others); an org the trust guard excludes stops stepping and its unused batches are refused ``source_excluded``.
+- A step whose reply came back with a failed part still advances the org's published round (it counts in ``floor``);
+  an org the trust guard excludes stops stepping and its unused batches are refused ``source_excluded``.
+- **Deaths and rejoins** (:mod:`.async_liveness`, the rules of :mod:`.async_schedule`): a step whose *call* fails or
+  times out (the reply is a ``timeout`` / ``unreachable`` error, :mod:`hacrl_fed.failures`), or on the virtual clock
+  the org's ``federation.virtual_dies`` second, kills the org: its step in flight is lost (no batch, no update
+  known), it stops counting in ``floor``, the others run on with the batches they have. A dead org is asked
+  Health again every :data:`~.async_liveness.PROBE_S` seconds, off the round (on the wall clock on a thread of its
+  own, never holding a step), or on the virtual clock comes back at its ``virtual_rejoins`` second; it rejoins at the
+  current round (it counts as having published ``floor``, plans ``floor + 1`` next, its first step only generates).
+  When no live org has a step in flight the run ends; a batch a dead learner never reached is ``learner_dead``.
 
 Round ``r``'s metrics (its batches, the train reports of round ``r``, its evaluations, the refusals made by the steps
 that train ``r``) are logged once every org still stepping has trained round ``r``; the last round after the end.
@@ -49,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 from hacrl_fed import failures
 from hacrl_fed.algorithm.capability_rounds import RoundCapabilities
 from hacrl_fed.coordinator import round_metrics as rm
+from hacrl_fed.coordinator.async_liveness import Liveness, is_death
 from hacrl_fed.coordinator.async_schedule import HOLD, TAKE, BatchTag, Step, offer_verdict
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.rounds import StepOutcome, split_reply
@@ -77,6 +86,7 @@ class _Flight:
     seconds: float
     future: Future[tuple[Any, float]] | None = None
     index: int = 0
+    lost: bool = False  # the virtual clock: the org dies before the step's end (the worker is not called)
 
 
 @dataclass
@@ -89,6 +99,7 @@ class _Org:
     version: int = 0  # updates done (successful train reports)
     own: BatchTag | None = None  # its last accepted batch, not trained on yet
     done: bool = False
+    alive: bool = True  # False from its death to its rejoin
     idle_since: float = 0.0
     used: set[tuple[str, int]] = field(default_factory=set)
     seen: set[tuple[str, int]] = field(default_factory=set)
@@ -124,6 +135,7 @@ class AsyncDriver:
         self.signing = cfg.security.signing
         self.envelopes: dict[BatchTag, RolloutBatch] = {}  # signing on: each accepted batch verbatim
         self.steps: list[Step] = []
+        self.lost: list[Step] = []  # the steps lost to a death
         self.published: list[tuple[float, BatchTag]] = []
         self.refused: dict[str, Counter[str]] = {o: Counter() for o in order}
         self.idle = {o: 0.0 for o in order}
@@ -131,6 +143,8 @@ class AsyncDriver:
         self.rounds_open: dict[int, _Round] = {}
         # the wall clock on a transport that calls in parallel (gRPC); the virtual clock in process
         self.wall = not isinstance(coordinator.transport, InProcessTransport)
+        faults = ({}, {}) if self.wall else (fed.virtual_dies, fed.virtual_rejoins)
+        self.liveness = Liveness(coordinator.transport, fed.round_timeout_s, *faults, wall=self.wall)
         self.logged = 0  # the last round logged
         self.mark = time.perf_counter()  # when the last round was logged (time/round: the wall time since)
 
@@ -139,37 +153,81 @@ class AsyncDriver:
     def run(self) -> None:
         """Step every org until each has trained the last round (or stopped); log every round."""
         self.co.keeper.refresh_challenges(self.co.live_orgs(), self.co.transport)
-        self.run_wall() if self.wall else self.run_virtual()
+        try:
+            self.run_wall() if self.wall else self.run_virtual()
+        finally:
+            self.liveness.close()
         self.close()
         self.flush(final=True)
 
     def run_virtual(self) -> None:
+        """Events at one instant: completions (config order), deaths and rejoins, then the steps that may start."""
         now: float | None = 0.0
         while now is not None:
             for org in self.orgs.values():  # completions at this instant, config order
-                if org.busy is not None and org.busy.step.end <= now:
+                if org.busy is not None and not org.busy.lost and org.busy.step.end <= now:
                     self.complete(org, now)
+            self.faults(now)
             self.flush(final=False)
             self.start_ready(now)
-            ends = [o.busy.step.end for o in self.orgs.values() if o.busy is not None]
-            now = min(ends) if ends else None
+            ends = [o.busy.step.end for o in self.orgs.values() if o.busy is not None and not o.busy.lost]
+            now = min(ends + self.liveness.next_fault(now), default=None)
 
     def run_wall(self) -> None:
         """The wall clock: every step is sent without waiting; each reply is taken as it comes (those come by the
-        same wake-up in config order), then every org the bound lets step starts. Times: seconds since the start."""
+        same wake-up in config order), then the deaths and rejoins (a rejoin probe also wakes it up), then every org the
+        bound lets step starts. Times: seconds since the start."""
         origin = time.monotonic()
         self.start_ready(0.0)
         while pending := [o.busy.future for o in self.orgs.values() if o.busy is not None and o.busy.future]:
-            wait(pending, return_when=FIRST_COMPLETED)
+            waiting: list[Future[Any]] = [*pending, *self.liveness.pending()]
+            wait(waiting, timeout=self.liveness.wait_s(time.monotonic() - origin), return_when=FIRST_COMPLETED)
             now = time.monotonic() - origin
             for org in self.orgs.values():
                 if org.busy is not None and org.busy.future is not None and org.busy.future.done():
                     self.complete(org, now)
+            self.faults(now)
             self.flush(final=False)
             self.start_ready(now)
 
+    def faults(self, now: float) -> None:
+        """The deaths and rejoins at ``now`` (:class:`~.async_liveness.Liveness`): the virtual faults in time order,
+        then the orgs whose rejoin probe answered, in config order."""
+        dies, rejoins = self.liveness.events(now, [o.name for o in self.orgs.values() if not o.alive])
+        for name in dies:
+            if self.orgs[name].alive:
+                self.die(self.orgs[name], now, "virtual")
+        for name in rejoins:
+            self.rejoin(self.orgs[name], now)
+
+    def die(self, org: _Org, now: float, why: str) -> None:
+        """``org`` is dead from ``now`` (``why``: the failed call's cause, or ``virtual``): its step in flight is
+        lost, it stops counting in ``floor``."""
+        if org.busy is not None:
+            step = org.busy.step
+            self.lost.append(step)
+            rd = self.bucket(min(step.round, self.rounds))
+            rd.metrics[f"async/{org.name}/lost_steps"] = rd.metrics.get(f"async/{org.name}/lost_steps", 0.0) + 1
+            if why != "virtual" and step.round <= self.rounds:
+                rd.failed[org.name] = why  # round/<org>/failure/<why>, as in lock-step rounds
+            org.busy, org.planned = None, org.level
+        org.alive = False
+        self.liveness.died(org.name, now, probe=why != "virtual")
+        log.warning("asynchronous rounds: org %s is dead at %.2f s (%s); the others run on", org.name, now, why)
+
+    def rejoin(self, org: _Org, now: float) -> None:
+        """``org`` is back at ``now``: it rejoins at the current round (counts as having published ``floor``)."""
+        floor = self.floor()  # over the others: org is not counted yet
+        org.alive, org.idle_since = True, now
+        self.co.keeper.refresh_challenges(self.co.live_orgs(), self.co.transport)  # a restarted worker's new one
+        if floor is not None and floor > org.level:
+            org.level = org.planned = floor
+        rd = self.bucket(min(org.planned + 1, self.rounds))
+        rd.metrics[f"async/{org.name}/rejoined_at"] = float(org.planned + 1)
+        log.warning("asynchronous rounds: org %s rejoins at %.2f s, planning round %d", org.name, now, org.planned + 1)
+
     def alive(self, org: _Org) -> bool:
-        return org.name not in self.co.guard.excluded and org.name in self.co.transport.org_ids()
+        return org.alive and org.name not in self.co.guard.excluded and org.name in self.co.transport.org_ids()
 
     def floor(self) -> int | None:
         """The lowest published round over the live orgs (None: none is live)."""
@@ -202,6 +260,8 @@ class AsyncDriver:
         if self.wall:  # its end is known when its reply comes
             future = self.co.transport.submit_step(org.name, request, timeout)
             flight = _Flight(step, request, None, 0.0, future, len(self.steps))
+        elif self.liveness.dies_before(org.name, now, step.end):  # lost: the worker is not called
+            flight = _Flight(step, request, None, 0.0, lost=True)
         else:
             t0 = time.perf_counter()
             reply = self.co.transport.step({org.name: request}, timeout)
@@ -269,6 +329,10 @@ class AsyncDriver:
             flight.step = self.steps[flight.index] = dataclasses.replace(flight.step, end=now)
         step, request = flight.step, flight.request
         self.co.book.note_call_time({org.name: flight.seconds})
+        if is_death(flight.reply):  # the call failed or timed out: the org is dead, the step lost
+            org.busy = flight
+            self.die(org, now, failures.cause_of(flight.reply))
+            return
         out = split_reply(request, flight.reply)
         if request.train is not None:
             self.take_train(org, request.train, out)
@@ -356,7 +420,7 @@ class AsyncDriver:
         return self.rounds_open.setdefault(round, _Round())
 
     def trained_through(self) -> int:
-        """The last round every org still stepping has trained (its step planning the next one came back)."""
+        """The last round every live org still stepping has trained (its step planning the next one came back)."""
         rounds = [o.planned - (1 if o.busy is not None else 0) - 1 for o in self.orgs.values() if self.alive(o)]
         return min(rounds) if rounds else self.rounds
 

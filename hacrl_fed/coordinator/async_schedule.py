@@ -3,14 +3,17 @@
 A pure, deterministic event simulation: no I/O, no transport, no model. It states the rules the asynchronous
 round driver (:mod:`.async_driver`, in process and over gRPC) follows and says, for given per-org step durations,
 who steps when, which round each step plans, which batches each train request carries and which are refused, and
-why. The driver's schedule on real replies is this one when every reply is accepted (tested); the lock-step round loop
-(:mod:`.loop`) is this schedule with ``K = 0`` (tested). Deaths and rejoins exist here only.
+why. The driver's schedule on real replies is this one when every reply is accepted (tested), deaths and rejoins
+included (the driver's ``federation.virtual_dies`` / ``virtual_rejoins``); the lock-step round loop (:mod:`.loop`) is
+this schedule with ``K = 0`` (tested).
 
 The rules (``K`` = ``staleness``, ``W`` = ``window``, default ``K + 1``):
 
 - An org's **step** is today's fused step: train on its own last batch and the foreign batches its request
-  carries (one update, when there is anything to train on), then generate its batch for the round it plans.
-  Its first step only generates; its last (the round after ``rounds``) only trains. A step takes the org's duration.
+  carries (one update), then generate its batch for the round it plans. A step without its own batch (the first,
+  the first after a rejoin, or its own batch refused) only generates: foreign batches wait for a later step (a
+  worker trains on the round it generated). Its last step (the round after ``rounds``) only trains. A step takes
+  the org's duration.
 - Every batch carries a :class:`BatchTag`: its source, the round it answers and the source's **version** (updates
   done) that generated it. The coordinator records the tag of every plan it issues.
 - **Staleness bound**: an org may plan round ``t`` only when every live org has published round ``t - K - 1``
@@ -184,7 +187,7 @@ class _Simulation:
     def complete(self, org: _Org, now: float) -> None:
         step, org.busy, org.idle_since = org.busy, None, now
         assert step is not None
-        if step.own is not None or step.foreign:
+        if step.own is not None:
             org.version += 1  # the step's update
         if step.round > self.spec.rounds:
             org.done, self.out.finished[org.name] = True, now
@@ -216,11 +219,13 @@ class _Simulation:
     def start(self, org: _Org, now: float) -> None:
         t = org.planned + 1
         own = self.take(org, org.own, t) if org.own is not None else None
-        foreign = tuple(self.take(org, tag, t) for _, tag in self.out.published if tag.source != org.name)
-        taken = tuple(tag for tag in foreign if tag is not None)
+        taken: tuple[BatchTag, ...] = ()
+        if own is not None:  # a worker trains only on the round it generated: foreign batches wait for a later step
+            foreign = [self.take(org, tag, t) for _, tag in self.out.published if tag.source != org.name]
+            taken = tuple(tag for tag in foreign if tag is not None)
         step = Step(org.name, now, now + org.duration, t, org.version, own, taken)
         if t <= self.spec.rounds:  # the plan the coordinator issues, with the version that will answer it
-            self.issued[(org.name, t)] = org.version + (1 if own is not None or taken else 0)
+            self.issued[(org.name, t)] = org.version + (1 if own is not None else 0)
         self.out.idle[org.name] += now - org.idle_since
         org.busy, org.planned, org.own = step, t, None
         self.out.steps.append(step)

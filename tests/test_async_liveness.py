@@ -1,0 +1,219 @@
+"""Deaths and rejoins in asynchronous rounds (hacrl_fed/coordinator/async_liveness.py, async_driver.py).
+
+* the virtual clock's fault injection (``federation.virtual_dies`` / ``virtual_rejoins``): the driver's schedule is
+  async_schedule.simulate's for the same deaths and rejoins (steps, lost steps, batches, refusals, idle times);
+  the fast org is never held back by the dead one; every (learner, foreign batch) pair is taken or counted;
+* a step whose call fails (unreachable) kills the org; it is probed with Health on the reconnect policy and rejoins
+  at the current round, on the virtual clock and on the wall clock (the probes hold no step); a part failing at the
+  worker is no death;
+* the config refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers_fake_workers import FakeTask, FakeWorker, fake_config
+from hacrl_fed.config import ConfigError
+from hacrl_fed.coordinator.async_liveness import PROBE_S, Liveness, is_death
+from hacrl_fed.coordinator.async_schedule import ScheduleSpec, simulate
+from hacrl_fed.coordinator.inprocess import InProcessTransport
+from hacrl_fed.coordinator.loop import Coordinator
+from hacrl_fed.failures import NoWorker, PartFailed
+
+SKILLS = {"a": 0.25, "b": 0.5, "c": 0.75}
+
+
+def _run(tmp_path, steps, *, staleness=1, rounds=8, workers=None, **faults):
+    cfg = fake_config(tuple(SKILLS), rounds=rounds, staleness=staleness, virtual_step_s=steps, **faults)
+    workers = workers or {o: FakeWorker(o, s) for o, s in SKILLS.items()}
+    co = Coordinator(cfg, InProcessTransport(workers), tmp_path, task=FakeTask())
+    return co, workers, co.run()
+
+
+def _taken_or_counted(drv, org):
+    offered = [(t.source, t.round) for s in drv.steps if s.org == org for t in s.foreign]
+    assert len(offered) == len(set(offered))  # at most once
+    foreign = [tag for _, tag in drv.published if tag.source != org]
+    assert len(offered) + sum(drv.refused[org].values()) == len(foreign)  # taken or counted, never dropped
+
+
+SPECS = [  # (durations, K, dies, rejoins)
+    ({"a": 1.0, "b": 4.0, "c": 1.5}, 1, {"b": 5.5}, {"b": 11.3}),  # the slow org dies mid-step, comes back
+    ({"a": 1.0, "b": 4.0, "c": 1.5}, 2, {"c": 3.2}, {}),  # dies for good
+    ({"a": 1.0, "b": 1.0, "c": 1.0}, 1, {"a": 2.0, "c": 2.5}, {"a": 4.0, "c": 9.7}),  # at a step's end; two
+    ({"a": 1.0, "b": 3.0, "c": 1.0}, 1, {"b": 3.0}, {"b": 3.5}),  # at its start: nothing lost; back while others run
+]
+
+
+@pytest.mark.parametrize("steps,staleness,dies,rejoins", SPECS)
+def test_deaths_and_rejoins_give_the_simulation_s_schedule(tmp_path, steps, staleness, dies, rejoins):
+    co, workers, summary = _run(tmp_path, steps, staleness=staleness, virtual_dies=dies, virtual_rejoins=rejoins)
+    drv, sim = co.async_driver, simulate(ScheduleSpec(steps, 8, staleness, None, dies, rejoins))
+    assert drv.steps == sim.steps and drv.lost == sim.lost
+    assert drv.published == sim.published
+    assert {o: dict(c) for o, c in drv.refused.items()} == {o: dict(c) for o, c in sim.refused.items()}
+    assert drv.idle == pytest.approx(sim.idle) and drv.finished == sim.finished
+    assert summary.rounds_completed == 8
+    for org in SKILLS:
+        _taken_or_counted(drv, org)
+        lost = [s for s in drv.lost if s.org == org]  # a lost step never reached the worker
+        assert len(workers[org].train_requests) == len([s for s in drv.steps if s.org == org and s.own]) - len(
+            [s for s in lost if s.own])
+
+
+def test_a_dead_org_never_holds_the_fast_one_back_and_rejoins_at_the_current_round(tmp_path):
+    """b (4x slower) dies at 5.5 in its step planning round 2 and is back at 11.3: while dead a steps back to back
+    (its clock never waits on b); b rejoins planning floor + 1 (only generating), then trains on what is left."""
+    steps = {"a": 1.0, "b": 4.0, "c": 1.0}
+    co, workers, _ = _run(tmp_path, steps, rounds=12, virtual_dies={"b": 5.5}, virtual_rejoins={"b": 11.3})
+    drv = co.async_driver
+    assert [(s.org, s.round) for s in drv.lost] == [("b", 2)]
+    a_steps = [s for s in drv.steps if s.org == "a"]
+    # with b alive a waits on it (K = 1); dead, never
+    gaps = [(prev.end, nxt.start) for prev, nxt in zip(a_steps, a_steps[1:]) if 5.5 <= prev.end <= 11.3]
+    assert len(gaps) == 5 and all(end == start for end, start in gaps)  # a's steps from 5.5 to 11.5
+    assert any(end < start for end, start in ((p.end, n.start) for p, n in zip(a_steps, a_steps[1:])) if end < 5.5)
+    floor = min(max(t.round for w, t in drv.published if t.source == o and w <= 11.3) for o in ("a", "c"))
+    b_after = [s for s in drv.steps if s.org == "b" and s.start >= 11.3]
+    assert b_after[0].round == floor + 1 and b_after[0].own is None and not b_after[0].foreign  # only generates
+    assert b_after[1].own is not None and b_after[1].foreign  # then trains with what it has not used
+    assert drv.refused["b"]["beyond_window"] > 0  # the batches it missed while dead left the window
+    assert workers["b"].trained_rounds > 0 and drv.finished["b"] > drv.finished["a"]
+    for org in SKILLS:
+        _taken_or_counted(drv, org)
+
+
+def test_an_org_dead_for_good_counts_learner_dead_and_the_others_finish(tmp_path):
+    co, workers, summary = _run(tmp_path, {"a": 1.0, "b": 1.0, "c": 1.0}, virtual_dies={"c": 2.5})
+    drv = co.async_driver
+    assert summary.rounds_completed == 8 and set(drv.finished) == {"a", "b"}
+    published_by_others = len([t for _, t in drv.published if t.source != "c"])
+    assert drv.refused["c"]["learner_dead"] == published_by_others - len([t for s in drv.steps if s.org == "c"
+                                                                          for t in s.foreign])
+    assert workers["a"].trained_rounds == workers["b"].trained_rounds == 8
+    for org in SKILLS:
+        _taken_or_counted(drv, org)
+
+
+class Unplugged(FakeWorker):
+    """A fake worker whose step calls number ``down`` (1-based) fail as unreachable, and whose health fails the
+    first ``deaf`` times it is asked after that."""
+
+    def __init__(self, org_id, skill, *, down, deaf):
+        super().__init__(org_id, skill)
+        self.calls, self.down, self.deaf, self.probes = 0, set(down), deaf, 0
+
+    def step(self, request):
+        self.calls += 1
+        if self.calls in self.down:
+            raise NoWorker(f"{self.org_id} unplugged")
+        return super().step(request)
+
+    def health(self):
+        if self.calls < min(self.down):
+            return super().health()  # the challenge asked at the run's start
+        self.probes += 1
+        if self.probes <= self.deaf:
+            raise ConnectionError("still down")
+        return super().health()
+
+
+def test_a_failed_call_kills_the_org_and_a_health_probe_brings_it_back(tmp_path):
+    workers = {o: FakeWorker(o, s) for o, s in SKILLS.items()}
+    workers["b"] = Unplugged("b", SKILLS["b"], down={3}, deaf=1)
+    co, _, summary = _run(tmp_path, {"a": 1.0, "b": 1.0, "c": 1.0}, workers=workers)
+    drv = co.async_driver
+    assert [(s.org, s.round) for s in drv.lost] == [("b", 3)]  # its third step's call failed at 3.0
+    assert workers["b"].probes == 2  # at 3.0 + PROBE_S (still down), then PROBE_S later: back
+    b_back = [s for s in drv.steps if s.org == "b" and s.start > 3.0]
+    assert b_back[0].start == pytest.approx(3.0 + 2 * PROBE_S) and b_back[0].own is None
+    assert b_back[0].round == 1 + min(max(t.round for w, t in drv.published if t.source == o and w <= b_back[0].start)
+                                      for o in ("a", "c"))
+    assert summary.rounds_completed == 8 and set(drv.finished) == set(SKILLS)
+    for org in SKILLS:
+        _taken_or_counted(drv, org)
+
+
+def test_what_is_a_death():
+    assert is_death(NoWorker("x")) and is_death(ConnectionError("reset")) and is_death(TimeoutError("late"))
+    assert not is_death(RuntimeError("boom")) and not is_death(PartFailed("[stale_round] x"))
+    assert not is_death(None) and not is_death("a reply")
+
+
+def test_liveness_probes_on_its_schedule():
+    class Health:
+        answers = [ConnectionError("down"), {"org_id": "b"}]
+
+        def health(self, orgs, timeout_s):
+            return {orgs[0]: self.answers.pop(0)}
+
+    live = Liveness(Health(), 5.0, {}, {}, wall=False)
+    live.died("b", 1.0, probe=True)
+    assert live.events(1.0 + PROBE_S - 0.1, ["b"]) == ([], [])  # not due yet
+    assert live.events(1.0 + PROBE_S, ["b"]) == ([], [])  # due: down
+    assert live.events(1.0 + 2 * PROBE_S, ["b"]) == ([], ["b"])  # back
+    faults = Liveness(Health(), 5.0, {"c": 2.0}, {"c": 3.0}, wall=False)
+    assert faults.dies_before("c", 1.0, 2.5) and not faults.dies_before("c", 2.0, 3.0)
+    assert not faults.dies_before("c", 1.0, 2.0)  # the step completes first
+    assert faults.next_fault(0.0) == [2.0] and faults.events(2.0, []) == (["c"], [])
+    assert faults.events(3.0, ["c"]) == ([], ["c"]) and faults.next_fault(3.0) == []
+
+
+def test_the_fault_fields_and_their_refusals():
+    refusals = {
+        "virtual_dies names orgs not in the run": {"staleness": 1, "virtual_dies": {"zz": 1.0}},
+        "rejoins only after its virtual_dies": {
+            "staleness": 1, "virtual_dies": {"a": 2.0}, "virtual_rejoins": {"a": 2.0},
+        },
+        "virtual_dies needs federation.staleness": {"virtual_dies": {"a": 1.0}},
+        "finite and >= 0": {"staleness": 1, "virtual_dies": {"a": -1.0}},
+    }
+    for match, fed in refusals.items():
+        with pytest.raises(ConfigError, match=match):
+            fake_config(**fed)
+    with pytest.raises(ConfigError, match="rejoins only after"):
+        fake_config(staleness=1, virtual_rejoins={"a": 2.0})
+
+
+@pytest.mark.slow
+def test_on_the_wall_clock_a_dead_org_is_probed_off_the_round_and_rejoins(tmp_path):
+    """b's third call fails (unreachable) and its first probe too: a and c run on without waiting (nothing holds a
+    step), b's second probe PROBE_S later brings it back at the current round, and every pair is taken or counted."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_async_driver import _wall_transport
+
+    workers = {o: FakeWorker(o, s) for o, s in SKILLS.items()}
+    workers["b"] = Unplugged("b", SKILLS["b"], down={3}, deaf=1)
+    delays = {"a": 0.05, "b": 0.05, "c": 0.05}
+    wall = _wall_transport(workers, delays)
+    pool = ThreadPoolExecutor(max_workers=3)
+
+    def submit_step(org, request, timeout_s):  # as GrpcTransport: a failed call is the reply, not a raise
+        def call():
+            time.sleep(delays[org])
+            try:
+                return workers[org].step(request), delays[org]
+            except Exception as err:
+                return err, delays[org]
+
+        return pool.submit(call)
+
+    wall.submit_step = submit_step
+    cfg = fake_config(tuple(SKILLS), rounds=150, staleness=1)  # >= 7.5 s: b is back (4 s) before the end
+    co = Coordinator(cfg, wall, tmp_path, task=FakeTask())
+    summary = co.run()
+    pool.shutdown()
+    wall.close()
+    drv = co.async_driver
+    assert drv.wall and summary.rounds_completed == 150 and set(drv.finished) == set(SKILLS)
+    (lost,) = drv.lost
+    assert (lost.org, lost.round) == ("b", 3) and workers["b"].probes == 2
+    b_back = [s for s in drv.steps if s.org == "b" and s.start > lost.end][0]
+    assert b_back.start - lost.end >= 2 * PROBE_S * 0.95 and b_back.own is None
+    a_while_dead = [s for s in drv.steps if s.org == "a" and lost.end < s.start < b_back.start]
+    assert len(a_while_dead) > 10  # a ran on while b was dead (0.05 s a step over 4 s)
+    for org in SKILLS:
+        _taken_or_counted(drv, org)
