@@ -246,6 +246,8 @@ class PolicyWorker(RunRouting):
         t1, c1 = time.perf_counter(), time.process_time()
         with self.engine.released():  # a vLLM engine may sleep during the update (generation.sleep_during_train)
             update = self.trainer.update(admitted.rows, admitted.learner, admitted.capability, names=admitted.agents)
+            if self.outcome is not None:  # the counterfactual's shadow: the same own rows, no foreign one
+                outcome.update(self.outcome.train_shadow(self, admitted.rows, admitted.learner, admitted.capability))
         self.engine.sync_weights(self.model)
         if self.outcome is not None:  # validate when due; a regression rolls the weights back
             trained = sorted({admitted.agents[r.source] for r in admitted.rows if not r.is_self})
