@@ -43,8 +43,11 @@ from hacrl_fed.worker import build_worker
 
 DIAGNOSTICS = ("gap_median", "deficit_max")  # per-round maxima, not counts
 TRUST_COUNTERS = ("rejected", "excluded", "mismatches", "accepted")
-TIMES = ("outcome", "outcome_reference", "train", "generate", "screen")
-OUTCOME_GAUGES = ("val_accuracy", "reference_accuracy", "strikes", "quarantined_until")  # recorded per round
+TIMES = ("outcome", "outcome_reference", "outcome_shadow", "outcome_counterfactual", "train", "generate", "screen")
+# recorded per round
+OUTCOME_GAUGES = ("val_accuracy", "reference_accuracy", "shadow_accuracy", "strikes", "quarantined_until")
+# the victim's guard, round by round (the rounds it validated): what it saw and did
+TRACE = ("val_accuracy", "shadow_accuracy", "lost", "gained", "cf_lost", "cf_gained", "rollback", "adopted")
 
 
 def string_log_prob(worker, prompts) -> float:
@@ -89,6 +92,16 @@ def _counters(records) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
             elif len(parts) >= 2 and parts[1] == "outcome":  # counts summed, gauges: the last round's value
                 counters[k] = float(v) if parts[-1] in OUTCOME_GAUGES else counters.get(k, 0.0) + float(v)
     return drops, counters
+
+
+def _trace(records, org: str) -> list[dict[str, float]]:
+    """The outcome guard's per-round record for ``org`` (``TRACE`` keys), the rounds it validated only."""
+    out = []
+    for rec in records:
+        row = {k: float(rec[f"{org}/outcome/{k}"]) for k in TRACE if f"{org}/outcome/{k}" in rec}
+        if row.get("val_accuracy") is not None:
+            out.append({"round": int(rec["round"]), **row})
+    return out
 
 
 def _commit() -> str | None:
@@ -168,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         "string_logprob": {"before": before, "after": after},
         "drops": drops,
         "counters": counters,
+        "trace": _trace(records, victim.org_id),
         "excluded": dict(coord.guard.excluded),
         "wall_s": summary.wall_time_s,
     }
