@@ -126,6 +126,8 @@ def test_the_shadow_trains_on_own_rows_and_is_adopted_when_the_learner_falls_beh
     assert m1["acme/outcome/globex/quarantined_until"] == 3.0  # round 1 + probation 2
     assert torch.equal(next(acme.model.parameters()), _first(shadow))  # the learner took the shadow's weights
     m2 = coord.run_round(2).metrics
+    assert "acme/outcome/shadow_reward" not in m1  # round 1: the learner's own rows (the same weights then)
+    assert m2["acme/outcome/shadow_rows"] == 16.0 and 0.0 <= m2["acme/outcome/shadow_reward"] <= 1.0  # its own
     assert m2["acme/outcome/globex/quarantined"] == 1.0 and m2.get("acme/train/num_cross", 0.0) == 0.0
     assert m2["acme/outcome/adopted"] == 0.0 and m2["acme/outcome/globex/strikes"] == 1.0
 

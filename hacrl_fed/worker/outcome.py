@@ -99,9 +99,17 @@ class OutcomeMonitor:
             out[f"outcome/{src}/strikes"] = float(self.guard.strikes.get(src, 0))
         return [r for r in foreign if admitted[str(r.org_id)]], out
 
-    def train_shadow(self, worker: Any, rows: Sequence[TrainRow], learner: int, capability: Sequence[float]) -> dict:
-        """The shadow's update on this round's own rows (nothing with the counterfactual off)."""
-        return self.shadow.train(worker, rows, learner, capability) if self.shadow is not None else {}
+    def shadow_generate(self, worker: Any, plan: Any) -> dict[str, float]:
+        """The shadow's own samples of this round's plan, when it exists (from the run's second round)."""
+        if self.shadow is None or plan.run_id != self.run_id:
+            return {}
+        return self.shadow.generate(worker, plan)
+
+    def train_shadow(
+        self, worker: Any, round: int, rows: Sequence[TrainRow], learner: int, capability: Sequence[float]
+    ) -> dict[str, float]:
+        """The shadow's update on its own rows of this round (nothing with the counterfactual off)."""
+        return self.shadow.train(worker, round, rows, learner, capability) if self.shadow is not None else {}
 
     def after_update(self, round: int, last_round: int, trained: Sequence[str], worker: Any) -> dict[str, float]:
         """Record the sources the update trained on; when due, validate, judge and apply the verdict, then check the

@@ -151,6 +151,7 @@ class PolicyWorker(RunRouting):
         t1 = time.perf_counter()
         gen_perf = perf.lap("generate", sum(g.token_count for row in gens for g in row))
         rollouts, rows = self._verify(plan, tokens_by_prompt, [plan.prompts[i] for i in keep], gens)
+        shadow = self.outcome.shadow_generate(self, plan) if self.outcome is not None else {}  # counterfactual
         fresh = fresh_digest(plan, self.org_id, self._challenges.expect())
         self._own = OwnRound(
             plan.run_id, plan.round, plan.task, plan.prompts, sp.max_new_tokens, tokens_by_prompt, rows, fresh
@@ -165,6 +166,7 @@ class PolicyWorker(RunRouting):
             "cpu/generate": time.process_time() - c0,  # this process's CPU seconds (all its threads)
             **gen_perf,
             "trust/plan_fresh": float(fresh is not None),
+            **shadow,
         }
         acc = sum(r.reward for r in rollouts) / n
         batch = RolloutBatch(
@@ -246,8 +248,9 @@ class PolicyWorker(RunRouting):
         t1, c1 = time.perf_counter(), time.process_time()
         with self.engine.released():  # a vLLM engine may sleep during the update (generation.sleep_during_train)
             update = self.trainer.update(admitted.rows, admitted.learner, admitted.capability, names=admitted.agents)
-            if self.outcome is not None:  # the counterfactual's shadow: the same own rows, no foreign one
-                outcome.update(self.outcome.train_shadow(self, admitted.rows, admitted.learner, admitted.capability))
+            if self.outcome is not None:  # the counterfactual's shadow: its own rows, no foreign one
+                rows, learner, capability = admitted.rows, admitted.learner, admitted.capability
+                outcome.update(self.outcome.train_shadow(self, own.round, rows, learner, capability))
         self.engine.sync_weights(self.model)
         if self.outcome is not None:  # validate when due; a regression rolls the weights back
             trained = sorted({admitted.agents[r.source] for r in admitted.rows if not r.is_self})
