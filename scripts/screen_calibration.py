@@ -66,6 +66,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attacker", default=None, help="the attacking org (default: the config's second org)")
     ap.add_argument("--eval-size", type=int, default=100)
+    ap.add_argument(
+        "--duty",
+        default=None,
+        help="ON/PERIOD: the attacker doctors only rounds r with (r - 1) %% PERIOD < ON, honest in between (an "
+        "attacker that knows the outcome guard)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     add_set_flag(ap, help="extra overrides of the run's config (repeatable)")
     return ap.parse_args(argv)
@@ -149,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         before = string_log_prob(victim, probe)
         attack = None
         if args.variant != "honest":
-            attack = workers[attacker] = Attacker(workers[attacker], victim, run_dir, args.variant)
+            duty = tuple(int(x) for x in args.duty.split("/")) if args.duty else None
+            attack = workers[attacker] = Attacker(workers[attacker], victim, run_dir, args.variant, duty)  # type: ignore[arg-type]
         with RunLogger(run_dir, tensorboard=False) as logger:
             coord = Coordinator(cfg, InProcessTransport(workers), run_dir, logger=logger)
             summary = coord.run()
@@ -174,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         "eval_size": args.eval_size,
         "set": list(args.overrides),  # the extra overrides this run had (part of what it measured)
         "commit": commit,
-        "doctored_batches": attack.batches if attack else 0,
+        "duty": args.duty,
+        "doctored_batches": attack.doctored_batches if attack else 0,
         "doctored_rows": attack.rows if attack else 0,
         "insertion": attack.insertion if attack else None,
         "accuracy": coord.eval_history[max(coord.eval_history)],
