@@ -63,6 +63,17 @@ def test_a_slow_climb_is_blamed_on_every_source_since_the_shadow_not_since_the_r
     assert g.reference == vec(61) and g.since_shadow == set()
 
 
+def test_a_rollback_and_an_adoption_in_one_validation_strike_once():
+    g = OutcomeGuard(P)
+    g.judge(0, vec(50))
+    g.trained(["globex", "initech"])
+    g.judge(2, vec(52))  # initech and globex trained before the reference: both stay blamed by the counterfactual
+    g.trained(["globex"])
+    assert g.judge(4, vec(20)).quarantined == {"globex": 8}  # the rollback strikes globex: out through 4 + 4
+    assert g.adopt(4, vec(70), strike=True) == {"initech": 8}  # globex is not struck twice for one event
+    assert g.strikes == {"globex": 1, "initech": 1}
+
+
 def test_a_rollback_keeps_the_sources_since_the_shadow():
     """A rollback returns to the best reference, which may itself carry foreign training: the sources stay
     blamed by the counterfactual."""

@@ -153,8 +153,9 @@ class OutcomeGuard:
     def adopt(self, round: int, shadow: Sequence[bool], strike: bool) -> dict[str, int]:
         """The learner took its shadow's weights after ``round``'s update (:mod:`hacrl_fed.algorithm.counterfactual`):
         their vector ``shadow`` becomes the reference; with ``strike`` every source trained since the last adoption
-        gets a strike (quarantined through the round returned per source)."""
-        blamed = sorted(self.since_shadow) if strike else []
+        gets a strike (quarantined through the round returned per source), unless it is quarantined past ``round``
+        already (struck by this validation's rollback: one event, one strike)."""
+        blamed = sorted(s for s in self.since_shadow if self.until.get(s, 0) <= round) if strike else []
         quarantined = self._strike(blamed, round) if blamed else {}
         self.reference = list(shadow)
         self.implicated.clear()
