@@ -11,7 +11,9 @@ from hacrl_fed.algorithm.outcome_guard import OutcomeGuard, OutcomeParams
 from hacrl_fed.config import load_config
 from hacrl_fed.coordinator import Coordinator
 from hacrl_fed.coordinator.inprocess import InProcessTransport
+from hacrl_fed.metrics import RunLogger, read_metrics
 from hacrl_fed.worker import build_worker
+from tests.test_docs import documented_keys, key_pattern, undocumented
 
 P = OutcomeParams(every=2, z=2.0, margin=2, probation=4, backoff=2.0)
 
@@ -150,3 +152,13 @@ def test_the_counterfactual_off_keeps_no_shadow(tmp_path):
     assert workers["acme"].outcome.shadow is None
     assert "acme/outcome/shadow_rows" not in m and "acme/outcome/adopted" not in m
     assert load_config({"orgs": ORGS}).trainer.outcome_guard.counterfactual  # on with the guard, by default
+
+
+def test_every_key_the_guard_and_its_shadow_log_is_documented(tmp_path):
+    cfg = _cfg()
+    workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
+    with RunLogger(tmp_path, tensorboard=False) as logger:
+        Coordinator(cfg, InProcessTransport(workers), tmp_path, logger=logger).run()
+    keys = {k for rec in read_metrics(tmp_path) for k in rec}
+    assert {"acme/outcome/adopted", "acme/outcome/shadow_reward", "acme/time/outcome_shadow_gen"} <= keys
+    assert undocumented(keys, [key_pattern(k) for k in documented_keys()]) == []
