@@ -62,19 +62,21 @@ class Shadow:
         t0 = time.perf_counter()
         mine = snapshot(worker)
         restore(worker, self.saved, sync=False)
-        own = self.rows.pop(round, None)
-        if own is None:
-            own = [r for r in rows if r.is_self]
-            toks = worker.trainer.token_log_prob_lists(own)
-            own = [
-                dataclasses.replace(r, old_seq_log_prob=sum(t) / max(len(t), 1), old_token_log_probs=t)
-                for r, t in zip(own, toks)
-            ]
-        own = [dataclasses.replace(r, source=learner) for r in own]
-        if own:
-            worker.trainer.update(own, learner, capability)
-        self.saved = snapshot(worker)
-        restore(worker, mine, sync=False)
+        try:  # whatever happens, the learner gets its own weights and state back
+            own = self.rows.pop(round, None)
+            if own is None:
+                own = [r for r in rows if r.is_self]
+                toks = worker.trainer.token_log_prob_lists(own)
+                own = [
+                    dataclasses.replace(r, old_seq_log_prob=sum(t) / max(len(t), 1), old_token_log_probs=t)
+                    for r, t in zip(own, toks)
+                ]
+            own = [dataclasses.replace(r, source=learner) for r in own]
+            if own:
+                worker.trainer.update(own, learner, capability)
+            self.saved = snapshot(worker)
+        finally:
+            restore(worker, mine, sync=False)
         return {"outcome/shadow_rows": float(len(own)), "time/outcome_shadow": time.perf_counter() - t0}
 
     def validate(self, worker: Any, validate: Any) -> list[bool]:
