@@ -413,6 +413,14 @@ class OutcomeGuardConfig(_Section):
     margin: int = Field(2, ge=0, description=_d("and lost - gained > margin (prompts)"))
     probation: int = Field(8, ge=1, description=_d("rounds a source is left out after its first strike"))
     backoff: float = Field(2.0, ge=1, description=_d("each further strike multiplies the source's quarantine by this"))
+    counterfactual: bool = Field(
+        True,
+        description=_d(
+            "also train a shadow of this learner on its own rows alone and validate it every `every` rounds and the "
+            "last: significantly worse than the shadow, the learner takes the shadow's weights and strikes the "
+            "sources trained since; worse by the point estimate at the last round, it takes them without a strike"
+        ),
+    )
 
 
 class TrainerConfig(_Section):

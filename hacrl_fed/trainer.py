@@ -379,6 +379,20 @@ class LocalTrainer:
         gradient: the update's own scoring path (sorted micro-batches, the native forward, each prompt once). The
         scorer the intake's likelihood screen is handed (:mod:`hacrl_fed.worker.intake`)."""
         sums: dict[int, float] = {}
+        for micro_idx, tok_lp in self._scored(rows):
+            sums.update(zip(micro_idx, tok_lp.double().sum(-1).tolist()))
+        return [sums[i] for i in range(len(rows))]
+
+    def token_log_prob_lists(self, rows: Sequence[TrainRow]) -> list[list[float]]:
+        """The learner's per-token log-probs of each row's response with the current weights, no gradient (the
+        same path as :meth:`log_prob_sums`); the outcome guard's shadow re-scores its rows with it."""
+        out: dict[int, list[float]] = {}
+        for micro_idx, tok_lp in self._scored(rows):
+            out.update((i, tok_lp[j, : len(rows[i].response_ids)].tolist()) for j, i in enumerate(micro_idx))
+        return [out[i] for i in range(len(rows))]
+
+    def _scored(self, rows: Sequence[TrainRow]):
+        """``(micro_idx, token_log_probs [b, T])`` per sorted micro-batch of ``rows``, no gradient (left-aligned)."""
         device = next(self.model.parameters()).device
         with torch.no_grad():
             for micro_idx in self._micro_batches(rows, range(len(rows))):
@@ -389,8 +403,7 @@ class LocalTrainer:
                 )
                 with self._autocast(device):
                     tok_lp, _ = token_log_probs(self.model, batch, native=self.native)
-                sums.update(zip(micro_idx, tok_lp.double().sum(-1).tolist()))
-        return [sums[i] for i in range(len(rows))]
+                yield micro_idx, tok_lp
 
     def with_proximal(self, rows: Sequence[TrainRow]) -> list[TrainRow]:
         """``rows`` with every cross row's pre-update log-prob sum (``prox_log_prob_sum``) where it has none: one

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             if org != run.get("attacker") and org in alone:
                 extra = "".join(f", {kv}" for kv in run.get("set", []))  # runs of other configs stay apart
                 by = f", by {run['attacker']}" if run.get("attacker") else ""
+                by += f", doctoring {run['duty']} rounds" if run.get("duty") else ""
                 diffs[(setting, f"{run['variant']}{by} (screen {run['screen']}{extra})", org)].append(
                     (run["seed"], acc, alone[org])
                 )

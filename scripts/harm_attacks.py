@@ -62,11 +62,14 @@ def insert_before_marker(text: str, insertion: str) -> str | None:
 class Attacker:
     """A real worker whose published batch is doctored by ``variant`` (module docstring); counts what it did."""
 
-    def __init__(self, worker, victim, run_dir: Path, variant: str):
+    def __init__(self, worker, victim, run_dir: Path, variant: str, duty: tuple[int, int] | None = None):
         if variant not in VARIANTS:
             raise ValueError(f"unknown attack {variant!r}: one of {', '.join(VARIANTS)}")
         self.worker, self.victim, self.variant, self.org_id = worker, victim, variant, worker.org_id
-        self.batches = 0  # batches doctored: a run refuses to report an attack that never happened
+        # an attacker that knows the outcome guard: doctor only rounds r with (r - 1) % period < on, honest between
+        self.duty = duty
+        self.batches = 0  # batches through the attack: a run refuses to report an attack that never happened
+        self.doctored_batches = 0
         self.rows = 0  # rollouts doctored
         self.insertion = TRIGGER if variant == "backdoor" else None  # utility: chosen on the first batch
         self.key = load_identity(identity_path(auto_keys_dir(run_dir), self.org_id), org_id=self.org_id)
@@ -107,6 +110,9 @@ class Attacker:
     def generate(self, plan):
         self.batches += 1
         batch = self.worker.generate(plan)
+        if self.duty is not None and (plan.round - 1) % self.duty[1] >= self.duty[0]:
+            return batch  # an honest round of an intermittent attacker
+        self.doctored_batches += 1
         prompts = {p.prompt_id: p for p in plan.prompts}
         own = [self.worker.prompts.render(prompts[r.prompt_id]) for r in batch.rollouts]
         new = self._rewrite(batch.rollouts, own)

@@ -44,8 +44,12 @@ from hacrl_fed.worker import build_worker
 
 DIAGNOSTICS = ("gap_median", "deficit_max")  # per-round maxima, not counts
 TRUST_COUNTERS = ("rejected", "excluded", "mismatches", "accepted")
-TIMES = ("outcome", "outcome_reference", "train", "generate", "screen")
-OUTCOME_GAUGES = ("val_accuracy", "reference_accuracy", "strikes", "quarantined_until")  # recorded per round
+TIMES = ("outcome", "outcome_reference", "outcome_shadow", "outcome_shadow_gen", "outcome_counterfactual")
+TIMES += ("train", "generate", "screen")
+# recorded per round
+OUTCOME_GAUGES = ("val_accuracy", "reference_accuracy", "shadow_accuracy", "strikes", "quarantined_until")
+# the victim's guard, round by round (the rounds it validated): what it saw and did
+TRACE = ("val_accuracy", "shadow_accuracy", "lost", "gained", "cf_lost", "cf_gained", "rollback", "adopted")
 
 
 def string_log_prob(worker, prompts) -> float:
@@ -63,6 +67,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attacker", default=None, help="the attacking org (default: the config's second org)")
     ap.add_argument("--eval-size", type=int, default=100)
+    ap.add_argument(
+        "--duty",
+        default=None,
+        help="ON/PERIOD: the attacker doctors only rounds r with (r - 1) %% PERIOD < ON, honest in between (an "
+        "attacker that knows the outcome guard)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     add_set_flag(ap, help="extra overrides of the run's config (repeatable)")
     return ap.parse_args(argv)
@@ -90,6 +100,16 @@ def _counters(records) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
             elif len(parts) >= 2 and parts[1] == "outcome":  # counts summed, gauges: the last round's value
                 counters[k] = float(v) if parts[-1] in OUTCOME_GAUGES else counters.get(k, 0.0) + float(v)
     return drops, counters
+
+
+def _trace(records, org: str) -> list[dict[str, float]]:
+    """The outcome guard's per-round record for ``org`` (``TRACE`` keys), the rounds it validated only."""
+    out = []
+    for rec in records:
+        row = {k: float(rec[f"{org}/outcome/{k}"]) for k in TRACE if f"{org}/outcome/{k}" in rec}
+        if row.get("val_accuracy") is not None:
+            out.append({"round": int(rec["round"]), **row})
+    return out
 
 
 def _commit() -> str | None:
@@ -136,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         before = string_log_prob(victim, probe)
         attack = None
         if args.variant != "honest":
-            attack = workers[attacker] = Attacker(workers[attacker], victim, run_dir, args.variant)
+            duty = tuple(int(x) for x in args.duty.split("/")) if args.duty else None
+            attack = workers[attacker] = Attacker(workers[attacker], victim, run_dir, args.variant, duty)  # type: ignore[arg-type]
         with RunLogger(run_dir, tensorboard=False) as logger:
             coord = Coordinator(cfg, InProcessTransport(workers), run_dir, logger=logger)
             summary = coord.run()
@@ -161,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         "eval_size": args.eval_size,
         "set": list(args.overrides),  # the extra overrides this run had (part of what it measured)
         "commit": commit,
-        "doctored_batches": attack.batches if attack else 0,
+        "duty": args.duty,
+        "doctored_batches": attack.doctored_batches if attack else 0,
         "doctored_rows": attack.rows if attack else 0,
         "insertion": attack.insertion if attack else None,
         "accuracy": coord.eval_history[max(coord.eval_history)],
@@ -169,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "string_logprob": {"before": before, "after": after},
         "drops": drops,
         "counters": counters,
+        "trace": _trace(records, victim.org_id),
         "excluded": dict(coord.guard.excluded),
         "wall_s": summary.wall_time_s,
     }

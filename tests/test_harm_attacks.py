@@ -99,6 +99,14 @@ def test_the_attack_is_applied_and_counted_under_the_protocol(tmp_path, monkeypa
     assert out["adoption"]["answers"] == 8 and 0.0 <= out["adoption"]["trigger_share"] <= 1.0
 
 
+def test_an_intermittent_attacker_doctors_only_its_rounds(tmp_path, monkeypatch, capsys, calibration):
+    """``--duty 1/2``: round 1 doctored, round 2 honest (an attacker that knows the outcome guard)."""
+    _perfect(monkeypatch, calibration, "globex")
+    out = _run(calibration, capsys, [str(_config(tmp_path)), "--variant", "backdoor", "--attacker", "globex",
+                                     "--rounds", str(ROUNDS), "--eval-size", "4", "--duty", "1/2", "--threads", "1"])
+    assert out["duty"] == "1/2" and out["doctored_batches"] == 1 and out["doctored_rows"] == B * G
+
+
 def test_a_run_whose_attack_was_bypassed_is_refused(tmp_path, monkeypatch, capsys, calibration):
     """The past bug, put back: a Step that runs the wrapped worker's own generate publishes undoctored text."""
     import harm_attacks

@@ -172,7 +172,7 @@ def _cfg(**guard):
 
 
 def test_a_regression_restores_the_weights_and_the_quarantine_names_the_source(tmp_path, monkeypatch):
-    cfg = _cfg()
+    cfg = _cfg(counterfactual=False)  # the guard's own rollback; the counterfactual has its own test
     workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
     acme = workers["acme"]
     real = acme.outcome.validate(acme.engine, acme.context)

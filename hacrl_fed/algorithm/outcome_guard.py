@@ -31,9 +31,10 @@ worse than its best, within the test's slack of it, or reached from it by its ow
 always validated); harm that accumulates slowly or shows late is measured against the same reference and blamed on
 every source trained since it; a source that alternates honest and doctored windows keeps its strikes, and each
 strike multiplies its next quarantine, so it causes at most ``1 + log_backoff(rounds / probation)`` rollbacks in a
-run. What it cannot see: harm that costs no validation accuracy (a trigger that leaves answers right), harm within
-the slack, the rounds a rollback throws away, and a slower climb than training alone would give (it compares with
-its own best, not with a counterfactual learner).
+run. What it cannot see alone: harm that costs no validation accuracy (a trigger that leaves answers right), harm
+within the slack, the rounds a rollback throws away, and a slower climb than training alone would give (it compares
+with its own best); the counterfactual (:mod:`hacrl_fed.algorithm.counterfactual`, ``counterfactual: true``)
+compares with a shadow that trains alone, for the last two.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class OutcomeGuard:
     """One learner's guard state for one run (module doc). ``reference``: the reference vector (None until the
     first validation); ``strikes``/``until``: per source; ``implicated``: sources trained since the reference;
     ``trial``: the source with strikes readmitted, by the round its trial began; ``passed``: sources with strikes
-    that completed a trial (admitted until their next strike)."""
+    that completed a trial (admitted until their next strike); ``since_shadow``: sources trained since the learner
+    last took its shadow's weights (:mod:`hacrl_fed.algorithm.counterfactual`), or since the start."""
 
     params: OutcomeParams
     reference: list[bool] | None = None
@@ -103,6 +105,7 @@ class OutcomeGuard:
     implicated: set[str] = field(default_factory=set)
     trial: dict[str, int] = field(default_factory=dict)
     passed: set[str] = field(default_factory=set)
+    since_shadow: set[str] = field(default_factory=set)
 
     def due(self, round: int, last_round: int) -> bool:
         """Validate after the update of ``round`` (module doc)."""
@@ -123,7 +126,9 @@ class OutcomeGuard:
 
     def trained(self, sources: Iterable[str]) -> None:
         """The update of this round trained on rows of ``sources``."""
+        sources = list(sources)
         self.implicated.update(sources)
+        self.since_shadow.update(sources)
 
     def judge(self, round: int, current: Sequence[bool]) -> Verdict:
         """The verdict on the weights after ``round``'s update (module doc); the first call sets the reference."""
@@ -144,6 +149,18 @@ class OutcomeGuard:
             self.reference = list(current)
             self.implicated.clear()
         return Verdict(cmp, False, cmp.regressed or cmp.not_worse, cmp.regressed, {})
+
+    def adopt(self, round: int, shadow: Sequence[bool], strike: bool) -> dict[str, int]:
+        """The learner took its shadow's weights after ``round``'s update (:mod:`hacrl_fed.algorithm.counterfactual`):
+        their vector ``shadow`` becomes the reference; with ``strike`` every source trained since the last adoption
+        gets a strike (quarantined through the round returned per source), unless it is quarantined past ``round``
+        already (struck by this validation's rollback: one event, one strike)."""
+        blamed = sorted(s for s in self.since_shadow if self.until.get(s, 0) <= round) if strike else []
+        quarantined = self._strike(blamed, round) if blamed else {}
+        self.reference = list(shadow)
+        self.implicated.clear()
+        self.since_shadow.clear()
+        return quarantined
 
     def _strike(self, sources: Sequence[str], round: int) -> dict[str, int]:
         """A strike for each of ``sources`` (quarantined through the round returned per source); the weights go

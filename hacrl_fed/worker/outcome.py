@@ -8,7 +8,11 @@ the quarantine of foreign rows and the rollback.
   when validation is due the updated weights are validated and judged: a new reference replaces the copy in
   memory, and a rollback copies the reference's parameters and trainer state (optimizer, likelihood-screen history)
   back and syncs the engine;
-* :meth:`OutcomeMonitor.leave_out` drops a quarantined source's rows before selection (ledger stage ``outcome``).
+* :meth:`OutcomeMonitor.leave_out` drops a quarantined source's rows before selection (ledger stage ``outcome``);
+* with ``counterfactual`` on, a shadow of the learner trains on its own rows alone (:mod:`hacrl_fed.worker.shadow`)
+  and is validated on the same split every ``every``-th round and the last; the learner adopts its weights when
+  :func:`hacrl_fed.algorithm.counterfactual.against_shadow` says so (``outcome/adopted``,
+  ``outcome/<source>/blamed_counterfactual``).
 
 The state lives in memory for the worker's current run: a worker restarted from a checkpoint validates the restored
 weights as its new reference (SECURITY.md says what that leaves open).
@@ -16,20 +20,21 @@ weights as its new reference (SECURITY.md says what that leaves open).
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from hacrl_fed.algorithm.outcome_guard import OutcomeGuard, OutcomeParams
+from hacrl_fed.algorithm import counterfactual
+from hacrl_fed.algorithm.outcome_guard import OutcomeGuard, OutcomeParams, Verdict
 from hacrl_fed.config import OutcomeGuardConfig
 from hacrl_fed.seeding import stable_seed
+from hacrl_fed.trainer import TrainRow
 from hacrl_fed.types import Rollout
 from hacrl_fed.worker.ledger import Ledger
+from hacrl_fed.worker.shadow import Shadow
+from hacrl_fed.worker.weights import Saved, restore, snapshot
 
 
 class OutcomeMonitor:
@@ -43,7 +48,8 @@ class OutcomeMonitor:
         self.params = OutcomeParams(cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff)
         self.run_id: str | None = None
         self.guard = OutcomeGuard(self.params)
-        self.saved: tuple[dict[str, torch.Tensor], dict] | None = None
+        self.saved: Saved | None = None
+        self.shadow: Shadow | None = None  # the counterfactual learner (None: off, or before the run's start)
 
     @classmethod
     def of(cls, cfg: OutcomeGuardConfig, worker: Any) -> OutcomeMonitor | None:
@@ -77,7 +83,8 @@ class OutcomeMonitor:
         self.run_id, self.guard = run_id, OutcomeGuard(self.params)
         right = self.validate(worker.engine, worker.context)
         self.guard.judge(0, right)
-        self.saved = _snapshot(worker)
+        self.saved = snapshot(worker)
+        self.shadow = Shadow(self.saved) if self.cfg.counterfactual else None
         return {"outcome/reference_accuracy": _acc(right), "time/outcome_reference": time.perf_counter() - t0}
 
     def leave_out(self, foreign: list[Rollout], round: int, ledger: Ledger) -> tuple[list[Rollout], dict[str, float]]:
@@ -92,48 +99,75 @@ class OutcomeMonitor:
             out[f"outcome/{src}/strikes"] = float(self.guard.strikes.get(src, 0))
         return [r for r in foreign if admitted[str(r.org_id)]], out
 
+    def shadow_generate(self, worker: Any, plan: Any) -> dict[str, float]:
+        """The shadow's own samples of this round's plan, when it exists (from the run's second round)."""
+        if self.shadow is None or plan.run_id != self.run_id:
+            return {}
+        return self.shadow.generate(worker, plan)
+
+    def train_shadow(
+        self, worker: Any, round: int, rows: Sequence[TrainRow], learner: int, capability: Sequence[float]
+    ) -> dict[str, float]:
+        """The shadow's update on its own rows of this round (nothing with the counterfactual off)."""
+        return self.shadow.train(worker, round, rows, learner, capability) if self.shadow is not None else {}
+
     def after_update(self, round: int, last_round: int, trained: Sequence[str], worker: Any) -> dict[str, float]:
-        """Record the sources the update trained on; when due, validate, judge and apply the verdict."""
+        """Record the sources the update trained on; when due, validate, judge and apply the verdict, then check the
+        counterfactual when it is due."""
         self.guard.trained(trained)
         if not self.guard.due(round, last_round):
             return {"outcome/validated": 0.0}
         t0 = time.perf_counter()
         right = self.validate(worker.engine, worker.context)
         verdict = self.guard.judge(round, right)
+        out = _verdict_metrics(verdict, right)
         if verdict.rollback and self.saved is not None:
-            _restore(worker, self.saved)
+            restore(worker, self.saved)
+            right = list(self.guard.reference or right)  # the weights now on the model: the reference's vector
         elif verdict.new_reference:
-            self.saved = _snapshot(worker)
-        out = {
-            "outcome/validated": 1.0,
-            "outcome/val_accuracy": _acc(right),
-            "outcome/lost": float(verdict.comparison.lost),
-            "outcome/gained": float(verdict.comparison.gained),
-            "outcome/rollback": float(verdict.rollback),
-            "outcome/rebased": float(verdict.rebased),
-            "outcome/new_reference": float(verdict.new_reference),
-            "time/outcome": time.perf_counter() - t0,
-        }
-        out.update({f"outcome/{src}/quarantined_until": float(t) for src, t in verdict.quarantined.items()})
+            self.saved = snapshot(worker)
+        out["time/outcome"] = time.perf_counter() - t0
+        if self.shadow is not None and counterfactual.due(round, last_round, self.params.every):
+            out.update(self._counterfactual(round, last_round, right, worker))
         return out
+
+    def _counterfactual(self, round: int, last_round: int, right: list[bool], worker: Any) -> dict[str, float]:
+        """Validate the shadow and compare; on a verdict to adopt, the learner takes the shadow's weights."""
+        assert self.shadow is not None
+        t0 = time.perf_counter()
+        shadow = self.shadow.validate(worker, self.validate)
+        cf = counterfactual.against_shadow(
+            shadow, right, z=self.params.z, margin=self.params.margin, last=round >= last_round
+        )
+        quarantined: dict[str, int] = {}
+        if cf.adopt:
+            self.saved = self.shadow.adopted_by(worker)
+            quarantined = self.guard.adopt(round, shadow, cf.strike)
+        out = {
+            "outcome/shadow_accuracy": _acc(shadow),
+            "outcome/cf_lost": float(cf.comparison.lost),
+            "outcome/cf_gained": float(cf.comparison.gained),
+            "outcome/adopted": float(cf.adopt),
+            "time/outcome_counterfactual": time.perf_counter() - t0,
+        }
+        out.update({f"outcome/{src}/blamed_counterfactual": 1.0 for src in quarantined})
+        out.update({f"outcome/{src}/quarantined_until": float(t) for src, t in quarantined.items()})
+        return out
+
+
+def _verdict_metrics(verdict: Verdict, right: Sequence[bool]) -> dict[str, float]:
+    out = {
+        "outcome/validated": 1.0,
+        "outcome/val_accuracy": _acc(right),
+        "outcome/lost": float(verdict.comparison.lost),
+        "outcome/gained": float(verdict.comparison.gained),
+        "outcome/rollback": float(verdict.rollback),
+        "outcome/rebased": float(verdict.rebased),
+        "outcome/new_reference": float(verdict.new_reference),
+    }
+    out.update({f"outcome/{src}/quarantined_until": float(t) for src, t in verdict.quarantined.items()})
+    return out
 
 
 def _acc(right: Sequence[bool]) -> float:
     return sum(right) / max(len(right), 1)
-
-
-def _snapshot(worker: Any) -> tuple[dict[str, torch.Tensor], dict]:
-    """A copy of the trainable parameters and the trainer's state (optimizer, screen history, masters)."""
-    params = {n: p.detach().clone() for n, p in worker.model.named_parameters() if p.requires_grad}
-    return params, copy.deepcopy(worker.trainer.state_dict())
-
-
-def _restore(worker: Any, saved: tuple[dict[str, torch.Tensor], dict]) -> None:
-    """Put a :func:`_snapshot` back on the worker's model, trainer and engine."""
-    params, state = saved
-    with torch.no_grad():
-        for name, p in worker.model.named_parameters():
-            if name in params:
-                p.copy_(params[name])
-    worker.trainer.load_state_dict(copy.deepcopy(state))
-    worker.engine.sync_weights(worker.model)

@@ -159,6 +159,7 @@ class PolicyWorker(RunRouting):
         t1 = time.perf_counter()
         gen_perf = perf.lap("generate", sum(g.token_count for row in gens for g in row))
         rollouts, rows = self._verify(plan, tokens_by_prompt, [plan.prompts[i] for i in keep], gens)
+        shadow = self.outcome.shadow_generate(self, plan) if self.outcome is not None else {}  # counterfactual
         fresh = fresh_digest(plan, self.org_id, self._challenges.expect())
         self._own = OwnRound(
             plan.run_id, plan.round, plan.task, plan.prompts, sp.max_new_tokens, tokens_by_prompt, rows, fresh
@@ -175,6 +176,7 @@ class PolicyWorker(RunRouting):
             "cpu/generate": time.process_time() - c0,  # this process's CPU seconds (all its threads)
             **gen_perf,
             "trust/plan_fresh": float(fresh is not None),
+            **shadow,
         }
         acc = sum(r.reward for r in rollouts) / n
         batch = RolloutBatch(
@@ -276,6 +278,9 @@ class PolicyWorker(RunRouting):
                 names=admitted.agents,
                 row_capability=admitted.row_capability,
             )
+            if self.outcome is not None:  # the counterfactual's shadow: its own rows, no foreign one
+                rows, learner, capability = admitted.rows, admitted.learner, admitted.capability
+                outcome.update(self.outcome.train_shadow(self, own.round, rows, learner, capability))
         self.engine.sync_weights(self.model)
         if self.outcome is not None:  # validate when due; a regression rolls the weights back
             trained = sorted({admitted.agents[r.source] for r in admitted.rows if not r.is_self})

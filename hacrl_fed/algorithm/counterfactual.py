@@ -1,0 +1,56 @@
+"""The outcome guard's counterfactual (docs/ALGORITHM.md "Outcome guard", SECURITY.md): the learner compares its
+weights with a **shadow** of itself that trains on its own rows alone, so harm that only slows its climb (a member
+whose rows cost update budget without ever making the weights worse than their best) is measured against what
+training alone gives, not against the learner's own best. Pure decision logic, no I/O and no tensors; the worker
+(:mod:`hacrl_fed.worker.shadow`) keeps and trains the shadow and applies the verdicts.
+
+The shadow starts from the learner's initial weights and trains each round on exactly the learner's own rows (the
+same prompts and samples, re-scored under the shadow's weights as its old log-probs), never on a foreign row and
+never reset to the learner's weights. At the counterfactual's checks (every ``every``-th round and the last) both
+answer the same private validation prompts greedily; with the shadow's vector ``s`` as the reference of the paired
+test (:func:`hacrl_fed.algorithm.outcome_guard.compare`)::
+
+    lost   = #{p : s_p and not v_p}            gained = #{p : v_p and not s_p}
+
+* **significantly worse than training alone** (``lost - gained > max(z * sqrt(lost + gained), margin)``): the
+  learner **adopts** the shadow's weights and every foreign source it trained on since it last adopted them (or
+  since the start) gets a strike (``strike``);
+* **the last round, worse by the point estimate** (``lost > gained``): the learner adopts the shadow's weights, no
+  strike (a final choice of the better of two candidates on a split neither trained on: when they are equal it
+  costs nothing in expectation, when the federated weights are better by ``d`` it picks the shadow with probability
+  about ``Phi(-d / sd(lost - gained))``);
+* otherwise nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hacrl_fed.algorithm.outcome_guard import Comparison, compare
+
+
+@dataclass(frozen=True)
+class CounterfactualVerdict:
+    """``adopt``: the learner takes the shadow's weights; ``strike``: the foreign sources trained since the last
+    adoption are blamed (only with a significant gap)."""
+
+    comparison: Comparison
+    adopt: bool
+    strike: bool
+
+
+def due(round: int, last_round: int, every: int) -> bool:
+    """The counterfactual is checked after every ``every``-th round's update and after the last round's."""
+    return round % every == 0 or round >= last_round
+
+
+def against_shadow(
+    shadow: Sequence[bool], current: Sequence[bool], *, z: float, margin: int, last: bool
+) -> CounterfactualVerdict:
+    """The verdict on the learner's weights (``current``) against the shadow's (``shadow``) on the same prompts
+    (module doc); ``last``: this is the run's last round."""
+    cmp = compare(shadow, current, z, margin)
+    if cmp.regressed:
+        return CounterfactualVerdict(cmp, True, True)
+    return CounterfactualVerdict(cmp, last and cmp.lost > cmp.gained, False)

@@ -1,0 +1,164 @@
+"""The outcome guard's counterfactual (hacrl_fed/algorithm/counterfactual.py, hacrl_fed/worker/shadow.py): the
+learner against a shadow that trains on its own rows alone, the adoption of the shadow's weights, the strikes it
+gives, and the worker's shadow over a short in-process run of micro agents."""
+
+from __future__ import annotations
+
+import torch
+
+from hacrl_fed.algorithm.counterfactual import against_shadow, due
+from hacrl_fed.algorithm.outcome_guard import OutcomeGuard, OutcomeParams
+from hacrl_fed.config import load_config
+from hacrl_fed.coordinator import Coordinator
+from hacrl_fed.coordinator.inprocess import InProcessTransport
+from hacrl_fed.metrics import RunLogger, read_metrics
+from hacrl_fed.worker import build_worker
+from tests.test_docs import documented_keys, key_pattern, undocumented
+
+P = OutcomeParams(every=2, z=2.0, margin=2, probation=4, backoff=2.0)
+
+
+def vec(right: int, n: int = 100) -> list[bool]:
+    return [i < right for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------ pure logic
+
+
+def test_significantly_worse_than_the_shadow_adopts_it_and_strikes():
+    v = against_shadow(vec(60), vec(40), z=2.0, margin=2, last=False)  # 20 lost, 0 gained: 20 > 2 * sqrt(20)
+    assert (v.comparison.lost, v.comparison.gained, v.adopt, v.strike) == (20, 0, True, True)
+
+
+def test_within_the_slack_changes_nothing_before_the_last_round_and_adopts_without_strike_at_it():
+    before = against_shadow(vec(60), vec(57), z=2.0, margin=2, last=False)  # 3 lost: 3 <= max(2 * sqrt(3), 2)
+    assert (before.comparison.lost, before.adopt, before.strike) == (3, False, False)
+    last = against_shadow(vec(60), vec(57), z=2.0, margin=2, last=True)  # the better of two at the end: the shadow
+    assert (last.adopt, last.strike) == (True, False)
+
+
+def test_a_tie_or_a_better_learner_keeps_its_weights_even_at_the_last_round():
+    shadow, current = [True, True, False, False], [False, True, True, False]  # 1 lost, 1 gained
+    tie = against_shadow(shadow, current, z=2.0, margin=0, last=True)
+    assert (tie.comparison.lost, tie.comparison.gained, tie.adopt) == (1, 1, False)
+    assert not against_shadow(vec(50), vec(70), z=2.0, margin=2, last=True).adopt
+
+
+def test_the_counterfactual_is_due_every_period_and_at_the_last_round():
+    assert [t for t in range(1, 11) if due(t, 10, 4)] == [4, 8, 10]
+
+
+def test_a_slow_climb_is_blamed_on_every_source_since_the_shadow_not_since_the_reference():
+    """The learner keeps improving (every validation a new reference, so the guard alone never fires) but falls
+    behind its shadow: the adoption strikes every foreign source trained since the start."""
+    g = OutcomeGuard(P)
+    g.judge(0, vec(40))
+    for t, (src, right) in enumerate((("globex", 42), ("initech", 44), ("globex", 46)), start=1):
+        g.trained([src])
+        assert g.judge(t, vec(right)).new_reference and g.implicated == set()
+    assert g.since_shadow == {"globex", "initech"}
+    assert against_shadow(vec(60), vec(46), z=P.z, margin=P.margin, last=False).strike  # 14 > 2 * sqrt(14)
+    assert g.adopt(3, vec(60), strike=True) == {"globex": 7, "initech": 7}  # round 3 + probation 4
+    assert g.reference == vec(60) and g.since_shadow == set() and g.strikes == {"globex": 1, "initech": 1}
+    g.trained(["hooli"])
+    assert g.adopt(4, vec(61), strike=False) == {} and g.strikes == {"globex": 1, "initech": 1}
+    assert g.reference == vec(61) and g.since_shadow == set()
+
+
+def test_a_rollback_and_an_adoption_in_one_validation_strike_once():
+    g = OutcomeGuard(P)
+    g.judge(0, vec(50))
+    g.trained(["globex", "initech"])
+    g.judge(2, vec(52))  # initech and globex trained before the reference: both stay blamed by the counterfactual
+    g.trained(["globex"])
+    assert g.judge(4, vec(20)).quarantined == {"globex": 8}  # the rollback strikes globex: out through 4 + 4
+    assert g.adopt(4, vec(70), strike=True) == {"initech": 8}  # globex is not struck twice for one event
+    assert g.strikes == {"globex": 1, "initech": 1}
+
+
+def test_a_rollback_keeps_the_sources_since_the_shadow():
+    """A rollback returns to the best reference, which may itself carry foreign training: the sources stay
+    blamed by the counterfactual."""
+    g = OutcomeGuard(P)
+    g.judge(0, vec(50))
+    g.trained(["globex"])
+    g.judge(2, vec(52))
+    g.trained(["globex"])
+    assert g.judge(4, vec(20)).rollback and g.implicated == set() and g.since_shadow == {"globex"}
+
+
+# ------------------------------------------------------------------------------------------------ the worker
+
+
+ORGS = [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}, {"id": "globex", "model": {"zoo": "micro-qwen-char"}}]
+
+
+def _cfg(**guard):
+    return load_config({
+        "name": "shadow", "seed": 0, "orgs": ORGS, "algorithm": {"name": "hacpo"},
+        "trainer": {"lr": 1e-2, "minibatch_size": 64, "micro_batch_size": 32, "selection": {"rule": "all"},
+                    "likelihood_screen": {"enabled": False},
+                    "outcome_guard": {"enabled": True, "every": 1, "val_size": 8, "probation": 2, **guard}},
+        "generation": {"num_samples": 4, "max_new_tokens": 12, "eval_max_new_tokens": 12},
+        "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
+        "federation": {"rounds": 2, "prompts_per_round": 4, "eval_every": 0, "min_orgs": 1},
+    })
+
+
+def _first(params) -> torch.Tensor:
+    return next(iter(params.values())).clone()
+
+
+def test_the_shadow_trains_on_own_rows_and_is_adopted_when_the_learner_falls_behind(tmp_path, monkeypatch):
+    cfg = _cfg(z=1.0)
+    workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
+    acme = workers["acme"]
+    half, full = [True] * 4 + [False] * 4, [True] * 8
+    # initial, round 1 learner (no worse: new reference), round 1 shadow (4 lost: 4 > max(1 * sqrt(4), 2)), then
+    # round 2 learner and shadow alike
+    answers = iter([half, half, full, full, full])
+    seen: list[torch.Tensor] = []
+
+    def validate(engine, context):
+        seen.append(next(acme.model.parameters()).detach().clone())
+        return next(answers)
+
+    monkeypatch.setattr(acme.outcome, "validate", validate)
+    # rewards that vary within a group (the untrained micro model gets none right), the same for every verifier
+    monkeypatch.setattr(type(acme.task), "verify", lambda self, text, reference: float(len(text) % 2))
+    initial = next(acme.model.parameters()).detach().clone()
+    coord = Coordinator(cfg, InProcessTransport(workers), tmp_path)
+    m1 = coord.run_round(1).metrics
+    shadow = acme.outcome.shadow.saved[0]
+    assert m1["acme/outcome/shadow_rows"] == 16.0 and m1["acme/train/num_cross"] == 16  # 4 prompts x 4 own samples
+    assert torch.equal(seen[2], _first(shadow)) and not torch.equal(seen[1], seen[2])  # its own weights validated
+    assert not torch.equal(_first(shadow), initial)  # it trained
+    assert m1["acme/outcome/cf_lost"] == 4.0 and m1["acme/outcome/cf_gained"] == 0.0
+    assert m1["acme/outcome/adopted"] == 1.0 and m1["acme/outcome/shadow_accuracy"] == 1.0
+    assert m1["acme/outcome/globex/blamed_counterfactual"] == 1.0
+    assert m1["acme/outcome/globex/quarantined_until"] == 3.0  # round 1 + probation 2
+    assert torch.equal(next(acme.model.parameters()), _first(shadow))  # the learner took the shadow's weights
+    m2 = coord.run_round(2).metrics
+    assert "acme/outcome/shadow_reward" not in m1  # round 1: the learner's own rows (the same weights then)
+    assert m2["acme/outcome/shadow_rows"] == 16.0 and 0.0 <= m2["acme/outcome/shadow_reward"] <= 1.0  # its own
+    assert m2["acme/outcome/globex/quarantined"] == 1.0 and m2.get("acme/train/num_cross", 0.0) == 0.0
+    assert m2["acme/outcome/adopted"] == 0.0 and m2["acme/outcome/globex/strikes"] == 1.0
+
+
+def test_the_counterfactual_off_keeps_no_shadow(tmp_path):
+    cfg = _cfg(counterfactual=False)
+    workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
+    m = Coordinator(cfg, InProcessTransport(workers), tmp_path).run_round(1).metrics
+    assert workers["acme"].outcome.shadow is None
+    assert "acme/outcome/shadow_rows" not in m and "acme/outcome/adopted" not in m
+    assert load_config({"orgs": ORGS}).trainer.outcome_guard.counterfactual  # on with the guard, by default
+
+
+def test_every_key_the_guard_and_its_shadow_log_is_documented(tmp_path):
+    cfg = _cfg()
+    workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
+    with RunLogger(tmp_path, tensorboard=False) as logger:
+        Coordinator(cfg, InProcessTransport(workers), tmp_path, logger=logger).run()
+    keys = {k for rec in read_metrics(tmp_path) for k in rec}
+    assert {"acme/outcome/adopted", "acme/outcome/shadow_reward", "acme/time/outcome_shadow_gen"} <= keys
+    assert undocumented(keys, [key_pattern(k) for k in documented_keys()]) == []
