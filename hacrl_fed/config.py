@@ -674,7 +674,7 @@ class FederationConfig(_Section):
         0,
         ge=0,
         description=_d(
-            "K: asynchronous rounds when >= 1 (in-process and gRPC transports): an org may plan round t once every "
+            "K: asynchronous rounds when >= 1 (in-process, gRPC and Flower): an org may plan round t once every "
             "live org has published round t-K-1, so no org runs more than K rounds ahead of the slowest; 0 = today's "
             "lock-step rounds (docs/ALGORITHM.md 'Asynchronous rounds')"
         ),
@@ -940,8 +940,6 @@ def _check_asynchronous(cfg: RunConfig) -> None:
             raise ValueError("federation.virtual_dies needs federation.staleness >= 1 (the asynchronous driver)")
         return
     needs = {
-        "federation.transport: inprocess or grpc (Flower runs lock-step rounds only)": fed.transport
-        in ("inprocess", "grpc"),
         "federation.protocol: fused": fed.protocol == "fused",
         "federation.min_orgs: 1 (each org steps alone)": fed.min_orgs == 1,
         "security.encrypt: false (coordinator-blind capability and accusations assume one round per update)": (

@@ -449,3 +449,32 @@ def test_deploy_local_streams_the_server_log_and_ends_with_the_table(tls_local_r
     assert f"round {ROUNDS}/{ROUNDS} in " in (workdir / "logs" / "serverapp.log").read_text()
     assert json.loads((workdir / "timings.json").read_text())["run"]["status"] == "finished:completed"
     assert tls_local_run["leftovers"] == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_asynchronous_rounds_on_an_insecure_deployment_with_fake_workers(tmp_path):
+    """K = 1 through SuperLink + SuperNodes + `flwr-clientapp` processes (stand-in workers, unsigned): each step pushed
+    alone, its reply pulled as it comes; every round logged, each org trains every round, every foreign batch
+    trained on once or counted refused, and every process stopped (by PID)."""
+    import yaml
+
+    from hacrl_fed.config import load_config
+
+    cfg = load_config(SMOKE, ["federation.rounds=3", "security.signing=false", "federation.staleness=1"])
+    config = tmp_path / "async.yaml"  # the stand-in workers read it too: their codec's window is K + 1
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    argv = lambda org, listen: [sys.executable, str(FAKE_WORKER), "--config", str(config), "--org", org,  # noqa: E731
+                                "--listen", listen]
+    seen: dict = {}
+    rc = run_local(config, workdir=tmp_path / "dep", app=REPO, worker_argv=argv, timeout_s=300,
+                   out=lambda text: None, on_up=lambda dep: seen.setdefault("dep", dep))
+    assert rc == 0
+    assert seen["dep"].leftovers() == {}
+    records = [json.loads(line) for line in (tmp_path / "dep" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1, 2, 3]
+    assert all(records[-1][f"async/{o}/version"] == 3 for o in ORGS)
+    for org in ORGS:  # 16 rollouts a batch; the other org's batches of rounds 1-3: taken or refused
+        taken = sum(r.get(f"{org}/hacpo/foreign", 0.0) for r in records) / 16
+        refused = sum(v for r in records for k, v in r.items() if k.startswith(f"round/{org}/refused/"))
+        assert taken + refused == 3 * (len(ORGS) - 1), (org, taken, refused)

@@ -118,6 +118,27 @@ def test_two_rounds_over_the_simulation_engine(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_asynchronous_rounds_over_the_simulation_engine(tmp_path):
+    """K = 1 on Ray: each step pushed alone, its reply pulled as it comes (the orgs share one ClientApp actor, so
+    their steps run one after another); every round logged once, each org trains every round, and every foreign
+    batch is trained on once or counted refused."""
+    run_dir = tmp_path / "run"
+    config = _config(tmp_path, rounds=3, min_orgs=1, staleness=1)
+    rc = main_simulate([str(config), "--run-dir", str(run_dir), "--num-cpus", "1",
+                        "--worker-factory", "test_flower_simulation:make_fake_worker"])
+    assert rc == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1, 2, 3]
+    assert records[-1]["async/a/version"] == records[-1]["async/b/version"] == 3
+    for org, other in (("a", "b"), ("b", "a")):  # b's batches of rounds 1-3 at a, and a's at b: taken or refused
+        taken = sum(r.get(f"{org}/hacpo/foreign", 0.0) for r in records) / 4  # 4 rollouts a batch
+        refused = sum(v for r in records for k, v in r.items() if k.startswith(f"round/{org}/refused/"))
+        assert taken + refused == 3, (org, taken, refused)
+    assert all(r[f"round/{o}/rollouts_accepted"] == 4.0 for r in records[1:] for o in SKILLS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_server_app_failure_exits_nonzero(tmp_path, capsys):
     # Both orgs' workers fail to build: no node can tell its org, discovery gives up after 3 s.
     rc = main_simulate([str(_config(tmp_path)), "--run-dir", str(tmp_path / "run"), "--num-cpus", "1",

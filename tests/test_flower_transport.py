@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from uuid import uuid4
 
@@ -344,3 +345,37 @@ def test_deployment_mode_uses_mutual_tls_when_node_config_names_the_keys(tmp_pat
         assert "'10.1.2.3:50051' is neither a unix: socket nor loopback: set worker-ca" in str(out["d"])
     finally:
         server.stop(0)
+
+
+def test_asynchronous_rounds_push_each_step_and_pull_replies_as_they_come(tmp_path, monkeypatch):
+    """K = 1 over the ServerApp: every step is pushed alone as soon as the bound lets it (one message per push) and
+    its reply pulled by the in-flight thread; the bound holds, every org trains every round, every (learner, foreign
+    batch) pair is taken once or counted, and the transport's pulling thread is stopped at the end."""
+    from hacrl_fed.coordinator.async_driver import AsyncDriver
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    drivers, run = [], AsyncDriver.run
+    monkeypatch.setattr(AsyncDriver, "run", lambda self: (drivers.append(self), run(self))[1])
+    config = write_config(tmp_path, ("a", "b", "c"), staleness=1, rounds=4, checkpoint_every=2)
+    run_dir = tmp_path / "run"
+    grid = FakeGrid(sim_contexts(config, 3, **{"run-dir": str(run_dir)}))
+    pushes: list[int] = []
+    push = grid.push_messages
+    grid.push_messages = lambda messages: (pushes.append(len(messages)), push(messages))[1]
+    summary = run_federation(grid, {"config-path": str(config), "run-dir": str(run_dir)}, app_dir=APP_DIR)
+    (drv,) = drivers
+    assert drv.wall and summary.rounds_completed == 4
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [rec["round"] for rec in lines] == [0, 1, 2, 3, 4]
+    steps = [m for m in grid.pushed if m.metadata.message_type == "train.step"]
+    assert len(steps) == 3 * 5 and set(pushes[-15:]) == {1}  # 4 plans + 1 closing train per org, pushed one by one
+    assert lines[-1]["async/a/version"] == lines[-1]["async/b/version"] == lines[-1]["async/c/version"] == 4
+    for step in drv.steps:  # the staleness bound: every other org had published round - K - 1 when it started
+        for other in "abc":
+            published = [t.round for at, t in drv.published if t.source == other and at <= step.start]
+            assert other == step.org or step.round - 2 <= max(published, default=0), (step, other)
+    for org in "abc":
+        offered = [(t.source, t.round) for s in drv.steps if s.org == org for t in s.foreign]
+        assert offered and len(offered) == len(set(offered))
+        assert len(offered) + sum(drv.refused[org].values()) == len([t for _, t in drv.published if t.source != org])
+    assert not grid.inbox and not any(t.name == "flower-inflight" and t.is_alive() for t in threading.enumerate())

@@ -246,15 +246,17 @@ class Coordinator:
 
     def _run_async(self) -> RunSummary:
         """``federation.staleness >= 1``: :class:`~hacrl_fed.coordinator.async_driver.AsyncDriver` on the
-        in-process transport (virtual clock) or gRPC (wall clock), the transports that run it yet."""
+        in-process transport (virtual clock), or on a transport that sends a step without waiting for it (wall
+        clock: gRPC, Flower)."""
         from hacrl_fed.coordinator.async_driver import AsyncDriver
         from hacrl_fed.coordinator.grpc_transport import GrpcTransport
         from hacrl_fed.coordinator.inprocess import InProcessTransport
+        from hacrl_fed.flower.transport import FlowerTransport
 
-        if not isinstance(self.transport, (InProcessTransport, GrpcTransport)):
+        if not isinstance(self.transport, (InProcessTransport, GrpcTransport, FlowerTransport)):
             raise BuildError(
-                f"federation.staleness={self.cfg.federation.staleness}: asynchronous rounds run on the in-process "
-                f"and gRPC transports only, not on {type(self.transport).__name__}"
+                f"federation.staleness={self.cfg.federation.staleness}: asynchronous rounds run on the in-process, "
+                f"gRPC and Flower transports only, not on {type(self.transport).__name__}"
             )
         self.async_driver = AsyncDriver(self)
         self.async_driver.run()  # the wall time goes into the run book round by round, as in lock-step rounds

@@ -32,6 +32,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ from flwr.app import Message
 from hacrl_fed import failures
 from hacrl_fed.coordinator.transport import Transport, TransportTimeout
 from hacrl_fed.flower import records
+from hacrl_fed.flower.inflight import InFlight, LockedGrid
 from hacrl_fed.types import EvalReport, EvalRequest, StepReply, StepRequest
 from hacrl_fed.wire import codec
 from hacrl_fed.wire import operations as ops
@@ -287,6 +289,8 @@ class FlowerTransport(Transport):
     :meth:`org_ids`; ``rejoin_timeout_s`` bounds the health query sent to nodes that connect mid-run, and a node
     whose query failed is asked again only after ``retry_failed_s``. ``max_poll_s``: the longest wait between two
     pulls of replies (:func:`exchange`); ``ignored_replies`` counts, by reason, the pulled replies it dropped.
+    Every grid call goes through one lock (:class:`~hacrl_fed.flower.inflight.LockedGrid`): asynchronous rounds
+    pull the replies of the steps in flight on a thread (:meth:`submit_step`) while rejoin probes query health.
     """
 
     def __init__(
@@ -301,7 +305,7 @@ class FlowerTransport(Transport):
         retry_failed_s: float = 60.0,
         limits: codec.WireLimits = codec.DEFAULT_LIMITS,
     ) -> None:
-        self.grid = grid
+        self.grid = grid if isinstance(grid, LockedGrid) else LockedGrid(grid)
         self._org_by_node = dict(org_by_node)
         self.expected_orgs = list(expected_orgs) if expected_orgs is not None else list(self._org_by_node.values())
         self._unknown: dict[int, str] = {}  # nodes serving an org that is not configured: not asked again
@@ -313,6 +317,7 @@ class FlowerTransport(Transport):
         self.last_call_bytes: dict[str, int] = {}
         self.last_call_seconds: dict[str, float] = {}
         self.ignored_replies: Counter[str] = Counter()  # pulled replies exchange() dropped, by reason
+        self.inflight = InFlight(self.grid, poll_s=max_poll_s, ignored=self.ignored_replies, unavailable=OrgUnavailable)
 
     @property
     def org_by_node(self) -> dict[int, str]:
@@ -396,6 +401,35 @@ class FlowerTransport(Transport):
 
     def step(self, requests: Mapping[str, StepRequest], timeout_s: float) -> dict[str, StepReply | Exception]:
         return self._call(ops.STEP, requests, timeout_s, _group(requests))
+
+    def submit_step(self, org: str, request: StepRequest, timeout_s: float) -> Future[tuple[Any, float]]:
+        """``org``'s step message pushed now, not waited for (asynchronous rounds): a future of ``(decoded reply |
+        Exception, seconds from push to pull)``; its reply is pulled as it comes, every ``max_poll_s`` seconds
+        (:class:`~hacrl_fed.flower.inflight.InFlight`), a :class:`TransportTimeout` after ``timeout_s``."""
+        node = next((n for n, o in self._org_by_node.items() if o == org), None)
+        failed: Exception | None = None
+        if node is None:
+            failed = OrgUnavailable(f"org {org!r} has no connected Flower node")
+        else:
+            try:
+                content = records.pack(request)
+            except Exception as err:  # an unencodable request is that org's failure, not the run's
+                failed = err
+        if node is None or failed is not None:
+            done: Future[tuple[Any, float]] = Future()
+            done.set_result((failed, 0.0))
+            return done
+        self.count_messages(ops.STEP.name, [org])
+        ttl = timeout_s + self.ttl_grace_s
+        message = Message(
+            content, dst_node_id=node, message_type=ops.STEP.message_type, group_id=_group({org: request}), ttl=ttl
+        )
+        settle = lambda reply, _s: decode_reply(ops.STEP, f"org {org!r}", reply, self.limits)  # noqa: E731
+        return self.inflight.push(node, message, timeout_s, settle)
+
+    def close(self) -> None:
+        """Stop pulling the replies of the steps in flight (idempotent)."""
+        self.inflight.close()
 
     def health(self, org_ids: list[str], timeout_s: float) -> dict[str, dict[str, str] | Exception]:
         """``query.health`` to the given orgs: ``{org: health info | Exception}``."""
