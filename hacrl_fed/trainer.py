@@ -288,33 +288,20 @@ class LocalTrainer:
         ``row_capability``: per row ``(Phat_learner(t(y)), Phat_source(t(y)))`` of the row's round (asynchronous
         rounds): an estimator with a per-round form (``ROUND_ADVANTAGE_ESTIMATORS``: HACPO's) then takes each row's
         ratio from them; the others do not read capability."""
+        rewards = torch.tensor([r.reward for r in rows], dtype=torch.float64)
+        groups, sources = torch.tensor([r.group for r in rows]), torch.tensor([r.source for r in rows])
+        a = self.algo
+        opts = dict(reward_max=a.reward_max, ratio_min=a.ratio_min, ratio_max=a.ratio_max, eps=a.adv_eps)
         at_rounds = ROUND_ADVANTAGE_ESTIMATORS.get(self.spec.advantage)
         if row_capability is not None and at_rounds is not None:
-            return at_rounds(
-                torch.tensor([r.reward for r in rows], dtype=torch.float64),
-                torch.tensor([r.group for r in rows]),
-                torch.tensor([r.source for r in rows]),
-                learner,
-                *row_capability,
-                reward_max=self.algo.reward_max,
-                ratio_min=self.algo.ratio_min,
-                ratio_max=self.algo.ratio_max,
-                eps=self.algo.adv_eps,
-                calibrate=self.algo.advantage_calibration,
-            ).float()
-        fn = get_advantage_estimator(self.spec.advantage)
-        return fn(
-            torch.tensor([r.reward for r in rows], dtype=torch.float64),
-            torch.tensor([r.group for r in rows]),
-            torch.tensor([r.source for r in rows]),
-            learner,
-            capability,
-            reward_max=self.algo.reward_max,
-            ratio_min=self.algo.ratio_min,
-            ratio_max=self.algo.ratio_max,
-            eps=self.algo.adv_eps,
-            calibrate=self.algo.advantage_calibration,
-        ).float()
+            learner_cap, source_cap = row_capability
+            out = at_rounds(
+                rewards, groups, sources, learner, learner_cap, source_cap, **opts, calibrate=a.advantage_calibration
+            )
+        else:
+            fn = get_advantage_estimator(self.spec.advantage)
+            out = fn(rewards, groups, sources, learner, capability, **opts, calibrate=a.advantage_calibration)
+        return out.float()
 
     def update(
         self,
