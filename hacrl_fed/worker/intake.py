@@ -27,6 +27,10 @@ An algorithm that uses no foreign rows (its registry spec's ``uses_cross``: gspo
 so its trust counters are written, and skips 5-7. One :class:`~hacrl_fed.worker.ledger.Ledger` records what each
 stage dropped and why and writes the metrics. The update (:meth:`hacrl_fed.trainer.LocalTrainer.update`) then
 optimizes exactly the rows admitted.
+
+The stages are run here once for lock-step and asynchronous rounds; what differs (which rows reach stages 1-4, the
+own view and baseline rows selection sees, the steps after admission) is a :class:`Rounds`: :class:`LockStep`, or
+:class:`~hacrl_fed.worker.late_rounds.LateRounds`.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from hacrl_fed.algorithm.likelihood_screen import REASONS, GapHistory, ScreenParams, likelihood_screen
 from hacrl_fed.algorithm.selection import resolve_budget, select_rollouts, source_order, source_ordered
@@ -140,6 +144,48 @@ class Admitted:
         }
 
 
+class Rounds(Protocol):
+    """What differs between lock-step and asynchronous rounds in :meth:`Intake.admit` (the stages stay there):
+    :class:`LockStep`, :class:`~hacrl_fed.worker.late_rounds.LateRounds`."""
+
+    def gather(self, ledger: Ledger) -> tuple[list[Rollout], dict[str, float]]:
+        """Stages 1-4: the foreign rows that passed them, and the outcome guard's counts."""
+        ...
+
+    def offer(self, agents: list[str], learner: int) -> tuple[OwnRound, list[TrainRow]]:
+        """For stages 5-6: the own round re-tokenization reads prompt tokens from, and own rows of earlier rounds
+        the selection rule sees beside this round's."""
+        ...
+
+    def finish(self, admitted: Admitted) -> None:
+        """After stages 7-8: whatever the rounds add to the admitted rows."""
+        ...
+
+
+@dataclasses.dataclass
+class LockStep:
+    """Lock-step rounds: the request's foreign rows of its own round through stages 1-4 (with the lazy screen of a
+    source-ordered rule and the outcome guard's quarantine), nothing added before or after."""
+
+    intake: Intake
+    request: TrainRequest
+    own: OwnRound
+    seed: int
+    opener: Opener | None
+    leave_out: LeaveOut | None
+
+    def gather(self, ledger: Ledger) -> tuple[list[Rollout], dict[str, float]]:
+        lazy = lazy_take(self.intake.selection, len(self.own.rows), self.seed)
+        foreign = self.intake.screen(self.request, self.own, ledger, opener=self.opener, lazy=lazy)
+        return self.leave_out(foreign, ledger) if self.leave_out is not None else (foreign, {})
+
+    def offer(self, agents: list[str], learner: int) -> tuple[OwnRound, list[TrainRow]]:
+        return self.own, []
+
+    def finish(self, admitted: Admitted) -> None:
+        return None
+
+
 class Intake:
     """One learner's door for foreign rows (module docstring)."""
 
@@ -172,25 +218,28 @@ class Intake:
         """Every stage in order (module docstring); ``seed``: the round's selection seed; ``opener``: the identity
         border's check of a signed batch (None: signing off); ``leave_out``: the outcome guard's quarantine, after
         stage 4 (None: the guard is off); ``recent``: asynchronous rounds, the learner's
-        :class:`~hacrl_fed.worker.late_rounds.RecentRounds` (rows of earlier rounds of the window may join; then
-        ``opener`` is the identity border's :class:`~hacrl_fed.worker.identity_border.LateOpener`)."""
-        if recent is not None:
-            from hacrl_fed.worker.late_rounds import admit_late
+        :class:`~hacrl_fed.worker.late_rounds.RecentRounds` (rows of earlier rounds of the window may join
+        through :class:`~hacrl_fed.worker.late_rounds.LateRounds`; then ``opener`` is the identity border's
+        :class:`~hacrl_fed.worker.identity_border.LateOpener`)."""
+        rounds: Rounds
+        if recent is None:
+            rounds = LockStep(self, request, own, seed=seed, opener=opener, leave_out=leave_out)
+        else:
+            from hacrl_fed.worker.late_rounds import LateRounds
 
-            return admit_late(self, request, own, recent, seed=seed, scoring=scoring, opener=opener)
+            rounds = LateRounds(self, request, own, recent, opener=opener)
         t0, c0 = time.perf_counter(), time.process_time()
         ledger = Ledger()
-        lazy = lazy_take(self.selection, len(own.rows), seed)
-        foreign = self.screen(request, own, ledger, opener=opener, lazy=lazy)  # stages 1-4
-        foreign, outcome = leave_out(foreign, ledger) if leave_out is not None else (foreign, {})
+        foreign, outcome = rounds.gather(ledger)  # stages 1-4
         t1, c1 = time.perf_counter(), time.process_time()
         agents, learner, capability = self.agents(request, foreign)
         for row in own.rows:
             row.source = learner
         rows: list[TrainRow] = list(own.rows)
         if self.uses_cross:
-            foreign = self.select(foreign, own.rows, ledger, seed)
-            rows += self.retokenize(foreign, own, agents, ledger)
+            view, baseline = rounds.offer(agents, learner)
+            foreign = self.select(foreign, own.rows, ledger, seed, baseline)
+            rows += self.retokenize(foreign, view, agents, ledger)
         else:
             for r in foreign:
                 ledger.drop(str(r.org_id), "unused", "no_cross_rows")
@@ -198,7 +247,13 @@ class Intake:
         t2 = time.perf_counter()
         rows = admit_rows(rows, agents, scoring, self.screen_cfg, ledger)  # stages 7-8
         times = {"time/trust": t1 - t0, "time/score": t2 - t1, "cpu/trust": c1 - c0}
-        return Admitted(rows, agents, learner, capability, ledger, scored, times, outcome)
+        admitted = Admitted(rows, agents, learner, capability, ledger, scored, times, outcome)
+        rounds.finish(admitted)
+        return admitted
+
+    def verifier(self) -> Callable[[str, str], float] | None:
+        """The task's own verifier when ``security.reverify_rewards`` is on (stage 3), else None."""
+        return self.task.verify if self.cfg.security.reverify_rewards else None
 
     def agents(self, request: TrainRequest, foreign: Sequence[Rollout]) -> tuple[list[str], int, list[float]]:
         """The agents of the round (sorted: the capability table's configured orgs, this org, the screened
@@ -217,14 +272,13 @@ class Intake:
         lazy: LazyTake | None,
     ) -> list[Rollout]:
         """Stages 1-4: bound, open, screen_batch, exclude (:func:`screen_sources`)."""
-        verify = self.task.verify if self.cfg.security.reverify_rewards else None  # the task's own verifier
         return screen_sources(
             self.cfg,
             self.org_id,
             request,
             prompts=own.prompts,
             task=own.task,
-            verify=verify,
+            verify=self.verifier(),
             open_source=opener,
             lazy=lazy,
             ledger=ledger,

@@ -24,7 +24,6 @@ lock-step rounds; this module handles the others:
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ from hacrl_fed.config import RunConfig
 from hacrl_fed.plan.screening import Screened, screen_batch
 from hacrl_fed.trainer import TrainRow
 from hacrl_fed.types import Rollout, RolloutBatch, TrainRequest
-from hacrl_fed.worker.intake import OwnRound, max_foreign, source_plan
+from hacrl_fed.worker.intake import Admitted, Intake, OwnRound, max_foreign, source_plan
 from hacrl_fed.worker.ledger import Ledger
 
 LATE_GROUP_STRIDE = 2**32  # > any prompt id: late groups never collide with each other or with a prompt id
@@ -204,53 +203,52 @@ def baseline_rows(groups: Iterable[int], recent: RecentRounds, learner: int, age
     return out
 
 
-def admit_late(
-    intake: Any, request: TrainRequest, own: OwnRound, recent: RecentRounds, *, seed: int, scoring: Any, opener: Any
-):
-    """:meth:`~hacrl_fed.worker.intake.Intake.admit` in asynchronous rounds (no outcome guard, no lazy screen: the
-    config refuses them with ``federation.staleness >= 1``): the request's own round through stages 1-4 as in
-    lock-step rounds, the late rows through :func:`split_rounds` (signing on: the signed batches through
-    :func:`~hacrl_fed.worker.late_signed.split_signed` with ``opener``) and :func:`screen_late`, then selection,
-    re-tokenization, the likelihood screen and the context fit over both, with the late groups' baselines
-    (:func:`baseline_rows`); each row's round, age and per-round capability figures set."""
-    from hacrl_fed.worker.intake import Admitted, admit_rows
+@dataclasses.dataclass
+class LateRounds:
+    """:meth:`~hacrl_fed.worker.intake.Intake.admit`'s :class:`~hacrl_fed.worker.intake.Rounds` in asynchronous
+    rounds (no outcome guard, no lazy screen: the config refuses them with ``federation.staleness >= 1``): the
+    request's own round through stages 1-4 as in lock-step rounds, the late rows through :func:`split_rounds`
+    (signing on: the signed batches through :func:`~hacrl_fed.worker.late_signed.split_signed` with ``opener``)
+    and :func:`screen_late`; selection, re-tokenization, the likelihood screen and the context fit then run over
+    both, with the late groups' baselines (:func:`baseline_rows`); each row's round, age and per-round capability
+    figures set."""
 
-    t0, c0 = time.perf_counter(), time.process_time()
-    ledger = Ledger()
-    if intake.cfg.security.signing:
-        from hacrl_fed.worker.late_signed import split_signed
+    intake: Intake
+    request: TrainRequest
+    own: OwnRound
+    recent: RecentRounds
+    opener: Any
+    late_rows: list[Rollout] = dataclasses.field(default_factory=list)
 
-        current, late = split_signed(intake.cfg, intake.org_id, request, own, recent, ledger, opener)
-    else:
-        current, late = split_rounds(intake.cfg, intake.org_id, request, own, recent, ledger)
-    foreign = intake.screen(current, own, ledger, opener=None, lazy=None)  # stages 1-4, the request's own round
-    verify = intake.task.verify if intake.cfg.security.reverify_rewards else None
-    late_rows = screen_late(intake.cfg, intake.org_id, request, late, recent, verify, ledger)
-    foreign = [r for r in foreign if not ledger.entry(str(r.org_id)).excluded] + late_rows
-    t1, c1 = time.perf_counter(), time.process_time()
-    agents, learner, capability = intake.agents(request, foreign)
-    for row in own.rows:
-        row.source, row.round = learner, own.round
-    rows: list[TrainRow] = list(own.rows)
-    if intake.uses_cross:
-        own_view = dataclasses.replace(own, tokens_by_prompt={**own.tokens_by_prompt, **late_tokens(late_rows, recent)})
-        offered = baseline_rows((r.prompt_id for r in late_rows), recent, learner, agents)
-        chosen = intake.select(foreign, own.rows, ledger, seed, [r for r in offered if r.is_self])
-        rows += intake.retokenize(chosen, own_view, agents, ledger)
-    else:
-        for r in foreign:
-            ledger.drop(str(r.org_id), "unused", "no_cross_rows")
-    scored = sum(len(r.response_ids) for r in rows if not r.is_self)
-    t2 = time.perf_counter()
-    rows = admit_rows(rows, agents, scoring, intake.screen_cfg, ledger)  # stages 7-8
-    set_rounds(rows, request, own.round, agents)
-    baseline = baseline_rows({r.group for r in rows if r.group < 0}, recent, learner, agents)  # late groups kept
-    recent.note_admitted(rows, agents, own.round)  # after: this step's rows are not their own baseline
-    rows += baseline
-    times = {"time/trust": t1 - t0, "time/score": t2 - t1, "cpu/trust": c1 - c0}
-    admitted = Admitted(rows, agents, learner, capability, ledger, scored, times)
-    admitted.row_capability = row_figures(rows, request, own.round, agents, learner)
-    return admitted
+    def gather(self, ledger: Ledger) -> tuple[list[Rollout], dict[str, float]]:
+        """Stages 1-4 of the request's own round and :func:`screen_late` of the earlier rounds' rows."""
+        intake, own, recent = self.intake, self.own, self.recent
+        if intake.cfg.security.signing:
+            from hacrl_fed.worker.late_signed import split_signed
+
+            current, late = split_signed(intake.cfg, intake.org_id, self.request, own, recent, ledger, self.opener)
+        else:
+            current, late = split_rounds(intake.cfg, intake.org_id, self.request, own, recent, ledger)
+        foreign = intake.screen(current, own, ledger, opener=None, lazy=None)  # stages 1-4, the request's own round
+        self.late_rows = screen_late(intake.cfg, intake.org_id, self.request, late, recent, intake.verifier(), ledger)
+        for row in own.rows:
+            row.round = own.round
+        return [r for r in foreign if not ledger.entry(str(r.org_id)).excluded] + self.late_rows, {}
+
+    def offer(self, agents: list[str], learner: int) -> tuple[OwnRound, list[TrainRow]]:
+        """The own round with the late groups' prompt tokens, and the learner's own rows of those groups."""
+        tokens = {**self.own.tokens_by_prompt, **late_tokens(self.late_rows, self.recent)}
+        offered = baseline_rows((r.prompt_id for r in self.late_rows), self.recent, learner, agents)
+        return dataclasses.replace(self.own, tokens_by_prompt=tokens), [r for r in offered if r.is_self]
+
+    def finish(self, admitted: Admitted) -> None:
+        """Rounds and ages, the kept late groups' baseline rows, the admitted rows noted, per-row figures."""
+        rows, agents, own_round = admitted.rows, admitted.agents, self.own.round
+        set_rounds(rows, self.request, own_round, agents)
+        baseline = baseline_rows({r.group for r in rows if r.group < 0}, self.recent, admitted.learner, agents)
+        self.recent.note_admitted(rows, agents, own_round)  # after: this step's rows are not their own baseline
+        rows += baseline
+        admitted.row_capability = row_figures(rows, self.request, own_round, agents, admitted.learner)
 
 
 def set_rounds(rows: Sequence[TrainRow], request: TrainRequest, own_round: int, agents: Sequence[str]) -> None:
