@@ -12,6 +12,7 @@ from hacrl_fed.trainer import TrainRow
 from hacrl_fed.types import Rollout, TrainRequest
 from hacrl_fed.worker.intake import OwnRound
 from hacrl_fed.worker.late_rounds import (
+    LateRounds,
     RecentRounds,
     baseline_rows,
     group_round,
@@ -105,7 +106,9 @@ def test_late_groups_count_the_learner_s_own_rewards_and_the_rows_it_took_before
     base = baseline_rows([r.prompt_id for r in late], recent, 0, agents)
     own = [r for r in base if r.is_self]
     assert [r.reward for r in own] == [1.0, 1.0, 0.0, 0.0]  # prompt 1 only, the learner's round-2 rewards
-    assert all(r.group == late_group(2, 1) and r.response_ids == [] and r.source == (0 if r.is_self else 1) for r in base)
+    assert all(
+        r.group == late_group(2, 1) and r.response_ids == [] and r.source == (0 if r.is_self else 1) for r in base
+    )
     assert [(r.source, r.reward) for r in base if not r.is_self] == [(1, 0.5)]
 
 
@@ -162,7 +165,9 @@ def test_admit_late_end_to_end_baselines_rounds_and_at_most_once():
     recent.keep(own[3])
     rows = _batch("b", 2, ids=(1, 2, 3)) + _batch("c", 3, ids=(6, 7, 8))
     req = _request(3, rows, round_capability=table, tags=(("b", 2, 1), ("c", 3, 2)), version=2)
-    first = intake.admit(req, own[3], seed=0, opener=None, scoring=scoring, recent=recent)
+    first = intake.admit(
+        req, own[3], seed=0, opener=None, scoring=scoring, late=LateRounds(intake, req, own[3], recent, opener=None)
+    )
     late = [r for r in first.rows if r.group < 0]
     assert {(r.is_self, bool(r.response_ids), r.round) for r in late} == {(False, True, 2), (True, False, 2)}
     assert sum(r.is_self for r in late) == 3 * G and sum(not r.is_self for r in late) == 3 * G
@@ -174,14 +179,9 @@ def test_admit_late_end_to_end_baselines_rounds_and_at_most_once():
     }
     recent.keep(own[4])
     again = _batch("b", 2, ids=(1, 2, 3)) + _batch("c", 2, ids=(1, 2, 3))
-    second = intake.admit(
-        _request(4, again, round_capability=table, tags=(("c", 2, 1),), version=3),
-        own[4],
-        seed=0,
-        opener=None,
-        scoring=scoring,
-        recent=recent,
-    )
+    req4 = _request(4, again, round_capability=table, tags=(("c", 2, 1),), version=3)
+    late4 = LateRounds(intake, req4, own[4], recent, opener=None)
+    second = intake.admit(req4, own[4], seed=0, opener=None, scoring=scoring, late=late4)
     assert second.ledger.trust_metrics()["trust/b/rejected/already_used"] == 3 * G
     late = [r for r in second.rows if r.group < 0]
     trained = [r for r in late if r.response_ids]

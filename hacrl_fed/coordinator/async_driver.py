@@ -50,9 +50,10 @@ import dataclasses
 import logging
 import time
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hacrl_fed import failures
 from hacrl_fed.algorithm.capability_rounds import RoundCapabilities
@@ -67,7 +68,40 @@ from hacrl_fed.security.freshness import parse_challenge
 from hacrl_fed.types import EvalReport, Rollout, RolloutBatch, RoundPlan, StepRequest, TrainReport, TrainRequest
 
 if TYPE_CHECKING:
-    from hacrl_fed.coordinator.loop import Coordinator
+    from hacrl_fed.config import RunConfig
+    from hacrl_fed.coordinator.bookkeeping import RoundKeeper, RunBook
+    from hacrl_fed.coordinator.transport import Transport
+    from hacrl_fed.coordinator.trust import PoolGuard
+    from hacrl_fed.types import EvalRequest, Prompt
+
+
+class Coordinator(Protocol):
+    """What the driver uses of :class:`~hacrl_fed.coordinator.loop.Coordinator`, which hands itself over in
+    ``_run_async`` (a protocol, so this module does not import the loop that imports it)."""
+
+    cfg: RunConfig
+    org_order: list[str]
+    transport: Transport
+    book: RunBook
+    guard: PoolGuard
+    keeper: RoundKeeper
+    challenges: dict[str, bytes]
+    run_id: str
+
+    def live_orgs(self) -> list[str]: ...
+
+    def round_prompts(self, round: int) -> tuple[Prompt, ...]: ...
+
+    def plan_for(
+        self, round: int, org_id: str, prompts: tuple[Prompt, ...], challenges: Mapping[str, bytes] | None = None
+    ) -> RoundPlan: ...
+
+    def _due(self, round: int) -> tuple[bool, bool]: ...
+
+    def _eval_request(self, round: int, org: str) -> EvalRequest: ...
+
+    def _finish(self, result: RoundResult, start: float) -> None: ...
+
 
 log = logging.getLogger(__name__)
 

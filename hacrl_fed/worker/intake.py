@@ -213,21 +213,17 @@ class Intake:
         opener: Opener | Any | None,
         scoring: Scoring,
         leave_out: LeaveOut | None = None,
-        recent: Any = None,
+        late: Rounds | None = None,
     ) -> Admitted:
         """Every stage in order (module docstring); ``seed``: the round's selection seed; ``opener``: the identity
         border's check of a signed batch (None: signing off); ``leave_out``: the outcome guard's quarantine, after
-        stage 4 (None: the guard is off); ``recent``: asynchronous rounds, the learner's
-        :class:`~hacrl_fed.worker.late_rounds.RecentRounds` (rows of earlier rounds of the window may join
-        through :class:`~hacrl_fed.worker.late_rounds.LateRounds`; then ``opener`` is the identity border's
-        :class:`~hacrl_fed.worker.identity_border.LateOpener`)."""
-        rounds: Rounds
-        if recent is None:
-            rounds = LockStep(self, request, own, seed=seed, opener=opener, leave_out=leave_out)
-        else:
-            from hacrl_fed.worker.late_rounds import LateRounds
-
-            rounds = LateRounds(self, request, own, recent, opener=opener)
+        stage 4 (None: the guard is off); ``late``: asynchronous rounds, the caller's
+        :class:`~hacrl_fed.worker.late_rounds.LateRounds` over the learner's recent rounds (rows of earlier rounds of
+        the window may join; it carries its own opener, the identity border's
+        :class:`~hacrl_fed.worker.identity_border.LateOpener`), in place of the lock-step stages 1-4."""
+        rounds = (
+            late if late is not None else LockStep(self, request, own, seed=seed, opener=opener, leave_out=leave_out)
+        )
         t0, c0 = time.perf_counter(), time.process_time()
         ledger = Ledger()
         foreign, outcome = rounds.gather(ledger)  # stages 1-4

@@ -32,8 +32,8 @@ from hacrl_fed.config import RunConfig
 from hacrl_fed.security.envelope import RejectedBatch
 from hacrl_fed.types import Rollout, RolloutBatch, TrainRequest
 from hacrl_fed.worker.intake import OwnRound, max_foreign
-from hacrl_fed.worker.late_rounds import RecentRounds, round_refusal
 from hacrl_fed.worker.ledger import UNSIGNED, Ledger
+from hacrl_fed.worker.recent_rounds import RecentRounds, round_refusal
 
 
 def split_signed(

@@ -64,7 +64,7 @@ from hacrl_fed.worker.api import run_step
 from hacrl_fed.worker.guard import check_capability, check_eval, check_plan, check_step, check_train
 from hacrl_fed.worker.identity_border import IdentityBorder
 from hacrl_fed.worker.intake import Intake, OwnRound, Scoring
-from hacrl_fed.worker.late_rounds import RecentRounds
+from hacrl_fed.worker.late_rounds import LateRounds, RecentRounds
 from hacrl_fed.worker.outcome import OutcomeMonitor
 from hacrl_fed.worker.prompts import PromptBook
 from hacrl_fed.worker.routing import RunRouting
@@ -265,7 +265,7 @@ class PolicyWorker(RunRouting):
             opener=opener,
             scoring=Scoring.of(self.trainer),
             leave_out=leave_out,
-            recent=self._recent,
+            late=None if self._recent is None else LateRounds(self.intake, request, own, self._recent, opener=opener),
         )
         score_perf = perf.lap("score", admitted.scored_tokens)
         raise_if_cancelled("before the update")
