@@ -70,17 +70,22 @@ EXPERTISE_SLICES: dict[str, dict[str, object]] = {
 }
 
 
-def _expert(slice_name: str, seed: int) -> ZooEntry:
-    """qwen-char's architecture and tokenizer, SFT (and its accuracy check) on slice ``slice_name`` only."""
+def _slice_agent(name: str, seed: int, task_params: dict[str, object]) -> ZooEntry:
+    """qwen-char's architecture and tokenizer, SFT (and its accuracy check) on the task ``task_params`` draw."""
     return ZooEntry(
-        f"qwen-char-{slice_name}",
+        name,
         "qwen3",
         dict(QWEN_ARCH),
         "char",
         SFTRecipe(lr=3e-3, seed=seed, stop_at_accuracy=0.45, **_SFT),
-        task_params={"difficulty": 2, **EXPERTISE_SLICES[slice_name]},
+        task_params={"difficulty": 2, **task_params},
         target_accuracy=(0.3, 0.7),
     )
+
+
+def _expert(slice_name: str, seed: int) -> ZooEntry:
+    """SFT on slice ``slice_name`` only (:func:`_slice_agent`)."""
+    return _slice_agent(f"qwen-char-{slice_name}", seed, EXPERTISE_SLICES[slice_name])
 
 
 # The mixed-expertise agents (configs/bench/mixed*.yaml): SFT on every slice, their own drawn MIXED_OWN_WEIGHT
@@ -95,16 +100,8 @@ def mixed_slices(own: str) -> dict[str, dict[str, object]]:
 
 
 def _mostly(slice_name: str, seed: int) -> ZooEntry:
-    """qwen-char's architecture and tokenizer, SFT on every slice, mostly ``slice_name`` (:func:`mixed_slices`)."""
-    return ZooEntry(
-        f"qwen-char-mostly-{slice_name}",
-        "qwen3",
-        dict(QWEN_ARCH),
-        "char",
-        SFTRecipe(lr=3e-3, seed=seed, stop_at_accuracy=0.45, **_SFT),
-        task_params={"difficulty": 2, "slices": mixed_slices(slice_name)},
-        target_accuracy=(0.3, 0.7),
-    )
+    """SFT on every slice, mostly ``slice_name`` (:func:`mixed_slices`, :func:`_slice_agent`)."""
+    return _slice_agent(f"qwen-char-mostly-{slice_name}", seed, {"slices": mixed_slices(slice_name)})
 
 
 BENCH_AGENTS: dict[str, ZooEntry] = {
