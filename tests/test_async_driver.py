@@ -130,6 +130,20 @@ def test_refusals_are_counted_per_learner_and_reason_in_the_metrics(tmp_path):
     assert records[-1]["async/a/version"] == records[-1]["async/b/version"] == 6
 
 
+def test_trained_at_is_the_end_of_the_step_that_trained_the_round(tmp_path):
+    """``async/<org>/trained_at_s`` (what the benchmarks read the time to an accuracy from): the end of the org's
+    step that trained round ``t``, i.e. its step planning ``t + 1``; (t + 1) x its step for an org never held."""
+    steps = {"a": 1.0, "b": 4.0, "c": 1.0}
+    co, _, _ = _run(tmp_path, steps, staleness=1000, window=8, rounds=6, logger=True)
+    ends = {(s.org, s.round - 1): s.end for s in co.async_driver.steps if s.own is not None}
+    records = {int(rec["round"]): rec for rec in read_metrics(tmp_path)}
+    for t in range(1, 7):
+        for org in steps:
+            assert records[t][f"async/{org}/trained_at_s"] == ends[(org, t)]
+    assert [records[t]["async/b/trained_at_s"] for t in (1, 6)] == [8.0, 28.0]  # never held: (t + 1) x 4
+    assert records[6]["async/a/trained_at_s"] == 7.0  # K = 1000: the fast org ran at its own pace
+
+
 def test_two_runs_are_equal(tmp_path):
     steps = {"a": 1.0, "b": 4.0, "c": 2.0}
     runs = [_run(tmp_path / str(i), steps, staleness=1, logger=True) for i in range(2)]

@@ -181,6 +181,19 @@ def test_summarize_cell_from_records():
                               "select/selected": 10}
 
 
+def test_an_asynchronous_cell_has_a_clock_curve_and_a_lock_step_one_none():
+    from hacrl_fed.config import load_config
+
+    cfg = load_config({**TINY, "orgs": [{"id": "a", "model": {"zoo": "micro-qwen-char"}}]})
+    records = [{"round": 0, "eval/a/accuracy": 0.25},
+               {"round": 1, "async/a/trained_at_s": 8.0},
+               {"round": 2, "async/a/trained_at_s": 12.0, "eval/a/accuracy": 0.5}]
+    a = learning.summarize_cell(cfg, records)["agents"]["a"]
+    assert a["clock_curve"] == [[0, 0.0, 0.25], [2, 12.0, 0.5]]
+    lock_step = [{k: v for k, v in rec.items() if not k.startswith("async/")} for rec in records]
+    assert "clock_curve" not in learning.summarize_cell(cfg, lock_step)["agents"]["a"]
+
+
 def _round(t: int, wall: float, **extra) -> dict:
     rec = {"round": t, "time/round": wall, "time/generate": wall / 2, "time/train": wall / 4,
            "round/a/rollouts_received": 8.0, "round/b/rollouts_received": 8.0,

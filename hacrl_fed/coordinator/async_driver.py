@@ -370,6 +370,7 @@ class AsyncDriver:
         out = split_reply(request, flight.reply)
         if request.train is not None:
             self.take_train(org, request.train, out)
+            self.bucket(request.train.round).metrics[f"async/{org.name}/trained_at_s"] = now
         self.take_extras(org.name, step.round - 1, request, out)
         if step.round > self.rounds:
             org.done, self.finished[org.name] = True, now

@@ -12,7 +12,8 @@ overrides, ``seed=<k>`` and the command line's ``--rounds`` / ``--set``, run in 
 after and along the run with the rollouts generated so far, rollouts generated, sequences trained on, time per
 phase, the algorithm's ratio and clip statistics over the rounds, the foreign rows offered / selected / left out by
 the rule and by the budget per source summed over the rounds (``selection``), the held-out accuracy per slice along
-the run for a task with slices (``slice_curves``, absent otherwise); for the cell its resolved config, its
+the run for a task with slices (``slice_curves``, absent otherwise), with asynchronous rounds the held-out accuracy
+against the driver's clock (``clock_curve``, absent otherwise); for the cell its resolved config, its
 hash, the code version and the machine). A rerun skips every cell whose JSON holds the same config hash, so the
 matrix can run in pieces, in any order, across sessions; a cell whose config changed is rerun and its JSON replaced.
 At the end the report (:mod:`hacrl_tools.bench.report`) is rewritten from every JSON found.
@@ -155,7 +156,7 @@ def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def summarize_agent(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
     """One agent's results from ``(round, merged record)`` pairs in round order (the module docstring's fields)."""
-    generated, curve, reward_curve = 0.0, [], []
+    generated, curve, reward_curve, clock_curve = 0.0, [], [], []
     sums: dict[str, float] = {}
     algo: dict[str, list[float]] = {}
     capability = []
@@ -170,6 +171,9 @@ def summarize_agent(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[
         )
         if f"eval/{org}/accuracy" in rec:
             curve.append([t, int(generated), float(rec[f"eval/{org}/accuracy"])])
+            clock = 0.0 if t == 0 else rec.get(f"async/{org}/trained_at_s")
+            if clock is not None:
+                clock_curve.append([t, float(clock), float(rec[f"eval/{org}/accuracy"])])
         if f"round/{org}/accuracy" in rec:
             reward_curve.append([t, float(rec[f"round/{org}/accuracy"])])
         if f"capability/{org}" in rec and t > 0:
@@ -195,6 +199,8 @@ def summarize_agent(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[
         "shares": _shares(algo),  # every *_frac over the whole run, from the summed counts
         "selection": {k: int(v) for k, v in sorted(selection.items())},  # foreign rows offered/selected/dropped
         **({"slice_curves": slices} if (slices := slice_curves(org, rounds)) else {}),
+        # asynchronous rounds: [round, the driver's clock when the org's weights after that round existed, accuracy]
+        **({"clock_curve": clock_curve} if len(clock_curve) > 1 else {}),
     }
 
 
