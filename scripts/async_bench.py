@@ -61,7 +61,9 @@ def org_row(arm: dict[int, Any], sync: dict[int, Any], gspo: dict[int, Any], org
     return {
         "org": org,
         "seeds": seeds,
-        "step_s": float(arm[seeds[0]]["config"]["federation"].get("virtual_step_s", {}).get(org, 1.0)) if seeds else None,
+        "step_s": float(arm[seeds[0]]["config"]["federation"].get("virtual_step_s", {}).get(org, 1.0))
+        if seeds
+        else None,
         "t95_sync": _stat(t_sync),
         "t95_async": _stat(t_arm),
         "t95_ratio": _stat(ratio),
@@ -86,7 +88,9 @@ def setting_rows(data: dict, setting: str, sync: str, gspo: str) -> list[dict[st
     cells = {m: {c["seed"]: c for c in cs} for (s, m), cs in data.items() if s == setting}
     if sync not in cells or gspo not in cells:
         return []
-    arms = sorted(m for m, cs in cells.items() if any("clock_curve" in a for c in cs.values() for a in c["agents"].values()))
+    arms = sorted(
+        m for m, cs in cells.items() if any("clock_curve" in a for c in cs.values() for a in c["agents"].values())
+    )
     rows = []
     for m in arms:
         for org in next(iter(cells[m].values()))["agents"]:

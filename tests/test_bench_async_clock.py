@@ -40,7 +40,8 @@ def _cell(setting, method, seed, accs, clock=None, step_s=None):
 
 
 def test_async_bench_pairs_each_org_with_the_synchronous_run_on_its_clock(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("async_bench", Path(__file__).parents[1] / "scripts" / "async_bench.py")
+    script = Path(__file__).parents[1] / "scripts" / "async_bench.py"
+    spec = importlib.util.spec_from_file_location("async_bench", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     pts = {"acme": [(0, 0.4), (10, 0.5), (20, 0.6)], "globex": [(0, 0.2), (10, 0.3), (20, 0.4)]}
