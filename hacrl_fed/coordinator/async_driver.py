@@ -96,11 +96,11 @@ class Coordinator(Protocol):
         self, round: int, org_id: str, prompts: tuple[Prompt, ...], challenges: Mapping[str, bytes] | None = None
     ) -> RoundPlan: ...
 
-    def _due(self, round: int) -> tuple[bool, bool]: ...
+    def extras_due(self, round: int) -> tuple[bool, bool]: ...
 
-    def _eval_request(self, round: int, org: str) -> EvalRequest: ...
+    def eval_request(self, round: int, org: str) -> EvalRequest: ...
 
-    def _finish(self, result: RoundResult, start: float) -> None: ...
+    def finish_round(self, result: RoundResult, start: float) -> None: ...
 
 
 log = logging.getLogger(__name__)
@@ -348,10 +348,10 @@ class AsyncDriver:
                 tags=tuple((tag.source, tag.round, tag.version) for tag in foreign),
                 version=org.version,
             )
-        evaluate, ckpt = co._due(t - 1) if t > 1 else (False, False)
+        evaluate, ckpt = co.extras_due(t - 1) if t > 1 else (False, False)
         challenges = {o: co.challenges[o] for o in co.live_orgs() if o in co.challenges}  # each org's latest
         plan = co.plan_for(t, org.name, co.round_prompts(t), challenges) if t <= self.rounds else None
-        eval_request = co._eval_request(t - 1, org.name) if evaluate else None
+        eval_request = co.eval_request(t - 1, org.name) if evaluate else None
         return StepRequest(train, plan, eval_request, t - 1 if ckpt else None)
 
     def complete(self, org: _Org, now: float) -> None:
@@ -482,4 +482,4 @@ class AsyncDriver:
         rm.close_metrics(table, co.guard.metrics(co.org_order), counts, self.mark - start, {}, rd.metrics)
         failed = {org: rd.failed[org] for org in co.org_order if org in rd.failed}
         result = RoundResult(r, not rd.accepted, list(rd.accepted), rd.accuracy, rd.trained, rd.metrics, failed)
-        co._finish(result, start)
+        co.finish_round(result, start)

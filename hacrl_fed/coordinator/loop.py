@@ -170,11 +170,11 @@ class Coordinator:
             return driver.capabilities.table(self.cfg.federation.rounds, self.org_order)
         return self.keeper.capability_table()
 
-    def _eval_request(self, round: int, org: str) -> EvalRequest:
+    def eval_request(self, round: int, org: str) -> EvalRequest:
         max_new = org_generation(self.cfg, org).eval_max_new_tokens
         return EvalRequest(self.run_id, round, self.cfg.task.name, self.eval_prompts, max_new)
 
-    def _due(self, round: int) -> tuple[bool, bool]:
+    def extras_due(self, round: int) -> tuple[bool, bool]:
         """Whether ``round`` evaluates and whether it checkpoints (every N rounds, and the last round)."""
         fed = self.cfg.federation
         every = (fed.eval_every, fed.checkpoint_every)
@@ -198,7 +198,7 @@ class Coordinator:
 
     def evaluate(self, round: int, metrics: dict[str, float]) -> dict[str, float]:
         """Greedy held-out accuracy of every reachable org, as a call of its own (the evaluation before round 1)."""
-        requests = {org: self._eval_request(round, org) for org in self.live_orgs()}
+        requests = {org: self.eval_request(round, org) for org in self.live_orgs()}
         t0 = time.perf_counter()
         replies = self.transport.evaluate(requests, self.cfg.federation.round_timeout_s)
         metrics["time/eval"] = time.perf_counter() - t0
@@ -237,7 +237,7 @@ class Coordinator:
                 outcomes = self._send(closing, opening, True, "step" if fused else "train" if closing else "generate")
                 if closing is not None:
                     start = mark if fused else closing.t0
-                    self._finish(self.keeper.close_round(closing, start), start)
+                    self.finish_round(self.keeper.close_round(closing, start), start)
                     mark = time.perf_counter()
                 if opening is not None:
                     self.keeper.take_batches(opening, {org: out.batch for org, out in outcomes.items()}, self.run_id)
@@ -275,13 +275,13 @@ class Coordinator:
         ``opening``'s plans; takes ``closing``'s parts of the replies and returns every org's :class:`StepOutcome`."""
         trains, plans = (closing.requests if closing else {}), (opening.plans if opening else {})
         round = closing.round if closing is not None else 0
-        evaluate, ckpt = self._due(round) if closing is not None and due else (False, False)
+        evaluate, ckpt = self.extras_due(round) if closing is not None and due else (False, False)
         extra = (list(plans) if opening is not None else self.live_orgs()) if evaluate or ckpt else []
         requests = {
             org: StepRequest(
                 trains.get(org),
                 plans.get(org),
-                self._eval_request(round, org) if evaluate and org in extra else None,
+                self.eval_request(round, org) if evaluate and org in extra else None,
                 round if ckpt and org in extra else None,
             )
             for org in self.org_order
@@ -322,13 +322,13 @@ class Coordinator:
             rm.exchange_time(phase, org, {k: v for m in parts if m for k, v in m.items()}, owner.metrics)
         return outcomes
 
-    def _finish(self, result: RoundResult, start: float) -> None:
+    def finish_round(self, result: RoundResult, start: float) -> None:
         """Log line, metrics, state and ``on_round`` after round ``result.round``; stop after too many failures."""
         fed, t = self.cfg.federation, result.round
         self.book.round = t
         self.book.wall_time_s += time.perf_counter() - start
         log.info(format_round(result, fed.rounds, time.perf_counter() - start, self.guard.excluded))
-        if self._due(t)[0]:
+        if self.extras_due(t)[0]:
             log.info(format_eval(t, self.eval_history.get(t, {}), self.eval_history.get(0)))
         self._log(t, result.metrics)
         write_state(self.state_path, self.state_dict())
