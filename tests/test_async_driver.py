@@ -506,3 +506,20 @@ def test_a_forged_version_or_a_batch_for_a_plan_never_issued_is_refused_and_coun
     assert records[2]["round/c/rejected/wrong_round"] == 4 * 3  # G x B rollouts
     assert not any(b.org_id == "c" and b.round == 2 for w in workers.values() for r in w.train_requests
                    for b in r.source_batches)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness,window", [(1, None), (1000, 5)])
+def test_at_equal_speeds_asynchronous_rounds_are_the_lock_step_run(tmp_path, staleness, window):
+    """f = 1 (every step as long): all batches of round t - 1 are published at the instant every org's step
+    planning t starts, so any K and window give the lock-step schedule, requests and weights (the benchmark's
+    f = 1 arms are the synchronous cells, BENCHMARKS.md "Asynchronous rounds")."""
+    import torch
+
+    fed = {"staleness": staleness} | ({"window": window} if window else {})
+    today = _tiny_run(tmp_path / "today", _tiny_cfg())
+    equal = _tiny_run(tmp_path / "async", _tiny_cfg(**fed))
+    assert equal[0].async_driver.steps == simulate(ScheduleSpec({"acme": 1.0, "globex": 1.0}, 4, 0)).steps
+    for org in ("acme", "globex"):
+        assert torch.equal(_weights(today[1][org]), _weights(equal[1][org])), org
+    assert today[2].eval_history == equal[2].eval_history
