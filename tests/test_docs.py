@@ -227,7 +227,8 @@ def test_docs_exist_and_license_matches_pyproject():
 
 
 def test_algorithm_doc_states_the_config_defaults():
-    """Every algorithm field appears in docs/ALGORITHM.md's parameter table with its default from config.py."""
+    """Every algorithm field appears in docs/ALGORITHM.md's parameter table with its default from the config
+    (hacrl_fed/config/algorithm.py)."""
     from hacrl_fed.config import AlgorithmConfig
 
     text = (ROOT / "docs" / "ALGORITHM.md").read_text()
@@ -244,5 +245,5 @@ def test_algorithm_doc_states_the_config_defaults():
         except (TypeError, ValueError):
             ok = stated == str(field.default)
         if not ok:
-            wrong.append(f"algorithm.{name}: doc says {stated}, config.py says {field.default}")
+            wrong.append(f"algorithm.{name}: doc says {stated}, config/algorithm.py says {field.default}")
     assert not wrong, "\n".join(wrong)

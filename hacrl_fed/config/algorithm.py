@@ -1,0 +1,172 @@
+"""The ``algorithm`` section: how each org turns the pooled rollouts into its update (HACPO or a baseline)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from hacrl_fed.config.section import _d, _registered, _Section
+
+
+class AlgorithmConfig(_Section):
+    """How each org turns the pooled rollouts into its update: HACPO (docs/ALGORITHM.md) or a baseline.
+
+    These defaults are the only place the algorithm's numbers are written: the loss configuration
+    (:class:`hacrl_fed.algorithm.PolicyLossConfig`), the pure functions' defaults and docs/ALGORITHM.md's
+    parameter table all follow them (tests check the table).
+    """
+
+    name: str = Field(
+        "hacpo",
+        description=_d(
+            "the algorithm: hacpo (own + foreign rollouts, capability-aware), gspo / grpo (own rollouts only), naive "
+            "(own + foreign rollouts, none of HACPO's mechanisms)"
+        ),
+    )
+    self_clip_low: float = Field(
+        3e-4,
+        ge=0,
+        lt=1,
+        description=_d(
+            "epsilon_low: GSPO clip band [1 - low, 1 + high] of the sequence ratio on the learner's own rows "
+            "(hacpo, gspo, naive)"
+        ),
+    )
+    self_clip_high: float = Field(4e-4, ge=0, description="epsilon_high: upper half of the GSPO clip band on own rows")
+    cross_clip_delta: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description=_d("delta: the first optimizer step's band for foreign rows is [1 - delta, 1] (hacpo)"),
+    )
+    cross_clip_step: float = Field(
+        0.025,
+        ge=0,
+        description=_d(
+            "delta_step: the foreign rows' lower clip bound rises by this much per optimizer step of a round (hacpo)"
+        ),
+    )
+    alpha: float = Field(
+        1.0,
+        ge=0,
+        description=_d(
+            "alpha: exponent of the stop-gradient importance weight on foreign rows, c * sg(c)^alpha (hacpo)"
+        ),
+    )
+    advantage_calibration: bool = Field(
+        True,
+        description=_d(
+            "capability-aware advantage baseline mu_k = mean(w(k, j) * R); false takes w = 1, the plain joint-group "
+            "mean (an ablation; hacpo)"
+        ),
+    )
+    capability_coefficient: bool = Field(
+        True,
+        description=_d(
+            "scale each foreign row's objective by v(j, k) = clamp(Phat_j / Phat_k); false takes v = 1 (an "
+            "ablation; hacpo)"
+        ),
+    )
+    cross_clip: bool = Field(
+        True,
+        description=_d(
+            "clip the foreign rows' ratio to the stepwise band [lower_m, 1]; false uses the unclipped ratio (an "
+            "ablation; hacpo)"
+        ),
+    )
+    logprob_norm: Literal["per_token", "per_byte"] = Field(
+        "per_byte",
+        description=_d(
+            "how a foreign row's sequence log-probs enter its cross ratio: per_byte (the default: both sums divided "
+            "by the response's UTF-8 bytes, comparable across tokenizers; beyond the paper) or per_token (the "
+            "paper: the learner's and the source's means over their own tokens). Own rows always use per-token "
+            "means (hacpo, naive)"
+        ),
+    )
+    max_abs_log_ratio: float = Field(
+        10.0, gt=0, description=_d("M: every log-ratio is clamped to [-M, M] before exp (all losses and the KL term)")
+    )
+    grpo_clip_low: float = Field(0.2, ge=0, lt=1, description="grpo's token-level PPO clip band: 1 - low")
+    grpo_clip_high: float = Field(0.28, ge=0, description="grpo's token-level PPO clip band: 1 + high")
+    grpo_loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = Field(
+        "token-mean",
+        description=_d(
+            "how grpo averages its per-token objective over a mini-batch: token-mean (every response token of the "
+            "mini-batch weighs the same) or seq-mean-token-mean (the mean over sequences of each sequence's token "
+            "mean)"
+        ),
+    )
+    reward_max: float = Field(
+        1.0,
+        gt=0,
+        description=_d(
+            "R_max: baseline guard; a capability-weighted group mean above it is replaced by the learner's own mean "
+            "(hacpo)"
+        ),
+    )
+    capability_window: int = Field(
+        5, ge=1, description=_d("K: capability P-hat of an org is the mean of its last K per-round accuracies")
+    )
+    capability_floor: float = Field(1e-8, gt=0, description="lower bound of every capability P-hat (no division by 0)")
+    ratio_min: float = Field(0.1, gt=0, description="lower clamp of the capability ratios w and v (hacpo)")
+    ratio_max: float = Field(10.0, gt=0, description="upper clamp of the capability ratios w and v (hacpo)")
+    warmup_rounds: int = Field(
+        0,
+        ge=0,
+        description=_d("training rounds during which every capability is taken as 1 (no capability weighting yet)"),
+    )
+    kl_beta: float = Field(
+        0.0,
+        ge=0,
+        description=_d(
+            "beta: weight of the k3 KL to the worker's initial weights on its own tokens; 0 = no KL and no "
+            "reference copy of the model (the paper uses 0.001)"
+        ),
+    )
+    adv_eps: float = Field(1e-6, gt=0, description="epsilon added to the group's reward std in every advantage")
+    cross_staleness: Literal["band", "decoupled"] = Field(
+        "band",
+        description=_d(
+            "the foreign rows' loss: band (HACPO's stepwise band around the source's log-prob) or decoupled (a "
+            "trust region around the learner's pre-update policy and a stop-gradient behaviour weight w = "
+            "pi_prox / mu_source; hacpo; usable in today's synchronous rounds)"
+        ),
+    )
+    cross_weight_mode: Literal["filter", "clamp"] = Field(
+        "filter",
+        description=_d(
+            "decoupled: a foreign row whose behaviour weight w is outside [cross_weight_min, cross_weight_max] is "
+            "left out (filter) or has w clamped into it (clamp)"
+        ),
+    )
+    cross_weight_min: float = Field(
+        0.8, ge=0, le=1, description=_d("decoupled: lower bound of the behaviour weight w (<= 1)")
+    )
+    cross_weight_max: float = Field(
+        1.0, ge=1, le=10, description=_d("decoupled: upper bound of the behaviour weight w (>= 1)")
+    )
+
+    @model_validator(mode="after")
+    def _ratio_bounds(self) -> AlgorithmConfig:
+        if self.ratio_min > self.ratio_max:
+            raise ValueError("ratio_min must be <= ratio_max")
+        return self
+
+    @model_validator(mode="after")
+    def _decoupled_needs_a_cross_loss(self) -> AlgorithmConfig:
+        from hacrl_fed.algorithm.specs import ALGORITHMS  # lazy: algorithm/__init__ imports config
+
+        spec = ALGORITHMS.get(self.name)
+        if self.cross_staleness == "decoupled" and spec is not None and spec.decoupled_loss is None:
+            raise ValueError(
+                f"cross_staleness: decoupled needs an algorithm with foreign rows (hacpo), not {self.name!r}"
+            )
+        return self
+
+    @field_validator("name")
+    @classmethod
+    def _registered_algorithm(cls, name: str) -> str:
+        from hacrl_fed.algorithm.specs import ALGORITHMS  # lazy: algorithm/__init__ imports config
+
+        return _registered(name, ALGORITHMS)

@@ -1,0 +1,111 @@
+"""The ``federation`` section: the round loop the coordinator runs, lock-step or asynchronous.
+
+The checks that need other sections (the orgs the ``virtual_*`` clocks name, what asynchronous rounds need of
+the protocol, security and trainer) are the run's cross-field checks (:mod:`hacrl_fed.config.run`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from hacrl_fed.config.section import _d, _Section
+from hacrl_fed.limits import MAX_MESSAGE_MB
+
+
+class FederationConfig(_Section):
+    """The round loop run by the coordinator."""
+
+    rounds: int = Field(100, ge=1, description="rounds to run")
+    prompts_per_round: int = Field(16, ge=1, description="B: prompts every org answers per round")
+    eval_every: int = Field(
+        10,
+        ge=0,
+        description=_d(
+            "greedy held-out evaluation every this many rounds (also before round 1 and after the last); 0 = only "
+            "before and after"
+        ),
+    )
+    min_orgs: int = Field(1, ge=1, description="orgs that must reply for a round to train")
+    round_timeout_s: float = Field(600.0, gt=0, description="seconds each phase of a round waits for the orgs")
+    transport: Literal["inprocess", "grpc", "flower"] = Field(
+        "inprocess",
+        description=_d(
+            "how the coordinator reaches the workers with hacrl-fed run: inprocess or grpc (flower: hacrl-fed simulate "
+            "or flwr run)"
+        ),
+    )
+    protocol: Literal["fused", "two_message"] = Field(
+        "fused",
+        description=_d(
+            "fused: one step message per org per round (round r-1's train request, its evaluation and checkpoint when "
+            "due, and round r's plan; the worker trains, then generates); two_message: a plan-only step, then a "
+            "train-only step (same numbers)"
+        ),
+    )
+    checkpoint_every: int = Field(0, ge=0, description="worker checkpoints every this many rounds; 0 = only at the end")
+    max_failed_rounds: int = Field(3, ge=1, description=_d("consecutive rounds below min_orgs before the run aborts"))
+    max_message_mb: int = Field(MAX_MESSAGE_MB, ge=1, description="largest gRPC / Flower message, in MB")
+    staleness: int = Field(
+        0,
+        ge=0,
+        description=_d(
+            "K: asynchronous rounds when >= 1 (in-process, gRPC and Flower): an org may plan round t once every "
+            "live org has published round t-K-1, so no org runs more than K rounds ahead of the slowest; 0 = today's "
+            "lock-step rounds (docs/ALGORITHM.md 'Asynchronous rounds')"
+        ),
+    )
+    window: int | None = Field(
+        None,
+        ge=1,
+        description=_d(
+            "W: a step planning round t takes the foreign batches of rounds t-W..t-1 it has not used; null = K+1"
+        ),
+    )
+    virtual_step_s: dict[str, float] = Field(
+        default_factory=dict,
+        description=_d(
+            "asynchronous rounds in-process: org id -> the virtual seconds one step of that org takes (default 1.0; "
+            "e.g. 4.0 = four times slower); the driver orders the replies by this clock, so a run is deterministic "
+            "(over gRPC the replies come on the wall clock and this is not used)"
+        ),
+    )
+
+    virtual_dies: dict[str, float] = Field(
+        default_factory=dict,
+        description=_d(
+            "asynchronous rounds in-process: org id -> the virtual second it dies (its step in flight is lost, it "
+            "stops counting in the staleness bound): fault injection on the virtual clock (not used over gRPC, "
+            "where a step whose call fails or times out is the death)"
+        ),
+    )
+    virtual_rejoins: dict[str, float] = Field(
+        default_factory=dict,
+        description=_d(
+            "asynchronous rounds in-process: org id -> the virtual second it comes back (after its virtual_dies "
+            "second), at the current round"
+        ),
+    )
+
+    @property
+    def effective_window(self) -> int:
+        """``W``: ``window``, or ``K + 1`` when unset."""
+        return self.staleness + 1 if self.window is None else self.window
+
+    @field_validator("virtual_step_s")
+    @classmethod
+    def _positive_steps(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {org: s for org, s in value.items() if not (math.isfinite(s) and s > 0)}
+        if bad:
+            raise ValueError(f"every step duration must be finite and > 0, got {bad}")
+        return value
+
+    @field_validator("virtual_dies", "virtual_rejoins")
+    @classmethod
+    def _fault_times(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {org: s for org, s in value.items() if not (math.isfinite(s) and s >= 0)}
+        if bad:
+            raise ValueError(f"every fault time must be finite and >= 0, got {bad}")
+        return value

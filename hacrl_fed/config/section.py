@@ -1,0 +1,29 @@
+"""What every config section shares: the base model (unknown keys and inf/nan refused), the one-paragraph field
+description, and the check that a name is in a registry (the registries are the one place their names are written).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from pydantic import BaseModel, ConfigDict
+from pydantic_core import PydanticCustomError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no inf/nan anywhere
+
+
+def _d(text: str) -> str:
+    """A field description: one paragraph, whitespace folded (rendered by ``hacrl-fed config --describe``)."""
+    return " ".join(text.split())
+
+
+def _registered(name: str, registry: Collection[str]) -> str:
+    """``name`` when ``registry`` (a registry's names: the one place they are written) holds it; else the error a
+    ``Literal`` of those names gives (``Input should be 'a', 'b' or 'c'``)."""
+    if name in registry:
+        return name
+    quoted = [repr(n) for n in registry]
+    expected = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+    raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
