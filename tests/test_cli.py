@@ -6,6 +6,7 @@ Workers are fakes (see helpers_fake_workers); the task is the real default ``ari
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -215,6 +216,17 @@ def test_exit_code_rules(capsys):
     assert capsys.readouterr().err.strip() == "p: failed: RuntimeError: down (see x.log)"
     assert run_command("p", boom(KeyboardInterrupt()), interrupted=" (resume)") == 1
     assert capsys.readouterr().err.strip() == "p: interrupted (resume)"
+    assert run_command("p", boom(BrokenPipeError())) == 141  # `hacrl-fed config --describe | head`: quiet
+    assert capsys.readouterr().err == ""
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    proc = subprocess.run(
+        f"{shlex.quote(sys.executable)} -m hacrl_fed.cli config --describe | head -c 1 >/dev/null; "
+        "echo ${PIPESTATUS[0]}",
+        shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1],
+    )
+    assert proc.stdout.strip() in ("0", "141") and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_tools_commands_say_in_one_line_when_the_tools_are_absent(tmp_path, monkeypatch, capsys):

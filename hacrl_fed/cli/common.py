@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 OK, FAILED, USAGE = 0, 1, 2
+CLOSED_PIPE = 141  # what a shell reports for a command ended by SIGPIPE (`hacrl-fed config --describe | head`)
 TOOLS = "hacrl_tools"
 
 
@@ -71,7 +74,8 @@ def run_command(
     ``UsageError`` → one line, 2; ``ConfigError`` / ``BuildError`` → :func:`~hacrl_fed.config.report_error`, 2 (the
     traceback in ``log_dir()``'s ``error.log`` when given and that folder exists, else in a temp file);
     ``bad_input`` (the command's own bad-input errors) are reported like a ``ConfigError``;
-    ``KeyboardInterrupt`` → ``<prog>: interrupted<interrupted>``, 1; any other exception → one line, 1, with
+    ``KeyboardInterrupt`` → ``<prog>: interrupted<interrupted>``, 1; ``BrokenPipeError`` (stdout's reader went
+    away) → nothing printed, :data:`CLOSED_PIPE`; any other exception → one line, 1, with
     ``failure_detail()`` appended (where the traceback went; default: the traceback is printed first).
     """
     from hacrl_fed.config import ConfigError, report_error
@@ -87,10 +91,22 @@ def run_command(
     except KeyboardInterrupt:
         print(f"{prog}: interrupted{interrupted}", file=sys.stderr)
         return FAILED
+    except BrokenPipeError:  # the reader of stdout went away: stop quietly, as `git log | head` does
+        _stdout_to_devnull()
+        return CLOSED_PIPE
     except Exception as err:
         detail = failure_detail() if failure_detail is not None else _print_traceback()
         print(f"{prog}: failed: {type(err).__name__}: {err}{detail}", file=sys.stderr)
         return FAILED
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit does not fail on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):  # no file descriptor (captured in tests)
+        pass
 
 
 def _print_traceback() -> str:
