@@ -635,6 +635,16 @@ class OrgConfig(_Section):
     sharding: ShardingConfig = Field(
         default_factory=ShardingConfig, description="the org's worker sharded over several ranks (FSDP2, torchrun)"
     )
+    emulate_slowdown: float = Field(
+        1.0,
+        ge=1.0,
+        description=_d(
+            "benchmarks only: every step of this org's hacrl-fed worker process takes this many times its compute "
+            "time (after the step the worker sleeps (F-1) x the step's measured seconds), emulating a slower org in "
+            "real processes; 1 = as fast as it is. Needs worker processes (federation.transport grpc or a Flower "
+            "deployment); in process use federation.virtual_step_s"
+        ),
+    )
 
 
 class FederationConfig(_Section):
@@ -891,6 +901,8 @@ class RunConfig(_Section):
         if self.federation.min_orgs > len(self.orgs):
             raise ValueError(f"federation.min_orgs={self.federation.min_orgs} exceeds the {len(self.orgs)} orgs")
         _check_asynchronous(self)
+        if self.federation.transport == "inprocess":
+            refuse_emulated_slowdown(self, "federation.transport=inprocess")
         for org in self.orgs:  # per-org overrides must name real fields with valid values
             org_trainer(self, org.id)
             org_generation(self, org.id)
@@ -952,6 +964,20 @@ def _check_asynchronous(cfg: RunConfig) -> None:
     for need, ok in needs.items():
         if not ok:
             raise ValueError(f"federation.staleness={fed.staleness} (asynchronous rounds) needs {need}")
+
+
+def refuse_emulated_slowdown(cfg: RunConfig, transport: str) -> None:
+    """ConfigError naming ``orgs[i].emulate_slowdown`` for an org slowed for real (> 1), called where ``transport``
+    (as the caller names it: ``federation.transport=inprocess``, ``--transport inprocess``, ``the Flower
+    simulation``) builds every worker in one process: the slowdown paces a ``hacrl-fed worker`` process
+    (:mod:`hacrl_fed.worker.pacing`); in process the virtual clock's ``federation.virtual_step_s`` does this."""
+    for i, org in enumerate(cfg.orgs):
+        if org.emulate_slowdown != 1.0:
+            raise ConfigError(
+                f"orgs[{i}].emulate_slowdown={org.emulate_slowdown:g} (org {org.id!r}) slows the org's hacrl-fed "
+                f"worker process, but {transport} builds every worker in this process: use "
+                "federation.virtual_step_s there (or federation.transport: grpc for real worker processes)"
+            )
 
 
 def config_hash(

@@ -37,7 +37,7 @@ from hacrl_fed.lifecycle import FLOWER_ENV, apply_env
 
 apply_env(FLOWER_ENV)  # before anything imports flwr (see the module docstring)
 
-from hacrl_fed.config import load_config, parse_overrides  # noqa: E402
+from hacrl_fed.config import load_config, parse_overrides, refuse_emulated_slowdown  # noqa: E402
 from hacrl_fed.flower.federation import PROGRESS_ENV  # noqa: E402
 from hacrl_fed.flower.settings import (  # noqa: E402
     ENV_VAR,
@@ -127,6 +127,7 @@ def simulate(
     from hacrl_fed.sharded.group import check_in_process
 
     check_in_process(cfg, "Flower simulation")  # its workers are in-process: no ranks (ShardingError, a ConfigError)
+    refuse_emulated_slowdown(cfg, "the Flower simulation")  # nor a worker process to pace (a ConfigError)
     settings = AppSettings(
         config_path=str(config_path),
         overrides=" ".join(overrides),
