@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=None, help="where the configs and run dirs go (default: a temp dir)")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "issue29" / "grpc-check.json")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per run")
+    p.add_argument("--note", default="", help="recorded in the JSON (e.g. what else the machine ran)")
     args = p.parse_args(argv)
     import tempfile
 
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "slowdown": args.slowdown,
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
         "host": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "note": args.note,
         "python": platform.python_version(),
         "arms": arms,
     }

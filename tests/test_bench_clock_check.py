@@ -69,6 +69,7 @@ def test_compare_sets_the_prediction_against_the_run():
     assert s["lead_at_finish"] == {"real": 0, "predicted": 0}
     assert a["idle_s"] == pytest.approx({"real": 0.2, "predicted": 0.0, "error_pct": -100 * 0.2 / 6.5})
     assert a["step_s"]["mean"] == pytest.approx(1.0) and s["call_s"]["mean"] == pytest.approx(1.9)
+    assert out["step_ends_s"]["s"] == {"real": [1.5, 4.0, 6.5], "predicted": [2.0, 4.0, 6.0]}
     # |0.8-1| + |2.2-2| + |3.1-3| + |1.5-2| + |4-4| + |6.5-6| = 1.5 over 6 step ends
     assert out["step_end_mae_s"] == pytest.approx(0.25) and out["step_end_mae_pct"] == pytest.approx(25 / 6.5)
     call = compare(_records(), ["a", "s"], 2, 1, None, "s", basis="call")

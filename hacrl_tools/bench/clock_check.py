@@ -147,6 +147,7 @@ def compare(
         "durations_s": durations,
         "run_s": run_s,
         "orgs": per_org,
+        "step_ends_s": {org: {"real": real[org], "predicted": guess["ends"][org]} for org in orgs},
         "step_end_mae_s": mae,
         "step_end_mae_pct": 100 * mae / run_s,
     }
