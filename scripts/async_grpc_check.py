@@ -19,6 +19,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -109,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     p.add_argument("--note", default="", help="recorded in the JSON (e.g. what else the machine ran)")
     args = p.parse_args(argv)
-    import tempfile
-
     work = args.work or Path(tempfile.mkdtemp(prefix="async-grpc-check-"))
     work.mkdir(parents=True, exist_ok=True)
     arms_spec = {"k1": (1, None), "open": (1000, args.rounds + 1)}
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     print(table(arms))
     out = {
-        "what": "issue 29: the virtual clock's prediction against real gRPC worker processes (scripts/async_grpc_check.py)",
+        "what": "issue 29: the virtual clock's prediction against real gRPC worker processes",
         "slow_org": SLOW,
         "slowdown": args.slowdown,
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),

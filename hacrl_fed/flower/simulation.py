@@ -46,6 +46,7 @@ from hacrl_fed.flower.settings import (  # noqa: E402
     run_dir_of,
     to_run_config,
 )
+from hacrl_fed.sharded.group import check_in_process  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +125,6 @@ def simulate(
 
     config_path = Path(config_path).expanduser().resolve()
     cfg = load_config(config_path, parse_overrides(list(overrides)))  # fail early, in this process
-    from hacrl_fed.sharded.group import check_in_process
-
     check_in_process(cfg, "Flower simulation")  # its workers are in-process: no ranks (ShardingError, a ConfigError)
     refuse_emulated_slowdown(cfg, "the Flower simulation")  # nor a worker process to pace (a ConfigError)
     settings = AppSettings(
