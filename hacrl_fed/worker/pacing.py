@@ -37,7 +37,7 @@ class PacedWorker:
             raise ValueError(f"a paced worker needs a slowdown factor > 1, got {factor}")
         self.worker, self.factor = worker, factor
         self._clock, self._sleep = clock, sleep
-        self.slept_s = 0.0  # the seconds added so far (benchmarks read it)
+        self.slept_s = 0.0  # the seconds added so far
 
     def step(self, request: StepRequest) -> StepReply:
         """The worker's step, then a sleep of ``(factor - 1)`` times its measured seconds (also when it raised)."""
