@@ -153,11 +153,13 @@ def _resolve_run(args: argparse.Namespace):
         raise UsageError("--worker needs --transport grpc")
     parse_worker_addresses(args.workers, [o.id for o in cfg.orgs])  # bad usage fails before the run dir is used
     if transport == "inprocess":
-        from hacrl_fed.sharded.group import ShardingError, check_in_process
+        from hacrl_fed.config import refuse_emulated_slowdown
+        from hacrl_fed.sharded.group import check_in_process
 
         try:
             check_in_process(cfg, "inprocess")
-        except ShardingError as err:
+            refuse_emulated_slowdown(cfg, "--transport inprocess")
+        except ConfigError as err:  # ShardingError is one
             raise UsageError(str(err)) from None
     run_dir = (Path(args.run_dir) if args.run_dir else Path(cfg.run_dir) / cfg.name).absolute()
     try:

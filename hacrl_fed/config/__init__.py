@@ -21,7 +21,14 @@ from hacrl_fed.config.federation import FederationConfig
 from hacrl_fed.config.generation import GenerationConfig
 from hacrl_fed.config.load import load_config, parse_overrides
 from hacrl_fed.config.orgs import ModelConfig, OrgConfig, ShardingConfig
-from hacrl_fed.config.run import RunConfig, WandbConfig, config_hash, org_generation, org_trainer
+from hacrl_fed.config.run import (
+    RunConfig,
+    WandbConfig,
+    config_hash,
+    org_generation,
+    org_trainer,
+    refuse_emulated_slowdown,
+)
 from hacrl_fed.config.security import SecurityConfig
 from hacrl_fed.config.task import TaskConfig
 from hacrl_fed.config.trainer import (
@@ -55,6 +62,7 @@ __all__ = [
     "TrainerConfig",
     "WandbConfig",
     "config_hash",
+    "refuse_emulated_slowdown",
     "load_config",
     "org_generation",
     "org_trainer",

@@ -138,6 +138,20 @@ def _check_asynchronous(cfg: RunConfig) -> None:
             raise ValueError(f"federation.staleness={fed.staleness} (asynchronous rounds) needs {need}")
 
 
+def refuse_emulated_slowdown(cfg: RunConfig, transport: str) -> None:
+    """ConfigError naming ``orgs[i].emulate_slowdown`` for an org slowed for real (> 1), called where ``transport``
+    (as the caller names it: ``--transport inprocess``, ``the Flower simulation``) builds every worker in one
+    process: the slowdown paces a ``hacrl-fed worker`` process (:mod:`hacrl_fed.worker.pacing`); in process the
+    virtual clock's ``federation.virtual_step_s`` does this."""
+    for i, org in enumerate(cfg.orgs):
+        if org.emulate_slowdown != 1.0:
+            raise ConfigError(
+                f"orgs[{i}].emulate_slowdown={org.emulate_slowdown:g} (org {org.id!r}) slows the org's hacrl-fed "
+                f"worker process, but {transport} builds every worker in this process: use "
+                "federation.virtual_step_s there (or --transport grpc for real worker processes)"
+            )
+
+
 def config_hash(
     cfg: RunConfig,
     *,

@@ -37,7 +37,7 @@ from hacrl_fed.lifecycle import FLOWER_ENV, apply_env
 
 apply_env(FLOWER_ENV)  # before anything imports flwr (see the module docstring)
 
-from hacrl_fed.config import load_config, parse_overrides  # noqa: E402
+from hacrl_fed.config import load_config, parse_overrides, refuse_emulated_slowdown  # noqa: E402
 from hacrl_fed.flower.federation import PROGRESS_ENV  # noqa: E402
 from hacrl_fed.flower.settings import (  # noqa: E402
     ENV_VAR,
@@ -46,6 +46,7 @@ from hacrl_fed.flower.settings import (  # noqa: E402
     run_dir_of,
     to_run_config,
 )
+from hacrl_fed.sharded.group import check_in_process  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +125,8 @@ def simulate(
 
     config_path = Path(config_path).expanduser().resolve()
     cfg = load_config(config_path, parse_overrides(list(overrides)))  # fail early, in this process
-    from hacrl_fed.sharded.group import check_in_process
-
     check_in_process(cfg, "Flower simulation")  # its workers are in-process: no ranks (ShardingError, a ConfigError)
+    refuse_emulated_slowdown(cfg, "the Flower simulation")  # nor a worker process to pace (a ConfigError)
     settings = AppSettings(
         config_path=str(config_path),
         overrides=" ".join(overrides),
