@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from hacrl_fed import failures
 from hacrl_fed.algorithm.capability_rounds import RoundCapabilities
 from hacrl_fed.coordinator import round_metrics as rm
-from hacrl_fed.coordinator.async_liveness import Liveness, is_death
+from hacrl_fed.coordinator.async_liveness import Liveness, is_death, rejoin_version
 from hacrl_fed.coordinator.async_schedule import HOLD, TAKE, BatchTag, Step, offer_verdict
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.rounds import StepOutcome, split_reply
@@ -130,7 +130,8 @@ class _Org:
     busy: _Flight | None = None
     planned: int = 0  # the round its last step planned
     level: int = 0  # its last published round (counts in the floor)
-    version: int = 0  # updates done (successful train reports)
+    version: int = 0  # updates done (successful train reports; a rejoin may adopt the worker's own count)
+    unsure: int = 0  # its steps lost since it last rejoined that carried a train request (the worker may have trained)
     own: BatchTag | None = None  # its last accepted batch, not trained on yet
     done: bool = False
     alive: bool = True  # False from its death to its rejoin
@@ -240,6 +241,7 @@ class AsyncDriver:
         if org.busy is not None:
             step = org.busy.step
             self.lost.append(step)
+            org.unsure += step.own is not None
             rd = self.bucket(min(step.round, self.rounds))
             rd.metrics[f"async/{org.name}/lost_steps"] = rd.metrics.get(f"async/{org.name}/lost_steps", 0.0) + 1
             if why != "virtual" and step.round <= self.rounds:
@@ -259,6 +261,9 @@ class AsyncDriver:
         rd = self.bucket(min(org.planned + 1, self.rounds))
         rd.metrics[f"async/{org.name}/rejoined_at"] = float(org.planned + 1)
         log.warning("asynchronous rounds: org %s rejoins at %.2f s, planning round %d", org.name, now, org.planned + 1)
+        # the worker's own count of its updates, when plausible (async_liveness.rejoin_version)
+        org.version = rejoin_version(org.name, self.liveness.reply(org.name), org.version, org.unsure, rd.metrics)
+        org.unsure = 0
 
     def alive(self, org: _Org) -> bool:
         return org.alive and org.name not in self.co.guard.excluded and org.name in self.co.transport.org_ids()
