@@ -179,21 +179,27 @@ def test_a_virtual_rejoin_asks_health_and_takes_the_worker_s_count(tmp_path):
 
 def test_liveness_probes_on_its_schedule():
     class Health:
-        answers = [ConnectionError("down"), {"org_id": "b"}]
+        def __init__(self, *answers):
+            self.answers = list(answers)
 
         def health(self, orgs, timeout_s):
             return {orgs[0]: self.answers.pop(0)}
 
-    live = Liveness(Health(), 5.0, {}, {}, wall=False)
+    back = {"org_id": "b", "version": "4"}
+    live = Liveness(Health(ConnectionError("down"), {"org_id": "b", "busy": "1"}, back), 5.0, {}, {}, wall=False)
     live.died("b", 1.0, probe=True)
     assert live.events(1.0 + PROBE_S - 0.1, ["b"]) == ([], [])  # not due yet
     assert live.events(1.0 + PROBE_S, ["b"]) == ([], [])  # due: down
-    assert live.events(1.0 + 2 * PROBE_S, ["b"]) == ([], ["b"])  # back
-    faults = Liveness(Health(), 5.0, {"c": 2.0}, {"c": 3.0}, wall=False)
+    assert live.events(1.0 + 2 * PROBE_S, ["b"]) == ([], [])  # answers, busy (the call it lost still runs)
+    assert live.reply("b") is None
+    assert live.events(1.0 + 3 * PROBE_S, ["b"]) == ([], ["b"])  # back
+    assert live.reply("b") == back and live.reply("b") is None  # its reply, for the driver, once
+    faults = Liveness(Health({"org_id": "c", "version": "2"}), 5.0, {"c": 2.0}, {"c": 3.0}, wall=False)
     assert faults.dies_before("c", 1.0, 2.5) and not faults.dies_before("c", 2.0, 3.0)
     assert not faults.dies_before("c", 1.0, 2.0)  # the step completes first
     assert faults.next_fault(0.0) == [2.0] and faults.events(2.0, []) == (["c"], [])
     assert faults.events(3.0, ["c"]) == ([], ["c"]) and faults.next_fault(3.0) == []
+    assert faults.reply("c") == {"org_id": "c", "version": "2"}  # a virtual rejoin asks Health too
 
 
 def test_the_fault_fields_and_their_refusals():

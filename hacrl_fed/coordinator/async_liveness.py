@@ -12,7 +12,8 @@ comes back rejoins at the current round); this module only says *when*:
   redials a lost worker at least that often. On the wall clock a probe runs on a thread of its own: the driver
   wakes up for it and never waits on it. On the virtual clock a probe is called at the first event at or after its
   time, and an org killed by ``virtual_dies`` comes back at its ``virtual_rejoins`` second only (and is asked
-  Health then, as a worker that comes back answers it).
+  Health then, as a worker that comes back answers it). A reply saying the worker is busy (the gRPC server's
+  ``busy``: a call still runs, as the step whose reply was lost may) is no answer yet.
 - **Its version** (:func:`reported_version`): the Health reply of a rejoin carries the worker's own count of its
   updates (:data:`~hacrl_fed.worker.api.VERSION_KEY`, the version it signs into its batches); the driver adopts it
   when it is an integer in ``[0, its own count + the org's lost steps that carried a train request]`` (a lost step
@@ -28,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from hacrl_fed.failures import TIMEOUT, UNREACHABLE, cause_of
+from hacrl_fed.wire.operations import BUSY_KEY
 from hacrl_fed.worker.api import VERSION_KEY
 
 log = logging.getLogger(__name__)
@@ -146,12 +148,13 @@ class Liveness:
         return False
 
     def health(self, org: str) -> Mapping[str, Any] | None:
-        """``org``'s Health reply (None: no answer)."""
+        """``org``'s Health reply (None: no answer, or the worker is still busy with a call, as with the step it
+        lost: it is not back until that is over and its count of updates final; ``wire.operations.BUSY_KEY``)."""
         try:
             info = self.transport.health([org], self.timeout_s).get(org)
         except Exception:
             return None
-        return info if isinstance(info, Mapping) else None
+        return info if isinstance(info, Mapping) and not info.get(BUSY_KEY) else None
 
     def answered(self, org: str, info: Mapping[str, Any] | None) -> bool:
         """Keep ``org``'s Health reply for :meth:`reply`; whether it answered."""
