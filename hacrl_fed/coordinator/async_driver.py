@@ -37,7 +37,9 @@ on the workers' real replies:
   known), it stops counting in ``floor``, the others run on with the batches they have. A dead org is asked
   Health again every :data:`~.async_liveness.PROBE_S` seconds, off the round (on the wall clock on a thread of its
   own, never holding a step), or on the virtual clock comes back at its ``virtual_rejoins`` second; it rejoins at the
-  current round (it counts as having published ``floor``, plans ``floor + 1`` next, its first step only generates).
+  current round (it counts as having published ``floor``, plans ``floor + 1`` next, its first step only generates),
+  at the version its worker's Health reports when plausible (:func:`~.async_liveness.rejoin_version`: a lost step
+  may have trained at the worker, or the worker restarted).
   When no live org has a step in flight the run ends; a batch a dead learner never reached is ``learner_dead``.
 
 Round ``r``'s metrics (its batches, the train reports of round ``r``, its evaluations, the refusals made by the steps
