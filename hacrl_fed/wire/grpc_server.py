@@ -31,8 +31,8 @@ Behaviour:
   calls ``raise_if_cancelled()`` stops once the client cancels or its deadline passes (CANCELLED /
   DEADLINE_EXCEEDED). Health skips the lock so a busy worker still answers it: ``worker.health()`` must be cheap
   and thread-safe; while a locked call runs its reply carries ``busy: "1"`` (``operations.BUSY_KEY``: a rejoin
-  waits until the worker is idle). The deprecated Generate / Train are served by the worker's ``step`` with that half alone
-  (:func:`hacrl_fed.wire.operations.serve_half`).
+  waits until the worker is idle). The deprecated Generate / Train are served by the worker's ``step`` with that
+  half alone (:func:`hacrl_fed.wire.operations.serve_half`).
 * Every call is logged as one line: a successful one at INFO with its rpc, round and seconds (Health only at
   DEBUG: clients poll it), a failed one as below.
 * Worker exceptions become gRPC statuses carrying ``"<ExceptionType>: <message>"`` (never a traceback):
