@@ -5,7 +5,10 @@
   runs at most K rounds ahead of the slowest published round, every (learner, foreign batch) pair is taken once or
   refused with a counted reason, the train requests carry their tags and per-round capability table, two runs are
   equal;
-* on tiny models (slow): K = 0 is today's loop bit for bit, and a K = 1 run trains with late foreign batches.
+* on tiny models (slow): K = 0 is today's loop bit for bit, and a K = 1 run trains with late foreign batches;
+* signing: batches travel verbatim with their signed versions; a forged version is refused; a rejoin after a lost
+  step the worker did finish (or a fresh restart) adopts the worker's own count from its Health, so its batches are
+  taken, where without a plausible report they are refused version_mismatch (a bad report counted).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
   the fast org is never held back by the dead one; every (learner, foreign batch) pair is taken or counted;
 * a step whose call fails (unreachable) kills the org; it is probed with Health on the reconnect policy and rejoins
   at the current round, on the virtual clock and on the wall clock (the probes hold no step); a part failing at the
-  worker is no death;
+  worker is no death; a worker that answers busy is not back yet; a rejoin's version is the worker's Health
+  ``version`` when an integer within its bound, else refused and counted;
 * the config refusals.
 """
 
