@@ -158,6 +158,8 @@ def main(argv=None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_sigterm else (lambda *_: stop.set()))
     worker = FakeWorker(args.org, SCRIPT_SKILLS.get(args.org, 0.5))
+    health = worker.health  # with its count of updates, as the policy worker reports it (a rejoin adopts it)
+    worker.health = lambda: {**health(), "version": str(len(worker.train_requests))}  # type: ignore[method-assign]
     if args.step_s > 0:
         import time
 

@@ -5,7 +5,10 @@
   runs at most K rounds ahead of the slowest published round, every (learner, foreign batch) pair is taken once or
   refused with a counted reason, the train requests carry their tags and per-round capability table, two runs are
   equal;
-* on tiny models (slow): K = 0 is today's loop bit for bit, and a K = 1 run trains with late foreign batches.
+* on tiny models (slow): K = 0 is today's loop bit for bit, and a K = 1 run trains with late foreign batches;
+* signing: batches travel verbatim with their signed versions; a forged version is refused; a rejoin after a lost
+  step the worker did finish (or a fresh restart) adopts the worker's own count from its Health, so its batches are
+  taken, where without a plausible report they are refused version_mismatch (a bad report counted).
 """
 
 from __future__ import annotations
@@ -464,13 +467,15 @@ class SigningWorker(FakeWorker):
         return {**super().health(), "challenge": self.book.for_health().hex()}
 
 
-def _signed_run(tmp_path, **kinds):
+def _signed_run(tmp_path, steps=None, rounds=5, make=None, **kinds):
     from hacrl_fed.security.keyring import load_org_identity
 
-    steps = {"a": 1.0, "b": 2.0, "c": 1.0}
-    cfg = fake_config(("a", "b", "c"), rounds=5, staleness=1, virtual_step_s=steps, security={"signing": True})
+    steps = steps or {"a": 1.0, "b": 2.0, "c": 1.0}
+    cfg = fake_config(("a", "b", "c"), rounds=rounds, staleness=1, virtual_step_s=steps, security={"signing": True})
+    make = make or {}
     workers = {
-        o: SigningWorker(o, s, load_org_identity(cfg, o, tmp_path), **kinds.get(o, {})) for o, s in SKILLS.items()
+        o: make.get(o, SigningWorker)(o, s, load_org_identity(cfg, o, tmp_path), **kinds.get(o, {}))
+        for o, s in SKILLS.items()
     }
     with RunLogger(tmp_path, tensorboard=False) as log:
         co = Coordinator(cfg, InProcessTransport(workers), tmp_path, task=FakeTask())
@@ -506,6 +511,69 @@ def test_a_forged_version_or_a_batch_for_a_plan_never_issued_is_refused_and_coun
     assert records[2]["round/c/rejected/wrong_round"] == 4 * 3  # G x B rollouts
     assert not any(b.org_id == "c" and b.round == 2 for w in workers.values() for r in w.train_requests
                    for b in r.source_batches)  # fmt: skip
+
+
+class Hung(SigningWorker):
+    """A signing fake worker whose step call number ``hang`` trains and generates, but whose reply never comes back
+    (the call times out: the org dies, its step lost to the coordinator, not to the worker; ``restart``: the worker
+    is then restarted fresh, its count back to 0); its Health reports ``report(its own version)`` as ``version``
+    (None: no ``version``, as every worker did before the field)."""
+
+    def __init__(self, org_id, skill, identity, *, hang, report, restart=False):
+        super().__init__(org_id, skill, identity)
+        self.calls, self.hang, self.report, self.restart = 0, hang, report, restart
+
+    def step(self, request):
+        self.calls += 1
+        reply = super().step(request)
+        if self.calls == self.hang:
+            self.version = 0 if self.restart else self.version
+            raise TimeoutError(f"{self.org_id}: the reply was lost")
+        return reply
+
+    def health(self):
+        reported = self.report(self.version)
+        return super().health() if reported is None else {**super().health(), "version": reported}
+
+
+def _hung_run(tmp_path, report, restart=False):
+    """b's third step (trains round 2: its version 1 -> 2, plans round 3) is lost at 3.0; its probe at 5.0 answers
+    and b rejoins planning round 6 (a and c have published 5), then trains rounds 6 and 7 and 8."""
+    steps = {"a": 1.0, "b": 1.0, "c": 1.0}
+    kinds = {"b": {"hang": 3, "report": report, "restart": restart}}
+    co, workers, summary, records = _signed_run(tmp_path, steps, rounds=8, make={"b": Hung}, **kinds)
+    assert [(s.org, s.round) for s in co.async_driver.lost] == [("b", 3)] and summary.rounds_completed == 8
+    assert records[6]["async/b/rejoined_at"] == 6
+    return co.async_driver, workers, records
+
+
+@pytest.mark.parametrize("restart,adopted", [(False, 2), (True, 0)])
+def test_a_rejoin_adopts_the_worker_s_own_count_of_its_updates(tmp_path, restart, adopted):
+    """The lost step trained at b: b counts 2 updates, the coordinator 1 (or b restarted fresh: 0). Adopted from b's
+    Health, b's batches after the rejoin sign the issued version: taken by a and c, and b trains again."""
+    drv, workers, records = _hung_run(tmp_path, str, restart)
+    assert records[6]["async/b/version_adopted"] == adopted and "async/b/bad_version_report" not in records[6]
+    assert not any(drv.refused[o]["version_mismatch"] for o in SKILLS)
+    b_batches = {t.round: t.version for _, t in drv.published if t.source == "b"}
+    assert {r: b_batches[r] for r in (6, 7, 8)} == {6: adopted, 7: adopted + 1, 8: adopted + 2}
+    assert sum(1 for r in workers["a"].train_requests for b in r.source_batches if b.org_id == "b" and b.round >= 6)
+    assert [r.round for r in workers["b"].train_requests][-3:] == [6, 7, 8]
+    assert drv.orgs["b"].version == workers["b"].version == adopted + 3
+
+
+@pytest.mark.parametrize("report", [lambda v: None, lambda v: "-1", lambda v: "3", lambda v: "2.0", lambda v: "٢",
+                                    lambda v: "1" * 400, lambda v: ""])  # fmt: skip
+def test_without_a_plausible_report_the_rejoined_org_s_batches_are_refused(tmp_path, report):
+    """No version in b's Health (the gap before the field), or one that is not an integer in [0, 1 + 1] (its count
+    plus its one lost step that trained): the coordinator keeps its count 1 and counts a bad report; b's batches
+    after the rejoin sign 2 and are refused version_mismatch by every learner (its own too: b never trains again)."""
+    drv, workers, records = _hung_run(tmp_path, report)
+    bad = records[6].get("async/b/bad_version_report", 0)
+    assert bad == (report(0) is not None) and "async/b/version_adopted" not in records[6]
+    mismatched = [t for _, t in drv.published if t.source == "b" and t.round >= 6]
+    assert [t.version for t in mismatched] == [2, 2, 2] and drv.orgs["b"].version == 1
+    assert drv.refused["a"]["version_mismatch"] == drv.refused["c"]["version_mismatch"] == 3  # rounds 6, 7, 8
+    assert [r.round for r in workers["b"].train_requests] == [1, 2]
 
 
 @pytest.mark.slow

@@ -116,7 +116,8 @@ def test_a_worker_killed_or_hung_mid_run_no_longer_holds_the_others_back(tmp_pat
 def test_a_killed_worker_restarted_on_its_address_rejoins_at_the_current_round(tmp_path):
     """c is SIGKILLed once round 2 is logged and a fresh fake worker process for c starts on its socket at once:
     c dies (its call fails), a Health probe finds the new process, and c rejoins at the current round (its first step
-    only generates) while a and b run on; it then trains again and finishes with them."""
+    only generates) while a and b run on, at the new process's version (0, its Health says); it then trains again
+    and finishes with them."""
     import subprocess
 
     cfg = fake_config(("a", "b", "c"), rounds=30, staleness=1, round_timeout_s=5.0)
@@ -156,6 +157,7 @@ def test_a_killed_worker_restarted_on_its_address_rejoins_at_the_current_round(t
     floor = min(max(t.round for w, t in drv.published if t.source == o and w <= back[0].start) for o in ("a", "b"))
     assert back[0].round == floor + 1 > lost.round and back[0].own is None  # the current round, only generating
     assert any(s.own is not None and s.foreign for s in back[1:])  # then trains with the others' batches
+    assert drv.orgs["c"].version == len([s for s in back if s.own is not None])  # the new process's count, from 0
     assert any(s.org == "a" and lost.end < s.start < back[0].start for s in drv.steps)  # a ran on meanwhile
     for org in ("a", "b", "c"):
         offered = [(t.source, t.round) for s in drv.steps if s.org == org for t in s.foreign]

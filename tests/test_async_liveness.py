@@ -5,7 +5,8 @@
   the fast org is never held back by the dead one; every (learner, foreign batch) pair is taken or counted;
 * a step whose call fails (unreachable) kills the org; it is probed with Health on the reconnect policy and rejoins
   at the current round, on the virtual clock and on the wall clock (the probes hold no step); a part failing at the
-  worker is no death;
+  worker is no death; a worker that answers busy is not back yet; a rejoin's version is the worker's Health
+  ``version`` when an integer within its bound, else refused and counted;
 * the config refusals.
 """
 
@@ -15,11 +16,12 @@ import pytest
 
 from helpers_fake_workers import FakeTask, FakeWorker, fake_config
 from hacrl_fed.config import ConfigError
-from hacrl_fed.coordinator.async_liveness import PROBE_S, Liveness, is_death
+from hacrl_fed.coordinator.async_liveness import PROBE_S, Liveness, is_death, rejoin_version, reported_version
 from hacrl_fed.coordinator.async_schedule import ScheduleSpec, simulate
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.loop import Coordinator
 from hacrl_fed.failures import NoWorker, PartFailed
+from hacrl_fed.metrics import RunLogger, read_metrics
 
 SKILLS = {"a": 0.25, "b": 0.5, "c": 0.75}
 
@@ -141,23 +143,64 @@ def test_what_is_a_death():
     assert not is_death(None) and not is_death("a reply")
 
 
+def test_a_reported_version_is_an_integer_within_its_bound_or_refused():
+    assert reported_version(None, 3) is None and reported_version({"status": "ok"}, 3) is None  # none reported
+    assert reported_version({"version": "0"}, 3) == 0 and reported_version({"version": "3"}, 3) == 3
+    for hostile in ("4", "-1", "+1", " 1", "1_0", "1.0", "1e3", "", "٣", "9" * 19, 3, None.__class__):
+        with pytest.raises(ValueError, match="version"):
+            reported_version({"version": hostile}, 3)
+    metrics = {}  # coordinator's count 5, two lost steps that carried a train request: [0, 7]
+    assert rejoin_version("b", {"version": "7"}, 5, 2, metrics) == 7 and metrics == {"async/b/version_adopted": 7.0}
+    assert rejoin_version("b", {"version": "8"}, 5, 2, metrics) == 5 and metrics["async/b/bad_version_report"] == 1
+    assert rejoin_version("b", {"version": "x"}, 5, 2, metrics) == 5 and metrics["async/b/bad_version_report"] == 2
+    assert rejoin_version("b", None, 5, 2, metrics) == 5 and len(metrics) == 2  # no reply: nothing to say
+
+
+class Counting(FakeWorker):
+    """A fake worker whose Health reports its count of updates (its train requests), as the policy worker does."""
+
+    def health(self):
+        return {**super().health(), "version": str(len(self.train_requests))}
+
+
+def test_a_virtual_rejoin_asks_health_and_takes_the_worker_s_count(tmp_path):
+    """b (4 s a step) dies at 5.5 in its second step (it would train round 1: never sent, so the worker's count and
+    the coordinator's are 0, the bound 0 + 1) and is back at 11.3: asked Health then, its 0 is adopted."""
+    workers = {o: Counting(o, s) for o, s in SKILLS.items()}
+    cfg = fake_config(tuple(SKILLS), rounds=12, staleness=1, virtual_step_s={"a": 1.0, "b": 4.0, "c": 1.0},
+                      virtual_dies={"b": 5.5}, virtual_rejoins={"b": 11.3})  # fmt: skip
+    with RunLogger(tmp_path, tensorboard=False) as log:
+        co = Coordinator(cfg, InProcessTransport(workers), tmp_path, task=FakeTask())
+        co.logger = log
+        co.run()
+    [rejoin] = [r for r in read_metrics(tmp_path) if "async/b/rejoined_at" in r]
+    assert rejoin["async/b/version_adopted"] == 0 and "async/b/bad_version_report" not in rejoin
+    assert co.async_driver.orgs["b"].version == len(workers["b"].train_requests) > 0
+
+
 def test_liveness_probes_on_its_schedule():
     class Health:
-        answers = [ConnectionError("down"), {"org_id": "b"}]
+        def __init__(self, *answers):
+            self.answers = list(answers)
 
         def health(self, orgs, timeout_s):
             return {orgs[0]: self.answers.pop(0)}
 
-    live = Liveness(Health(), 5.0, {}, {}, wall=False)
+    back = {"org_id": "b", "version": "4"}
+    live = Liveness(Health(ConnectionError("down"), {"org_id": "b", "busy": "1"}, back), 5.0, {}, {}, wall=False)
     live.died("b", 1.0, probe=True)
     assert live.events(1.0 + PROBE_S - 0.1, ["b"]) == ([], [])  # not due yet
     assert live.events(1.0 + PROBE_S, ["b"]) == ([], [])  # due: down
-    assert live.events(1.0 + 2 * PROBE_S, ["b"]) == ([], ["b"])  # back
-    faults = Liveness(Health(), 5.0, {"c": 2.0}, {"c": 3.0}, wall=False)
+    assert live.events(1.0 + 2 * PROBE_S, ["b"]) == ([], [])  # answers, busy (the call it lost still runs)
+    assert live.reply("b") is None
+    assert live.events(1.0 + 3 * PROBE_S, ["b"]) == ([], ["b"])  # back
+    assert live.reply("b") == back and live.reply("b") is None  # its reply, for the driver, once
+    faults = Liveness(Health({"org_id": "c", "version": "2"}), 5.0, {"c": 2.0}, {"c": 3.0}, wall=False)
     assert faults.dies_before("c", 1.0, 2.5) and not faults.dies_before("c", 2.0, 3.0)
     assert not faults.dies_before("c", 1.0, 2.0)  # the step completes first
     assert faults.next_fault(0.0) == [2.0] and faults.events(2.0, []) == (["c"], [])
     assert faults.events(3.0, ["c"]) == ([], ["c"]) and faults.next_fault(3.0) == []
+    assert faults.reply("c") == {"org_id": "c", "version": "2"}  # a virtual rejoin asks Health too
 
 
 def test_the_fault_fields_and_their_refusals():

@@ -282,11 +282,13 @@ def test_calls_are_serialized_but_health_is_not_blocked(served):
     _wait_until(lambda: fake.active == 1)
     time.sleep(0.2)  # time for the other two to pile up on the lock (they would enter without it)
     assert fake.active == 1
-    assert client.health(timeout_s=5)["status"] == "ok"  # answered while a generate holds the lock
+    busy = client.health(timeout_s=5)
+    assert busy["status"] == "ok" and busy["busy"] == "1"  # answered while a generate holds the lock, and says so
     gate.set()
     for th in threads:
         th.join(20)
     assert not errors and len(results) == 3 and fake.max_active == 1
+    assert "busy" not in client.health(timeout_s=5)  # idle
 
 
 def test_call_abandoned_while_waiting_for_the_lock_is_not_run(served):

@@ -37,7 +37,9 @@ on the workers' real replies:
   known), it stops counting in ``floor``, the others run on with the batches they have. A dead org is asked
   Health again every :data:`~.async_liveness.PROBE_S` seconds, off the round (on the wall clock on a thread of its
   own, never holding a step), or on the virtual clock comes back at its ``virtual_rejoins`` second; it rejoins at the
-  current round (it counts as having published ``floor``, plans ``floor + 1`` next, its first step only generates).
+  current round (it counts as having published ``floor``, plans ``floor + 1`` next, its first step only generates),
+  at the version its worker's Health reports when plausible (:func:`~.async_liveness.rejoin_version`: a lost step
+  may have trained at the worker, or the worker restarted).
   When no live org has a step in flight the run ends; a batch a dead learner never reached is ``learner_dead``.
 
 Round ``r``'s metrics (its batches, the train reports of round ``r``, its evaluations, the refusals made by the steps
@@ -58,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from hacrl_fed import failures
 from hacrl_fed.algorithm.capability_rounds import RoundCapabilities
 from hacrl_fed.coordinator import round_metrics as rm
-from hacrl_fed.coordinator.async_liveness import Liveness, is_death
+from hacrl_fed.coordinator.async_liveness import Liveness, is_death, rejoin_version
 from hacrl_fed.coordinator.async_schedule import HOLD, TAKE, BatchTag, Step, offer_verdict
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.rounds import StepOutcome, split_reply
@@ -130,7 +132,8 @@ class _Org:
     busy: _Flight | None = None
     planned: int = 0  # the round its last step planned
     level: int = 0  # its last published round (counts in the floor)
-    version: int = 0  # updates done (successful train reports)
+    version: int = 0  # updates done (successful train reports; a rejoin may adopt the worker's own count)
+    unsure: int = 0  # its steps lost since it last rejoined that carried a train request (the worker may have trained)
     own: BatchTag | None = None  # its last accepted batch, not trained on yet
     done: bool = False
     alive: bool = True  # False from its death to its rejoin
@@ -240,6 +243,7 @@ class AsyncDriver:
         if org.busy is not None:
             step = org.busy.step
             self.lost.append(step)
+            org.unsure += step.own is not None
             rd = self.bucket(min(step.round, self.rounds))
             rd.metrics[f"async/{org.name}/lost_steps"] = rd.metrics.get(f"async/{org.name}/lost_steps", 0.0) + 1
             if why != "virtual" and step.round <= self.rounds:
@@ -259,6 +263,9 @@ class AsyncDriver:
         rd = self.bucket(min(org.planned + 1, self.rounds))
         rd.metrics[f"async/{org.name}/rejoined_at"] = float(org.planned + 1)
         log.warning("asynchronous rounds: org %s rejoins at %.2f s, planning round %d", org.name, now, org.planned + 1)
+        # the worker's own count of its updates, when plausible (async_liveness.rejoin_version)
+        org.version = rejoin_version(org.name, self.liveness.reply(org.name), org.version, org.unsure, rd.metrics)
+        org.unsure = 0
 
     def alive(self, org: _Org) -> bool:
         return org.alive and org.name not in self.co.guard.excluded and org.name in self.co.transport.org_ids()

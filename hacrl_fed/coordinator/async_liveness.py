@@ -11,23 +11,72 @@ comes back rejoins at the current round); this module only says *when*:
   seconds after its death, then after each failed probe: the reconnect policy of the gRPC client, whose channel
   redials a lost worker at least that often. On the wall clock a probe runs on a thread of its own: the driver
   wakes up for it and never waits on it. On the virtual clock a probe is called at the first event at or after its
-  time, and an org killed by ``virtual_dies`` comes back at its ``virtual_rejoins`` second only.
+  time, and an org killed by ``virtual_dies`` comes back at its ``virtual_rejoins`` second only (and is asked
+  Health then, as a worker that comes back answers it). A reply saying the worker is busy (the gRPC server's
+  ``busy``: a call still runs, as the step whose reply was lost may) is no answer yet.
+- **Its version** (:func:`reported_version`): the Health reply of a rejoin carries the worker's own count of its
+  updates (:data:`~hacrl_fed.worker.api.VERSION_KEY`, the version it signs into its batches); the driver adopts it
+  when it is an integer in ``[0, its own count + the org's lost steps that carried a train request]`` (a lost step
+  the worker did finish, or a worker restarted fresh or from a checkpoint), so the org's next batches are not
+  refused ``version_mismatch``. The reply comes from the worker: anything else is refused, never trusted.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from hacrl_fed.failures import TIMEOUT, UNREACHABLE, cause_of
+from hacrl_fed.wire.operations import BUSY_KEY
+from hacrl_fed.worker.api import VERSION_KEY
 
+log = logging.getLogger(__name__)
+
+MAX_DIGITS = 18  # a reported version longer than this is refused before int() (no huge-number parsing)
 PROBE_S = 2.0  # = grpc.max_reconnect_backoff_ms of hacrl_fed.wire.grpc_client: the channel redials at least this often
 
 
 def is_death(reply: Any) -> bool:
     """Whether a step's reply says the call itself failed or timed out (the org is dead)."""
     return isinstance(reply, BaseException) and cause_of(reply) in (TIMEOUT, UNREACHABLE)
+
+
+def reported_version(info: Mapping[str, Any] | None, ceiling: int) -> int | None:
+    """The update count a rejoining worker's Health ``info`` reports (None: it reports none). Raises ValueError,
+    saying why, for anything but a decimal integer in ``[0, ceiling]`` (``ceiling``: the coordinator's count plus
+    the org's lost steps that could have trained)."""
+    raw = info.get(VERSION_KEY) if isinstance(info, Mapping) else None
+    if raw is None:
+        return None
+    if not (isinstance(raw, str) and raw.isascii() and raw.isdecimal() and len(raw) <= MAX_DIGITS):
+        raise ValueError(f"{VERSION_KEY} {str(raw)[:40]!r} is not a decimal integer of at most {MAX_DIGITS} digits")
+    if int(raw) > ceiling:
+        raise ValueError(f"{VERSION_KEY} {int(raw)} is over {ceiling} (its count plus its lost steps that trained)")
+    return int(raw)
+
+
+def rejoin_version(
+    org: str, info: Mapping[str, Any] | None, version: int, unsure: int, metrics: dict[str, float]
+) -> int:
+    """The version a rejoining ``org`` steps on: the one its Health ``info`` reports when plausible (an integer in
+    ``[0, version + unsure]``; ``version``: the coordinator's count of its updates, ``unsure``: its lost steps that
+    carried a train request), logged ``async/<org>/version_adopted``; else ``version``, a bad report counted
+    (``async/<org>/bad_version_report``) in ``metrics``, the rejoin round's record."""
+    try:
+        reported = reported_version(info, version + unsure)
+    except ValueError as err:
+        key = f"async/{org}/bad_version_report"
+        metrics[key] = metrics.get(key, 0.0) + 1
+        log.warning("asynchronous rounds: org %s keeps version %d: %s", org, version, err)
+        return version
+    if reported is None:
+        return version
+    if reported != version:
+        log.warning("asynchronous rounds: org %s rejoins at its own version %d (counted %d)", org, reported, version)
+    metrics[f"async/{org}/version_adopted"] = float(reported)
+    return reported
 
 
 class Liveness:
@@ -47,7 +96,8 @@ class Liveness:
         self.dies = dict(dies)
         self.faults = sorted([(t, 0, o) for o, t in dies.items()] + [(t, 1, o) for o, t in rejoins.items()])
         self.probe_at: dict[str, float] = {}  # org dead from a failed call -> when its next probe goes out
-        self.probes: dict[str, Future[bool]] = {}  # the wall clock: probes in flight
+        self.probes: dict[str, Future[Mapping[str, Any] | None]] = {}  # the wall clock: probes in flight
+        self.infos: dict[str, Mapping[str, Any]] = {}  # org back -> its Health reply, until the driver takes it
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rejoin-probe") if wall else None
 
     def dies_before(self, org: str, start: float, end: float) -> bool:
@@ -73,6 +123,8 @@ class Liveness:
         while self.faults and self.faults[0][0] <= now:
             _, kind, org = self.faults.pop(0)
             (rejoins if kind else dies).append(org)
+        for org in rejoins:  # a virtual rejoin: asked Health like a worker that comes back
+            self.answered(org, self.health(org))
         return dies, rejoins + [org for org in dead if org not in rejoins and self.probed(org, now)]
 
     def probed(self, org: str, now: float) -> bool:
@@ -89,19 +141,32 @@ class Liveness:
         if probe is None or not probe.done():
             return False
         self.probes.pop(org, None)
-        if probe.result():
+        if self.answered(org, probe.result()):
             del self.probe_at[org]
             return True
         self.probe_at[org] = now + PROBE_S
         return False
 
-    def health(self, org: str) -> bool:
+    def health(self, org: str) -> Mapping[str, Any] | None:
+        """``org``'s Health reply (None: no answer, or the worker is still busy with a call, as with the step it
+        lost: it is not back until that is over and its count of updates final; ``wire.operations.BUSY_KEY``)."""
         try:
-            return isinstance(self.transport.health([org], self.timeout_s).get(org), Mapping)
+            info = self.transport.health([org], self.timeout_s).get(org)
         except Exception:
-            return False
+            return None
+        return info if isinstance(info, Mapping) and not info.get(BUSY_KEY) else None
 
-    def pending(self) -> list[Future[bool]]:
+    def answered(self, org: str, info: Mapping[str, Any] | None) -> bool:
+        """Keep ``org``'s Health reply for :meth:`reply`; whether it answered."""
+        if info is not None:
+            self.infos[org] = info
+        return info is not None
+
+    def reply(self, org: str) -> Mapping[str, Any] | None:
+        """The Health reply that brought ``org`` back (None: none), once."""
+        return self.infos.pop(org, None)
+
+    def pending(self) -> list[Future[Mapping[str, Any] | None]]:
         return list(self.probes.values())
 
     def wait_s(self, now: float) -> float | None:

@@ -30,8 +30,9 @@ Behaviour:
   instead of run. A running call is inside :func:`hacrl_fed.cancel.cancel_scope`, so worker code that
   calls ``raise_if_cancelled()`` stops once the client cancels or its deadline passes (CANCELLED /
   DEADLINE_EXCEEDED). Health skips the lock so a busy worker still answers it: ``worker.health()`` must be cheap
-  and thread-safe. The deprecated Generate / Train are served by the worker's ``step`` with that half alone
-  (:func:`hacrl_fed.wire.operations.serve_half`).
+  and thread-safe; while a locked call runs its reply carries ``busy: "1"`` (``operations.BUSY_KEY``: a rejoin
+  waits until the worker is idle). The deprecated Generate / Train are served by the worker's ``step`` with that
+  half alone (:func:`hacrl_fed.wire.operations.serve_half`).
 * Every call is logged as one line: a successful one at INFO with its rpc, round and seconds (Health only at
   DEBUG: clients poll it), a failed one as below.
 * Worker exceptions become gRPC statuses carrying ``"<ExceptionType>: <message>"`` (never a traceback):
@@ -64,7 +65,7 @@ from hacrl_fed import failures
 from hacrl_fed.cancel import CallCancelled, cancel_scope, cancelled
 from hacrl_fed.limits import MAX_MESSAGE_MB
 from hacrl_fed.wire import codec
-from hacrl_fed.wire.operations import BY_RPC, SERVICE
+from hacrl_fed.wire.operations import BUSY_KEY, BY_RPC, HEALTH, SERVICE
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +290,8 @@ class PolicyWorkerServicer:
             self._authorize(context)
             arg = codec.decode(op.request_kind, data, limits=self._limits)
             result = self._locked_call(rpc, arg, context) if op.locked else self._invoke(rpc, arg)
+            if op is HEALTH and self._lock.locked():  # a rejoin waits for the call it lost (async_liveness)
+                result = {**result, BUSY_KEY: "1"}
             try:
                 reply = op.encode_reply(result).SerializeToString()
             except Exception as err:

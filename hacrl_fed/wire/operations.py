@@ -121,5 +121,9 @@ CHECKPOINT = Operation(
 )
 STEP = Operation("step", "Step", "train.step", codec.to_proto, codec.to_proto)
 
+# a Health reply's info key the gRPC server adds ("1") while a locked call runs on the worker: a rejoin waits until
+# it is idle, as the step it lost may still be changing its count of updates (hacrl_fed.coordinator.async_liveness)
+BUSY_KEY = "busy"
+
 OPERATIONS: dict[str, Operation] = {op.name: op for op in (GENERATE, TRAIN, EVALUATE, HEALTH, CHECKPOINT, STEP)}
 BY_RPC: dict[str, Operation] = {op.rpc: op for op in OPERATIONS.values()}

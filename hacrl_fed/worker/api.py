@@ -13,6 +13,8 @@ from typing import Protocol, runtime_checkable
 from hacrl_fed.types import EvalReport, EvalRequest, StepReply, StepRequest
 from hacrl_fed.worker.step import StepWorker, run_step
 
+VERSION_KEY = "version"  # a Health reply's info key: the worker's count of its updates in its run (asynchronous rounds)
+
 
 @runtime_checkable
 class WorkerAPI(Protocol):
@@ -26,10 +28,11 @@ class WorkerAPI(Protocol):
         """Greedy accuracy on held-out prompts (the evaluation before round 1; later ones ride in a step)."""
 
     def health(self) -> dict[str, str]:
-        """``{"org_id": ..., "status": "ok", "round": "<last completed round>"}``."""
+        """``{"org_id": ..., "status": "ok", "round": "<last completed round>", ...}``; the policy worker adds
+        :data:`VERSION_KEY` (the version it signs into its batches), its challenge and its signing key."""
 
     def checkpoint(self, round: int) -> str:
         """Write weights, optimizer, RNG and round to the worker's checkpoint dir; return the path."""
 
 
-__all__ = ["StepWorker", "WorkerAPI", "run_step"]
+__all__ = ["VERSION_KEY", "StepWorker", "WorkerAPI", "run_step"]

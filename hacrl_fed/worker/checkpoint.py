@@ -62,6 +62,13 @@ def checkpoint_round(path: Path) -> int:
     return int(json.loads((path / "state.json").read_text())["last_round"])
 
 
+def checkpoint_version(path: Path) -> int | None:
+    """The ``version`` (the worker's updates in its run, signed into its batches in asynchronous rounds) recorded in a
+    checkpoint's ``state.json``; None for one written before the field."""
+    value = json.loads((path / "state.json").read_text()).get("version")
+    return value if type(value) is int and value >= 0 else None
+
+
 def save_checkpoint(
     root: Path, round: int, model: torch.nn.Module, trainer_state: dict, extra: dict[str, Any], keep: int = 2
 ) -> Path:

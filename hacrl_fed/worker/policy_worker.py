@@ -60,7 +60,7 @@ from hacrl_fed.types import (
     TrainReport,
     TrainRequest,
 )
-from hacrl_fed.worker.api import run_step
+from hacrl_fed.worker.api import VERSION_KEY, run_step
 from hacrl_fed.worker.guard import check_capability, check_eval, check_plan, check_step, check_train
 from hacrl_fed.worker.identity_border import IdentityBorder
 from hacrl_fed.worker.intake import Intake, OwnRound, Scoring
@@ -375,6 +375,7 @@ class PolicyWorker(RunRouting):
             "org_id": self.org_id,
             "status": "ok",
             "round": str(self.last_round),
+            VERSION_KEY: str(self._version),  # asynchronous rounds: a rejoin adopts it (coordinator.async_liveness)
             "params": str(sum(p.numel() for p in self.model.parameters())),
             HEALTH_KEY: self._challenges.for_health().hex(),  # for the first plan of a run (freshness)
             **identity_health(self.border.roster, self.border.identity),

@@ -32,6 +32,7 @@ import torch
 
 from hacrl_fed.worker.checkpoint import (
     checkpoint_round,
+    checkpoint_version,
     latest_checkpoint,
     latest_run,
     load_checkpoint,
@@ -130,7 +131,9 @@ class RunRouting:
                 )
             self._start_fresh()
         self.run_id, self.last_round, self._own = run_id, last_round, None
-        self._version = last_round  # updates done in this run: one per round trained (asynchronous runs do not resume)
+        # updates done in this run: the checkpoint's (a rejoin after a restart adopts it), else one per round trained
+        saved = checkpoint_version(checkpoint) if checkpoint is not None else None
+        self._version = last_round if saved is None else saved
 
     def checkpoint(self, round: int) -> str:
         """Checkpoint the round just trained into this run's folder, ``<run dir>/orgs/<org>/checkpoints/<run id>``."""
@@ -139,7 +142,7 @@ class RunRouting:
         path = self._save(
             run_checkpoint_root(self.ckpt_base, self.run_id),
             round,
-            {"org_id": self.org_id, "last_round": self.last_round, "run_id": self.run_id},
+            {"org_id": self.org_id, "last_round": self.last_round, "run_id": self.run_id, "version": self._version},
         )
         return str(path)
 
