@@ -294,7 +294,9 @@ class LocalTrainer:
         rewards = torch.tensor([r.reward for r in rows], dtype=torch.float64)
         groups, sources = torch.tensor([r.group for r in rows]), torch.tensor([r.source for r in rows])
         a = self.algo
-        opts: dict[str, Any] = dict(reward_max=a.reward_max, ratio_min=a.ratio_min, ratio_max=a.ratio_max, eps=a.adv_eps)
+        opts: dict[str, Any] = dict(
+            reward_max=a.reward_max, ratio_min=a.ratio_min, ratio_max=a.ratio_max, eps=a.adv_eps
+        )
         if baseline_rows is not None:  # only HACPO's estimators take it (the config refuses in_band elsewhere)
             opts["baseline_rows"] = baseline_rows
         at_rounds = ROUND_ADVANTAGE_ESTIMATORS.get(self.spec.advantage)
@@ -356,9 +358,7 @@ class LocalTrainer:
             out.update(
                 advantage_metrics(adv_all, torch.tensor([r.source for r in all_rows]), names, prefix=self.algo.name)
             )
-        if base is not None:
-            out.update(self._baseline_metrics(all_rows, base, names))
-            out["time/baseline_rows"] = base_s
+        out.update(self._baseline_metrics(all_rows, base, names, base_s))
         out.update(
             {
                 "train/steps": float(len(schedule)),
@@ -393,14 +393,19 @@ class LocalTrainer:
         keep[cross] = hacpo_cross_band(ratio, 0, self.loss_cfg)[2]
         return keep
 
-    def _baseline_metrics(self, rows: Sequence[TrainRow], base: Tensor, names: Sequence[str] | None) -> dict:
-        """``<algo>/num_baseline_cross`` and ``<algo>/baseline_cross_frac``: the foreign rows in the baseline (of
-        all the round's foreign rows), the share per source too (``.../<source>``); nothing without foreign rows."""
+    def _baseline_metrics(
+        self, rows: Sequence[TrainRow], base: Tensor | None, names: Sequence[str] | None, seconds: float
+    ) -> dict[str, float]:
+        """With a :meth:`baseline_rows` mask ``base`` [N] (else nothing): ``time/baseline_rows`` (``seconds``, its
+        scoring pass) and, with foreign rows, ``<algo>/num_baseline_cross`` and ``<algo>/baseline_cross_frac``: the
+        foreign rows in the baseline (of all the round's foreign rows), the share per source too (``.../<source>``)."""
+        if base is None:
+            return {}
         cross = torch.tensor([not r.is_self for r in rows], dtype=torch.bool)
         if not cross.any():
-            return {}
+            return {"time/baseline_rows": seconds}
         src, p = torch.tensor([r.source for r in rows]), self.algo.name
-        out = {f"{p}/num_baseline_cross": float((base & cross).sum())}
+        out = {"time/baseline_rows": seconds, f"{p}/num_baseline_cross": float((base & cross).sum())}
         out[f"{p}/baseline_cross_frac"] = out[f"{p}/num_baseline_cross"] / float(cross.sum())
         for j in torch.unique(src[cross]).tolist():
             sel = cross & (src == j)

@@ -47,7 +47,8 @@ def test_a_group_uniform_over_its_baseline_rows_gets_zero():
 
 def test_a_group_with_no_baseline_rows_gets_zero_and_the_others_are_untouched():
     rewards, groups, sources = [1.0, 0.0, 1.0, 0.0], [0, 0, 1, 1], [0, 0, 1, 1]
-    a = hacpo_advantages(rewards, groups, sources, 0, [1.0, 1.0], baseline_rows=torch.tensor([True, True, False, False]))
+    mask = torch.tensor([True, True, False, False])
+    a = hacpo_advantages(rewards, groups, sources, 0, [1.0, 1.0], baseline_rows=mask)
     # group 0: mean 0.5, std sqrt(0.5) -> +-0.5 / sqrt(0.5); group 1 (only foreign rows, none in band): 0
     assert a.tolist() == pytest.approx([0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5), 0.0, 0.0], rel=1e-5)
     assert torch.isfinite(a).all()

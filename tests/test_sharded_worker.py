@@ -26,7 +26,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # model on the CPU: it must change nothing); -kl: algorithm.kl_beta 0.05 (the KL term's mean over all self tokens);
 # -ckpt: a checkpoint of round 1, then round 2 (the resume tests); -inband: algorithm.baseline_rows: in_band (the
 # step-0 ratios scored whole on every rank)
-CASES = ("hacpo-ckpt", "gspo-batchseed", "hacpo-lora-batchseed-ckpt", "gspo-lora", "hacpo-kl-gc-offload", "hacpo-inband")
+CASES = (
+    "hacpo-ckpt",
+    "gspo-batchseed",
+    "hacpo-lora-batchseed-ckpt",
+    "gspo-lora",
+    "hacpo-kl-gc-offload",
+    "hacpo-inband",
+)
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:

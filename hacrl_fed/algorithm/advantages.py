@@ -151,7 +151,14 @@ def baseline_mask(baseline_rows: Tensor | None, n: int, own: Tensor) -> Tensor |
 
 
 def calibrated_advantages(
-    r: Tensor, gid: Tensor, own: Tensor, w: Tensor, *, reward_max: float, eps: float, baseline_rows: Tensor | None = None
+    r: Tensor,
+    gid: Tensor,
+    own: Tensor,
+    w: Tensor,
+    *,
+    reward_max: float,
+    eps: float,
+    baseline_rows: Tensor | None = None,
 ) -> Tensor:
     """§2's advantage from each row's capability ratio ``w`` [N] (float64): rewards ``r`` [N] float64, ``gid`` [N]
     group ids, ``own`` [N] bool (the learner's rows). → [N] float64. :func:`hacpo_advantages` takes ``w`` from one
