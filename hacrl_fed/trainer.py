@@ -51,6 +51,7 @@ from hacrl_fed.algorithm import (
     get_algorithm,
     get_gradient_rows,
     get_policy_loss,
+    hacpo_cross_band,
     kl_k3,
     minibatch_schedule,
     name_sources,
@@ -283,15 +284,21 @@ class LocalTrainer:
         learner: int,
         capability: Sequence[float],
         row_capability: RowCapability | None = None,
+        baseline_rows: Tensor | None = None,
     ) -> Tensor:
         """Advantages of ``rows`` (docs/ALGORITHM.md §2, or plain group normalisation for the baselines). → [N].
         ``row_capability``: per row ``(Phat_learner(t(y)), Phat_source(t(y)))`` of the row's round (asynchronous
         rounds): an estimator with a per-round form (``ROUND_ADVANTAGE_ESTIMATORS``: HACPO's) then takes each row's
-        ratio from them; the others do not read capability."""
+        ratio from them; the others do not read capability. ``baseline_rows`` [N] bool (:meth:`baseline_rows`;
+        None: every row): the rows HACPO's group statistics are taken over."""
         rewards = torch.tensor([r.reward for r in rows], dtype=torch.float64)
         groups, sources = torch.tensor([r.group for r in rows]), torch.tensor([r.source for r in rows])
         a = self.algo
-        opts = dict(reward_max=a.reward_max, ratio_min=a.ratio_min, ratio_max=a.ratio_max, eps=a.adv_eps)
+        opts: dict[str, Any] = dict(
+            reward_max=a.reward_max, ratio_min=a.ratio_min, ratio_max=a.ratio_max, eps=a.adv_eps
+        )
+        if baseline_rows is not None:  # only HACPO's estimators take it (the config refuses in_band elsewhere)
+            opts["baseline_rows"] = baseline_rows
         at_rounds = ROUND_ADVANTAGE_ESTIMATORS.get(self.spec.advantage)
         if row_capability is not None and at_rounds is not None:
             learner_cap, source_cap = row_capability
@@ -319,7 +326,9 @@ class LocalTrainer:
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
         # every response counts in its joint group's baseline and std, even one with no tokens to train on
-        adv_all = self.advantages(rows, learner, capability, row_capability)
+        # (algorithm.baseline_rows: in_band: only own rows and the foreign rows inside the band at step 0)
+        base, base_s = self.baseline_rows(rows), time.perf_counter() - start
+        adv_all = self.advantages(rows, learner, capability, row_capability, baseline_rows=base)
         all_rows = rows
         scorable = [i for i, r in enumerate(rows) if r.response_ids]
         rows, adv = [rows[i] for i in scorable], adv_all[scorable]
@@ -349,6 +358,7 @@ class LocalTrainer:
             out.update(
                 advantage_metrics(adv_all, torch.tensor([r.source for r in all_rows]), names, prefix=self.algo.name)
             )
+        out.update(self._baseline_metrics(all_rows, base, names, base_s))
         out.update(
             {
                 "train/steps": float(len(schedule)),
@@ -359,6 +369,48 @@ class LocalTrainer:
                 "time/update": time.perf_counter() - start,
             }
         )
+        return out
+
+    def baseline_rows(self, rows: Sequence[TrainRow]) -> Tensor | None:
+        """The rows HACPO's advantage statistics are taken over (``algorithm.baseline_rows``; docs/ALGORITHM.md
+        "Baseline rows"). ``joint``: None (every row). ``in_band``: bool [N], True on every own row and on each
+        foreign row whose ratio at the pre-update weights (optimizer step 0), ``s = exp(clamp(lbar_0 - lbar_old,
+        -M, M))`` with ``lbar_0`` normalised as the loss does (:meth:`TrainRow.prox_seq_log_prob`: per token or per
+        byte), lies in the cross band of step 0 (:func:`~hacrl_fed.algorithm.hacpo_cross_band`); a foreign row
+        without tokens has no ratio and is left out. One no-grad pass of :meth:`log_prob_sums` over the foreign
+        rows."""
+        if self.algo.baseline_rows != "in_band":
+            return None
+        keep = torch.tensor([r.is_self for r in rows], dtype=torch.bool)
+        cross = [i for i, r in enumerate(rows) if not r.is_self and r.response_ids]
+        if not cross:
+            return keep
+        sums = self.log_prob_sums([rows[i] for i in cross])
+        lbar0 = [dataclasses.replace(rows[i], prox_log_prob_sum=x).prox_seq_log_prob() for i, x in zip(cross, sums)]
+        old = torch.tensor([rows[i].old_seq_log_prob for i in cross], dtype=torch.float64)
+        m = self.algo.max_abs_log_ratio
+        ratio = torch.exp(torch.clamp(torch.tensor(lbar0, dtype=torch.float64) - old, -m, m))  # s at step 0
+        keep[cross] = hacpo_cross_band(ratio, 0, self.loss_cfg)[2]
+        return keep
+
+    def _baseline_metrics(
+        self, rows: Sequence[TrainRow], base: Tensor | None, names: Sequence[str] | None, seconds: float
+    ) -> dict[str, float]:
+        """With a :meth:`baseline_rows` mask ``base`` [N] (else nothing): ``time/baseline_rows`` (``seconds``, its
+        scoring pass) and, with foreign rows, ``<algo>/num_baseline_cross`` and ``<algo>/baseline_cross_frac``: the
+        foreign rows in the baseline (of all the round's foreign rows), the share per source too (``.../<source>``)."""
+        if base is None:
+            return {}
+        cross = torch.tensor([not r.is_self for r in rows], dtype=torch.bool)
+        if not cross.any():
+            return {"time/baseline_rows": seconds}
+        src, p = torch.tensor([r.source for r in rows]), self.algo.name
+        out = {"time/baseline_rows": seconds, f"{p}/num_baseline_cross": float((base & cross).sum())}
+        out[f"{p}/baseline_cross_frac"] = out[f"{p}/num_baseline_cross"] / float(cross.sum())
+        for j in torch.unique(src[cross]).tolist():
+            sel = cross & (src == j)
+            name = names[j] if names is not None and j < len(names) else f"src{j}"
+            out[f"{p}/baseline_cross_frac/{name}"] = float((base & sel).sum()) / float(sel.sum())
         return out
 
     def log_prob_sums(self, rows: Sequence[TrainRow]) -> list[float]:

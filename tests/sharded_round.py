@@ -58,7 +58,11 @@ def cfg_data(case: str, ranks: int) -> dict:
         "name": "t",
         "seed": 3,
         "orgs": orgs,
-        "algorithm": {"name": algorithm, "kl_beta": 0.05 if "kl" in opts else 0.0},
+        "algorithm": {
+            "name": algorithm,
+            "kl_beta": 0.05 if "kl" in opts else 0.0,
+            "baseline_rows": "in_band" if "inband" in opts else "joint",
+        },
         "trainer": trainer,
         "generation": generation,
         "task": {"name": "arithmetic", "eval_size": 8},

@@ -24,8 +24,16 @@ from tests.sharded_round import cfg_data, resume_case, run_case, step_case
 ROOT = Path(__file__).resolve().parents[1]
 # -batchseed: generation.seed_per_batch; -gc: gradient checkpointing; -offload: sharding.cpu_offload (a no-op for a
 # model on the CPU: it must change nothing); -kl: algorithm.kl_beta 0.05 (the KL term's mean over all self tokens);
-# -ckpt: a checkpoint of round 1, then round 2 (the resume tests)
-CASES = ("hacpo-ckpt", "gspo-batchseed", "hacpo-lora-batchseed-ckpt", "gspo-lora", "hacpo-kl-gc-offload")
+# -ckpt: a checkpoint of round 1, then round 2 (the resume tests); -inband: algorithm.baseline_rows: in_band (the
+# step-0 ratios scored whole on every rank)
+CASES = (
+    "hacpo-ckpt",
+    "gspo-batchseed",
+    "hacpo-lora-batchseed-ckpt",
+    "gspo-lora",
+    "hacpo-kl-gc-offload",
+    "hacpo-inband",
+)
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -90,6 +98,9 @@ def test_two_ranks_give_the_one_process_round(two_ranks, tmp_path, case):
         assert got["train"][key] == want["train"][key], key
     for key in ("train/loss", "train/grad_norm", "train/kl"):
         assert got["train"][key] == pytest.approx(want["train"][key], rel=1e-5, abs=1e-7), key
+    baseline = [k for k in want["train"] if "baseline_cross" in k]
+    assert bool(baseline) == ("inband" in case)
+    assert all(got["train"][k] == want["train"][k] for k in baseline)  # every rank took the same rows
     assert want["train"]["train/grad_norm"] > 0 and (want["train"]["train/kl"] > 0) == ("kl" in case)
     moved = max((want["weights"][k] - want["before"][k]).abs().max().item() for k in want["weights"])
     assert moved > 5e-4  # the update is far above the tolerance

@@ -110,6 +110,7 @@ def hacpo_advantages(
     ratio_max: float = DEFAULTS.ratio_max,
     eps: float = DEFAULTS.adv_eps,
     calibrate: bool = DEFAULTS.advantage_calibration,
+    baseline_rows: Tensor | None = None,
 ) -> Tensor:
     """Capability-aware advantage of every row of the joint groups, for learner ``k`` (docs/ALGORITHM.md §2).
 
@@ -122,6 +123,9 @@ def hacpo_advantages(
     Args: rewards [N], group_ids [N], source_ids [N] (agent indices), capability [n_agents] (Phat). Returns [N]
     in the dtype of ``rewards`` (float32 for integer rewards). ``calibrate=False`` takes ``w = 1`` for every row
     (the ``algorithm.advantage_calibration`` ablation: the baseline is the plain joint-group mean).
+    ``baseline_rows`` [N] bool (``algorithm.baseline_rows: in_band``; None: every row): the rows the group's
+    statistics (``mu_k``, the std, "all rewards equal") are taken over; every row gets ``A`` from them
+    (:func:`calibrated_advantages`).
     """
     r, gid, src, out_dtype = _rows(rewards, group_ids, source_ids)
     if r.numel() == 0:
@@ -129,24 +133,56 @@ def hacpo_advantages(
     w = capability_ratios(capability, learner, src, ratio_min, ratio_max)  # validates the capability either way
     if not calibrate:
         w = torch.ones_like(w)
-    return calibrated_advantages(r, gid, src == learner, w, reward_max=reward_max, eps=eps).to(out_dtype)
+    own = src == learner
+    base = baseline_mask(baseline_rows, r.shape[0], own)
+    return calibrated_advantages(r, gid, own, w, reward_max=reward_max, eps=eps, baseline_rows=base).to(out_dtype)
 
 
-def calibrated_advantages(r: Tensor, gid: Tensor, own: Tensor, w: Tensor, *, reward_max: float, eps: float) -> Tensor:
+def baseline_mask(baseline_rows: Tensor | None, n: int, own: Tensor) -> Tensor | None:
+    """``baseline_rows`` checked: None, or a bool [n] that keeps every own row (``own`` [n] bool). → the mask."""
+    if baseline_rows is None:
+        return None
+    b = torch.as_tensor(baseline_rows)
+    if b.dtype != torch.bool or tuple(b.shape) != (n,):
+        raise ValueError(f"baseline_rows must be a bool [N]={n} mask, got {b.dtype} {tuple(b.shape)}")
+    if bool((own & ~b.to(own.device)).any()):
+        raise ValueError("baseline_rows must keep every one of the learner's own rows in the baseline")
+    return b
+
+
+def calibrated_advantages(
+    r: Tensor,
+    gid: Tensor,
+    own: Tensor,
+    w: Tensor,
+    *,
+    reward_max: float,
+    eps: float,
+    baseline_rows: Tensor | None = None,
+) -> Tensor:
     """§2's advantage from each row's capability ratio ``w`` [N] (float64): rewards ``r`` [N] float64, ``gid`` [N]
     group ids, ``own`` [N] bool (the learner's rows). → [N] float64. :func:`hacpo_advantages` takes ``w`` from one
-    ``Phat`` per agent; :mod:`.capability_rounds` from the figures of each row's round."""
+    ``Phat`` per agent; :mod:`.capability_rounds` from the figures of each row's round.
+
+    ``baseline_rows`` [N] bool (None: every row; all True gives the same numbers bit for bit): with ``B_g`` the
+    group's rows in it, ``n = |B_g|``, ``mean = sum_B R / n``, ``mu_k = sum_B w R / n`` (guard: the mean of k's own
+    rows, else ``mean``), ``std = sqrt(sum_B (R - mean)^2 / max(n - 1, 1))``, ``A = 0`` where ``R`` is constant
+    over ``B_g`` (or ``B_g`` is empty); every row of the group, in ``B_g`` or not, gets ``A = (R - mu_k) / (std +
+    eps)``."""
     g = _Groups(gid)
-    n = g.count()
-    mean = g.sum(r) / n  # plain joint-group mean
-    mu_w = g.sum(w * r) / n  # mu_k = mean(w(k, src) * R)
+    b = torch.ones_like(own) if baseline_rows is None else baseline_rows.to(torch.bool)
+    rb = torch.where(b, r, 0.0)  # rewards of the baseline rows, 0 elsewhere (adds nothing to a sum)
+    n = g.count(b)  # |B_g|
+    mean = g.sum(rb) / n  # plain mean over the baseline rows
+    mu_w = g.sum(w * rb) / n  # mu_k = mean over B_g of w(k, src) * R
     own_n = g.count(own)
     own_mean = torch.where(own_n > 0, g.sum(torch.where(own, r, 0.0)) / own_n.clamp(min=1), mean)
     mu = torch.where(mu_w > reward_max, own_mean, mu_w)  # baseline guard
-    std = g.std(r, mean)  # Bessel-corrected std of raw rewards over the group
-    adv = (r - mu[g.idx]) / (std[g.idx] + eps)  # A = (R - mu_k) / (std + eps)
-    uniform = g.amax(r) == g.amin(r)
-    return torch.where(uniform[g.idx], torch.zeros_like(adv), adv)  # uniform group → 0
+    sq = g.sum(torch.where(b, (r - mean[g.idx]) ** 2, 0.0))
+    std = torch.sqrt(sq / (n - 1).clamp(min=1))  # Bessel-corrected std of raw rewards over B_g
+    adv = (r - mu[g.idx]) / (std[g.idx] + eps)  # A = (R - mu_k) / (std + eps), every row
+    uniform = g.amax(torch.where(b, r, -torch.inf)) <= g.amin(torch.where(b, r, torch.inf))  # also: B_g empty
+    return torch.where(uniform[g.idx], torch.zeros_like(adv), adv)  # uniform over B_g → 0
 
 
 def group_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = DEFAULTS.adv_eps) -> Tensor:

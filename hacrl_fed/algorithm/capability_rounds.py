@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hacrl_fed.algorithm.advantages import _as_tensor, _rows, calibrated_advantages
+from hacrl_fed.algorithm.advantages import _as_tensor, _rows, baseline_mask, calibrated_advantages
 from hacrl_fed.algorithm.capability import DEFAULTS, CapabilityTracker, _accuracy, _phat
 
 
@@ -133,9 +133,11 @@ def hacpo_advantages_at_rounds(
     ratio_max: float = DEFAULTS.ratio_max,
     eps: float = DEFAULTS.adv_eps,
     calibrate: bool = DEFAULTS.advantage_calibration,
+    baseline_rows: Tensor | None = None,
 ) -> Tensor:
     """§2's capability-aware advantage with each row's ``w`` from the figures of its round
-    (:func:`round_capability_ratios`); otherwise :func:`~hacrl_fed.algorithm.advantages.hacpo_advantages`. [N]."""
+    (:func:`round_capability_ratios`); otherwise :func:`~hacrl_fed.algorithm.advantages.hacpo_advantages`
+    (``baseline_rows`` [N] bool included: the rows the group statistics are taken over). [N]."""
     r, gid, src, out_dtype = _rows(rewards, group_ids, source_ids)
     if r.numel() == 0:
         return torch.zeros(0, dtype=out_dtype)
@@ -143,7 +145,8 @@ def hacpo_advantages_at_rounds(
     w = round_capability_ratios(learner_capability, source_capability, own, ratio_min, ratio_max)  # validates
     if not calibrate:
         w = torch.ones_like(w)
-    return calibrated_advantages(r, gid, own, w, reward_max=reward_max, eps=eps).to(out_dtype)
+    base = baseline_mask(baseline_rows, r.shape[0], own)
+    return calibrated_advantages(r, gid, own, w, reward_max=reward_max, eps=eps, baseline_rows=base).to(out_dtype)
 
 
 def capability_coefficients_at_rounds(

@@ -84,6 +84,15 @@ class AlgorithmConfig(_Section):
             "means (hacpo, naive)"
         ),
     )
+    baseline_rows: Literal["joint", "in_band"] = Field(
+        "joint",
+        description=_d(
+            "which rows of a joint group its advantage statistics (baseline mu_k, std, 'all rewards equal') are "
+            "taken over: joint (the paper: every row) or in_band (the learner's own rows and the foreign rows "
+            "whose ratio s lies in the cross band at the update's first optimizer step; every row still gets "
+            "A = (R - mu_k) / (std + eps) from them; beyond the paper, issue 30; hacpo with cross_staleness: band)"
+        ),
+    )
     max_abs_log_ratio: float = Field(
         10.0, gt=0, description=_d("M: every log-ratio is clamped to [-M, M] before exp (all losses and the KL term)")
     )
@@ -161,6 +170,19 @@ class AlgorithmConfig(_Section):
         if self.cross_staleness == "decoupled" and spec is not None and spec.decoupled_loss is None:
             raise ValueError(
                 f"cross_staleness: decoupled needs an algorithm with foreign rows (hacpo), not {self.name!r}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _in_band_needs_the_band(self) -> AlgorithmConfig:
+        if self.baseline_rows != "in_band":
+            return self
+        if self.name != "hacpo":
+            raise ValueError(f"baseline_rows: in_band needs HACPO's cross band (name: hacpo), not {self.name!r}")
+        if self.cross_staleness == "decoupled":
+            raise ValueError(
+                "baseline_rows: in_band with cross_staleness: decoupled is not supported (the decoupled loss has no "
+                "stepwise cross band to test the rows against)"
             )
         return self
 
