@@ -29,10 +29,12 @@ from hacrl_fed.wire.bounds import worker_limits
 SKILLS = {"a": 0.25, "b": 0.5, "c": 0.75}
 
 
-def _run(tmp_path, steps, *, staleness=1, window=None, rounds=6, skills=SKILLS, logger=False):
+def _run(tmp_path, steps, *, staleness=1, window=None, rounds=6, skills=SKILLS, logger=False, org_rounds=None):
     fed = {"rounds": rounds, "staleness": staleness, "virtual_step_s": steps}
     if window is not None:
         fed["window"] = window
+    if org_rounds is not None:
+        fed["org_rounds"] = org_rounds
     cfg = fake_config(tuple(skills), **fed)
     workers = {o: FakeWorker(o, s) for o, s in skills.items()}
     co = Coordinator(cfg, InProcessTransport(workers), tmp_path, task=FakeTask())
@@ -61,6 +63,9 @@ def test_the_config_fields_and_their_refusals():
         "window=2 needs federation.staleness": {"window": 2},
         "needs federation.protocol: fused": {"staleness": 1, "protocol": "two_message"},
         "needs federation.min_orgs: 1": {"staleness": 1, "min_orgs": 2},
+        "federation.org_rounds needs federation.staleness >= 1": {"org_rounds": {"a": 8}},
+        "org_rounds names orgs not in the run": {"staleness": 1, "org_rounds": {"zz": 8}},
+        "org_rounds": {"staleness": 1, "org_rounds": {"a": 0}},
     }
     fake_config(staleness=1, transport="flower")  # the Flower simulation and deployment run asynchronous rounds
     for words, fed in refusals.items():
@@ -79,17 +84,58 @@ def test_the_config_fields_and_their_refusals():
 # -- the schedule on fake workers --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("staleness,window", [(1, None), (2, None), (1, 3), (3, 1)])
-def test_the_schedule_is_the_simulation_s(tmp_path, staleness, window):
+@pytest.mark.parametrize(
+    "staleness,window,org_rounds",
+    [(1, None, {}), (2, None, {}), (1, 3, {}), (3, 1, {}), (1, None, {"a": 12, "c": 9}), (1000, 4, {"a": 20, "b": 3})],
+)
+def test_the_schedule_is_the_simulation_s(tmp_path, staleness, window, org_rounds):
     steps = {"a": 1.0, "b": 4.0, "c": 1.5}
-    co, _, summary = _run(tmp_path, steps, staleness=staleness, window=window)
+    co, _, summary = _run(tmp_path, steps, staleness=staleness, window=window, org_rounds=org_rounds)
     drv = co.async_driver
-    sim = simulate(ScheduleSpec(steps, 6, staleness, window))
+    sim = simulate(ScheduleSpec(steps, 6, staleness, window, org_rounds=org_rounds))
     assert drv.steps == sim.steps
     assert drv.published == sim.published
     assert {o: dict(c) for o, c in drv.refused.items()} == {o: dict(c) for o, c in sim.refused.items()}
     assert drv.idle == pytest.approx(sim.idle) and drv.finished == sim.finished
-    assert summary.rounds_completed == 6
+    assert summary.rounds_completed == max([6, *org_rounds.values()])
+
+
+def test_a_fast_org_with_its_own_rounds_keeps_stepping_and_evaluates_at_its_rounds(tmp_path):
+    """a: 1 s a step, federation.org_rounds 16; b: 4 s, federation.rounds 4; no lead bound (K = 1000). a trains 16
+    rounds and is done at 17 (b at 20: never held); it evaluates and checkpoints every 2 of its rounds and at 16,
+    b at 2 and 4; rounds 5..16 hold only a; every (learner, foreign batch) pair is taken or counted."""
+    skills = {"a": 0.25, "b": 0.5}
+    co, workers, summary = _run(
+        tmp_path, {"a": 1.0, "b": 4.0}, staleness=1000, rounds=4, skills=skills, logger=True, org_rounds={"a": 16}
+    )
+    drv = co.async_driver
+    assert drv.finished == {"a": 17.0, "b": 20.0} and summary.rounds_completed == 16
+    assert [len(workers[o].train_requests) for o in skills] == [16, 4]
+    assert [r.round for r in workers["a"].eval_requests] == [0, *range(2, 17, 2)]
+    assert [r.round for r in workers["b"].eval_requests] == [0, 2, 4]
+    assert workers["a"].checkpoints == list(range(2, 17, 2)) and workers["b"].checkpoints == [2, 4]
+    records = {int(rec["round"]): rec for rec in read_metrics(tmp_path)}
+    assert sorted(records) == list(range(17))  # every round logged once
+    assert [records[t]["async/a/trained_at_s"] for t in (1, 4, 16)] == [2.0, 5.0, 17.0]
+    assert [records[t]["async/b/trained_at_s"] for t in (1, 4)] == [8.0, 20.0]
+    assert not any(k.startswith(("async/b/", "round/b/")) for t in range(5, 16) for k in records[t])
+    assert records[16]["round/b/refused/learner_finished"] == 12  # a's rounds 5..16: b trained its last before
+    assert set(co.eval_history[16]) == {"a"} and set(co.eval_history[4]) == {"a", "b"}
+    for org in skills:
+        taken = sum(len(r.tags) for r in workers[org].train_requests)
+        foreign = [tag for _, tag in drv.published if tag.source != org]
+        assert taken + sum(drv.refused[org].values()) == len(foreign)
+    assert (taken, len(foreign)) == (4, 16)  # b (the last org): a's rounds 1..4 taken
+
+
+def test_with_a_lead_bound_an_org_that_published_its_last_round_stops_holding_the_others(tmp_path):
+    """K = 1, a (1 s) 8 rounds, b (4 s) 4: a plans round t once b published t - 2 (at 4 (t - 2)), and from b's last
+    round (16) on runs at its own pace (hand-computed in tests/test_async_schedule.py)."""
+    co, _, _ = _run(tmp_path, {"a": 1.0, "b": 4.0}, staleness=1, rounds=4, skills={"a": 0.25, "b": 0.5},
+                    org_rounds={"a": 8})
+    drv = co.async_driver
+    assert [s.start for s in drv.steps if s.org == "a"] == [0.0, 1.0, 4.0, 8.0, 12.0, 16.0, 17.0, 18.0, 19.0]
+    assert drv.finished == {"a": 20.0, "b": 20.0}
 
 
 def test_the_fast_org_runs_at_most_k_rounds_ahead_and_uses_each_batch_once(tmp_path):
