@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-
 from helpers_fake_workers import FakeTask, FakeWorker, fake_config
+
 from hacrl_fed.config import ConfigError, load_config
 from hacrl_fed.coordinator.async_schedule import ScheduleSpec, simulate
 from hacrl_fed.coordinator.inprocess import InProcessTransport
@@ -146,7 +146,7 @@ def test_the_fast_org_runs_at_most_k_rounds_ahead_and_uses_each_batch_once(tmp_p
     for when, tag in drv.published:
         published[tag.source].append((when, tag.round))
     for step in drv.steps:  # when a step starts, every org has published round step.round - K - 1
-        for org, pubs in published.items():
+        for pubs in published.values():
             assert step.round - k - 1 <= max([r for when, r in pubs if when <= step.start], default=0)
     assert max(s.round for s in drv.steps if s.org == "a" and s.start < 4.0) == k + 1  # ran ahead, by K at most
     for org, worker in workers.items():
@@ -302,8 +302,11 @@ def test_on_the_wall_clock_replies_are_taken_as_they_come_within_the_bound(tmp_p
         for other in workers:
             published = [t.round for at, t in drv.published if t.source == other and at <= step.start]
             assert other == step.org or step.round - 2 <= max(published, default=0), (step, other)
-    ahead = [s for s in drv.steps if s.org == "a" and s.round <= 5
-             and max([t.round for at, t in drv.published if t.source == "b" and at <= s.start], default=0) < s.round - 1]
+    b_by = [(at, t.round) for at, t in drv.published if t.source == "b"]
+    ahead = [
+        s for s in drv.steps
+        if s.org == "a" and s.round <= 5 and max([r for at, r in b_by if at <= s.start], default=0) < s.round - 1
+    ]
     assert ahead  # a planned a round before b had published the one before it: it did not wait for b
     for org in workers:
         offered = [(t.source, t.round) for s in drv.steps if s.org == org for t in s.foreign]
@@ -373,6 +376,30 @@ def test_a_k1_run_on_tiny_models_trains_on_late_batches(tmp_path, loss):
     assert not [k for k in keys if not any(p.fullmatch(k) for p in patterns)]
 
 
+@pytest.mark.slow
+def test_org_rounds_on_tiny_models_the_fast_org_runs_its_own_rounds(tmp_path):
+    """globex 4x slower with 2 rounds, acme 8 (federation.org_rounds), no lead bound: acme trains 8 times on the real
+    worker (globex's rounds 1-2 late), evaluates at its rounds 2, 4, 6, 8 and is done at 9, globex at 12; rounds 3-8
+    hold only acme; every key logged is documented."""
+    from tests.test_docs import documented_keys, key_pattern
+
+    steps = {"acme": 1.0, "globex": 4.0}
+    cfg = _tiny_cfg(rounds=2, staleness=1000, window=8, virtual_step_s=steps, org_rounds={"acme": 8})
+    co, _, summary, records = _tiny_run(tmp_path, cfg)
+    drv = co.async_driver
+    assert drv.steps == simulate(ScheduleSpec(steps, 2, 1000, 8, org_rounds={"acme": 8})).steps
+    assert summary.rounds_completed == 8 and drv.finished == {"acme": 9.0, "globex": 12.0}
+    assert [rec["round"] for rec in records] == list(range(9))
+    assert [records[t]["async/acme/version"] for t in (2, 8)] == [2, 8] and records[2]["async/globex/version"] == 2
+    assert [t for t in range(9) if "eval/acme/accuracy" in records[t]] == [0, 2, 4, 6, 8]
+    assert [t for t in range(9) if "eval/globex/accuracy" in records[t]] == [0, 2]
+    assert not [k for t in range(3, 8) for k in records[t] if k.startswith(("globex/", "async/globex/"))]
+    assert sum(s.foreign != () for s in drv.steps if s.org == "acme") == 2  # globex's rounds 1 and 2
+    assert records[8]["round/globex/refused/learner_finished"] == 6  # acme's rounds 3..8
+    patterns = [key_pattern(k) for k in documented_keys()]
+    assert not [k for rec in records for k in rec if not any(p.fullmatch(k) for p in patterns)]
+
+
 def _weights(worker):
     import torch
 
@@ -438,7 +465,8 @@ def test_an_honest_signed_k1_run_gives_the_unsigned_run_s_numbers(tmp_path):
     assert plain[2].eval_history == signed[2].eval_history and plain[2].capability == signed[2].capability
     mine, theirs = _comparable(signed[3]), _comparable(plain[3])
     assert not [k for rec in mine for k in rec if "/rejected/" in k]
-    assert [(r, k) for r, (a, b) in enumerate(zip(mine, theirs)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)] == []
+    pairs = enumerate(zip(mine, theirs))
+    assert [(r, k) for r, (a, b) in pairs for k in a.keys() | b.keys() if a.get(k) != b.get(k)] == []
 
 
 def test_a_failed_batch_or_train_half_is_counted_and_the_others_run_on(tmp_path):

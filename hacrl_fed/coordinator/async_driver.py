@@ -42,8 +42,14 @@ on the workers' real replies:
   may have trained at the worker, or the worker restarted).
   When no live org has a step in flight the run ends; a batch a dead learner never reached is ``learner_dead``.
 
+- **An org's own number of rounds** (``federation.org_rounds``, default ``federation.rounds``): org ``x`` plans
+  rounds ``1 … R_x`` and its last step trains ``R_x`` only; it evaluates and checkpoints at its own rounds
+  (:meth:`~hacrl_fed.coordinator.loop.Coordinator.extras_due` with the org); an org that published its last round no
+  longer counts in the bound (:meth:`AsyncDriver.bound`), as a dead one does. The run ends after the largest ``R_x``.
+
 Round ``r``'s metrics (its batches, the train reports of round ``r``, its evaluations, the refusals made by the steps
-that train ``r``) are logged once every org still stepping has trained round ``r``; the last round after the end.
+that train ``r``) are logged once every org still stepping (live, not finished) has trained round ``r``, so a round
+after an org's last holds only the orgs that ran it; the last round after the end.
 """
 
 from __future__ import annotations
