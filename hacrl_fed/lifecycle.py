@@ -377,7 +377,7 @@ class Run:
 
                 self.logger.sinks.append(open_wandb(self.cfg, self.run_dir, resume=self.resume))
             shown = progress_shown(self.progress)  # a bar on a terminal; plain log lines anywhere else
-            self._bar, self._on_round = round_progress(self.cfg.federation.rounds, enabled=shown)
+            self._bar, self._on_round = round_progress(self.cfg.federation.last_round, enabled=shown)
             self._stack.callback(self._bar.close)
             if shown:
                 self._stack.enter_context(logs_above(self._bar))

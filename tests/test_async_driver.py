@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-
 from helpers_fake_workers import FakeTask, FakeWorker, fake_config
+
 from hacrl_fed.config import ConfigError, load_config
 from hacrl_fed.coordinator.async_schedule import ScheduleSpec, simulate
 from hacrl_fed.coordinator.inprocess import InProcessTransport
@@ -29,10 +29,12 @@ from hacrl_fed.wire.bounds import worker_limits
 SKILLS = {"a": 0.25, "b": 0.5, "c": 0.75}
 
 
-def _run(tmp_path, steps, *, staleness=1, window=None, rounds=6, skills=SKILLS, logger=False):
+def _run(tmp_path, steps, *, staleness=1, window=None, rounds=6, skills=SKILLS, logger=False, org_rounds=None):
     fed = {"rounds": rounds, "staleness": staleness, "virtual_step_s": steps}
     if window is not None:
         fed["window"] = window
+    if org_rounds is not None:
+        fed["org_rounds"] = org_rounds
     cfg = fake_config(tuple(skills), **fed)
     workers = {o: FakeWorker(o, s) for o, s in skills.items()}
     co = Coordinator(cfg, InProcessTransport(workers), tmp_path, task=FakeTask())
@@ -61,6 +63,9 @@ def test_the_config_fields_and_their_refusals():
         "window=2 needs federation.staleness": {"window": 2},
         "needs federation.protocol: fused": {"staleness": 1, "protocol": "two_message"},
         "needs federation.min_orgs: 1": {"staleness": 1, "min_orgs": 2},
+        "federation.org_rounds needs federation.staleness >= 1": {"org_rounds": {"a": 8}},
+        "org_rounds names orgs not in the run": {"staleness": 1, "org_rounds": {"zz": 8}},
+        "org_rounds": {"staleness": 1, "org_rounds": {"a": 0}},
     }
     fake_config(staleness=1, transport="flower")  # the Flower simulation and deployment run asynchronous rounds
     for words, fed in refusals.items():
@@ -79,17 +84,58 @@ def test_the_config_fields_and_their_refusals():
 # -- the schedule on fake workers --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("staleness,window", [(1, None), (2, None), (1, 3), (3, 1)])
-def test_the_schedule_is_the_simulation_s(tmp_path, staleness, window):
+@pytest.mark.parametrize(
+    "staleness,window,org_rounds",
+    [(1, None, {}), (2, None, {}), (1, 3, {}), (3, 1, {}), (1, None, {"a": 12, "c": 9}), (1000, 4, {"a": 20, "b": 3})],
+)
+def test_the_schedule_is_the_simulation_s(tmp_path, staleness, window, org_rounds):
     steps = {"a": 1.0, "b": 4.0, "c": 1.5}
-    co, _, summary = _run(tmp_path, steps, staleness=staleness, window=window)
+    co, _, summary = _run(tmp_path, steps, staleness=staleness, window=window, org_rounds=org_rounds)
     drv = co.async_driver
-    sim = simulate(ScheduleSpec(steps, 6, staleness, window))
+    sim = simulate(ScheduleSpec(steps, 6, staleness, window, org_rounds=org_rounds))
     assert drv.steps == sim.steps
     assert drv.published == sim.published
     assert {o: dict(c) for o, c in drv.refused.items()} == {o: dict(c) for o, c in sim.refused.items()}
     assert drv.idle == pytest.approx(sim.idle) and drv.finished == sim.finished
-    assert summary.rounds_completed == 6
+    assert summary.rounds_completed == max([6, *org_rounds.values()])
+
+
+def test_a_fast_org_with_its_own_rounds_keeps_stepping_and_evaluates_at_its_rounds(tmp_path):
+    """a: 1 s a step, federation.org_rounds 16; b: 4 s, federation.rounds 4; no lead bound (K = 1000). a trains 16
+    rounds and is done at 17 (b at 20: never held); it evaluates and checkpoints every 2 of its rounds and at 16,
+    b at 2 and 4; rounds 5..16 hold only a; every (learner, foreign batch) pair is taken or counted."""
+    skills = {"a": 0.25, "b": 0.5}
+    co, workers, summary = _run(
+        tmp_path, {"a": 1.0, "b": 4.0}, staleness=1000, rounds=4, skills=skills, logger=True, org_rounds={"a": 16}
+    )
+    drv = co.async_driver
+    assert drv.finished == {"a": 17.0, "b": 20.0} and summary.rounds_completed == 16
+    assert [len(workers[o].train_requests) for o in skills] == [16, 4]
+    assert [r.round for r in workers["a"].eval_requests] == [0, *range(2, 17, 2)]
+    assert [r.round for r in workers["b"].eval_requests] == [0, 2, 4]
+    assert workers["a"].checkpoints == list(range(2, 17, 2)) and workers["b"].checkpoints == [2, 4]
+    records = {int(rec["round"]): rec for rec in read_metrics(tmp_path)}
+    assert sorted(records) == list(range(17))  # every round logged once
+    assert [records[t]["async/a/trained_at_s"] for t in (1, 4, 16)] == [2.0, 5.0, 17.0]
+    assert [records[t]["async/b/trained_at_s"] for t in (1, 4)] == [8.0, 20.0]
+    assert not any(k.startswith(("async/b/", "round/b/")) for t in range(5, 16) for k in records[t])
+    assert records[16]["round/b/refused/learner_finished"] == 12  # a's rounds 5..16: b trained its last before
+    assert set(co.eval_history[16]) == {"a"} and set(co.eval_history[4]) == {"a", "b"}
+    for org in skills:
+        taken = sum(len(r.tags) for r in workers[org].train_requests)
+        foreign = [tag for _, tag in drv.published if tag.source != org]
+        assert taken + sum(drv.refused[org].values()) == len(foreign)
+    assert (taken, len(foreign)) == (4, 16)  # b (the last org): a's rounds 1..4 taken
+
+
+def test_with_a_lead_bound_an_org_that_published_its_last_round_stops_holding_the_others(tmp_path):
+    """K = 1, a (1 s) 8 rounds, b (4 s) 4: a plans round t once b published t - 2 (at 4 (t - 2)), and from b's last
+    round (16) on runs at its own pace (hand-computed in tests/test_async_schedule.py)."""
+    co, _, _ = _run(tmp_path, {"a": 1.0, "b": 4.0}, staleness=1, rounds=4, skills={"a": 0.25, "b": 0.5},
+                    org_rounds={"a": 8})
+    drv = co.async_driver
+    assert [s.start for s in drv.steps if s.org == "a"] == [0.0, 1.0, 4.0, 8.0, 12.0, 16.0, 17.0, 18.0, 19.0]
+    assert drv.finished == {"a": 20.0, "b": 20.0}
 
 
 def test_the_fast_org_runs_at_most_k_rounds_ahead_and_uses_each_batch_once(tmp_path):
@@ -100,7 +146,7 @@ def test_the_fast_org_runs_at_most_k_rounds_ahead_and_uses_each_batch_once(tmp_p
     for when, tag in drv.published:
         published[tag.source].append((when, tag.round))
     for step in drv.steps:  # when a step starts, every org has published round step.round - K - 1
-        for org, pubs in published.items():
+        for pubs in published.values():
             assert step.round - k - 1 <= max([r for when, r in pubs if when <= step.start], default=0)
     assert max(s.round for s in drv.steps if s.org == "a" and s.start < 4.0) == k + 1  # ran ahead, by K at most
     for org, worker in workers.items():
@@ -256,8 +302,11 @@ def test_on_the_wall_clock_replies_are_taken_as_they_come_within_the_bound(tmp_p
         for other in workers:
             published = [t.round for at, t in drv.published if t.source == other and at <= step.start]
             assert other == step.org or step.round - 2 <= max(published, default=0), (step, other)
-    ahead = [s for s in drv.steps if s.org == "a" and s.round <= 5
-             and max([t.round for at, t in drv.published if t.source == "b" and at <= s.start], default=0) < s.round - 1]
+    b_by = [(at, t.round) for at, t in drv.published if t.source == "b"]
+    ahead = [
+        s for s in drv.steps
+        if s.org == "a" and s.round <= 5 and max([r for at, r in b_by if at <= s.start], default=0) < s.round - 1
+    ]
     assert ahead  # a planned a round before b had published the one before it: it did not wait for b
     for org in workers:
         offered = [(t.source, t.round) for s in drv.steps if s.org == org for t in s.foreign]
@@ -327,6 +376,30 @@ def test_a_k1_run_on_tiny_models_trains_on_late_batches(tmp_path, loss):
     assert not [k for k in keys if not any(p.fullmatch(k) for p in patterns)]
 
 
+@pytest.mark.slow
+def test_org_rounds_on_tiny_models_the_fast_org_runs_its_own_rounds(tmp_path):
+    """globex 4x slower with 2 rounds, acme 8 (federation.org_rounds), no lead bound: acme trains 8 times on the real
+    worker (globex's rounds 1-2 late), evaluates at its rounds 2, 4, 6, 8 and is done at 9, globex at 12; rounds 3-8
+    hold only acme; every key logged is documented."""
+    from tests.test_docs import documented_keys, key_pattern
+
+    steps = {"acme": 1.0, "globex": 4.0}
+    cfg = _tiny_cfg(rounds=2, staleness=1000, window=8, virtual_step_s=steps, org_rounds={"acme": 8})
+    co, _, summary, records = _tiny_run(tmp_path, cfg)
+    drv = co.async_driver
+    assert drv.steps == simulate(ScheduleSpec(steps, 2, 1000, 8, org_rounds={"acme": 8})).steps
+    assert summary.rounds_completed == 8 and drv.finished == {"acme": 9.0, "globex": 12.0}
+    assert [rec["round"] for rec in records] == list(range(9))
+    assert [records[t]["async/acme/version"] for t in (2, 8)] == [2, 8] and records[2]["async/globex/version"] == 2
+    assert [t for t in range(9) if "eval/acme/accuracy" in records[t]] == [0, 2, 4, 6, 8]
+    assert [t for t in range(9) if "eval/globex/accuracy" in records[t]] == [0, 2]
+    assert not [k for t in range(3, 8) for k in records[t] if k.startswith(("globex/", "async/globex/"))]
+    assert sum(s.foreign != () for s in drv.steps if s.org == "acme") == 2  # globex's rounds 1 and 2
+    assert records[8]["round/globex/refused/learner_finished"] == 6  # acme's rounds 3..8
+    patterns = [key_pattern(k) for k in documented_keys()]
+    assert not [k for rec in records for k in rec if not any(p.fullmatch(k) for p in patterns)]
+
+
 def _weights(worker):
     import torch
 
@@ -392,7 +465,8 @@ def test_an_honest_signed_k1_run_gives_the_unsigned_run_s_numbers(tmp_path):
     assert plain[2].eval_history == signed[2].eval_history and plain[2].capability == signed[2].capability
     mine, theirs = _comparable(signed[3]), _comparable(plain[3])
     assert not [k for rec in mine for k in rec if "/rejected/" in k]
-    assert [(r, k) for r, (a, b) in enumerate(zip(mine, theirs)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)] == []
+    pairs = enumerate(zip(mine, theirs))
+    assert [(r, k) for r, (a, b) in pairs for k in a.keys() | b.keys() if a.get(k) != b.get(k)] == []
 
 
 def test_a_failed_batch_or_train_half_is_counted_and_the_others_run_on(tmp_path):

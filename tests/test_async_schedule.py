@@ -148,6 +148,35 @@ def test_bad_specs_are_refused():
         ScheduleSpec({"a": 1.0}, 3, dies={"b": 1.0})
     with pytest.raises(ValueError, match="rejoins"):
         ScheduleSpec({"a": 1.0}, 3, dies={"a": 2.0}, rejoins={"a": 1.0})
+    with pytest.raises(ValueError, match="unknown"):
+        ScheduleSpec({"a": 1.0}, 3, org_rounds={"b": 4})
+    with pytest.raises(ValueError, match="org_rounds"):
+        ScheduleSpec({"a": 1.0}, 3, org_rounds={"a": 0})
+
+
+def test_a_fast_org_with_more_rounds_keeps_stepping_while_the_slow_one_runs():
+    """a: 1 s a step, 16 rounds; b: 4 s, 4 rounds; no lead bound. a plans 1..16 at 0..15 and trains round 16 in its
+    step at 16 (done at 17); b is never held: its 4 rounds and its train-only step end at 5 x 4 = 20. b takes a's
+    batches of rounds 1..4 (one per step: a step planning t trains round t - 1 and takes rounds <= t - 1); a's
+    rounds 5..16 come after b's last train, counted learner_finished."""
+    out = simulate(ScheduleSpec({"a": 1.0, "b": 4.0}, 4, staleness=1000, org_rounds={"a": 16}))
+    assert [(s.round, s.start) for s in out.steps if s.org == "a"] == [(t, t - 1.0) for t in range(1, 18)]
+    assert [(s.round, s.start) for s in out.steps if s.org == "b"] == [(t, 4.0 * (t - 1)) for t in range(1, 6)]
+    assert out.finished == {"a": 17.0, "b": 20.0}
+    assert [tag.round for s in out.steps if s.org == "b" for tag in s.foreign] == [1, 2, 3, 4]
+    assert sorted(tag.round for s in out.steps if s.org == "a" for tag in s.foreign) == [1, 2, 3, 4]
+    assert out.refused == {"a": {}, "b": {"learner_finished": 12}}
+
+
+def test_an_org_that_published_its_last_round_no_longer_holds_the_bound():
+    """K = 1, a (1 s) runs 8 rounds, b (4 s) 4: a plans t once b published t - 2 (b publishes round r at 4r): 3 at
+    4, 4 at 8, 5 at 12, 6 at 16; b's round 4 is its last, so from 16 a is no longer bound (7 at 17, 8 at 18, its
+    train-only step at 19): with b still counting while it trains round 4, a would wait for b's end (20)."""
+    out = simulate(ScheduleSpec({"a": 1.0, "b": 4.0}, 4, staleness=1, org_rounds={"a": 8}))
+    starts = [s.start for s in out.steps if s.org == "a"]
+    assert starts == [0.0, 1.0, 4.0, 8.0, 12.0, 16.0, 17.0, 18.0, 19.0]
+    assert out.finished == {"a": 20.0, "b": 20.0}
+    assert out.refused == {"a": {}, "b": {"learner_finished": 4}}  # a's rounds 5..8
 
 
 @pytest.mark.parametrize("f", [2.0, 4.0])

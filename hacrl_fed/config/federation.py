@@ -72,7 +72,14 @@ class FederationConfig(_Section):
             "(over gRPC the replies come on the wall clock and this is not used)"
         ),
     )
-
+    org_rounds: dict[str, int] = Field(
+        default_factory=dict,
+        description=_d(
+            "asynchronous rounds: org id -> the rounds that org runs (default federation.rounds, which stays the "
+            "run's nominal length): a fast org may keep stepping while a slow one runs; each org evaluates every "
+            "eval_every of its own rounds and after its own last round"
+        ),
+    )
     virtual_dies: dict[str, float] = Field(
         default_factory=dict,
         description=_d(
@@ -93,6 +100,23 @@ class FederationConfig(_Section):
     def effective_window(self) -> int:
         """``W``: ``window``, or ``K + 1`` when unset."""
         return self.staleness + 1 if self.window is None else self.window
+
+    @property
+    def last_round(self) -> int:
+        """The last round any org runs: ``rounds``, or the largest ``org_rounds`` value above it."""
+        return max([self.rounds, *self.org_rounds.values()])
+
+    def rounds_of(self, org: str) -> int:
+        """The rounds ``org`` runs: its ``org_rounds`` entry, else ``rounds``."""
+        return self.org_rounds.get(org, self.rounds)
+
+    @field_validator("org_rounds")
+    @classmethod
+    def _positive_rounds(cls, value: dict[str, int]) -> dict[str, int]:
+        bad = {org: n for org, n in value.items() if n < 1}
+        if bad:
+            raise ValueError(f"every org's rounds must be >= 1, got {bad}")
+        return value
 
     @field_validator("virtual_step_s")
     @classmethod

@@ -110,7 +110,7 @@ def _check_asynchronous(cfg: RunConfig) -> None:
     """What asynchronous rounds (``federation.staleness >= 1``) need in this slice of the driver; each
     refusal names its field (docs/ALGORITHM.md "Asynchronous rounds")."""
     fed = cfg.federation
-    for name in ("virtual_step_s", "virtual_dies", "virtual_rejoins"):
+    for name in ("virtual_step_s", "org_rounds", "virtual_dies", "virtual_rejoins"):
         unknown = sorted(set(getattr(fed, name)) - {o.id for o in cfg.orgs})
         if unknown:
             raise ValueError(f"federation.{name} names orgs not in the run: {unknown}")
@@ -122,6 +122,8 @@ def _check_asynchronous(cfg: RunConfig) -> None:
             raise ValueError(f"federation.window={fed.window} needs federation.staleness >= 1 (K = 0: W = 1)")
         if fed.virtual_dies:
             raise ValueError("federation.virtual_dies needs federation.staleness >= 1 (the asynchronous driver)")
+        if fed.org_rounds:
+            raise ValueError("federation.org_rounds needs federation.staleness >= 1 (lock-step orgs run every round)")
         return
     needs = {
         "federation.protocol: fused": fed.protocol == "fused",

@@ -42,8 +42,14 @@ on the workers' real replies:
   may have trained at the worker, or the worker restarted).
   When no live org has a step in flight the run ends; a batch a dead learner never reached is ``learner_dead``.
 
+- **An org's own number of rounds** (``federation.org_rounds``, default ``federation.rounds``): org ``x`` plans
+  rounds ``1 … R_x`` and its last step trains ``R_x`` only; it evaluates and checkpoints at its own rounds
+  (:meth:`~hacrl_fed.coordinator.loop.Coordinator.extras_due` with the org); an org that published its last round no
+  longer counts in the bound (:meth:`AsyncDriver.bound`), as a dead one does. The run ends after the largest ``R_x``.
+
 Round ``r``'s metrics (its batches, the train reports of round ``r``, its evaluations, the refusals made by the steps
-that train ``r``) are logged once every org still stepping has trained round ``r``; the last round after the end.
+that train ``r``) are logged once every org still stepping (live, not finished) has trained round ``r``, so a round
+after an org's last holds only the orgs that ran it; the last round after the end.
 """
 
 from __future__ import annotations
@@ -98,7 +104,7 @@ class Coordinator(Protocol):
         self, round: int, org_id: str, prompts: tuple[Prompt, ...], challenges: Mapping[str, bytes] | None = None
     ) -> RoundPlan: ...
 
-    def extras_due(self, round: int) -> tuple[bool, bool]: ...
+    def extras_due(self, round: int, org: str | None = None) -> tuple[bool, bool]: ...
 
     def eval_request(self, round: int, org: str) -> EvalRequest: ...
 
@@ -129,6 +135,7 @@ class _Flight:
 class _Org:
     name: str
     duration: float
+    rounds: int  # its last round (federation.org_rounds, default federation.rounds)
     busy: _Flight | None = None
     planned: int = 0  # the round its last step planned
     level: int = 0  # its last published round (counts in the floor)
@@ -163,9 +170,9 @@ class AsyncDriver:
     def __init__(self, coordinator: Coordinator):
         self.co, cfg = coordinator, coordinator.cfg
         fed = cfg.federation
-        self.rounds, self.staleness, self.window = fed.rounds, fed.staleness, fed.effective_window
+        self.last, self.staleness, self.window = fed.last_round, fed.staleness, fed.effective_window
         order = coordinator.org_order
-        self.orgs = {o: _Org(o, float(fed.virtual_step_s.get(o, DEFAULT_STEP_S))) for o in order}
+        self.orgs = {o: _Org(o, float(fed.virtual_step_s.get(o, DEFAULT_STEP_S)), fed.rounds_of(o)) for o in order}
         self.capabilities = RoundCapabilities.from_algorithm(cfg.algorithm)
         self.issued: dict[tuple[str, int], int] = {}
         self.pool: dict[BatchTag, tuple[Rollout, ...]] = {}  # accepted batches, publish order
@@ -244,9 +251,9 @@ class AsyncDriver:
             step = org.busy.step
             self.lost.append(step)
             org.unsure += step.own is not None
-            rd = self.bucket(min(step.round, self.rounds))
+            rd = self.bucket(min(step.round, org.rounds))
             rd.metrics[f"async/{org.name}/lost_steps"] = rd.metrics.get(f"async/{org.name}/lost_steps", 0.0) + 1
-            if why != "virtual" and step.round <= self.rounds:
+            if why != "virtual" and step.round <= org.rounds:
                 rd.failed[org.name] = why  # round/<org>/failure/<why>, as in lock-step rounds
             org.busy, org.planned = None, org.level
         org.alive = False
@@ -260,7 +267,7 @@ class AsyncDriver:
         self.co.keeper.refresh_challenges(self.co.live_orgs(), self.co.transport)  # a restarted worker's new one
         if floor is not None and floor > org.level:
             org.level = org.planned = floor
-        rd = self.bucket(min(org.planned + 1, self.rounds))
+        rd = self.bucket(min(org.planned + 1, self.last))
         rd.metrics[f"async/{org.name}/rejoined_at"] = float(org.planned + 1)
         log.warning("asynchronous rounds: org %s rejoins at %.2f s, planning round %d", org.name, now, org.planned + 1)
         # the worker's own count of its updates, when plausible (async_liveness.rejoin_version)
@@ -271,16 +278,22 @@ class AsyncDriver:
         return org.alive and org.name not in self.co.guard.excluded and org.name in self.co.transport.org_ids()
 
     def floor(self) -> int | None:
-        """The lowest published round over the live orgs (None: none is live)."""
+        """The lowest published round over the live orgs (None: none is live): where a rejoining org comes back."""
         levels = [o.level for o in self.orgs.values() if self.alive(o)]
+        return min(levels) if levels else None
+
+    def bound(self) -> int | None:
+        """The floor of the staleness bound: over the live orgs with rounds left to publish (an org that published
+        its last round stops counting, as a dead one does); None: no bound."""
+        levels = [o.level for o in self.orgs.values() if self.alive(o) and o.level < o.rounds]
         return min(levels) if levels else None
 
     def start_ready(self, now: float) -> None:
         """Start every org the bound lets step at ``now`` (config order), as :mod:`.async_schedule` does."""
         for org in self.orgs.values():
-            floor = self.floor()
-            if self.alive(org) and org.busy is None and not org.done and floor is not None:
-                if org.planned + 1 <= floor + self.staleness + 1:  # the staleness bound
+            floor = self.bound()
+            if self.alive(org) and org.busy is None and not org.done:
+                if floor is None or org.planned + 1 <= floor + self.staleness + 1:  # the staleness bound
                     self.start(org, now)
 
     # -- one step ----------------------------------------------------------------------------------------------
@@ -294,7 +307,7 @@ class AsyncDriver:
             offered = [self.take(org, tag, t) for tag in self.pool if tag.source != org.name]
             foreign = tuple(tag for tag in offered if tag is not None)
         step = Step(org.name, now, now + org.duration, t, org.version, own, foreign)
-        if t <= self.rounds:  # the version that will answer the plan
+        if t <= org.rounds:  # the version that will answer the plan
             self.issued[(org.name, t)] = org.version + (1 if own is not None else 0)
         request = self.request(org, t, own, foreign)
         timeout = self.co.cfg.federation.round_timeout_s * request.parts()
@@ -355,9 +368,9 @@ class AsyncDriver:
                 tags=tuple((tag.source, tag.round, tag.version) for tag in foreign),
                 version=org.version,
             )
-        evaluate, ckpt = co.extras_due(t - 1) if t > 1 else (False, False)
+        evaluate, ckpt = co.extras_due(t - 1, org.name) if t > 1 else (False, False)
         challenges = {o: co.challenges[o] for o in co.live_orgs() if o in co.challenges}  # each org's latest
-        plan = co.plan_for(t, org.name, co.round_prompts(t), challenges) if t <= self.rounds else None
+        plan = co.plan_for(t, org.name, co.round_prompts(t), challenges) if t <= org.rounds else None
         eval_request = co.eval_request(t - 1, org.name) if evaluate else None
         return StepRequest(train, plan, eval_request, t - 1 if ckpt else None)
 
@@ -379,7 +392,7 @@ class AsyncDriver:
             self.take_train(org, request.train, out)
             self.bucket(request.train.round).metrics[f"async/{org.name}/trained_at_s"] = now
         self.take_extras(org.name, step.round - 1, request, out)
-        if step.round > self.rounds:
+        if step.round > org.rounds:
             org.done, self.finished[org.name] = True, now
             return
         org.level = step.round  # published (or failed): counts in the floor either way
@@ -451,24 +464,27 @@ class AsyncDriver:
     # -- the end and the logs ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Count every accepted foreign batch a learner never reached (``learner_finished`` / ``learner_dead``)."""
+        """Count every accepted foreign batch a learner never reached (``learner_finished`` / ``learner_dead``), in
+        the last round's metrics (an org with fewer rounds: its own last round may be logged already)."""
         for org in self.orgs.values():
             for tag in self.pool:
                 if tag.source != org.name and (tag.source, tag.round) not in org.seen:
                     why = "learner_finished" if org.done else "learner_dead"
-                    self.refuse(org.name, self.rounds, why)
+                    self.refuse(org.name, self.last, why)
 
     def bucket(self, round: int) -> _Round:
         return self.rounds_open.setdefault(round, _Round())
 
     def trained_through(self) -> int:
-        """The last round every live org still stepping has trained (its step planning the next one came back)."""
-        rounds = [o.planned - (1 if o.busy is not None else 0) - 1 for o in self.orgs.values() if self.alive(o)]
-        return min(rounds) if rounds else self.rounds
+        """The last round every live org still stepping (not finished) has trained (its step planning the next one
+        came back); rounds after an org's last one hold only the orgs that ran them."""
+        live = [o for o in self.orgs.values() if self.alive(o) and not o.done]
+        rounds = [o.planned - (1 if o.busy is not None else 0) - 1 for o in live]
+        return min(rounds) if rounds else self.last
 
     def flush(self, *, final: bool) -> None:
         """Log every round whose parts are all in, in order (``final``: every round left)."""
-        last = self.rounds if final else min(self.trained_through(), self.rounds - 1)
+        last = self.last if final else min(self.trained_through(), self.last - 1)
         while self.logged < last:
             self.logged += 1
             self.log_round(self.logged)

@@ -12,12 +12,14 @@ The rules (``K`` = ``staleness``, ``W`` = ``window``, default ``K + 1``):
 - An org's **step** is today's fused step: train on its own last batch and the foreign batches its request
   carries (one update), then generate its batch for the round it plans. A step without its own batch (the first,
   the first after a rejoin, or its own batch refused) only generates: foreign batches wait for a later step (a
-  worker trains on the round it generated). Its last step (the round after ``rounds``) only trains. A step takes
-  the org's duration.
+  worker trains on the round it generated). Its last step (the round after its own last round: ``org_rounds``, by
+  default ``rounds``) only trains. A step takes the org's duration.
 - Every batch carries a :class:`BatchTag`: its source, the round it answers and the source's **version** (updates
   done) that generated it. The coordinator records the tag of every plan it issues.
 - **Staleness bound**: an org may plan round ``t`` only when every live org has published round ``t - K - 1``
-  (``t <= floor + K + 1``, ``floor`` = the lowest published round over the live orgs). ``K = 0`` is lock-step.
+  (``t <= floor + K + 1``, ``floor`` = the lowest published round over the live orgs that have rounds left to
+  publish: an org that published its last round stops counting, as a dead one does, so an org with fewer rounds
+  never holds back one with more; none left: no bound). ``K = 0`` is lock-step.
 - **Window**: a step planning round ``t`` takes the batches of rounds ``t - W`` to ``t - 1`` it has not used
   (:func:`offer_verdict`); a batch of a later round waits for a later step; one of an earlier round is refused
   (``beyond_window``); a batch is used at most once per learner (``already_used``); a tag the coordinator never
@@ -74,7 +76,8 @@ class Step:
 class ScheduleSpec:
     """``durations``: virtual seconds per step of each org (its order breaks ties); ``rounds``: the rounds each org
     plans at most; ``staleness`` ``K >= 0``; ``window`` ``W >= 1`` (None: ``K + 1``); ``dies`` / ``rejoins``: the
-    time an org stops / comes back (a rejoin after its death)."""
+    time an org stops / comes back (a rejoin after its death); ``org_rounds``: an org's own number of rounds
+    (default ``rounds``)."""
 
     durations: Mapping[str, float]
     rounds: int
@@ -82,21 +85,28 @@ class ScheduleSpec:
     window: int | None = None
     dies: Mapping[str, float] = field(default_factory=dict)
     rejoins: Mapping[str, float] = field(default_factory=dict)
+    org_rounds: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.durations or any(not (math.isfinite(d) and d > 0) for d in self.durations.values()):
             raise ValueError("durations: at least one org, every duration finite and > 0")
         if self.rounds < 1 or self.staleness < 0 or (self.window is not None and self.window < 1):
             raise ValueError(f"need rounds >= 1, staleness >= 0, window >= 1; got {self}")
-        unknown = (set(self.dies) | set(self.rejoins)) - set(self.durations)
+        unknown = (set(self.dies) | set(self.rejoins) | set(self.org_rounds)) - set(self.durations)
         if unknown:
-            raise ValueError(f"dies / rejoins name unknown orgs: {sorted(unknown)}")
+            raise ValueError(f"dies / rejoins / org_rounds name unknown orgs: {sorted(unknown)}")
+        if any(n < 1 for n in self.org_rounds.values()):
+            raise ValueError(f"org_rounds: every org's rounds >= 1, got {dict(self.org_rounds)}")
         if any(org not in self.dies or not self.rejoins[org] > self.dies[org] for org in self.rejoins):
             raise ValueError("an org rejoins only after it died (rejoins[org] > dies[org])")
 
     @property
     def effective_window(self) -> int:
         return self.staleness + 1 if self.window is None else self.window
+
+    def rounds_of(self, org: str) -> int:
+        """The rounds ``org`` plans at most."""
+        return self.org_rounds.get(org, self.rounds)
 
 
 def offer_verdict(
@@ -127,6 +137,7 @@ def offer_verdict(
 class _Org:
     name: str
     duration: float
+    rounds: int  # its last round
     alive: bool = True
     busy: Step | None = None
     planned: int = 0  # the round its last step planned
@@ -157,7 +168,7 @@ class Schedule:
 class _Simulation:
     def __init__(self, spec: ScheduleSpec):
         self.spec, self.window = spec, spec.effective_window
-        self.orgs = {name: _Org(name, float(d)) for name, d in spec.durations.items()}
+        self.orgs = {name: _Org(name, float(d), spec.rounds_of(name)) for name, d in spec.durations.items()}
         self.issued: dict[tuple[str, int], int] = {}
         self.out = Schedule(
             refused={o: Counter() for o in self.orgs},
@@ -168,6 +179,11 @@ class _Simulation:
 
     def floor(self, without: str | None = None) -> int | None:
         levels = [o.level for o in self.orgs.values() if o.alive and o.name != without]
+        return min(levels) if levels else None
+
+    def bound(self) -> int | None:
+        """The floor of the staleness bound: over the live orgs with rounds left to publish (None: no bound)."""
+        levels = [o.level for o in self.orgs.values() if o.alive and o.level < o.rounds]
         return min(levels) if levels else None
 
     def next_time(self, now: float) -> float | None:
@@ -189,7 +205,7 @@ class _Simulation:
         assert step is not None
         if step.own is not None:
             org.version += 1  # the step's update
-        if step.round > self.spec.rounds:
+        if step.round > org.rounds:
             org.done, self.out.finished[org.name] = True, now
             return
         tag = BatchTag(org.name, step.round, org.version)
@@ -211,9 +227,9 @@ class _Simulation:
     def start_ready(self, now: float) -> None:
         """Start every org that may step at ``now`` (config order)."""
         for org in self.orgs.values():
-            floor = self.floor()
-            if org.alive and org.busy is None and not org.done and floor is not None:
-                if org.planned + 1 <= floor + self.spec.staleness + 1:  # the staleness bound
+            floor = self.bound()
+            if org.alive and org.busy is None and not org.done:
+                if floor is None or org.planned + 1 <= floor + self.spec.staleness + 1:  # the staleness bound
                     self.start(org, now)
 
     def start(self, org: _Org, now: float) -> None:
@@ -224,7 +240,7 @@ class _Simulation:
             foreign = [self.take(org, tag, t) for _, tag in self.out.published if tag.source != org.name]
             taken = tuple(tag for tag in foreign if tag is not None)
         step = Step(org.name, now, now + org.duration, t, org.version, own, taken)
-        if t <= self.spec.rounds:  # the plan the coordinator issues, with the version that will answer it
+        if t <= org.rounds:  # the plan the coordinator issues, with the version that will answer it
             self.issued[(org.name, t)] = org.version + (1 if own is not None else 0)
         self.out.idle[org.name] += now - org.idle_since
         org.busy, org.planned, org.own = step, t, None

@@ -167,18 +167,19 @@ class Coordinator:
         asynchronous rounds the per-round table's figures at the last round."""
         driver = getattr(self, "async_driver", None)
         if driver is not None:
-            return driver.capabilities.table(self.cfg.federation.rounds, self.org_order)
+            return driver.capabilities.table(self.cfg.federation.last_round, self.org_order)
         return self.keeper.capability_table()
 
     def eval_request(self, round: int, org: str) -> EvalRequest:
         max_new = org_generation(self.cfg, org).eval_max_new_tokens
         return EvalRequest(self.run_id, round, self.cfg.task.name, self.eval_prompts, max_new)
 
-    def extras_due(self, round: int) -> tuple[bool, bool]:
-        """Whether ``round`` evaluates and whether it checkpoints (every N rounds, and the last round)."""
+    def extras_due(self, round: int, org: str | None = None) -> tuple[bool, bool]:
+        """Whether ``round`` evaluates and whether it checkpoints (every N rounds, and the last round: ``org``'s own,
+        ``federation.org_rounds``, when given)."""
         fed = self.cfg.federation
-        every = (fed.eval_every, fed.checkpoint_every)
-        return tuple(bool(n) and round % n == 0 or round == fed.rounds for n in every)  # type: ignore[return-value]
+        every, last = (fed.eval_every, fed.checkpoint_every), fed.rounds if org is None else fed.rounds_of(org)
+        return tuple(bool(n) and round % n == 0 or round == last for n in every)  # type: ignore[return-value]
 
     # -- what comes back ---------------------------------------------------------------------------------------
 
@@ -221,7 +222,7 @@ class Coordinator:
         how = f"resumed after round {self.round}" if self.round else "new"
         ways = (self.org_order, fed.protocol)
         first = self.round + 1
-        log.info("run %s (%s): rounds %d to %d, orgs %s, %s protocol", self.run_id, how, first, fed.rounds, *ways)
+        log.info("run %s (%s): rounds %d to %d, orgs %s, %s protocol", self.run_id, how, first, fed.last_round, *ways)
         if self.round == 0 and 0 not in self.eval_history:
             start, metrics = time.perf_counter(), dict[str, float]()
             log.info(format_eval(0, self.evaluate(0, metrics)))
@@ -327,8 +328,8 @@ class Coordinator:
         fed, t = self.cfg.federation, result.round
         self.book.round = t
         self.book.wall_time_s += time.perf_counter() - start
-        log.info(format_round(result, fed.rounds, time.perf_counter() - start, self.guard.excluded))
-        if self.extras_due(t)[0]:
+        log.info(format_round(result, fed.last_round, time.perf_counter() - start, self.guard.excluded))
+        if any(self.extras_due(t, org)[0] for org in self.org_order):
             log.info(format_eval(t, self.eval_history.get(t, {}), self.eval_history.get(0)))
         self._log(t, result.metrics)
         write_state(self.state_path, self.state_dict())
