@@ -10,10 +10,10 @@ from the asynchronous cell's step durations (:mod:`hacrl_tools.bench.async_clock
 - ``t95``: the clock at which the org first reaches 95 % of the synchronous run's final accuracy (same seed), in the
   synchronous run and in the asynchronous one, and their ratio (mean ± standard error over seeds; "never" counts the
   seeds where the asynchronous org did not reach it);
-- the final accuracy (equal own rollouts: every arm runs the same rounds) minus the synchronous run's and minus
-  isolated GSPO's, in points;
-- at equal clock: the asynchronous org's final accuracy minus the synchronous run's at the clock the asynchronous
-  org finished, in points.
+- at equal own rollouts: the asynchronous org's accuracy at the synchronous run's last round (its own rounds may be
+  more, ``federation.org_rounds``) minus the synchronous run's final accuracy, in points;
+- its final accuracy minus isolated GSPO's final accuracy, in points;
+- at equal clock: both accuracies at the clock where the first of the two runs ends, their difference in points.
 """
 
 from __future__ import annotations
@@ -55,9 +55,12 @@ def org_row(arm: dict[int, Any], sync: dict[int, Any], gspo: dict[int, Any], org
             t_arm.append(ta)
             if ts:
                 ratio.append(ta / ts)
-        d_sync.append(100 * (a["accuracy_after"] - y["accuracy_after"]))
+        rounds = y["curve"][-1][0]  # the synchronous run's rounds: equal own rollouts
+        by_round = [[t, t, acc] for t, _, acc in a["curve"]]
+        d_sync.append(100 * (accuracy_at(by_round, rounds) - y["accuracy_after"]))
         d_gspo.append(100 * (a["accuracy_after"] - gspo[s]["agents"][org]["accuracy_after"]))
-        d_clock.append(100 * (a["accuracy_after"] - accuracy_at(sync_curve, a["clock_curve"][-1][1])))
+        at = min(a["clock_curve"][-1][1], sync_curve[-1][1])  # equal clock: where both still run
+        d_clock.append(100 * (accuracy_at(a["clock_curve"], at) - accuracy_at(sync_curve, at)))
     return {
         "org": org,
         "seeds": seeds,
@@ -113,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print(f"async_bench: no asynchronous cells with {args.sync} and {args.gspo} in {args.results}", file=sys.stderr)
         return 2
-    print("| setting | method | org | step | seeds | t95 sync | t95 async | ratio | never | final − sync (pts) |"
-          " final − GSPO (pts) | equal clock − sync (pts) |")  # fmt: skip
+    print("| setting | method | org | step | seeds | t95 sync | t95 async | ratio | never |"
+          " equal rollouts − sync (pts) | final − GSPO (pts) | equal clock − sync (pts) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| `{r['setting']}` | `{r['method']}` | {r['org']} | {r['step_s']:g} | {len(r['seeds'])} | "

@@ -67,3 +67,23 @@ def test_async_bench_pairs_each_org_with_the_synchronous_run_on_its_clock(tmp_pa
     assert rows["globex"]["equal_clock_minus_sync"]["mean"] == pytest.approx(100 * (0.4 - (0.2 + 21 / 44 * 0.1)))
     assert rows["acme"]["t95_ratio"]["mean"] == pytest.approx(1.0) and rows["acme"]["final_minus_sync"]["mean"] == 0
     assert "| `model` | `async4_free` | globex | 1 | 1 |" in capsys.readouterr().out
+
+
+def test_a_longer_asynchronous_org_is_read_at_the_synchronous_rounds_and_clock(tmp_path):
+    """``federation.org_rounds``: globex runs 40 rounds; equal rollouts reads it at round 20 (the synchronous run's
+    last), equal clock where the shorter of the two runs ends."""
+    script = Path(__file__).parents[1] / "scripts" / "async_bench.py"
+    spec = importlib.util.spec_from_file_location("async_bench", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    acme = [(0, 0.4), (20, 0.5)]
+    sync = _cell("model", "hacpo_defended_split", 0, {"acme": acme, "globex": [(0, 0.2), (10, 0.3), (20, 0.4)]})
+    gspo = _cell("model", "gspo", 0, {"acme": acme, "globex": [(0, 0.2), (20, 0.35)]})
+    long = _cell("model", "async4_open_long", 0, {"acme": acme, "globex": [(0, 0.2), (20, 0.3), (40, 0.5)]},
+                 clock={"acme": [0, 84], "globex": [0, 21, 41]}, step_s={"acme": 4.0})
+    row = mod.org_row({0: long}, {0: sync}, {0: gspo}, "globex")
+    assert row["final_minus_sync"]["mean"] == pytest.approx(100 * (0.3 - 0.4))  # at round 20
+    assert row["final_minus_gspo"]["mean"] == pytest.approx(100 * (0.5 - 0.35))
+    # the synchronous run ends at (20 + 1) x 4 = 84; globex ends at 41: both at 41
+    assert row["equal_clock_minus_sync"]["mean"] == pytest.approx(100 * (0.5 - (0.2 + (41 - 0) / 44 * 0.1)))
+    assert row["t95_async"]["mean"] == pytest.approx(21 + (0.38 - 0.3) / 0.2 * 20)
