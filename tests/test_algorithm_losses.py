@@ -270,7 +270,8 @@ def test_pure_functions_default_to_the_config_defaults():
                                    "max_abs_log_ratio": d.max_abs_log_ratio, "loss_agg_mode": d.grpo_loss_agg_mode}
     assert defaults(hacpo_advantages) == {"reward_max": d.reward_max, "ratio_min": d.ratio_min,
                                           "ratio_max": d.ratio_max, "eps": d.adv_eps,
-                                          "calibrate": d.advantage_calibration}
+                                          "calibrate": d.advantage_calibration,
+                                          "baseline_rows": None}  # a per-call mask (None: every row), no config value
     assert defaults(group_advantages) == {"eps": d.adv_eps}
     for fn in (capability_ratios, capability_coefficients):
         assert defaults(fn) == {"ratio_min": d.ratio_min, "ratio_max": d.ratio_max}
