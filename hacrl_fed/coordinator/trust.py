@@ -30,7 +30,9 @@ is matched against that batch whatever ``federation.protocol`` (under ``fused`` 
 with the batches of round t+1), so a liar is out from the round after the first proven accusation; an accusation
 is a whole count >= 1, and a report with a malformed counter is counted against its sender
 (``round/<org>/malformed_accusation``) and opens nothing. Blind mode therefore updates the capability table after
-each round's training: the table a round trains with covers the rounds before it.
+each round's training: the table a round trains with covers the rounds before it. With asynchronous rounds
+(``federation.staleness >= 1``) a request may carry several batches of one source, so an accusation names the
+(source, round) batch; :mod:`.async_accusations` judges each against that batch with :meth:`PoolGuard.judge`.
 """
 
 from __future__ import annotations
