@@ -60,11 +60,15 @@ def test_an_honest_blind_k1_run_with_a_slow_org_excludes_nobody_and_refuses_what
     drv = co.async_driver
     assert co.guard.excluded == {} and len(results) == 4
     assert drv.steps == plain.async_driver.steps  # the same schedule
-    assert drv.refused == plain.async_driver.refused == {
-        "acme": {"learner_finished": 1},
-        "globex": {},
-        "initech": {"learner_finished": 1},
-    }
+    assert (
+        drv.refused
+        == plain.async_driver.refused
+        == {
+            "acme": {"learner_finished": 1},
+            "globex": {},
+            "initech": {"learner_finished": 1},
+        }
+    )
     assert not [o for o in ORGS if _flagged(results, o)]
     second = results[1].metrics  # acme trains round 2 on initech's round 2 and globex's round 1 (one round late)
     assert second["acme/trust/globex/round/1/checked"] == ROWS and second["acme/trust/globex/round/1/mismatches"] == 0
@@ -218,3 +222,24 @@ def test_per_round_counters_and_disclosed_keys_are_bounded_by_the_window():
     with pytest.raises(codec.WireError, match="disclosed_keys: 5 keys exceed the cap of 4"):
         codec.check_report(_report({**keys, "globex/1": b"k" * 32}, **counters), cap=4)
     codec.check_report(_report({**keys, "globex/1": b"k" * 32}, **more))  # lock-step: no window cap
+
+
+def test_over_grpc_the_per_batch_accusation_and_its_key_cross_the_codec_and_exclude_the_liar(tmp_path):
+    """The same liar on the wall clock (three in-process gRPC servers): the signed report with its per-round counter
+    and ``"globex/<round>"`` key crosses the codec, the coordinator opens that batch and excludes globex."""
+    from test_security_attacks import Via
+
+    cfg, run_dir = _cfg(True, {}, rounds=3), tmp_path / "run"
+    workers = {o: Hostile(build_worker(cfg, o, run_dir=run_dir), lambda b: b) for o in ORGS}
+    workers["globex"] = Hostile(workers["globex"].worker, lambda b: _sealed_lie(b, run_dir, ORGS))
+    via = Via("grpc", tmp_path / "sock")
+    try:
+        results: list = []
+        co = Coordinator(cfg, via.transport(workers), run_dir, on_round=results.append)
+        co.run()
+    finally:
+        via.close()
+    assert co.async_driver.wall and set(co.guard.excluded) == {"globex"}
+    assert "re-verified by the coordinator" in co.guard.excluded["globex"]
+    assert sum(r.metrics.get("round/globex/reverified_by_coordinator", 0.0) for r in results) >= ROWS
+    assert not [o for o in ORGS if _flagged(results, o)]
