@@ -144,3 +144,18 @@ def test_both_entry_points_give_the_same_dtype_and_empty_rows(dtype):
     empty = (torch.tensor([], dtype=dtype), torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long), 0)
     for got in (hacpo_advantages(*empty, [1.0]), hacpo_advantages_at_rounds(*empty, [], [])):
         assert got.dtype == want and got.shape == (0,)
+
+
+def test_revise_replaces_a_recorded_round_and_records_a_missing_one():
+    """Blind asynchronous rounds: a proven accusation replaces the claimed P_x(t) by the coordinator's own count."""
+    caps = RoundCapabilities(window=2, floor=0.05, warmup_rounds=0)
+    caps.record(1, {"a": 1.0})
+    caps.record(2, {"a": 0.5})
+    caps.revise(1, "a", 0.25)
+    assert caps.capability("a", 2) == (0.25 + 0.5) / 2 and caps.capability("a", 1) == 0.25
+    caps.revise(3, "b", 0.0)
+    assert caps.capability("b", 3) == 0.05  # floored
+    with pytest.raises(ValueError):
+        caps.revise(0, "a", 0.5)
+    with pytest.raises(ValueError):
+        caps.revise(2, "a", -0.5)

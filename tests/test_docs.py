@@ -25,7 +25,7 @@ from hacrl_fed.worker import build_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS_MD = ROOT / "docs" / "METRICS.md"
-PLACEHOLDERS = {"org", "source", "reason", "why", "phase", "algo", "age", "slice"}
+PLACEHOLDERS = {"org", "source", "reason", "why", "phase", "algo", "age", "slice", "round"}
 ORGS = [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}, {"id": "globex", "model": {"zoo": "micro-gpt2-bpe"}}]
 
 

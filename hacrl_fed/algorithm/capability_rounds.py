@@ -64,6 +64,15 @@ class RoundCapabilities:
             self._history.setdefault(org, {})[round] = acc
         self._rounds.add(round)
 
+    def revise(self, round: int, org: str, accuracy: float) -> None:
+        """Replace ``P_org(round)`` (recorded or not) by ``accuracy``: coordinator-blind asynchronous rounds, where
+        the claimed accuracy recorded at acceptance gives way to the coordinator's own re-verification of that
+        batch after a proven accusation (docs/ALGORITHM.md "Capability per round")."""
+        if isinstance(round, bool) or not isinstance(round, int) or round < 1:
+            raise ValueError(f"round must be an integer >= 1, got {round!r}")
+        self._history.setdefault(str(org), {})[round] = _accuracy(org, accuracy)
+        self._rounds.add(round)
+
     def in_warmup(self, round: int) -> bool:
         """True while ``Phat`` is reported as 1 at ``round``: at most ``warmup_rounds`` rounds recorded up to it."""
         return sum(1 for t in self._rounds if t <= round) <= self.warmup_rounds

@@ -31,6 +31,9 @@ on the workers' real replies:
   (learner, foreign batch) pair is taken or counted (``round/<learner>/refused/<reason>``), never dropped silently.
 - A step whose reply came back with a failed part still advances the org's published round (it counts in ``floor``);
   an org the trust guard excludes stops stepping and its unused batches are refused ``source_excluded``.
+- Coordinator-blind mode (``security.encrypt``): each train report's accusations name the (source, round) batch
+  they are about and are judged against that batch's kept envelope and plan (:mod:`.async_accusations`); a proven
+  one replaces that batch's capability input by the coordinator's own re-verified accuracy.
 - **Deaths and rejoins** (:mod:`.async_liveness`, the rules of :mod:`.async_schedule`): a step whose *call* fails or
   times out (the reply is a ``timeout`` / ``unreachable`` error, :mod:`hacrl_fed.failures`), or on the virtual clock
   the org's ``federation.virtual_dies`` second, kills the org: its step in flight is lost (no batch, no update
@@ -66,6 +69,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from hacrl_fed import failures
 from hacrl_fed.algorithm.capability_rounds import RoundCapabilities
 from hacrl_fed.coordinator import round_metrics as rm
+from hacrl_fed.coordinator.async_accusations import LateAccusations
 from hacrl_fed.coordinator.async_liveness import Liveness, is_death, rejoin_version
 from hacrl_fed.coordinator.async_schedule import HOLD, TAKE, BatchTag, Step, offer_verdict
 from hacrl_fed.coordinator.inprocess import InProcessTransport
@@ -178,6 +182,13 @@ class AsyncDriver:
         self.pool: dict[BatchTag, tuple[Rollout, ...]] = {}  # accepted batches, publish order
         self.signing = cfg.security.signing
         self.envelopes: dict[BatchTag, RolloutBatch] = {}  # signing on: each accepted batch verbatim
+        self.plans: dict[BatchTag, RoundPlan] = {}  # blind mode: the plan each accepted batch answered
+        # blind mode: the receivers' accusations, each judged against the batch it names (.async_accusations)
+        self.accusations = (
+            LateAccusations(coordinator.guard, self.accused_batch, self.capabilities.revise)
+            if cfg.security.encrypt
+            else None
+        )
         self.steps: list[Step] = []
         self.lost: list[Step] = []  # the steps lost to a death
         self.published: list[tuple[float, BatchTag]] = []
@@ -421,6 +432,15 @@ class AsyncDriver:
         valid = self.co.guard.signed_reports(train.round, {org.name: reply}, rd.metrics)
         sources = sorted({tag[0] for tag in train.tags})
         self.co.guard.receiver_screened(train.round, valid, sources, rd.metrics)
+        if self.accusations is not None and org.name in valid:
+            self.accusations.take(train, valid[org.name], rd.metrics)
+
+    def accused_batch(self, source: str, round: int, version: int) -> tuple[RolloutBatch, RoundPlan] | None:
+        """Blind mode: the kept envelope of the batch tagged ``(source, round, version)`` and its plan."""
+        tag = BatchTag(source, round, version)
+        if tag not in self.envelopes or tag not in self.plans:
+            return None
+        return self.envelopes[tag], self.plans[tag]
 
     def take_extras(self, org: str, round: int, request: StepRequest, out: StepOutcome) -> None:
         """The evaluation and checkpoint parts of round ``round``."""
@@ -454,6 +474,8 @@ class AsyncDriver:
         self.pool[tag], org.own = tuple(ok), tag
         if self.signing:
             self.envelopes[tag] = batch
+        if self.accusations is not None:
+            self.plans[tag] = plan
         self.published.append((now, tag))
         rd.accepted[org.name] = len(ok)
         acc = accepted_accuracy(ok)

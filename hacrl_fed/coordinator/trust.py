@@ -30,7 +30,9 @@ is matched against that batch whatever ``federation.protocol`` (under ``fused`` 
 with the batches of round t+1), so a liar is out from the round after the first proven accusation; an accusation
 is a whole count >= 1, and a report with a malformed counter is counted against its sender
 (``round/<org>/malformed_accusation``) and opens nothing. Blind mode therefore updates the capability table after
-each round's training: the table a round trains with covers the rounds before it.
+each round's training: the table a round trains with covers the rounds before it. With asynchronous rounds
+(``federation.staleness >= 1``) a request may carry several batches of one source, so an accusation names the
+(source, round) batch; :mod:`.async_accusations` judges each against that batch with :meth:`PoolGuard.judge`.
 """
 
 from __future__ import annotations
@@ -207,18 +209,20 @@ class PoolGuard:
             out[org] = rep
         return out
 
-    @staticmethod
     def _well_formed(
-        round: int, reports: Mapping[str, TrainReport], metrics: dict[str, float]
+        self, round: int, reports: Mapping[str, TrainReport], metrics: dict[str, float]
     ) -> dict[str, TrainReport]:
-        """``reports`` less those with a negative, fractional or non-finite mismatch counter (the codec refuses
-        them on the wire; in process they are caught here), each counted against its sender."""
+        """``reports`` less those with a negative, fractional or non-finite mismatch counter, or (asynchronous
+        rounds) more per-round counters or disclosed keys than ``W x (orgs - 1)`` (the codec refuses them on the
+        wire; in process they are caught here), each counted against its sender."""
         from hacrl_fed.wire.codec import WireError, check_report
 
+        fed = self.cfg.federation
+        cap = fed.effective_window * (len(self.cfg.orgs) - 1) if fed.staleness >= 1 else None
         out = {}
         for org, rep in reports.items():
             try:
-                check_report(rep)
+                check_report(rep, cap=cap)
             except (WireError, AttributeError, TypeError) as err:
                 log.warning("round %d: ignoring the verdicts of %s: malformed accusation: %s", round, org, err)
                 metrics[f"round/{org}/malformed_accusation"] = 1.0
@@ -255,12 +259,18 @@ class PoolGuard:
     def _judge(
         self, round: int, src: str, own: Screened, accusers: Mapping[str, TrainReport], metrics: dict[str, float]
     ) -> None:
-        """The coordinator's own count decides: exclude the source when it lied, else each false accuser."""
+        """Lock-step rounds: :meth:`judge` the accusers' counts of ``src``'s batch of ``round``."""
+        self.judge(round, src, own, {org: accusation(rep, src) for org, rep in accusers.items()}, metrics)
+
+    def judge(
+        self, round: int, src: str, own: Screened, claims: Mapping[str, float], metrics: dict[str, float]
+    ) -> None:
+        """The coordinator's own count ``own`` of ``src``'s batch of ``round`` decides: exclude the source when it
+        lied, else each accuser in ``claims`` (``{accuser: mismatches claimed}``) that claimed more."""
         if own.mismatch_rate > self.cfg.security.max_mismatch_rate:
             why = f"reward mismatch {own.mismatches}/{own.checked} in round {round}, re-verified by the coordinator"
             self.exclude(round, src, why)
-        for org, rep in accusers.items():
-            claimed = accusation(rep, src)
+        for org, claimed in claims.items():
             if claimed > own.mismatches:
                 metrics[f"round/{org}/false_accusation"] = 1.0
                 self.exclude(

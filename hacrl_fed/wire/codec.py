@@ -30,6 +30,10 @@ Decoding is the trust boundary, so every decoded field is checked (input hygiene
   bytes (the worker bounds the
   challenges further by its roster, :mod:`hacrl_fed.worker.guard`); ``TrainReport.challenge`` and
   ``RolloutBatch.plan_digest`` at most 64 bytes;
+* a ``TrainReport``'s mismatch counters (:mod:`hacrl_fed.wire.accusations`) are whole counts >= 0, a per-round
+  one names a decimal round; with the receiver's window (``WireLimits.window`` and ``max_sources``) at most
+  ``W × max_sources`` per-round counters and disclosed keys (:func:`check_report` applies the same rule, with the
+  coordinator's cap, to an in-process report);
 * a field the schema does not declare (a reserved or unknown number, at any depth) is refused, never ignored;
 * ``TrainRequest.source_batches`` are checked like any ``RolloutBatch``; with
   ``WireLimits.skip_unsigned_foreign`` (a worker with signing on, which ignores unsigned rollouts)
@@ -58,6 +62,7 @@ from google.protobuf.message import DecodeError, Message
 from hacrl_fed import types as t
 from hacrl_fed.limits import MAX_MESSAGE_BYTES
 from hacrl_fed.v1 import worker_pb2 as pb
+from hacrl_fed.wire.accusations import is_counter, parse_round_counter
 
 SCHEMA_VERSION = 1  # written into every top-level message; receivers accept 1..SCHEMA_VERSION
 ROLES = ("system", "user", "assistant")
@@ -541,6 +546,11 @@ def _round_tables(m: pb.TrainRequest, where: str, lim: WireLimits) -> dict[int, 
     }
 
 
+def _window_cap(lim: WireLimits) -> int | None:
+    """``W x max_sources`` with the receiver's window bounds (asynchronous rounds), else None."""
+    return lim.window * lim.max_sources if lim.window and lim.max_sources is not None else None
+
+
 def _tags_from(m: pb.TrainRequest, where: str, lim: WireLimits) -> tuple[tuple[str, int, int], ...]:
     """``tags``: at most ``W x max_sources`` (with the receiver's bounds), rounds of the window, versions >= 0, one
     per (source, round)."""
@@ -594,22 +604,37 @@ def _train_rep_from(m: pb.TrainReport, where: str, lim: WireLimits) -> t.TrainRe
         run_id=_string(m.run_id, f"{where}.run_id", lim.max_name_chars),
         round=_at_least(m.round, f"{where}.round"),
         org_id=_string(m.org_id, f"{where}.org_id", lim.max_name_chars, required=True),
-        metrics=_accusations(_float_map(m.metrics, f"{where}.metrics", lim), f"{where}.metrics"),
+        metrics=_accusations(
+            _float_map(m.metrics, f"{where}.metrics", lim), f"{where}.metrics", _window_cap(lim), m.disclosed_keys
+        ),
         signature=_bytes(m.signature, f"{where}.signature", lim.max_signature_bytes),
         disclosed_keys=_key_map(m.disclosed_keys, f"{where}.disclosed_keys", lim),
         challenge=_bytes(m.challenge, f"{where}.challenge", MAX_KEY_BYTES),
     )
 
 
-ACCUSATION_SUFFIX = "/mismatches"  # trust/<source>/mismatches: a learner's count of lies in <source>'s batch
-
-
-def _accusations(metrics: dict[str, float], where: str) -> dict[str, float]:
-    """``metrics`` of a TrainReport, whose ``trust/<source>/mismatches`` counters must be whole counts >= 0 (an
-    accusation is a count >= 1); raises :class:`WireError` naming the counter otherwise."""
+def _accusations(
+    metrics: dict[str, float], where: str, cap: int | None = None, keys: Mapping[str, bytes] | None = None
+) -> dict[str, float]:
+    """``metrics`` of a TrainReport, whose mismatch counters (``trust/<source>/mismatches`` and, asynchronous
+    rounds in blind mode, ``trust/<source>/round/<round>/mismatches``: :mod:`hacrl_fed.wire.accusations`) must be
+    whole counts >= 0 (an accusation is a count >= 1), a per-round one naming a decimal round; with ``cap`` (the
+    receiver's ``W x (orgs - 1)``) at most ``cap`` per-round counters and ``cap`` disclosed ``keys``. Raises
+    :class:`WireError` naming the counter otherwise."""
+    per_round = 0
     for key, value in metrics.items():
-        if key.startswith("trust/") and key.endswith(ACCUSATION_SUFFIX) and not accusation_ok(value):
+        if not is_counter(key):
+            continue
+        if not accusation_ok(value):
             _fail(f"{where}[{key[:80]!r}]", f"{value!r} is not a whole count >= 0")
+        try:
+            per_round += parse_round_counter(key) is not None
+        except ValueError as err:
+            _fail(f"{where}[{key[:80]!r}]", str(err))
+    if cap is not None and per_round > cap:
+        _fail(where, f"{per_round} per-round mismatch counters exceed the cap of {cap} (window x other orgs)")
+    if cap is not None and keys is not None and len(keys) > cap:
+        _fail(where.replace("metrics", "disclosed_keys"), f"{len(keys)} keys exceed the cap of {cap}")
     return metrics
 
 
@@ -619,10 +644,11 @@ def accusation_ok(value: Any) -> bool:
     return ok_type and math.isfinite(value) and value >= 0 and float(value).is_integer()
 
 
-def check_report(report: t.TrainReport) -> None:
+def check_report(report: t.TrainReport, *, cap: int | None = None) -> None:
     """The accusation rule of ``decode(TrainReport, ...)`` (:func:`_accusations`) for an in-process report, whose
-    metrics never passed the codec; raises :class:`WireError` naming the counter."""
-    _accusations(dict(report.metrics), "TrainReport.metrics")
+    metrics never passed the codec; ``cap``: asynchronous rounds, ``W x (orgs - 1)`` per-round counters and
+    disclosed keys at most. Raises :class:`WireError` naming the counter."""
+    _accusations(dict(report.metrics), "TrainReport.metrics", cap, dict(report.disclosed_keys))
 
 
 def _key_map(m: Mapping[str, bytes], where: str, lim: WireLimits) -> dict[str, bytes]:

@@ -4,7 +4,8 @@
 off) and does the four things that cross it: :meth:`~IdentityBorder.publish` a batch (sealed for the other orgs in
 coordinator-blind mode, ``security.encrypt``, then signed), :meth:`~IdentityBorder.opener` (the intake's check of
 a foreign batch: signature, freshness, decryption), :meth:`~IdentityBorder.sign_report` and
-:meth:`~IdentityBorder.evidence` (the content keys of batches this learner found lying, for the coordinator).
+:meth:`~IdentityBorder.evidence` (the content keys of batches this learner found lying, for the coordinator; per
+(source, round) in asynchronous rounds, :mod:`hacrl_fed.wire.accusations`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hacrl_fed.security.keyring import load_org_identity, load_run_roster
 from hacrl_fed.security.reports import sign_report
 from hacrl_fed.security.sealing import content_key, is_sealed, open_batch, seal_batch
 from hacrl_fed.types import RolloutBatch, TrainReport, TrainRequest
+from hacrl_fed.wire.accusations import round_counter, round_key
 from hacrl_fed.worker.intake import Opener
 
 
@@ -77,12 +79,31 @@ class IdentityBorder:
         the coordinator can open that batch and check the verdict itself (SECURITY.md)."""
         if not self.cfg.security.encrypt or self.identity is None:
             return {}
+        if self.cfg.federation.staleness >= 1:
+            return self.late_evidence(request, trust)
         keys = {}
         for batch in request.source_batches:
             src = str(getattr(batch, "org_id", ""))
             if trust.get(f"trust/{src}/mismatches", 0.0) > 0 and src not in keys:
                 try:
                     keys[src] = content_key(batch, self.org_id, self.identity.box_key)
+                except RejectedBatch:  # its batch did not open here either: nothing to disclose
+                    continue
+        return keys
+
+    def late_evidence(self, request: TrainRequest, trust: dict[str, float]) -> dict[str, bytes]:
+        """Asynchronous rounds: the content key of each (source, round) batch this learner found mismatches in
+        (``trust/<source>/round/<round>/mismatches`` >= 1), under ``"<source>/<round>"``: a request may carry
+        several batches of one source, and the coordinator opens exactly the one accused."""
+        assert self.identity is not None
+        keys = {}
+        for batch in request.source_batches:
+            src, rnd = str(getattr(batch, "org_id", "")), getattr(batch, "round", None)
+            if not isinstance(rnd, int) or trust.get(round_counter(src, rnd), 0.0) < 1:
+                continue
+            if round_key(src, rnd) not in keys:
+                try:
+                    keys[round_key(src, rnd)] = content_key(batch, self.org_id, self.identity.box_key)
                 except RejectedBatch:  # its batch did not open here either: nothing to disclose
                     continue
         return keys

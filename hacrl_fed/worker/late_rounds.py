@@ -14,7 +14,9 @@ lock-step rounds; this module handles the others:
   late rows are grouped per (round, source).
 - :func:`screen_late` checks each late batch against the plan **of its own round**, re-derived from the learner's
   own prompts of that round (``screen_batch`` with the learner's verifier), and excludes a source whose share of
-  contradicted rewards exceeds ``security.max_mismatch_rate``.
+  contradicted rewards exceeds ``security.max_mismatch_rate``. In coordinator-blind mode every batch's counts
+  (late or of the request's own round) are also kept per (source, round) (``trust/<source>/round/<round>/...``,
+  :class:`~hacrl_fed.worker.ledger.Ledger`), so the learner's accusations name the batch they are about.
 - A late row of round ``r`` joins the joint group ``late_group(r, prompt)``: its baseline and standard deviation
   count the learner's own rewards of that prompt of round ``r`` and the foreign rows of that round it admitted in
   earlier steps (:func:`baseline_rows`: rows without tokens, not trained on again, like rows without tokens in
@@ -94,6 +96,7 @@ def screen_late(
             batch = RolloutBatch(request.run_id, rnd, src, tuple(rows), 0.0)
             plan = source_plan(cfg, src, request.run_id, rnd, own.task, own.prompts)
             result = screen_batch(batch, plan, src, verify=verify, max_bytes_per_token=cfg.security.max_bytes_per_token)
+            ledger.screened_round(src, rnd, result)
             merge_screened(ledger, src, result, len(rows))
             if result.mismatch_rate > cfg.security.max_mismatch_rate and not ledger.entry(src).excluded:
                 ledger.exclude(src)
@@ -171,7 +174,11 @@ class LateRounds:
             current, late = split_signed(intake.cfg, intake.org_id, self.request, own, recent, ledger, self.opener)
         else:
             current, late = split_rounds(intake.cfg, intake.org_id, self.request, own, recent, ledger)
+        ledger.by_round = intake.cfg.security.encrypt  # blind mode: accusations name (source, round)
         foreign = intake.screen(current, own, ledger, opener=None, lazy=None)  # stages 1-4, the request's own round
+        for src, entry in list(ledger.sources.items()):  # so far only this round's batches were screened
+            if entry.screened is not None:
+                ledger.screened_round(src, own.round, entry.screened)
         self.late_rows = screen_late(intake.cfg, intake.org_id, self.request, late, recent, intake.verifier(), ledger)
         for row in own.rows:
             row.round = own.round

@@ -10,7 +10,10 @@ The ledger writes the same metric keys as before it existed (docs/METRICS.md), u
 * ``select/...``: the selection rule's counts (:meth:`~hacrl_fed.algorithm.selection.Selection.metrics`);
 * ``train/foreign_unscored`` (re-tokenization: unknown prompt, no tokens or over-long text) and
   ``train/num_too_long`` (rows that do not fit the learner's context; own rows included);
-* ``screen/<source>/...``: the likelihood screen.
+* ``screen/<source>/...``: the likelihood screen;
+* asynchronous rounds in coordinator-blind mode only (:attr:`Ledger.by_round`): ``trust/<source>/round/<round>/
+  {checked,mismatches}``, the screen's counts per batch, so an accusation names the batch it is about
+  (:mod:`hacrl_fed.wire.accusations`).
 
 Two counters keep their historical meaning where it differs from a row count: a batch rejected whole counts at
 least once under ``trust/<source>/rejected/<reason>`` even when it holds no rows (so an empty forged batch stays
@@ -25,6 +28,7 @@ import dataclasses
 from collections import Counter
 
 from hacrl_fed.plan.screening import Screened
+from hacrl_fed.wire.accusations import round_counter
 
 UNSIGNED = "unsigned"  # loose rollouts in a signed run: not a batch, not counted received under trust/
 
@@ -72,6 +76,8 @@ class Ledger:
         self.select_metrics: dict[str, float] = {}
         self.screen_metrics: dict[str, float] = {}
         self.own_too_long = 0  # the learner's own rows that do not fit its context (train/num_too_long)
+        self.by_round = False  # keep the screen's counts per (source, round) (asynchronous rounds, blind mode)
+        self.rounds: dict[tuple[str, int], Screened] = {}
 
     def entry(self, source: str) -> SourceEntry:
         return self.sources.setdefault(source, SourceEntry())
@@ -91,6 +97,11 @@ class Ledger:
         e.screened = result
         for why, n in result.rejected.items():
             self.drop(source, "trust", why, n if rows else 0)  # a rejected empty batch counts once, holds no rows
+
+    def screened_round(self, source: str, round: int, result: Screened) -> None:
+        """``screen_batch``'s verdict on ``source``'s batch of ``round``, kept apart when :attr:`by_round`."""
+        if self.by_round:
+            self.rounds[(source, round)] = result
 
     def exclude(self, source: str) -> None:
         """Too many contradicted rewards: the source's accepted rows are dropped (``source_excluded``)."""
@@ -125,10 +136,14 @@ class Ledger:
         return {src: (e.received, e.kept, sum(e.dropped.values())) for src, e in self.sources.items()}
 
     def trust_metrics(self) -> dict[str, float]:
-        """``trust/<source>/...`` per source and the two totals ``trust/foreign_{accepted,rejected}``."""
+        """``trust/<source>/...`` per source (and per (source, round) when :attr:`by_round`) and the two totals
+        ``trust/foreign_{accepted,rejected}``."""
         out: dict[str, float] = {}
         for src, e in self.sources.items():
             out.update(e.trust_metrics(src))
+        for (src, rnd), s in sorted(self.rounds.items()):
+            out[round_counter(src, rnd, "checked")] = float(s.checked)
+            out[round_counter(src, rnd)] = float(s.mismatches)
         out["trust/foreign_accepted"] = float(sum(e.accepted() for e in self.sources.values()))
         out["trust/foreign_rejected"] = float(sum(sum(e.trust_rejected().values()) for e in self.sources.values()))
         return out
