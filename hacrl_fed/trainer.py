@@ -130,6 +130,14 @@ def adapter_dropout(modules: Sequence[torch.nn.Module]):
             m.train(mode)
 
 
+def failed_groups(rows: Sequence[TrainRow]) -> set[int]:
+    """The joint groups none of whose own rows is right (reward > 0; a group without own rows counts as failed):
+    where ``algorithm.baseline_rows: in_band_solved`` keeps every row in the advantage statistics, since there the
+    foreign rows are the only signal the group has (its own rows alone are uniform)."""
+    solved = {r.group for r in rows if r.is_self and r.reward > 0}
+    return {r.group for r in rows} - solved
+
+
 def _pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
     out = torch.zeros(len(rows), width)
     for i, r in enumerate(rows):
@@ -378,19 +386,22 @@ class LocalTrainer:
         -M, M))`` with ``lbar_0`` normalised as the loss does (:meth:`TrainRow.prox_seq_log_prob`: per token or per
         byte), lies in the cross band of step 0 (:func:`~hacrl_fed.algorithm.hacpo_cross_band`); a foreign row
         without tokens has no ratio and is left out. One no-grad pass of :meth:`log_prob_sums` over the foreign
-        rows."""
-        if self.algo.baseline_rows != "in_band":
+        rows. ``in_band_solved``: the same mask, and every row of a group none of whose own rows is right
+        (reward > 0) kept, as ``joint`` keeps it (:func:`failed_groups`)."""
+        if self.algo.baseline_rows == "joint":
             return None
         keep = torch.tensor([r.is_self for r in rows], dtype=torch.bool)
         cross = [i for i, r in enumerate(rows) if not r.is_self and r.response_ids]
-        if not cross:
-            return keep
-        sums = self.log_prob_sums([rows[i] for i in cross])
-        lbar0 = [dataclasses.replace(rows[i], prox_log_prob_sum=x).prox_seq_log_prob() for i, x in zip(cross, sums)]
-        old = torch.tensor([rows[i].old_seq_log_prob for i in cross], dtype=torch.float64)
-        m = self.algo.max_abs_log_ratio
-        ratio = torch.exp(torch.clamp(torch.tensor(lbar0, dtype=torch.float64) - old, -m, m))  # s at step 0
-        keep[cross] = hacpo_cross_band(ratio, 0, self.loss_cfg)[2]
+        if cross:
+            sums = self.log_prob_sums([rows[i] for i in cross])
+            lbar0 = [dataclasses.replace(rows[i], prox_log_prob_sum=x).prox_seq_log_prob() for i, x in zip(cross, sums)]
+            old = torch.tensor([rows[i].old_seq_log_prob for i in cross], dtype=torch.float64)
+            m = self.algo.max_abs_log_ratio
+            ratio = torch.exp(torch.clamp(torch.tensor(lbar0, dtype=torch.float64) - old, -m, m))  # s at step 0
+            keep[cross] = hacpo_cross_band(ratio, 0, self.loss_cfg)[2]
+        if self.algo.baseline_rows == "in_band_solved":
+            failed = failed_groups(rows)
+            keep |= torch.tensor([r.group in failed for r in rows], dtype=torch.bool)
         return keep
 
     def _baseline_metrics(

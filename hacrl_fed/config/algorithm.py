@@ -84,13 +84,15 @@ class AlgorithmConfig(_Section):
             "means (hacpo, naive)"
         ),
     )
-    baseline_rows: Literal["joint", "in_band"] = Field(
+    baseline_rows: Literal["joint", "in_band", "in_band_solved"] = Field(
         "joint",
         description=_d(
             "which rows of a joint group its advantage statistics (baseline mu_k, std, 'all rewards equal') are "
-            "taken over: joint (the paper: every row) or in_band (the learner's own rows and the foreign rows "
+            "taken over: joint (the paper: every row), in_band (the learner's own rows and the foreign rows "
             "whose ratio s lies in the cross band at the update's first optimizer step; every row still gets "
-            "A = (R - mu_k) / (std + eps) from them; beyond the paper, issue 30; hacpo with cross_staleness: band)"
+            "A = (R - mu_k) / (std + eps) from them) or in_band_solved (in_band on the groups where one of the "
+            "learner's own rows is right, joint where all of them are wrong); beyond the paper, issue 30; hacpo "
+            "with cross_staleness: band"
         ),
     )
     max_abs_log_ratio: float = Field(
@@ -175,13 +177,14 @@ class AlgorithmConfig(_Section):
 
     @model_validator(mode="after")
     def _in_band_needs_the_band(self) -> AlgorithmConfig:
-        if self.baseline_rows != "in_band":
+        if self.baseline_rows == "joint":
             return self
+        form = self.baseline_rows
         if self.name != "hacpo":
-            raise ValueError(f"baseline_rows: in_band needs HACPO's cross band (name: hacpo), not {self.name!r}")
+            raise ValueError(f"baseline_rows: {form} needs HACPO's cross band (name: hacpo), not {self.name!r}")
         if self.cross_staleness == "decoupled":
             raise ValueError(
-                "baseline_rows: in_band with cross_staleness: decoupled is not supported (the decoupled loss has no "
+                f"baseline_rows: {form} with cross_staleness: decoupled is not supported (the decoupled loss has no "
                 "stepwise cross band to test the rows against)"
             )
         return self
