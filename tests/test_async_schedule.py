@@ -188,3 +188,18 @@ def test_the_bound_caps_the_lead_not_the_pace(f):
         out = simulate(ScheduleSpec({"a": 1.0, "b": 1.0, "slow": f}, rounds, staleness=k))
         assert out.finished["a"] == out.finished["b"] == max((rounds - k) * f, rounds) + 1.0
         assert out.finished["slow"] == rounds * f + f
+
+
+@pytest.mark.parametrize("orgs", [("acme", "globex"), ("acme", "globex", "initech")])
+def test_at_k1_what_each_step_trains_on_does_not_depend_on_how_much_slower_the_slow_org_is(orgs):
+    """K = 1, one org f times slower: for every f >= 2 each org's steps carry the same own and foreign batches (so
+    the same weights; the matrix's `async2_k1` and `async4_k1` cells have equal curves), only the clock differs. At
+    equal speeds (f = 1: lock-step) every foreign batch is of the round before; at any f > 1 the fast org's are one
+    round older (it ran ahead by K) and the data differ."""
+
+    def data(f):
+        out = simulate(ScheduleSpec({o: (f if o == "acme" else 1.0) for o in orgs}, 12, staleness=1))
+        return sorted((s.org, s.round, s.version, s.own, tuple(sorted(s.foreign))) for s in out.steps)
+
+    assert data(1.1) == data(1.5) == data(2.0) == data(3.0) == data(4.0) == data(16.0)
+    assert data(1.0) != data(1.1)
