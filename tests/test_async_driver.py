@@ -130,8 +130,9 @@ def test_a_fast_org_with_its_own_rounds_keeps_stepping_and_evaluates_at_its_roun
 def test_with_a_lead_bound_an_org_that_published_its_last_round_stops_holding_the_others(tmp_path):
     """K = 1, a (1 s) 8 rounds, b (4 s) 4: a plans round t once b published t - 2 (at 4 (t - 2)), and from b's last
     round (16) on runs at its own pace (hand-computed in tests/test_async_schedule.py)."""
-    co, _, _ = _run(tmp_path, {"a": 1.0, "b": 4.0}, staleness=1, rounds=4, skills={"a": 0.25, "b": 0.5},
-                    org_rounds={"a": 8})
+    co, _, _ = _run(
+        tmp_path, {"a": 1.0, "b": 4.0}, staleness=1, rounds=4, skills={"a": 0.25, "b": 0.5}, org_rounds={"a": 8}
+    )
     drv = co.async_driver
     assert [s.start for s in drv.steps if s.org == "a"] == [0.0, 1.0, 4.0, 8.0, 12.0, 16.0, 17.0, 18.0, 19.0]
     assert drv.finished == {"a": 20.0, "b": 20.0}
@@ -303,7 +304,8 @@ def test_on_the_wall_clock_replies_are_taken_as_they_come_within_the_bound(tmp_p
             assert other == step.org or step.round - 2 <= max(published, default=0), (step, other)
     b_by = [(at, t.round) for at, t in drv.published if t.source == "b"]
     ahead = [
-        s for s in drv.steps
+        s
+        for s in drv.steps
         if s.org == "a" and s.round <= 5 and max([r for at, r in b_by if at <= s.start], default=0) < s.round - 1
     ]
     assert ahead  # a planned a round before b had published the one before it: it did not wait for b
@@ -408,8 +410,19 @@ def _weights(worker):
 def _comparable(records):
     """Per round, the metrics both drivers write, less timings."""
     skip = ("time/", "cpu/", "perf/", "async/", "wall_time")
-    return [{k: v for k, v in rec.items() if not k.startswith(skip) and "/time/" not in k and "/cpu/" not in k
-             and "/perf/" not in k and not k.endswith("/messages") and "/gen/tok" not in k} for rec in records]
+    return [
+        {
+            k: v
+            for k, v in rec.items()
+            if not k.startswith(skip)
+            and "/time/" not in k
+            and "/cpu/" not in k
+            and "/perf/" not in k
+            and not k.endswith("/messages")
+            and "/gen/tok" not in k
+        }
+        for rec in records
+    ]
 
 
 @pytest.mark.slow
@@ -447,18 +460,26 @@ def test_k0_is_today_s_loop_bit_for_bit_and_the_driver_at_k0_reproduces_it(tmp_p
 
 
 @pytest.mark.slow
-def test_an_honest_signed_k1_run_gives_the_unsigned_run_s_numbers(tmp_path):
+def test_an_honest_signed_k1_run_gives_the_unsigned_run_s_numbers(tmp_path, monkeypatch):
     """globex 4x slower, K = 1, signing on: every batch is verified by the coordinator and end to end by each
     learner (signature, window, tag, version, fresh plan), none is refused, and the weights and metrics are those of
     the same run unsigned."""
     import torch
 
+    from hacrl_fed.coordinator.async_driver import AsyncDriver
+
+    relayed: list = []  # every envelope the driver kept, before it forgets the spent ones
+    forget = AsyncDriver.forget_spent
+    monkeypatch.setattr(
+        AsyncDriver, "forget_spent", lambda self: (relayed.extend(self.envelopes.values()), forget(self))
+    )
     steps = {"acme": 1.0, "globex": 4.0}
     plain = _tiny_run(tmp_path / "plain", _tiny_cfg(staleness=1, virtual_step_s=steps))
+    assert not relayed
     signed = _tiny_run(tmp_path / "signed", _tiny_cfg({"signing": True}, staleness=1, virtual_step_s=steps))
     assert signed[0].async_driver.steps == plain[0].async_driver.steps
-    assert all(b.signature and b.plan_challenges for b in signed[0].async_driver.envelopes.values())
-    assert not plain[0].async_driver.envelopes and signed[3][2]["acme/trust/globex/received"] == 4 * 4
+    assert relayed and all(b.signature and b.plan_challenges for b in relayed)
+    assert signed[3][2]["acme/trust/globex/received"] == 4 * 4
     for org in ("acme", "globex"):
         assert torch.equal(_weights(plain[1][org]), _weights(signed[1][org])), org
     assert plain[2].eval_history == signed[2].eval_history and plain[2].capability == signed[2].capability

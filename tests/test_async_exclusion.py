@@ -6,6 +6,7 @@ refused ``source_excluded`` (counted, never dropped silently).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -83,3 +84,39 @@ def test_a_source_the_receivers_screens_reject_is_excluded_and_its_waiting_batch
         )
         assert [req.round for req in workers[org].train_requests] == list(range(1, 9))
     assert drv.refused["a"]["source_excluded"] + drv.refused["c"]["source_excluded"] > 0
+
+
+def test_the_pool_forgets_the_rows_no_learner_can_take_and_nothing_else_changes(tmp_path, monkeypatch):
+    """30 rounds, K = 2 (window 3), b 4x slower: the coordinator keeps the rows of at most orgs x (W + K + 2)
+    batches at any time (not one per org and round), and every learner gets exactly the requests, and every pair
+    exactly the refusals, of the same run that keeps everything."""
+    from hacrl_fed.coordinator.async_driver import AsyncDriver
+
+    steps = {"a": 1.0, "b": 4.0, "c": 1.0}
+
+    def run(path, forget):
+        cfg = fake_config(tuple(SKILLS), rounds=30, staleness=2, virtual_step_s=steps)
+        workers = {o: FakeWorker(o, s) for o, s in SKILLS.items()}
+        co = Coordinator(cfg, InProcessTransport(workers), path, task=FakeTask())
+        co.run()
+        return co.async_driver, workers
+
+    held: list[int] = []
+    real = AsyncDriver.forget_spent
+
+    def counting(self):
+        real(self)
+        held.append(len(self.held))
+
+    monkeypatch.setattr(AsyncDriver, "forget_spent", counting)
+    drv, workers = run(tmp_path / "forget", True)
+    monkeypatch.setattr(AsyncDriver, "forget_spent", lambda self: None)
+    kept, kept_workers = run(tmp_path / "keep", False)
+    assert max(held) <= 3 * (3 + 2 + 2) < len(kept.pool) == 90
+    assert sum(1 for rows in drv.pool.values() if rows) == len(drv.held) and len(drv.pool) == 90
+    for org in SKILLS:  # the run id differs between the two runs (it names the run's directory)
+        mine, theirs = (
+            [dataclasses.replace(r, run_id="") for r in w[org].train_requests] for w in (workers, kept_workers)
+        )
+        assert mine == theirs and len(mine) == 30
+    assert drv.refused == kept.refused and drv.steps == kept.steps

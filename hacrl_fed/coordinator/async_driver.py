@@ -180,6 +180,7 @@ class AsyncDriver:
         self.capabilities = RoundCapabilities.from_algorithm(cfg.algorithm)
         self.issued: dict[tuple[str, int], int] = {}
         self.pool: dict[BatchTag, tuple[Rollout, ...]] = {}  # accepted batches, publish order
+        self.held: set[BatchTag] = set()  # the pooled batches whose rows are still kept (forget_spent)
         self.signing = cfg.security.signing
         self.envelopes: dict[BatchTag, RolloutBatch] = {}  # signing on: each accepted batch verbatim
         self.plans: dict[BatchTag, RoundPlan] = {}  # blind mode: the plan each accepted batch answered
@@ -223,6 +224,7 @@ class AsyncDriver:
                 if org.busy is not None and not org.busy.lost and org.busy.step.end <= now:
                     self.complete(org, now)
             self.faults(now)
+            self.forget_spent()
             self.flush(final=False)
             self.start_ready(now)
             ends = [o.busy.step.end for o in self.orgs.values() if o.busy is not None and not o.busy.lost]
@@ -242,6 +244,7 @@ class AsyncDriver:
                 if org.busy is not None and org.busy.future is not None and org.busy.future.done():
                     self.complete(org, now)
             self.faults(now)
+            self.forget_spent()
             self.flush(final=False)
             self.start_ready(now)
 
@@ -472,6 +475,7 @@ class AsyncDriver:
             return
         tag = BatchTag(org.name, t, batch.version if self.signing else org.version)  # signed: the source's word
         self.pool[tag], org.own = tuple(ok), tag
+        self.held.add(tag)
         if self.signing:
             self.envelopes[tag] = batch
         if self.accusations is not None:
@@ -482,6 +486,27 @@ class AsyncDriver:
         if acc is not None:
             rd.accuracy[org.name] = acc
             self.capabilities.record(t, {org.name: acc})
+
+    def forget_spent(self) -> None:
+        """Drop the rows, envelope and plan of every pooled batch no learner can take any more, so the
+        coordinator's memory is bounded by the window, not the run's length; its tag stays in ``pool`` (an empty
+        tuple), so a learner that never saw it still counts it (``beyond_window`` at its next step, or at the end).
+        A batch is spent for org ``o`` when ``o`` is the source, is done, has seen it, or can no longer take it:
+        ``o`` plans ``level + 1`` or later (a death or a rejoin never lowers ``level``), so a batch of a round below
+        ``level + 1 - W`` is outside every window it will have. A batch in a step in flight is kept: its learner's
+        report may still accuse it (blind mode)."""
+        flying = {tag for o in self.orgs.values() if o.busy is not None for tag in o.busy.step.foreign}
+        for tag in sorted(self.held - flying):
+            if all(self.spent(o, tag) for o in self.orgs.values()):
+                self.pool[tag] = ()
+                self.envelopes.pop(tag, None)
+                self.plans.pop(tag, None)
+                self.held.discard(tag)
+
+    def spent(self, org: _Org, tag: BatchTag) -> bool:
+        """Whether ``org`` can never take ``tag`` again (:meth:`forget_spent`)."""
+        seen = (tag.source, tag.round) in org.seen
+        return org.done or tag.source == org.name or seen or tag.round < org.level + 1 - self.window
 
     # -- the end and the logs ----------------------------------------------------------------------------------
 
