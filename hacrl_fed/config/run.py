@@ -128,9 +128,6 @@ def _check_asynchronous(cfg: RunConfig) -> None:
     needs = {
         "federation.protocol: fused": fed.protocol == "fused",
         "federation.min_orgs: 1 (each org steps alone)": fed.min_orgs == 1,
-        "trainer.outcome_guard.enabled: false (its rollback assumes one round per update)": not any(
-            org_trainer(cfg, o.id).outcome_guard.enabled for o in cfg.orgs
-        ),
     }
     for need, ok in needs.items():
         if not ok:

@@ -151,12 +151,12 @@ def baseline_rows(groups: Iterable[int], recent: RecentRounds, learner: int, age
 @dataclasses.dataclass
 class LateRounds:
     """:meth:`~hacrl_fed.worker.intake.Intake.admit`'s :class:`~hacrl_fed.worker.intake.Rounds` in asynchronous
-    rounds (no outcome guard, no lazy screen: the config refuses them with ``federation.staleness >= 1``): the
-    request's own round through stages 1-4 as in lock-step rounds, the late rows through :func:`split_rounds`
-    (signing on: the signed batches through :func:`~hacrl_fed.worker.late_signed.split_signed` with ``opener``)
-    and :func:`screen_late`; selection, re-tokenization, the likelihood screen and the context fit then run over
-    both, with the late groups' baselines (:func:`baseline_rows`); each row's round, age and per-round capability
-    figures set."""
+    rounds (no lazy screen: the config refuses it with ``federation.staleness >= 1``): the request's own round
+    through stages 1-4 as in lock-step rounds, the late rows through :func:`split_rounds` (signing on: the signed
+    batches through :func:`~hacrl_fed.worker.late_signed.split_signed` with ``opener``) and :func:`screen_late`, then
+    the outcome guard's quarantine over both (``leave_out``, the learner's current round decides, whatever round a
+    row answers); selection, re-tokenization, the likelihood screen and the context fit then run over both, with the
+    late groups' baselines (:func:`baseline_rows`); each row's round, age and per-round capability figures set."""
 
     intake: Intake
     request: TrainRequest
@@ -164,6 +164,7 @@ class LateRounds:
     recent: RecentRounds
     opener: Any
     late_rows: list[Rollout] = dataclasses.field(default_factory=list)
+    leave_out: Any = None  # the outcome guard's quarantine (hacrl_fed.worker.intake.LeaveOut); None: the guard is off
 
     def gather(self, ledger: Ledger) -> tuple[list[Rollout], dict[str, float]]:
         """Stages 1-4 of the request's own round and :func:`screen_late` of the earlier rounds' rows."""
@@ -182,7 +183,13 @@ class LateRounds:
         self.late_rows = screen_late(intake.cfg, intake.org_id, self.request, late, recent, intake.verifier(), ledger)
         for row in own.rows:
             row.round = own.round
-        return [r for r in foreign if not ledger.entry(str(r.org_id)).excluded] + self.late_rows, {}
+        rows = [r for r in foreign if not ledger.entry(str(r.org_id)).excluded] + self.late_rows
+        if self.leave_out is None:
+            return rows, {}
+        rows, outcome = self.leave_out(rows, ledger)
+        admitted = {id(r) for r in rows}
+        self.late_rows = [r for r in self.late_rows if id(r) in admitted]  # a quarantined source's late rows too
+        return rows, outcome
 
     def offer(self, agents: list[str], learner: int) -> tuple[OwnRound, list[TrainRow]]:
         """The own round with the late groups' prompt tokens, and the learner's own rows of those groups."""

@@ -265,7 +265,9 @@ class PolicyWorker(RunRouting):
             opener=opener,
             scoring=Scoring.of(self.trainer),
             leave_out=leave_out,
-            late=None if self._recent is None else LateRounds(self.intake, request, own, self._recent, opener=opener),
+            late=None
+            if self._recent is None
+            else LateRounds(self.intake, request, own, self._recent, opener=opener, leave_out=leave_out),
         )
         score_perf = perf.lap("score", admitted.scored_tokens)
         raise_if_cancelled("before the update")
@@ -284,7 +286,8 @@ class PolicyWorker(RunRouting):
         self.engine.sync_weights(self.model)
         if self.outcome is not None:  # validate when due; a regression rolls the weights back
             trained = sorted({admitted.agents[r.source] for r in admitted.rows if not r.is_self})
-            outcome.update(self.outcome.after_update(own.round, self.cfg.federation.rounds, trained, self))
+            last = self.cfg.federation.rounds_of(self.org_id)  # its own last round (federation.org_rounds)
+            outcome.update(self.outcome.after_update(own.round, last, trained, self))
         metrics = {**admitted.update_metrics(update), **score_perf, **outcome}
         metrics.update(perf.lap("train", update.get("train/num_tokens", 0.0)))
         c2 = time.process_time()  # cpu/...: this process's CPU seconds (all its threads), split as time/...
