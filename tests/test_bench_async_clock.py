@@ -11,10 +11,10 @@ import pytest
 from hacrl_tools.bench.async_clock import accuracy_at, lock_step_clock, round_step_s, time_to
 
 
-def test_a_lock_step_curve_runs_on_the_slowest_step_or_its_own():
+def test_a_lock_step_curve_runs_on_the_slowest_step():
     curve = [[0, 0, 0.2], [10, 1280, 0.3], [20, 2560, 0.5]]
     assert round_step_s({"acme": 4.0}, ["acme", "globex"]) == 4.0
-    assert round_step_s({"acme": 4.0}, ["acme", "globex"], alone="globex") == 1.0
+    assert round_step_s({"globex": 0.5}, ["acme", "globex"]) == 1.0  # an org the map does not name: 1
     assert lock_step_clock(curve, 4.0) == [[0, 0.0, 0.2], [10, 44.0, 0.3], [20, 84.0, 0.5]]
 
 

@@ -27,10 +27,8 @@ def lock_step_clock(curve: Curve, step_s: float) -> list[list[float]]:
     return [[t, 0.0 if t == 0 else (t + 1) * step_s, acc] for t, _, acc in curve]
 
 
-def round_step_s(step_s: Mapping[str, float], orgs: Sequence[str], *, alone: str | None = None) -> float:
-    """A lock-step round's duration: the slowest org's step, or ``alone``'s own step (isolated training)."""
-    if alone is not None:
-        return float(step_s.get(alone, 1.0))
+def round_step_s(step_s: Mapping[str, float], orgs: Sequence[str]) -> float:
+    """A lock-step round's duration: the slowest org's step."""
     return max(float(step_s.get(o, 1.0)) for o in orgs)
 
 
