@@ -194,6 +194,23 @@ def test_an_asynchronous_cell_has_a_clock_curve_and_a_lock_step_one_none():
     assert "clock_curve" not in learning.summarize_cell(cfg, lock_step)["agents"]["a"]
 
 
+def test_a_guarded_cell_keeps_the_guard_s_verdicts_and_an_unguarded_one_none():
+    from hacrl_fed.config import load_config
+
+    cfg = load_config({**TINY, "orgs": [{"id": "a", "model": {"zoo": "micro-qwen-char"}}]})
+    records = [{"round": 0, "eval/a/accuracy": 0.25},
+               {"round": 4, "a/outcome/validated": 1.0, "a/outcome/val_accuracy": 0.5, "a/outcome/rollback": 1.0,
+                "a/outcome/b/quarantined_until": 12.0, "a/outcome/adopted": 0.0, "a/outcome/shadow_accuracy": 0.4},
+               {"round": 5, "a/outcome/validated": 0.0, "a/outcome/b/quarantined": 1.0},
+               {"round": 8, "a/outcome/validated": 1.0, "a/outcome/val_accuracy": 0.6, "a/outcome/adopted": 1.0,
+                "a/outcome/shadow_accuracy": 0.7, "a/outcome/b/blamed_counterfactual": 1.0,
+                "a/outcome/b/quarantined_until": 24.0, "eval/a/accuracy": 0.5}]
+    out = learning.summarize_cell(cfg, records)["agents"]["a"]["outcome"]
+    assert out == {"rollbacks": [4], "adopted": [8], "validations": [[4, 0.5, 0.4], [8, 0.6, 0.7]],
+                   "blamed": {"b": [4, 8]}}
+    assert "outcome" not in learning.summarize_cell(cfg, records[:1])["agents"]["a"]
+
+
 def _round(t: int, wall: float, **extra) -> dict:
     rec = {"round": t, "time/round": wall, "time/generate": wall / 2, "time/train": wall / 4,
            "round/a/rollouts_received": 8.0, "round/b/rollouts_received": 8.0,

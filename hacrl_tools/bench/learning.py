@@ -13,7 +13,9 @@ after and along the run with the rollouts generated so far, rollouts generated, 
 phase, the algorithm's ratio and clip statistics over the rounds, the foreign rows offered / selected / left out by
 the rule and by the budget per source summed over the rounds (``selection``), the held-out accuracy per slice along
 the run for a task with slices (``slice_curves``, absent otherwise), with asynchronous rounds the held-out accuracy
-against the driver's clock (``clock_curve``, absent otherwise); for the cell its resolved config, its
+against the driver's clock (``clock_curve``, absent otherwise), with the outcome guard on its verdicts
+(``outcome``: rollbacks, adoptions of its shadow, validations, the sources blamed; absent otherwise); for the cell
+its resolved config, its
 hash, the code version and the machine). A rerun skips every cell whose JSON holds the same config hash, so the
 matrix can run in pieces, in any order, across sessions; a cell whose config changed is rerun and its JSON replaced.
 At the end the report (:mod:`hacrl_tools.bench.report`) is rewritten from every JSON found.
@@ -154,6 +156,31 @@ def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _outcome(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """``{"outcome": ...}`` with the outcome guard on (``<org>/outcome/...``, docs/METRICS.md), else nothing: the
+    rounds it rolled back and adopted its shadow, each validation ``[round, learner, shadow or None]`` accuracy on
+    the private split, and per source the rounds it was blamed (struck)."""
+    head = f"{org}/outcome/"
+    if not any(k.startswith(head) for _, rec in rounds for k in rec):
+        return {}
+    out: dict[str, Any] = {"rollbacks": [], "adopted": [], "validations": [], "blamed": {}}
+    for t, rec in rounds:
+        if rec.get(head + "rollback"):
+            out["rollbacks"].append(t)
+        if rec.get(head + "adopted"):
+            out["adopted"].append(t)
+        if rec.get(head + "validated") and head + "val_accuracy" in rec:
+            shadow = rec.get(head + "shadow_accuracy")
+            out["validations"].append([t, float(rec[head + "val_accuracy"]), None if shadow is None else float(shadow)])
+        for key in rec:
+            src, _, what = key[len(head) :].partition("/")
+            if key.startswith(head) and what in ("blamed_counterfactual", "quarantined_until"):
+                out["blamed"].setdefault(src, [])
+                if t not in out["blamed"][src]:
+                    out["blamed"][src].append(t)
+    return {"outcome": out}
+
+
 def summarize_agent(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
     """One agent's results from ``(round, merged record)`` pairs in round order (the module docstring's fields)."""
     generated, curve, reward_curve, clock_curve = 0.0, [], [], []
@@ -197,6 +224,7 @@ def summarize_agent(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[
         "capability": _stats(capability) if capability else None,
         "stats": {k: _stats(v) for k, v in sorted(algo.items())},
         "shares": _shares(algo),  # every *_frac over the whole run, from the summed counts
+        **_outcome(org, rounds),
         "selection": {k: int(v) for k, v in sorted(selection.items())},  # foreign rows offered/selected/dropped
         **({"slice_curves": slices} if (slices := slice_curves(org, rounds)) else {}),
         # asynchronous rounds: [round, the driver's clock when the org's weights after that round existed, accuracy]
