@@ -26,22 +26,33 @@ def vec(right: int, n: int = 100) -> list[bool]:
 
 
 def test_significantly_worse_than_the_shadow_adopts_it_and_strikes():
-    v = against_shadow(vec(60), vec(40), z=2.0, margin=2, last=False)  # 20 lost, 0 gained: 20 > 2 * sqrt(20)
+    v = against_shadow(vec(60), vec(40), z=2.0, margin=2, last=False, last_z=1.0)  # 20 lost, 0 gained: 20 > 2 * sqrt(20)
     assert (v.comparison.lost, v.comparison.gained, v.adopt, v.strike) == (20, 0, True, True)
 
 
 def test_within_the_slack_changes_nothing_before_the_last_round_and_adopts_without_strike_at_it():
-    before = against_shadow(vec(60), vec(57), z=2.0, margin=2, last=False)  # 3 lost: 3 <= max(2 * sqrt(3), 2)
+    before = against_shadow(vec(60), vec(57), z=2.0, margin=2, last=False, last_z=1.0)  # 3 lost: 3 <= max(2 * sqrt(3), 2)
     assert (before.comparison.lost, before.adopt, before.strike) == (3, False, False)
-    last = against_shadow(vec(60), vec(57), z=2.0, margin=2, last=True)  # the better of two at the end: the shadow
+    last = against_shadow(vec(60), vec(57), z=2.0, margin=2, last=True, last_z=1.0)  # 3 > 1 * sqrt(3): the shadow
     assert (last.adopt, last.strike) == (True, False)
+
+
+def test_at_the_last_round_a_gap_within_last_z_standard_deviations_keeps_the_federated_weights():
+    """4 lost, 2 gained (the split's shadow 2 prompts better): 2 <= 1 * sqrt(6) keeps the learner at last_z = 1;
+    by the point estimate (last_z = 0, the old rule) the shadow is taken."""
+    shadow = [True] * 4 + [False] * 2 + [True] * 10
+    current = [False] * 4 + [True] * 2 + [True] * 10
+    kept = against_shadow(shadow, current, z=2.5, margin=2, last=True, last_z=1.0)
+    assert (kept.comparison.lost, kept.comparison.gained, kept.adopt) == (4, 2, False)
+    assert against_shadow(shadow, current, z=2.5, margin=2, last=True, last_z=0.0).adopt
+    assert against_shadow(shadow, current, z=2.5, margin=2, last=True, last_z=0.5).adopt  # 2 > 0.5 * sqrt(6)
 
 
 def test_a_tie_or_a_better_learner_keeps_its_weights_even_at_the_last_round():
     shadow, current = [True, True, False, False], [False, True, True, False]  # 1 lost, 1 gained
-    tie = against_shadow(shadow, current, z=2.0, margin=0, last=True)
+    tie = against_shadow(shadow, current, z=2.0, margin=0, last=True, last_z=1.0)
     assert (tie.comparison.lost, tie.comparison.gained, tie.adopt) == (1, 1, False)
-    assert not against_shadow(vec(50), vec(70), z=2.0, margin=2, last=True).adopt
+    assert not against_shadow(vec(50), vec(70), z=2.0, margin=2, last=True, last_z=1.0).adopt
 
 
 def test_the_counterfactual_is_due_every_period_and_at_the_last_round():
@@ -57,7 +68,7 @@ def test_a_slow_climb_is_blamed_on_every_source_since_the_shadow_not_since_the_r
         g.trained([src])
         assert g.judge(t, vec(right)).new_reference and g.implicated == set()
     assert g.since_shadow == {"globex", "initech"}
-    assert against_shadow(vec(60), vec(46), z=P.z, margin=P.margin, last=False).strike  # 14 > 2 * sqrt(14)
+    assert against_shadow(vec(60), vec(46), z=P.z, margin=P.margin, last=False, last_z=1.0).strike  # 14 > 2 * sqrt(14)
     assert g.adopt(3, vec(60), strike=True) == {"globex": 7, "initech": 7}  # round 3 + probation 4
     assert g.reference == vec(60) and g.since_shadow == set() and g.strikes == {"globex": 1, "initech": 1}
     g.trained(["hooli"])

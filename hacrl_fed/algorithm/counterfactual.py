@@ -15,15 +15,21 @@ test (:func:`hacrl_fed.algorithm.outcome_guard.compare`)::
 * **significantly worse than training alone** (``lost - gained > max(z * sqrt(lost + gained), margin)``): the
   learner **adopts** the shadow's weights and every foreign source it trained on since it last adopted them (or
   since the start) gets a strike (``strike``);
-* **the last round, worse by the point estimate** (``lost > gained``): the learner adopts the shadow's weights, no
-  strike (a final choice of the better of two candidates on a split neither trained on: when they are equal it
-  costs nothing in expectation, when the federated weights are better by ``d`` it picks the shadow with probability
-  about ``Phi(-d / sd(lost - gained))``);
+* **the last round, worse by more than ``last_z`` standard deviations** (``lost - gained > last_z * sqrt(lost +
+  gained)``; ``last_z = 0``: by the point estimate, ``lost > gained``): the learner adopts the shadow's weights, no
+  strike (a final choice between two candidates on a split neither trained on). The bar trades the two errors: when
+  the federated weights are truly better by ``d`` (``sd`` the standard deviation of ``lost - gained``) the shadow
+  is taken with probability about ``Phi(-(d + last_z * sd) / sd)``, the honest cost; harm ``h`` that stayed within
+  the mid-run slack is left with probability about ``Phi(last_z - h / sd)``. With ``last_z = 0`` an honest run whose
+  gain the 400-prompt split cannot resolve loses it about half the time (measured: ``state``, seed 0, globex gave
+  back 4.7 held-out points to a shadow 5 prompts better on the split); ``last_z = 1`` (the default) leaves at most
+  about ``0.5 * sd`` of expected harm and almost no honest cost;
 * otherwise nothing changes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,11 +52,12 @@ def due(round: int, last_round: int, every: int) -> bool:
 
 
 def against_shadow(
-    shadow: Sequence[bool], current: Sequence[bool], *, z: float, margin: int, last: bool
+    shadow: Sequence[bool], current: Sequence[bool], *, z: float, margin: int, last: bool, last_z: float
 ) -> CounterfactualVerdict:
     """The verdict on the learner's weights (``current``) against the shadow's (``shadow``) on the same prompts
-    (module doc); ``last``: this is the run's last round."""
+    (module doc); ``last``: this is the run's last round, where ``last_z`` is the bar."""
     cmp = compare(shadow, current, z, margin)
     if cmp.regressed:
         return CounterfactualVerdict(cmp, True, True)
-    return CounterfactualVerdict(cmp, last and cmp.lost > cmp.gained, False)
+    worse = cmp.lost - cmp.gained > last_z * math.sqrt(cmp.lost + cmp.gained)  # last_z = 0: lost > gained
+    return CounterfactualVerdict(cmp, last and worse, False)

@@ -210,7 +210,16 @@ class OutcomeGuardConfig(_Section):
         description=_d(
             "also train a shadow of this learner on its own rows alone and validate it every `every` rounds and the "
             "last: significantly worse than the shadow, the learner takes the shadow's weights and strikes the "
-            "sources trained since; worse by the point estimate at the last round, it takes them without a strike"
+            "sources trained since; worse by more than last_z standard deviations at the last round, it takes them "
+            "without a strike"
+        ),
+    )
+    last_z: float = Field(
+        1.0,
+        ge=0,
+        description=_d(
+            "the counterfactual's bar at the last round: adopt the shadow when lost - gained > last_z * sqrt(lost + "
+            "gained) on the split; 0: by the point estimate (lost > gained)"
         ),
     )
 

@@ -137,7 +137,7 @@ class OutcomeMonitor:
         t0 = time.perf_counter()
         shadow = self.shadow.validate(worker, self.validate)
         cf = counterfactual.against_shadow(
-            shadow, right, z=self.params.z, margin=self.params.margin, last=round >= last_round
+            shadow, right, z=self.params.z, margin=self.params.margin, last=round >= last_round, last_z=self.cfg.last_z
         )
         quarantined: dict[str, int] = {}
         if cf.adopt:
