@@ -385,16 +385,18 @@ class LocalTrainer:
         foreign row whose ratio at the pre-update weights (optimizer step 0), ``s = exp(clamp(lbar_0 - lbar_old,
         -M, M))`` with ``lbar_0`` normalised as the loss does (:meth:`TrainRow.prox_seq_log_prob`: per token or per
         byte), lies in the cross band of step 0 (:func:`~hacrl_fed.algorithm.hacpo_cross_band`); a foreign row
-        without tokens has no ratio and is left out. One no-grad pass of :meth:`log_prob_sums` over the foreign
-        rows. ``in_band_solved``: the same mask, and every row of a group none of whose own rows is right
-        (reward > 0) kept, as ``joint`` keeps it (:func:`failed_groups`)."""
+        without tokens has no ratio and is left out. ``lbar_0`` comes from the row's ``prox_log_prob_sum`` where
+        the likelihood screen left its score (the same weights), else from one no-grad pass of
+        :meth:`log_prob_sums` over the rest (:meth:`with_proximal`). ``in_band_solved``: the same mask, and every
+        row of a group none of whose own rows is right (reward > 0) kept, as ``joint`` keeps it
+        (:func:`failed_groups`)."""
         if self.algo.baseline_rows == "joint":
             return None
         keep = torch.tensor([r.is_self for r in rows], dtype=torch.bool)
         cross = [i for i, r in enumerate(rows) if not r.is_self and r.response_ids]
         if cross:
-            sums = self.log_prob_sums([rows[i] for i in cross])
-            lbar0 = [dataclasses.replace(rows[i], prox_log_prob_sum=x).prox_seq_log_prob() for i, x in zip(cross, sums)]
+            scored = self.with_proximal([rows[i] for i in cross])  # the screen's scores where it kept them
+            lbar0 = [r.prox_seq_log_prob() for r in scored]
             old = torch.tensor([rows[i].old_seq_log_prob for i in cross], dtype=torch.float64)
             m = self.algo.max_abs_log_ratio
             ratio = torch.exp(torch.clamp(torch.tensor(lbar0, dtype=torch.float64) - old, -m, m))  # s at step 0

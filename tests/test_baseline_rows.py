@@ -187,3 +187,17 @@ def test_failed_groups_counts_only_own_successes():
     foreign = lambda g, r: TrainRow([1], [2], r, g, 1, False, -1.0)  # noqa: E731
     rows = [own(0, 1.0), own(0, 0.0), own(1, 0.0), foreign(1, 1.0), foreign(2, 1.0), own(3, 0.5)]
     assert failed_groups(rows) == {1, 2}  # group 2 has no own row; a partial reward (0.5) is right
+
+
+def test_a_row_the_screen_scored_is_not_scored_again_and_gets_the_same_mask(monkeypatch):
+    model, tok, trainer = _trainer(baseline_rows="in_band")
+    rows = _rows(model, tok)
+    expected = trainer.baseline_rows(rows).tolist()  # scores the two foreign rows itself
+    sums = iter(trainer.log_prob_sums([r for r in rows if not r.is_self]))
+    prescored = [r if r.is_self else dataclasses.replace(r, prox_log_prob_sum=next(sums)) for r in rows]
+
+    def never(batch):
+        raise AssertionError(f"scored {len(batch)} rows again")
+
+    monkeypatch.setattr(trainer, "log_prob_sums", never)
+    assert trainer.baseline_rows(prescored).tolist() == expected == [True, True, True, False]

@@ -423,7 +423,17 @@ def screen_likelihood(
     out["screen/dropped"] = float(len(drop))
     out["time/screen"] = time.perf_counter() - t0
     ledger.screen_metrics = out
-    return [r for i, r in enumerate(rows) if i not in drop]
+    # each kept cross row carries its score as the pre-update log-prob sum (the weights do not change before the
+    # update), so the in-band baseline and the decoupled loss do not score it again (LocalTrainer.baseline_rows,
+    # with_proximal)
+    return [_scored_row(r, learner_sum.get(i)) for i, r in enumerate(rows) if i not in drop]
+
+
+def _scored_row(row: TrainRow, log_prob_sum: float | None) -> TrainRow:
+    """``row`` with ``prox_log_prob_sum`` set to the screen's score of it (unchanged without one)."""
+    if log_prob_sum is None or row.prox_log_prob_sum is not None:
+        return row
+    return dataclasses.replace(row, prox_log_prob_sum=float(log_prob_sum))
 
 
 def fit_context(rows: list[TrainRow], context: int | None, agents: list[str], ledger: Ledger) -> list[TrainRow]:
