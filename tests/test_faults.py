@@ -118,6 +118,18 @@ def child_pids(pid: int) -> dict[int, list[str]]:
     return out
 
 
+def _proc_state(pid: int) -> str:
+    """``pid``'s state, parent and command line from /proc (why a process outlived its parent: a zombie nobody
+    reaped, a stopped process, or a live one that missed both the parent-death signal and its poll)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError as err:
+        return f"{pid}: {err}"
+    return f"{pid}: {status.get('State', '?').strip()}, ppid {status.get('PPid', '?').strip()}, {argv}"
+
+
 def worker_pid(cli_pid: int, org: str, timeout_s: float = 60.0) -> int:
     """PID of the ``hacrl-fed worker --org ORG`` child of the CLI process ``cli_pid`` (waits for it to appear)."""
     deadline = time.monotonic() + timeout_s
@@ -611,7 +623,7 @@ def test_cli_killed_mid_run_leaves_no_orphan_workers_and_resumes_consistently(tm
         while any(Path(f"/proc/{pid}").exists() for pid in pids[1:]) and time.monotonic() < deadline:
             time.sleep(0.1)
         orphans = [pid for pid in pids[1:] if Path(f"/proc/{pid}").exists()]
-        assert not orphans, f"workers {orphans} outlived their killed coordinator"
+        assert not orphans, f"workers outlived their killed coordinator: {[_proc_state(p) for p in orphans]}"
         stopped_at = json.loads((run_dir / STATE_FILE).read_text())["round"]
         # the kill may land between round 2's metrics line and its (fsynced) state write: the state then says 1
         assert 1 <= stopped_at < 6
