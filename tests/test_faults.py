@@ -118,6 +118,15 @@ def child_pids(pid: int) -> dict[int, list[str]]:
     return out
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has: it holds no memory, only its exit status,
+    until whoever adopted it reaps it)."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
 def _proc_state(pid: int) -> str:
     """``pid``'s state, parent and command line from /proc (why a process outlived its parent: a zombie nobody
     reaped, a stopped process, or a live one that missed both the parent-death signal and its poll)."""
@@ -620,9 +629,9 @@ def test_cli_killed_mid_run_leaves_no_orphan_workers_and_resumes_consistently(tm
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         deadline = time.monotonic() + 60
-        while any(Path(f"/proc/{pid}").exists() for pid in pids[1:]) and time.monotonic() < deadline:
+        while any(_running(pid) for pid in pids[1:]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        orphans = [pid for pid in pids[1:] if Path(f"/proc/{pid}").exists()]
+        orphans = [pid for pid in pids[1:] if _running(pid)]
         assert not orphans, f"workers outlived their killed coordinator: {[_proc_state(p) for p in orphans]}"
         stopped_at = json.loads((run_dir / STATE_FILE).read_text())["round"]
         # the kill may land between round 2's metrics line and its (fsynced) state write: the state then says 1
