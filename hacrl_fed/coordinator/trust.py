@@ -48,13 +48,14 @@ from hacrl_fed.algorithm.likelihood_screen import REASONS as SCREEN_REASONS
 from hacrl_fed.config import RunConfig
 from hacrl_fed.plan.screening import Screened, screen_batch
 from hacrl_fed.types import Rollout, RolloutBatch, RoundPlan, TrainReport
+from hacrl_fed.wire.accusations import source_counter
 
 log = logging.getLogger(__name__)
 
 
 def accusation(report: TrainReport, src: str) -> float:
     """How many mismatches ``report`` claims in ``src``'s batch (0: no accusation; only a count >= 1 accuses)."""
-    return float(report.metrics.get(f"trust/{src}/mismatches", 0.0))
+    return float(report.metrics.get(source_counter(src), 0.0))
 
 
 class PoolGuard:

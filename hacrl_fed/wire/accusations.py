@@ -18,6 +18,11 @@ from __future__ import annotations
 ACCUSATION_SUFFIX = "/mismatches"  # trust/<source>/mismatches, trust/<source>/round/<round>/mismatches
 
 
+def source_counter(source: str, what: str = "mismatches") -> str:
+    """``trust/<source>/<what>``: a learner's count about ``source``'s batch (lock-step rounds)."""
+    return f"trust/{source}/{what}"
+
+
 def round_counter(source: str, round: int, what: str = "mismatches") -> str:
     """``trust/<source>/round/<round>/<what>``: a learner's count about ``source``'s batch of ``round``."""
     return f"trust/{source}/round/{round}/{what}"

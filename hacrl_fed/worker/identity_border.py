@@ -23,7 +23,7 @@ from hacrl_fed.security.keyring import load_org_identity, load_run_roster
 from hacrl_fed.security.reports import sign_report
 from hacrl_fed.security.sealing import content_key, is_sealed, open_batch, seal_batch
 from hacrl_fed.types import RolloutBatch, TrainReport, TrainRequest
-from hacrl_fed.wire.accusations import round_counter, round_key
+from hacrl_fed.wire.accusations import round_counter, round_key, source_counter
 from hacrl_fed.worker.intake import Opener
 
 
@@ -84,7 +84,7 @@ class IdentityBorder:
         keys = {}
         for batch in request.source_batches:
             src = str(getattr(batch, "org_id", ""))
-            if trust.get(f"trust/{src}/mismatches", 0.0) > 0 and src not in keys:
+            if trust.get(source_counter(src), 0.0) > 0 and src not in keys:
                 try:
                     keys[src] = content_key(batch, self.org_id, self.identity.box_key)
                 except RejectedBatch:  # its batch did not open here either: nothing to disclose

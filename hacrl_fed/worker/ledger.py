@@ -28,7 +28,7 @@ import dataclasses
 from collections import Counter
 
 from hacrl_fed.plan.screening import Screened
-from hacrl_fed.wire.accusations import round_counter
+from hacrl_fed.wire.accusations import round_counter, source_counter
 
 UNSIGNED = "unsigned"  # loose rollouts in a signed run: not a batch, not counted received under trust/
 
@@ -58,7 +58,7 @@ class SourceEntry:
             f"trust/{source}/received": float(self.received - self.rejected[UNSIGNED]),
             f"trust/{source}/accepted": float(self.accepted()),
             f"trust/{source}/checked": float(s.checked),
-            f"trust/{source}/mismatches": float(s.mismatches),
+            source_counter(source): float(s.mismatches),
             f"trust/{source}/verified_reward_sum": float(s.verified_reward_sum),
             f"trust/{source}/excluded": float(self.excluded),
         }
