@@ -556,6 +556,22 @@ def test_a_field_whose_default_changed_after_it_was_added_is_compared_with_what_
     assert not bench_matrix.same_run_config(stored, load_config(TINY, per_source))
 
 
+def test_a_cell_from_before_the_outcome_guard_ran_with_it_off_whatever_the_default():
+    # trainer.outcome_guard came in off and became on by default (issue 27): a cell stored before the section existed
+    # ran without a guard, so it is the run with the guard off (any other field of the section), not with it on
+    from hacrl_fed.config import load_config
+
+    raw = {**TINY, "trainer": {k: v for k, v in TINY["trainer"].items() if k != "outcome_guard"}}
+    assert load_config(raw).trainer.outcome_guard.enabled is True
+    off = {"trainer.outcome_guard.enabled": False}
+    stored = json.loads(json.dumps(load_config(raw, off).model_dump(mode="json")))
+    del stored["trainer"]["outcome_guard"]
+    assert bench_matrix.same_run_config(stored, load_config(raw, off))
+    assert bench_matrix.same_run_config(stored, load_config(raw, {**off, "trainer.outcome_guard.every": 8}))
+    assert not bench_matrix.same_run_config(stored, load_config(raw))  # today's default: the guard on
+    assert not bench_matrix.same_run_config(stored, load_config(raw, {"trainer.outcome_guard.enabled": True}))
+
+
 def test_every_committed_cell_is_still_done_with_the_config_it_ran():
     # a default change must leave every finished cell done (pin the value it ran with in its setting or method):
     # each JSON under benchmarks/results/ is planned by the matrix and its stored config is the cell's config

@@ -188,11 +188,13 @@ class OutcomeGuardConfig(_Section):
     rollback to the best validated weights and quarantine of the sources trained on since then."""
 
     enabled: bool = Field(
-        False,
+        True,
         description=_d(
-            "(off by default until measured on the matrix) validate this learner's greedy accuracy on a private split "
-            "of its task on a schedule; on a significant regression against its best validated weights, roll back to "
-            "them and quarantine the sources trained on since, counted as outcome/<source>/..."
+            "validate this learner's greedy accuracy on a private split of its task on a schedule; on a significant "
+            "regression against its best validated weights, roll back to them and quarantine the sources trained on "
+            "since, counted as outcome/<source>/... (on by default: the defence that bounds a member's harm where "
+            "peers share a tokenizer, at about 2.4x the learner's time with the counterfactual; off: trusted peers, "
+            "or an org sharded over ranks > 1)"
         ),
     )
     every: int = Field(4, ge=1, description=_d("validate after every this many rounds' updates (and the last round's)"))
@@ -284,4 +286,5 @@ class TrainerConfig(_Section):
     outcome_guard: OutcomeGuardConfig = Field(
         default_factory=OutcomeGuardConfig,
         description=_d("bound a member's harm by this learner's own validated accuracy (the learner's own choice)"),
+        json_schema_extra={"absent_means": {"enabled": False}},  # a stored config from before the guard ran without it
     )

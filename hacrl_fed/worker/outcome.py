@@ -14,8 +14,10 @@ the quarantine of foreign rows and the rollback.
   :func:`hacrl_fed.algorithm.counterfactual.against_shadow` says so (``outcome/adopted``,
   ``outcome/<source>/blamed_counterfactual``).
 
-The state lives in memory for the worker's current run: a worker restarted from a checkpoint validates the restored
-weights as its new reference (SECURITY.md says what that leaves open).
+The state lives in memory for the worker's current run and rides in the worker's checkpoints
+(:meth:`OutcomeMonitor.state_dict`: the guard's verdict state, the reference weights and trainer state, the
+shadow's), so a worker resumed from a checkpoint continues the guard of the run it left, shadow included; a
+checkpoint written without it (the guard off then) starts the guard afresh from the restored weights.
 """
 
 from __future__ import annotations
@@ -86,6 +88,30 @@ class OutcomeMonitor:
         self.saved = snapshot(worker)
         self.shadow = Shadow(self.saved) if self.cfg.counterfactual else None
         return {"outcome/reference_accuracy": _acc(right), "time/outcome_reference": time.perf_counter() - t0}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of this monitor (plain data and tensors: ``torch.load(weights_only=True)``
+        reads it back); None before the run's reference exists."""
+        if self.run_id is None or self.saved is None:
+            return None
+        return {
+            "run_id": self.run_id,
+            "guard": self.guard.state(),
+            "reference": {"params": self.saved[0], "state": self.saved[1]},
+            "shadow": None if self.shadow is None else {"params": self.shadow.saved[0], "state": self.shadow.saved[1]},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the guard :meth:`state_dict` described (a resumed worker): its run, verdict state, reference
+        and shadow; a shadow the checkpoint lacks (counterfactual off then) starts from the reference."""
+        self.run_id = str(state["run_id"])
+        self.guard = OutcomeGuard.from_state(self.params, state["guard"])
+        self.saved = (state["reference"]["params"], state["reference"]["state"])
+        shadow = state.get("shadow")
+        if not self.cfg.counterfactual:
+            self.shadow = None
+        else:
+            self.shadow = Shadow((shadow["params"], shadow["state"]) if shadow else self.saved)
 
     def leave_out(self, foreign: list[Rollout], round: int, ledger: Ledger) -> tuple[list[Rollout], dict[str, float]]:
         """The rows of sources the guard admits this round; ``outcome/<source>/...`` for every source offered."""
