@@ -570,6 +570,15 @@ def test_a_cell_from_before_the_outcome_guard_ran_with_it_off_whatever_the_defau
     assert bench_matrix.same_run_config(stored, load_config(raw, {**off, "trainer.outcome_guard.every": 8}))
     assert not bench_matrix.same_run_config(stored, load_config(raw))  # today's default: the guard on
     assert not bench_matrix.same_run_config(stored, load_config(raw, {"trainer.outcome_guard.enabled": True}))
+    # a section off in both runs is the same run whatever its other fields (a field added later, another value)
+    older = json.loads(json.dumps(load_config(raw, off).model_dump(mode="json")))
+    del older["trainer"]["outcome_guard"]["final_size"]
+    older["trainer"]["outcome_guard"]["val_size"] = 64
+    assert bench_matrix.same_run_config(older, load_config(raw, off))
+    older["trainer"]["outcome_guard"]["enabled"] = True  # on, it ran without the final split: final_size 0
+    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard.val_size": 64}))
+    assert bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
+        "enabled": True, "val_size": 64, "final_size": 0}}))
 
 
 def test_every_committed_cell_is_still_done_with_the_config_it_ran():

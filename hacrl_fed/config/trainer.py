@@ -216,6 +216,16 @@ class OutcomeGuardConfig(_Section):
             "without a strike"
         ),
     )
+    final_size: int = Field(
+        1000,
+        ge=0,
+        description=_d(
+            "prompts of a second private split of the train split (apart from the validation split) on which the last "
+            "round's choice between the learner and its shadow is made: no earlier decision selected weights on it, "
+            "and it is larger; 0: the validation split (the rule until issue 27's attack matrix)"
+        ),
+        json_schema_extra={"absent_means": 0},  # a stored config from before the field made the choice on val_size
+    )
     last_z: float = Field(
         1.0,
         ge=0,

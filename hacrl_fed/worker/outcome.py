@@ -47,6 +47,7 @@ class OutcomeMonitor:
         rng = random.Random(stable_seed(seed, "outcome-validation"))
         ids = sorted(rng.sample(range(task.size("train")), min(cfg.val_size, task.size("train"))))
         self.prompts = task.prompts("train", ids)
+        self.final = task.prompts("train", _final_ids(seed, task.size("train"), cfg.final_size, set(ids)))
         self.params = OutcomeParams(cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff)
         self.run_id: str | None = None
         self.guard = OutcomeGuard(self.params)
@@ -66,15 +67,21 @@ class OutcomeMonitor:
             max_new_tokens=worker.gen_cfg.eval_max_new_tokens,
         )
 
-    def validate(self, engine: Any, context: int | None) -> list[bool]:
-        """Greedy correctness of the current weights on the split (a prompt that does not fit counts as wrong)."""
-        texts, lengths = self.book.tokens(self.prompts)
-        keep = self.book.fitting(self.prompts, lengths, self.max_new_tokens, "generation.eval_max_new_tokens", context)
+    def validate(self, engine: Any, context: int | None, prompts: Sequence[Any] | None = None) -> list[bool]:
+        """Greedy correctness of the current weights on the validation split, or on ``prompts`` (the final split);
+        a prompt that does not fit counts as wrong."""
+        prompts = self.prompts if prompts is None else prompts
+        texts, lengths = self.book.tokens(prompts)
+        keep = self.book.fitting(prompts, lengths, self.max_new_tokens, "generation.eval_max_new_tokens", context)
         gens = engine.greedy([texts[i] for i in keep], max_new_tokens=self.max_new_tokens) if keep else []
-        right = [False] * len(self.prompts)
+        right = [False] * len(prompts)
         for i, g in zip(keep, gens):
-            right[i] = float(self.task.verify(g.text, self.prompts[i].reference)) >= 1.0
+            right[i] = float(self.task.verify(g.text, prompts[i].reference)) >= 1.0
         return right
+
+    def validate_final(self, engine: Any, context: int | None) -> list[bool]:
+        """:meth:`validate` on the final split (the last round's choice)."""
+        return self.validate(engine, context, self.final)
 
     def start(self, run_id: str, worker: Any) -> dict[str, float]:
         """Before an update: a run this monitor has no reference of starts with the current weights validated and
@@ -158,12 +165,24 @@ class OutcomeMonitor:
         return out
 
     def _counterfactual(self, round: int, last_round: int, right: list[bool], worker: Any) -> dict[str, float]:
-        """Validate the shadow and compare; on a verdict to adopt, the learner takes the shadow's weights."""
+        """Validate the shadow and compare; on a verdict to adopt, the learner takes the shadow's weights. At the
+        last round, with a final split, the two are compared on it instead (module doc)."""
         assert self.shadow is not None
         t0 = time.perf_counter()
         shadow = self.shadow.validate(worker, self.validate)
+        last = round >= last_round
+        final: dict[str, float] = {}
+        if last and self.final:
+            right = self.validate_final(worker.engine, worker.context)
+            shadow_final = self.shadow.validate(worker, self.validate_final)
+            final = {"outcome/final_accuracy": _acc(right), "outcome/shadow_final_accuracy": _acc(shadow_final)}
         cf = counterfactual.against_shadow(
-            shadow, right, z=self.params.z, margin=self.params.margin, last=round >= last_round, last_z=self.cfg.last_z
+            shadow_final if final else shadow,
+            right,
+            z=self.params.z,
+            margin=self.params.margin,
+            last=last,
+            last_z=self.cfg.last_z,
         )
         quarantined: dict[str, int] = {}
         if cf.adopt:
@@ -175,6 +194,7 @@ class OutcomeMonitor:
             "outcome/cf_gained": float(cf.comparison.gained),
             "outcome/adopted": float(cf.adopt),
             "time/outcome_counterfactual": time.perf_counter() - t0,
+            **final,
         }
         out.update({f"outcome/{src}/blamed_counterfactual": 1.0 for src in quarantined})
         out.update({f"outcome/{src}/quarantined_until": float(t) for src, t in quarantined.items()})
@@ -193,6 +213,21 @@ def _verdict_metrics(verdict: Verdict, right: Sequence[bool]) -> dict[str, float
     }
     out.update({f"outcome/{src}/quarantined_until": float(t) for src, t in verdict.quarantined.items()})
     return out
+
+
+def _final_ids(seed: int, size: int, n: int, validation: set[int]) -> list[int]:
+    """``n`` ids of the train split for the final split, drawn with the org's seed, apart from the validation ids
+    (all the others when the split has fewer)."""
+    rng = random.Random(stable_seed(seed, "outcome-final"))
+    free = size - len(validation)
+    if n >= free:
+        return [i for i in range(size) if i not in validation]
+    ids: set[int] = set()
+    while len(ids) < n:
+        i = rng.randrange(size)
+        if i not in validation:
+            ids.add(i)
+    return sorted(ids)
 
 
 def _acc(right: Sequence[bool]) -> float:

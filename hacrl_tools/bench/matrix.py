@@ -331,7 +331,8 @@ def same_run_config(stored: dict[str, Any], cfg: Any) -> bool:
     of ``cfg`` equal to the stored one, or, where ``stored`` lacks the field (the cell predates it), ``cfg`` at the
     value that field's absence stands for: its ``absent_means`` where the schema records one (a field whose default
     changed after it was added: ``trainer.selection.budget_split``; for a section, the fields its absence fixes:
-    ``trainer.outcome_guard`` off), else the schema's default; a stored field
+    ``trainer.outcome_guard`` off), else the schema's default; a section switched off (``enabled: false``) in both
+    is the same whatever its other fields; a stored field
     ``cfg`` no longer has is a difference."""
     current = _comparable(cfg.model_dump(mode="json"))
     non_default = _comparable(cfg.model_dump(mode="json", exclude_defaults=True))
@@ -355,6 +356,8 @@ def _same(stored: Any, current: Any, non_default: Any, model: Any = None) -> boo
     """``current`` (a dumped config, ``model`` the object it was dumped from where there is one) against
     ``stored`` (:func:`same_run_config`)."""
     if isinstance(current, dict):
+        if current.get("enabled") is False and isinstance(stored, dict) and stored.get("enabled") is False:
+            return True  # a section switched off in both runs: its other fields change nothing
         if not isinstance(stored, dict) or set(stored) - set(current):
             return False
         nd = non_default if isinstance(non_default, dict) else {}
