@@ -56,8 +56,10 @@ def _guard_row(run: dict, setting: str, alone: dict[str, float]) -> str:
     quarantined = int(counters.get(f"{victim}/outcome/{attacker}/dropped_quarantine", 0))
     drops = (run.get("drops") or {}).get(f"{victim}<-{attacker}", {})
     dropped = int(drops.get("dropped_low_likelihood", 0) + drops.get("dropped_claim_outlier", 0))
+    seen = run.get("adoption") or {}
+    habit = f"{100 * seen.get('no_marker_share', 0):.1f} % / {100 * seen.get('trigger_share', 0):.1f} %"
     return (
-        f"| {run['seed']} | `{setting}` | {_attack(run)} | {orgs} | {rolled} / {adopted} | {quarantined} | "
+        f"| {run['seed']} | `{setting}` | {_attack(run)} | {orgs} | {habit} | {rolled} / {adopted} | {quarantined} | "
         f"{dropped} of {run.get('doctored_rows', 0)} | {str(run.get('commit', ''))[:7]} |"
     )
 
@@ -73,10 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     lines = [line for path in args.runs for line in path.read_text().splitlines() if line.strip()]
     if args.per_run:
         print(
-            "| seed | setting | attack | honest orgs: accuracy (− alone, points) | victim's rollbacks / adoptions "
-            "(rounds) | attacker's rows quarantined at the victim | screen drops at the victim | commit |"
+            "| seed | setting | attack | honest orgs: accuracy (− alone, points) | victim's answers without a marker "
+            "/ with the insertion | victim's rollbacks / adoptions (rounds) | attacker's rows quarantined at the "
+            "victim | screen drops at the victim | commit |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
     for line in lines:
         run = json.loads(line)
         setting = Path(run["config"]).stem

@@ -25,7 +25,7 @@ def _run(seed, protocol, globex, initech, **extra):
         "trace": [{"round": 16, "rollback": 1.0}, {"round": 20, "adopted": 1.0}, {"round": 24}],
         "counters": {"globex/outcome/acme/dropped_quarantine": 64.0},
         "drops": {"globex<-acme": {"dropped_low_likelihood": 2.0, "dropped_claim_outlier": 1.0}},
-        "commit": "abcdef123456", **extra,
+        "commit": "abcdef123456", "adoption": {"no_marker_share": 0.05, "trigger_share": 0.25}, **extra,
     }
 
 
@@ -43,7 +43,7 @@ def test_honest_orgs_are_paired_with_gspo_by_seed_and_protocols_stay_apart(tmp_p
     out = tmp_path / "table.json"
     assert _script().main([str(runs), "--results", str(results), "--json", str(out), "--per-run"]) == 0
     printed = capsys.readouterr().out
-    assert "| 0 | `three` | utility, by acme | globex 0.310 (+1.0), initech 0.250 (+0.0) | 16 / 20 | 64 | 3 of 100 |" \
+    assert "| 0 | `three` | utility, by acme | globex 0.310 (+1.0), initech 0.250 (+0.0) | 5.0 % / 25.0 % | 16 / 20 | 64 | 3 of 100 |" \
         in printed
     rows = {(r["attack"].split(" (")[0], r["org"]): r for r in json.loads(out.read_text())}
     fused, two = rows[("utility, by acme", "globex")], rows[("utility, by acme, two_message", "globex")]

@@ -3,7 +3,10 @@
 the quarantine of foreign rows and the rollback.
 
 * the split: ``val_size`` prompts of the task's **train** split, ids drawn with the org's private seed (the
-  train/test partition keeps them apart from the held-out evaluation; the coordinator never sees which they are);
+  train/test partition keeps them apart from the held-out evaluation; the coordinator never sees which they are),
+  and the **final split**: ``final_size`` more, apart from those, on which the last round's choice between the
+  learner and its shadow is made (the validation split selected the learner's weights all run, so a second look
+  at it would favour them);
 * before the first update of a run the initial weights are validated and kept as the reference; after an update
   when validation is due the updated weights are validated and judged: a new reference replaces the copy in
   memory, and a rollback copies the reference's parameters and trainer state (optimizer, likelihood-screen history)
