@@ -175,12 +175,13 @@ class OutcomeMonitor:
         shadow = self.shadow.validate(worker, self.validate)
         last = round >= last_round
         final: dict[str, float] = {}
+        against = shadow  # the shadow's vector the learner's is compared with
         if last and self.final:
             right = self.validate_final(worker.engine, worker.context)
-            shadow_final = self.shadow.validate(worker, self.validate_final)
-            final = {"outcome/final_accuracy": _acc(right), "outcome/shadow_final_accuracy": _acc(shadow_final)}
+            against = self.shadow.validate(worker, self.validate_final)
+            final = {"outcome/final_accuracy": _acc(right), "outcome/shadow_final_accuracy": _acc(against)}
         cf = counterfactual.against_shadow(
-            shadow_final if final else shadow,
+            against,
             right,
             z=self.params.z,
             margin=self.params.margin,
