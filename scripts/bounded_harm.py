@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
     if args.per_run:
         print()
+    common = {attack[attack.index(" (") :] for _, attack, _ in diffs}
+    if len(common) == 1:  # every run with the same screen and overrides: say it once
+        print(f"Every run{common.pop()}:\n")
+        diffs = defaultdict(list, {(st, a[: a.index(" (")], o): v for (st, a, o), v in diffs.items()})
     rows = []
     print("| setting | attack | honest org | seeds | under attack | isolated GSPO | difference ± SE |")
     print("|---|---|---|---|---|---|---|")

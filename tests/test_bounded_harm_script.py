@@ -45,7 +45,8 @@ def test_honest_orgs_are_paired_with_gspo_by_seed_and_protocols_stay_apart(tmp_p
     printed = capsys.readouterr().out
     assert "| 0 | `three` | utility, by acme | globex 0.310 (+1.0), initech 0.250 (+0.0) | 5.0 % / 25.0 % | 16 / 20 | 64 | 3 of 100 |" \
         in printed
-    rows = {(r["attack"].split(" (")[0], r["org"]): r for r in json.loads(out.read_text())}
+    assert printed.count("Every run (screen on):") == 1  # the runs' common screen and overrides, said once
+    rows = {(r["attack"], r["org"]): r for r in json.loads(out.read_text())}
     fused, two = rows[("utility, by acme", "globex")], rows[("utility, by acme, two_message", "globex")]
     assert fused["seeds"] == [0, 1] and abs(fused["diff"] - (0.01 - 0.02) / 2) < 1e-9  # paired at round 40
     assert two["seeds"] == [0] and abs(two["diff"] + 0.04) < 1e-9
