@@ -204,10 +204,11 @@ def test_a_guarded_cell_keeps_the_guard_s_verdicts_and_an_unguarded_one_none():
                {"round": 5, "a/outcome/validated": 0.0, "a/outcome/b/quarantined": 1.0},
                {"round": 8, "a/outcome/validated": 1.0, "a/outcome/val_accuracy": 0.6, "a/outcome/adopted": 1.0,
                 "a/outcome/shadow_accuracy": 0.7, "a/outcome/b/blamed_counterfactual": 1.0,
-                "a/outcome/b/quarantined_until": 24.0, "eval/a/accuracy": 0.5}]
+                "a/outcome/b/quarantined_until": 24.0, "eval/a/accuracy": 0.5, "a/outcome/final_accuracy": 0.55,
+                "a/outcome/shadow_final_accuracy": 0.65}]
     out = learning.summarize_cell(cfg, records)["agents"]["a"]["outcome"]
     assert out == {"rollbacks": [4], "adopted": [8], "validations": [[4, 0.5, 0.4], [8, 0.6, 0.7]],
-                   "blamed": {"b": [4, 8]}}
+                   "blamed": {"b": [4, 8]}, "final": [8, 0.55, 0.65]}
     assert "outcome" not in learning.summarize_cell(cfg, records[:1])["agents"]["a"]
 
 
