@@ -193,7 +193,7 @@ class OutcomeGuardConfig(_Section):
             "validate this learner's greedy accuracy on a private split of its task on a schedule; on a significant "
             "regression against its best validated weights, roll back to them and quarantine the sources trained on "
             "since, counted as outcome/<source>/... (on by default: the defence that bounds a member's harm where "
-            "peers share a tokenizer, at about 2.4x the learner's time with the counterfactual; off: trusted peers, "
+            "peers share a tokenizer, at about twice the learner's time with the counterfactual; off: trusted peers, "
             "or an org sharded over ranks > 1)"
         ),
     )
