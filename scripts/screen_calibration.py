@@ -49,7 +49,18 @@ TIMES += ("train", "generate", "screen")
 # recorded per round
 OUTCOME_GAUGES = ("val_accuracy", "reference_accuracy", "shadow_accuracy", "strikes", "quarantined_until")
 # the victim's guard, round by round (the rounds it validated): what it saw and did
-TRACE = ("val_accuracy", "shadow_accuracy", "lost", "gained", "cf_lost", "cf_gained", "rollback", "adopted")
+TRACE = (
+    "val_accuracy",
+    "shadow_accuracy",
+    "final_accuracy",
+    "shadow_final_accuracy",
+    "lost",
+    "gained",
+    "cf_lost",
+    "cf_gained",
+    "rollback",
+    "adopted",
+)
 
 
 def string_log_prob(worker, prompts) -> float:

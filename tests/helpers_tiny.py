@@ -147,4 +147,8 @@ def assert_stops_and_lengths(gens, stop_ids, max_new_tokens: int, tokenizer) -> 
 # ratios, no likelihood screen. Tests of mechanics that the defaults' row choices would hide (micro-batching, the
 # schedule, bit-identity of paths) run it; the defaults have their own tests.
 PAPER_ALGORITHM: dict = {"logprob_norm": "per_token"}
-PAPER_TRAINER: dict = {"selection": {"rule": "all"}, "likelihood_screen": {"enabled": False}}
+PAPER_TRAINER: dict = {
+    "selection": {"rule": "all"},
+    "likelihood_screen": {"enabled": False},
+    "outcome_guard": {"enabled": False},
+}

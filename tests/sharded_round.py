@@ -40,6 +40,7 @@ def cfg_data(case: str, ranks: int) -> dict:
         "micro_batch_size": 4,
         "selection": {"rule": "all"},
         "likelihood_screen": {"enabled": False},
+        "outcome_guard": {"enabled": False},  # refused over ranks > 1
     }
     generation = {"num_samples": 4, "max_new_tokens": 12, "batch_size": 8, "seed_per_batch": "batchseed" in opts}
     if "kl" in opts:  # self rows come first: two mini-batches of them, so the second sees a KL off the reference

@@ -204,10 +204,11 @@ def test_a_guarded_cell_keeps_the_guard_s_verdicts_and_an_unguarded_one_none():
                {"round": 5, "a/outcome/validated": 0.0, "a/outcome/b/quarantined": 1.0},
                {"round": 8, "a/outcome/validated": 1.0, "a/outcome/val_accuracy": 0.6, "a/outcome/adopted": 1.0,
                 "a/outcome/shadow_accuracy": 0.7, "a/outcome/b/blamed_counterfactual": 1.0,
-                "a/outcome/b/quarantined_until": 24.0, "eval/a/accuracy": 0.5}]
+                "a/outcome/b/quarantined_until": 24.0, "eval/a/accuracy": 0.5, "a/outcome/final_accuracy": 0.55,
+                "a/outcome/shadow_final_accuracy": 0.65}]
     out = learning.summarize_cell(cfg, records)["agents"]["a"]["outcome"]
     assert out == {"rollbacks": [4], "adopted": [8], "validations": [[4, 0.5, 0.4], [8, 0.6, 0.7]],
-                   "blamed": {"b": [4, 8]}}
+                   "blamed": {"b": [4, 8]}, "final": [8, 0.55, 0.65]}
     assert "outcome" not in learning.summarize_cell(cfg, records[:1])["agents"]["a"]
 
 
@@ -554,6 +555,31 @@ def test_a_field_whose_default_changed_after_it_was_added_is_compared_with_what_
     per_source = {"trainer.selection": {"rule": "successes", "budget_multiple": 1.0}}  # today's default split
     assert load_config(TINY, per_source).trainer.selection.budget_split == "per_source"
     assert not bench_matrix.same_run_config(stored, load_config(TINY, per_source))
+
+
+def test_a_cell_from_before_the_outcome_guard_ran_with_it_off_whatever_the_default():
+    # trainer.outcome_guard came in off and became on by default (issue 27): a cell stored before the section existed
+    # ran without a guard, so it is the run with the guard off (any other field of the section), not with it on
+    from hacrl_fed.config import load_config
+
+    raw = {**TINY, "trainer": {k: v for k, v in TINY["trainer"].items() if k != "outcome_guard"}}
+    assert load_config(raw).trainer.outcome_guard.enabled is True
+    off = {"trainer.outcome_guard.enabled": False}
+    stored = json.loads(json.dumps(load_config(raw, off).model_dump(mode="json")))
+    del stored["trainer"]["outcome_guard"]
+    assert bench_matrix.same_run_config(stored, load_config(raw, off))
+    assert bench_matrix.same_run_config(stored, load_config(raw, {**off, "trainer.outcome_guard.every": 8}))
+    assert not bench_matrix.same_run_config(stored, load_config(raw))  # today's default: the guard on
+    assert not bench_matrix.same_run_config(stored, load_config(raw, {"trainer.outcome_guard.enabled": True}))
+    # a section off in both runs is the same run whatever its other fields (a field added later, another value)
+    older = json.loads(json.dumps(load_config(raw, off).model_dump(mode="json")))
+    del older["trainer"]["outcome_guard"]["final_size"]
+    older["trainer"]["outcome_guard"]["val_size"] = 64
+    assert bench_matrix.same_run_config(older, load_config(raw, off))
+    older["trainer"]["outcome_guard"]["enabled"] = True  # on, it ran without the final split: final_size 0
+    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard.val_size": 64}))
+    assert bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
+        "enabled": True, "val_size": 64, "final_size": 0}}))
 
 
 def test_every_committed_cell_is_still_done_with_the_config_it_ran():

@@ -4,6 +4,7 @@ gives, and the worker's shadow over a short in-process run of micro agents."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hacrl_fed.algorithm.counterfactual import against_shadow, due
@@ -121,7 +122,7 @@ def _first(params) -> torch.Tensor:
 
 
 def test_the_shadow_trains_on_own_rows_and_is_adopted_when_the_learner_falls_behind(tmp_path, monkeypatch):
-    cfg = _cfg(z=1.0)
+    cfg = _cfg(z=1.0, final_size=0)  # the last round's choice on the validation split too (the final split: below)
     workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
     acme = workers["acme"]
     half, full = [True] * 4 + [False] * 4, [True] * 8
@@ -154,6 +155,32 @@ def test_the_shadow_trains_on_own_rows_and_is_adopted_when_the_learner_falls_beh
     assert m2["acme/outcome/shadow_rows"] == 16.0 and 0.0 <= m2["acme/outcome/shadow_reward"] <= 1.0  # its own
     assert m2["acme/outcome/globex/quarantined"] == 1.0 and m2.get("acme/train/num_cross", 0.0) == 0.0
     assert m2["acme/outcome/adopted"] == 0.0 and m2["acme/outcome/globex/strikes"] == 1.0
+
+
+@pytest.mark.parametrize("final_size", [8, 0])
+def test_the_last_round_chooses_on_the_final_split_when_there_is_one(tmp_path, monkeypatch, final_size):
+    # learner and shadow tie on the validation split all run; on the final split the learner is 4 of 8 behind, which
+    # is more than last_z = 1 standard deviation (4 > sqrt(4)): adopted with a final split, kept without one
+    cfg = _cfg(every=4, final_size=final_size)
+    workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
+    acme = workers["acme"].outcome
+    assert len(acme.final) == final_size
+    assert not {p.prompt_id for p in acme.final} & {p.prompt_id for p in acme.prompts}  # apart from validation
+    finals = iter([[True] * 4 + [False] * 4, [True] * 8])  # the learner's, then the shadow's
+
+    def validate(engine, context, prompts=None):
+        return next(finals) if prompts is acme.final else [True] * len(acme.prompts)
+
+    monkeypatch.setattr(acme, "validate", validate)
+    coord = Coordinator(cfg, InProcessTransport(workers), tmp_path)
+    m1, m2 = coord.run_round(1).metrics, coord.run_round(2).metrics
+    assert "acme/outcome/final_accuracy" not in m1 and m2["acme/outcome/shadow_accuracy"] == 1.0
+    if final_size:
+        assert m2["acme/outcome/final_accuracy"] == 0.5 and m2["acme/outcome/shadow_final_accuracy"] == 1.0
+        assert m2["acme/outcome/cf_lost"] == 4.0 and m2["acme/outcome/adopted"] == 1.0
+        assert not any(k.endswith("blamed_counterfactual") for k in m2)  # the last round's choice: no strike
+    else:
+        assert "acme/outcome/final_accuracy" not in m2 and m2["acme/outcome/adopted"] == 0.0
 
 
 def test_the_counterfactual_off_keeps_no_shadow(tmp_path):

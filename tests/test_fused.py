@@ -291,6 +291,7 @@ def test_hostile_step_requests_are_refused_before_any_work(tmp_path):
         assert err.value.reason in (reason, "step_mismatch"), (reason, err.value.reason)
     assert updates == [] and worker.last_round == 0  # nothing trained
     ok = worker.step(StepRequest(train=train, plan=plan(2)))
-    assert ok.report is not None and ok.batch is not None and ok.batch.round == 2 and updates == [1]
+    assert ok.report is not None and ok.batch is not None and ok.batch.round == 2
+    assert updates == [1, 1]  # the learner's update and its outcome guard's shadow's (the guard is on by default)
     stale = worker.step(StepRequest(train=train))  # round 1 again: refused as a train of a round not generated
     assert stale.report is None and "not_generated" in stale.train_error

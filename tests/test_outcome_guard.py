@@ -4,6 +4,7 @@ and quarantine counters over a short in-process run of micro agents."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -196,10 +197,42 @@ def test_a_regression_restores_the_weights_and_the_quarantine_names_the_source(t
     assert m3["acme/outcome/globex/quarantined"] == 1.0  # through round 1 + 2
 
 
-def test_the_guard_is_off_by_default_and_writes_nothing(tmp_path):
+def test_the_guard_is_on_by_default_and_off_writes_nothing(tmp_path):
+    default = load_config({"orgs": ORGS}).trainer.outcome_guard
+    assert default.enabled and default.counterfactual and default.last_z == 1.0  # issue 27: the defaults
     cfg = _cfg(enabled=False)
-    assert not load_config({"orgs": ORGS}).trainer.outcome_guard.enabled
     workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
     assert workers["acme"].outcome is None
     m = Coordinator(cfg, InProcessTransport(workers), tmp_path).run_round(1).metrics
     assert not any("/outcome/" in k for k in m)
+
+
+def test_the_guard_state_round_trips_through_plain_data():
+    # what a checkpoint keeps (hacrl_fed.worker.routing): every field but the config's params, sets as sorted lists
+    params = OutcomeParams(every=4, z=2.5, margin=2, probation=8, backoff=2.0)
+    guard = OutcomeGuard(params, reference=[True, False, True], strikes={"b": 2}, until={"b": 30},
+                         implicated={"c", "b"}, trial={"c": 12}, passed={"d"}, since_shadow={"b", "c"})
+    state = guard.state()
+    assert state["implicated"] == ["b", "c"] and state["since_shadow"] == ["b", "c"]
+    other = OutcomeParams(every=2, z=1.0, margin=0, probation=2, backoff=1.0)
+    back = OutcomeGuard.from_state(other, json.loads(json.dumps(state)))
+    assert back == OutcomeGuard(other, **{f: getattr(guard, f) for f in ("reference", "strikes", "until", "implicated",
+                                                                         "trial", "passed", "since_shadow")})
+    assert OutcomeGuard.from_state(params, OutcomeGuard(params).state()) == OutcomeGuard(params)
+
+
+def test_a_resumed_worker_continues_the_guard_of_its_checkpoint(tmp_path):
+    # the guard's verdict state, reference and shadow ride in the worker's checkpoint (trainer.pt, weights_only)
+    cfg = load_config({**_cfg().model_dump(mode="json"), "federation": {
+        "rounds": 2, "prompts_per_round": 4, "eval_every": 0, "min_orgs": 1, "checkpoint_every": 1}})
+    workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
+    Coordinator(cfg, InProcessTransport(workers), tmp_path).run()
+    before = workers["acme"].outcome.state_dict()
+    assert before is not None and before["guard"]["reference"] is not None and before["shadow"] is not None
+    again = build_worker(cfg, "acme", run_dir=tmp_path)
+    assert again.outcome.state_dict() is None and again.restore() == 2
+    after = again.outcome.state_dict()
+    assert after["run_id"] == before["run_id"] and after["guard"] == before["guard"]
+    for part in ("reference", "shadow"):
+        assert after[part]["params"].keys() == before[part]["params"].keys()
+        assert all(torch.equal(after[part]["params"][k], v) for k, v in before[part]["params"].items())

@@ -32,6 +32,7 @@ SMOKE = REPO / "configs" / "smoke.yaml"
 def _config(tmp_path: Path, ranks: int = 2, hang_timeout_s: float = 3.0, orgs=("a",)) -> Path:
     data = fake_config(orgs=orgs).model_dump(mode="json")
     data["orgs"][0]["sharding"] = {"ranks": ranks, "backend": "gloo", "hang_timeout_s": hang_timeout_s}
+    data["orgs"][0]["trainer"] = {"outcome_guard": {"enabled": False}}  # refused over ranks > 1
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -339,10 +340,13 @@ def test_one_org_on_two_gloo_ranks_over_grpc_gives_the_plain_numbers(tmp_path):
     per-round reward, loss, ratio and accuracy of the plain run (in-process; tests/test_e2e_transports.py shows
     in-process and gRPC agree)."""
     data = yaml.safe_load(SMOKE.read_text())
+    data["orgs"][0]["trainer"] = {"outcome_guard": {"enabled": False}}  # refused over ranks > 1; off in both runs
+    unsharded = tmp_path / "plain.yaml"
+    unsharded.write_text(yaml.safe_dump(data))
     data["orgs"][0]["sharding"] = {"ranks": 2, "backend": "gloo"}
     sharded = tmp_path / "sharded.yaml"
     sharded.write_text(yaml.safe_dump(data))
-    plain = _cli_run(tmp_path / "plain", SMOKE)
+    plain = _cli_run(tmp_path / "plain", unsharded)
     got = _cli_run(tmp_path / "grpc", sharded, "--transport", "grpc")
     assert sorted(got) == sorted(plain) == [0, 1, 2]
     assert any(k.endswith("acme/train/loss") for k in plain[2]) and any("reward" in k for k in plain[1])

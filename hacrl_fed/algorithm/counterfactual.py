@@ -17,7 +17,9 @@ test (:func:`hacrl_fed.algorithm.outcome_guard.compare`)::
   since the start) gets a strike (``strike``);
 * **the last round, worse by more than ``last_z`` standard deviations** (``lost - gained > last_z * sqrt(lost +
   gained)``; ``last_z = 0``: by the point estimate, ``lost > gained``): the learner adopts the shadow's weights, no
-  strike (a final choice between two candidates on a split neither trained on). The bar trades the two errors: when
+  strike (a final choice between two candidates on a split neither trained on; the worker makes it on the final
+  split, ``trainer.outcome_guard.final_size`` prompts apart from the validation split, which chose the learner's
+  weights all run: :mod:`hacrl_fed.worker.outcome`). The bar trades the two errors: when
   the federated weights are truly better by ``d`` (``sd`` the standard deviation of ``lost - gained``) the shadow
   is taken with probability about ``Phi(-(d + last_z * sd) / sd)``, the honest cost; harm ``h`` that stayed within
   the mid-run slack is left with probability about ``Phi(last_z - h / sd)``. With ``last_z = 0`` an honest run whose

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,33 @@ class OutcomeGuard:
         self.implicated.clear()
         self.since_shadow.clear()
         return quarantined
+
+    def state(self) -> dict[str, Any]:
+        """Everything but ``params`` as plain data (sets as sorted lists): what a checkpoint keeps."""
+        return {
+            "reference": None if self.reference is None else list(self.reference),
+            "strikes": dict(self.strikes),
+            "until": dict(self.until),
+            "implicated": sorted(self.implicated),
+            "trial": dict(self.trial),
+            "passed": sorted(self.passed),
+            "since_shadow": sorted(self.since_shadow),
+        }
+
+    @classmethod
+    def from_state(cls, params: OutcomeParams, state: dict[str, Any]) -> OutcomeGuard:
+        """The guard :meth:`state` describes, with ``params`` (the config's, not the checkpoint's)."""
+        ref = state["reference"]
+        return cls(
+            params,
+            reference=None if ref is None else [bool(v) for v in ref],
+            strikes={str(k): int(v) for k, v in state["strikes"].items()},
+            until={str(k): int(v) for k, v in state["until"].items()},
+            implicated={str(s) for s in state["implicated"]},
+            trial={str(k): int(v) for k, v in state["trial"].items()},
+            passed={str(s) for s in state["passed"]},
+            since_shadow={str(s) for s in state["since_shadow"]},
+        )
 
     def _strike(self, sources: Sequence[str], round: int) -> dict[str, int]:
         """A strike for each of ``sources`` (quarantined through the round returned per source); the weights go

@@ -188,11 +188,13 @@ class OutcomeGuardConfig(_Section):
     rollback to the best validated weights and quarantine of the sources trained on since then."""
 
     enabled: bool = Field(
-        False,
+        True,
         description=_d(
-            "(off by default until measured on the matrix) validate this learner's greedy accuracy on a private split "
-            "of its task on a schedule; on a significant regression against its best validated weights, roll back to "
-            "them and quarantine the sources trained on since, counted as outcome/<source>/..."
+            "validate this learner's greedy accuracy on a private split of its task on a schedule; on a significant "
+            "regression against its best validated weights, roll back to them and quarantine the sources trained on "
+            "since, counted as outcome/<source>/... (on by default: the defence that bounds a member's harm where "
+            "peers share a tokenizer, at about twice the learner's time with the counterfactual; off: trusted peers, "
+            "or an org sharded over ranks > 1)"
         ),
     )
     every: int = Field(4, ge=1, description=_d("validate after every this many rounds' updates (and the last round's)"))
@@ -213,6 +215,16 @@ class OutcomeGuardConfig(_Section):
             "sources trained since; worse by more than last_z standard deviations at the last round, it takes them "
             "without a strike"
         ),
+    )
+    final_size: int = Field(
+        1000,
+        ge=0,
+        description=_d(
+            "prompts of a second private split of the train split (apart from the validation split) on which the last "
+            "round's choice between the learner and its shadow is made: no earlier decision selected weights on it, "
+            "and it is larger; 0: the validation split (the rule until issue 27's attack matrix)"
+        ),
+        json_schema_extra={"absent_means": 0},  # a stored config from before the field made the choice on val_size
     )
     last_z: float = Field(
         1.0,
@@ -284,4 +296,5 @@ class TrainerConfig(_Section):
     outcome_guard: OutcomeGuardConfig = Field(
         default_factory=OutcomeGuardConfig,
         description=_d("bound a member's harm by this learner's own validated accuracy (the learner's own choice)"),
+        json_schema_extra={"absent_means": {"enabled": False}},  # a stored config from before the guard ran without it
     )

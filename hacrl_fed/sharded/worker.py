@@ -55,8 +55,9 @@ def check_supported(cfg: RunConfig, org_id: str, world_size: int | None = None) 
         )
     if ranks > 1 and org_trainer(cfg, org_id).outcome_guard.enabled:
         raise ValueError(
-            f"orgs[{org_id}].sharding.ranks={ranks} with trainer.outcome_guard.enabled is not supported: the guard's "
-            "validation and rollback work on one process's weights; use ranks: 1 or turn the guard off"
+            f"orgs[{org_id}].sharding.ranks={ranks} with trainer.outcome_guard.enabled (on by default) is not "
+            "supported: the guard's validation, rollback and shadow work on one process's weights; use ranks: 1 or "
+            f"set orgs[{org_id}].trainer.outcome_guard.enabled: false (SECURITY.md: what that org then lacks)"
         )
     if world_size is not None and world_size != ranks:
         raise ValueError(f"orgs[{org_id}].sharding.ranks={ranks} but the worker's process group has {world_size} ranks")

@@ -3,7 +3,10 @@
 the quarantine of foreign rows and the rollback.
 
 * the split: ``val_size`` prompts of the task's **train** split, ids drawn with the org's private seed (the
-  train/test partition keeps them apart from the held-out evaluation; the coordinator never sees which they are);
+  train/test partition keeps them apart from the held-out evaluation; the coordinator never sees which they are),
+  and the **final split**: ``final_size`` more, apart from those, on which the last round's choice between the
+  learner and its shadow is made (the validation split selected the learner's weights all run, so a second look
+  at it would favour them);
 * before the first update of a run the initial weights are validated and kept as the reference; after an update
   when validation is due the updated weights are validated and judged: a new reference replaces the copy in
   memory, and a rollback copies the reference's parameters and trainer state (optimizer, likelihood-screen history)
@@ -14,8 +17,10 @@ the quarantine of foreign rows and the rollback.
   :func:`hacrl_fed.algorithm.counterfactual.against_shadow` says so (``outcome/adopted``,
   ``outcome/<source>/blamed_counterfactual``).
 
-The state lives in memory for the worker's current run: a worker restarted from a checkpoint validates the restored
-weights as its new reference (SECURITY.md says what that leaves open).
+The state lives in memory for the worker's current run and rides in the worker's checkpoints
+(:meth:`OutcomeMonitor.state_dict`: the guard's verdict state, the reference weights and trainer state, the
+shadow's), so a worker resumed from a checkpoint continues the guard of the run it left, shadow included; a
+checkpoint written without it (the guard off then) starts the guard afresh from the restored weights.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class OutcomeMonitor:
         rng = random.Random(stable_seed(seed, "outcome-validation"))
         ids = sorted(rng.sample(range(task.size("train")), min(cfg.val_size, task.size("train"))))
         self.prompts = task.prompts("train", ids)
+        self.final = task.prompts("train", _final_ids(seed, task.size("train"), cfg.final_size, set(ids)))
         self.params = OutcomeParams(cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff)
         self.run_id: str | None = None
         self.guard = OutcomeGuard(self.params)
@@ -64,15 +70,21 @@ class OutcomeMonitor:
             max_new_tokens=worker.gen_cfg.eval_max_new_tokens,
         )
 
-    def validate(self, engine: Any, context: int | None) -> list[bool]:
-        """Greedy correctness of the current weights on the split (a prompt that does not fit counts as wrong)."""
-        texts, lengths = self.book.tokens(self.prompts)
-        keep = self.book.fitting(self.prompts, lengths, self.max_new_tokens, "generation.eval_max_new_tokens", context)
+    def validate(self, engine: Any, context: int | None, prompts: Sequence[Any] | None = None) -> list[bool]:
+        """Greedy correctness of the current weights on the validation split, or on ``prompts`` (the final split);
+        a prompt that does not fit counts as wrong."""
+        prompts = self.prompts if prompts is None else prompts
+        texts, lengths = self.book.tokens(prompts)
+        keep = self.book.fitting(prompts, lengths, self.max_new_tokens, "generation.eval_max_new_tokens", context)
         gens = engine.greedy([texts[i] for i in keep], max_new_tokens=self.max_new_tokens) if keep else []
-        right = [False] * len(self.prompts)
+        right = [False] * len(prompts)
         for i, g in zip(keep, gens):
-            right[i] = float(self.task.verify(g.text, self.prompts[i].reference)) >= 1.0
+            right[i] = float(self.task.verify(g.text, prompts[i].reference)) >= 1.0
         return right
+
+    def validate_final(self, engine: Any, context: int | None) -> list[bool]:
+        """:meth:`validate` on the final split (the last round's choice)."""
+        return self.validate(engine, context, self.final)
 
     def start(self, run_id: str, worker: Any) -> dict[str, float]:
         """Before an update: a run this monitor has no reference of starts with the current weights validated and
@@ -86,6 +98,30 @@ class OutcomeMonitor:
         self.saved = snapshot(worker)
         self.shadow = Shadow(self.saved) if self.cfg.counterfactual else None
         return {"outcome/reference_accuracy": _acc(right), "time/outcome_reference": time.perf_counter() - t0}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of this monitor (plain data and tensors: ``torch.load(weights_only=True)``
+        reads it back); None before the run's reference exists."""
+        if self.run_id is None or self.saved is None:
+            return None
+        return {
+            "run_id": self.run_id,
+            "guard": self.guard.state(),
+            "reference": {"params": self.saved[0], "state": self.saved[1]},
+            "shadow": None if self.shadow is None else {"params": self.shadow.saved[0], "state": self.shadow.saved[1]},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the guard :meth:`state_dict` described (a resumed worker): its run, verdict state, reference
+        and shadow; a shadow the checkpoint lacks (counterfactual off then) starts from the reference."""
+        self.run_id = str(state["run_id"])
+        self.guard = OutcomeGuard.from_state(self.params, state["guard"])
+        self.saved = (state["reference"]["params"], state["reference"]["state"])
+        shadow = state.get("shadow")
+        if not self.cfg.counterfactual:
+            self.shadow = None
+        else:
+            self.shadow = Shadow((shadow["params"], shadow["state"]) if shadow else self.saved)
 
     def leave_out(self, foreign: list[Rollout], round: int, ledger: Ledger) -> tuple[list[Rollout], dict[str, float]]:
         """The rows of sources the guard admits this round; ``outcome/<source>/...`` for every source offered."""
@@ -132,12 +168,25 @@ class OutcomeMonitor:
         return out
 
     def _counterfactual(self, round: int, last_round: int, right: list[bool], worker: Any) -> dict[str, float]:
-        """Validate the shadow and compare; on a verdict to adopt, the learner takes the shadow's weights."""
+        """Validate the shadow and compare; on a verdict to adopt, the learner takes the shadow's weights. At the
+        last round, with a final split, the two are compared on it instead (module doc)."""
         assert self.shadow is not None
         t0 = time.perf_counter()
         shadow = self.shadow.validate(worker, self.validate)
+        last = round >= last_round
+        final: dict[str, float] = {}
+        against = shadow  # the shadow's vector the learner's is compared with
+        if last and self.final:
+            right = self.validate_final(worker.engine, worker.context)
+            against = self.shadow.validate(worker, self.validate_final)
+            final = {"outcome/final_accuracy": _acc(right), "outcome/shadow_final_accuracy": _acc(against)}
         cf = counterfactual.against_shadow(
-            shadow, right, z=self.params.z, margin=self.params.margin, last=round >= last_round, last_z=self.cfg.last_z
+            against,
+            right,
+            z=self.params.z,
+            margin=self.params.margin,
+            last=last,
+            last_z=self.cfg.last_z,
         )
         quarantined: dict[str, int] = {}
         if cf.adopt:
@@ -149,6 +198,7 @@ class OutcomeMonitor:
             "outcome/cf_gained": float(cf.comparison.gained),
             "outcome/adopted": float(cf.adopt),
             "time/outcome_counterfactual": time.perf_counter() - t0,
+            **final,
         }
         out.update({f"outcome/{src}/blamed_counterfactual": 1.0 for src in quarantined})
         out.update({f"outcome/{src}/quarantined_until": float(t) for src, t in quarantined.items()})
@@ -167,6 +217,21 @@ def _verdict_metrics(verdict: Verdict, right: Sequence[bool]) -> dict[str, float
     }
     out.update({f"outcome/{src}/quarantined_until": float(t) for src, t in verdict.quarantined.items()})
     return out
+
+
+def _final_ids(seed: int, size: int, n: int, validation: set[int]) -> list[int]:
+    """``n`` ids of the train split for the final split, drawn with the org's seed, apart from the validation ids
+    (all the others when the split has fewer)."""
+    rng = random.Random(stable_seed(seed, "outcome-final"))
+    free = size - len(validation)
+    if n >= free:
+        return [i for i in range(size) if i not in validation]
+    ids: set[int] = set()
+    while len(ids) < n:
+        i = rng.randrange(size)
+        if i not in validation:
+            ids.add(i)
+    return sorted(ids)
 
 
 def _acc(right: Sequence[bool]) -> float:

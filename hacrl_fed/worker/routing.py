@@ -3,8 +3,8 @@
 One worker serves run after run, each from the right starting point. It switches from the run it serves to
 another run ``S`` only
 
-* to *resume* ``S`` from its own latest checkpoint of ``S`` (weights, optimizer, RNG, round; the guard then applies
-  to ``S``), whatever request of ``S`` arrives; or
+* to *resume* ``S`` from its own latest checkpoint of ``S`` (weights, optimizer, RNG, round, and the outcome
+  guard's state where it was on; the request guard then applies to ``S``), whatever request of ``S`` arrives; or
 * to *start* ``S`` fresh, when ``S`` is a run it has never trained and the request is ``S``'s first one (the
   round-0 evaluation or the plan for round 1): the configured initial weights, a fresh optimizer and the initial
   RNG states, exactly as a newly started worker. The initial weights come from a CPU copy of the trainable
@@ -43,6 +43,8 @@ from hacrl_fed.worker.guard import RequestRefused, check_checkpoint
 
 log = logging.getLogger(__name__)
 
+OUTCOME_KEY = "outcome_guard"  # the outcome guard's state inside a checkpoint's trainer state (trainer.pt)
+
 
 class RunRouting:
     """Snapshot, fresh start, route, enter, checkpoint and restore (module docstring)."""
@@ -51,6 +53,7 @@ class RunRouting:
     model: Any
     trainer: Any
     engine: Any
+    outcome: Any  # the outcome guard's monitor (hacrl_fed.worker.outcome), None when off
     ckpt_base: Path
     run_id: str | None
     last_round: int
@@ -148,7 +151,13 @@ class RunRouting:
 
     def _save(self, root: Path, round: int, extra: dict[str, Any]) -> Path:
         """Write the checkpoint of ``round`` under ``root`` (the sharded worker writes its shards instead)."""
-        return save_checkpoint(root, round, self.model, self.trainer.state_dict(), extra)
+        return save_checkpoint(root, round, self.model, self._trainer_state(), extra)
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """The trainer's state and, with the outcome guard on, the guard's (``OUTCOME_KEY``), for a checkpoint."""
+        state = self.trainer.state_dict()
+        guard = self.outcome.state_dict() if self.outcome is not None else None
+        return {**state, OUTCOME_KEY: guard} if guard is not None else state
 
     def restore(self) -> int:
         """Resume the run checkpointed last (``resume=True``), if any; returns its round (0 when none)."""
@@ -162,6 +171,9 @@ class RunRouting:
     def _restore(self, path: Path) -> None:
         """Weights, optimizer state and RNG states of checkpoint ``path``."""
         trainer_state, _ = load_checkpoint(path, self.model)
+        guard = trainer_state.pop(OUTCOME_KEY, None)
         self.trainer.load_state_dict(trainer_state)
+        if guard is not None and self.outcome is not None:
+            self.outcome.load_state_dict(guard)
         self.engine.sync_weights(self.model)
         self._pristine = False

@@ -159,7 +159,8 @@ def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
 def _outcome(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
     """``{"outcome": ...}`` with the outcome guard on (``<org>/outcome/...``, docs/METRICS.md), else nothing: the
     rounds it rolled back and adopted its shadow, each validation ``[round, learner, shadow or None]`` accuracy on
-    the private split, and per source the rounds it was blamed (struck)."""
+    the private split, the last round's ``[round, learner, shadow]`` accuracy on the final split where there is one
+    (``final``), and per source the rounds it was blamed (struck)."""
     head = f"{org}/outcome/"
     if not any(k.startswith(head) for _, rec in rounds for k in rec):
         return {}
@@ -172,6 +173,8 @@ def _outcome(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[str, An
         if rec.get(head + "validated") and head + "val_accuracy" in rec:
             shadow = rec.get(head + "shadow_accuracy")
             out["validations"].append([t, float(rec[head + "val_accuracy"]), None if shadow is None else float(shadow)])
+        if head + "final_accuracy" in rec:
+            out["final"] = [t, float(rec[head + "final_accuracy"]), float(rec[head + "shadow_final_accuracy"])]
         for key in rec:
             src, _, what = key[len(head) :].partition("/")
             if key.startswith(head) and what in ("blamed_counterfactual", "quarantined_until"):

@@ -330,7 +330,9 @@ def same_run_config(stored: dict[str, Any], cfg: Any) -> bool:
     """Whether a cell that ran with the resolved config ``stored`` (its JSON's ``config``) ran ``cfg``: every field
     of ``cfg`` equal to the stored one, or, where ``stored`` lacks the field (the cell predates it), ``cfg`` at the
     value that field's absence stands for: its ``absent_means`` where the schema records one (a field whose default
-    changed after it was added: ``trainer.selection.budget_split``), else the schema's default; a stored field
+    changed after it was added: ``trainer.selection.budget_split``; for a section, the fields its absence fixes:
+    ``trainer.outcome_guard`` off), else the schema's default; a section switched off (``enabled: false``) in both
+    is the same whatever its other fields; a stored field
     ``cfg`` no longer has is a difference."""
     current = _comparable(cfg.model_dump(mode="json"))
     non_default = _comparable(cfg.model_dump(mode="json", exclude_defaults=True))
@@ -343,7 +345,10 @@ def _absent_ok(model: Any, key: str, value: Any, non_default: dict[str, Any]) ->
     info = type(model).model_fields.get(key) if isinstance(model, BaseModel) else None
     extra = info.json_schema_extra if info is not None else None
     if isinstance(extra, dict) and "absent_means" in extra:
-        return bool(value == extra["absent_means"])
+        means = extra["absent_means"]
+        if isinstance(means, dict) and isinstance(value, dict):  # a section: the fields its absence fixes
+            return all(value.get(k) == v for k, v in means.items())
+        return bool(value == means)
     return key not in non_default  # a new field: at its default
 
 
@@ -351,6 +356,8 @@ def _same(stored: Any, current: Any, non_default: Any, model: Any = None) -> boo
     """``current`` (a dumped config, ``model`` the object it was dumped from where there is one) against
     ``stored`` (:func:`same_run_config`)."""
     if isinstance(current, dict):
+        if current.get("enabled") is False and isinstance(stored, dict) and stored.get("enabled") is False:
+            return True  # a section switched off in both runs: its other fields change nothing
         if not isinstance(stored, dict) or set(stored) - set(current):
             return False
         nd = non_default if isinstance(non_default, dict) else {}
