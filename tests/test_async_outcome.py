@@ -19,7 +19,8 @@ def _cfg(**federation):
         "name": "outcome-async", "seed": 0, "orgs": ORGS, "algorithm": {"name": "hacpo"},
         "trainer": {"lr": 1e-2, "minibatch_size": 64, "micro_batch_size": 32, "selection": {"rule": "all"},
                     "likelihood_screen": {"enabled": False},
-                    "outcome_guard": {"enabled": True, "every": 1, "val_size": 8, "probation": 2}},
+                    "outcome_guard": {"enabled": True, "every": 1, "val_size": 8, "probation": 2,
+                                      "final_size": 0}},  # the last round's choice on the 8 (stubbed) prompts
         "generation": {"num_samples": 4, "max_new_tokens": 12, "eval_max_new_tokens": 12},
         "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
         "federation": {"rounds": 5, "prompts_per_round": 4, "eval_every": 0, "min_orgs": 1, "staleness": 1,
