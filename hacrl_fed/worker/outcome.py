@@ -50,7 +50,8 @@ class OutcomeMonitor:
         rng = random.Random(stable_seed(seed, "outcome-validation"))
         ids = sorted(rng.sample(range(task.size("train")), min(cfg.val_size, task.size("train"))))
         self.prompts = task.prompts("train", ids)
-        self.final = task.prompts("train", _final_ids(seed, task.size("train"), cfg.final_size, set(ids)))
+        final = _final_ids(seed, task.size("train"), cfg.final_size, set(ids)) if cfg.counterfactual else []
+        self.final = task.prompts("train", final)  # the last round's choice with the shadow: none without it
         self.params = OutcomeParams(cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff)
         self.run_id: str | None = None
         self.guard = OutcomeGuard(self.params)
