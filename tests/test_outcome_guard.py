@@ -131,6 +131,22 @@ def test_a_source_with_strikes_must_leave_the_weights_no_worse():
     assert not g.judge(16, vec(59)).rollback and g.strikes == {"globex": 2}
 
 
+def test_with_bar_slack_a_source_with_strikes_keeps_the_slack_and_passes_its_trial():
+    """struck_bar "slack": the same within-slack loss on trial is no strike; the trial ends passed, and a significant
+    regression still strikes it (twice the quarantine)."""
+    g = OutcomeGuard(OutcomeParams(every=2, z=2.0, margin=2, probation=4, backoff=2.0, struck_bar="slack"))
+    g.judge(0, vec(60))
+    g.trained(["globex"])
+    g.judge(2, vec(20))  # struck: out through round 6
+    for t in (7, 8):
+        assert g.admits("globex", t)
+        g.trained(["globex"])
+        assert not g.judge(t, vec(59)).rollback  # 1 lost: within the slack
+    assert g.passed == {"globex"} and g.strikes == {"globex": 1} and g.reference == vec(60)
+    g.trained(["globex"])
+    assert g.judge(10, vec(40)).quarantined == {"globex": 18}
+
+
 def test_readmitted_sources_go_on_trial_one_at_a_time():
     g = OutcomeGuard(P)
     g.judge(0, vec(60))

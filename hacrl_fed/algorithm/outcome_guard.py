@@ -23,8 +23,10 @@ Validation is due after every ``every``-th round's update, after the last round'
 quarantine ended is readmitted one at a time (no two sources with strikes on trial together, so the next regression
 is attributed to it alone) for ``every`` rounds, after which a validation that is not a regression clears it (it
 keeps its strikes). A source with no strike is always admitted. A source **with strikes** is held to more than the
-slack: any validation after updates that trained on its rows must find the weights no worse than the reference
-(``gained >= lost``), else it gets another strike and the weights go back to the reference.
+slack (``struck_bar = "no_worse"``, the default): any validation after updates that trained on its rows must find the
+weights no worse than the reference (``gained >= lost``), else it gets another strike and the weights go back to the
+reference; with ``struck_bar = "slack"`` it is held to the regression test like any source (an honest peer struck
+once by chance then fails a point-estimate test about every other validation, so it is struck again and again).
 
 Why an adaptive attacker gains little (SECURITY.md): the weights the learner ends with were either validated no
 worse than its best, within the test's slack of it, or reached from it by its own rows only (the final round is
@@ -54,6 +56,7 @@ class OutcomeParams:
     margin: int = 2
     probation: int = 8
     backoff: float = 2.0
+    struck_bar: str = "no_worse"  # or "slack": a source with strikes held to the regression test like any source
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,7 @@ class OutcomeGuard:
         if cmp.regressed and self.implicated:
             return Verdict(cmp, True, False, False, self._strike(sorted(self.implicated), round))
         suspects = [s for s in sorted(self.implicated) if self.strikes.get(s, 0) > 0]
-        if suspects and not cmp.not_worse:  # a source with strikes is held to "no worse", not to "within the slack"
+        if suspects and self.params.struck_bar == "no_worse" and not cmp.not_worse:  # not "within the slack"
             return Verdict(cmp, True, False, False, self._strike(suspects, round))
         self.passed.update(done)
         for src in done:

@@ -207,6 +207,14 @@ class OutcomeGuardConfig(_Section):
     margin: int = Field(2, ge=0, description=_d("and lost - gained > margin (prompts)"))
     probation: int = Field(8, ge=1, description=_d("rounds a source is left out after its first strike"))
     backoff: float = Field(2.0, ge=1, description=_d("each further strike multiplies the source's quarantine by this"))
+    struck_bar: Literal["no_worse", "slack"] = Field(
+        "no_worse",
+        description=_d(
+            "what a source with strikes is held to at every validation after updates that trained on its rows: "
+            "no_worse (gained >= lost against the reference, else another strike) or slack (the regression test "
+            "of z and margin, like any source)"
+        ),
+    )
     counterfactual: bool = Field(
         True,
         description=_d(
