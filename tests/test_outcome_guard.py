@@ -16,7 +16,7 @@ from hacrl_fed.coordinator import Coordinator
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.worker import build_worker
 
-P = OutcomeParams(every=2, z=2.0, margin=2, probation=4, backoff=2.0)
+P = OutcomeParams(every=2, z=2.0, margin=2, probation=4, backoff=2.0, struck_bar="no_worse")
 
 
 def vec(right: int, n: int = 100) -> list[bool]:

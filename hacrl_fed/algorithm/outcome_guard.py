@@ -22,11 +22,14 @@ Validation is due after every ``every``-th round's update, after the last round'
 ``every`` rounds (every source is new then) and after every round while a source is **on trial**: a source whose
 quarantine ended is readmitted one at a time (no two sources with strikes on trial together, so the next regression
 is attributed to it alone) for ``every`` rounds, after which a validation that is not a regression clears it (it
-keeps its strikes). A source with no strike is always admitted. A source **with strikes** is held to more than the
-slack (``struck_bar = "no_worse"``, the default): any validation after updates that trained on its rows must find the
-weights no worse than the reference (``gained >= lost``), else it gets another strike and the weights go back to the
-reference; with ``struck_bar = "slack"`` it is held to the regression test like any source (an honest peer struck
-once by chance then fails a point-estimate test about every other validation, so it is struck again and again).
+keeps its strikes). A source with no strike is always admitted. A source **with strikes** is held to the regression
+test like any source (``struck_bar = "slack"``, the default); with ``struck_bar = "no_worse"`` (the rule of issue
+27's first attack matrix) any validation after updates that trained on its rows must find the weights no worse than
+the reference (``gained >= lost``), else it gets another strike and the weights go back to the reference. That bar is
+a coin toss for an honest peer when the learner gains little from it, so one strike by chance became a cascade of
+rollbacks and doubling quarantines (measured: an honest org 6.2 points below its run without the guard at 4 orgs);
+the slack keeps harm bounded the same way (rows that keep costing accuracy reach a regression against the same
+reference, and the counterfactual compares with training alone).
 
 Why an adaptive attacker gains little (SECURITY.md): the weights the learner ends with were either validated no
 worse than its best, within the test's slack of it, or reached from it by its own rows only (the final round is
@@ -56,7 +59,7 @@ class OutcomeParams:
     margin: int = 2
     probation: int = 8
     backoff: float = 2.0
-    struck_bar: str = "no_worse"  # or "slack": a source with strikes held to the regression test like any source
+    struck_bar: str = "slack"  # or "no_worse": a source with strikes held to gained >= lost (module doc)
 
 
 @dataclass(frozen=True)

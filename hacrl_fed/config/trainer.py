@@ -208,12 +208,13 @@ class OutcomeGuardConfig(_Section):
     probation: int = Field(8, ge=1, description=_d("rounds a source is left out after its first strike"))
     backoff: float = Field(2.0, ge=1, description=_d("each further strike multiplies the source's quarantine by this"))
     struck_bar: Literal["no_worse", "slack"] = Field(
-        "no_worse",
+        "slack",
         description=_d(
             "what a source with strikes is held to at every validation after updates that trained on its rows: "
-            "no_worse (gained >= lost against the reference, else another strike) or slack (the regression test "
-            "of z and margin, like any source)"
+            "slack (the regression test of z and margin, like any source) or no_worse (gained >= lost against "
+            "the reference, else another strike: a coin toss for an honest peer; the rule before this field)"
         ),
+        json_schema_extra={"absent_means": "no_worse"},  # a stored config from before the field held them to it
     )
     counterfactual: bool = Field(
         True,
