@@ -580,6 +580,13 @@ def test_a_cell_from_before_the_outcome_guard_ran_with_it_off_whatever_the_defau
     assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard.val_size": 64}))
     assert bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
         "enabled": True, "val_size": 64, "final_size": 0}}))
+    # struck_bar came in after the guard's first cells, which held a source with strikes to "no worse"
+    del older["trainer"]["outcome_guard"]["struck_bar"]
+    assert load_config(raw).trainer.outcome_guard.struck_bar == "slack"
+    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
+        "enabled": True, "val_size": 64, "final_size": 0}}))
+    assert bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
+        "enabled": True, "val_size": 64, "final_size": 0, "struck_bar": "no_worse"}}))
 
 
 def test_every_committed_cell_is_still_done_with_the_config_it_ran():
