@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class OutcomeParams:
     margin: int = 2
     probation: int = 8
     backoff: float = 2.0
-    struck_bar: str = "slack"  # or "no_worse": a source with strikes held to gained >= lost (module doc)
+    struck_bar: Literal["slack", "no_worse"] = "slack"  # what a source with strikes is held to (module doc)
 
 
 @dataclass(frozen=True)
@@ -146,9 +146,10 @@ class OutcomeGuard:
         done = [s for s, start in self.trial.items() if round >= start + self.params.every - 1]
         if cmp.regressed and self.implicated:
             return Verdict(cmp, True, False, False, self._strike(sorted(self.implicated), round))
-        suspects = [s for s in sorted(self.implicated) if self.strikes.get(s, 0) > 0]
-        if suspects and self.params.struck_bar == "no_worse" and not cmp.not_worse:  # not "within the slack"
-            return Verdict(cmp, True, False, False, self._strike(suspects, round))
+        if self.params.struck_bar == "no_worse" and not cmp.not_worse:  # not "within the slack"
+            suspects = [s for s in sorted(self.implicated) if self.strikes.get(s, 0) > 0]
+            if suspects:
+                return Verdict(cmp, True, False, False, self._strike(suspects, round))
         self.passed.update(done)
         for src in done:
             del self.trial[src]
