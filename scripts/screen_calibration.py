@@ -59,6 +59,7 @@ TRACE = (
     "cf_lost",
     "cf_gained",
     "rollback",
+    "spared",
     "adopted",
 )
 

@@ -207,7 +207,7 @@ def test_a_guarded_cell_keeps_the_guard_s_verdicts_and_an_unguarded_one_none():
                 "a/outcome/b/quarantined_until": 24.0, "eval/a/accuracy": 0.5, "a/outcome/final_accuracy": 0.55,
                 "a/outcome/shadow_final_accuracy": 0.65}]
     out = learning.summarize_cell(cfg, records)["agents"]["a"]["outcome"]
-    assert out == {"rollbacks": [4], "adopted": [8], "validations": [[4, 0.5, 0.4], [8, 0.6, 0.7]],
+    assert out == {"rollbacks": [4], "spared": [], "adopted": [8], "validations": [[4, 0.5, 0.4], [8, 0.6, 0.7]],
                    "blamed": {"b": [4, 8]}, "final": [8, 0.55, 0.65]}
     assert "outcome" not in learning.summarize_cell(cfg, records[:1])["agents"]["a"]
 
@@ -587,6 +587,13 @@ def test_a_cell_from_before_the_outcome_guard_ran_with_it_off_whatever_the_defau
         "enabled": True, "val_size": 64, "final_size": 0}}))
     assert bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
         "enabled": True, "val_size": 64, "final_size": 0, "struck_bar": "no_worse"}}))
+    # and strike_gate after them, which struck every source a regression implicated
+    del older["trainer"]["outcome_guard"]["strike_gate"]
+    assert load_config(raw).trainer.outcome_guard.strike_gate == "shadow"
+    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
+        "enabled": True, "val_size": 64, "final_size": 0, "struck_bar": "no_worse"}}))
+    assert bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
+        "enabled": True, "val_size": 64, "final_size": 0, "struck_bar": "no_worse", "strike_gate": "always"}}))
 
 
 def test_every_committed_cell_is_still_done_with_the_config_it_ran():

@@ -157,6 +157,35 @@ def test_the_shadow_trains_on_own_rows_and_is_adopted_when_the_learner_falls_beh
     assert m2["acme/outcome/adopted"] == 0.0 and m2["acme/outcome/globex/strikes"] == 1.0
 
 
+@pytest.mark.parametrize("shadow_right", [0, 8])
+def test_a_regression_validates_the_shadow_once_and_strikes_only_below_it(tmp_path, monkeypatch, shadow_right):
+    # round 1: the learner answers none of 8 against its reference's 8 (regressed: 8 > 2.5 * sqrt(8)); the shadow,
+    # validated for the gate and reused by the counterfactual, answers none too (spared) or all 8 (struck)
+    cfg = _cfg(final_size=0)
+    workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
+    acme = workers["acme"]
+    answers = iter([[True] * 8, [False] * 8, [True] * shadow_right + [False] * (8 - shadow_right)])
+    calls = []
+
+    def validate(engine, context):
+        calls.append(1)
+        return next(answers)
+
+    monkeypatch.setattr(acme.outcome, "validate", validate)
+    initial = [p.detach().clone() for p in acme.model.parameters()]
+    m1 = Coordinator(cfg, InProcessTransport(workers), tmp_path).run_round(1).metrics
+    assert len(calls) == 3  # the reference, the learner, the shadow once
+    assert m1["acme/outcome/rollback"] == 1.0 and m1["acme/train/num_cross"] == 16  # it trained on globex
+    assert all(torch.equal(a, b) for a, b in zip(initial, acme.model.parameters()))  # rolled back either way
+    assert m1["acme/outcome/shadow_accuracy"] == shadow_right / 8
+    if shadow_right == 0:
+        assert m1["acme/outcome/spared"] == 1.0 and m1["acme/outcome/globex/spared"] == 1.0
+        assert "acme/outcome/globex/quarantined_until" not in m1 and acme.outcome.guard.strikes == {}
+    else:
+        assert m1["acme/outcome/spared"] == 0.0 and "acme/outcome/globex/spared" not in m1
+        assert m1["acme/outcome/globex/quarantined_until"] == 3.0 and acme.outcome.guard.strikes == {"globex": 1}
+
+
 @pytest.mark.parametrize("final_size", [8, 0])
 def test_the_last_round_chooses_on_the_final_split_when_there_is_one(tmp_path, monkeypatch, final_size):
     # learner and shadow tie on the validation split all run; on the final split the learner is 4 of 8 behind, which

@@ -57,6 +57,45 @@ def test_a_regression_rolls_back_and_quarantines_the_sources_trained_since():
     assert not g.admits("globex", 10) and g.admits("globex", 11)
 
 
+def test_a_regression_the_shadow_matches_rolls_back_and_strikes_no_one():
+    """strike_gate "shadow": the weights go back to the reference either way; the sources trained since are struck
+    only when the weights are also significantly worse than the shadow's (the counterfactual's test)."""
+    g = OutcomeGuard(P)  # strike_gate "shadow", the default
+    g.judge(0, vec(60))
+    g.trained(["globex", "initech"])
+    assert g.would_roll_back(vec(30)) and not g.would_roll_back(vec(58))
+    dip = g.judge(2, vec(30), shadow=vec(32))  # 2 below the shadow: within its slack, a learning dip
+    assert dip.rollback and not dip.new_reference and dip.quarantined == {}
+    assert dip.spared == ("globex", "initech") and g.strikes == {} and g.implicated == set()
+    assert g.reference == vec(60) and g.admits("globex", 3) and g.admits("initech", 3)
+    assert not g.would_roll_back(vec(30))  # nothing implicated since the rollback
+    g.trained(["globex"])
+    harm = g.judge(4, vec(30), shadow=vec(55))  # 25 below the shadow too: struck
+    assert harm.rollback and harm.spared == () and harm.quarantined == {"globex": 8}
+
+
+def test_without_a_shadow_or_with_the_gate_always_every_regression_strikes():
+    for params, shadow in ((P, None), (OutcomeParams(**{**P.__dict__, "strike_gate": "always"}), vec(30))):
+        g = OutcomeGuard(params)
+        g.judge(0, vec(60))
+        g.trained(["globex"])
+        verdict = g.judge(2, vec(30), shadow=shadow)
+        assert verdict.rollback and verdict.quarantined == {"globex": 6} and verdict.spared == ()
+
+
+def test_a_source_on_trial_spared_by_the_gate_stays_on_trial():
+    g = OutcomeGuard(P)
+    g.judge(0, vec(60))
+    g.trained(["globex"])
+    g.judge(2, vec(30))  # no shadow: struck, left out through round 6
+    assert g.admits("globex", 7) and g.trial == {"globex": 7}
+    g.trained(["globex"])
+    dip = g.judge(7, vec(30), shadow=vec(30))
+    assert dip.rollback and dip.spared == ("globex",) and g.strikes == {"globex": 1} and g.trial == {"globex": 7}
+    g.trained(["globex"])
+    assert not g.judge(8, vec(60)).rollback and g.trial == {} and "globex" in g.passed  # its trial ends passed
+
+
 def test_a_regression_on_the_learners_own_rows_alone_rebases():
     """No foreign row since the reference: training alone did it, not a member; no rollback, no strike."""
     g = OutcomeGuard(P)

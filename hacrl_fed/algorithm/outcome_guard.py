@@ -12,7 +12,14 @@ weights first) and those weights (in memory). The paired comparison on the same 
 
 * **regressed, and a foreign source was trained on since the reference**: roll back to the reference weights (and
   optimizer state) and quarantine every such source: ``strikes_j`` grows by one and source ``j`` is left out
-  through round ``t + probation * backoff ** (strikes_j - 1)``;
+  through round ``t + probation * backoff ** (strikes_j - 1)``. With ``strike_gate = "shadow"`` (the default) and
+  the shadow's vector ``s`` on the same prompts (:mod:`hacrl_fed.algorithm.counterfactual`), the sources are struck
+  only when the weights are also significantly worse than training alone (``compare(s, v).regressed``, the
+  counterfactual's own test); otherwise the weights still go back to the reference but no source is struck
+  (``spared``): a learning dip that training alone would not be ashamed of is not a member's harm (measured: every
+  rollback of an honest run at 4 and 8 orgs had the learner within the slack of its shadow or above it, and each
+  struck every peer, which the weakest org, gaining most from them, paid for). Without a shadow (``counterfactual:
+  false``) or with ``strike_gate = "always"`` every regression strikes;
 * **regressed on the learner's own rows alone** (no foreign row since the reference): that is training alone, not a
   member's harm; the current weights become the reference (``rebased``);
 * **no worse** (``gained >= lost``): the current weights become the reference, the sources are cleared;
@@ -60,6 +67,7 @@ class OutcomeParams:
     probation: int = 8
     backoff: float = 2.0
     struck_bar: Literal["slack", "no_worse"] = "slack"  # what a source with strikes is held to (module doc)
+    strike_gate: Literal["shadow", "always"] = "shadow"  # when a regression's rollback strikes (module doc)
 
 
 @dataclass(frozen=True)
@@ -78,14 +86,16 @@ class Comparison:
 @dataclass(frozen=True)
 class Verdict:
     """What one validation decided: ``rollback`` to the reference weights, or make the current ones the reference
-    (``new_reference``; ``rebased`` when they regressed on the learner's own rows alone), and the sources
-    ``quarantined`` by it (source -> last round it is left out)."""
+    (``new_reference``; ``rebased`` when they regressed on the learner's own rows alone), the sources
+    ``quarantined`` by it (source -> last round it is left out), and those a rollback ``spared`` (trained on since
+    the reference, not struck: the weights were not significantly worse than the shadow's)."""
 
     comparison: Comparison
     rollback: bool
     new_reference: bool
     rebased: bool
     quarantined: dict[str, int]
+    spared: tuple[str, ...] = ()
 
 
 def compare(reference: Sequence[bool], current: Sequence[bool], z: float, margin: int) -> Comparison:
@@ -137,14 +147,28 @@ class OutcomeGuard:
         self.implicated.update(sources)
         self.since_shadow.update(sources)
 
-    def judge(self, round: int, current: Sequence[bool]) -> Verdict:
-        """The verdict on the weights after ``round``'s update (module doc); the first call sets the reference."""
+    def would_roll_back(self, current: Sequence[bool]) -> bool:
+        """Whether :meth:`judge` rolls ``current`` back on a regression (a foreign source trained on since the
+        reference): the one verdict whose strikes depend on the shadow's vector, so the worker validates the shadow
+        for it only then."""
+        if self.reference is None or not self.implicated:
+            return False
+        return compare(self.reference, current, self.params.z, self.params.margin).regressed
+
+    def judge(self, round: int, current: Sequence[bool], shadow: Sequence[bool] | None = None) -> Verdict:
+        """The verdict on the weights after ``round``'s update (module doc); the first call sets the reference.
+        ``shadow``: the shadow's vector on the same prompts now, which gates a regression's strikes
+        (``strike_gate``); None: no shadow, every regression strikes."""
         if self.reference is None:
             self.reference = list(current)
             return Verdict(Comparison(0, 0, False), False, True, False, {})
         cmp = compare(self.reference, current, self.params.z, self.params.margin)
         done = [s for s, start in self.trial.items() if round >= start + self.params.every - 1]
         if cmp.regressed and self.implicated:
+            if self._spares(current, shadow):
+                spared = tuple(sorted(self.implicated))
+                self.implicated.clear()  # the weights go back to the reference
+                return Verdict(cmp, True, False, False, {}, spared)
             return Verdict(cmp, True, False, False, self._strike(sorted(self.implicated), round))
         if self.params.struck_bar == "no_worse" and not cmp.not_worse:  # not "within the slack"
             suspects = [s for s in sorted(self.implicated) if self.strikes.get(s, 0) > 0]
@@ -157,6 +181,13 @@ class OutcomeGuard:
             self.reference = list(current)
             self.implicated.clear()
         return Verdict(cmp, False, cmp.regressed or cmp.not_worse, cmp.regressed, {})
+
+    def _spares(self, current: Sequence[bool], shadow: Sequence[bool] | None) -> bool:
+        """A regression's rollback strikes no source: the gate is on and the weights are not significantly worse
+        than the shadow's (the counterfactual's test, module doc)."""
+        if self.params.strike_gate != "shadow" or shadow is None:
+            return False
+        return not compare(shadow, current, self.params.z, self.params.margin).regressed
 
     def adopt(self, round: int, shadow: Sequence[bool], strike: bool) -> dict[str, int]:
         """The learner took its shadow's weights after ``round``'s update (:mod:`hacrl_fed.algorithm.counterfactual`):

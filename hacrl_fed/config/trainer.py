@@ -216,6 +216,16 @@ class OutcomeGuardConfig(_Section):
         ),
         json_schema_extra={"absent_means": "no_worse"},  # a stored config from before the field held them to it
     )
+    strike_gate: Literal["shadow", "always"] = Field(
+        "shadow",
+        description=_d(
+            "when a regression rolls the weights back, whether the sources trained on since get a strike only if the "
+            "weights are also significantly worse than the shadow's (shadow: a learning dip that training alone "
+            "matches strikes no one, outcome/<source>/spared; needs counterfactual, without it every regression "
+            "strikes) or always (the rule before this field)"
+        ),
+        json_schema_extra={"absent_means": "always"},  # a stored config from before the field struck every time
+    )
     counterfactual: bool = Field(
         True,
         description=_d(

@@ -52,7 +52,9 @@ class OutcomeMonitor:
         self.prompts = task.prompts("train", ids)
         final = _final_ids(seed, task.size("train"), cfg.final_size, set(ids)) if cfg.counterfactual else []
         self.final = task.prompts("train", final)  # the last round's choice with the shadow: none without it
-        self.params = OutcomeParams(cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff, cfg.struck_bar)
+        self.params = OutcomeParams(
+            cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff, cfg.struck_bar, cfg.strike_gate
+        )
         self.run_id: str | None = None
         self.guard = OutcomeGuard(self.params)
         self.saved: Saved | None = None
@@ -156,8 +158,11 @@ class OutcomeMonitor:
             return {"outcome/validated": 0.0}
         t0 = time.perf_counter()
         right = self.validate(worker.engine, worker.context)
-        verdict = self.guard.judge(round, right)
+        shadow = self._shadow_for_gate(right, worker)
+        verdict = self.guard.judge(round, right, shadow)
         out = _verdict_metrics(verdict, right)
+        if shadow is not None:
+            out["outcome/shadow_accuracy"] = _acc(shadow)
         if verdict.rollback and self.saved is not None:
             restore(worker, self.saved)
             right = list(self.guard.reference or right)  # the weights now on the model: the reference's vector
@@ -165,15 +170,26 @@ class OutcomeMonitor:
             self.saved = snapshot(worker)
         out["time/outcome"] = time.perf_counter() - t0
         if self.shadow is not None and counterfactual.due(round, last_round, self.params.every):
-            out.update(self._counterfactual(round, last_round, right, worker))
+            out.update(self._counterfactual(round, last_round, right, worker, shadow))
         return out
 
-    def _counterfactual(self, round: int, last_round: int, right: list[bool], worker: Any) -> dict[str, float]:
-        """Validate the shadow and compare; on a verdict to adopt, the learner takes the shadow's weights. At the
-        last round, with a final split, the two are compared on it instead (module doc)."""
+    def _shadow_for_gate(self, right: list[bool], worker: Any) -> list[bool] | None:
+        """The shadow's vector on the validation split when a regression's strikes wait on it (``strike_gate``
+        ``shadow``, a shadow kept, and ``right`` would be rolled back), else None. The shadow's weights do not change
+        before this round's counterfactual check, which reuses it."""
+        if self.shadow is None or self.params.strike_gate != "shadow" or not self.guard.would_roll_back(right):
+            return None
+        return self.shadow.validate(worker, self.validate)
+
+    def _counterfactual(
+        self, round: int, last_round: int, right: list[bool], worker: Any, shadow: list[bool] | None = None
+    ) -> dict[str, float]:
+        """Validate the shadow (``shadow``: its vector, already validated this round) and compare; on a verdict to
+        adopt, the learner takes the shadow's weights. At the last round, with a final split, the two are compared on
+        it instead (module doc)."""
         assert self.shadow is not None
         t0 = time.perf_counter()
-        shadow = self.shadow.validate(worker, self.validate)
+        shadow = self.shadow.validate(worker, self.validate) if shadow is None else shadow
         last = round >= last_round
         final: dict[str, float] = {}
         against = shadow  # the shadow's vector the learner's is compared with
@@ -215,8 +231,10 @@ def _verdict_metrics(verdict: Verdict, right: Sequence[bool]) -> dict[str, float
         "outcome/rollback": float(verdict.rollback),
         "outcome/rebased": float(verdict.rebased),
         "outcome/new_reference": float(verdict.new_reference),
+        "outcome/spared": float(bool(verdict.spared)),
     }
     out.update({f"outcome/{src}/quarantined_until": float(t) for src, t in verdict.quarantined.items()})
+    out.update({f"outcome/{src}/spared": 1.0 for src in verdict.spared})
     return out
 
 

@@ -158,16 +158,19 @@ def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _outcome(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
     """``{"outcome": ...}`` with the outcome guard on (``<org>/outcome/...``, docs/METRICS.md), else nothing: the
-    rounds it rolled back and adopted its shadow, each validation ``[round, learner, shadow or None]`` accuracy on
+    rounds it rolled back, of those the rollbacks that struck no source (``spared``, the shadow as good), the rounds
+    it adopted its shadow, each validation ``[round, learner, shadow or None]`` accuracy on
     the private split, the last round's ``[round, learner, shadow]`` accuracy on the final split where there is one
     (``final``), and per source the rounds it was blamed (struck)."""
     head = f"{org}/outcome/"
     if not any(k.startswith(head) for _, rec in rounds for k in rec):
         return {}
-    out: dict[str, Any] = {"rollbacks": [], "adopted": [], "validations": [], "blamed": {}}
+    out: dict[str, Any] = {"rollbacks": [], "spared": [], "adopted": [], "validations": [], "blamed": {}}
     for t, rec in rounds:
         if rec.get(head + "rollback"):
             out["rollbacks"].append(t)
+        if rec.get(head + "spared"):
+            out["spared"].append(t)
         if rec.get(head + "adopted"):
             out["adopted"].append(t)
         if rec.get(head + "validated") and head + "val_accuracy" in rec:
