@@ -88,6 +88,26 @@ def test_a_rollback_and_an_adoption_in_one_validation_strike_once():
     assert g.strikes == {"globex": 1, "initech": 1}
 
 
+def test_an_attacker_that_keeps_the_learner_within_the_shadows_slack_is_not_struck_and_bounded_by_it():
+    """The adaptive attacker of strike_gate "shadow": it knows the shadow's accuracy and each window pulls the learner
+    to 3 below it (inside the slack: 3 <= max(2 * sqrt(3), 2)). While that is a regression against the learner's best
+    (60), every verdict rolls back unstruck, so the weights stay at 60; once the shadow passes it, the learner follows
+    3 below the shadow; the last round's choice takes the shadow (3 > last_z * sqrt(3)). The bound: never below
+    max(its best, the shadow) by more than the slack, and at the end the shadow's weights. Its cost: no strike names
+    the attacker."""
+    g = OutcomeGuard(P)
+    g.judge(0, vec(60))
+    kept = []
+    for t, shadow in zip(range(2, 24, 2), range(46, 80, 3)):
+        g.trained(["acme"])
+        verdict = g.judge(t, vec(shadow - 3), shadow=vec(shadow))
+        assert verdict.quarantined == {} and verdict.spared == (("acme",) if verdict.rollback else ())
+        kept.append(sum(g.reference) if verdict.rollback else shadow - 3)
+        cf = against_shadow(vec(shadow), vec(kept[-1]), z=P.z, margin=P.margin, last=t == 22, last_z=1.0)
+        assert cf.adopt == (t == 22) and not cf.strike
+    assert kept == [60, 60, 60, 60, 60, 58, 61, 64, 67, 70, 73] and g.strikes == {}
+
+
 def test_a_rollback_keeps_the_sources_since_the_shadow():
     """A rollback returns to the best reference, which may itself carry foreign training: the sources stay
     blamed by the counterfactual."""
