@@ -44,11 +44,12 @@ always validated); harm that accumulates slowly or shows late is measured agains
 every source trained since it; a source that alternates honest and doctored windows keeps its strikes, and each
 strike multiplies its next quarantine, so once struck it causes at most ``1 + log_backoff(rounds / probation)``
 rollbacks in a run. Under ``strike_gate = "shadow"`` a source whose harm keeps the learner within the shadow's slack
-is not struck: each regression it causes still throws the weights back to the best validated ones, so it can hold
-the learner at its best, not below it, while the shadow climbs, until the learner falls significantly behind the
-shadow (the counterfactual adopts the shadow's weights and strikes it). What it cannot see alone: harm that costs no validation accuracy (a trigger that leaves answers right), harm
-within the slack, the rounds a rollback throws away, and a slower climb than training alone would give (it compares
-with its own best); the counterfactual (:mod:`hacrl_fed.algorithm.counterfactual`, ``counterfactual: true``)
+is never struck: each regression it causes still throws the weights back to the best validated ones, so it holds
+the learner at its best while the shadow is below that, and within the slack below the shadow once the shadow
+passes it (the last round's choice then takes the shadow's weights when they are better by more than ``last_z``
+standard deviations). What it cannot see alone: harm that costs no validation accuracy (a trigger that leaves
+answers right), harm within the slack, the rounds a rollback throws away, and a slower climb than training alone
+would give (it compares with its own best); the counterfactual (:mod:`hacrl_fed.algorithm.counterfactual`, ``counterfactual: true``)
 compares with a shadow that trains alone, for the last two.
 """
 
