@@ -49,8 +49,8 @@ the learner at its best while the shadow is below that, and within the slack bel
 passes it (the last round's choice then takes the shadow's weights when they are better by more than ``last_z``
 standard deviations). What it cannot see alone: harm that costs no validation accuracy (a trigger that leaves
 answers right), harm within the slack, the rounds a rollback throws away, and a slower climb than training alone
-would give (it compares with its own best); the counterfactual (:mod:`hacrl_fed.algorithm.counterfactual`, ``counterfactual: true``)
-compares with a shadow that trains alone, for the last two.
+would give (it compares with its own best); the counterfactual (:mod:`hacrl_fed.algorithm.counterfactual`,
+``counterfactual: true``) compares with a shadow that trains alone, for the last two.
 """
 
 from __future__ import annotations
