@@ -587,13 +587,13 @@ def test_a_cell_from_before_the_outcome_guard_ran_with_it_off_whatever_the_defau
         "enabled": True, "val_size": 64, "final_size": 0}}))
     assert bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
         "enabled": True, "val_size": 64, "final_size": 0, "struck_bar": "no_worse"}}))
-    # and strike_gate after them, which struck every source a regression implicated
-    del older["trainer"]["outcome_guard"]["strike_gate"]
-    assert load_config(raw).trainer.outcome_guard.strike_gate == "shadow"
+    # and shadow_gate after them, which acted on every regression after foreign rows
+    del older["trainer"]["outcome_guard"]["shadow_gate"]
+    assert load_config(raw).trainer.outcome_guard.shadow_gate
     assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
         "enabled": True, "val_size": 64, "final_size": 0, "struck_bar": "no_worse"}}))
     assert bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
-        "enabled": True, "val_size": 64, "final_size": 0, "struck_bar": "no_worse", "strike_gate": "always"}}))
+        "enabled": True, "val_size": 64, "final_size": 0, "struck_bar": "no_worse", "shadow_gate": False}}))
 
 
 def test_every_committed_cell_is_still_done_with_the_config_it_ran():

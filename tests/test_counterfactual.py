@@ -88,24 +88,23 @@ def test_a_rollback_and_an_adoption_in_one_validation_strike_once():
     assert g.strikes == {"globex": 1, "initech": 1}
 
 
-def test_an_attacker_that_keeps_the_learner_within_the_shadows_slack_is_not_struck_and_bounded_by_it():
-    """The adaptive attacker of strike_gate "shadow": it knows the shadow's accuracy and each window pulls the learner
-    to 3 below it (inside the slack: 3 <= max(2 * sqrt(3), 2)). While that is a regression against the learner's best
-    (60), every verdict rolls back unstruck, so the weights stay at 60; once the shadow passes it, the learner follows
-    3 below the shadow; the last round's choice takes the shadow (3 > last_z * sqrt(3)). The bound: never below
-    max(its best, the shadow) by more than the slack, and at the end the shadow's weights. Its cost: no strike names
-    the attacker."""
+def test_an_attacker_that_keeps_the_learner_within_the_shadows_slack_is_bounded_by_the_shadow():
+    """The adaptive attacker of shadow_gate: it knows the shadow's accuracy and each window pulls the learner to 3
+    below it (inside the slack: 3 <= max(2 * sqrt(3), 2)), far below the learner's best (60) at first. No verdict
+    rolls back or strikes, and the counterfactual leaves the weights until the last round, whose choice takes the
+    shadow's (3 > last_z * sqrt(3)). The bound: never more than the slack below training alone, and at the end the
+    shadow's weights; its cost: no strike names the attacker, only outcome/<source>/spared."""
     g = OutcomeGuard(P)
     g.judge(0, vec(60))
-    kept = []
+    spared = []
     for t, shadow in zip(range(2, 24, 2), range(46, 80, 3)):
         g.trained(["acme"])
         verdict = g.judge(t, vec(shadow - 3), shadow=vec(shadow))
-        assert verdict.quarantined == {} and verdict.spared == (("acme",) if verdict.rollback else ())
-        kept.append(sum(g.reference) if verdict.rollback else shadow - 3)
-        cf = against_shadow(vec(shadow), vec(kept[-1]), z=P.z, margin=P.margin, last=t == 22, last_z=1.0)
+        assert not verdict.rollback and verdict.quarantined == {}
+        spared += [t] if verdict.spared else []
+        cf = against_shadow(vec(shadow), vec(shadow - 3), z=P.z, margin=P.margin, last=t == 22, last_z=1.0)
         assert cf.adopt == (t == 22) and not cf.strike
-    assert kept == [60, 60, 60, 60, 60, 58, 61, 64, 67, 70, 73] and g.strikes == {}
+    assert spared == [2, 4, 6, 8, 10] and g.strikes == {} and g.reference == vec(73)  # 58 is within 60's slack
 
 
 def test_a_rollback_keeps_the_sources_since_the_shadow():
@@ -178,9 +177,10 @@ def test_the_shadow_trains_on_own_rows_and_is_adopted_when_the_learner_falls_beh
 
 
 @pytest.mark.parametrize("shadow_right", [0, 8])
-def test_a_regression_validates_the_shadow_once_and_strikes_only_below_it(tmp_path, monkeypatch, shadow_right):
+def test_a_regression_validates_the_shadow_once_and_acts_only_below_it(tmp_path, monkeypatch, shadow_right):
     # round 1: the learner answers none of 8 against its reference's 8 (regressed: 8 > 2.5 * sqrt(8)); the shadow,
-    # validated for the gate and reused by the counterfactual, answers none too (spared) or all 8 (struck)
+    # validated for the gate and reused by the counterfactual, answers none too (spared) or all 8 (rolled back and
+    # struck)
     cfg = _cfg(final_size=0)
     workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
     acme = workers["acme"]
@@ -192,17 +192,21 @@ def test_a_regression_validates_the_shadow_once_and_strikes_only_below_it(tmp_pa
         return next(answers)
 
     monkeypatch.setattr(acme.outcome, "validate", validate)
+    # rewards that vary within a group (the untrained micro model gets none right), so the update moves the weights
+    monkeypatch.setattr(type(acme.task), "verify", lambda self, text, reference: float(len(text) % 2))
     initial = [p.detach().clone() for p in acme.model.parameters()]
     m1 = Coordinator(cfg, InProcessTransport(workers), tmp_path).run_round(1).metrics
     assert len(calls) == 3  # the reference, the learner, the shadow once
-    assert m1["acme/outcome/rollback"] == 1.0 and m1["acme/train/num_cross"] == 16  # it trained on globex
-    assert all(torch.equal(a, b) for a, b in zip(initial, acme.model.parameters()))  # rolled back either way
+    assert m1["acme/train/num_cross"] == 16  # it trained on globex
     assert m1["acme/outcome/shadow_accuracy"] == shadow_right / 8
-    if shadow_right == 0:
+    rolled_back = all(torch.equal(a, b) for a, b in zip(initial, acme.model.parameters()))
+    if shadow_right == 0:  # as bad as training alone: nothing happens
         assert m1["acme/outcome/spared"] == 1.0 and m1["acme/outcome/globex/spared"] == 1.0
-        assert "acme/outcome/globex/quarantined_until" not in m1 and acme.outcome.guard.strikes == {}
+        assert m1["acme/outcome/rollback"] == 0.0 and not rolled_back and acme.outcome.guard.strikes == {}
+        assert "acme/outcome/globex/quarantined_until" not in m1 and m1["acme/outcome/adopted"] == 0.0
     else:
         assert m1["acme/outcome/spared"] == 0.0 and "acme/outcome/globex/spared" not in m1
+        assert m1["acme/outcome/rollback"] == 1.0 and rolled_back
         assert m1["acme/outcome/globex/quarantined_until"] == 3.0 and acme.outcome.guard.strikes == {"globex": 1}
 
 

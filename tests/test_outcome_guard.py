@@ -57,43 +57,45 @@ def test_a_regression_rolls_back_and_quarantines_the_sources_trained_since():
     assert not g.admits("globex", 10) and g.admits("globex", 11)
 
 
-def test_a_regression_the_shadow_matches_rolls_back_and_strikes_no_one():
-    """strike_gate "shadow": the weights go back to the reference either way; the sources trained since are struck
-    only when the weights are also significantly worse than the shadow's (the counterfactual's test)."""
-    g = OutcomeGuard(P)  # strike_gate "shadow", the default
+def test_a_regression_the_shadow_matches_does_nothing_and_one_below_it_rolls_back_and_strikes():
+    """shadow_gate: a regression after foreign rows acts only when the weights are also significantly worse than the
+    shadow's (the counterfactual's test); otherwise the reference and the implicated sources stay."""
+    g = OutcomeGuard(P)  # shadow_gate on, the default
     g.judge(0, vec(60))
     g.trained(["globex", "initech"])
-    assert g.would_roll_back(vec(30)) and not g.would_roll_back(vec(58))
+    assert g.needs_shadow(vec(30)) and not g.needs_shadow(vec(58))  # a regression, and one within the slack
     dip = g.judge(2, vec(30), shadow=vec(32))  # 2 below the shadow: within its slack, a learning dip
-    assert dip.rollback and not dip.new_reference and dip.quarantined == {}
-    assert dip.spared == ("globex", "initech") and g.strikes == {} and g.implicated == set()
+    assert not dip.rollback and not dip.new_reference and not dip.rebased and dip.quarantined == {}
+    assert dip.spared == ("globex", "initech") and g.strikes == {} and g.implicated == {"globex", "initech"}
     assert g.reference == vec(60) and g.admits("globex", 3) and g.admits("initech", 3)
-    assert not g.would_roll_back(vec(30))  # nothing implicated since the rollback
     g.trained(["globex"])
-    harm = g.judge(4, vec(30), shadow=vec(55))  # 25 below the shadow too: struck
-    assert harm.rollback and harm.spared == () and harm.quarantined == {"globex": 8}
+    harm = g.judge(4, vec(30), shadow=vec(55))  # 25 below the shadow too: back to the reference, both struck
+    assert harm.rollback and harm.spared == () and harm.quarantined == {"globex": 8, "initech": 8}
+    assert g.reference == vec(60) and g.implicated == set() and not g.needs_shadow(vec(30))
 
 
-def test_without_a_shadow_or_with_the_gate_always_every_regression_strikes():
-    for params, shadow in ((P, None), (OutcomeParams(**{**P.__dict__, "strike_gate": "always"}), vec(30))):
+def test_without_a_shadow_or_with_the_gate_off_every_regression_acts():
+    for params, shadow in ((P, None), (OutcomeParams(**{**P.__dict__, "shadow_gate": False}), vec(30))):
         g = OutcomeGuard(params)
         g.judge(0, vec(60))
         g.trained(["globex"])
+        assert g.needs_shadow(vec(30)) == params.shadow_gate
         verdict = g.judge(2, vec(30), shadow=shadow)
         assert verdict.rollback and verdict.quarantined == {"globex": 6} and verdict.spared == ()
 
 
-def test_a_source_on_trial_spared_by_the_gate_stays_on_trial():
-    g = OutcomeGuard(P)
+def test_a_source_on_trial_spared_by_the_gate_completes_its_trial():
+    g = OutcomeGuard(OutcomeParams(**{**P.__dict__, "struck_bar": "slack"}))  # no_worse would strike it regardless
     g.judge(0, vec(60))
     g.trained(["globex"])
     g.judge(2, vec(30))  # no shadow: struck, left out through round 6
     assert g.admits("globex", 7) and g.trial == {"globex": 7}
     g.trained(["globex"])
     dip = g.judge(7, vec(30), shadow=vec(30))
-    assert dip.rollback and dip.spared == ("globex",) and g.strikes == {"globex": 1} and g.trial == {"globex": 7}
+    assert not dip.rollback and dip.spared == ("globex",) and g.strikes == {"globex": 1} and g.trial == {"globex": 7}
     g.trained(["globex"])
-    assert not g.judge(8, vec(60)).rollback and g.trial == {} and "globex" in g.passed  # its trial ends passed
+    end = g.judge(8, vec(31), shadow=vec(31))  # the trial's last round: spared again, which is no harm found
+    assert not end.rollback and g.trial == {} and "globex" in g.passed and g.strikes == {"globex": 1}
 
 
 def test_a_regression_on_the_learners_own_rows_alone_rebases():

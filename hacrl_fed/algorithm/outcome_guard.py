@@ -12,18 +12,19 @@ weights first) and those weights (in memory). The paired comparison on the same 
 
 * **regressed, and a foreign source was trained on since the reference**: roll back to the reference weights (and
   optimizer state) and quarantine every such source: ``strikes_j`` grows by one and source ``j`` is left out
-  through round ``t + probation * backoff ** (strikes_j - 1)``. With ``strike_gate = "shadow"`` (the default) and
-  the shadow's vector ``s`` on the same prompts (:mod:`hacrl_fed.algorithm.counterfactual`), the sources are struck
-  only when the weights are also significantly worse than training alone (``compare(s, v).regressed``, the
-  counterfactual's own test); otherwise the weights still go back to the reference but no source is struck
-  (``spared``): a learning dip that training alone would not be ashamed of is not a member's harm (measured: every
-  rollback of an honest run at 4 and 8 orgs had the learner within the slack of its shadow or above it, and each
-  struck every peer, which the weakest org, gaining most from them, paid for). Without a shadow (``counterfactual:
-  false``) or with ``strike_gate = "always"`` every regression strikes;
+  through round ``t + probation * backoff ** (strikes_j - 1)``. With ``shadow_gate`` (the default) and the shadow's
+  vector ``s`` on the same prompts (:mod:`hacrl_fed.algorithm.counterfactual`), only when the weights are also
+  significantly worse than training alone (``compare(s, v).regressed``, the counterfactual's own test); otherwise
+  (``spared``) nothing changes: the reference stays, the sources stay implicated. A learning dip that training
+  alone matches is not a member's harm (measured: every rollback of an honest run at 4 and 8 orgs had the learner
+  within the slack of its shadow or above it; each struck every peer, and the rollback alone, unstruck, still
+  threw away rounds the federated run would have recovered from). Without a shadow (``counterfactual: false``) or
+  with ``shadow_gate = False`` every such regression rolls back and strikes;
 * **regressed on the learner's own rows alone** (no foreign row since the reference): that is training alone, not a
   member's harm; the current weights become the reference (``rebased``);
 * **no worse** (``gained >= lost``): the current weights become the reference, the sources are cleared;
-* otherwise (worse within the slack): nothing changes, the sources stay implicated until the next verdict.
+* otherwise (worse within the slack, or ``spared``): nothing changes, the sources stay implicated until the next
+  verdict.
 
 Validation is due after every ``every``-th round's update, after the last round's, after each of the first
 ``every`` rounds (every source is new then) and after every round while a source is **on trial**: a source whose
@@ -38,18 +39,17 @@ rollbacks and doubling quarantines (measured: an honest org 6.2 points below its
 the slack keeps harm bounded the same way (rows that keep costing accuracy reach a regression against the same
 reference, and the counterfactual compares with training alone).
 
-Why an adaptive attacker gains little (SECURITY.md): the weights the learner ends with were either validated no
-worse than its best, within the test's slack of it, or reached from it by its own rows only (the final round is
-always validated); harm that accumulates slowly or shows late is measured against the same reference and blamed on
-every source trained since it; a source that alternates honest and doctored windows keeps its strikes, and each
-strike multiplies its next quarantine, so once struck it causes at most ``1 + log_backoff(rounds / probation)``
-rollbacks in a run. Under ``strike_gate = "shadow"`` a source whose harm keeps the learner within the shadow's slack
-is never struck: each regression it causes still throws the weights back to the best validated ones, so it holds
-the learner at its best while the shadow is below that, and within the slack below the shadow once the shadow
-passes it (the last round's choice then takes the shadow's weights when they are better by more than ``last_z``
-standard deviations). What it cannot see alone: harm that costs no validation accuracy (a trigger that leaves
-answers right), harm within the slack, the rounds a rollback throws away, and a slower climb than training alone
-would give (it compares with its own best); the counterfactual (:mod:`hacrl_fed.algorithm.counterfactual`,
+Why an adaptive attacker gains little (SECURITY.md): at every validation after foreign rows the weights the learner
+keeps are within the test's slack of its best, or within it of the shadow (``shadow_gate``), or reached by its own
+rows only (the final round is always validated); harm that accumulates slowly or shows late is measured against the
+same reference and blamed on every source trained since it; a source that alternates honest and doctored windows
+keeps its strikes, and each strike multiplies its next quarantine, so once struck it causes at most
+``1 + log_backoff(rounds / probation)`` rollbacks in a run. Under ``shadow_gate`` a source whose harm keeps the
+learner within the shadow's slack is never struck nor rolled back: the learner may sit that slack below training
+alone mid-run, and the last round's choice takes the shadow's weights when they are better by more than ``last_z``
+standard deviations. What it cannot see alone: harm that costs no validation accuracy (a trigger that leaves answers
+right), harm within the slack, the rounds a rollback throws away, and a slower climb than training alone would give
+(it compares with its own best); the counterfactual (:mod:`hacrl_fed.algorithm.counterfactual`,
 ``counterfactual: true``) compares with a shadow that trains alone, for the last two.
 """
 
@@ -71,7 +71,7 @@ class OutcomeParams:
     probation: int = 8
     backoff: float = 2.0
     struck_bar: Literal["slack", "no_worse"] = "slack"  # what a source with strikes is held to (module doc)
-    strike_gate: Literal["shadow", "always"] = "shadow"  # when a regression's rollback strikes (module doc)
+    shadow_gate: bool = True  # a regression acts only when the shadow is significantly better too (module doc)
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,8 @@ class Comparison:
 class Verdict:
     """What one validation decided: ``rollback`` to the reference weights, or make the current ones the reference
     (``new_reference``; ``rebased`` when they regressed on the learner's own rows alone), the sources
-    ``quarantined`` by it (source -> last round it is left out), and those a rollback ``spared`` (trained on since
-    the reference, not struck: the weights were not significantly worse than the shadow's)."""
+    ``quarantined`` by it (source -> last round it is left out), and the sources a regression ``spared`` (trained on
+    since the reference; no rollback, no strike: the weights were not significantly worse than the shadow's)."""
 
     comparison: Comparison
     rollback: bool
@@ -151,28 +151,24 @@ class OutcomeGuard:
         self.implicated.update(sources)
         self.since_shadow.update(sources)
 
-    def would_roll_back(self, current: Sequence[bool]) -> bool:
-        """Whether :meth:`judge` rolls ``current`` back on a regression (a foreign source trained on since the
-        reference): the one verdict whose strikes depend on the shadow's vector, so the worker validates the shadow
-        for it only then."""
-        if self.reference is None or not self.implicated:
+    def needs_shadow(self, current: Sequence[bool]) -> bool:
+        """Whether :meth:`judge`'s verdict on ``current`` waits on the shadow's vector: a regression after foreign
+        rows with ``shadow_gate`` on (the worker validates the shadow for it only then)."""
+        if not self.params.shadow_gate or self.reference is None or not self.implicated:
             return False
         return compare(self.reference, current, self.params.z, self.params.margin).regressed
 
     def judge(self, round: int, current: Sequence[bool], shadow: Sequence[bool] | None = None) -> Verdict:
         """The verdict on the weights after ``round``'s update (module doc); the first call sets the reference.
-        ``shadow``: the shadow's vector on the same prompts now, which gates a regression's strikes
-        (``strike_gate``); None: no shadow, every regression strikes."""
+        ``shadow``: the shadow's vector on the same prompts now, which gates a regression (``shadow_gate``); None:
+        no shadow, every regression after foreign rows rolls back and strikes."""
         if self.reference is None:
             self.reference = list(current)
             return Verdict(Comparison(0, 0, False), False, True, False, {})
         cmp = compare(self.reference, current, self.params.z, self.params.margin)
         done = [s for s, start in self.trial.items() if round >= start + self.params.every - 1]
-        if cmp.regressed and self.implicated:
-            if self._spares(current, shadow):
-                spared = tuple(sorted(self.implicated))
-                self.implicated.clear()  # the weights go back to the reference
-                return Verdict(cmp, True, False, False, {}, spared)
+        spared = cmp.regressed and bool(self.implicated) and self._spares(current, shadow)
+        if cmp.regressed and self.implicated and not spared:
             return Verdict(cmp, True, False, False, self._strike(sorted(self.implicated), round))
         if self.params.struck_bar == "no_worse" and not cmp.not_worse:  # not "within the slack"
             suspects = [s for s in sorted(self.implicated) if self.strikes.get(s, 0) > 0]
@@ -181,15 +177,17 @@ class OutcomeGuard:
         self.passed.update(done)
         for src in done:
             del self.trial[src]
-        if cmp.regressed or cmp.not_worse:
+        if spared:
+            return Verdict(cmp, False, False, False, {}, tuple(sorted(self.implicated)))
+        if cmp.regressed or cmp.not_worse:  # regressed here: on the learner's own rows alone
             self.reference = list(current)
             self.implicated.clear()
         return Verdict(cmp, False, cmp.regressed or cmp.not_worse, cmp.regressed, {})
 
     def _spares(self, current: Sequence[bool], shadow: Sequence[bool] | None) -> bool:
-        """A regression's rollback strikes no source: the gate is on and the weights are not significantly worse
+        """A regression after foreign rows does nothing: the gate is on and the weights are not significantly worse
         than the shadow's (the counterfactual's test, module doc)."""
-        if self.params.strike_gate != "shadow" or shadow is None:
+        if not self.params.shadow_gate or shadow is None:
             return False
         return not compare(shadow, current, self.params.z, self.params.margin).regressed
 

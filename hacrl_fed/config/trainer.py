@@ -216,15 +216,15 @@ class OutcomeGuardConfig(_Section):
         ),
         json_schema_extra={"absent_means": "no_worse"},  # a stored config from before the field held them to it
     )
-    strike_gate: Literal["shadow", "always"] = Field(
-        "shadow",
+    shadow_gate: bool = Field(
+        True,
         description=_d(
-            "when a regression rolls the weights back, whether the sources trained on since get a strike only if the "
-            "weights are also significantly worse than the shadow's (shadow: a learning dip that training alone "
-            "matches strikes no one, outcome/<source>/spared; needs counterfactual, without it every regression "
-            "strikes) or always (the rule before this field)"
+            "a regression after foreign rows rolls back and strikes only when the weights are also significantly "
+            "worse than the shadow's (a learning dip that training alone matches does nothing: "
+            "outcome/<source>/spared); needs counterfactual, without it every such regression acts; false: the rule "
+            "before this field"
         ),
-        json_schema_extra={"absent_means": "always"},  # a stored config from before the field struck every time
+        json_schema_extra={"absent_means": False},  # a stored config from before the field acted on every regression
     )
     counterfactual: bool = Field(
         True,

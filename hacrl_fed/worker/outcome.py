@@ -53,7 +53,7 @@ class OutcomeMonitor:
         final = _final_ids(seed, task.size("train"), cfg.final_size, set(ids)) if cfg.counterfactual else []
         self.final = task.prompts("train", final)  # the last round's choice with the shadow: none without it
         self.params = OutcomeParams(
-            cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff, cfg.struck_bar, cfg.strike_gate
+            cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff, cfg.struck_bar, cfg.shadow_gate
         )
         self.run_id: str | None = None
         self.guard = OutcomeGuard(self.params)
@@ -174,10 +174,10 @@ class OutcomeMonitor:
         return out
 
     def _shadow_for_gate(self, right: list[bool], worker: Any) -> list[bool] | None:
-        """The shadow's vector on the validation split when a regression's strikes wait on it (``strike_gate``
-        ``shadow``, a shadow kept, and ``right`` would be rolled back), else None. The shadow's weights do not change
-        before this round's counterfactual check, which reuses it."""
-        if self.shadow is None or self.params.strike_gate != "shadow" or not self.guard.would_roll_back(right):
+        """The shadow's vector on the validation split when the verdict on ``right`` waits on it
+        (:meth:`OutcomeGuard.needs_shadow`, a shadow kept), else None. The shadow's weights do not change before this
+        round's counterfactual check, which reuses it."""
+        if self.shadow is None or not self.guard.needs_shadow(right):
             return None
         return self.shadow.validate(worker, self.validate)
 

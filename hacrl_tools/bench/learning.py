@@ -158,8 +158,8 @@ def summarize_cell(cfg, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _outcome(org: str, rounds: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
     """``{"outcome": ...}`` with the outcome guard on (``<org>/outcome/...``, docs/METRICS.md), else nothing: the
-    rounds it rolled back, of those the rollbacks that struck no source (``spared``, the shadow as good), the rounds
-    it adopted its shadow, each validation ``[round, learner, shadow or None]`` accuracy on
+    rounds it rolled back, the regressions that did nothing (``spared``: the shadow no better), the rounds it adopted
+    its shadow, each validation ``[round, learner, shadow or None]`` accuracy on
     the private split, the last round's ``[round, learner, shadow]`` accuracy on the final split where there is one
     (``final``), and per source the rounds it was blamed (struck)."""
     head = f"{org}/outcome/"
