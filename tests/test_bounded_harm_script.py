@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bounded_harm.py"
+from tests.helpers_scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bounded_harm", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bounded_harm")
 
 
 def _run(seed, protocol, globex, initech, **extra):

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "guard_cost.py"
+from tests.helpers_scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("guard_cost", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("guard_cost")
 
 
 def _cell(root: Path, method: str, seed: int, acme: float, globex: float, rollbacks=()) -> None:
