@@ -29,6 +29,15 @@ def rolled_back(cell: dict[str, Any]) -> bool:
     return any((a.get("outcome") or {}).get("rollbacks") for a in cell["agents"].values())
 
 
+def _stand_in(cells: dict[str, dict[int, dict[str, Any]]], seed: int, same_as: list[str]) -> tuple[Any, str]:
+    """The first ``same_as`` cell of ``seed`` where no guard rolled back, and its method (None, "" when none)."""
+    for method in same_as:
+        cell = cells.get(method, {}).get(seed)
+        if cell is not None and not rolled_back(cell):
+            return cell, method
+    return None, ""
+
+
 def setting_rows(
     cells: dict[str, dict[int, dict[str, Any]]], method: str, ref: str, same_as: list[str]
 ) -> tuple[list[dict[str, Any]], list[str], list[int]]:
@@ -36,14 +45,10 @@ def setting_rows(
     pairs, sources, missing = [], [], []
     for seed in sorted(cells.get(ref, {})):
         run, source = cells.get(method, {}).get(seed), method
-        for other in same_as:
-            if run is not None:
-                break
-            run, source = cells.get(other, {}).get(seed), other
-            if run is not None and rolled_back(run):
-                run = None
         if run is None:
-            if any(seed in cells.get(m, {}) for m in [method, *same_as]):
+            run, source = _stand_in(cells, seed, same_as)
+        if run is None:
+            if any(seed in cells.get(m, {}) for m in same_as):
                 missing.append(seed)
             continue
         pairs.append((run, cells[ref][seed]))
@@ -60,13 +65,14 @@ def setting_rows(
 
 
 def _verdict(mean: float, se: float | None) -> str:
+    """Within one standard error, or resolved (past two), or not."""
     if se is None:
         return "one seed"
-    return (
-        "within one SE"
-        if abs(mean) <= se
-        else ("below" if mean < -2 * se else "above" if mean > 2 * se else "not resolved")
-    )
+    if abs(mean) <= se:
+        return "within one SE"
+    if abs(mean) > 2 * se:
+        return "above" if mean > 0 else "below"
+    return "not resolved"
 
 
 def main(argv: list[str] | None = None) -> int:

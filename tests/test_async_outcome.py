@@ -39,8 +39,8 @@ def test_a_regression_quarantines_the_source_s_late_rows_and_keeps_the_version(t
     answers = iter([[True] * 8, [True] * 8, [False] * 8] + [[True] * 8] * 8)  # initial, 1, 2 (regressed), fine
     monkeypatch.setattr(acme.outcome, "validate", lambda engine, context: next(answers))
     # the shadows (the counterfactual, on with the guard) generate and train for real; their validation says all
-    # right: the regression is significant against the shadow too, so it rolls back and strikes (shadow_gate), and no org is
-    # worse than its shadow otherwise, so none adopts it and the rollback above is the only verdict
+    # right: the regression is significant against the shadow too, so it rolls back and strikes (shadow_gate), and
+    # no org is worse than its shadow otherwise, so none adopts it and the rollback above is the only verdict
     monkeypatch.setattr(Shadow, "validate", lambda self, worker, validate: [True] * 8)
     with RunLogger(tmp_path, tensorboard=False) as logger:
         co = Coordinator(cfg, InProcessTransport(workers), tmp_path, logger=logger)

@@ -167,8 +167,9 @@ class OutcomeGuard:
             return Verdict(Comparison(0, 0, False), False, True, False, {})
         cmp = compare(self.reference, current, self.params.z, self.params.margin)
         done = [s for s, start in self.trial.items() if round >= start + self.params.every - 1]
-        spared = cmp.regressed and bool(self.implicated) and self._spares(current, shadow)
-        if cmp.regressed and self.implicated and not spared:
+        harmed = cmp.regressed and bool(self.implicated)  # a regression after foreign rows
+        spared = harmed and self._spares(current, shadow)
+        if harmed and not spared:
             return Verdict(cmp, True, False, False, self._strike(sorted(self.implicated), round))
         if self.params.struck_bar == "no_worse" and not cmp.not_worse:  # not "within the slack"
             suspects = [s for s in sorted(self.implicated) if self.strikes.get(s, 0) > 0]
