@@ -498,6 +498,31 @@ def test_the_bench_pins_the_papers_hacpo_and_hacpo_defended_split_runs_the_defau
         bench_matrix.load_matrix(bad)
 
 
+def test_a_groups_own_seeds_add_to_the_seeds_other_groups_run_of_the_same_pair(tmp_path):
+    three = str(Path.cwd() / "configs" / "bench" / "three.yaml")
+    data = {
+        "settings": {"three": {"config": three}},
+        "methods": {"a": {"set": {"trainer.lr": 1.0e-4}}, "b": {"set": {"trainer.lr": 2.0e-4}}},
+        "groups": {
+            "g": {"settings": ["three"], "methods": ["a"]},
+            "more": {"settings": ["three"], "methods": ["a", "b"], "seeds": [7, 0]},
+        },
+        "seeds": [0, 1],
+    }
+    path = tmp_path / "matrix.yaml"
+    path.write_text(yaml.safe_dump(data))
+    matrix = bench_matrix.load_matrix(path)
+    planned = [(c.method, c.seed, c.group) for c in bench_matrix.plan_cells(matrix)]
+    assert planned == [("a", 0, "g"), ("a", 1, "g"), ("a", 7, "g"), ("b", 7, "more"), ("b", 0, "more")]
+    assert [(c.method, c.seed) for c in bench_matrix.plan_cells(matrix, only=["more"])] == [
+        ("a", 7), ("a", 0), ("b", 7), ("b", 0)]
+    assert [c.seed for c in bench_matrix.plan_cells(matrix, only=["three/a"], seeds=[3])] == [3]
+    data["groups"]["more"]["seed"] = [1]  # a misspelt key is refused, not ignored
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(bench_matrix.MatrixError, match=r"groups.more: unknown keys \['seed'\]"):
+        bench_matrix.load_matrix(path)
+
+
 def test_group_tables_compare_every_variant_with_hacpo():
     shown = ["no_adv_calibration", "hacpo (= alpha1)", "hacpo_per_byte", "hacpo"]
     assert report.group_variants(shown) == ["no_adv_calibration", "hacpo_per_byte"]

@@ -44,7 +44,8 @@ class Matrix:
     path: Path
     settings: dict[str, dict[str, Any]]  # name -> {"config": Path, "about": str}
     methods: dict[str, Method]
-    # name -> {"settings": [...], "methods": [...], "ref": the method the group's others are also paired with}
+    # name -> {"settings": [...], "methods": [...], "ref": the method the group's others are also paired with,
+    #          "seeds": the group's own seeds, None for the matrix's}
     groups: dict[str, dict[str, Any]]
     seeds: list[int]
     quick: dict[str, Any]
@@ -82,7 +83,15 @@ def load_matrix(path: str | Path = MATRIX) -> Matrix:
             raise MatrixError(f"{path}: methods.{m.name}.same_as={m.same_as!r} is not a method")
     groups = {}
     for name, g in (data.get("groups") or {}).items():
-        g = {"settings": list(g.get("settings") or []), "methods": list(g.get("methods") or []), "ref": g.get("ref")}
+        unknown = set(g) - {"settings", "methods", "ref", "seeds"}
+        if unknown:
+            raise MatrixError(f"{path}: groups.{name}: unknown keys {sorted(unknown)}")
+        g = {
+            "settings": list(g.get("settings") or []),
+            "methods": list(g.get("methods") or []),
+            "ref": g.get("ref"),
+            "seeds": [int(s) for s in g["seeds"]] if g.get("seeds") is not None else None,
+        }
         if g["ref"] is not None and g["ref"] not in g["methods"]:
             raise MatrixError(f"{path}: groups.{name}.ref: {g['ref']!r} is not one of the group's methods")
         for s in g["settings"]:
@@ -268,12 +277,16 @@ def plan_cells(
     quick: bool = False,
 ) -> list[Cell]:
     """Every cell of the matrix (or of ``matrix.quick``) selected by ``only`` (``SETTING``, ``GROUP``,
-    ``SETTING/METHOD``, shell patterns allowed), in group, setting, method, seed order, without duplicates."""
+    ``SETTING/METHOD``, shell patterns allowed), in group, setting, method, seed order, without duplicates.
+
+    A pair's seeds are ``seeds`` when given, else the quick matrix's, else every seed of the groups that hold it
+    (a group's own ``seeds``, or the matrix's): a group may run more seeds of pairs another group holds too, and
+    the pair keeps the first group's name."""
     only = list(only)
     q = matrix.quick if quick else {}
     extra = {**(q.get("set") or {}), **(extra or {})}
-    seed_list = list(seeds) if seeds is not None else list(q.get("seeds") or matrix.seeds)
-    cells, seen = [], set()
+    fixed = list(seeds) if seeds is not None else (list(q["seeds"]) if q.get("seeds") else None)
+    pairs: dict[tuple[str, str], tuple[str, list[int]]] = {}  # (setting, method) -> (first group, seeds)
     for group, g in matrix.groups.items():
         for setting in g["settings"]:
             if quick and setting not in (q.get("settings") or []):
@@ -281,12 +294,16 @@ def plan_cells(
             for method in g["methods"]:
                 if quick and method not in (q.get("methods") or []):
                     continue
-                if not _match(only, setting, method, group) or (setting, method) in seen:
+                if not _match(only, setting, method, group):
                     continue
-                seen.add((setting, method))
-                for seed in seed_list:
-                    cells.append(build_cell(matrix, setting, method, seed, group, rounds=rounds, extra=extra))
-    return cells
+                first, had = pairs.get((setting, method), (group, []))
+                more = fixed if fixed is not None else (g["seeds"] or matrix.seeds)
+                pairs[(setting, method)] = (first, had + [s for s in more if s not in had])
+    return [
+        build_cell(matrix, setting, method, seed, group, rounds=rounds, extra=extra)
+        for (setting, method), (group, seed_list) in pairs.items()
+        for seed in seed_list
+    ]
 
 
 def cell_status(cell: Cell, results: Path) -> str:
