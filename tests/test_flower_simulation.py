@@ -16,7 +16,7 @@ import yaml
 
 from hacrl_fed.flower.settings import ENV_VAR
 from hacrl_fed.cli.simulate import main as main_simulate
-from hacrl_fed.flower.simulation import backend_config, find_app_dir
+from hacrl_fed.flower.simulation import RAY_START_TRIES, backend_config, find_app_dir, start_ray
 from helpers_fake_workers import FakeWorker
 
 SKILLS = {"a": 0.25, "b": 0.75}
@@ -50,6 +50,54 @@ def test_backend_config_gives_one_actor_everything():
                                     "init_args": {"num_cpus": 4, "num_gpus": 1}}
     with pytest.raises(ValueError, match="num_cpus >= 1"):
         backend_config(0, 0)
+
+
+class _FakeRay:
+    """``ray`` for :func:`start_ray`: each init raises the next of ``errors`` (None: starts)."""
+
+    def __init__(self, *errors):
+        self.errors, self.calls, self.running = list(errors), [], False
+
+    def is_initialized(self):
+        return self.running
+
+    def init(self, **kwargs):
+        self.calls.append(("init", kwargs))
+        error = self.errors.pop(0) if self.errors else None
+        if error is not None:
+            raise error
+        self.running = True
+
+    def shutdown(self):
+        self.calls.append(("shutdown", {}))
+        self.running = False
+
+
+def test_a_ray_start_that_timed_out_is_retried_and_any_other_error_raised(monkeypatch):
+    import sys
+
+    timeout = Exception("The current node timed out during startup. This could happen because ...")
+    ray = _FakeRay(timeout, None)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    start_ray(backend_config(2, 0))
+    assert [c for c, _ in ray.calls] == ["init", "shutdown", "init"] and ray.running
+    kwargs = ray.calls[-1][1]
+    assert kwargs["num_cpus"] == 2 and kwargs["num_gpus"] == 0 and kwargs["include_dashboard"] is False
+    paths = kwargs["runtime_env"]["env_vars"]["PYTHONPATH"].split(os.pathsep)
+    assert paths[: len(sys.path)] == sys.path and paths[-1] == "/elsewhere"  # the ClientApp actor finds our modules
+    start_ray(backend_config(2, 0))  # already running: nothing
+    assert len(ray.calls) == 3
+    ray = _FakeRay(*[timeout] * RAY_START_TRIES)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    with pytest.raises(Exception, match="timed out during startup"):
+        start_ray(backend_config(1, 0))
+    assert [c for c, _ in ray.calls].count("init") == RAY_START_TRIES
+    ray = _FakeRay(ValueError("bad init args"))
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    with pytest.raises(ValueError, match="bad init args"):
+        start_ray(backend_config(1, 0))
+    assert [c for c, _ in ray.calls] == ["init"]
 
 
 def test_find_app_dir(tmp_path):

@@ -13,6 +13,9 @@ One virtual SuperNode per org (partition ``i`` = ``orgs[i]``), the repository's 
   Orgs therefore run one after another, each with all cores (Ray sets ``OMP_NUM_THREADS`` to the actor's CPUs).
 * A ServerApp exception is re-raised by ``run_simulation``; ``hacrl-fed simulate`` (:mod:`hacrl_fed.cli.simulate`)
   then exits 1.
+* Ray is started here (:func:`start_ray`, the init Flower's backend would make) before ``run_simulation``, which
+  finds it running, uses it and shuts it down: Ray waits a fixed 30 s for its raylet to register, which a loaded
+  machine can exceed, and a start that timed out is retried instead of crashing the simulation.
 * Flower's switches of :data:`hacrl_fed.lifecycle.FLOWER_ENV` (no telemetry, update checks or per-run installs)
   are set, where unset, when this module is imported: Flower reads some of them when it is first imported.
 * The ServerApp runs the shared run lifecycle (:mod:`hacrl_fed.lifecycle`, transport ``flower-simulation``):
@@ -88,6 +91,35 @@ def backend_config(num_cpus: int, num_gpus: int) -> dict[str, Any]:
     }
 
 
+RAY_START_TRIES = 3  # ray's own wait for its raylet is a fixed 30 s (ray/_private/node.py)
+RAY_START_TIMEOUT = "timed out during startup"  # what ray raises when that wait ran out
+
+
+def start_ray(backend: dict[str, Any], tries: int = RAY_START_TRIES) -> None:
+    """Start the local Ray cluster as Flower's Ray backend would (``backend["init_args"]``, no dashboard, the
+    workers' ``PYTHONPATH`` = this ``sys.path``), retrying a start whose raylet did not register in Ray's fixed
+    wait (a loaded machine); any other error, or the last try's, is raised. Nothing happens when Ray is running."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    os.environ["PYTHONPATH"] = pythonpath  # as Flower sets it: the ClientApp actor imports server/ and client/
+    for attempt in range(1, tries + 1):
+        try:
+            ray.init(
+                runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, include_dashboard=False, **backend["init_args"]
+            )
+            return
+        except Exception as exc:
+            if RAY_START_TIMEOUT not in str(exc) or attempt == tries:
+                raise
+            log.warning("Ray did not start (try %d of %d: %s); starting it again", attempt, tries, exc)
+            ray.shutdown()
+
+
 def load_apps(app_dir: Path) -> tuple[Any, Any]:
     """Import ``server.app:app`` and ``client.app:app`` from ``app_dir`` (put first on ``sys.path``)."""
     if str(app_dir) not in sys.path:
@@ -150,15 +182,26 @@ def simulate(
         log.info(
             "simulating %d orgs %s, backend %s, run dir %s", len(cfg.orgs), [o.id for o in cfg.orgs], backend, run_path
         )
-        run_simulation(
-            server_app=apps[0],
-            client_app=apps[1],
-            num_supernodes=len(cfg.orgs),
-            backend_config=backend,
-            verbose_logging=verbose,
-        )
+        start_ray(backend)
+        try:
+            run_simulation(
+                server_app=apps[0],
+                client_app=apps[1],
+                num_supernodes=len(cfg.orgs),
+                backend_config=backend,
+                verbose_logging=verbose,
+            )
+        finally:
+            _stop_ray()  # Flower's backend shuts it down, unless the run failed before it took Ray over
     log.info("simulation finished in %.1f s; run dir %s", time.perf_counter() - start, run_path)
     return run_path
+
+
+def _stop_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 @contextlib.contextmanager
