@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,10 +66,11 @@ def setting_rows(
 
 
 def _verdict(mean: float, se: float | None) -> str:
-    """Within one standard error, or resolved (past two), or not."""
+    """Within one standard error, or resolved (past two), or not. One nonzero difference among zeros has
+    ``|mean| == se`` exactly, which float round-off must not tip."""
     if se is None:
         return "one seed"
-    if abs(mean) <= se:
+    if abs(mean) <= se or math.isclose(abs(mean), se, rel_tol=1e-9):
         return "within one SE"
     if abs(mean) > 2 * se:
         return "above" if mean > 0 else "below"

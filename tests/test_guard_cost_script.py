@@ -39,3 +39,11 @@ def test_a_stand_in_counts_only_where_no_guard_rolled_back(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "| `count4` | 0:gate, 1:old | globex | +0.5 ± 1.5 | -1.0, +2.0 | within one SE |" in captured.out
     assert "seeds [2] have only cells where a guard rolled back" in captured.err
+
+
+def test_one_nonzero_seed_among_zeros_is_within_one_standard_error():
+    verdict = _script()._verdict
+    diffs = [-0.1] + [0.0] * 9  # |mean| == se exactly: 0.01 and 0.01 up to float round-off
+    mean, se = sum(diffs) / 10, (sum((d + 0.01) ** 2 for d in diffs) / 9) ** 0.5 / 10**0.5
+    assert verdict(mean, se) == "within one SE"
+    assert verdict(-0.03, 0.02) == "not resolved" and verdict(-0.05, 0.02) == "below" and verdict(0.1, None) == "one seed"
