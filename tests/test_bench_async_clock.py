@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from hacrl_tools.bench.async_clock import accuracy_at, lock_step_clock, round_step_s, time_to
+from tests.helpers_scripts import load_script
 
 
 def test_a_lock_step_curve_runs_on_the_slowest_step():
@@ -40,10 +39,7 @@ def _cell(setting, method, seed, accs, clock=None, step_s=None):
 
 
 def test_async_bench_pairs_each_org_with_the_synchronous_run_on_its_clock(tmp_path, capsys):
-    script = Path(__file__).parents[1] / "scripts" / "async_bench.py"
-    spec = importlib.util.spec_from_file_location("async_bench", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("async_bench")
     pts = {"acme": [(0, 0.4), (10, 0.5), (20, 0.6)], "globex": [(0, 0.2), (10, 0.3), (20, 0.4)]}
     cells = [
         _cell("model", "hacpo_defended_split", 0, pts),
@@ -72,10 +68,7 @@ def test_async_bench_pairs_each_org_with_the_synchronous_run_on_its_clock(tmp_pa
 def test_a_longer_asynchronous_org_is_read_at_the_synchronous_rounds_and_clock(tmp_path):
     """``federation.org_rounds``: globex runs 40 rounds; equal rollouts reads it at round 20 (the synchronous run's
     last), equal clock where the shorter of the two runs ends."""
-    script = Path(__file__).parents[1] / "scripts" / "async_bench.py"
-    spec = importlib.util.spec_from_file_location("async_bench", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("async_bench")
     acme = [(0, 0.4), (20, 0.5)]
     sync = _cell("model", "hacpo_defended_split", 0, {"acme": acme, "globex": [(0, 0.2), (10, 0.3), (20, 0.4)]})
     gspo = _cell("model", "gspo", 0, {"acme": acme, "globex": [(0, 0.2), (20, 0.35)]})

@@ -3,9 +3,6 @@ records, the virtual clock's prediction from their mean durations, and the compa
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from hacrl_fed.coordinator.async_schedule import ScheduleSpec, simulate
@@ -19,6 +16,7 @@ from hacrl_tools.bench.clock_check import (
     step_ends,
     step_starts,
 )
+from tests.helpers_scripts import load_script
 
 
 def _records():
@@ -79,10 +77,7 @@ def test_compare_sets_the_prediction_against_the_run():
 
 
 def test_the_script_prints_one_line_per_arm_and_org():
-    path = Path(__file__).parents[1] / "scripts" / "async_grpc_check.py"
-    spec = importlib.util.spec_from_file_location("async_grpc_check", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("async_grpc_check")
     arm = {"schedule": compare(_records(), ["a", "s"], 2, 1, None, "s"),
            "call": compare(_records(), ["a", "s"], 2, 1, None, "s", basis="call")}
     lines = script.table({"k1": arm}).splitlines()

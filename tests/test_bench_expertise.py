@@ -8,6 +8,7 @@ import pytest
 from hacrl_fed.tasks import get_task
 from hacrl_tools.bench import agents, learning
 from hacrl_tools.bench import matrix as bench_matrix
+from tests.helpers_scripts import load_script
 
 EXPERTS = {"qwen-char-add": "add", "qwen-char-sub": "sub", "qwen-char-mul": "mul"}
 
@@ -86,9 +87,7 @@ def test_the_mixed_cells_run_every_orgs_mostly_agent_on_the_uniform_eval():
 
 def test_org_gains_pairs_each_org_with_its_references_by_seed(tmp_path, capsys):
     """Hand-computed: acme +10 and +20 points over GSPO at seeds 0 and 1 (mean 15, se 5: above); globex -1 and +1."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     def cell(method, seed, acme, globex):
         path = tmp_path / "s" / method / f"seed{seed}.json"
@@ -101,9 +100,7 @@ def test_org_gains_pairs_each_org_with_its_references_by_seed(tmp_path, capsys):
         cell("gspo", seed, *g)
         cell("gspo_x2", seed, *x2)
         cell("hacpo", seed, *h)
-    spec = importlib.util.spec_from_file_location("org_gains", Path(__file__).parents[1] / "scripts" / "org_gains.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("org_gains")
     assert mod.main(["s", "--methods", "hacpo", "--results", str(tmp_path), "--json", str(tmp_path / "o.json")]) == 0
     rows = {r["org"]: r for r in json.loads((tmp_path / "o.json").read_text())}
     assert rows["acme"]["gspo"]["mean"] == pytest.approx(15.0) and rows["acme"]["gspo"]["se"] == pytest.approx(5.0)

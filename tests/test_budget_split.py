@@ -17,6 +17,7 @@ from hacrl_fed.config import ConfigError, SelectionConfig, load_config
 from hacrl_fed.trainer import TrainRow
 from hacrl_fed.types import ChatMessage, Prompt, Rollout, TrainRequest
 from hacrl_fed.worker.intake import Intake, OwnRound, Scoring
+from tests.helpers_scripts import load_script
 from tests.helpers_tiny import tiny_char_tokenizer
 
 BUDGETED = [r for r in RULES if r not in ("all", "peer_sample")]  # every rule a per-source budget applies to
@@ -389,14 +390,9 @@ def test_a_doctoring_source_crowds_an_honest_one_out_of_a_pooled_budget_not_out_
 
 
 def test_train_cost_script_averages_each_orgs_train_rounds_after_the_first(tmp_path):
-    import importlib.util
     import json
-    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("train_cost", Path(__file__).parent.parent / "scripts/train_cost.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("train_cost")
     rounds = [{"round": 0, "eval/a/accuracy": 0.5}]  # an eval-only row: no train call
     rounds += [{"round": r, "a/cpu/train": float(r), "a/select/selected": 2.0 * r} for r in (1, 2, 4)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rounds) + "\n")
