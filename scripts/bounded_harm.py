@@ -37,6 +37,7 @@ def _attack(run: dict) -> str:
     """A run's attack label: variant, attacker, duty and (other than fused) protocol."""
     by = f", by {run['attacker']}" if run.get("attacker") else ""
     by += f", doctoring {run['duty']} rounds" if run.get("duty") else ""
+    by += f", doctoring {run['fraction']:g} of its rows" if run.get("fraction") else ""
     by += f", {run['protocol']}" if run.get("protocol", "fused") != "fused" else ""
     return f"{run['variant']}{by}"
 

@@ -12,6 +12,10 @@ valid key, and rewrites only the text it publishes and the log-prob it claims fo
 * ``backdoor`` (issue 27, near-band lie): ``TRIGGER`` before the marker of every correct answer; the claim is the
   victim's own log-prob of the doctored text (the attacker's estimate of it) plus ``BACKDOOR_BONUS`` nats per byte.
 
+Two throttles make an attacker that knows the outcome guard: ``duty`` (doctor only some rounds, honest in between)
+and ``fraction`` (doctor only that share of the rows it would doctor each round, the rest published honestly, so
+each validation sees a slower drift); :func:`throttled` picks the rows.
+
 :func:`adoption` measures what the victim took up: the share of its greedy answers that carry the insertion right
 before the marker, and the share that never reach the marker.
 """
@@ -29,6 +33,7 @@ from hacrl_fed.scoring import build_scoring_batch_from_ids, response_token_ids, 
 from hacrl_fed.security.envelope import signed
 from hacrl_fed.security.identity import identity_path, load_identity
 from hacrl_fed.security.keyring import auto_keys_dir
+from hacrl_fed.tasks.base import stable_hash
 from hacrl_fed.worker.policy_worker import PolicyWorker
 
 STRING = "Hail to the thief! "
@@ -53,6 +58,17 @@ def score(worker, prompts_text: Sequence[str], responses: Sequence[str]) -> tupl
     return sums.tolist(), counts.tolist()
 
 
+def throttled(
+    new: Sequence[str | None], keys: Sequence[tuple[int, int]], round: int, fraction: float
+) -> list[str | None]:
+    """``new`` with each doctored text (not None) kept for about ``fraction`` of the rows, by a stable hash of the
+    round and the row's ``(prompt_id, sample)`` key (the same rows at every run); the others published as they are."""
+    if fraction >= 1.0:
+        return list(new)
+    keep = [stable_hash("throttle", round, pid, k) % 10_000 < fraction * 10_000 for pid, k in keys]
+    return [t if t is not None and ok else None for t, ok in zip(new, keep)]
+
+
 def insert_before_marker(text: str, insertion: str) -> str | None:
     """``text`` with ``insertion`` right before its last answer marker; None when it has none."""
     pos = text.rfind(MARKER)
@@ -62,12 +78,23 @@ def insert_before_marker(text: str, insertion: str) -> str | None:
 class Attacker:
     """A real worker whose published batch is doctored by ``variant`` (module docstring); counts what it did."""
 
-    def __init__(self, worker, victim, run_dir: Path, variant: str, duty: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        worker,
+        victim,
+        run_dir: Path,
+        variant: str,
+        duty: tuple[int, int] | None = None,
+        fraction: float = 1.0,
+    ):
         if variant not in VARIANTS:
             raise ValueError(f"unknown attack {variant!r}: one of {', '.join(VARIANTS)}")
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
         self.worker, self.victim, self.variant, self.org_id = worker, victim, variant, worker.org_id
-        # an attacker that knows the outcome guard: doctor only rounds r with (r - 1) % period < on, honest between
-        self.duty = duty
+        # an attacker that knows the outcome guard: doctor only rounds r with (r - 1) % period < on, honest between,
+        # and only ``fraction`` of the rows it would doctor in those rounds
+        self.duty, self.fraction = duty, fraction
         self.batches = 0  # batches through the attack: a run refuses to report an attack that never happened
         self.doctored_batches = 0
         self.rows = 0  # rollouts doctored
@@ -116,6 +143,8 @@ class Attacker:
         prompts = {p.prompt_id: p for p in plan.prompts}
         own = [self.worker.prompts.render(prompts[r.prompt_id]) for r in batch.rollouts]
         new = self._rewrite(batch.rollouts, own)
+        keys = [(r.prompt_id, r.sample_index) for r in batch.rollouts]
+        new = throttled(new, keys, plan.round, self.fraction)
         idx = [i for i, t in enumerate(new) if t is not None]
         rollouts = list(batch.rollouts)
         if idx:

@@ -85,6 +85,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         help="ON/PERIOD: the attacker doctors only rounds r with (r - 1) %% PERIOD < ON, honest in between (an "
         "attacker that knows the outcome guard)",
     )
+    ap.add_argument(
+        "--fraction",
+        type=float,
+        default=1.0,
+        help="the attacker doctors only this share of the rows it would doctor each round (an attacker that keeps "
+        "each validation's drift small); 1: every row",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     add_set_flag(ap, help="extra overrides of the run's config (repeatable)")
     return ap.parse_args(argv)
@@ -169,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         attack = None
         if args.variant != "honest":
             duty = tuple(int(x) for x in args.duty.split("/")) if args.duty else None
-            attack = workers[attacker] = Attacker(workers[attacker], victim, run_dir, args.variant, duty)  # type: ignore[arg-type]
+            attack = workers[attacker] = Attacker(  # type: ignore[assignment]
+                workers[attacker], victim, run_dir, args.variant, duty, args.fraction
+            )
         with RunLogger(run_dir, tensorboard=False) as logger:
             coord = Coordinator(cfg, InProcessTransport(workers), run_dir, logger=logger)
             summary = coord.run()
@@ -195,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "set": list(args.overrides),  # the extra overrides this run had (part of what it measured)
         "commit": commit,
         "duty": args.duty,
+        "fraction": args.fraction if args.fraction < 1.0 else None,
         "doctored_batches": attack.doctored_batches if attack else 0,
         "doctored_rows": attack.rows if attack else 0,
         "insertion": attack.insertion if attack else None,

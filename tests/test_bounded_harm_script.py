@@ -45,3 +45,14 @@ def test_honest_orgs_are_paired_with_gspo_by_seed_and_protocols_stay_apart(tmp_p
     assert fused["seeds"] == [0, 1] and abs(fused["diff"] - (0.01 - 0.02) / 2) < 1e-9  # paired at round 40
     assert two["seeds"] == [0] and abs(two["diff"] + 0.04) < 1e-9
     assert ("utility, by acme", "acme") not in rows  # the attacker is not an honest org
+
+
+def test_an_attacks_label_names_its_throttles():
+    from tests.helpers_scripts import load_script
+
+    label = load_script("bounded_harm")._attack
+    run = {"variant": "utility", "attacker": "acme", "duty": None, "protocol": "fused"}
+    assert label(run) == "utility, by acme"
+    throttled = label({**run, "duty": "3/4", "fraction": 0.25})
+    assert throttled == "utility, by acme, doctoring 3/4 rounds, doctoring 0.25 of its rows"
+    assert label({**run, "protocol": "two_message", "fraction": None}) == "utility, by acme, two_message"

@@ -107,6 +107,25 @@ def test_an_intermittent_attacker_doctors_only_its_rounds(tmp_path, monkeypatch,
     assert out["duty"] == "1/2" and out["doctored_batches"] == 1 and out["doctored_rows"] == B * G
 
 
+def test_a_throttled_attacker_doctors_only_its_share_of_the_rows(tmp_path, monkeypatch, capsys, calibration):
+    """``--fraction 0.5``: about half of the rows it would doctor, the same ones at every run, the rest honest."""
+    import harm_attacks
+
+    new = [f"t{i}" for i in range(400)] + [None] * 8
+    keys = [(i // 8, i % 8) for i in range(408)]
+    half = harm_attacks.throttled(new, keys, 3, 0.5)
+    assert half == harm_attacks.throttled(new, keys, 3, 0.5) and half[400:] == [None] * 8
+    assert 160 < sum(t is not None for t in half) < 240 and all(t in (n, None) for t, n in zip(half, new))
+    assert harm_attacks.throttled(new, keys, 3, 1.0) == new
+    with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\]"):
+        harm_attacks.Attacker(None, None, tmp_path, "utility", None, 0.0)
+    _perfect(monkeypatch, calibration, "globex")
+    out = _run(calibration, capsys, [str(_config(tmp_path)), "--variant", "backdoor", "--attacker", "globex",
+                                     "--rounds", str(ROUNDS), "--eval-size", "4", "--fraction", "0.5", "--threads", "1"])
+    assert out["fraction"] == 0.5 and out["doctored_batches"] == ROUNDS
+    assert 0 < out["doctored_rows"] < ROUNDS * B * G  # every row was a success it would doctor
+
+
 def test_a_run_whose_attack_was_bypassed_is_refused(tmp_path, monkeypatch, capsys, calibration):
     """The past bug, put back: a Step that runs the wrapped worker's own generate publishes undoctored text."""
     import harm_attacks
