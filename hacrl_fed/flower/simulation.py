@@ -153,8 +153,6 @@ def simulate(
     ``worker_factory`` (``module:callable``) replaces :func:`hacrl_fed.worker.build_worker` (tests use fakes).
     Raises whatever the ServerApp raised (config errors, too few orgs, ``FederationError`` ...).
     """
-    from flwr.simulation import run_simulation
-
     config_path = Path(config_path).expanduser().resolve()
     cfg = load_config(config_path, parse_overrides(list(overrides)))  # fail early, in this process
     check_in_process(cfg, "Flower simulation")  # its workers are in-process: no ranks (ShardingError, a ConfigError)
@@ -182,26 +180,29 @@ def simulate(
         log.info(
             "simulating %d orgs %s, backend %s, run dir %s", len(cfg.orgs), [o.id for o in cfg.orgs], backend, run_path
         )
-        start_ray(backend)
-        try:
-            run_simulation(
-                server_app=apps[0],
-                client_app=apps[1],
-                num_supernodes=len(cfg.orgs),
-                backend_config=backend,
-                verbose_logging=verbose,
-            )
-        finally:
-            _stop_ray()  # Flower's backend shuts it down, unless the run failed before it took Ray over
+        _run_on_ray(apps, len(cfg.orgs), backend, verbose)
     log.info("simulation finished in %.1f s; run dir %s", time.perf_counter() - start, run_path)
     return run_path
 
 
-def _stop_ray() -> None:
+def _run_on_ray(apps: tuple[Any, Any], num_supernodes: int, backend: dict[str, Any], verbose: bool) -> None:
+    """``run_simulation`` on a Ray cluster :func:`start_ray` started; Flower's backend shuts Ray down, and this does
+    where the run failed before the backend took Ray over."""
     import ray
+    from flwr.simulation import run_simulation
 
-    if ray.is_initialized():
-        ray.shutdown()
+    start_ray(backend)
+    try:
+        run_simulation(
+            server_app=apps[0],
+            client_app=apps[1],
+            num_supernodes=num_supernodes,
+            backend_config=backend,
+            verbose_logging=verbose,
+        )
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 @contextlib.contextmanager
