@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hacrl_tools.bench.report import _mean_se, load_results
+from hacrl_tools.bench.report import _verdict as resolved  # past two standard errors, or not
 
 
 def rolled_back(cell: dict[str, Any]) -> bool:
@@ -66,15 +67,13 @@ def setting_rows(
 
 
 def _verdict(mean: float, se: float | None) -> str:
-    """Within one standard error, or resolved (past two), or not. One nonzero difference among zeros has
-    ``|mean| == se`` exactly, which float round-off must not tip."""
+    """Within one standard error, else the report's verdict (resolved past two, or not). One nonzero difference
+    among zeros has ``|mean| == se`` exactly, which float round-off must not tip."""
     if se is None:
         return "one seed"
     if abs(mean) <= se or math.isclose(abs(mean), se, rel_tol=1e-9):
         return "within one SE"
-    if abs(mean) > 2 * se:
-        return "above" if mean > 0 else "below"
-    return "not resolved"
+    return resolved(mean, se)
 
 
 def main(argv: list[str] | None = None) -> int:
