@@ -60,7 +60,8 @@ from hacrl_fed.algorithm import (
 from hacrl_fed.algorithm.capability_rounds import ROUND_ADVANTAGE_ESTIMATORS, capability_coefficients_at_rounds
 from hacrl_fed.algorithm.likelihood_screen import GapHistory
 from hacrl_fed.algorithm.staleness import staleness_summary
-from hacrl_fed.config import AlgorithmConfig, TrainerConfig
+from hacrl_fed.algorithm.teach import teach_loss
+from hacrl_fed.config import AlgorithmConfig, TeachConfig, TrainerConfig
 from hacrl_fed.models.context import context_length
 from hacrl_fed.models.native import unsupported_reason
 from hacrl_fed.scoring import ScoringBatch, build_scoring_batch_from_ids, token_log_probs
@@ -237,6 +238,7 @@ class LocalTrainer:
             betas=(trainer.betas[0], trainer.betas[1]),
             weight_decay=trainer.weight_decay,
         )
+        self.teach_optimizer: torch.optim.Optimizer | None = None  # trainer.teach's own AdamW (built on first use)
         self.screen_history: dict[str, GapHistory] = {}  # per source name: its claimed-minus-learner gap so far
         self.ref_model = None
         if algo.kl_beta > 0:
@@ -525,17 +527,59 @@ class LocalTrainer:
         )
         return out
 
+    def teach(self, rows: Sequence[TrainRow], cfg: TeachConfig) -> dict[str, float]:
+        """``trainer.teach``'s supervised steps after the round's update (:mod:`hacrl_fed.algorithm.teach`): ``epochs``
+        passes over ``rows`` in mini-batches of ``minibatch_size``, each one AdamW step of its own optimizer (learning
+        rate ``cfg.lr``, the trainer's betas, weight decay and clip) on ``L = -mean_b lbar_b``, accumulated over
+        micro-batches with exact weights. → ``teach/...`` metrics (loss before each step, averaged; steps)."""
+        rows = [r for r in rows if r.response_ids]
+        if not rows:
+            return {"teach/steps": 0.0}
+        if self.teach_optimizer is None:  # built on first use, so a run without teach rows keeps no extra state
+            self.teach_optimizer = torch.optim.AdamW(
+                self.master if self.master is not None else self.model_params,
+                lr=cfg.lr if cfg.lr is not None else self.cfg.lr,
+                betas=(self.cfg.betas[0], self.cfg.betas[1]),
+                weight_decay=self.cfg.weight_decay,
+            )
+        device = next(self.model.parameters()).device
+        size, nll, steps = cfg.minibatch_size, 0.0, 0
+        for _ in range(cfg.epochs):
+            for start in range(0, len(rows), size):
+                chunk = rows[start : start + size]
+                self.teach_optimizer.zero_grad(set_to_none=True)
+                for p in self.model_params:
+                    p.grad = None
+                with adapter_dropout(self.dropout):
+                    for micro_idx in self._micro_batches(chunk, range(len(chunk))):
+                        micro = [chunk[i] for i in micro_idx]
+                        batch = build_scoring_batch_from_ids(
+                            [r.prompt_token_ids for r in micro], [r.response_ids for r in micro], self.pad_id
+                        )
+                        with self._autocast(device):
+                            lp, mask = token_log_probs(self.model, batch, dropout=self.dropout, native=self.native)
+                        loss, metrics = teach_loss(lp, mask)
+                        (loss * (len(micro) / len(chunk))).backward()  # the chunk's row mean
+                        nll += metrics["teach/nll"] * len(micro) / len(chunk)
+                self._clip_and_step(self.teach_optimizer)
+                steps += 1
+        return {"teach/steps": float(steps), "teach/nll": nll / steps}
+
     def _apply_gradient(self) -> Tensor:
-        """Clip the accumulated gradient and take the AdamW step (through the float32 masters in bf16-master);
+        """Clip the accumulated gradient and take the update's AdamW step (:meth:`_clip_and_step`)."""
+        return self._clip_and_step(self.optimizer)
+
+    def _clip_and_step(self, optimizer: torch.optim.Optimizer) -> Tensor:
+        """Clip the accumulated gradient and take ``optimizer``'s step (through the float32 masters in bf16-master);
         returns the gradient norm before clipping."""
         if self.master is not None:  # bf16 grads -> float32 masters
             for p, master in zip(self.model_params, self.master):
                 master.grad = None if p.grad is None else p.grad.detach().float()
                 p.grad = None
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.grad_clip
+            [p for g in optimizer.param_groups for p in g["params"]], self.cfg.grad_clip
         )
-        self.optimizer.step()
+        optimizer.step()
         if self.master is not None:  # float32 masters -> bf16 model weights
             with torch.no_grad():
                 for p, master in zip(self.model_params, self.master):
@@ -668,6 +712,8 @@ class LocalTrainer:
             state["likelihood_screen"] = {k: [h.center, h.scale, h.rounds] for k, h in self.screen_history.items()}
         if self.master is not None:
             state["master"] = [m.detach() for m in self.master]
+        if self.teach_optimizer is not None:
+            state["teach_optimizer"] = self.teach_optimizer.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -679,6 +725,9 @@ class LocalTrainer:
                     m.copy_(saved[i] if saved is not None else p.float())
         if state.get("optimizer") is not None:  # None: a sharded trainer restored its shards itself
             self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("teach_optimizer") is not None:  # trainer.teach's optimizer (restored as it was saved)
+            self.teach_optimizer = torch.optim.AdamW(self.master if self.master is not None else self.model_params)
+            self.teach_optimizer.load_state_dict(state["teach_optimizer"])
         self.screen_history = {
             str(k): GapHistory(float(v[0]), float(v[1]), int(v[2]))
             for k, v in (state.get("likelihood_screen") or {}).items()

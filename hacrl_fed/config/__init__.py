@@ -38,6 +38,7 @@ from hacrl_fed.config.trainer import (
     LoraConfig,
     OutcomeGuardConfig,
     SelectionConfig,
+    TeachConfig,
     TrainerConfig,
 )
 
@@ -54,6 +55,7 @@ __all__ = [
     "ModelConfig",
     "OrgConfig",
     "OutcomeGuardConfig",
+    "TeachConfig",
     "RunConfig",
     "SecurityConfig",
     "SelectionConfig",

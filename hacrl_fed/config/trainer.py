@@ -255,6 +255,37 @@ class OutcomeGuardConfig(_Section):
     )
 
 
+class TeachConfig(_Section):
+    """Learning from peers' verified successes the learner cannot yet sample (docs/ALGORITHM.md "Teach"; issue 30):
+    after the policy update, a few supervised steps with their own optimizer on the foreign rows with reward > 0 of
+    the prompts where every own row of the learner failed. Off: the paper (a learner learns from a peer only what its
+    own policy already finds likely enough for HACPO's band)."""
+
+    enabled: bool = Field(
+        False,
+        description=_d(
+            "after each round's update, maximise the learner's mean token log-prob of the foreign rows with reward "
+            "> 0 on the prompts where every own row has reward 0 (teach/... metrics). Those rows bypass the "
+            "likelihood screen (a success the learner cannot sample is unlikely under it by definition): SECURITY.md "
+            "says what that opens and what bounds it"
+        ),
+    )
+    lr: float | None = Field(
+        None,
+        gt=0,
+        description=_d(
+            "the learning rate of the teach steps' own AdamW (null: trainer.lr). Measured on the expertise settings' "
+            "0.7 M-parameter agents: 3x trainer.lr or more wrecks the learner's own skill within 10 rounds "
+            '(BENCHMARKS.md "Teach")'
+        ),
+    )
+    epochs: int = Field(1, ge=1, description=_d("passes over the round's teach rows"))
+    minibatch_size: int = Field(64, ge=1, description=_d("teach rows per teach step"))
+    max_rows: int | None = Field(
+        None, ge=1, description=_d("at most this many teach rows per round (a seeded sample; null: every one)")
+    )
+
+
 class TrainerConfig(_Section):
     """The local update of each org (hacrl_fed/trainer.py); an org may override any field under orgs[].trainer."""
 
@@ -316,4 +347,8 @@ class TrainerConfig(_Section):
         default_factory=OutcomeGuardConfig,
         description=_d("bound a member's harm by this learner's own validated accuracy (the learner's own choice)"),
         json_schema_extra={"absent_means": {"enabled": False}},  # a stored config from before the guard ran without it
+    )
+    teach: TeachConfig = Field(
+        default_factory=TeachConfig,
+        description=_d("supervised steps on peers' successes where the learner failed (off: the paper)"),
     )
