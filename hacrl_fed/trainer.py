@@ -725,7 +725,8 @@ class LocalTrainer:
                     m.copy_(saved[i] if saved is not None else p.float())
         if state.get("optimizer") is not None:  # None: a sharded trainer restored its shards itself
             self.optimizer.load_state_dict(state["optimizer"])
-        if state.get("teach_optimizer") is not None:  # trainer.teach's optimizer (restored as it was saved)
+        self.teach_optimizer = None  # trainer.teach's optimizer as saved; none saved: built afresh on its next use
+        if state.get("teach_optimizer") is not None:
             self.teach_optimizer = torch.optim.AdamW(self.master if self.master is not None else self.model_params)
             self.teach_optimizer.load_state_dict(state["teach_optimizer"])
         self.screen_history = {

@@ -101,6 +101,9 @@ def test_the_teach_optimizer_takes_trainer_lr_by_default_and_round_trips_a_check
     assert restored["param_groups"][0]["lr"] == 3e-4
     step = [s["step"] for s in restored["state"].values()]
     assert step and all(float(s) == 1.0 for s in step)
+    # a state saved before any teach step (a rollback to an earlier reference, the shadow's) drops the moments
+    fresh.load_state_dict(_trainer(lr=3e-4)[0].state_dict())
+    assert fresh.teach_optimizer is None
 
 
 def _row(group, reward, is_self, source, resp=(7, 8)):
