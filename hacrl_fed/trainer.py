@@ -476,9 +476,7 @@ class LocalTrainer:
         share of the whole mini-batch's rows, so the gradient is the mini-batch's. The loss value and the metrics
         are then computed over all rows of the mini-batch at once from their detached ``lbar``.
         """
-        self.optimizer.zero_grad(set_to_none=True)
-        for p in self.model_params:  # the model's own grads (its params are not the optimizer's in bf16-master)
-            p.grad = None
+        self._zero_grad(self.optimizer)
         device = next(self.model.parameters()).device
         adv, is_self, v = adv.to(device), is_self.to(device), v.to(device)
         total_tokens = sum(len(r.response_ids) for r in rows)
@@ -529,9 +527,9 @@ class LocalTrainer:
 
     def teach(self, rows: Sequence[TrainRow], cfg: TeachConfig) -> dict[str, float]:
         """``trainer.teach``'s supervised steps after the round's update (:mod:`hacrl_fed.algorithm.teach`): ``epochs``
-        passes over ``rows`` in mini-batches of ``minibatch_size``, each one AdamW step of its own optimizer (learning
-        rate ``cfg.lr``, the trainer's betas, weight decay and clip) on ``L = -mean_b lbar_b``, accumulated over
-        micro-batches with exact weights. → ``teach/...`` metrics (loss before each step, averaged; steps)."""
+        passes over ``rows`` in mini-batches of ``minibatch_size``, each one step of its own AdamW (learning rate
+        ``cfg.lr``, else ``trainer.lr``; the trainer's betas, weight decay and clip; :meth:`_teach_step`). →
+        ``teach/...`` metrics (steps; the loss before each step, averaged)."""
         rows = [r for r in rows if r.response_ids]
         if not rows:
             return {"teach/steps": 0.0}
@@ -542,28 +540,31 @@ class LocalTrainer:
                 betas=(self.cfg.betas[0], self.cfg.betas[1]),
                 weight_decay=self.cfg.weight_decay,
             )
-        device = next(self.model.parameters()).device
-        size, nll, steps = cfg.minibatch_size, 0.0, 0
-        for _ in range(cfg.epochs):
-            for start in range(0, len(rows), size):
-                chunk = rows[start : start + size]
-                self.teach_optimizer.zero_grad(set_to_none=True)
-                for p in self.model_params:
-                    p.grad = None
-                with adapter_dropout(self.dropout):
-                    for micro_idx in self._micro_batches(chunk, range(len(chunk))):
-                        micro = [chunk[i] for i in micro_idx]
-                        batch = build_scoring_batch_from_ids(
-                            [r.prompt_token_ids for r in micro], [r.response_ids for r in micro], self.pad_id
-                        )
-                        with self._autocast(device):
-                            lp, mask = token_log_probs(self.model, batch, dropout=self.dropout, native=self.native)
-                        loss, metrics = teach_loss(lp, mask)
-                        (loss * (len(micro) / len(chunk))).backward()  # the chunk's row mean
-                        nll += metrics["teach/nll"] * len(micro) / len(chunk)
-                self._clip_and_step(self.teach_optimizer)
-                steps += 1
-        return {"teach/steps": float(steps), "teach/nll": nll / steps}
+        size = cfg.minibatch_size
+        opt = self.teach_optimizer
+        nll = [self._teach_step(rows[s : s + size], opt) for _ in range(cfg.epochs) for s in range(0, len(rows), size)]
+        return {"teach/steps": float(len(nll)), "teach/nll": sum(nll) / len(nll)}
+
+    def _teach_step(self, chunk: Sequence[TrainRow], optimizer: torch.optim.Optimizer) -> float:
+        """One teach step on ``chunk``: ``L = -mean_b lbar_b`` accumulated over micro-batches weighted by their share of
+        its rows, then ``optimizer``'s step. → the chunk's loss before the step."""
+        self._zero_grad(optimizer)
+        nll = 0.0
+        with adapter_dropout(self.dropout):
+            for micro_idx in self._micro_batches(chunk, range(len(chunk))):
+                _, lp, mask = self._forward([chunk[i] for i in micro_idx])
+                loss, metrics = teach_loss(lp, mask)
+                share = len(micro_idx) / len(chunk)
+                (loss * share).backward()  # the chunk's row mean
+                nll += metrics["teach/nll"] * share
+        self._clip_and_step(optimizer)
+        return nll
+
+    def _zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clear ``optimizer``'s grads and the model's own (its params are not the optimizer's in bf16-master)."""
+        optimizer.zero_grad(set_to_none=True)
+        for p in self.model_params:
+            p.grad = None
 
     def _apply_gradient(self) -> Tensor:
         """Clip the accumulated gradient and take the update's AdamW step (:meth:`_clip_and_step`)."""
@@ -620,12 +621,18 @@ class LocalTrainer:
         model's device, its :class:`ScoringBatch` and the loss inputs (``token_log_probs`` [M, T] and the rest)."""
         micro = [rows[i] for i in micro_idx]
         sel = torch.tensor(list(micro_idx), device=adv.device, dtype=torch.long)
+        batch, lp, mask = self._forward(micro)
+        return sel, batch, self._loss_inputs(micro, lp, mask, adv[sel], is_self[sel], v[sel])
+
+    def _forward(self, micro: Sequence[TrainRow]) -> tuple[ScoringBatch, Tensor, Tensor]:
+        """``micro``'s responses through the model (with gradient when grad is enabled, the adapters' dropout as
+        set): its :class:`ScoringBatch`, ``token_log_probs`` [M, T] and ``response_mask`` [M, T]."""
         batch = build_scoring_batch_from_ids(
             [r.prompt_token_ids for r in micro], [r.response_ids for r in micro], self.pad_id
         )
-        with self._autocast(adv.device):
+        with self._autocast(next(self.model.parameters()).device):
             lp, mask = token_log_probs(self.model, batch, dropout=self.dropout, native=self.native)
-        return sel, batch, self._loss_inputs(micro, lp, mask, adv[sel], is_self[sel], v[sel])
+        return batch, lp, mask
 
     def _loss_inputs(
         self, micro: Sequence[TrainRow], lp: Tensor, mask: Tensor, adv: Tensor, is_self: Tensor, v: Tensor
