@@ -16,6 +16,7 @@ import yaml
 from hacrl_fed.cli import main
 
 wandb = pytest.importorskip("wandb", reason="the `wandb` extra is not installed")
+from google.protobuf.message import DecodeError  # noqa: E402
 from wandb.proto import wandb_internal_pb2 as pb  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
@@ -47,9 +48,13 @@ def read_records(path: Path) -> list[pb.Record]:
 
 def _finished_records(path: Path) -> list[pb.Record]:
     """The records of a finished offline run: wandb-core writes the file after ``run.finish()`` returns, so wait
-    (a bounded number of polls) for its ``exit`` record."""
+    (a bounded number of polls) for its ``exit`` record; a record caught half-written fails to parse, and is polled
+    again like a missing one."""
     for _ in range(300):
-        records = read_records(path)
+        try:
+            records = read_records(path)
+        except DecodeError:  # wandb-core is still writing the record the file ends with
+            records = []
         if any(r.WhichOneof("record_type") == "exit" for r in records):
             return records
         time.sleep(0.1)
