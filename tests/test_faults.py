@@ -547,6 +547,28 @@ def test_killed_after_train_before_checkpoint_redoes_the_round_exactly(tmp_path,
 
 
 @pytest.mark.timeout(120)
+def test_damaged_newest_checkpoints_resume_from_the_ones_before_and_redo_the_round_exactly(tmp_path, uninterrupted,
+                                                                                         caplog):
+    """Killed after the workers checkpointed round 3 and before the coordinator's state; then a's round-3 weights
+    are truncated and b's trainer state corrupted: both resume from round 2 (one warning line each) and redo
+    round 3, so the run is the uninterrupted one."""
+    cfg, log = micro_cfg(tmp_path), {}
+    run_micro(cfg, tmp_path / "run", log, crash=(3, "after"))
+    assert json.loads((tmp_path / "run" / STATE_FILE).read_text())["round"] == 2
+    for org, name in (("a", "model.safetensors"), ("b", "trainer.pt")):
+        (path,) = (tmp_path / "run" / "orgs" / org / "checkpoints").glob("*/round-000003")
+        data = path.joinpath(name).read_bytes()
+        path.joinpath(name).write_bytes(data[: len(data) // 2] if org == "a" else data[:-9] + b"corrupted")
+    with caplog.at_level("WARNING", logger="hacrl_fed.worker.checkpoint"):
+        run_micro(cfg, tmp_path / "run", log, resume=True)
+    lines = [r.getMessage() for r in caplog.records if r.name == "hacrl_fed.worker.checkpoint"]
+    assert len(lines) == 2 and all("resuming from round-000002" in line for line in lines)
+    assert log["trained"].count((3, "a")) == 2 and log["trained"].count((3, "b")) == 2
+    assert log["rollouts"] == uninterrupted["log"]["rollouts"]
+    assert learning_metrics(tmp_path / "run") == uninterrupted["metrics"]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers_survive", [True, False], ids=["workers-kept-running", "workers-from-checkpoint"])
 def test_workers_ahead_of_the_coordinator_refuse_the_round_they_already_trained(tmp_path, uninterrupted,
                                                                                 workers_survive):
