@@ -183,3 +183,16 @@ def test_a_state_lost_between_the_copy_and_the_write_resumes_from_the_copy(tmp_p
     path.unlink()
     os.replace(path.with_name("x"), path.with_name(path.name + ".prev"))
     assert read_state(path, "h")["round"] == 2
+
+
+def test_the_state_after_each_round_every_org_checkpointed_is_kept_for_forks_the_last_four(tmp_path):
+    from hacrl_fed.coordinator.state_file import read_snapshot
+
+    path = tmp_path / "coordinator_state.json"
+    for t in range(1, 8):  # every org checkpointed the odd rounds
+        write_state(path, {"run_id": "r", "round": t, "worker_checkpoint_round": t - (t % 2 == 0)})
+    assert sorted(p.name for p in (tmp_path / "states").iterdir()) == [f"round-00000{t}.json" for t in (1, 3, 5, 7)]
+    write_state(path, {"run_id": "r", "round": 9, "worker_checkpoint_round": 9})
+    assert read_snapshot(tmp_path, 9)["round"] == 9
+    with pytest.raises(ValueError, match=r"no state of round 1 \(kept: \[3, 5, 7, 9\]\)"):
+        read_snapshot(tmp_path, 1)

@@ -5,7 +5,8 @@ One JSON object, rewritten atomically after every round: the format ``version``,
 capability tracker's and the trust guard's states (in asynchronous rounds the driver's too), and ``sha256``, the
 checksum of the rest (:func:`_checksum`). Before each write the state it replaces, when whole, is copied to
 ``coordinator_state.json.prev``; :func:`read_state` falls back to that copy, with one warning line, when the
-newest file is missing, truncated or fails its checksum.
+newest file is missing, truncated or fails its checksum. The state after each round every org checkpointed is
+kept in ``states/round-NNNNNN.json`` too (the last four), for ``hacrl-fed run --fork`` (:mod:`hacrl_fed.fork`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 CHECKSUM = "sha256"
+SNAPSHOT_DIR = "states"  # the states after the rounds every org checkpointed (write_state)
+SNAPSHOTS_KEPT = 4  # workers keep two checkpoints at least: four states cover them
 
 
 def previous_path(path: Path) -> Path:
@@ -51,13 +54,39 @@ def _whole(path: Path) -> tuple[dict[str, Any] | None, str]:
     return state, ""
 
 
+def snapshot_path(run_dir: Path, round: int) -> Path:
+    """Where the state after round ``round`` is kept when every org checkpointed that round (a fork's start)."""
+    return run_dir / SNAPSHOT_DIR / f"round-{round:06d}.json"
+
+
 def write_state(path: Path, state: dict[str, Any]) -> None:
     """Write ``state`` (with ``version`` and its checksum) to ``path`` atomically, after copying the whole state
-    it replaces to :func:`previous_path`."""
+    it replaces to :func:`previous_path`. A state after a round every org checkpointed
+    (``worker_checkpoint_round == round``) is also kept as :func:`snapshot_path` (the newest
+    :data:`SNAPSHOTS_KEPT`), the coordinator's half of what ``hacrl-fed run --fork RUN_DIR@ROUND`` starts from."""
     if _whole(path)[0] is not None:
         write_atomic(previous_path(path), path.read_bytes())
     body = {"version": STATE_VERSION, **state}
     write_json_atomic(path, {**body, CHECKSUM: _checksum(body)})
+    round = state.get("round")
+    if type(round) is int and round >= 1 and state.get("worker_checkpoint_round") == round:
+        snap = snapshot_path(path.parent, round)
+        snap.parent.mkdir(exist_ok=True)
+        write_json_atomic(snap, {**body, CHECKSUM: _checksum(body)})
+        for old in sorted(snap.parent.glob("round-*.json"))[:-SNAPSHOTS_KEPT]:
+            old.unlink(missing_ok=True)
+
+
+def read_snapshot(run_dir: Path, round: int) -> dict[str, Any]:
+    """The state kept after round ``round`` (:func:`write_state`); ValueError naming the file when it is missing
+    or not whole."""
+    path = snapshot_path(run_dir, round)
+    state, why = _whole(path)
+    if state is None or state.get("version") != STATE_VERSION:
+        have = sorted(int(p.stem.split("-")[1]) for p in path.parent.glob("round-*.json"))
+        raise ValueError(f"{path} {why or 'has another version'}: no state of round {round} (kept: {have})")
+    state.pop(CHECKSUM, None)
+    return dict(state)
 
 
 def read_state(path: Path, config_hash: str) -> dict[str, Any]:
