@@ -196,3 +196,13 @@ def test_the_state_after_each_round_every_org_checkpointed_is_kept_for_forks_the
     assert read_snapshot(tmp_path, 9)["round"] == 9
     with pytest.raises(ValueError, match=r"no state of round 1 \(kept: \[3, 5, 7, 9\]\)"):
         read_snapshot(tmp_path, 1)
+
+
+def test_a_resume_drops_the_metric_rows_logged_after_the_states_round_and_a_half_written_line(tmp_path):
+    from hacrl_fed.metrics import drop_rows_after, read_metrics
+
+    rows = [json.dumps({"round": t, "x": float(t)}) + "\n" for t in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(rows) + '{"round": 4, "x"')  # killed mid-append
+    assert drop_rows_after(tmp_path, 2) == 2
+    assert [r["round"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    assert drop_rows_after(tmp_path, 2) == 0 and (tmp_path / "metrics.jsonl").read_text() == "".join(rows[:3])
