@@ -13,7 +13,8 @@ A launcher that is killed (SIGKILL, OOM killer) runs none of that. On Linux each
 through a tiny shim that asks the kernel to SIGTERM it when the launching thread dies (``PR_SET_PDEATHSIG``)
 and then execs the worker command, so a killed coordinator leaves no orphan workers holding models or GPU memory
 (a restart with ``--resume`` starts fresh ones on the same sockets). A launched worker, once stopped, exits without
-the interpreter's teardown (:func:`hacrl_fed.cli.worker._exit_launched`), so it is gone within about a second. The signal follows the *thread* that
+the interpreter's teardown (:func:`hacrl_fed.cli.worker._exit_launched`), so it is gone within about a second.
+The signal follows the *thread* that
 called :meth:`WorkerProcesses.start`: start workers from a thread that lives as long as they should, or pass
 ``die_with_parent=False``.
 
