@@ -206,3 +206,19 @@ def test_a_resume_drops_the_metric_rows_logged_after_the_states_round_and_a_half
     assert drop_rows_after(tmp_path, 2) == 2
     assert [r["round"] for r in read_metrics(tmp_path)] == [0, 1, 2]
     assert drop_rows_after(tmp_path, 2) == 0 and (tmp_path / "metrics.jsonl").read_text() == "".join(rows[:3])
+
+
+def test_checkpoints_from_before_manifests_still_resume_unverified_with_one_line(tmp_path, caplog):
+    three_checkpoints(tmp_path)
+    for t in (1, 2, 3):
+        (tmp_path / f"round-{t:06d}" / MANIFEST).unlink()
+    with caplog.at_level(logging.WARNING):
+        assert good_checkpoint(tmp_path) == tmp_path / "round-000003"
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "predate manifests" in lines[0]
+
+
+def test_a_lost_manifest_beside_checkpoints_that_have_one_is_a_damaged_checkpoint(tmp_path):
+    three_checkpoints(tmp_path)
+    (tmp_path / "round-000003" / MANIFEST).unlink()
+    assert good_checkpoint(tmp_path) == tmp_path / "round-000002"

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from hacrl_fed.fsio import fsync_dir, write_atomic
 from hacrl_fed.sharded.dcp_files import SHARDED_DIR
-from hacrl_fed.worker.checkpoint_manifest import checkpoint_problem, write_manifest
+from hacrl_fed.worker.checkpoint_manifest import MANIFEST, checkpoint_problem, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,8 @@ def good_checkpoint(root: Path) -> Path | None:
     """The newest whole checkpoint of ``root`` (its manifest verifies, :mod:`.checkpoint_manifest`): the one
     ``LATEST`` names, else (one warning line saying what was wrong) the newest older ``round-NNNNNN`` directory
     that is whole; None when ``root`` holds no checkpoint at all. :class:`CheckpointRefused` for a marker that
-    points out of ``root`` (:func:`latest_checkpoint`), or when checkpoints are there and none is whole."""
+    points out of ``root`` (:func:`latest_checkpoint`), or when checkpoints are there and none is whole. A run whose
+    checkpoints all predate manifests resumes from them unverified (one warning line), as before manifests."""
     marker, why = root / "LATEST", ""
     try:
         named = latest_checkpoint(root)
@@ -185,15 +186,18 @@ def good_checkpoint(root: Path) -> Path | None:
     if named is None and marker.is_file() and not why:
         why = f"LATEST names {marker.read_text(errors='replace').strip()[:40]!r}, which is gone"
     limit = _round_of(named) if named is not None else None
+    legacy = not any((p / MANIFEST).is_file() for p in dirs)  # written before manifests: taken, unverified
     if named is None and not why:
         why = "no LATEST"
     for path in ([named] if named is not None else []) + sorted(
         (p for p in dirs if limit is None or _round_of(p) < limit), key=_round_of, reverse=True
     ):
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path) if not legacy else None if (path / "state.json").is_file() else "no state"
         if problem is None:
             if why:
                 log.warning("checkpoint of %s unusable (%s); resuming from %s", root, why, path.name)
+            elif legacy:
+                log.warning("checkpoints of %s predate manifests: resuming from %s unverified", root, path.name)
             return path
         why = why or f"{path.name}: {problem}"
     raise CheckpointRefused(f"no whole checkpoint under {root}: {why}")
