@@ -35,6 +35,16 @@
     var b = Math.max.apply(null, vals.concat(hi === undefined ? [] : [hi]));
     return b > a ? [a, b] : [a, a + 1];
   }
+  // Tick values over [a, b]: five evenly spaced, or every integer when integer ticks are asked for and few.
+  function ticks(r, integer) {
+    var out = [], i;
+    if (integer && r[1] - r[0] <= 5) {
+      for (i = Math.ceil(r[0]); i <= r[1]; i++) out.push(i);
+      return out;
+    }
+    for (i = 0; i <= 4; i++) out.push(r[0] + (r[1] - r[0]) * i / 4);
+    return integer ? out.map(Math.round).filter(function (v, j, a) { return a.indexOf(v) === j; }) : out;
+  }
   function empty(box, id, why) { box.appendChild(el("p", { "class": "empty" }, why)); counts[id] = 0; }
 
   // A line chart of {name: [[x, y], ...]}: one polyline and one circle.pt per point, a legend on the right.
@@ -47,12 +57,13 @@
     function sx(x) { return L + (x - xr[0]) / (xr[1] - xr[0]) * (W - L - R); }
     function sy(y) { return H - B - (y - yr[0]) / (yr[1] - yr[0]) * (H - T - B); }
     var s = sv("svg", { viewBox: "0 0 " + W + " " + H, role: "img" });
-    for (var i = 0; i <= 4; i++) {
-      var yv = yr[0] + (yr[1] - yr[0]) * i / 4, xv = xr[0] + (xr[1] - xr[0]) * i / 4;
+    ticks(yr, false).forEach(function (yv) {
       s.appendChild(sv("line", { "class": "grid-line", x1: L, x2: W - R, y1: sy(yv), y2: sy(yv) }));
       s.appendChild(sv("text", { x: L - 4, y: sy(yv) + 4, "text-anchor": "end" }, fmt(yv, 2)));
+    });
+    ticks(xr, true).forEach(function (xv) {
       s.appendChild(sv("text", { x: sx(xv), y: H - B + 14, "text-anchor": "middle" }, fmt(xv, 0)));
-    }
+    });
     s.appendChild(sv("line", { "class": "axis", x1: L, x2: L, y1: T, y2: H - B }));
     s.appendChild(sv("line", { "class": "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }));
     s.appendChild(sv("text", { x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle" }, opts.x || "round"));
@@ -128,7 +139,7 @@
     var kinds = [], seen = {};
     ev.forEach(function (e) { if (!seen[e.kind]) { seen[e.kind] = 1; kinds.push(e.kind); } });
     var orgs = D.orgs.concat(ev.map(function (e) { return e.org; }).filter(function (o) { return D.orgs.indexOf(o) < 0; }));
-    var W = 640, L = 110, R = 120, T = 10, lane = 22, H = T + kinds.length * lane + 30;
+    var W = 640, L = 110, R = 120, T = 10, lane = 22, H = Math.max(T + kinds.length * lane, T + D.orgs.length * 16) + 30;
     var xr = range(ev.map(function (e) { return e.round; }).concat([0, D.rounds]));
     function sx(x) { return L + (x - xr[0]) / (xr[1] - xr[0]) * (W - L - R); }
     var s = sv("svg", { viewBox: "0 0 " + W + " " + H, role: "img" });
@@ -150,10 +161,9 @@
       s.appendChild(sv("text", { x: W - R + 24, y: T + j * 16 + 9 }, o));
     });
     s.appendChild(sv("line", { "class": "axis", x1: L, x2: W - R, y1: H - 24, y2: H - 24 }));
-    for (var i = 0; i <= 4; i++) {
-      var xv = xr[0] + (xr[1] - xr[0]) * i / 4;
+    ticks(xr, true).forEach(function (xv) {
       s.appendChild(sv("text", { x: sx(xv), y: H - 10, "text-anchor": "middle" }, fmt(xv, 0)));
-    }
+    });
     box.appendChild(s);
     counts[id] = n;
     var sel = document.getElementById("event-kind");
@@ -185,13 +195,14 @@
     var names = [];
     orgs.forEach(function (o) { Object.keys(D.phases[o]).forEach(function (p) { if (names.indexOf(p) < 0) names.push(p); }); });
     var totals = orgs.map(function (o) { return names.reduce(function (a, p) { return a + (D.phases[o][p] || 0); }, 0); });
-    var W = 640, L = 90, R = 120, T = 10, bar = 22, H = T + orgs.length * (bar + 8) + 30, mx = Math.max.apply(null, totals) || 1;
+    var W = 640, L = 90, R = 150, T = 10, bar = 22, mx = Math.max.apply(null, totals) || 1;
+    var H = Math.max(T + orgs.length * (bar + 8), T + names.length * 16) + 10;
     var s = sv("svg", { viewBox: "0 0 " + W + " " + H, role: "img" }), n = 0;
     orgs.forEach(function (o, i) {
-      var x = L, y = T + i * (bar + 8);
+      var x = L, y = T + i * (bar + 8), room = W - L - R - 50;
       s.appendChild(sv("text", { x: L - 6, y: y + bar / 2 + 4, "text-anchor": "end" }, o));
       names.forEach(function (p, j) {
-        var v = D.phases[o][p] || 0, w = v / mx * (W - L - R);
+        var v = D.phases[o][p] || 0, w = v / mx * room;
         if (v <= 0) return;
         var r = sv("rect", { "class": "pt", x: x, y: y, width: Math.max(w, 0.5), height: bar, fill: color(j) });
         r.appendChild(sv("title", {}, o + " " + p + ": " + fmt(v) + " s per round"));
@@ -202,8 +213,8 @@
       s.appendChild(sv("text", { x: x + 4, y: y + bar / 2 + 4 }, fmt(totals[i], 2) + " s"));
     });
     names.forEach(function (p, j) {
-      s.appendChild(sv("rect", { x: W - R + 40, y: T + j * 16, width: 10, height: 10, fill: color(j) }));
-      s.appendChild(sv("text", { x: W - R + 54, y: T + j * 16 + 9 }, p));
+      s.appendChild(sv("rect", { x: W - R + 10, y: T + j * 16, width: 10, height: 10, fill: color(j) }));
+      s.appendChild(sv("text", { x: W - R + 24, y: T + j * 16 + 9 }, p));
     });
     box.appendChild(s);
     counts[id] = n;
