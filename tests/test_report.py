@@ -267,3 +267,28 @@ def test_the_samples_go_to_a_wandb_table(run_dir):
     samples = _samples(run_dir)
     assert len(table.data) == len(samples)
     assert table.data[0][SAMPLE_COLUMNS.index("response")] == samples[0]["response"]
+
+
+@pytest.mark.slow  # a second run, in coordinator-blind mode
+def test_blind_mode_samples_are_written_by_each_org_with_the_text_it_opened(tmp_path):
+    from test_security_edges import _blind_cfg
+
+    base, run_dir = _blind_cfg(("acme", "globex")), tmp_path / "run"
+    fed = {**base.federation.model_dump(), "rounds": 1}
+    cfg = load_config({**base.model_dump(), "federation": fed, "samples": {"own_per_round": 999,
+                                                                          "foreign_per_round": 999}})  # fmt: skip
+    assert cfg.security.encrypt
+    workers = {o.id: build_worker(cfg, o.id, run_dir=run_dir) for o in cfg.orgs}
+    with RunLogger(run_dir, tensorboard=False) as logger:
+        Coordinator(cfg, InProcessTransport(workers), run_dir, logger=logger).run()
+    rows = _samples(run_dir)
+    own = {(r["source"], r["prompt_id"], r["sample_index"]): r["response"] for r in rows if r["kind"] == "own"}
+    foreign = [r for r in rows if r["kind"] == "foreign"]
+    assert foreign and {r["learner"] for r in foreign} == {"acme", "globex"}
+    for r in foreign:  # the learner wrote the text it decrypted: the source's own text
+        assert r["org"] == r["learner"] and r["response"] == own[(r["source"], r["prompt_id"], r["sample_index"])]
+    matrix = intake_matrix(read_metrics(run_dir))
+    assert len(foreign) == sum(c["received"] for by in matrix.values() for c in by.values())
+    texts = {t for t in own.values() if len(t) >= 8}
+    coordinator_files = [p for p in run_dir.rglob("*") if p.is_file() and "orgs" not in p.relative_to(run_dir).parts]
+    assert texts and not any(t in p.read_text(errors="ignore") for p in coordinator_files for t in texts)

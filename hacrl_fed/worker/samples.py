@@ -23,7 +23,7 @@ import json
 import logging
 import random
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -175,11 +175,9 @@ class RowFates:
         self.ledger = admitted.ledger
         self.offered = {_key(r) for r in admitted.offered}
         self.selected = {_key(r) for r in admitted.selected}
-        accepted = {}
-        for src, e in admitted.ledger.sources.items():
-            for r in e.screened.accepted if e.screened is not None else ():
-                accepted[_key(r)] = src
-        self.screen_accepted = set(accepted)
+        self.screen_accepted = {  # passed screen_batch (then excluded or quarantined, or offered)
+            _key(r) for e in admitted.ledger.sources.values() for r in (e.screened.accepted if e.screened else ())
+        }
         # the rows trained on, by what a re-tokenized row still carries of its rollout (a multiset)
         self.kept: Counter = Counter(
             (admitted.agents[r.source], r.group, r.n_bytes, r.claimed_log_prob_sum)
@@ -201,7 +199,7 @@ class RowFates:
             return self._dropped(src, lambda stage, why: (stage, why) in AFTER_SCREEN)
         return self._dropped(src, lambda stage, why: stage == "trust" and (stage, why) not in AFTER_SCREEN)
 
-    def _dropped(self, src: str, where: Any) -> dict[str, str]:
+    def _dropped(self, src: str, where: Callable[[str, str], bool]) -> dict[str, str]:
         entry = self.ledger.sources.get(src)
         found = sorted((s, w) for (s, w), n in (entry.dropped.items() if entry else ()) if n and where(s, w))
         if not found:  # e.g. a whole request refused (source "*")
