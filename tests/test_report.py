@@ -292,3 +292,23 @@ def test_blind_mode_samples_are_written_by_each_org_with_the_text_it_opened(tmp_
     texts = {t for t in own.values() if len(t) >= 8}
     coordinator_files = [p for p in run_dir.rglob("*") if p.is_file() and "orgs" not in p.relative_to(run_dir).parts]
     assert texts and not any(t in p.read_text(errors="ignore") for p in coordinator_files for t in texts)
+
+
+def test_trust_events_are_read_from_the_metrics_keys():
+    from hacrl_fed.report.events import trust_events
+
+    records = [
+        {"round": 1, "security/evil/excluded": 0, "acme/trust/evil/mismatches": 3, "acme/outcome/rollback": 1,
+         "acme/outcome/rebased": 0, "acme/trust/evil/rejected/reward_mismatch": 2},
+        {"round": 2, "security/evil/excluded": 1, "round/acme/false_accusation": 1, "globex/outcome/adopted": 1,
+         "acme/screen/evil/dropped_low_likelihood": 4, "acme/outcome/evil/quarantined": 1},
+        {"round": 3, "security/evil/excluded": 1, "eval/acme/accuracy": 0.5},
+    ]  # fmt: skip
+    got = [(e["round"], e["kind"], e["org"]) for e in trust_events(records)]
+    assert got == [
+        (1, "rollback", "acme"), (1, "accusation", "acme"), (1, "trust drop", "acme"),
+        (2, "quarantine", "acme"), (2, "screen drop", "acme"), (2, "adoption", "globex"),
+        (2, "accusation", "acme"), (2, "exclusion", "evil"),  # in key order within a round; excluded: once
+    ]  # fmt: skip
+    texts = [e["text"] for e in trust_events(records)]
+    assert "acme found 3 contradicted rewards in evil's batch" in texts and "evil excluded from the pool" in texts

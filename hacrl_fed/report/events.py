@@ -48,7 +48,7 @@ RULES: tuple[tuple[str, re.Pattern, str], ...] = tuple(
         ("guard", r"^(?P<org>[^/]+)/outcome/validated$", "{org}'s outcome guard validated its weights"),
         ("rollback", r"^(?P<org>[^/]+)/outcome/rollback$", "{org} rolled back to its last passing weights"),
         ("adoption", r"^(?P<org>[^/]+)/outcome/adopted$", "{org} adopted its shadow's weights"),
-        ("adoption", r"^(?P<org>[^/]+)/outcome/new_reference$", "{org}'s weights became its new reference"),
+        ("guard", r"^(?P<org>[^/]+)/outcome/new_reference$", "{org}'s weights became its new reference"),
         ("guard", r"^(?P<org>[^/]+)/outcome/spared$", "{org} regressed but was spared (shadow no better)"),
         ("guard", r"^(?P<org>[^/]+)/outcome/rebased$", "{org} rebased its reference (own rows only)"),
         (
