@@ -312,3 +312,10 @@ def test_trust_events_are_read_from_the_metrics_keys():
     ]  # fmt: skip
     texts = [e["text"] for e in trust_events(records)]
     assert "acme found 3 contradicted rewards in evil's batch" in texts and "evil excluded from the pool" in texts
+
+
+def test_samples_off_write_nothing(tmp_path):
+    cfg = load_config({"orgs": [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}], "samples": {"enabled": False}})
+    plan = RoundPlan("run", 1, "arithmetic", (Prompt(0, (), "1"),), SamplingParams())
+    SampleBook(cfg, "acme", tmp_path).record_generate(plan, [Rollout("acme", 1, 0, 0, "1", "stop", 1.0, -1.0, 2)])
+    assert not samples_path(tmp_path, "acme").exists()

@@ -73,12 +73,13 @@ class SampleBook:
         self.rounds = max(cfg.federation.rounds_of(org_id), 1)
         self.seed = stable_seed(cfg.seed, "samples", org_id)
         self.skipped = 0
-        self._failed = not cfg.samples.enabled  # off: every record is a no-op
+        self.enabled = cfg.samples.enabled  # False: every record is a no-op (off, or not this process's to write)
+        self._failed = False
 
     # -- what is recorded ------------------------------------------------------------------------------------
     def record_generate(self, plan: RoundPlan, rollouts: Sequence[Rollout]) -> None:
         """A seeded choice of this round's own rollouts."""
-        if self._failed:
+        if not self.enabled:
             return
         prompts = {p.prompt_id: p for p in plan.prompts}
         rng = random.Random(stable_seed(self.seed, "own", plan.run_id, plan.round))
@@ -89,7 +90,7 @@ class SampleBook:
     def record_train(self, request: TrainRequest, prompts: Sequence[Prompt], admitted: Any) -> None:
         """Up to ``foreign_per_round`` readable foreign rows per source, each with its fate (module docstring);
         ``admitted``: the intake's :class:`~hacrl_fed.worker.intake.Admitted`."""
-        if self._failed:
+        if not self.enabled:
             return
         by_id = {p.prompt_id: p for p in prompts}
         rng = random.Random(stable_seed(self.seed, "foreign", request.run_id, request.round))
@@ -127,7 +128,7 @@ class SampleBook:
         return int(self.sc.max_bytes * min(max(round, 1) / self.rounds, 1.0))
 
     def _write(self, round: int, rows: Iterable[dict[str, Any]]) -> None:
-        if self._failed:
+        if self._failed or not self.enabled:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
