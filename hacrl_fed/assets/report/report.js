@@ -42,8 +42,14 @@
       for (i = Math.ceil(r[0]); i <= r[1]; i++) out.push(i);
       return out;
     }
+    if (integer) {  // a round step (1, 2, 5 × 10^k) giving at most 6 ticks
+      var raw = (r[1] - r[0]) / 5, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+      var step = Math.max(1, [1, 2, 5, 10].map(function (m) { return m * mag; }).filter(function (c) { return c >= raw; })[0]);
+      for (i = Math.ceil(r[0] / step) * step; i <= r[1]; i += step) out.push(i);
+      return out;
+    }
     for (i = 0; i <= 4; i++) out.push(r[0] + (r[1] - r[0]) * i / 4);
-    return integer ? out.map(Math.round).filter(function (v, j, a) { return a.indexOf(v) === j; }) : out;
+    return out;
   }
   function empty(box, id, why) { box.appendChild(el("p", { "class": "empty" }, why)); counts[id] = 0; }
 
