@@ -75,11 +75,14 @@ def _check_org_settings(cfg: RunConfig, org_id: str) -> None:
 
     org, gen, trainer = cfg.org(org_id), org_generation(cfg, org_id), org_trainer(cfg, org_id)
     check_sharded_org(cfg, org_id)
-    if org.sharding.ranks > 1:
-        from hacrl_fed.sharded.group import resolve_backend
+    try:  # their messages start with the field (model.device=...): named here as the org's own
+        if org.sharding.ranks > 1:
+            from hacrl_fed.sharded.group import resolve_backend
 
-        resolve_backend(org.sharding.backend)
-    dtype = resolve_dtype(org.model.dtype, resolve_device(org.model.device))
+            resolve_backend(org.sharding.backend)
+        dtype = resolve_dtype(org.model.dtype, resolve_device(org.model.device))
+    except ConfigError as err:
+        raise type(err)(f"{org_field(cfg, org_id, str(err))}") from err
     if trainer.lora.enabled:  # the adapters' dtype is peft's choice: the worker checks it once they exist
         require_peft(org_field(cfg, org_id, "trainer.lora.enabled"))
     else:  # the shards of a sharded org with mixed precision are float32 (hacrl_fed.sharded.trainer)
@@ -112,6 +115,7 @@ def _check_vllm_settings(cfg: RunConfig, org_id: str) -> None:
         batch_size=gen.batch_size,
         sleep_level=1 if gen.sleep_during_train else 0,
         extra=dict(gen.vllm_kwargs),
+        extra_field=org_field(cfg, org_id, "generation.vllm_kwargs"),
     )
 
 

@@ -131,9 +131,11 @@ def llm_arguments(
     batch_size: int | None,
     sleep_level: int,
     extra: dict | None = None,
+    extra_field: str = "generation.vllm_kwargs",
 ) -> dict:
     """The engine's ``vllm.LLM`` arguments, then ``extra`` (``generation.vllm_kwargs``), which may not repeat any of
-    them (:func:`hacrl_fed.refusals.check_vllm_kwargs`; the preflight calls this with the org's settings)."""
+    them (:func:`hacrl_fed.refusals.check_vllm_kwargs`, naming ``extra_field``; the preflight calls this with the org's
+    settings)."""
     from hacrl_fed.refusals import check_vllm_kwargs
 
     kwargs: dict = dict(
@@ -152,7 +154,7 @@ def llm_arguments(
         kwargs["max_num_seqs"] = int(batch_size)
     if sleep_level:
         kwargs["enable_sleep_mode"] = True
-    check_vllm_kwargs(extra or {}, kwargs)
+    check_vllm_kwargs(extra or {}, kwargs, extra_field)
     return {**kwargs, **(extra or {})}
 
 
