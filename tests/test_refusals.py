@@ -180,6 +180,7 @@ def _launch(tmp_path, output: str, code: int):
     ("hacrl-fed worker: error: org 'acme': rank 1 died at start (exit code 2)", 1, WorkerBuildError),
     ("hacrl-fed worker: orgs[0].sharding.ranks=2 (org 'acme') but torchrun started 3 processes", 1, WorkerBuildError),
     ("hacrl-fed worker: failed: RuntimeError: out of disk", 1, WorkerStartError),
+    ("hacrl-fed worker: interrupted", 1, WorkerStartError),
     ("ValueError: the tokenizer is broken", 1, WorkerStartError),
 ])
 def test_a_worker_failing_under_torchrun_is_reported_with_its_own_line(tmp_path, own, code, kind):

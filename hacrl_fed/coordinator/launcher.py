@@ -94,7 +94,9 @@ class WorkerBuildError(WorkerStartError, BuildError):
 def refused(line: str | None) -> bool:
     """Whether ``line``, the worker's own report (:data:`OWN_ERROR`), says it refused to start (exit code 2: a usage,
     configuration or build-time error) rather than failed (``hacrl-fed worker: failed: ...``, exit code 1)."""
-    return line is not None and OWN_ERROR.match(line) is not None and not line.startswith("hacrl-fed worker: failed:")
+    if line is None or OWN_ERROR.match(line) is None:
+        return False
+    return not line.startswith(("hacrl-fed worker: failed:", "hacrl-fed worker: interrupted"))
 
 
 def _build_error(w: _Worker) -> WorkerBuildError:
@@ -195,9 +197,10 @@ class _Worker:
         neither."""
         return self.own_error or self.exception
 
-    def describe_failure(self, why: str) -> str:
-        """``why`` with the worker's own error line (:attr:`error_line`), else its last log lines."""
-        if self.error_line is not None:
+    def describe_failure(self, why: str, *, quote_error: bool = True) -> str:
+        """``why`` with the worker's own error line (:attr:`error_line`, unless not ``quote_error``), else its last
+        log lines."""
+        if quote_error and self.error_line is not None:
             return f"worker {self.org_id!r} (pid {self.proc.pid}) {why}: {self.error_line} (log: {self.log_path})"
         tail = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
         return f"worker {self.org_id!r} (pid {self.proc.pid}) {why}; last log lines:\n{tail}"
@@ -324,7 +327,8 @@ class WorkerProcesses:
                     )
             if pending and time.monotonic() > deadline:
                 org, w = next(iter(pending.items()))
-                raise WorkerStartError(w.describe_failure(f"was not ready after {self.ready_timeout_s:.0f} s"))
+                why = f"was not ready after {self.ready_timeout_s:.0f} s"  # still running: what it is doing now
+                raise WorkerStartError(w.describe_failure(why, quote_error=False))
             if pending:
                 time.sleep(0.05)
 
