@@ -158,6 +158,7 @@ def load_model_and_tokenizer(model_cfg: ModelConfig, *, for_training: bool = Tru
     float32 on CPU). Raises :class:`BuildError` (a ``ValueError``) for a missing local path, a bad device/dtype
     string, a source transformers cannot load, or a tokenizer that does not belong to the model.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -178,7 +179,7 @@ def load_model_and_tokenizer(model_cfg: ModelConfig, *, for_training: bool = Tru
             trust_remote_code=model_cfg.trust_remote_code,
             local_files_only=hub_offline(),
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:  # SafetensorError: a weights file that is not one
         raise BuildError(
             f"{model_field}: could not load model from {model_src!r} (offline={hub_offline()}): {_first_line(err)}"
         ) from err

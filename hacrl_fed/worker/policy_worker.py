@@ -43,6 +43,7 @@ from hacrl_fed.models.context import context_length
 from hacrl_fed.models.loading import load_model_and_tokenizer, model_sources
 from hacrl_fed.perf import PhaseMeter
 from hacrl_fed.plan.sampler import eval_ids
+from hacrl_fed.refusals import require_peft
 from hacrl_fed.security.freshness import HEALTH_KEY, ChallengeBook, fresh_digest, plan_digest, recent_keep
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.tasks import get_task
@@ -390,10 +391,9 @@ class PolicyWorker(RunRouting):
 
 
 def _wrap_lora(model, trainer_cfg):
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as err:  # pragma: no cover - peft is optional
-        raise ImportError("trainer.lora.enabled needs peft: pip install 'hacrl-fed[lora]'") from err
+    require_peft()  # hacrl_fed.refusals: the preflight checks it before any worker starts
+    from peft import LoraConfig, get_peft_model
+
     lc = trainer_cfg.lora
     return get_peft_model(
         model,
