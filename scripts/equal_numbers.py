@@ -10,7 +10,9 @@ The runs (:data:`RUNS`), each a fresh process in a fresh temp run dir, from the 
 * ``inprocess-fused``, ``inprocess-two-message``, ``grpc`` (worker processes), ``flower-simulation`` (Ray): the
   demo config (configs/demo.yaml: three orgs, the project's defaults, the outcome guard on) shortened to 3 rounds
   of 4 prompts (:data:`DEMO_OVERRIDES`): held-out evaluation before round 1, at round 2 and at the end, the guard's
-  validation at round 2 and its final choice, and train steps on foreign rows (the coverage check below);
+  validation and its final choice, and train steps on foreign rows (the coverage check below);
+* ``inprocess-guard-acts``: ``inprocess-fused`` with the guard's thresholds lowered (:data:`GUARD_ACTS`) so that it
+  spares a regression after foreign rows and, at the last round, adopts the shadow's weights;
 * ``bench-gspo``, ``bench-hacpo``, ``bench-gspo-x2``: three cells of kept methods of the learning matrix
   (``hacrl-fed bench learning``, setting ``model``, seed 0), 3 rounds, the held-out evaluation shortened.
 
@@ -70,6 +72,10 @@ DEMO_OVERRIDES = [
     "trainer.outcome_guard.val_size=16",
     "trainer.outcome_guard.final_size=16",
 ]
+# the guard made to act in that short run: any net loss on the validation split is a regression (z 0.1, margin 0),
+# and at the last round a learner below its shadow takes the shadow's weights (last_z 0.01): the weight-replacing
+# decisions, which the demo's own thresholds never reach in 3 rounds
+GUARD_ACTS = ["trainer.outcome_guard.z=0.1", "trainer.outcome_guard.margin=0", "trainer.outcome_guard.last_z=0.01"]
 BENCH_SETTING, BENCH_SEED, BENCH_ROUNDS = "model", 0, 3
 BENCH_OVERRIDES = ["task.eval_size=16", "federation.eval_every=2", "federation.prompts_per_round=4"]
 
@@ -89,8 +95,8 @@ def _sets(overrides: Sequence[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
 
 
-def _demo(transport: str, protocol: str) -> Callable[[Path], list[str]]:
-    extra = [*DEMO_OVERRIDES, f"federation.protocol={protocol}"]
+def _demo(transport: str, protocol: str, more: Sequence[str] = ()) -> Callable[[Path], list[str]]:
+    extra = [*DEMO_OVERRIDES, f"federation.protocol={protocol}", *more]
     if transport == "flower-simulation":
         return lambda d: [
             "simulate",
@@ -157,6 +163,12 @@ RUNS = {
             _demo("flower-simulation", "fused"),
             lambda d: d / "run" / "metrics.jsonl",
             DEMO_COVERAGE,
+        ),
+        Run(
+            "inprocess-guard-acts",
+            _demo("inprocess", "fused", GUARD_ACTS),
+            lambda d: d / "run" / "metrics.jsonl",
+            (*DEMO_COVERAGE, "/outcome/spared", "/outcome/adopted"),
         ),
         Run("bench-gspo", _bench("gspo"), _bench_metrics("gspo"), ("eval/acme/accuracy", "/train/loss")),
         Run(

@@ -57,6 +57,13 @@ def test_cost_keys_are_set_aside_and_learning_keys_kept(tmp_path):
     assert eq.read_values(path) == [{"round": 1, "acme/train/loss": 0.5}]
 
 
+def test_coverage_names_the_phases_no_record_reached():
+    assert eq.missing_coverage(ROWS, ["eval/acme/accuracy", "/train/num_cross", "/outcome/adopted"]) == [
+        "/outcome/adopted"
+    ]
+    assert eq.missing_coverage([{"acme/train/num_cross": 0.0}], ["/train/num_cross"]) == ["/train/num_cross"]
+
+
 def test_identical_rows_compare_equal_and_nan_equals_nan():
     rows = [*ROWS, {"round": 2, "acme/train/kl": math.nan}]
     c = eq.compare_rows(rows, json.loads(json.dumps(rows)))
