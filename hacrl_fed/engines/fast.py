@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -156,8 +156,18 @@ class FastEngine(HFEngine):
     and a full forward differ by more than the tolerance the published values promise).
     """
 
-    def __init__(self, model, tokenizer, *, batch_size: int = 64, seed_per_batch: bool = False) -> None:
-        super().__init__(model, tokenizer, batch_size=batch_size, seed_per_batch=seed_per_batch)
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        batch_size: int = 64,
+        seed_per_batch: bool = False,
+        extra_stop_ids: Sequence[int] = (),
+    ) -> None:
+        super().__init__(
+            model, tokenizer, batch_size=batch_size, seed_per_batch=seed_per_batch, extra_stop_ids=extra_stop_ids
+        )
         self.steps = 0  # decoder forward calls made (prefill + one per further token), for tests and profiling
 
     def _run(self, prompt_ids: list[list[int]], max_new_tokens: int, sampling: dict) -> list[Generation]:
