@@ -68,10 +68,10 @@ lint: .venv
 	$(VPY) -m ruff format --check $(LINT_PATHS)
 	$(VPY) -m mypy
 
-test: .venv lint
+test: .venv lint real-models
 	@$(call hermetic,$(VPY) -m pytest $(PYTEST_ARGS))
 
-test-quick: .venv
+test-quick: .venv real-models
 	@$(call hermetic,$(VPY) -m pytest -m "not slow" $(PYTEST_ARGS))
 
 # each demo gets a fresh run dir (runs/demo-YYYYmmdd-HHMMSS), so `make demo` can be repeated
