@@ -16,6 +16,7 @@ import torch
 
 from hacrl_fed.config import BuildError, ModelConfig
 from hacrl_fed.engines import build_engine
+from hacrl_fed.engines import fast as fast_engine
 from hacrl_fed.engines.base import stop_token_ids
 from hacrl_fed.models import real
 from hacrl_fed.models.loading import load_model_and_tokenizer, model_sources
@@ -127,12 +128,19 @@ def test_chat_and_completion_rendering(smol, gemma):
     assert completion_render(QUESTION) == "Question: 2+3\nAnswer:"
 
 
-@pytest.mark.parametrize("engine", ["hf", "fast"])
-@pytest.mark.parametrize("which", ["smol", "gemma"])
-def test_engine_log_probs_agree_with_the_trainers_forward(engine, which, request):
+@pytest.mark.parametrize(
+    ("engine", "which"),
+    [("hf", "smol"), ("hf", "gemma"), ("fast", "smol"), ("fast", "gemma"), ("fast-recorded", "smol")],
+)
+def test_engine_log_probs_agree_with_the_trainers_forward(engine, which, request, monkeypatch):
     """Sampled sequences' recorded per-token log-probs within 1e-4 of the trainer's forward (float32), the model's
-    own forward and, where the model supports it, the hand-written one."""
+    own forward and, where the model supports it, the hand-written one. ``fast-recorded``: the values the fast
+    engine's hand-written Llama decoding loop records (at real size it publishes the scoring pass's instead)."""
     model, tok = request.getfixturevalue(which)
+    if engine == "fast-recorded":
+        monkeypatch.setattr(fast_engine, "RECORD_MAX_PARAMETERS", 10**12)
+        engine = "fast"
+        assert fast_engine.decoder_kind(model) == "native"
     style = prompt_style(tok)
     eng = build_engine(engine, model, tok, batch_size=4, extra_stop_ids=style.stop_ids)
     texts = [style.render(tok, (ChatMessage("user", q),)) for q in ("2+3", "7*6")]

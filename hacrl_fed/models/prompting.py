@@ -75,10 +75,16 @@ def bos_text(tokenizer: Any) -> str:
     return bos if with_special[:1] == [bos_id] and without[:1] != [bos_id] else ""
 
 
+_NEWLINE_PIECES = ("\n", "\u010a", "<0x0A>")  # a newline in a raw token: itself, byte-level BPE's, a byte fallback
+
+
 def newline_ids(tokenizer: Any) -> frozenset[int]:
-    """Ids of the tokens whose text is only newlines (``"\\n"``, ``"\\n\\n"``, …)."""
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
-    return frozenset(i for i, t in enumerate(texts) if t and set(t) == {"\n"})
+    """Ids of the tokens whose text is only newlines (``"\\n"``, ``"\\n\\n"``, …): the raw tokens that spell a
+    newline (:data:`_NEWLINE_PIECES`) are decoded, the rest of the vocabulary cannot be one."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    ids = [i for i, p in enumerate(pieces) if p and any(n in p for n in _NEWLINE_PIECES)]
+    texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+    return frozenset(i for i, t in zip(ids, texts) if t and set(t) == {"\n"})
 
 
 def resolve_format(requested: str, tokenizer: Any) -> str:
