@@ -33,19 +33,17 @@ def _org_error(org_id: str, err: ConfigError) -> ConfigError:
     return err if named else type(err)(f"org {org_id!r}: {text}")
 
 
-def _render(tokenizer: Any, prompt: Any) -> str:
-    from hacrl_fed.models.chat import render_prompt
-
-    return render_prompt(tokenizer, prompt.messages)
+def _render(style: Any, tokenizer: Any, prompt: Any) -> str:
+    return style.render(tokenizer, prompt.messages)
 
 
 def model_config(model_cfg: Any, source: str) -> Any:
     """The transformers config of ``source`` (no weights); :class:`BuildError` naming the field when unreadable."""
     from transformers import AutoConfig
 
-    from hacrl_fed.models.loading import hub_offline
+    from hacrl_fed.models.loading import hub_offline, model_field
 
-    field = "model.zoo" if model_cfg.zoo is not None else "model.path"
+    field = model_field(model_cfg)
     try:
         return AutoConfig.from_pretrained(
             source, trust_remote_code=model_cfg.trust_remote_code, local_files_only=hub_offline()
@@ -125,7 +123,8 @@ def preflight(cfg: RunConfig, org_ids: Sequence[str] | None = None) -> None:
     weights)."""
     check_settings(cfg, org_ids)
     from hacrl_fed.models.context import check_task_fits, context_length
-    from hacrl_fed.models.loading import load_tokenizer, model_sources
+    from hacrl_fed.models.loading import load_tokenizer, model_field, model_sources
+    from hacrl_fed.models.prompting import style_of
     from hacrl_fed.plan.sampler import eval_ids
     from hacrl_fed.tasks import get_task
 
@@ -138,11 +137,7 @@ def preflight(cfg: RunConfig, org_ids: Sequence[str] | None = None) -> None:
             try:
                 tokenizer = load_tokenizer(tok_src, trust_remote_code=org.model.trust_remote_code)
             except BuildError as err:
-                field = (
-                    "model.tokenizer"
-                    if org.model.tokenizer is not None
-                    else ("model.zoo" if org.model.zoo is not None else "model.path")
-                )
+                field = "model.tokenizer" if org.model.tokenizer is not None else model_field(org.model)
                 raise BuildError(f"{field}: {err}") from err
             context, source = context_length(
                 model_config(org.model, model_src), gen.max_model_len if gen.engine == "vllm" else None
@@ -151,7 +146,7 @@ def preflight(cfg: RunConfig, org_ids: Sequence[str] | None = None) -> None:
                 org_id,
                 task,
                 tokenizer,
-                functools.partial(_render, tokenizer),
+                functools.partial(_render, style_of(org.model, tokenizer, task), tokenizer),
                 context,
                 source,
                 max_new_tokens=gen.max_new_tokens,

@@ -35,7 +35,7 @@ import functools
 import hashlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from hacrl_fed.engines.base import (
@@ -218,6 +218,7 @@ class VLLMEngine(GenerationEngine):
         sleep_level: int = 0,
         sync_on_init: bool = True,
         llm_kwargs: dict | None = None,
+        extra_stop_ids: Sequence[int] = (),
     ) -> None:
         if sleep_level not in (0, 1):
             raise ValueError(
@@ -234,7 +235,7 @@ class VLLMEngine(GenerationEngine):
         if not path:
             raise ValueError("vllm engine: model_path is required (the model has no name_or_path to load from)")
         self.tokenizer = tokenizer
-        self.stop_ids = stop_token_ids(tokenizer, base)
+        self.stop_ids = stop_token_ids(tokenizer, base, extra_stop_ids)
         self.sleep_level = sleep_level
         self.dtype = engine_dtype(dtype, getattr(base, "dtype", None))
         self.llm_kwargs = llm_arguments(
