@@ -64,6 +64,7 @@ from hacrl_fed.algorithm.teach import teach_loss
 from hacrl_fed.config import AlgorithmConfig, TeachConfig, TrainerConfig
 from hacrl_fed.models.context import context_length
 from hacrl_fed.models.native import unsupported_reason
+from hacrl_fed.refusals import check_precision
 from hacrl_fed.scoring import ScoringBatch, build_scoring_batch_from_ids, token_log_probs
 
 log = logging.getLogger(__name__)
@@ -263,17 +264,8 @@ class LocalTrainer:
     @staticmethod
     def _master_weights(params: Sequence[torch.Tensor], precision: str) -> list[torch.Tensor] | None:
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
-        if precision == "bf16-autocast" and dtypes not in ([], ["float32"]):
-            raise ValueError(
-                f"trainer.precision=bf16-autocast keeps float32 weights but the model's trainable "
-                f"weights are {dtypes}: set model.dtype: float32"
-            )
+        check_precision(precision, dtypes)  # hacrl_fed.refusals: the preflight checks it before any worker starts
         if precision == "bf16-master":
-            if dtypes not in ([], ["bfloat16"]):
-                raise ValueError(
-                    f"trainer.precision=bf16-master trains bfloat16 weights against float32 masters "
-                    f"but the model's trainable weights are {dtypes}: set model.dtype: bfloat16"
-                )
             return [p.detach().float().clone().requires_grad_(True) for p in params]
         if precision == "model" and any(d in ("bfloat16", "float16") for d in dtypes):
             log.warning(

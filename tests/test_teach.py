@@ -168,7 +168,7 @@ def test_teach_is_refused_on_a_sharded_org_naming_the_field():
         "name": "t", "orgs": [{"id": "char", "model": {"zoo": "micro-qwen-char"}, "sharding": {"ranks": 2}}],
         "trainer": {"outcome_guard": {"enabled": False}, "teach": {"enabled": True}},
     })
-    with pytest.raises(ValueError, match=r"orgs\[char\]\.sharding\.ranks=2 with trainer\.teach\.enabled"):
+    with pytest.raises(ValueError, match=r"orgs\[0\]\.trainer\.teach\.enabled=true with orgs\[0\]\.sharding\.ranks=2"):
         check_supported(cfg, "char", world_size=2)
 
 

@@ -136,6 +136,7 @@ def serve(args: argparse.Namespace, p: argparse.ArgumentParser, *, rank_worker: 
     org with ``sharding.ranks > 1``) each rank goes to :func:`hacrl_fed.sharded.endpoint.serve_ranks`, which builds
     its worker with ``rank_worker`` (default :func:`hacrl_fed.sharded.dispatch.rank_worker`)."""
     from hacrl_fed.config import ConfigError, load_config
+    from hacrl_fed.preflight import check_settings
     from hacrl_fed.sharded.group import check_launch, torchrun_env
 
     try:
@@ -145,6 +146,7 @@ def serve(args: argparse.Namespace, p: argparse.ArgumentParser, *, rank_worker: 
         cfg = load_config(args.config, overrides=args.overrides)
         org_id = _pick_org(cfg, args.org)
         sharded = check_launch(cfg, org_id, env, getattr(args, "argv", []))
+        check_settings(cfg, [org_id])  # what building the worker would refuse, before any weights load
     except (ConfigError, ValueError) as err:
         p.exit(USAGE, f"{PROG}: {err}\n")
     if sharded:

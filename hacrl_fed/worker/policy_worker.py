@@ -38,11 +38,12 @@ from hacrl_fed.algorithm import get_algorithm
 from hacrl_fed.cancel import raise_if_cancelled
 from hacrl_fed.config import RunConfig, org_generation, org_trainer
 from hacrl_fed.engines import EngineOptions, build_engine
-from hacrl_fed.models.chat import eos_token_id
 from hacrl_fed.models.context import context_length
 from hacrl_fed.models.loading import load_model_and_tokenizer, model_sources
+from hacrl_fed.models.prompting import style_of
 from hacrl_fed.perf import PhaseMeter
 from hacrl_fed.plan.sampler import eval_ids
+from hacrl_fed.refusals import require_peft
 from hacrl_fed.security.freshness import HEALTH_KEY, ChallengeBook, fresh_digest, plan_digest, recent_keep
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.tasks import get_task
@@ -90,7 +91,8 @@ class PolicyWorker(RunRouting):
         self.context, context_source = context_length(
             self.model, self.gen_cfg.max_model_len if self.gen_cfg.engine == "vllm" else None
         )
-        self.prompts = PromptBook(org_id, self.task, self.tokenizer)
+        self.style = style_of(org.model, self.tokenizer, self.task)  # chat or completion, BOS, stop ids
+        self.prompts = PromptBook(org_id, self.task, self.tokenizer, self.style)
         self.prompts.check_fits(
             self.context, context_source, self.gen_cfg, eval_ids(self.task.size("test"), cfg.task.eval_size)
         )
@@ -100,10 +102,14 @@ class PolicyWorker(RunRouting):
             self.model,
             self.tokenizer,
             EngineOptions.from_config(
-                self.gen_cfg, seed=self.seed, model_path=model_path, tokenizer_path=tokenizer_path
+                self.gen_cfg,
+                seed=self.seed,
+                model_path=model_path,
+                tokenizer_path=tokenizer_path,
+                extra_stop_ids=self.style.stop_ids,
             ),
         )
-        self.eos_id = eos_token_id(self.tokenizer)
+        self.eos_id = self.style.end_id
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_id
         self.trainer = self._new_trainer()
@@ -394,10 +400,9 @@ class PolicyWorker(RunRouting):
 
 
 def _wrap_lora(model, trainer_cfg):
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as err:  # pragma: no cover - peft is optional
-        raise ImportError("trainer.lora.enabled needs peft: pip install 'hacrl-fed[lora]'") from err
+    require_peft()  # hacrl_fed.refusals: the preflight checks it before any worker starts
+    from peft import LoraConfig, get_peft_model
+
     lc = trainer_cfg.lora
     return get_peft_model(
         model,
