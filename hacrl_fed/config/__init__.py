@@ -23,6 +23,7 @@ from hacrl_fed.config.load import load_config, parse_overrides
 from hacrl_fed.config.orgs import ModelConfig, OrgConfig, ShardingConfig
 from hacrl_fed.config.run import (
     RunConfig,
+    SamplesConfig,
     WandbConfig,
     config_hash,
     org_generation,
@@ -62,6 +63,7 @@ __all__ = [
     "ShardingConfig",
     "TaskConfig",
     "TrainerConfig",
+    "SamplesConfig",
     "WandbConfig",
     "config_hash",
     "refuse_emulated_slowdown",

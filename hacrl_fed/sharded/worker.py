@@ -68,6 +68,7 @@ class ShardedPolicyWorker(PolicyWorker):
         check_supported(cfg, org_id, self.world_size)
         self.sharding = cfg.org(org_id).sharding
         super().__init__(cfg, org_id, run_dir=run_dir, resume=resume)
+        self.samples.enabled = self.samples.enabled and self.rank == 0  # one writer of samples.jsonl per org
         if self.world_size > 1:
             self.engine = RankEngine(self.engine)
             self._challenges = RankChallengeBook()

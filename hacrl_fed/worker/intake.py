@@ -132,6 +132,9 @@ class Admitted:
     row_capability: tuple[list[float], list[float]] | None = None
     teach_rows: list[TrainRow] = dataclasses.field(default_factory=list)  # trainer.teach (hacrl_fed.worker.teach_rows)
     teach_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the foreign rows that passed stages 1-4 and those stage 5 selected (the sample book's fates, worker.samples)
+    offered: list[Rollout] = dataclasses.field(default_factory=list)
+    selected: list[Rollout] = dataclasses.field(default_factory=list)
 
     def update_metrics(self, update: dict[str, float]) -> dict[str, float]:
         """The update's metrics with the last two stages' counts (:func:`update_metrics`)."""
@@ -142,6 +145,7 @@ class Admitted:
         received = len(request.foreign) + request.unread_foreign + sum(len(b.rollouts) for b in request.source_batches)
         return {
             **self.ledger.trust_metrics(),
+            **self.ledger.row_metrics(),
             **self.ledger.select_metrics,
             **self.times,
             **self.outcome,
@@ -236,6 +240,7 @@ class Intake:
         t0, c0 = time.perf_counter(), time.process_time()
         ledger = Ledger()
         foreign, outcome = rounds.gather(ledger)  # stages 1-4
+        offered, selected = list(foreign), []
         t1, c1 = time.perf_counter(), time.process_time()
         agents, learner, capability = self.agents(request, foreign)
         for row in own.rows:
@@ -243,7 +248,7 @@ class Intake:
         rows: list[TrainRow] = list(own.rows)
         if self.uses_cross:
             view, baseline = rounds.offer(agents, learner)
-            foreign = self.select(foreign, own.rows, ledger, seed, baseline)
+            foreign = selected = self.select(foreign, own.rows, ledger, seed, baseline)
             rows += self.retokenize(foreign, view, agents, ledger)
         else:
             for r in foreign:
@@ -253,6 +258,7 @@ class Intake:
         before_screen, rows = rows, admit_rows(rows, agents, scoring, self.screen_cfg, ledger)  # stages 7-8
         times = {"time/trust": t1 - t0, "time/score": t2 - t1, "cpu/trust": c1 - c0}
         admitted = Admitted(rows, agents, learner, capability, ledger, scored, times, outcome)
+        admitted.offered, admitted.selected = offered, list(selected)
         if self.teach is not None:  # trainer.teach: taken before the screen (hacrl_fed.worker.teach_rows)
             admitted.teach_rows, admitted.teach_metrics = take_teach_rows(
                 before_screen, rows, agents, self.teach, scoring.context, seed

@@ -69,6 +69,7 @@ from hacrl_fed.worker.late_rounds import LateRounds, RecentRounds
 from hacrl_fed.worker.outcome import OutcomeMonitor
 from hacrl_fed.worker.prompts import PromptBook
 from hacrl_fed.worker.routing import RunRouting
+from hacrl_fed.worker.samples import SampleBook
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class PolicyWorker(RunRouting):
             teach=self.trainer_cfg.teach,
         )
         self.outcome = OutcomeMonitor.of(self.trainer_cfg.outcome_guard, self)  # None: off
+        self.samples = SampleBook(cfg, org_id, run_dir)  # samples.jsonl for the run report (worker.samples)
         self.run_id: str | None = None  # the run this worker serves (None: it has served none yet)
         self.last_round = 0  # the last round of run_id it trained (0: none)
         self._trained: dict[str, int] = {}  # run id -> last round this process trained in that run
@@ -185,6 +187,7 @@ class PolicyWorker(RunRouting):
             "trust/plan_fresh": float(fresh is not None),
             **shadow,
         }
+        self.samples.record_generate(plan, rollouts)
         acc = sum(r.reward for r in rollouts) / n
         batch = RolloutBatch(
             plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics, plan_digest=plan_digest(plan)
@@ -303,6 +306,7 @@ class PolicyWorker(RunRouting):
         c2 = time.process_time()  # cpu/...: this process's CPU seconds (all its threads), split as time/...
         metrics.update(admitted.metrics(request), **{"time/train": time.perf_counter() - t1})
         metrics.update({"cpu/update": c2 - c1, "cpu/train": c2 - c0})
+        self.samples.record_train(request, own.prompts, admitted)
         self._own = None
         self.last_round, self._trained[request.run_id], self._pristine = request.round, request.round, False
         self._version += 1
