@@ -59,9 +59,7 @@ from hacrl_fed.algorithm import (
 )
 from hacrl_fed.algorithm.capability_rounds import ROUND_ADVANTAGE_ESTIMATORS, capability_coefficients_at_rounds
 from hacrl_fed.algorithm.likelihood_screen import GapHistory
-from hacrl_fed.algorithm.staleness import staleness_summary
-from hacrl_fed.algorithm.teach import teach_loss
-from hacrl_fed.config import AlgorithmConfig, TeachConfig, TrainerConfig
+from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.models.context import context_length
 from hacrl_fed.models.native import unsupported_reason
 from hacrl_fed.scoring import ScoringBatch, build_scoring_batch_from_ids, token_log_probs
@@ -93,18 +91,18 @@ class TrainRow:
     n_bytes: int = 0  # UTF-8 bytes of the response text (the likelihood screen's per_byte unit)
     claimed_log_prob_sum: float | None = None  # cross rows: the source's claimed sum over its own tokens
     claimed_token_count: int = 0  # cross rows: the source's token count of that claim
-    prox_log_prob_sum: float | None = None  # the learner's pre-update log-prob sum (decoupled loss; None: not yet)
+    pre_log_prob_sum: float | None = None  # the learner's pre-update log-prob sum (in-band baseline; None: not yet)
     age: int = 0  # rounds between the learner's version and the row's batch's (0: this round's)
     round: int = 0  # the round the row answers (asynchronous rounds; 0: the train request's round)
 
-    def prox_seq_log_prob(self) -> float:
-        """``lbar_prox``: the pre-update sum over this row's divisor (``norm_length``, else its tokens); a self row
+    def pre_seq_log_prob(self) -> float:
+        """``lbar_0``: the pre-update sum over this row's divisor (``norm_length``, else its tokens); a self row
         without one takes its ``old_seq_log_prob`` (the same pre-update weights sampled it)."""
-        if self.prox_log_prob_sum is None:
+        if self.pre_log_prob_sum is None:
             if not self.is_self:
-                raise ValueError("a cross row needs its prox_log_prob_sum for the decoupled loss")
+                raise ValueError("a cross row needs its pre_log_prob_sum (its pre-update score)")
             return self.old_seq_log_prob
-        return self.prox_log_prob_sum / max(self.norm_length if self.norm_length > 0 else len(self.response_ids), 1)
+        return self.pre_log_prob_sum / max(self.norm_length if self.norm_length > 0 else len(self.response_ids), 1)
 
 
 def adapter_dropout_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -129,14 +127,6 @@ def adapter_dropout(modules: Sequence[torch.nn.Module]):
     finally:
         for m, mode in zip(modules, before):
             m.train(mode)
-
-
-def failed_groups(rows: Sequence[TrainRow]) -> set[int]:
-    """The joint groups none of whose own rows is right (reward > 0; a group without own rows counts as failed):
-    where ``algorithm.baseline_rows: in_band_solved`` keeps every row in the advantage statistics, since there the
-    foreign rows are the only signal the group has (its own rows alone are uniform)."""
-    solved = {r.group for r in rows if r.is_self and r.reward > 0}
-    return {r.group for r in rows} - solved
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
@@ -221,9 +211,8 @@ class LocalTrainer:
     def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, trainer: TrainerConfig, pad_id: int):
         self.model, self.algo, self.cfg, self.pad_id = model, algo, trainer, int(pad_id)
         self.spec = get_algorithm(algo.name)
-        self.loss_fn = get_policy_loss(self.spec.policy_loss(algo))  # algorithm.cross_staleness picks the form
-        self.gradient_rows = get_gradient_rows(self.spec.policy_loss(algo))  # trainer.skip_no_gradient_rows
-        self.proximal = self.spec.needs_proximal(algo)  # the loss needs every row's pre-update lbar
+        self.loss_fn = get_policy_loss(self.spec.loss)
+        self.gradient_rows = get_gradient_rows(self.spec.loss)  # trainer.skip_no_gradient_rows
         self.loss_cfg = PolicyLossConfig.from_algorithm(algo)
         self.by_tokens = self.spec.weights_by_tokens(self.loss_cfg)  # micro-batch weights: tokens or rows
         self.context = context_length(model)[0]  # rows longer than this cannot be scored (the intake's last stage)
@@ -238,7 +227,6 @@ class LocalTrainer:
             betas=(trainer.betas[0], trainer.betas[1]),
             weight_decay=trainer.weight_decay,
         )
-        self.teach_optimizer: torch.optim.Optimizer | None = None  # trainer.teach's own AdamW (built on first use)
         self.screen_history: dict[str, GapHistory] = {}  # per source name: its claimed-minus-learner gap so far
         self.ref_model = None
         if algo.kl_beta > 0:
@@ -344,7 +332,6 @@ class LocalTrainer:
         rows, adv = [rows[i] for i in scorable], adv_all[scorable]
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
-        rows = self.with_proximal(rows) if self.proximal else rows  # before the first step: pre-update weights
         sources = torch.tensor([r.source for r in rows])
         if self.spec.uses_capability_coefficient and self.algo.capability_coefficient and row_capability is not None:
             lc, sc = ([row_capability[k][i] for i in scorable] for k in (0, 1))
@@ -363,7 +350,7 @@ class LocalTrainer:
             with adapter_dropout(self.dropout):
                 acc.add(self._step(step, [rows[i] for i in picked], adv[picked], is_self[picked], v[picked]))
         # shares over the whole update (not means of per-step shares), per source pair too
-        out = staleness_summary(fractions_from_counts(name_sources(acc.result(), names)))
+        out = fractions_from_counts(name_sources(acc.result(), names))
         if names is not None:
             out.update(
                 advantage_metrics(adv_all, torch.tensor([r.source for r in all_rows]), names, prefix=self.algo.name)
@@ -385,27 +372,22 @@ class LocalTrainer:
         """The rows HACPO's advantage statistics are taken over (``algorithm.baseline_rows``; docs/ALGORITHM.md
         "Baseline rows"). ``joint``: None (every row). ``in_band``: bool [N], True on every own row and on each
         foreign row whose ratio at the pre-update weights (optimizer step 0), ``s = exp(clamp(lbar_0 - lbar_old,
-        -M, M))`` with ``lbar_0`` normalised as the loss does (:meth:`TrainRow.prox_seq_log_prob`: per token or per
+        -M, M))`` with ``lbar_0`` normalised as the loss does (:meth:`TrainRow.pre_seq_log_prob`: per token or per
         byte), lies in the cross band of step 0 (:func:`~hacrl_fed.algorithm.hacpo_cross_band`); a foreign row
-        without tokens has no ratio and is left out. ``lbar_0`` comes from the row's ``prox_log_prob_sum`` where
+        without tokens has no ratio and is left out. ``lbar_0`` comes from the row's ``pre_log_prob_sum`` where
         the likelihood screen left its score (the same weights), else from one no-grad pass of
-        :meth:`log_prob_sums` over the rest (:meth:`with_proximal`). ``in_band_solved``: the same mask, and every
-        row of a group none of whose own rows is right (reward > 0) kept, as ``joint`` keeps it
-        (:func:`failed_groups`)."""
+        :meth:`log_prob_sums` over the rest (:meth:`with_pre_scores`)."""
         if self.algo.baseline_rows == "joint":
             return None
         keep = torch.tensor([r.is_self for r in rows], dtype=torch.bool)
         cross = [i for i, r in enumerate(rows) if not r.is_self and r.response_ids]
         if cross:
-            scored = self.with_proximal([rows[i] for i in cross])  # the screen's scores where it kept them
-            lbar0 = [r.prox_seq_log_prob() for r in scored]
+            scored = self.with_pre_scores([rows[i] for i in cross])  # the screen's scores where it kept them
+            lbar0 = [r.pre_seq_log_prob() for r in scored]
             old = torch.tensor([rows[i].old_seq_log_prob for i in cross], dtype=torch.float64)
             m = self.algo.max_abs_log_ratio
             ratio = torch.exp(torch.clamp(torch.tensor(lbar0, dtype=torch.float64) - old, -m, m))  # s at step 0
             keep[cross] = hacpo_cross_band(ratio, 0, self.loss_cfg)[2]
-        if self.algo.baseline_rows == "in_band_solved":
-            failed = failed_groups(rows)
-            keep |= torch.tensor([r.group in failed for r in rows], dtype=torch.bool)
         return keep
 
     def _baseline_metrics(
@@ -459,12 +441,12 @@ class LocalTrainer:
                     tok_lp, _ = token_log_probs(self.model, batch, native=self.native)
                 yield micro_idx, tok_lp
 
-    def with_proximal(self, rows: Sequence[TrainRow]) -> list[TrainRow]:
-        """``rows`` with every cross row's pre-update log-prob sum (``prox_log_prob_sum``) where it has none: one
+    def with_pre_scores(self, rows: Sequence[TrainRow]) -> list[TrainRow]:
+        """``rows`` with every cross row's pre-update log-prob sum (``pre_log_prob_sum``) where it has none: one
         no-grad pass of :meth:`log_prob_sums` over those rows with the current (pre-update) weights."""
-        todo = [i for i, r in enumerate(rows) if not r.is_self and r.prox_log_prob_sum is None]
+        todo = [i for i, r in enumerate(rows) if not r.is_self and r.pre_log_prob_sum is None]
         sums = dict(zip(todo, self.log_prob_sums([rows[i] for i in todo]))) if todo else {}
-        return [dataclasses.replace(r, prox_log_prob_sum=sums[i]) if i in sums else r for i, r in enumerate(rows)]
+        return [dataclasses.replace(r, pre_log_prob_sum=sums[i]) if i in sums else r for i, r in enumerate(rows)]
 
     def _step(self, step: int, rows: list[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor) -> dict[str, float]:
         """Optimizer step ``step`` of the round (counted across epochs) over one mini-batch, accumulated over
@@ -524,41 +506,6 @@ class LocalTrainer:
             }
         )
         return out
-
-    def teach(self, rows: Sequence[TrainRow], cfg: TeachConfig) -> dict[str, float]:
-        """``trainer.teach``'s supervised steps after the round's update (:mod:`hacrl_fed.algorithm.teach`): ``epochs``
-        passes over ``rows`` in mini-batches of ``minibatch_size``, each one step of its own AdamW (learning rate
-        ``cfg.lr``, else ``trainer.lr``; the trainer's betas, weight decay and clip; :meth:`_teach_step`). →
-        ``teach/...`` metrics (steps; the loss before each step, averaged)."""
-        rows = [r for r in rows if r.response_ids]
-        if not rows:
-            return {"teach/steps": 0.0}
-        if self.teach_optimizer is None:  # built on first use, so a run without teach rows keeps no extra state
-            self.teach_optimizer = torch.optim.AdamW(
-                self.master if self.master is not None else self.model_params,
-                lr=cfg.lr if cfg.lr is not None else self.cfg.lr,
-                betas=(self.cfg.betas[0], self.cfg.betas[1]),
-                weight_decay=self.cfg.weight_decay,
-            )
-        size = cfg.minibatch_size
-        opt = self.teach_optimizer
-        nll = [self._teach_step(rows[s : s + size], opt) for _ in range(cfg.epochs) for s in range(0, len(rows), size)]
-        return {"teach/steps": float(len(nll)), "teach/nll": sum(nll) / len(nll)}
-
-    def _teach_step(self, chunk: Sequence[TrainRow], optimizer: torch.optim.Optimizer) -> float:
-        """One teach step on ``chunk``: ``L = -mean_b lbar_b`` accumulated over micro-batches weighted by their share of
-        its rows, then ``optimizer``'s step. → the chunk's loss before the step."""
-        self._zero_grad(optimizer)
-        nll = 0.0
-        with adapter_dropout(self.dropout):
-            for micro_idx in self._micro_batches(chunk, range(len(chunk))):
-                _, lp, mask = self._forward([chunk[i] for i in micro_idx])
-                loss, metrics = teach_loss(lp, mask)
-                share = len(micro_idx) / len(chunk)
-                (loss * share).backward()  # the chunk's row mean
-                nll += metrics["teach/nll"] * share
-        self._clip_and_step(optimizer)
-        return nll
 
     def _zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Clear ``optimizer``'s grads and the model's own (its params are not the optimizer's in bf16-master)."""
@@ -652,15 +599,7 @@ class LocalTrainer:
             old_token_log_probs=old_tok,
             seq_lengths=torch.tensor([r.norm_length for r in micro], device=lp.device),
             source_ids=torch.tensor([r.source for r in micro], device=lp.device),
-            **self._proximal_inputs(micro, lp.device),
         )
-
-    def _proximal_inputs(self, rows: Sequence[TrainRow], device: torch.device) -> dict[str, Tensor]:
-        """The decoupled loss's ``prox_seq_log_probs`` and ``ages`` [B] (nothing for the other losses)."""
-        if not self.proximal:
-            return {}
-        prox = torch.tensor([r.prox_seq_log_prob() for r in rows], device=device)
-        return {"prox_seq_log_probs": prox, "ages": torch.tensor([r.age for r in rows], device=device)}
 
     def _sequence_inputs(
         self, rows: Sequence[TrainRow], lbar: Tensor, adv: Tensor, is_self: Tensor, v: Tensor
@@ -675,7 +614,6 @@ class LocalTrainer:
             is_self=is_self,
             capability_coefficient=v,
             source_ids=torch.tensor([r.source for r in rows], device=device),
-            **self._proximal_inputs(rows, device),
         )
 
     def _gradient_rows(
@@ -719,8 +657,6 @@ class LocalTrainer:
             state["likelihood_screen"] = {k: [h.center, h.scale, h.rounds] for k, h in self.screen_history.items()}
         if self.master is not None:
             state["master"] = [m.detach() for m in self.master]
-        if self.teach_optimizer is not None:
-            state["teach_optimizer"] = self.teach_optimizer.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -732,10 +668,6 @@ class LocalTrainer:
                     m.copy_(saved[i] if saved is not None else p.float())
         if state.get("optimizer") is not None:  # None: a sharded trainer restored its shards itself
             self.optimizer.load_state_dict(state["optimizer"])
-        self.teach_optimizer = None  # trainer.teach's optimizer as saved; none saved: built afresh on its next use
-        if state.get("teach_optimizer") is not None:
-            self.teach_optimizer = torch.optim.AdamW(self.master if self.master is not None else self.model_params)
-            self.teach_optimizer.load_state_dict(state["teach_optimizer"])
         self.screen_history = {
             str(k): GapHistory(float(v[0]), float(v[1]), int(v[2]))
             for k, v in (state.get("likelihood_screen") or {}).items()

@@ -48,7 +48,6 @@ from hacrl_fed.algorithm.registry import (
     register_gradient_rows,
     register_policy_loss,
 )
-from hacrl_fed.algorithm.staleness import hacpo_decoupled_loss, staleness_summary
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -77,7 +76,6 @@ __all__ = [
     "gspo_objective",
     "hacpo_advantages",
     "hacpo_cross_band",
-    "hacpo_decoupled_loss",
     "hacpo_loss",
     "kl_k3",
     "masked_mean",
@@ -89,5 +87,4 @@ __all__ = [
     "register_policy_loss",
     "rows_with_gradient",
     "sequence_mean_log_prob",
-    "staleness_summary",
 ]

@@ -32,8 +32,7 @@ class PolicyLossConfig:
     ``m``; ``alpha``: the exponent of
     ``stopgrad(c)``; ``cross_clip``: False takes ``c = s`` on cross rows (no band at all: an ablation);
     ``max_abs_log_ratio``: clamp of every log-ratio before ``exp``; ``grpo_clip_*``: GRPO's token-level band;
-    ``grpo_loss_agg_mode``: how GRPO averages over tokens (:data:`GRPO_AGG_MODES`); ``cross_weight_*``: the
-    decoupled cross loss's behaviour weight bounds and what happens outside them (:mod:`.staleness`).
+    ``grpo_loss_agg_mode``: how GRPO averages over tokens (:data:`GRPO_AGG_MODES`);
     """
 
     self_clip_low: float = DEFAULTS.self_clip_low
@@ -46,9 +45,6 @@ class PolicyLossConfig:
     grpo_clip_low: float = DEFAULTS.grpo_clip_low
     grpo_clip_high: float = DEFAULTS.grpo_clip_high
     grpo_loss_agg_mode: str = DEFAULTS.grpo_loss_agg_mode
-    cross_weight_mode: str = DEFAULTS.cross_weight_mode
-    cross_weight_min: float = DEFAULTS.cross_weight_min
-    cross_weight_max: float = DEFAULTS.cross_weight_max
 
     @classmethod
     def from_algorithm(cls, algo: Any) -> PolicyLossConfig:
@@ -172,12 +168,6 @@ def _fraction_table() -> dict[str, tuple[str, str]]:
         ("naive", "num_rows", ("clip_low", "clip_high")),
         ("naive", "num_cross", ("cross_grad",)),
         ("grpo", "num_tokens", ("clip_low", "clip_high")),
-        ("hacpo_decoupled", "num_self", ("self_clip_low", "self_clip_high")),
-        (
-            "hacpo_decoupled",
-            "num_cross",
-            ("cross_in_band", "cross_prox_clip_low", "cross_prox_clip_high", "cross_grad"),
-        ),
     ):
         table.update({f"{prefix}/{n}_frac": (f"{prefix}/num_{n}", f"{prefix}/{den}") for n in names})
     return table

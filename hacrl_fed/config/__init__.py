@@ -38,7 +38,6 @@ from hacrl_fed.config.trainer import (
     LoraConfig,
     OutcomeGuardConfig,
     SelectionConfig,
-    TeachConfig,
     TrainerConfig,
 )
 
@@ -55,7 +54,6 @@ __all__ = [
     "ModelConfig",
     "OrgConfig",
     "OutcomeGuardConfig",
-    "TeachConfig",
     "RunConfig",
     "SecurityConfig",
     "SelectionConfig",

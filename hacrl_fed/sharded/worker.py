@@ -59,11 +59,6 @@ def check_supported(cfg: RunConfig, org_id: str, world_size: int | None = None) 
             "supported: the guard's validation, rollback and shadow work on one process's weights; use ranks: 1 or "
             f"set orgs[{org_id}].trainer.outcome_guard.enabled: false (SECURITY.md: what that org then lacks)"
         )
-    if ranks > 1 and org_trainer(cfg, org_id).teach.enabled:
-        raise ValueError(
-            f"orgs[{org_id}].sharding.ranks={ranks} with trainer.teach.enabled is not supported: the teach steps "
-            f"run on one process's weights; use ranks: 1 or set orgs[{org_id}].trainer.teach.enabled: false"
-        )
     if world_size is not None and world_size != ranks:
         raise ValueError(f"orgs[{org_id}].sharding.ranks={ranks} but the worker's process group has {world_size} ranks")
 

@@ -52,9 +52,7 @@ class OutcomeMonitor:
         self.prompts = task.prompts("train", ids)
         final = _final_ids(seed, task.size("train"), cfg.final_size, set(ids)) if cfg.counterfactual else []
         self.final = task.prompts("train", final)  # the last round's choice with the shadow: none without it
-        self.params = OutcomeParams(
-            cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff, cfg.struck_bar, cfg.shadow_gate
-        )
+        self.params = OutcomeParams(cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff)
         self.run_id: str | None = None
         self.guard = OutcomeGuard(self.params)
         self.saved: Saved | None = None

@@ -117,7 +117,6 @@ class PolicyWorker(RunRouting):
             task=self.task,
             tokenizer=self.tokenizer,
             eos_id=self.eos_id,
-            teach=self.trainer_cfg.teach,
         )
         self.outcome = OutcomeMonitor.of(self.trainer_cfg.outcome_guard, self)  # None: off
         self.run_id: str | None = None  # the run this worker serves (None: it has served none yet)
@@ -281,14 +280,12 @@ class PolicyWorker(RunRouting):
                 names=admitted.agents,
                 row_capability=admitted.row_capability,
             )
-            if admitted.teach_rows:  # trainer.teach: supervised steps on peers' successes where it failed
-                update.update(self.trainer.teach(admitted.teach_rows, self.trainer_cfg.teach))
             if self.outcome is not None:  # the counterfactual's shadow: its own rows, no foreign one
                 rows, learner, capability = admitted.rows, admitted.learner, admitted.capability
                 outcome.update(self.outcome.train_shadow(self, own.round, rows, learner, capability))
         self.engine.sync_weights(self.model)
         if self.outcome is not None:  # validate when due; a regression rolls the weights back
-            foreign = [r for r in [*admitted.rows, *admitted.teach_rows] if not r.is_self]  # teach rows train it too
+            foreign = [r for r in admitted.rows if not r.is_self]
             trained = sorted({admitted.agents[r.source] for r in foreign})
             last = self.cfg.federation.rounds_of(self.org_id)  # its own last round (federation.org_rounds)
             outcome.update(self.outcome.after_update(own.round, last, trained, self))
