@@ -30,12 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import logging
-import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,87 +43,31 @@ from hacrl_fed.algorithm import (
     PolicyLossInputs,
     advantage_metrics,
     capability_coefficients,
+    capability_per_row,
     fractions_from_counts,
     get_advantage_estimator,
     get_algorithm,
     get_gradient_rows,
     get_policy_loss,
-    hacpo_cross_band,
     kl_k3,
     minibatch_schedule,
     name_sources,
     order_rows,
 )
-from hacrl_fed.algorithm.capability_rounds import ROUND_ADVANTAGE_ESTIMATORS, capability_coefficients_at_rounds
+from hacrl_fed.algorithm.advantages import Capability
 from hacrl_fed.algorithm.likelihood_screen import GapHistory
+from hacrl_fed.algorithm.pre_update import PreUpdate, pre_update
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.models.context import context_length
 from hacrl_fed.models.native import unsupported_reason
+from hacrl_fed.models.training_mode import adapter_dropout, adapter_dropout_modules, checkpoint_layers
 from hacrl_fed.scoring import ScoringBatch, build_scoring_batch_from_ids, token_log_probs
+from hacrl_fed.train_rows import TrainRow
+from hacrl_fed.update_metrics import MetricAccumulator
+
+__all__ = ["LocalTrainer", "TrainRow"]  # TrainRow: hacrl_fed.train_rows, here too for the modules that import it
 
 log = logging.getLogger(__name__)
-
-RowCapability = tuple[Sequence[float], Sequence[float]]  # per row: (Phat_learner(t(y)), Phat_source(t(y)))
-
-
-@dataclass
-class TrainRow:
-    """One sequence in the learner's tokenization.
-
-    ``old_seq_log_prob`` is ``lbar_old``: the learner's pre-update mean token log-prob for self rows, the source's
-    published mean for cross rows. ``old_token_log_probs`` (self rows) feeds token-level losses (GRPO).
-    ``norm_length`` > 0 replaces the learner's token count as the divisor of its ``lbar`` of this row (with
-    ``algorithm.logprob_norm: per_byte`` a cross row's ``old_seq_log_prob`` is then per byte too).
-    """
-
-    prompt_token_ids: list[int]
-    response_ids: list[int]
-    reward: float
-    group: int
-    source: int
-    is_self: bool
-    old_seq_log_prob: float
-    old_token_log_probs: list[float] | None = None
-    norm_length: float = 0.0  # divisor of this row's lbar; 0: its token count (per_byte cross rows: UTF-8 bytes)
-    n_bytes: int = 0  # UTF-8 bytes of the response text (the likelihood screen's per_byte unit)
-    claimed_log_prob_sum: float | None = None  # cross rows: the source's claimed sum over its own tokens
-    claimed_token_count: int = 0  # cross rows: the source's token count of that claim
-    pre_log_prob_sum: float | None = None  # the learner's pre-update log-prob sum (in-band baseline; None: not yet)
-    age: int = 0  # rounds between the learner's version and the row's batch's (0: this round's)
-    round: int = 0  # the round the row answers (asynchronous rounds; 0: the train request's round)
-
-    def pre_seq_log_prob(self) -> float:
-        """``lbar_0``: the pre-update sum over this row's divisor (``norm_length``, else its tokens); a self row
-        without one takes its ``old_seq_log_prob`` (the same pre-update weights sampled it)."""
-        if self.pre_log_prob_sum is None:
-            if not self.is_self:
-                raise ValueError("a cross row needs its pre_log_prob_sum (its pre-update score)")
-            return self.old_seq_log_prob
-        return self.pre_log_prob_sum / max(self.norm_length if self.norm_length > 0 else len(self.response_ids), 1)
-
-
-def adapter_dropout_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The dropout modules of the model's LoRA adapters (peft's ``lora_dropout``; empty without adapters or with
-    dropout 0, where peft puts an ``Identity``)."""
-    out: list[torch.nn.Module] = []
-    for module in model.modules():
-        adapters = getattr(module, "lora_dropout", None)
-        if isinstance(adapters, torch.nn.ModuleDict):
-            out.extend(m for m in adapters.values() if isinstance(m, torch.nn.Dropout) and m.p > 0)
-    return out
-
-
-@contextlib.contextmanager
-def adapter_dropout(modules: Sequence[torch.nn.Module]):
-    """Training mode for exactly ``modules`` (the adapters' dropout) inside the block; their mode is restored."""
-    before = [m.training for m in modules]
-    for m in modules:
-        m.train(True)
-    try:
-        yield
-    finally:
-        for m, mode in zip(modules, before):
-            m.train(mode)
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
@@ -134,75 +75,6 @@ def _pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
     return out
-
-
-class _MetricAccumulator:
-    """Averages metrics over steps; ``*_min``/``*_max`` keys keep the extreme, ``num_*`` keys sum."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, float] = {}
-
-    def add(self, metrics: dict[str, float], weight: float = 1.0) -> None:
-        for k, v in metrics.items():
-            v = float(v)
-            if k.endswith("_min"):
-                self.sums[k] = min(self.sums.get(k, math.inf), v)
-            elif k.endswith("_max"):
-                self.sums[k] = max(self.sums.get(k, -math.inf), v)
-            elif k.rsplit("/", 1)[-1].startswith("num_"):
-                self.sums[k] = self.sums.get(k, 0.0) + v
-            else:
-                self.sums[k] = self.sums.get(k, 0.0) + v * weight
-                self.counts[k] = self.counts.get(k, 0.0) + weight
-
-    def merge(self, other: _MetricAccumulator) -> None:
-        """Fold in another accumulator's sums and counts (another rank's share of the same steps)."""
-        for k, v in other.sums.items():
-            if k.endswith("_min"):
-                self.sums[k] = min(self.sums.get(k, math.inf), v)
-            elif k.endswith("_max"):
-                self.sums[k] = max(self.sums.get(k, -math.inf), v)
-            else:
-                self.sums[k] = self.sums.get(k, 0.0) + v
-        for k, c in other.counts.items():
-            self.counts[k] = self.counts.get(k, 0.0) + c
-
-    def result(self) -> dict[str, float]:
-        return {k: (v / self.counts[k] if k in self.counts else v) for k, v in self.sums.items()}
-
-
-def checkpoint_layers(model: torch.nn.Module) -> int:
-    """Gradient checkpointing for ``model``: every transformers decoder layer (``GradientCheckpointingLayer``)
-    recomputes its activations during backward instead of keeping them; returns how many layers were wrapped.
-
-    transformers' own switch (``gradient_checkpointing_enable``) acts only in training mode, and the trainer
-    scores in eval mode (no dropout), so the layers' ``forward`` is wrapped here instead (non-reentrant
-    ``torch.utils.checkpoint``, only while grad is enabled: generation and no-grad scoring run unchanged).
-    Idempotent. Wrap after any ``deepcopy`` of the model (a copy would call the original's layers).
-    """
-    from torch.utils.checkpoint import checkpoint
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if not layers:
-        raise ValueError(
-            f"trainer.gradient_checkpointing: {type(model).__name__} has no transformers decoder "
-            "layers (GradientCheckpointingLayer) to checkpoint"
-        )
-    for layer in layers:
-        if getattr(layer, "_hacrl_checkpointed", False):
-            continue
-        forward = layer.forward
-
-        def checkpointed(*args, _forward=forward, **kwargs):
-            if torch.is_grad_enabled():
-                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-            return _forward(*args, **kwargs)
-
-        layer.forward = checkpointed
-        setattr(layer, "_hacrl_checkpointed", True)  # noqa: B010 - mark the layer without a typed attribute
-    return len(layers)
 
 
 class LocalTrainer:
@@ -276,144 +148,98 @@ class LocalTrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
+    def prepare(self, rows: Sequence[TrainRow], names: Sequence[str] | None = None) -> PreUpdate:
+        """The algorithm's pre-update pass over ``rows`` with the current weights (:mod:`hacrl_fed.algorithm.
+        pre_update`; nothing for most): what the advantages need scored once per row before the first step."""
+        return pre_update(rows, self.algo, self.loss_cfg, self.log_prob_sums, names)
+
     def advantages(
-        self,
-        rows: Sequence[TrainRow],
-        learner: int,
-        capability: Sequence[float],
-        row_capability: RowCapability | None = None,
-        baseline_rows: Tensor | None = None,
+        self, rows: Sequence[TrainRow], learner: int, capability: Capability, prepared: PreUpdate | None = None
     ) -> Tensor:
         """Advantages of ``rows`` (docs/ALGORITHM.md §2, or plain group normalisation for the baselines). → [N].
-        ``row_capability``: per row ``(Phat_learner(t(y)), Phat_source(t(y)))`` of the row's round (asynchronous
-        rounds): an estimator with a per-round form (``ROUND_ADVANTAGE_ESTIMATORS``: HACPO's) then takes each row's
-        ratio from them; the others do not read capability. ``baseline_rows`` [N] bool (:meth:`baseline_rows`;
-        None: every row): the rows HACPO's group statistics are taken over."""
+        ``capability``: one ``Phat`` per agent, or per row the figures of the row's round
+        (:func:`~hacrl_fed.algorithm.capability_per_row`); ``prepared``: the pre-update pass's result (the rows the
+        group statistics are taken over)."""
         rewards = torch.tensor([r.reward for r in rows], dtype=torch.float64)
         groups, sources = torch.tensor([r.group for r in rows]), torch.tensor([r.source for r in rows])
         a = self.algo
         opts: dict[str, Any] = dict(
             reward_max=a.reward_max, ratio_min=a.ratio_min, ratio_max=a.ratio_max, eps=a.adv_eps
         )
-        if baseline_rows is not None:  # only HACPO's estimators take it (the config refuses in_band elsewhere)
-            opts["baseline_rows"] = baseline_rows
-        at_rounds = ROUND_ADVANTAGE_ESTIMATORS.get(self.spec.advantage)
-        if row_capability is not None and at_rounds is not None:
-            learner_cap, source_cap = row_capability
-            out = at_rounds(
-                rewards, groups, sources, learner, learner_cap, source_cap, **opts, calibrate=a.advantage_calibration
-            )
-        else:
-            fn = get_advantage_estimator(self.spec.advantage)
-            out = fn(rewards, groups, sources, learner, capability, **opts, calibrate=a.advantage_calibration)
-        return out.float()
+        opts.update(prepared.advantage_options() if prepared is not None else {})
+        fn = get_advantage_estimator(self.spec.advantage)
+        return fn(rewards, groups, sources, learner, capability, **opts, calibrate=a.advantage_calibration).float()
 
     def update(
         self,
         rows: Sequence[TrainRow],
         learner: int,
-        capability: Sequence[float],
+        capability: Capability,
         names: Sequence[str] | None = None,
-        row_capability: RowCapability | None = None,
+        prepared: PreUpdate | None = None,
     ) -> dict[str, float]:
-        """One round's update. ``learner``: this agent's index into ``capability`` (``Phat`` per agent);
-        ``names``: agent names for the per-source advantage metrics (``hacpo/adv_mean/<name>``);
-        ``row_capability``: per row of ``rows``, ``(Phat_learner, Phat_source)`` of the row's round (asynchronous
-        rounds; docs/ALGORITHM.md "Capability per round"), used instead of ``capability`` when given."""
+        """One round's update. ``learner``: this agent's index among the agents; ``capability``: one ``Phat`` per
+        agent, or per row of ``rows`` the figures of its round (asynchronous rounds; docs/ALGORITHM.md "Capability
+        per round"); ``names``: agent names for the per-source metrics (``hacpo/adv_mean/<name>``); ``prepared``: the
+        pre-update pass over ``rows`` (None: :meth:`prepare` runs it now)."""
         start = time.perf_counter()
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
-        # every response counts in its joint group's baseline and std, even one with no tokens to train on
-        # (algorithm.baseline_rows: in_band: only own rows and the foreign rows inside the band at step 0)
-        base, base_s = self.baseline_rows(rows), time.perf_counter() - start
-        adv_all = self.advantages(rows, learner, capability, row_capability, baseline_rows=base)
-        all_rows = rows
+        # every response counts in its joint group's statistics, even one with no tokens to train on
+        prepared = self.prepare(rows, names) if prepared is None else prepared
+        adv_all = self.advantages(rows, learner, capability, prepared)
         scorable = [i for i, r in enumerate(rows) if r.response_ids]
-        rows, adv = [rows[i] for i in scorable], adv_all[scorable]
-        if not rows:
+        train_rows, adv = [rows[i] for i in scorable], adv_all[scorable]
+        if not train_rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
+        v = self._coefficients(rows, learner, capability, scorable)
+        out = self._optimize(train_rows, adv, v, names)
+        if names is not None:
+            out.update(advantage_metrics(adv_all, torch.tensor([r.source for r in rows]), names, prefix=self.algo.name))
+        out.update(prepared.metrics)
+        out["train/adv_abs_mean"] = float(adv.abs().mean())
+        out["time/update"] = time.perf_counter() - start
+        return out
+
+    def _coefficients(
+        self, rows: Sequence[TrainRow], learner: int, capability: Capability, scorable: Sequence[int]
+    ) -> Tensor:
+        """``v(j, k)`` [S] of the trained rows ``scorable`` (ones where the algorithm has none or it is off)."""
+        if not (self.spec.uses_capability_coefficient and self.algo.capability_coefficient):
+            return torch.ones(len(scorable))
         sources = torch.tensor([r.source for r in rows])
-        if self.spec.uses_capability_coefficient and self.algo.capability_coefficient and row_capability is not None:
-            lc, sc = ([row_capability[k][i] for i in scorable] for k in (0, 1))
-            v = capability_coefficients_at_rounds(lc, sc, sources, learner, self.algo.ratio_min, self.algo.ratio_max)
-        elif self.spec.uses_capability_coefficient and self.algo.capability_coefficient:
-            v = capability_coefficients(capability, learner, sources, self.algo.ratio_min, self.algo.ratio_max)
-        else:
-            v = torch.ones(len(rows))
-        is_self = torch.tensor([r.is_self for r in rows])
+        lc, sc = capability_per_row(capability, learner, sources)
+        return capability_coefficients(
+            (lc[scorable], sc[scorable]), learner, sources[scorable], self.algo.ratio_min, self.algo.ratio_max
+        )
+
+    def _optimize(self, rows: list[TrainRow], adv: Tensor, v: Tensor, names: Sequence[str] | None) -> dict[str, float]:
+        """The mini-batch schedule over ``rows`` (self first, then cross by source; no shuffle): one :meth:`_step`
+        per mini-batch. → the update's metrics, shares over the whole update (not means of per-step shares)."""
+        sources, is_self = torch.tensor([r.source for r in rows]), torch.tensor([r.is_self for r in rows])
         perm = order_rows(is_self, sources).tolist()
-        acc = _MetricAccumulator()
+        acc = MetricAccumulator()
         schedule = minibatch_schedule(len(rows), self.cfg.minibatch_size, self.cfg.epochs)
         for step, idx in schedule:
             picked = [perm[i] for i in idx.tolist()]
             # the adapters' dropout is on through forward and backward (gradient checkpointing recomputes in backward)
             with adapter_dropout(self.dropout):
                 acc.add(self._step(step, [rows[i] for i in picked], adv[picked], is_self[picked], v[picked]))
-        # shares over the whole update (not means of per-step shares), per source pair too
         out = fractions_from_counts(name_sources(acc.result(), names))
-        if names is not None:
-            out.update(
-                advantage_metrics(adv_all, torch.tensor([r.source for r in all_rows]), names, prefix=self.algo.name)
-            )
-        out.update(self._baseline_metrics(all_rows, base, names, base_s))
         out.update(
             {
                 "train/steps": float(len(schedule)),
                 "train/num_rows": float(len(rows)),
                 "train/num_self": float(is_self.sum()),
                 "train/num_cross": float((~is_self).sum()),
-                "train/adv_abs_mean": float(adv.abs().mean()),
-                "time/update": time.perf_counter() - start,
             }
         )
-        return out
-
-    def baseline_rows(self, rows: Sequence[TrainRow]) -> Tensor | None:
-        """The rows HACPO's advantage statistics are taken over (``algorithm.baseline_rows``; docs/ALGORITHM.md
-        "Baseline rows"). ``joint``: None (every row). ``in_band``: bool [N], True on every own row and on each
-        foreign row whose ratio at the pre-update weights (optimizer step 0), ``s = exp(clamp(lbar_0 - lbar_old,
-        -M, M))`` with ``lbar_0`` normalised as the loss does (:meth:`TrainRow.pre_seq_log_prob`: per token or per
-        byte), lies in the cross band of step 0 (:func:`~hacrl_fed.algorithm.hacpo_cross_band`); a foreign row
-        without tokens has no ratio and is left out. ``lbar_0`` comes from the row's ``pre_log_prob_sum`` where
-        the likelihood screen left its score (the same weights), else from one no-grad pass of
-        :meth:`log_prob_sums` over the rest (:meth:`with_pre_scores`)."""
-        if self.algo.baseline_rows == "joint":
-            return None
-        keep = torch.tensor([r.is_self for r in rows], dtype=torch.bool)
-        cross = [i for i, r in enumerate(rows) if not r.is_self and r.response_ids]
-        if cross:
-            scored = self.with_pre_scores([rows[i] for i in cross])  # the screen's scores where it kept them
-            lbar0 = [r.pre_seq_log_prob() for r in scored]
-            old = torch.tensor([rows[i].old_seq_log_prob for i in cross], dtype=torch.float64)
-            m = self.algo.max_abs_log_ratio
-            ratio = torch.exp(torch.clamp(torch.tensor(lbar0, dtype=torch.float64) - old, -m, m))  # s at step 0
-            keep[cross] = hacpo_cross_band(ratio, 0, self.loss_cfg)[2]
-        return keep
-
-    def _baseline_metrics(
-        self, rows: Sequence[TrainRow], base: Tensor | None, names: Sequence[str] | None, seconds: float
-    ) -> dict[str, float]:
-        """With a :meth:`baseline_rows` mask ``base`` [N] (else nothing): ``time/baseline_rows`` (``seconds``, its
-        scoring pass) and, with foreign rows, ``<algo>/num_baseline_cross`` and ``<algo>/baseline_cross_frac``: the
-        foreign rows in the baseline (of all the round's foreign rows), the share per source too (``.../<source>``)."""
-        if base is None:
-            return {}
-        cross = torch.tensor([not r.is_self for r in rows], dtype=torch.bool)
-        if not cross.any():
-            return {"time/baseline_rows": seconds}
-        src, p = torch.tensor([r.source for r in rows]), self.algo.name
-        out = {"time/baseline_rows": seconds, f"{p}/num_baseline_cross": float((base & cross).sum())}
-        out[f"{p}/baseline_cross_frac"] = out[f"{p}/num_baseline_cross"] / float(cross.sum())
-        for j in torch.unique(src[cross]).tolist():
-            sel = cross & (src == j)
-            name = names[j] if names is not None and j < len(names) else f"src{j}"
-            out[f"{p}/baseline_cross_frac/{name}"] = float((base & sel).sum()) / float(sel.sum())
         return out
 
     def log_prob_sums(self, rows: Sequence[TrainRow]) -> list[float]:
         """The learner's sequence log-prob sums ``sum_t log p(y_t)`` of ``rows`` [N] with the current weights, no
         gradient: the update's own scoring path (sorted micro-batches, the native forward, each prompt once). The
-        scorer the intake's likelihood screen is handed (:mod:`hacrl_fed.worker.intake`)."""
+        scorer the intake's likelihood screen and the pre-update pass are handed."""
         sums: dict[int, float] = {}
         for micro_idx, tok_lp in self._scored(rows):
             sums.update(zip(micro_idx, tok_lp.double().sum(-1).tolist()))
@@ -438,15 +264,8 @@ class LocalTrainer:
                     self.pad_id,
                 )
                 with self._autocast(device):
-                    tok_lp, _ = token_log_probs(self.model, batch, native=self.native)
+                    tok_lp, _ = token_log_probs(self.model, batch, native=self.native)  # no dropout: a score
                 yield micro_idx, tok_lp
-
-    def with_pre_scores(self, rows: Sequence[TrainRow]) -> list[TrainRow]:
-        """``rows`` with every cross row's pre-update log-prob sum (``pre_log_prob_sum``) where it has none: one
-        no-grad pass of :meth:`log_prob_sums` over those rows with the current (pre-update) weights."""
-        todo = [i for i, r in enumerate(rows) if not r.is_self and r.pre_log_prob_sum is None]
-        sums = dict(zip(todo, self.log_prob_sums([rows[i] for i in todo]))) if todo else {}
-        return [dataclasses.replace(r, pre_log_prob_sum=sums[i]) if i in sums else r for i, r in enumerate(rows)]
 
     def _step(self, step: int, rows: list[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor) -> dict[str, float]:
         """Optimizer step ``step`` of the round (counted across epochs) over one mini-batch, accumulated over
@@ -465,7 +284,7 @@ class LocalTrainer:
         self_tokens = sum(len(r.response_ids) for r in rows if r.is_self)
         lbar = self._gradient_rows(step, rows, adv, is_self, v, device)  # [N] detached lbar of scored rows, or None
         train = list(range(len(rows))) if lbar is None else torch.isnan(lbar).nonzero().flatten().tolist()
-        acc = _MetricAccumulator()
+        acc = MetricAccumulator()
         loss_total, kl_total = 0.0, 0.0
         for micro_idx, scale in self._rank_share(self._micro_batches(rows, train)):
             sel, batch, inputs = self._score_micro(rows, micro_idx, adv, is_self, v)
@@ -541,7 +360,7 @@ class LocalTrainer:
         return [(m, 1.0) for m in micro_batches]
 
     def _across_ranks(
-        self, acc: _MetricAccumulator, loss_total: float, kl_total: float, lbar: Tensor | None
+        self, acc: MetricAccumulator, loss_total: float, kl_total: float, lbar: Tensor | None
     ) -> tuple[float, float, Tensor | None]:
         """The mini-batch's loss, KL and metrics (into ``acc``) and ``lbar`` [N] summed over the ranks that each
         ran a share of its micro-batches; one process: as they are."""

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from hacrl_fed.algorithm import group_advantages, hacpo_advantages
-from hacrl_fed.algorithm.capability_rounds import hacpo_advantages_at_rounds
 from hacrl_fed.config import AlgorithmConfig
 from hacrl_fed.scoring import build_scoring_batch_from_ids, token_log_probs
 from hacrl_fed.trainer import LocalTrainer, TrainRow
@@ -63,12 +62,12 @@ def test_every_row_in_the_baseline_is_the_default_bit_for_bit():
     default = hacpo_advantages(rewards, groups, sources, 1, cap)
     full = hacpo_advantages(rewards, groups, sources, 1, cap, baseline_rows=torch.ones(40, dtype=torch.bool))
     assert torch.equal(default, full)
-    at_rounds = hacpo_advantages_at_rounds(rewards, groups, sources, 1, [0.9] * 40, [cap[j] for j in sources.tolist()])
+    at_rounds = hacpo_advantages(rewards, groups, sources, 1, ([0.9] * 40, [cap[j] for j in sources.tolist()]))
     assert torch.equal(default, at_rounds)
 
 
 def test_the_per_round_form_takes_the_mask_too():
-    a = hacpo_advantages_at_rounds(REWARDS, GROUPS, SOURCES, 0, [0.5] * 4, [0.5, 0.5, 1.0, 1.0], baseline_rows=IN_BAND)
+    a = hacpo_advantages(REWARDS, GROUPS, SOURCES, 0, ([0.5] * 4, [0.5, 0.5, 1.0, 1.0]), baseline_rows=IN_BAND)
     assert torch.equal(a, hacpo_advantages(REWARDS, GROUPS, SOURCES, 0, [0.5, 1.0], baseline_rows=IN_BAND))
 
 
@@ -133,7 +132,7 @@ def _rows(model, tok):
 def test_a_foreign_row_outside_the_step0_band_leaves_the_baseline():
     model, tok, trainer = _trainer(baseline_rows="in_band")
     rows = _rows(model, tok)
-    assert trainer.baseline_rows(rows).tolist() == [True, True, True, False]
+    assert trainer.prepare(rows).statistics_rows.tolist() == [True, True, True, False]
     m = trainer.update(rows, 0, [1.0, 1.0, 1.0], names=["k", "a", "b"])
     assert m["hacpo/baseline_cross_frac"] == 0.5 and m["hacpo/num_baseline_cross"] == 1.0
     assert m["hacpo/baseline_cross_frac/a"] == 1.0 and m["hacpo/baseline_cross_frac/b"] == 0.0
@@ -147,20 +146,20 @@ def test_a_foreign_row_outside_the_step0_band_leaves_the_baseline():
 def test_joint_and_in_band_without_a_band_keep_every_row():
     model, tok, joint = _trainer()
     rows = _rows(model, tok)
-    assert joint.baseline_rows(rows) is None
+    assert joint.prepare(rows).statistics_rows is None
     m = joint.update(rows, 0, [1.0, 1.0, 1.0], names=["k", "a", "b"])
     assert "hacpo/baseline_cross_frac" not in m and m["hacpo/adv_mean/b"] == pytest.approx(0.5, rel=1e-5)
     model, tok, no_band = _trainer(baseline_rows="in_band", cross_clip=False)
     rows = _rows(model, tok)
-    assert no_band.baseline_rows(rows).all()
-    assert torch.equal(no_band.advantages(rows, 0, [1.0] * 3, baseline_rows=no_band.baseline_rows(rows)),
+    assert no_band.prepare(rows).statistics_rows.all()
+    assert torch.equal(no_band.advantages(rows, 0, [1.0] * 3, no_band.prepare(rows)),
                        joint.advantages(rows, 0, [1.0] * 3))
 
 
 def test_a_row_the_screen_scored_is_not_scored_again_and_gets_the_same_mask(monkeypatch):
     model, tok, trainer = _trainer(baseline_rows="in_band")
     rows = _rows(model, tok)
-    expected = trainer.baseline_rows(rows).tolist()  # scores the two foreign rows itself
+    expected = trainer.prepare(rows).statistics_rows.tolist()  # scores the two foreign rows itself
     sums = iter(trainer.log_prob_sums([r for r in rows if not r.is_self]))
     prescored = [r if r.is_self else dataclasses.replace(r, pre_log_prob_sum=next(sums)) for r in rows]
 
@@ -168,4 +167,4 @@ def test_a_row_the_screen_scored_is_not_scored_again_and_gets_the_same_mask(monk
         raise AssertionError(f"scored {len(batch)} rows again")
 
     monkeypatch.setattr(trainer, "log_prob_sums", never)
-    assert trainer.baseline_rows(prescored).tolist() == expected == [True, True, True, False]
+    assert trainer.prepare(prescored).statistics_rows.tolist() == expected == [True, True, True, False]
