@@ -8,22 +8,17 @@ Numerics (``trainer.precision``): ``model`` trains in the model's own dtype; ``b
 weights and optimizer states and runs forward/backward under ``torch.autocast(bfloat16)``; ``bf16-master`` keeps the
 model (what the ``hf`` engine generates with) in bfloat16 and gives AdamW a float32 master copy of the trainable
 weights: bf16 grads are upcast onto the masters, AdamW steps in float32 and the result is rounded back into the
-model. ``trainer.gradient_checkpointing`` recomputes each decoder layer in backward (:func:`checkpoint_layers`).
-Every tensor of the loss lives on the model's device (``model.device`` from the config: CPU or a CUDA device).
+model. Every tensor of the loss lives on the model's device (``model.device`` from the config: CPU or CUDA).
 
-The model stays in eval mode (dropout off): the importance ratios compare one sequence under two forward passes,
-and dropout noise would bias them. The one exception is a LoRA adapter's own dropout (``trainer.lora.dropout``):
-during the update's forward passes (the ones that carry the gradient) the adapters' dropout modules, and only
-they, are in training mode (:func:`adapter_dropout`); generation, the published old log-probs and the frozen KL
-reference stay deterministic.
+The model stays in eval mode (dropout off): the importance ratios compare one sequence under two forward passes.
+Only a LoRA adapter's own dropout is on, during the update's forward passes (:mod:`hacrl_fed.models.training_mode`).
 
 What an algorithm needs (capability cross weights, token-level inputs and weighting) comes from its registry spec
 (:class:`~hacrl_fed.algorithm.AlgorithmSpec`); the loss configuration is built once from the algorithm config
 (:meth:`~hacrl_fed.algorithm.PolicyLossConfig.from_algorithm`). :meth:`LocalTrainer.update` optimizes exactly the
-rows it is given: which foreign rows those are (screen, selection, likelihood screen, context) is the worker's
-intake's decision (:mod:`hacrl_fed.worker.intake`); a row without tokens counts in its group's advantage
-statistics and is not trained on. The trainer hands the intake its scorer (:meth:`LocalTrainer.log_prob_sums`) and
-keeps the likelihood screen's per-source history with its checkpointed state.
+rows it is given (the worker's intake chose them); a row without tokens counts in its group's advantage statistics
+and is not trained on. The trainer hands the intake its scorer (:meth:`LocalTrainer.log_prob_sums`) and keeps the
+likelihood screen's per-source history with its checkpointed state.
 """
 
 from __future__ import annotations
@@ -56,6 +51,7 @@ from hacrl_fed.algorithm import (
 )
 from hacrl_fed.algorithm.advantages import Capability
 from hacrl_fed.algorithm.likelihood_screen import GapHistory
+from hacrl_fed.algorithm.loss_inputs import loss_inputs, sequence_inputs
 from hacrl_fed.algorithm.pre_update import PreUpdate, pre_update
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.models.context import context_length
@@ -68,13 +64,6 @@ from hacrl_fed.update_metrics import MetricAccumulator
 __all__ = ["LocalTrainer", "TrainRow"]  # TrainRow: hacrl_fed.train_rows, here too for the modules that import it
 
 log = logging.getLogger(__name__)
-
-
-def _pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
-    out = torch.zeros(len(rows), width)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
-    return out
 
 
 class LocalTrainer:
@@ -307,7 +296,7 @@ class LocalTrainer:
                 lbar[sel] = inputs.seq_log_probs().detach().float()
         loss_total, kl_total, lbar = self._across_ranks(acc, loss_total, kl_total, lbar)
         if lbar is not None:  # the loss and metrics of every row, from the lbar scored with and without gradient
-            loss, metrics = self.loss_fn(self._sequence_inputs(rows, lbar, adv, is_self, v), step, self.loss_cfg)
+            loss, metrics = self.loss_fn(sequence_inputs(rows, lbar, adv, is_self, v), step, self.loss_cfg)
             loss_total = loss.item()
             acc.add(metrics, weight=len(rows))
             if not train:  # no row has a gradient: a zero gradient, as the full pass would have given
@@ -388,7 +377,10 @@ class LocalTrainer:
         micro = [rows[i] for i in micro_idx]
         sel = torch.tensor(list(micro_idx), device=adv.device, dtype=torch.long)
         batch, lp, mask = self._forward(micro)
-        return sel, batch, self._loss_inputs(micro, lp, mask, adv[sel], is_self[sel], v[sel])
+        inputs = loss_inputs(
+            micro, lp, mask, adv[sel], is_self[sel], v[sel], token_level=self.spec.token_level, algorithm=self.algo.name
+        )
+        return sel, batch, inputs
 
     def _forward(self, micro: Sequence[TrainRow]) -> tuple[ScoringBatch, Tensor, Tensor]:
         """``micro``'s responses through the model (with gradient when grad is enabled, the adapters' dropout as
@@ -399,41 +391,6 @@ class LocalTrainer:
         with self._autocast(next(self.model.parameters()).device):
             lp, mask = token_log_probs(self.model, batch, dropout=self.dropout, native=self.native)
         return batch, lp, mask
-
-    def _loss_inputs(
-        self, micro: Sequence[TrainRow], lp: Tensor, mask: Tensor, adv: Tensor, is_self: Tensor, v: Tensor
-    ) -> PolicyLossInputs:
-        old_tok = None
-        if self.spec.token_level:
-            if any(r.old_token_log_probs is None for r in micro):
-                raise ValueError(f"{self.algo.name} is token-level: every row needs old_token_log_probs")
-            old_tok = _pad([r.old_token_log_probs or [] for r in micro], lp.shape[1]).to(lp.device)
-        return PolicyLossInputs(
-            token_log_probs=lp,
-            response_mask=mask,
-            old_seq_log_probs=torch.tensor([r.old_seq_log_prob for r in micro], device=lp.device),
-            advantages=adv,
-            is_self=is_self,
-            capability_coefficient=v,
-            old_token_log_probs=old_tok,
-            seq_lengths=torch.tensor([r.norm_length for r in micro], device=lp.device),
-            source_ids=torch.tensor([r.source for r in micro], device=lp.device),
-        )
-
-    def _sequence_inputs(
-        self, rows: Sequence[TrainRow], lbar: Tensor, adv: Tensor, is_self: Tensor, v: Tensor
-    ) -> PolicyLossInputs:
-        """Sequence-level loss inputs from given ``lbar`` [N] (one column, mask 1: ``seq_log_probs() == lbar``)."""
-        device = lbar.device
-        return PolicyLossInputs(
-            token_log_probs=lbar[:, None],
-            response_mask=torch.ones(len(rows), 1, device=device),
-            old_seq_log_probs=torch.tensor([r.old_seq_log_prob for r in rows], device=device),
-            advantages=adv,
-            is_self=is_self,
-            capability_coefficient=v,
-            source_ids=torch.tensor([r.source for r in rows], device=device),
-        )
 
     def _gradient_rows(
         self, step: int, rows: Sequence[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor, device: torch.device

@@ -424,8 +424,7 @@ def screen_likelihood(
     out["time/screen"] = time.perf_counter() - t0
     ledger.screen_metrics = out
     # each kept cross row carries its score as the pre-update log-prob sum (the weights do not change before the
-    # update), so the in-band baseline does not score it again (LocalTrainer.baseline_rows,
-    # with_pre_scores)
+    # update), so the in-band baseline does not score it again (hacrl_fed.algorithm.pre_update)
     return [_scored_row(r, learner_sum.get(i)) for i, r in enumerate(rows) if i not in drop]
 
 

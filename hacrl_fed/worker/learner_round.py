@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hacrl_fed.cancel import raise_if_cancelled
 from hacrl_fed.perf import PhaseMeter
@@ -92,12 +92,14 @@ class LearnerRound:
     def admit(self, leave_out: LeaveOut | None) -> Admitted:
         """Phase 2: the intake, lock-step or over the learner's recent rounds (asynchronous rounds)."""
         w, request, own = self.worker, self.request, self.own
+        opener: Any  # the identity border's Opener, or its LateOpener (asynchronous rounds)
+        late: LateRounds | None = None
         recent = w.recent_rounds
         if recent is not None:  # asynchronous rounds: each source batch against the plan of its own round
             opener = w.border.late_opener(own.run_id, recent, w.challenges.recent)
             late = LateRounds(w.intake, request, own, recent, opener=opener, leave_out=leave_out)
         else:
-            opener, late = w.border.opener(own.run_id, own.round, own.fresh_digest), None
+            opener = w.border.opener(own.run_id, own.round, own.fresh_digest)
         seed = stable_seed(w.seed, "select", own.round)
         scoring = Scoring.of(w.trainer)
         return w.intake.admit(request, own, seed=seed, opener=opener, scoring=scoring, leave_out=leave_out, late=late)
