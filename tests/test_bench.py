@@ -609,7 +609,7 @@ def test_a_field_measured_and_removed_is_today_s_run_only_at_the_value_that_stay
     # the removed feature (a retired method's cell, which names its commit)
     from hacrl_fed.config import load_config
 
-    cfg = load_config(TINY)
+    cfg = load_config(TINY, {"trainer.outcome_guard.enabled": True})  # a guard off is the same whatever its rules
     stored = json.loads(json.dumps(cfg.model_dump(mode="json")))
     stored["trainer"]["outcome_guard"].update(struck_bar="slack", shadow_gate=True)
     stored["algorithm"].update(cross_staleness="band", cross_weight_mode="filter")
