@@ -3,7 +3,7 @@ weights: a bad config stops the command at once with one line naming the field a
 worker (or one rank of a sharded org) failing at start, or every round.
 
 :func:`check_settings` checks the combinations of settings a worker refuses (:mod:`hacrl_fed.refusals`: an org
-sharded over ranks with the ``vllm`` engine, ``bf16-master``, the outcome guard or teach; ``trainer.precision``
+sharded over ranks with the ``vllm`` engine, ``bf16-master``, or the outcome guard; ``trainer.precision``
 against the weights' dtype; ``generation.vllm_kwargs`` repeating the engine's own arguments; LoRA without peft),
 the org's ``model.device`` / ``model.dtype`` and a sharded org's ``sharding.backend``, by calling the very
 functions the worker calls. It reads the config alone, so ``hacrl-fed run`` (in process and ``--transport grpc``)

@@ -5,7 +5,7 @@ any worker starts, so that ``hacrl-fed run`` (in process or ``--transport grpc``
 and exit code 2.
 
 * :func:`check_sharded_org`: what an org with ``sharding.ranks > 1`` cannot run (the ``vllm`` engine,
-  ``trainer.precision: bf16-master``, the outcome guard, teach);
+  ``trainer.precision: bf16-master``, the outcome guard);
 * :func:`check_precision`: ``trainer.precision`` against the dtype of the weights it trains;
 * :func:`check_vllm_kwargs`: ``generation.vllm_kwargs`` may not repeat an argument the vllm engine sets;
 * :func:`require_peft`: ``trainer.lora.enabled`` needs peft installed.
@@ -32,8 +32,7 @@ def org_field(cfg: Any, org_id: str, path: str) -> str:
 
 def check_sharded_org(cfg: RunConfig, org_id: str) -> None:
     """ConfigError naming the field when org ``org_id`` has ``sharding.ranks > 1`` and a setting that cannot run
-    over ranks: the ``vllm`` engine, ``trainer.precision: bf16-master``, ``trainer.outcome_guard`` (on by default)
-    or ``trainer.teach``."""
+    over ranks: the ``vllm`` engine, ``trainer.precision: bf16-master``, ``trainer.outcome_guard`` (on by default)."""
     ranks = cfg.org(org_id).sharding.ranks
     if ranks <= 1:
         return
@@ -55,12 +54,6 @@ def check_sharded_org(cfg: RunConfig, org_id: str) -> None:
             f"{field}=true (on by default) with {ranks_at} is not supported: the guard's validation, rollback and "
             f"shadow work on one process's weights; use ranks: 1 or set {field}: false (SECURITY.md: what that org "
             "then lacks)"
-        )
-    if trainer.teach.enabled:
-        field = org_field(cfg, org_id, "trainer.teach.enabled")
-        raise ConfigError(
-            f"{field}=true with {ranks_at} is not supported: the teach steps run on one process's weights; use "
-            f"ranks: 1 or set {field}: false"
         )
 
 

@@ -348,14 +348,12 @@ def _tiny_run(tmp_path, cfg, patch=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", ["band", "decoupled"])
-def test_a_k1_run_on_tiny_models_trains_on_late_batches(tmp_path, loss):
+def test_a_k1_run_on_tiny_models_trains_on_late_batches(tmp_path):
     """globex 4x slower, K = 1: acme trains round 2 on its own batch and globex's round-1 batch (one round late,
     age 1), and so on; every key it logs is documented."""
     from tests.test_docs import documented_keys, key_pattern
 
     cfg = _tiny_cfg(staleness=1, virtual_step_s={"acme": 1.0, "globex": 4.0})
-    cfg.algorithm.cross_staleness = loss
     co, workers, summary, records = _tiny_run(tmp_path, cfg)
     drv = co.async_driver
     assert summary.rounds_completed == 4
@@ -365,9 +363,6 @@ def test_a_k1_run_on_tiny_models_trains_on_late_batches(tmp_path, loss):
     assert [rec["round"] for rec in records] == [0, 1, 2, 3, 4]
     assert records[2]["acme/trust/globex/received"] == 4 * 4  # globex's round-1 batch: B prompts x G
     assert records[2]["acme/train/num_cross"] > 0
-    if loss == "decoupled":  # the trainer sees the rows' age
-        assert records[2]["acme/hacpo_decoupled/age1/num_cross/globex"] == records[2]["acme/train/num_cross"]
-        assert records[2]["globex/hacpo_decoupled/age0/num_cross/acme"] > 0
     for org in ("acme", "globex"):
         assert records[-1][f"async/{org}/version"] == 4
     assert records[-1]["round/acme/refused/learner_finished"] == 1  # globex's round 4 came after acme finished

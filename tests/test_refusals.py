@@ -46,9 +46,6 @@ def _org(*parts: dict) -> dict:
 # case: ({org index: what that org sets}, the --set overrides of the run, the field the one line names)
 REFUSED = {
     "guard_on_a_sharded_org": ({0: SHARDED}, [], "orgs[0].trainer.outcome_guard.enabled"),
-    "teach_on_a_sharded_org": (
-        {0: _org(SHARDED, UNGUARDED, {"trainer": {"teach": {"enabled": True}}})}, [], "orgs[0].trainer.teach.enabled"
-    ),
     "vllm_on_a_sharded_org": (
         {0: _org(SHARDED, UNGUARDED, {"generation": {"engine": "vllm"}})}, [], "orgs[0].generation.engine"
     ),

@@ -46,7 +46,7 @@ def demo_cfg():
                     # uniform under a budget: some foreign rows kept, some dropped (failures too: micro agents
                     # rarely succeed)
                     "selection": {"rule": "uniform", "budget_multiple": 0.5},
-                    "outcome_guard": {"every": 1, "val_size": 8, "final_size": 0}},
+                    "outcome_guard": {"every": 1, "val_size": 8, "final_size": 8}},
         "generation": {"num_samples": 4, "max_new_tokens": 12, "eval_max_new_tokens": 12},
         "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
         "federation": {"rounds": 2, "prompts_per_round": 4, "eval_every": 1, "min_orgs": 1},

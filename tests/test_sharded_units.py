@@ -10,7 +10,7 @@ from hacrl_fed.engines import FastEngine, HFEngine
 from hacrl_fed.engines.hf import _seeded, sampling_kwargs
 from hacrl_fed.sharded.fsdp import shares
 from hacrl_fed.sharded.worker import check_supported
-from hacrl_fed.trainer import _MetricAccumulator
+from hacrl_fed.update_metrics import MetricAccumulator as _MetricAccumulator
 from tests.helpers_tiny import render, tiny_char_tokenizer, tiny_model
 
 SAMPLING = dict(num_samples=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8)

@@ -14,10 +14,14 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from hacrl_fed.cli.common import USAGE, add_set_flag, parser, run_command, say_line
 from hacrl_fed.wire.grpc_server import ListenError, WorkerTLS, check_listen, describe_worker, serve_worker
+
+if TYPE_CHECKING:
+    from hacrl_fed.worker.api import WorkerAPI
 
 log = logging.getLogger("hacrl_fed.wire.grpc_server")
 PROG = "hacrl-fed worker"
@@ -110,7 +114,7 @@ def _pick_org(cfg: Any, org: str | None) -> str:
     return org
 
 
-def _close(worker: Any) -> None:
+def _close(worker: WorkerAPI) -> None:
     close = getattr(worker, "close", None)
     if callable(close):
         close()
@@ -131,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(PROG, lambda: serve(args, p))
 
 
-def serve(args: argparse.Namespace, p: argparse.ArgumentParser, *, rank_worker: Any = None) -> int:
+def serve(
+    args: argparse.Namespace, p: argparse.ArgumentParser, *, rank_worker: Callable[..., WorkerAPI] | None = None
+) -> int:
     """The command's work: check the link and config, build the worker, serve until stopped. Under torchrun (an
     org with ``sharding.ranks > 1``) each rank goes to :func:`hacrl_fed.sharded.endpoint.serve_ranks`, which builds
     its worker with ``rank_worker`` (default :func:`hacrl_fed.sharded.dispatch.rank_worker`)."""
@@ -170,7 +176,7 @@ def _serve_rank(
     env: Any,
     *,
     link: tuple[WorkerTLS | None, bool],
-    rank_worker: Any,
+    rank_worker: Callable[..., WorkerAPI] | None,
 ) -> int:
     """One rank of a sharded worker (:func:`hacrl_fed.sharded.endpoint.serve_ranks`); rank 0 serves the endpoint."""
     from hacrl_fed.sharded.dispatch import rank_worker as default_factory
@@ -200,7 +206,7 @@ def serve_endpoint(
     p: argparse.ArgumentParser,
     cfg: Any,
     org_id: str,
-    worker: Any,
+    worker: WorkerAPI,
     *,
     link: tuple[WorkerTLS | None, bool],
     stop: threading.Event,

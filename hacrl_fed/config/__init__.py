@@ -39,7 +39,6 @@ from hacrl_fed.config.trainer import (
     LoraConfig,
     OutcomeGuardConfig,
     SelectionConfig,
-    TeachConfig,
     TrainerConfig,
 )
 
@@ -56,7 +55,6 @@ __all__ = [
     "ModelConfig",
     "OrgConfig",
     "OutcomeGuardConfig",
-    "TeachConfig",
     "RunConfig",
     "SecurityConfig",
     "SelectionConfig",

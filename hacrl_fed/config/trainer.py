@@ -207,25 +207,6 @@ class OutcomeGuardConfig(_Section):
     margin: int = Field(2, ge=0, description=_d("and lost - gained > margin (prompts)"))
     probation: int = Field(8, ge=1, description=_d("rounds a source is left out after its first strike"))
     backoff: float = Field(2.0, ge=1, description=_d("each further strike multiplies the source's quarantine by this"))
-    struck_bar: Literal["no_worse", "slack"] = Field(
-        "slack",
-        description=_d(
-            "what a source with strikes is held to at every validation after updates that trained on its rows: "
-            "slack (the regression test of z and margin, like any source) or no_worse (gained >= lost against "
-            "the reference, else another strike: a coin toss for an honest peer; the rule before this field)"
-        ),
-        json_schema_extra={"absent_means": "no_worse"},  # a stored config from before the field held them to it
-    )
-    shadow_gate: bool = Field(
-        True,
-        description=_d(
-            "a regression after foreign rows rolls back and strikes only when the weights are also significantly "
-            "worse than the shadow's (a learning dip that training alone matches does nothing: "
-            "outcome/<source>/spared); needs counterfactual, without it every such regression acts; false: the rule "
-            "before this field"
-        ),
-        json_schema_extra={"absent_means": False},  # a stored config from before the field acted on every regression
-    )
     counterfactual: bool = Field(
         True,
         description=_d(
@@ -237,52 +218,20 @@ class OutcomeGuardConfig(_Section):
     )
     final_size: int = Field(
         1000,
-        ge=0,
+        ge=1,
         description=_d(
             "prompts of a second private split of the train split (apart from the validation split) on which the last "
             "round's choice between the learner and its shadow is made: no earlier decision selected weights on it, "
-            "and it is larger; 0: the validation split (the rule until issue 27's attack matrix)"
+            "and it is larger"
         ),
-        json_schema_extra={"absent_means": 0},  # a stored config from before the field made the choice on val_size
     )
     last_z: float = Field(
         1.0,
-        ge=0,
-        description=_d(
-            "the counterfactual's bar at the last round: adopt the shadow when lost - gained > last_z * sqrt(lost + "
-            "gained) on the split; 0: by the point estimate (lost > gained)"
-        ),
-    )
-
-
-class TeachConfig(_Section):
-    """Learning from peers' verified successes the learner cannot yet sample (docs/ALGORITHM.md "Teach"; issue 30):
-    after the policy update, a few supervised steps with their own optimizer on the foreign rows with reward > 0 of
-    the prompts where every own row of the learner failed. Off: the paper (a learner learns from a peer only what its
-    own policy already finds likely enough for HACPO's band)."""
-
-    enabled: bool = Field(
-        False,
-        description=_d(
-            "after each round's update, maximise the learner's mean token log-prob of the foreign rows with reward "
-            "> 0 on the prompts where every own row has reward 0 (teach/... metrics). Those rows bypass the "
-            "likelihood screen (a success the learner cannot sample is unlikely under it by definition): SECURITY.md "
-            "says what that opens and what bounds it"
-        ),
-    )
-    lr: float | None = Field(
-        None,
         gt=0,
         description=_d(
-            "the learning rate of the teach steps' own AdamW (null: trainer.lr). Measured on the expertise settings' "
-            "0.7 M-parameter agents: 3x trainer.lr or more wrecks the learner's own skill within 10 rounds "
-            '(BENCHMARKS.md "Teach")'
+            "the counterfactual's bar at the last round: adopt the shadow when lost - gained > last_z * sqrt(lost + "
+            "gained) on the split"
         ),
-    )
-    epochs: int = Field(1, ge=1, description=_d("passes over the round's teach rows"))
-    minibatch_size: int = Field(64, ge=1, description=_d("teach rows per teach step"))
-    max_rows: int | None = Field(
-        None, ge=1, description=_d("at most this many teach rows per round (a seeded sample; null: every one)")
     )
 
 
@@ -347,8 +296,4 @@ class TrainerConfig(_Section):
         default_factory=OutcomeGuardConfig,
         description=_d("bound a member's harm by this learner's own validated accuracy (the learner's own choice)"),
         json_schema_extra={"absent_means": {"enabled": False}},  # a stored config from before the guard ran without it
-    )
-    teach: TeachConfig = Field(
-        default_factory=TeachConfig,
-        description=_d("supervised steps on peers' successes where the learner failed (off: the paper)"),
     )

@@ -13,9 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hacrl_fed.types import StepReply, StepRequest
+
+if TYPE_CHECKING:
+    from hacrl_fed.worker.api import WorkerAPI
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +30,7 @@ class PacedWorker:
 
     def __init__(
         self,
-        worker: Any,
+        worker: WorkerAPI,
         factor: float,
         *,
         clock: Callable[[], float] = time.perf_counter,
@@ -55,7 +58,7 @@ class PacedWorker:
         return getattr(self.worker, name)
 
 
-def paced(worker: Any, factor: float) -> Any:
+def paced(worker: WorkerAPI, factor: float) -> Any:
     """``worker`` itself when ``factor == 1`` (no wrapper), else a :class:`PacedWorker`."""
     if factor == 1.0:
         return worker

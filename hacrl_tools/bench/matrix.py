@@ -343,6 +343,63 @@ def _comparable(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+# run-config fields measured and removed (issue 42), each at the value that is today's only behaviour: a committed
+# cell that stored one at that value ran what today's config runs; at any other value it ran the removed feature
+# (a retired method's cell, which names its commit: RETIRED_METHODS)
+REMOVED_FIELDS: dict[str, Any] = {
+    "algorithm.cross_staleness": "band",
+    "algorithm.cross_weight_mode": "filter",
+    "algorithm.cross_weight_min": 0.8,
+    "algorithm.cross_weight_max": 1.0,
+    "trainer.teach": {"enabled": False},
+    "trainer.outcome_guard.struck_bar": "slack",
+    "trainer.outcome_guard.shadow_gate": True,
+}
+
+# methods measured and removed from the matrix, with the commit their cells' code ran at last (each cell's JSON names
+# its own commit, ``code.commit``); their cells stay under benchmarks/results/ and in BENCHMARKS.md's tables
+RETIRED_METHODS: dict[str, str] = {
+    **dict.fromkeys(
+        [
+            "hacpo_defended_split_inband_solved",  # algorithm.baseline_rows: in_band_solved
+            "hacpo_defended_split_teach",  # trainer.teach
+            "hacpo_defended_split_guard",  # the outcome guard's older rules (final_size 0, struck_bar no_worse)
+            "hacpo_defended_split_guard_final",  # struck_bar no_worse, shadow_gate false
+            "hacpo_defended_split_guard_slack",  # shadow_gate false
+        ],
+        "c30f784",
+    ),
+    **dict.fromkeys(
+        [
+            f"{m}_dec"
+            for m in (
+                "async1",
+                "async4_k1",
+                "async4_k2",
+                "async4_k4",
+                "async4_free",
+                "async4_open",
+                "async2_k1",
+                "async2_k2",
+                "async2_k4",
+                "async2_open",
+            )
+        ],
+        "c30f784",
+    ),  # algorithm.cross_staleness: decoupled
+}
+
+
+def _removed_ok(path: str, value: Any) -> bool:
+    """Whether a stored field ``path`` today's schema no longer has was at the value that is today's behaviour."""
+    if path not in REMOVED_FIELDS:
+        return False
+    kept = REMOVED_FIELDS[path]
+    if isinstance(kept, dict):
+        return isinstance(value, dict) and all(value.get(k) == v for k, v in kept.items())
+    return bool(value == kept)
+
+
 def same_run_config(stored: dict[str, Any], cfg: Any) -> bool:
     """Whether a cell that ran with the resolved config ``stored`` (its JSON's ``config``) ran ``cfg``: every field
     of ``cfg`` equal to the stored one, or, where ``stored`` lacks the field (the cell predates it), ``cfg`` at the
@@ -350,7 +407,8 @@ def same_run_config(stored: dict[str, Any], cfg: Any) -> bool:
     changed after it was added: ``trainer.selection.budget_split``; for a section, the fields its absence fixes:
     ``trainer.outcome_guard`` off), else the schema's default; a section switched off (``enabled: false``) in both
     is the same whatever its other fields; a stored field
-    ``cfg`` no longer has is a difference."""
+    ``cfg`` no longer has is a difference unless it was measured and removed at the value that is today's only
+    behaviour (:data:`REMOVED_FIELDS`)."""
     current = _comparable(cfg.model_dump(mode="json"))
     non_default = _comparable(cfg.model_dump(mode="json", exclude_defaults=True))
     return _same(_comparable(stored), current, non_default, cfg)
@@ -369,17 +427,25 @@ def _absent_ok(model: Any, key: str, value: Any, non_default: dict[str, Any]) ->
     return key not in non_default  # a new field: at its default
 
 
-def _same(stored: Any, current: Any, non_default: Any, model: Any = None) -> bool:
+def _same(stored: Any, current: Any, non_default: Any, model: Any = None, path: str = "") -> bool:
     """``current`` (a dumped config, ``model`` the object it was dumped from where there is one) against
     ``stored`` (:func:`same_run_config`)."""
     if isinstance(current, dict):
         if current.get("enabled") is False and isinstance(stored, dict) and stored.get("enabled") is False:
             return True  # a section switched off in both runs: its other fields change nothing
-        if not isinstance(stored, dict) or set(stored) - set(current):
+        if not isinstance(stored, dict):
+            return False
+        if any(not _removed_ok(f"{path}{k}", stored[k]) for k in set(stored) - set(current)):
             return False
         nd = non_default if isinstance(non_default, dict) else {}
         return all(
-            _same(stored[k], v, nd.get(k), getattr(model, k, None) if isinstance(model, BaseModel) else None)
+            _same(
+                stored[k],
+                v,
+                nd.get(k),
+                getattr(model, k, None) if isinstance(model, BaseModel) else None,
+                f"{path}{k}.",
+            )
             if k in stored
             else _absent_ok(model, k, v, nd)
             for k, v in current.items()
@@ -391,5 +457,5 @@ def _same(stored: Any, current: Any, non_default: Any, model: Any = None) -> boo
             non_default if isinstance(non_default, list) and len(non_default) == len(current) else [None] * len(current)
         )
         models = list(model) if isinstance(model, list) and len(model) == len(current) else [None] * len(current)
-        return all(_same(a, b, c, m) for a, b, c, m in zip(stored, current, nds, models))
+        return all(_same(a, b, c, m, f"{path[:-1]}[].") for a, b, c, m in zip(stored, current, nds, models))
     return stored == current
