@@ -46,13 +46,8 @@ class SelectionConfig(_Section):
         "successes",
         description=_d(
             "successes (the default: rows with reward > 0; BENCHMARKS.md, SECURITY.md), all (every screened "
-            "foreign row: the paper), uniform (a seeded uniform sample of the budget), nonzero_advantage (rows "
-            "whose reward differs from their joint group's mean), learner_failed (rows of prompts where the "
-            "learner's own mean reward is below the best reward in the pool, lowest own mean first), max_variance "
-            "(per prompt the subset of its share of the budget that maximizes the joint group's reward variance: "
-            "PODS), rescue (rows with reward > 0 on prompts where every own row of the learner has reward 0), "
-            "peer_sample (whole sources in a seeded order until the budget is full; the sources it does not "
-            "reach are not screened)"
+            "foreign row: the paper) or peer_sample (whole sources in a seeded order until the budget is full; the "
+            "sources it does not reach are not screened)"
         ),
     )
     budget: int | None = Field(

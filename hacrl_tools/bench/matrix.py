@@ -37,6 +37,10 @@ class Method:
     # org id -> dotted fields of that org's entry in the setting's ``orgs`` list (``trainer.selection.rule``): one
     # org's own settings (every org keeps its own rule); a setting without that org skips the cell
     orgs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # a method whose feature the code no longer has: ``{"commit": the commit its committed cells ran at, "why": what
+    # was removed}``. It is never run (its cells are skipped, naming the commit to rerun them at); its cells stay
+    # readable by the report tools, which read the cells' JSON, not the config
+    retired: dict[str, str] | None = None
 
 
 @dataclass
@@ -71,12 +75,18 @@ def load_matrix(path: str | Path = MATRIX) -> Matrix:
     methods = {}
     for name, m in (data.get("methods") or {}).items():
         m = m or {}
-        unknown = set(m) - {"set", "scale", "same_as", "about", "orgs"}
+        unknown = set(m) - {"set", "scale", "same_as", "about", "orgs", "retired"}
         if unknown:
             raise MatrixError(f"{path}: methods.{name}: unknown keys {sorted(unknown)}")
         orgs = {str(o): dict(v or {}) for o, v in (m.get("orgs") or {}).items()}
         methods[name] = Method(
-            name, dict(m.get("set") or {}), dict(m.get("scale") or {}), m.get("same_as"), m.get("about", ""), orgs
+            name,
+            dict(m.get("set") or {}),
+            dict(m.get("scale") or {}),
+            m.get("same_as"),
+            m.get("about", ""),
+            orgs,
+            _retired(path, name, m.get("retired")),
         )
     for m in methods.values():
         if m.same_as is not None and m.same_as not in methods:
@@ -103,6 +113,16 @@ def load_matrix(path: str | Path = MATRIX) -> Matrix:
         groups[name] = g
     seeds = [int(s) for s in data.get("seeds") or [0, 1, 2]]
     return Matrix(path, settings, methods, groups, seeds, dict(data.get("quick") or {}))
+
+
+def _retired(path: Path, name: str, value: Any) -> dict[str, str] | None:
+    """A method's ``retired`` entry checked: ``{commit: <7-40 hex digits>, why: <text>}``, or None."""
+    if value is None:
+        return None
+    commit = str(value.get("commit", "")) if isinstance(value, dict) else ""
+    if not (7 <= len(commit) <= 40 and all(c in "0123456789abcdef" for c in commit)) or not value.get("why"):
+        raise MatrixError(f"{path}: methods.{name}.retired needs a commit (hex) and a why, got {value!r}")
+    return {"commit": commit, "why": str(value["why"])}
 
 
 # ------------------------------------------------------------------------------------------------ cells
@@ -194,6 +214,9 @@ def build_cell(
 
     cell = Cell(setting, method, seed, group)
     m = matrix.methods[method]
+    if m.retired is not None:
+        cell.skip = f"retired: {m.retired['why']}; its cells ran at commit {m.retired['commit']} (rerun there)"
+        return cell
     if m.same_as is not None:
         cell.same_as = m.same_as
         cell.skip = f"same config as {m.same_as} (reported from its cells)"
