@@ -392,19 +392,37 @@ def _absent_ok(model: Any, key: str, value: Any, non_default: dict[str, Any]) ->
     return key not in non_default  # a new field: at its default
 
 
-def _same(stored: Any, current: Any, non_default: Any, model: Any = None) -> bool:
+# Fields the run config no longer has (issue 42), each at the value today's code runs with: a stored cell config that
+# holds one at that value ran what today's code runs (any other value: a difference). Dotted, ``orgs[]`` for an org.
+REMOVED_FIELDS: dict[str, Any] = {
+    "trainer.likelihood_screen.norm": "per_byte",
+    "trainer.likelihood_screen.quantile": 0.0,
+    "trainer.likelihood_screen.claim_margin_nats": 0.5,
+    "trainer.likelihood_screen.min_scale": 0.05,
+    "trainer.likelihood_screen.history_decay": 0.8,
+    "trainer.likelihood_screen.min_rows": 4,
+}
+
+
+def _removed_ok(stored: dict[str, Any], keys: set[str], path: str) -> bool:
+    """Whether every one of ``keys`` (stored fields the config no longer has, under ``path``) is a removed field at
+    the value today's code runs with (:data:`REMOVED_FIELDS`)."""
+    missing = object()
+    return all(REMOVED_FIELDS.get(f"{path}{k}", missing) == stored[k] for k in keys)
+
+
+def _same(stored: Any, current: Any, non_default: Any, model: Any = None, path: str = "") -> bool:
     """``current`` (a dumped config, ``model`` the object it was dumped from where there is one) against
-    ``stored`` (:func:`same_run_config`)."""
+    ``stored`` (:func:`same_run_config`); ``path``: the dotted prefix of this section (``trainer.``)."""
     if isinstance(current, dict):
         if current.get("enabled") is False and isinstance(stored, dict) and stored.get("enabled") is False:
             return True  # a section switched off in both runs: its other fields change nothing
-        if not isinstance(stored, dict) or set(stored) - set(current):
+        if not isinstance(stored, dict) or not _removed_ok(stored, set(stored) - set(current), path):
             return False
         nd = non_default if isinstance(non_default, dict) else {}
+        sub = (lambda k: getattr(model, k, None)) if isinstance(model, BaseModel) else (lambda k: None)
         return all(
-            _same(stored[k], v, nd.get(k), getattr(model, k, None) if isinstance(model, BaseModel) else None)
-            if k in stored
-            else _absent_ok(model, k, v, nd)
+            _same(stored[k], v, nd.get(k), sub(k), f"{path}{k}.") if k in stored else _absent_ok(model, k, v, nd)
             for k, v in current.items()
         )
     if isinstance(current, list):
@@ -414,5 +432,5 @@ def _same(stored: Any, current: Any, non_default: Any, model: Any = None) -> boo
             non_default if isinstance(non_default, list) and len(non_default) == len(current) else [None] * len(current)
         )
         models = list(model) if isinstance(model, list) and len(model) == len(current) else [None] * len(current)
-        return all(_same(a, b, c, m) for a, b, c, m in zip(stored, current, nds, models))
+        return all(_same(a, b, c, m, path.rstrip(".") + "[].") for a, b, c, m in zip(stored, current, nds, models))
     return stored == current
