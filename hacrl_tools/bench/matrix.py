@@ -9,6 +9,7 @@ against the working directory too.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel
+
+from hacrl_fed.coordinator.virtual_clock import BENCH_FIELDS
 
 # relative to the working directory (the repository root when run from a checkout)
 MATRIX = Path("configs") / "bench" / "matrix.yaml"
@@ -141,6 +144,21 @@ class Cell:
     skip: str | None = None  # why it does not run
     same_as: str | None = None
     hash: str | None = None
+    # the benchmark layer: the in-process virtual clock's fields of the method's ``set`` (``federation.virtual_step_s``
+    # and the others of hacrl_fed.coordinator.virtual_clock.BENCH_FIELDS), out of the run config since issue 42
+    bench: dict[str, Any] = field(default_factory=dict)
+
+    def clock(self) -> Any:
+        """The cell's :class:`~hacrl_fed.coordinator.virtual_clock.VirtualClock`."""
+        from hacrl_fed.coordinator.virtual_clock import VirtualClock
+
+        return VirtualClock.from_bench(self.bench)
+
+    def stored_config(self) -> dict[str, Any]:
+        """The config a cell's JSON records: the run config with the benchmark layer in the ``federation`` section,
+        where the run config held those fields until issue 42 (so older cells and the readers of ``config`` agree:
+        :func:`same_run_config`, ``scripts/async_bench.py``)."""
+        return with_bench(self.config.model_dump(mode="json"), self.bench)
 
     @property
     def key(self) -> str:
@@ -228,6 +246,7 @@ def build_cell(
         return cell
     cell.config_dict = raw
     overrides: dict[str, Any] = dict(m.set)
+    cell.bench = {k: overrides.pop(k) for k in list(overrides) if k in BENCH_FIELDS}
     missing = [k for k in overrides if not field_exists(k)]
     if missing:
         cell.overrides = overrides
@@ -244,21 +263,41 @@ def build_cell(
             value = _get_dotted(base, key) * factor
             overrides[key] = int(round(value)) if isinstance(_get_dotted(base, key), int) else value
         cell.config = load_config(raw, overrides)
-    except ConfigError as err:
+        cell.clock().check([o.id for o in cell.config.orgs], cell.config.federation.staleness)
+    except (ConfigError, ValueError) as err:
         cell.overrides = overrides
         cell.skip = f"config refused: {err}"
         return cell
     except AttributeError as err:
         cell.skip = f"bad scale field: {err}"
         return cell
-    cell.overrides = overrides
+    cell.overrides = {**overrides, **cell.bench}
     # the cell's label in listings and JSON: only the fields set away from their defaults. Whether a finished cell
     # is this cell compares the resolved configs (cell_status); a change of what the code does with the same
     # config is tracked by each cell's commit (the report lists the training-code files that differ)
     cell.hash = config_hash(
         cell.config, exclude=("run_dir", "name"), relative_to=Path.cwd(), digits=12, exclude_defaults=True
     )
+    if cell.bench:  # the benchmark layer is part of what the cell runs
+        layer = json.dumps(cell.bench, sort_keys=True)
+        cell.hash = hashlib.sha256(f"{cell.hash}|{layer}".encode()).hexdigest()[:12]
     return cell
+
+
+def with_bench(dumped: dict[str, Any], bench: dict[str, Any], *, defaults: bool = True) -> dict[str, Any]:
+    """A dumped run config with the benchmark layer ``bench`` (``{"federation.virtual_step_s": {...}}``) put back
+    where the run config held it until issue 42: ``federation.virtual_*``, and each org's ``emulate_slowdown`` 1.0
+    (never set in process). ``defaults``: also the fields ``bench`` leaves out, at their old defaults."""
+    out = json.loads(json.dumps(dumped))
+    fed = out.setdefault("federation", {})
+    for key in BENCH_FIELDS:
+        name = key.split(".", 1)[1]
+        if key in bench or defaults:
+            fed[name] = dict(bench.get(key) or {})
+    if defaults:
+        for org in out.get("orgs") or []:
+            org.setdefault("emulate_slowdown", 1.0)
+    return out
 
 
 def _set_orgs(raw: dict[str, Any], orgs: dict[str, dict[str, Any]]) -> str | None:
@@ -348,7 +387,7 @@ def cell_status(cell: Cell, results: Path) -> str:
     except (OSError, json.JSONDecodeError):
         return "stale"
     if isinstance(old.get("config"), dict) and cell.config is not None:
-        return "done" if same_run_config(old["config"], cell.config) else "stale"
+        return "done" if same_run_config(old["config"], cell.config, cell.bench) else "stale"
     return "done" if old.get("config_hash") == cell.hash else "stale"
 
 
@@ -366,16 +405,18 @@ def _comparable(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def same_run_config(stored: dict[str, Any], cfg: Any) -> bool:
+def same_run_config(stored: dict[str, Any], cfg: Any, bench: dict[str, Any] | None = None) -> bool:
     """Whether a cell that ran with the resolved config ``stored`` (its JSON's ``config``) ran ``cfg``: every field
     of ``cfg`` equal to the stored one, or, where ``stored`` lacks the field (the cell predates it), ``cfg`` at the
     value that field's absence stands for: its ``absent_means`` where the schema records one (a field whose default
     changed after it was added: ``trainer.selection.budget_split``; for a section, the fields its absence fixes:
     ``trainer.outcome_guard`` off), else the schema's default; a section switched off (``enabled: false``) in both
     is the same whatever its other fields; a stored field
-    ``cfg`` no longer has is a difference."""
-    current = _comparable(cfg.model_dump(mode="json"))
-    non_default = _comparable(cfg.model_dump(mode="json", exclude_defaults=True))
+    ``cfg`` no longer has is a difference. ``bench``: the cell's benchmark layer, compared where the stored config
+    holds it (:func:`with_bench`)."""
+    current = _comparable(with_bench(cfg.model_dump(mode="json"), bench or {}))
+    set_fields = cfg.model_dump(mode="json", exclude_defaults=True)
+    non_default = _comparable(with_bench(set_fields, bench or {}, defaults=False))
     return _same(_comparable(stored), current, non_default, cfg)
 
 
