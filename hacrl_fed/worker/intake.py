@@ -128,6 +128,7 @@ class Admitted:
     scored_tokens: int
     times: dict[str, float]
     outcome: dict[str, float] = dataclasses.field(default_factory=dict)  # the outcome guard's quarantine counts
+    staleness: dict[str, float] = dataclasses.field(default_factory=dict)  # async: hacrl_fed.worker.row_ages
     # asynchronous rounds: per row, (Phat_learner, Phat_source) of the row's round (None: one figure per agent)
     row_capability: tuple[list[float], list[float]] | None = None
     teach_rows: list[TrainRow] = dataclasses.field(default_factory=list)  # trainer.teach (hacrl_fed.worker.teach_rows)
@@ -144,6 +145,7 @@ class Admitted:
             **self.ledger.trust_metrics(),
             **self.ledger.select_metrics,
             **self.times,
+            **self.staleness,
             **self.outcome,
             **self.teach_metrics,
             "train/foreign_received": float(received),
