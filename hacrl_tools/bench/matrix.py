@@ -262,8 +262,9 @@ def build_cell(
         for key, factor in m.scale.items():
             value = _get_dotted(base, key) * factor
             overrides[key] = int(round(value)) if isinstance(_get_dotted(base, key), int) else value
-        cell.config = load_config(raw, overrides)
-        cell.clock().check([o.id for o in cell.config.orgs], cell.config.federation.staleness)
+        config = load_config(raw, overrides)
+        cell.clock().check([o.id for o in config.orgs], config.federation.staleness)
+        cell.config = config
     except (ConfigError, ValueError) as err:
         cell.overrides = overrides
         cell.skip = f"config refused: {err}"
@@ -447,9 +448,19 @@ REMOVED_FIELDS: dict[str, Any] = {
 
 def _removed_ok(stored: dict[str, Any], keys: set[str], path: str) -> bool:
     """Whether every one of ``keys`` (stored fields the config no longer has, under ``path``) is a removed field at
-    the value today's code runs with (:data:`REMOVED_FIELDS`)."""
-    missing = object()
-    return all(REMOVED_FIELDS.get(f"{path}{k}", missing) == stored[k] for k in keys)
+    the value today's code runs with (:data:`REMOVED_FIELDS`; a removed section's entry is a dict of the fields
+    that must match, e.g. ``{"enabled": False}``)."""
+
+    def ok(key: str) -> bool:
+        expected, value = REMOVED_FIELDS.get(f"{path}{key}", _MISSING), stored[key]
+        if isinstance(expected, dict) and isinstance(value, dict):
+            return all(value.get(k, _MISSING) == v for k, v in expected.items())
+        return bool(expected == value)
+
+    return all(ok(k) for k in keys)
+
+
+_MISSING = object()
 
 
 def _same(stored: Any, current: Any, non_default: Any, model: Any = None, path: str = "") -> bool:
