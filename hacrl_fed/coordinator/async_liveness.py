@@ -130,7 +130,7 @@ class Liveness:
     def probed(self, org: str, now: float) -> bool:
         """Whether ``org``'s probe answered by ``now``; sends the next one when due."""
         if org not in self.probe_at:
-            return False  # a virtual death: back at its virtual_rejoins second only
+            return False  # a virtual death: back at its clock's rejoins second only
         probe = self.probes.get(org)
         if probe is None and self.probe_at[org] <= now:
             if self.pool is None:
