@@ -153,8 +153,8 @@ def _resolve_run(args: argparse.Namespace):
         raise UsageError("--worker needs --transport grpc")
     given = parse_worker_addresses(args.workers, [o.id for o in cfg.orgs])  # bad usage: before the run dir is used
     if transport == "inprocess":
-        from hacrl_fed.config import refuse_emulated_slowdown
         from hacrl_fed.sharded.group import check_in_process
+        from hacrl_fed.worker.pacing import refuse_emulated_slowdown
 
         try:
             check_in_process(cfg, "inprocess")

@@ -214,12 +214,13 @@ def serve_endpoint(
 ) -> int:
     """Serve ``worker`` over gRPC on ``args.listen`` until ``stop`` is set, the launcher is gone or ``halt()`` is
     true; print the ready line once it accepts calls; stop gracefully and close the worker. An org with
-    ``emulate_slowdown > 1`` is served paced (:mod:`hacrl_fed.worker.pacing`; a sharded org: rank 0's dispatcher)."""
+    a benchmark slowdown ``HACRL_FED_BENCH_SLOWDOWN`` is served paced (:mod:`hacrl_fed.worker.pacing`; a sharded
+    org: rank 0's dispatcher)."""
     max_mb = args.max_message_mb or cfg.federation.max_message_mb
     from hacrl_fed.wire.bounds import max_request_bytes, worker_limits
-    from hacrl_fed.worker.pacing import paced
+    from hacrl_fed.worker.pacing import paced, slowdowns
 
-    worker = paced(worker, cfg.org(org_id).emulate_slowdown)
+    worker = paced(worker, slowdowns(cfg).get(org_id, 1.0))
 
     try:
         server = serve_worker(

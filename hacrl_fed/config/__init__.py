@@ -28,7 +28,6 @@ from hacrl_fed.config.run import (
     config_hash,
     org_generation,
     org_trainer,
-    refuse_emulated_slowdown,
 )
 from hacrl_fed.config.security import SecurityConfig
 from hacrl_fed.config.task import TaskConfig
@@ -64,7 +63,6 @@ __all__ = [
     "SamplesConfig",
     "WandbConfig",
     "config_hash",
-    "refuse_emulated_slowdown",
     "load_config",
     "org_generation",
     "org_trainer",

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from hacrl_fed.config.section import _d, _Section
+from hacrl_fed.config.section import _d, _refuse_bench_only, _Section
 
 
 class ModelConfig(_Section):
@@ -107,13 +107,9 @@ class OrgConfig(_Section):
     sharding: ShardingConfig = Field(
         default_factory=ShardingConfig, description="the org's worker sharded over several ranks (FSDP2, torchrun)"
     )
-    emulate_slowdown: float = Field(
-        1.0,
-        ge=1.0,
-        description=_d(
-            "benchmarks only: every step of this org's hacrl-fed worker process takes this many times its compute "
-            "time (after the step the worker sleeps (F-1) x the step's measured seconds), emulating a slower org in "
-            "real processes; 1 = as fast as it is. Needs worker processes (federation.transport grpc or a Flower "
-            "deployment); in process use federation.virtual_step_s"
-        ),
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bench_only(cls, data: Any) -> Any:
+        where = "the environment variable HACRL_FED_BENCH_SLOWDOWN=ORG=F[,ORG=F] of the worker processes"
+        return _refuse_bench_only(data, {"emulate_slowdown": where})

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
@@ -132,18 +131,12 @@ def _check_asynchronous(cfg: RunConfig) -> None:
     """What asynchronous rounds (``federation.staleness >= 1``) need in this slice of the driver; each
     refusal names its field (docs/ALGORITHM.md "Asynchronous rounds")."""
     fed = cfg.federation
-    for name in ("virtual_step_s", "org_rounds", "virtual_dies", "virtual_rejoins"):
-        unknown = sorted(set(getattr(fed, name)) - {o.id for o in cfg.orgs})
-        if unknown:
-            raise ValueError(f"federation.{name} names orgs not in the run: {unknown}")
-    late = {o: t for o, t in fed.virtual_rejoins.items() if not t > fed.virtual_dies.get(o, math.inf)}
-    if late:
-        raise ValueError(f"federation.virtual_rejoins: an org rejoins only after its virtual_dies second, got {late}")
+    unknown = sorted(set(fed.org_rounds) - {o.id for o in cfg.orgs})
+    if unknown:
+        raise ValueError(f"federation.org_rounds names orgs not in the run: {unknown}")
     if fed.staleness == 0:
         if fed.window is not None and fed.window != 1:
             raise ValueError(f"federation.window={fed.window} needs federation.staleness >= 1 (K = 0: W = 1)")
-        if fed.virtual_dies:
-            raise ValueError("federation.virtual_dies needs federation.staleness >= 1 (the asynchronous driver)")
         if fed.org_rounds:
             raise ValueError("federation.org_rounds needs federation.staleness >= 1 (lock-step orgs run every round)")
         return
@@ -154,20 +147,6 @@ def _check_asynchronous(cfg: RunConfig) -> None:
     for need, ok in needs.items():
         if not ok:
             raise ValueError(f"federation.staleness={fed.staleness} (asynchronous rounds) needs {need}")
-
-
-def refuse_emulated_slowdown(cfg: RunConfig, transport: str) -> None:
-    """ConfigError naming ``orgs[i].emulate_slowdown`` for an org slowed for real (> 1), called where ``transport``
-    (as the caller names it: ``--transport inprocess``, ``the Flower simulation``) builds every worker in one
-    process: the slowdown paces a ``hacrl-fed worker`` process (:mod:`hacrl_fed.worker.pacing`); in process the
-    virtual clock's ``federation.virtual_step_s`` does this."""
-    for i, org in enumerate(cfg.orgs):
-        if org.emulate_slowdown != 1.0:
-            raise ConfigError(
-                f"orgs[{i}].emulate_slowdown={org.emulate_slowdown:g} (org {org.id!r}) slows the org's hacrl-fed "
-                f"worker process, but {transport} builds every worker in this process: use "
-                "federation.virtual_step_s there (or --transport grpc for real worker processes)"
-            )
 
 
 def config_hash(

@@ -46,13 +46,8 @@ class SelectionConfig(_Section):
         "successes",
         description=_d(
             "successes (the default: rows with reward > 0; BENCHMARKS.md, SECURITY.md), all (every screened "
-            "foreign row: the paper), uniform (a seeded uniform sample of the budget), nonzero_advantage (rows "
-            "whose reward differs from their joint group's mean), learner_failed (rows of prompts where the "
-            "learner's own mean reward is below the best reward in the pool, lowest own mean first), max_variance "
-            "(per prompt the subset of its share of the budget that maximizes the joint group's reward variance: "
-            "PODS), rescue (rows with reward > 0 on prompts where every own row of the learner has reward 0), "
-            "peer_sample (whole sources in a seeded order until the budget is full; the sources it does not "
-            "reach are not screened)"
+            "foreign row: the paper) or peer_sample (whole sources in a seeded order until the budget is full; the "
+            "sources it does not reach are not screened)"
         ),
     )
     budget: int | None = Field(
@@ -147,39 +142,22 @@ class LikelihoodScreenConfig(_Section):
             "line with the source's other claims), counted as screen/<source>/dropped_<reason>"
         ),
     )
-    norm: Literal["per_byte", "per_token"] = Field(
-        "per_byte",
-        description=_d(
-            "unit of the length-normalised log-probs it compares: per UTF-8 byte of the response (comparable "
-            "across tokenizers) or per token (the learner's tokens; a claim per the source's tokens)"
-        ),
-    )
     margin_nats: float = Field(
         4.0,
         ge=0,
         description=_d(
-            "a foreign row is dropped when its learner log-prob per unit is below the quantile of the learner's own "
-            "rows of the same prompt minus this margin"
+            "a foreign row is dropped when its learner log-prob per UTF-8 byte of the response is below the minimum "
+            "of the learner's own rows of the same prompt minus this margin (nats per byte: comparable across "
+            "tokenizers)"
         ),
-    )
-    quantile: float = Field(
-        0.0, ge=0, le=1, description=_d("which quantile of the own rows' log-probs is the reference (0: the minimum)")
     )
     claim_z: float = Field(
         8.0,
         gt=0,
         description=_d(
             "a foreign row is dropped when its claimed-minus-learner gap per unit is more than claim_z robust "
-            "standard deviations (plus claim_margin_nats) from the source's running center"
+            "standard deviations (plus 0.5 nats/unit of slack) from the source's running center"
         ),
-    )
-    claim_margin_nats: float = Field(0.5, ge=0, description=_d("slack added to the claim-outlier bound, nats/unit"))
-    min_scale: float = Field(0.05, gt=0, description=_d("floor of the gap's robust standard deviation, nats/unit"))
-    history_decay: float = Field(
-        0.8, ge=0, lt=1, description=_d("EMA weight of a source's past rounds in its gap center and scale")
-    )
-    min_rows: int = Field(
-        4, ge=2, description=_d("rows of a source needed before its first round's own gaps serve as the reference")
     )
 
 

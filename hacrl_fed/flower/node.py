@@ -138,8 +138,8 @@ def simulation_worker(context: Context, app_dir: Path) -> tuple[str, Any]:
     """``(org, worker)`` of a simulated node, building and caching the worker on first use."""
     settings, cfg = _simulation_config(context, app_dir)
     org = simulation_org(context, cfg)
-    from hacrl_fed.config import refuse_emulated_slowdown
     from hacrl_fed.sharded.group import check_in_process
+    from hacrl_fed.worker.pacing import refuse_emulated_slowdown
 
     check_in_process(cfg, "Flower simulation")  # flwr run without hacrl-fed simulate: the same refusals
     refuse_emulated_slowdown(cfg, "the Flower simulation")

@@ -124,6 +124,7 @@ class Admitted:
     scored_tokens: int
     times: dict[str, float]
     outcome: dict[str, float] = dataclasses.field(default_factory=dict)  # the outcome guard's quarantine counts
+    staleness: dict[str, float] = dataclasses.field(default_factory=dict)  # async: hacrl_fed.worker.row_ages
     # asynchronous rounds: per row, (Phat_learner, Phat_source) of the row's round (None: one figure per agent)
     row_capability: tuple[list[float], list[float]] | None = None
     # the foreign rows that passed stages 1-4 and those stage 5 selected (the sample book's fates, worker.samples)
@@ -142,6 +143,7 @@ class Admitted:
             **self.ledger.row_metrics(),
             **self.ledger.select_metrics,
             **self.times,
+            **self.staleness,
             **self.outcome,
             "train/foreign_received": float(received),
             "train/foreign_unscored": float(self.ledger.unscored()),
@@ -401,7 +403,7 @@ def screen_likelihood(
     ]
     cross = [i for i in cand if not rows[i].is_self]
     learner_sum = dict(zip(cross, scoring.score([rows[i] for i in cross]))) if cross else {}
-    lp, lengths, claimed = _screen_inputs(rows, cand, learner_sum, per_byte=cfg.norm == "per_byte")
+    lp, lengths, claimed = _screen_inputs(rows, cand, learner_sum)
     history = {s: h for s in {r.source for r in rows} if (h := scoring.history.get(agents[s])) is not None}
     res = likelihood_screen(
         lp,
@@ -410,7 +412,7 @@ def screen_likelihood(
         [rows[i].group for i in cand],
         [rows[i].source for i in cand],
         claimed,
-        ScreenParams(**cfg.model_dump(exclude={"enabled", "norm"})),
+        ScreenParams(margin_nats=cfg.margin_nats, claim_z=cfg.claim_z),  # the other thresholds: ScreenParams
         history,
     )
     scoring.history.update({agents[s]: h for s, h in res.history.items()})
@@ -457,23 +459,24 @@ def fit_context(rows: list[TrainRow], context: int | None, agents: list[str], le
 
 
 def _screen_inputs(
-    rows: Sequence[TrainRow], cand: Sequence[int], learner_sum: dict[int, float], *, per_byte: bool
+    rows: Sequence[TrainRow], cand: Sequence[int], learner_sum: dict[int, float]
 ) -> tuple[list[float], list[float], list[float | None]]:
     """Per candidate row: its learner log-prob sum (own rows: their published one), its length in the screen's
-    unit (tokens or UTF-8 bytes) and the source's claimed per-unit log-prob (None for own rows)."""
+    unit (UTF-8 bytes of the response: comparable across tokenizers) and the source's claimed per-byte log-prob
+    (None for own rows)."""
     lp: list[float] = []
     lengths: list[float] = []
     claimed: list[float | None] = []
     for i in cand:
         r = rows[i]
-        n = float(max(r.n_bytes, 1)) if per_byte else float(len(r.response_ids))
+        n = float(max(r.n_bytes, 1))
         if r.is_self:
             lp.append(sum(r.old_token_log_probs) if r.old_token_log_probs else r.old_seq_log_prob * n)
             claimed.append(None)
         else:
             lp.append(learner_sum[i])
             c = r.claimed_log_prob_sum
-            claimed.append(None if c is None else c / (n if per_byte else max(r.claimed_token_count, 1)))
+            claimed.append(None if c is None else c / n)
         lengths.append(n)
     return lp, lengths, claimed
 

@@ -333,7 +333,7 @@ def table_rows(runs: Sequence[dict[str, Any]], orgs: Sequence[str] = ()) -> list
 
 
 def method_label(run: dict[str, Any]) -> str:
-    """A run's method with its per-org rules (``hacpo_defended, acme: rescue``)."""
+    """A run's method with its per-org rules (``hacpo_defended, acme: all``)."""
     return run["method"] + "".join(f", {o}: {rule}" for o, rule in run.get("org_rules", {}).items())
 
 
