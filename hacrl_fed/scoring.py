@@ -209,7 +209,8 @@ def token_log_probs(
     ``j``-th token and ``token_log_probs`` is exactly 0 elsewhere. Carries gradient when grad is enabled. Runs the
     model in eval mode (no dropout) except for the ``dropout`` modules (the trainer passes its LoRA adapters'
     dropout), and restores every module's previous mode. Memory: logits only for the ``T + 1`` last
-    columns when the model supports ``logits_to_keep``; one float32 ``[B, T, V]`` copy for the log-softmax.
+    columns when the model supports ``logits_to_keep``; the log-softmax over token chunks above
+    :data:`CHUNK_BYTES` (:func:`gathered_log_probs`), one float32 ``[B, T, V]`` copy below it.
     ``native``: the hand-written forward of :func:`hacrl_fed.models.native.shared_prompt_logits` instead of the
     model's own, each distinct prompt of the batch run once for all its rows (the caller checks
     :func:`~hacrl_fed.models.native.unsupported_reason`; no dropout there).
@@ -226,9 +227,35 @@ def token_log_probs(
         logits = _shared_prompt_logits(model, batch).float()  # [B, T, V]
     else:
         logits = _model_logits(model, batch, t + 1, dropout)[:, -(t + 1) : -1].float()  # predicts columns P..P+T-1
-    targets = batch.input_ids[:, batch.prompt_width :].unsqueeze(-1)  # [B, T, 1]
-    lp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    lp = gathered_log_probs(logits, batch.input_ids[:, batch.prompt_width :])
     return torch.where(mask.bool(), lp, torch.zeros_like(lp)), mask
+
+
+CHUNK_BYTES = 256 << 20  # float32 [B, T, V] logits above this are log-softmaxed over token chunks of this size
+
+
+def gathered_log_probs(logits: Tensor, targets: Tensor, chunk_bytes: int = CHUNK_BYTES) -> Tensor:
+    """``log p(target) = logit[target] - logsumexp(logit)`` of ``logits`` ``[B, T, V]`` at ``targets`` ``[B, T]``
+    → float32 ``[B, T]`` (differentiable).
+
+    Up to ``chunk_bytes`` of float32 logits (every tiny zoo agent's batch) it is one float32 copy and one
+    ``logsumexp`` over the whole tensor. Above it (a real vocabulary: 262,144 × 4 B = 1 MiB per token) the columns
+    of ``T`` are taken in chunks of at most ``chunk_bytes`` of float32 logits, so the float32 copy and the
+    ``logsumexp`` temporaries exist for one chunk at a time, never ``[B, T, V]``; each token's value is the same
+    arithmetic on the same row (tests: bitwise equal to the whole-tensor formula). The threshold keeps the tiny
+    agents on the one-pass path they always took."""
+    b, t, v = logits.shape
+    per_column = max(1, b * v * 4)
+    if b * t * v * 4 <= chunk_bytes or t <= 1:
+        full = logits.float()
+        return full.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(full, dim=-1)
+    step = max(1, chunk_bytes // per_column)
+    parts = []
+    for start in range(0, t, step):
+        chunk = logits[:, start : start + step].float()
+        picked = chunk.gather(-1, targets[:, start : start + step].unsqueeze(-1)).squeeze(-1)
+        parts.append(picked - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(parts, dim=1)
 
 
 def _shared_prompt_logits(model, batch: ScoringBatch) -> Tensor:

@@ -8,34 +8,26 @@ Numerics (``trainer.precision``): ``model`` trains in the model's own dtype; ``b
 weights and optimizer states and runs forward/backward under ``torch.autocast(bfloat16)``; ``bf16-master`` keeps the
 model (what the ``hf`` engine generates with) in bfloat16 and gives AdamW a float32 master copy of the trainable
 weights: bf16 grads are upcast onto the masters, AdamW steps in float32 and the result is rounded back into the
-model. ``trainer.gradient_checkpointing`` recomputes each decoder layer in backward (:func:`checkpoint_layers`).
-Every tensor of the loss lives on the model's device (``model.device`` from the config: CPU or a CUDA device).
+model. Every tensor of the loss lives on the model's device (``model.device`` from the config: CPU or CUDA).
 
-The model stays in eval mode (dropout off): the importance ratios compare one sequence under two forward passes,
-and dropout noise would bias them. The one exception is a LoRA adapter's own dropout (``trainer.lora.dropout``):
-during the update's forward passes (the ones that carry the gradient) the adapters' dropout modules, and only
-they, are in training mode (:func:`adapter_dropout`); generation, the published old log-probs and the frozen KL
-reference stay deterministic.
+The model stays in eval mode (dropout off): the importance ratios compare one sequence under two forward passes.
+Only a LoRA adapter's own dropout is on, during the update's forward passes (:mod:`hacrl_fed.models.training_mode`).
 
 What an algorithm needs (capability cross weights, token-level inputs and weighting) comes from its registry spec
 (:class:`~hacrl_fed.algorithm.AlgorithmSpec`); the loss configuration is built once from the algorithm config
 (:meth:`~hacrl_fed.algorithm.PolicyLossConfig.from_algorithm`). :meth:`LocalTrainer.update` optimizes exactly the
-rows it is given: which foreign rows those are (screen, selection, likelihood screen, context) is the worker's
-intake's decision (:mod:`hacrl_fed.worker.intake`); a row without tokens counts in its group's advantage
-statistics and is not trained on. The trainer hands the intake its scorer (:meth:`LocalTrainer.log_prob_sums`) and
-keeps the likelihood screen's per-source history with its checkpointed state.
+rows it is given (the worker's intake chose them); a row without tokens counts in its group's advantage statistics
+and is not trained on. The trainer hands the intake its scorer (:meth:`LocalTrainer.log_prob_sums`) and keeps the
+likelihood screen's per-source history with its checkpointed state.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import logging
-import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,173 +38,33 @@ from hacrl_fed.algorithm import (
     PolicyLossInputs,
     advantage_metrics,
     capability_coefficients,
+    capability_per_row,
     fractions_from_counts,
     get_advantage_estimator,
     get_algorithm,
     get_gradient_rows,
     get_policy_loss,
-    hacpo_cross_band,
     kl_k3,
     minibatch_schedule,
     name_sources,
     order_rows,
 )
-from hacrl_fed.algorithm.capability_rounds import ROUND_ADVANTAGE_ESTIMATORS, capability_coefficients_at_rounds
+from hacrl_fed.algorithm.advantages import Capability
 from hacrl_fed.algorithm.likelihood_screen import GapHistory
-from hacrl_fed.algorithm.staleness import staleness_summary
-from hacrl_fed.algorithm.teach import teach_loss
-from hacrl_fed.config import AlgorithmConfig, TeachConfig, TrainerConfig
+from hacrl_fed.algorithm.loss_inputs import loss_inputs, sequence_inputs
+from hacrl_fed.algorithm.pre_update import PreUpdate, pre_update
+from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.models.context import context_length
 from hacrl_fed.models.native import unsupported_reason
+from hacrl_fed.models.training_mode import adapter_dropout, adapter_dropout_modules, checkpoint_layers
+from hacrl_fed.refusals import check_precision
 from hacrl_fed.scoring import ScoringBatch, build_scoring_batch_from_ids, token_log_probs
+from hacrl_fed.train_rows import TrainRow
+from hacrl_fed.update_metrics import MetricAccumulator
+
+__all__ = ["LocalTrainer", "TrainRow"]  # TrainRow: hacrl_fed.train_rows, here too for the modules that import it
 
 log = logging.getLogger(__name__)
-
-RowCapability = tuple[Sequence[float], Sequence[float]]  # per row: (Phat_learner(t(y)), Phat_source(t(y)))
-
-
-@dataclass
-class TrainRow:
-    """One sequence in the learner's tokenization.
-
-    ``old_seq_log_prob`` is ``lbar_old``: the learner's pre-update mean token log-prob for self rows, the source's
-    published mean for cross rows. ``old_token_log_probs`` (self rows) feeds token-level losses (GRPO).
-    ``norm_length`` > 0 replaces the learner's token count as the divisor of its ``lbar`` of this row (with
-    ``algorithm.logprob_norm: per_byte`` a cross row's ``old_seq_log_prob`` is then per byte too).
-    """
-
-    prompt_token_ids: list[int]
-    response_ids: list[int]
-    reward: float
-    group: int
-    source: int
-    is_self: bool
-    old_seq_log_prob: float
-    old_token_log_probs: list[float] | None = None
-    norm_length: float = 0.0  # divisor of this row's lbar; 0: its token count (per_byte cross rows: UTF-8 bytes)
-    n_bytes: int = 0  # UTF-8 bytes of the response text (the likelihood screen's per_byte unit)
-    claimed_log_prob_sum: float | None = None  # cross rows: the source's claimed sum over its own tokens
-    claimed_token_count: int = 0  # cross rows: the source's token count of that claim
-    prox_log_prob_sum: float | None = None  # the learner's pre-update log-prob sum (decoupled loss; None: not yet)
-    age: int = 0  # rounds between the learner's version and the row's batch's (0: this round's)
-    round: int = 0  # the round the row answers (asynchronous rounds; 0: the train request's round)
-
-    def prox_seq_log_prob(self) -> float:
-        """``lbar_prox``: the pre-update sum over this row's divisor (``norm_length``, else its tokens); a self row
-        without one takes its ``old_seq_log_prob`` (the same pre-update weights sampled it)."""
-        if self.prox_log_prob_sum is None:
-            if not self.is_self:
-                raise ValueError("a cross row needs its prox_log_prob_sum for the decoupled loss")
-            return self.old_seq_log_prob
-        return self.prox_log_prob_sum / max(self.norm_length if self.norm_length > 0 else len(self.response_ids), 1)
-
-
-def adapter_dropout_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The dropout modules of the model's LoRA adapters (peft's ``lora_dropout``; empty without adapters or with
-    dropout 0, where peft puts an ``Identity``)."""
-    out: list[torch.nn.Module] = []
-    for module in model.modules():
-        adapters = getattr(module, "lora_dropout", None)
-        if isinstance(adapters, torch.nn.ModuleDict):
-            out.extend(m for m in adapters.values() if isinstance(m, torch.nn.Dropout) and m.p > 0)
-    return out
-
-
-@contextlib.contextmanager
-def adapter_dropout(modules: Sequence[torch.nn.Module]):
-    """Training mode for exactly ``modules`` (the adapters' dropout) inside the block; their mode is restored."""
-    before = [m.training for m in modules]
-    for m in modules:
-        m.train(True)
-    try:
-        yield
-    finally:
-        for m, mode in zip(modules, before):
-            m.train(mode)
-
-
-def failed_groups(rows: Sequence[TrainRow]) -> set[int]:
-    """The joint groups none of whose own rows is right (reward > 0; a group without own rows counts as failed):
-    where ``algorithm.baseline_rows: in_band_solved`` keeps every row in the advantage statistics, since there the
-    foreign rows are the only signal the group has (its own rows alone are uniform)."""
-    solved = {r.group for r in rows if r.is_self and r.reward > 0}
-    return {r.group for r in rows} - solved
-
-
-def _pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
-    out = torch.zeros(len(rows), width)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.float32)
-    return out
-
-
-class _MetricAccumulator:
-    """Averages metrics over steps; ``*_min``/``*_max`` keys keep the extreme, ``num_*`` keys sum."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, float] = {}
-
-    def add(self, metrics: dict[str, float], weight: float = 1.0) -> None:
-        for k, v in metrics.items():
-            v = float(v)
-            if k.endswith("_min"):
-                self.sums[k] = min(self.sums.get(k, math.inf), v)
-            elif k.endswith("_max"):
-                self.sums[k] = max(self.sums.get(k, -math.inf), v)
-            elif k.rsplit("/", 1)[-1].startswith("num_"):
-                self.sums[k] = self.sums.get(k, 0.0) + v
-            else:
-                self.sums[k] = self.sums.get(k, 0.0) + v * weight
-                self.counts[k] = self.counts.get(k, 0.0) + weight
-
-    def merge(self, other: _MetricAccumulator) -> None:
-        """Fold in another accumulator's sums and counts (another rank's share of the same steps)."""
-        for k, v in other.sums.items():
-            if k.endswith("_min"):
-                self.sums[k] = min(self.sums.get(k, math.inf), v)
-            elif k.endswith("_max"):
-                self.sums[k] = max(self.sums.get(k, -math.inf), v)
-            else:
-                self.sums[k] = self.sums.get(k, 0.0) + v
-        for k, c in other.counts.items():
-            self.counts[k] = self.counts.get(k, 0.0) + c
-
-    def result(self) -> dict[str, float]:
-        return {k: (v / self.counts[k] if k in self.counts else v) for k, v in self.sums.items()}
-
-
-def checkpoint_layers(model: torch.nn.Module) -> int:
-    """Gradient checkpointing for ``model``: every transformers decoder layer (``GradientCheckpointingLayer``)
-    recomputes its activations during backward instead of keeping them; returns how many layers were wrapped.
-
-    transformers' own switch (``gradient_checkpointing_enable``) acts only in training mode, and the trainer
-    scores in eval mode (no dropout), so the layers' ``forward`` is wrapped here instead (non-reentrant
-    ``torch.utils.checkpoint``, only while grad is enabled: generation and no-grad scoring run unchanged).
-    Idempotent. Wrap after any ``deepcopy`` of the model (a copy would call the original's layers).
-    """
-    from torch.utils.checkpoint import checkpoint
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if not layers:
-        raise ValueError(
-            f"trainer.gradient_checkpointing: {type(model).__name__} has no transformers decoder "
-            "layers (GradientCheckpointingLayer) to checkpoint"
-        )
-    for layer in layers:
-        if getattr(layer, "_hacrl_checkpointed", False):
-            continue
-        forward = layer.forward
-
-        def checkpointed(*args, _forward=forward, **kwargs):
-            if torch.is_grad_enabled():
-                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-            return _forward(*args, **kwargs)
-
-        layer.forward = checkpointed
-        setattr(layer, "_hacrl_checkpointed", True)  # noqa: B010 - mark the layer without a typed attribute
-    return len(layers)
 
 
 class LocalTrainer:
@@ -221,9 +73,8 @@ class LocalTrainer:
     def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, trainer: TrainerConfig, pad_id: int):
         self.model, self.algo, self.cfg, self.pad_id = model, algo, trainer, int(pad_id)
         self.spec = get_algorithm(algo.name)
-        self.loss_fn = get_policy_loss(self.spec.policy_loss(algo))  # algorithm.cross_staleness picks the form
-        self.gradient_rows = get_gradient_rows(self.spec.policy_loss(algo))  # trainer.skip_no_gradient_rows
-        self.proximal = self.spec.needs_proximal(algo)  # the loss needs every row's pre-update lbar
+        self.loss_fn = get_policy_loss(self.spec.loss)
+        self.gradient_rows = get_gradient_rows(self.spec.loss)  # trainer.skip_no_gradient_rows
         self.loss_cfg = PolicyLossConfig.from_algorithm(algo)
         self.by_tokens = self.spec.weights_by_tokens(self.loss_cfg)  # micro-batch weights: tokens or rows
         self.context = context_length(model)[0]  # rows longer than this cannot be scored (the intake's last stage)
@@ -238,7 +89,6 @@ class LocalTrainer:
             betas=(trainer.betas[0], trainer.betas[1]),
             weight_decay=trainer.weight_decay,
         )
-        self.teach_optimizer: torch.optim.Optimizer | None = None  # trainer.teach's own AdamW (built on first use)
         self.screen_history: dict[str, GapHistory] = {}  # per source name: its claimed-minus-learner gap so far
         self.ref_model = None
         if algo.kl_beta > 0:
@@ -263,17 +113,8 @@ class LocalTrainer:
     @staticmethod
     def _master_weights(params: Sequence[torch.Tensor], precision: str) -> list[torch.Tensor] | None:
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
-        if precision == "bf16-autocast" and dtypes not in ([], ["float32"]):
-            raise ValueError(
-                f"trainer.precision=bf16-autocast keeps float32 weights but the model's trainable "
-                f"weights are {dtypes}: set model.dtype: float32"
-            )
+        check_precision(precision, dtypes)  # hacrl_fed.refusals: the preflight checks it before any worker starts
         if precision == "bf16-master":
-            if dtypes not in ([], ["bfloat16"]):
-                raise ValueError(
-                    f"trainer.precision=bf16-master trains bfloat16 weights against float32 masters "
-                    f"but the model's trainable weights are {dtypes}: set model.dtype: bfloat16"
-                )
             return [p.detach().float().clone().requires_grad_(True) for p in params]
         if precision == "model" and any(d in ("bfloat16", "float16") for d in dtypes):
             log.warning(
@@ -288,150 +129,98 @@ class LocalTrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
+    def prepare(self, rows: Sequence[TrainRow], names: Sequence[str] | None = None) -> PreUpdate:
+        """The algorithm's pre-update pass over ``rows`` with the current weights (:mod:`hacrl_fed.algorithm.
+        pre_update`; nothing for most): what the advantages need scored once per row before the first step."""
+        return pre_update(rows, self.algo, self.loss_cfg, self.log_prob_sums, names)
+
     def advantages(
-        self,
-        rows: Sequence[TrainRow],
-        learner: int,
-        capability: Sequence[float],
-        row_capability: RowCapability | None = None,
-        baseline_rows: Tensor | None = None,
+        self, rows: Sequence[TrainRow], learner: int, capability: Capability, prepared: PreUpdate | None = None
     ) -> Tensor:
         """Advantages of ``rows`` (docs/ALGORITHM.md §2, or plain group normalisation for the baselines). → [N].
-        ``row_capability``: per row ``(Phat_learner(t(y)), Phat_source(t(y)))`` of the row's round (asynchronous
-        rounds): an estimator with a per-round form (``ROUND_ADVANTAGE_ESTIMATORS``: HACPO's) then takes each row's
-        ratio from them; the others do not read capability. ``baseline_rows`` [N] bool (:meth:`baseline_rows`;
-        None: every row): the rows HACPO's group statistics are taken over."""
+        ``capability``: one ``Phat`` per agent, or per row the figures of the row's round
+        (:func:`~hacrl_fed.algorithm.capability_per_row`); ``prepared``: the pre-update pass's result (the rows the
+        group statistics are taken over)."""
         rewards = torch.tensor([r.reward for r in rows], dtype=torch.float64)
         groups, sources = torch.tensor([r.group for r in rows]), torch.tensor([r.source for r in rows])
         a = self.algo
         opts: dict[str, Any] = dict(
             reward_max=a.reward_max, ratio_min=a.ratio_min, ratio_max=a.ratio_max, eps=a.adv_eps
         )
-        if baseline_rows is not None:  # only HACPO's estimators take it (the config refuses in_band elsewhere)
-            opts["baseline_rows"] = baseline_rows
-        at_rounds = ROUND_ADVANTAGE_ESTIMATORS.get(self.spec.advantage)
-        if row_capability is not None and at_rounds is not None:
-            learner_cap, source_cap = row_capability
-            out = at_rounds(
-                rewards, groups, sources, learner, learner_cap, source_cap, **opts, calibrate=a.advantage_calibration
-            )
-        else:
-            fn = get_advantage_estimator(self.spec.advantage)
-            out = fn(rewards, groups, sources, learner, capability, **opts, calibrate=a.advantage_calibration)
-        return out.float()
+        opts.update(prepared.advantage_options() if prepared is not None else {})
+        fn = get_advantage_estimator(self.spec.advantage)
+        return fn(rewards, groups, sources, learner, capability, **opts, calibrate=a.advantage_calibration).float()
 
     def update(
         self,
         rows: Sequence[TrainRow],
         learner: int,
-        capability: Sequence[float],
+        capability: Capability,
         names: Sequence[str] | None = None,
-        row_capability: RowCapability | None = None,
+        prepared: PreUpdate | None = None,
     ) -> dict[str, float]:
-        """One round's update. ``learner``: this agent's index into ``capability`` (``Phat`` per agent);
-        ``names``: agent names for the per-source advantage metrics (``hacpo/adv_mean/<name>``);
-        ``row_capability``: per row of ``rows``, ``(Phat_learner, Phat_source)`` of the row's round (asynchronous
-        rounds; docs/ALGORITHM.md "Capability per round"), used instead of ``capability`` when given."""
+        """One round's update. ``learner``: this agent's index among the agents; ``capability``: one ``Phat`` per
+        agent, or per row of ``rows`` the figures of its round (asynchronous rounds; docs/ALGORITHM.md "Capability
+        per round"); ``names``: agent names for the per-source metrics (``hacpo/adv_mean/<name>``); ``prepared``: the
+        pre-update pass over ``rows`` (None: :meth:`prepare` runs it now)."""
         start = time.perf_counter()
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
-        # every response counts in its joint group's baseline and std, even one with no tokens to train on
-        # (algorithm.baseline_rows: in_band: only own rows and the foreign rows inside the band at step 0)
-        base, base_s = self.baseline_rows(rows), time.perf_counter() - start
-        adv_all = self.advantages(rows, learner, capability, row_capability, baseline_rows=base)
-        all_rows = rows
+        # every response counts in its joint group's statistics, even one with no tokens to train on
+        prepared = self.prepare(rows, names) if prepared is None else prepared
+        adv_all = self.advantages(rows, learner, capability, prepared)
         scorable = [i for i, r in enumerate(rows) if r.response_ids]
-        rows, adv = [rows[i] for i in scorable], adv_all[scorable]
-        if not rows:
+        train_rows, adv = [rows[i] for i in scorable], adv_all[scorable]
+        if not train_rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
-        rows = self.with_proximal(rows) if self.proximal else rows  # before the first step: pre-update weights
+        v = self._coefficients(rows, learner, capability, scorable)
+        out = self._optimize(train_rows, adv, v, names)
+        if names is not None:
+            out.update(advantage_metrics(adv_all, torch.tensor([r.source for r in rows]), names, prefix=self.algo.name))
+        out.update(prepared.metrics)
+        out["train/adv_abs_mean"] = float(adv.abs().mean())
+        out["time/update"] = time.perf_counter() - start
+        return out
+
+    def _coefficients(
+        self, rows: Sequence[TrainRow], learner: int, capability: Capability, scorable: Sequence[int]
+    ) -> Tensor:
+        """``v(j, k)`` [S] of the trained rows ``scorable`` (ones where the algorithm has none or it is off)."""
+        if not (self.spec.uses_capability_coefficient and self.algo.capability_coefficient):
+            return torch.ones(len(scorable))
         sources = torch.tensor([r.source for r in rows])
-        if self.spec.uses_capability_coefficient and self.algo.capability_coefficient and row_capability is not None:
-            lc, sc = ([row_capability[k][i] for i in scorable] for k in (0, 1))
-            v = capability_coefficients_at_rounds(lc, sc, sources, learner, self.algo.ratio_min, self.algo.ratio_max)
-        elif self.spec.uses_capability_coefficient and self.algo.capability_coefficient:
-            v = capability_coefficients(capability, learner, sources, self.algo.ratio_min, self.algo.ratio_max)
-        else:
-            v = torch.ones(len(rows))
-        is_self = torch.tensor([r.is_self for r in rows])
+        lc, sc = capability_per_row(capability, learner, sources)
+        return capability_coefficients(
+            (lc[scorable], sc[scorable]), learner, sources[scorable], self.algo.ratio_min, self.algo.ratio_max
+        )
+
+    def _optimize(self, rows: list[TrainRow], adv: Tensor, v: Tensor, names: Sequence[str] | None) -> dict[str, float]:
+        """The mini-batch schedule over ``rows`` (self first, then cross by source; no shuffle): one :meth:`_step`
+        per mini-batch. → the update's metrics, shares over the whole update (not means of per-step shares)."""
+        sources, is_self = torch.tensor([r.source for r in rows]), torch.tensor([r.is_self for r in rows])
         perm = order_rows(is_self, sources).tolist()
-        acc = _MetricAccumulator()
+        acc = MetricAccumulator()
         schedule = minibatch_schedule(len(rows), self.cfg.minibatch_size, self.cfg.epochs)
         for step, idx in schedule:
             picked = [perm[i] for i in idx.tolist()]
             # the adapters' dropout is on through forward and backward (gradient checkpointing recomputes in backward)
             with adapter_dropout(self.dropout):
                 acc.add(self._step(step, [rows[i] for i in picked], adv[picked], is_self[picked], v[picked]))
-        # shares over the whole update (not means of per-step shares), per source pair too
-        out = staleness_summary(fractions_from_counts(name_sources(acc.result(), names)))
-        if names is not None:
-            out.update(
-                advantage_metrics(adv_all, torch.tensor([r.source for r in all_rows]), names, prefix=self.algo.name)
-            )
-        out.update(self._baseline_metrics(all_rows, base, names, base_s))
+        out = fractions_from_counts(name_sources(acc.result(), names))
         out.update(
             {
                 "train/steps": float(len(schedule)),
                 "train/num_rows": float(len(rows)),
                 "train/num_self": float(is_self.sum()),
                 "train/num_cross": float((~is_self).sum()),
-                "train/adv_abs_mean": float(adv.abs().mean()),
-                "time/update": time.perf_counter() - start,
             }
         )
-        return out
-
-    def baseline_rows(self, rows: Sequence[TrainRow]) -> Tensor | None:
-        """The rows HACPO's advantage statistics are taken over (``algorithm.baseline_rows``; docs/ALGORITHM.md
-        "Baseline rows"). ``joint``: None (every row). ``in_band``: bool [N], True on every own row and on each
-        foreign row whose ratio at the pre-update weights (optimizer step 0), ``s = exp(clamp(lbar_0 - lbar_old,
-        -M, M))`` with ``lbar_0`` normalised as the loss does (:meth:`TrainRow.prox_seq_log_prob`: per token or per
-        byte), lies in the cross band of step 0 (:func:`~hacrl_fed.algorithm.hacpo_cross_band`); a foreign row
-        without tokens has no ratio and is left out. ``lbar_0`` comes from the row's ``prox_log_prob_sum`` where
-        the likelihood screen left its score (the same weights), else from one no-grad pass of
-        :meth:`log_prob_sums` over the rest (:meth:`with_proximal`). ``in_band_solved``: the same mask, and every
-        row of a group none of whose own rows is right (reward > 0) kept, as ``joint`` keeps it
-        (:func:`failed_groups`)."""
-        if self.algo.baseline_rows == "joint":
-            return None
-        keep = torch.tensor([r.is_self for r in rows], dtype=torch.bool)
-        cross = [i for i, r in enumerate(rows) if not r.is_self and r.response_ids]
-        if cross:
-            scored = self.with_proximal([rows[i] for i in cross])  # the screen's scores where it kept them
-            lbar0 = [r.prox_seq_log_prob() for r in scored]
-            old = torch.tensor([rows[i].old_seq_log_prob for i in cross], dtype=torch.float64)
-            m = self.algo.max_abs_log_ratio
-            ratio = torch.exp(torch.clamp(torch.tensor(lbar0, dtype=torch.float64) - old, -m, m))  # s at step 0
-            keep[cross] = hacpo_cross_band(ratio, 0, self.loss_cfg)[2]
-        if self.algo.baseline_rows == "in_band_solved":
-            failed = failed_groups(rows)
-            keep |= torch.tensor([r.group in failed for r in rows], dtype=torch.bool)
-        return keep
-
-    def _baseline_metrics(
-        self, rows: Sequence[TrainRow], base: Tensor | None, names: Sequence[str] | None, seconds: float
-    ) -> dict[str, float]:
-        """With a :meth:`baseline_rows` mask ``base`` [N] (else nothing): ``time/baseline_rows`` (``seconds``, its
-        scoring pass) and, with foreign rows, ``<algo>/num_baseline_cross`` and ``<algo>/baseline_cross_frac``: the
-        foreign rows in the baseline (of all the round's foreign rows), the share per source too (``.../<source>``)."""
-        if base is None:
-            return {}
-        cross = torch.tensor([not r.is_self for r in rows], dtype=torch.bool)
-        if not cross.any():
-            return {"time/baseline_rows": seconds}
-        src, p = torch.tensor([r.source for r in rows]), self.algo.name
-        out = {"time/baseline_rows": seconds, f"{p}/num_baseline_cross": float((base & cross).sum())}
-        out[f"{p}/baseline_cross_frac"] = out[f"{p}/num_baseline_cross"] / float(cross.sum())
-        for j in torch.unique(src[cross]).tolist():
-            sel = cross & (src == j)
-            name = names[j] if names is not None and j < len(names) else f"src{j}"
-            out[f"{p}/baseline_cross_frac/{name}"] = float((base & sel).sum()) / float(sel.sum())
         return out
 
     def log_prob_sums(self, rows: Sequence[TrainRow]) -> list[float]:
         """The learner's sequence log-prob sums ``sum_t log p(y_t)`` of ``rows`` [N] with the current weights, no
         gradient: the update's own scoring path (sorted micro-batches, the native forward, each prompt once). The
-        scorer the intake's likelihood screen is handed (:mod:`hacrl_fed.worker.intake`)."""
+        scorer the intake's likelihood screen and the pre-update pass are handed."""
         sums: dict[int, float] = {}
         for micro_idx, tok_lp in self._scored(rows):
             sums.update(zip(micro_idx, tok_lp.double().sum(-1).tolist()))
@@ -456,15 +245,8 @@ class LocalTrainer:
                     self.pad_id,
                 )
                 with self._autocast(device):
-                    tok_lp, _ = token_log_probs(self.model, batch, native=self.native)
+                    tok_lp, _ = token_log_probs(self.model, batch, native=self.native)  # no dropout: a score
                 yield micro_idx, tok_lp
-
-    def with_proximal(self, rows: Sequence[TrainRow]) -> list[TrainRow]:
-        """``rows`` with every cross row's pre-update log-prob sum (``prox_log_prob_sum``) where it has none: one
-        no-grad pass of :meth:`log_prob_sums` over those rows with the current (pre-update) weights."""
-        todo = [i for i, r in enumerate(rows) if not r.is_self and r.prox_log_prob_sum is None]
-        sums = dict(zip(todo, self.log_prob_sums([rows[i] for i in todo]))) if todo else {}
-        return [dataclasses.replace(r, prox_log_prob_sum=sums[i]) if i in sums else r for i, r in enumerate(rows)]
 
     def _step(self, step: int, rows: list[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor) -> dict[str, float]:
         """Optimizer step ``step`` of the round (counted across epochs) over one mini-batch, accumulated over
@@ -483,7 +265,7 @@ class LocalTrainer:
         self_tokens = sum(len(r.response_ids) for r in rows if r.is_self)
         lbar = self._gradient_rows(step, rows, adv, is_self, v, device)  # [N] detached lbar of scored rows, or None
         train = list(range(len(rows))) if lbar is None else torch.isnan(lbar).nonzero().flatten().tolist()
-        acc = _MetricAccumulator()
+        acc = MetricAccumulator()
         loss_total, kl_total = 0.0, 0.0
         for micro_idx, scale in self._rank_share(self._micro_batches(rows, train)):
             sel, batch, inputs = self._score_micro(rows, micro_idx, adv, is_self, v)
@@ -506,7 +288,7 @@ class LocalTrainer:
                 lbar[sel] = inputs.seq_log_probs().detach().float()
         loss_total, kl_total, lbar = self._across_ranks(acc, loss_total, kl_total, lbar)
         if lbar is not None:  # the loss and metrics of every row, from the lbar scored with and without gradient
-            loss, metrics = self.loss_fn(self._sequence_inputs(rows, lbar, adv, is_self, v), step, self.loss_cfg)
+            loss, metrics = self.loss_fn(sequence_inputs(rows, lbar, adv, is_self, v), step, self.loss_cfg)
             loss_total = loss.item()
             acc.add(metrics, weight=len(rows))
             if not train:  # no row has a gradient: a zero gradient, as the full pass would have given
@@ -524,41 +306,6 @@ class LocalTrainer:
             }
         )
         return out
-
-    def teach(self, rows: Sequence[TrainRow], cfg: TeachConfig) -> dict[str, float]:
-        """``trainer.teach``'s supervised steps after the round's update (:mod:`hacrl_fed.algorithm.teach`): ``epochs``
-        passes over ``rows`` in mini-batches of ``minibatch_size``, each one step of its own AdamW (learning rate
-        ``cfg.lr``, else ``trainer.lr``; the trainer's betas, weight decay and clip; :meth:`_teach_step`). →
-        ``teach/...`` metrics (steps; the loss before each step, averaged)."""
-        rows = [r for r in rows if r.response_ids]
-        if not rows:
-            return {"teach/steps": 0.0}
-        if self.teach_optimizer is None:  # built on first use, so a run without teach rows keeps no extra state
-            self.teach_optimizer = torch.optim.AdamW(
-                self.master if self.master is not None else self.model_params,
-                lr=cfg.lr if cfg.lr is not None else self.cfg.lr,
-                betas=(self.cfg.betas[0], self.cfg.betas[1]),
-                weight_decay=self.cfg.weight_decay,
-            )
-        size = cfg.minibatch_size
-        opt = self.teach_optimizer
-        nll = [self._teach_step(rows[s : s + size], opt) for _ in range(cfg.epochs) for s in range(0, len(rows), size)]
-        return {"teach/steps": float(len(nll)), "teach/nll": sum(nll) / len(nll)}
-
-    def _teach_step(self, chunk: Sequence[TrainRow], optimizer: torch.optim.Optimizer) -> float:
-        """One teach step on ``chunk``: ``L = -mean_b lbar_b`` accumulated over micro-batches weighted by their share of
-        its rows, then ``optimizer``'s step. → the chunk's loss before the step."""
-        self._zero_grad(optimizer)
-        nll = 0.0
-        with adapter_dropout(self.dropout):
-            for micro_idx in self._micro_batches(chunk, range(len(chunk))):
-                _, lp, mask = self._forward([chunk[i] for i in micro_idx])
-                loss, metrics = teach_loss(lp, mask)
-                share = len(micro_idx) / len(chunk)
-                (loss * share).backward()  # the chunk's row mean
-                nll += metrics["teach/nll"] * share
-        self._clip_and_step(optimizer)
-        return nll
 
     def _zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Clear ``optimizer``'s grads and the model's own (its params are not the optimizer's in bf16-master)."""
@@ -594,7 +341,7 @@ class LocalTrainer:
         return [(m, 1.0) for m in micro_batches]
 
     def _across_ranks(
-        self, acc: _MetricAccumulator, loss_total: float, kl_total: float, lbar: Tensor | None
+        self, acc: MetricAccumulator, loss_total: float, kl_total: float, lbar: Tensor | None
     ) -> tuple[float, float, Tensor | None]:
         """The mini-batch's loss, KL and metrics (into ``acc``) and ``lbar`` [N] summed over the ranks that each
         ran a share of its micro-batches; one process: as they are."""
@@ -622,7 +369,10 @@ class LocalTrainer:
         micro = [rows[i] for i in micro_idx]
         sel = torch.tensor(list(micro_idx), device=adv.device, dtype=torch.long)
         batch, lp, mask = self._forward(micro)
-        return sel, batch, self._loss_inputs(micro, lp, mask, adv[sel], is_self[sel], v[sel])
+        inputs = loss_inputs(
+            micro, lp, mask, adv[sel], is_self[sel], v[sel], token_level=self.spec.token_level, algorithm=self.algo.name
+        )
+        return sel, batch, inputs
 
     def _forward(self, micro: Sequence[TrainRow]) -> tuple[ScoringBatch, Tensor, Tensor]:
         """``micro``'s responses through the model (with gradient when grad is enabled, the adapters' dropout as
@@ -633,50 +383,6 @@ class LocalTrainer:
         with self._autocast(next(self.model.parameters()).device):
             lp, mask = token_log_probs(self.model, batch, dropout=self.dropout, native=self.native)
         return batch, lp, mask
-
-    def _loss_inputs(
-        self, micro: Sequence[TrainRow], lp: Tensor, mask: Tensor, adv: Tensor, is_self: Tensor, v: Tensor
-    ) -> PolicyLossInputs:
-        old_tok = None
-        if self.spec.token_level:
-            if any(r.old_token_log_probs is None for r in micro):
-                raise ValueError(f"{self.algo.name} is token-level: every row needs old_token_log_probs")
-            old_tok = _pad([r.old_token_log_probs or [] for r in micro], lp.shape[1]).to(lp.device)
-        return PolicyLossInputs(
-            token_log_probs=lp,
-            response_mask=mask,
-            old_seq_log_probs=torch.tensor([r.old_seq_log_prob for r in micro], device=lp.device),
-            advantages=adv,
-            is_self=is_self,
-            capability_coefficient=v,
-            old_token_log_probs=old_tok,
-            seq_lengths=torch.tensor([r.norm_length for r in micro], device=lp.device),
-            source_ids=torch.tensor([r.source for r in micro], device=lp.device),
-            **self._proximal_inputs(micro, lp.device),
-        )
-
-    def _proximal_inputs(self, rows: Sequence[TrainRow], device: torch.device) -> dict[str, Tensor]:
-        """The decoupled loss's ``prox_seq_log_probs`` and ``ages`` [B] (nothing for the other losses)."""
-        if not self.proximal:
-            return {}
-        prox = torch.tensor([r.prox_seq_log_prob() for r in rows], device=device)
-        return {"prox_seq_log_probs": prox, "ages": torch.tensor([r.age for r in rows], device=device)}
-
-    def _sequence_inputs(
-        self, rows: Sequence[TrainRow], lbar: Tensor, adv: Tensor, is_self: Tensor, v: Tensor
-    ) -> PolicyLossInputs:
-        """Sequence-level loss inputs from given ``lbar`` [N] (one column, mask 1: ``seq_log_probs() == lbar``)."""
-        device = lbar.device
-        return PolicyLossInputs(
-            token_log_probs=lbar[:, None],
-            response_mask=torch.ones(len(rows), 1, device=device),
-            old_seq_log_probs=torch.tensor([r.old_seq_log_prob for r in rows], device=device),
-            advantages=adv,
-            is_self=is_self,
-            capability_coefficient=v,
-            source_ids=torch.tensor([r.source for r in rows], device=device),
-            **self._proximal_inputs(rows, device),
-        )
 
     def _gradient_rows(
         self, step: int, rows: Sequence[TrainRow], adv: Tensor, is_self: Tensor, v: Tensor, device: torch.device
@@ -719,8 +425,6 @@ class LocalTrainer:
             state["likelihood_screen"] = {k: [h.center, h.scale, h.rounds] for k, h in self.screen_history.items()}
         if self.master is not None:
             state["master"] = [m.detach() for m in self.master]
-        if self.teach_optimizer is not None:
-            state["teach_optimizer"] = self.teach_optimizer.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -732,10 +436,6 @@ class LocalTrainer:
                     m.copy_(saved[i] if saved is not None else p.float())
         if state.get("optimizer") is not None:  # None: a sharded trainer restored its shards itself
             self.optimizer.load_state_dict(state["optimizer"])
-        self.teach_optimizer = None  # trainer.teach's optimizer as saved; none saved: built afresh on its next use
-        if state.get("teach_optimizer") is not None:
-            self.teach_optimizer = torch.optim.AdamW(self.master if self.master is not None else self.model_params)
-            self.teach_optimizer.load_state_dict(state["teach_optimizer"])
         self.screen_history = {
             str(k): GapHistory(float(v[0]), float(v[1]), int(v[2]))
             for k, v in (state.get("likelihood_screen") or {}).items()

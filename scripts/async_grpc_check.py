@@ -4,8 +4,9 @@ real, that checks the virtual clock's prediction")
     python scripts/async_grpc_check.py [--rounds 16] [--slowdown 4] [--json benchmarks/issue29/grpc-check.json]
 
 Runs ``hacrl-fed run --transport grpc`` (one ``hacrl-fed worker`` process per org, the wall clock) twice on two
-small zoo agents, the second org slowed for real (``orgs[].emulate_slowdown``: its worker sleeps ``F - 1`` times
-each step's compute time): ``K = 1`` (default window), and no lead bound (``K = 1000``, ``W = rounds + 1``). From
+small zoo agents, the second org slowed for real (``HACRL_FED_BENCH_SLOWDOWN=globex=F`` in the environment of the
+run, which its worker processes inherit: :mod:`hacrl_fed.worker.pacing`; its worker sleeps ``F - 1`` times each step's
+compute time): ``K = 1`` (default window), and no lead bound (``K = 1000``, ``W = rounds + 1``). From
 each run's metrics.jsonl it measures each org's step durations and feeds their means to the virtual clock
 (:func:`hacrl_fed.coordinator.async_schedule.simulate`), then compares (:func:`hacrl_tools.bench.clock_check.compare`)
 each org's finish, its lead over the slow org, its idle time and every step's end. Prints a table, writes JSON.
@@ -27,6 +28,7 @@ from typing import Any
 import yaml
 
 from hacrl_fed.metrics import read_metrics
+from hacrl_fed.worker.pacing import SLOWDOWN_ENV
 from hacrl_tools.bench.clock_check import compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +36,9 @@ ORGS = ("acme", "globex")  # globex is the slowed one
 SLOW = "globex"
 
 
-def run_config(name: str, rounds: int, slowdown: float, staleness: int, window: int | None) -> dict[str, Any]:
-    """Two zoo agents of configs/bench/model.yaml (qwen-char, gpt2-bpe) with a small batch and evaluation; the
-    second slowed ``slowdown`` times; over gRPC."""
+def run_config(name: str, rounds: int, staleness: int, window: int | None) -> dict[str, Any]:
+    """Two zoo agents of configs/bench/model.yaml (qwen-char, gpt2-bpe) with a small batch and evaluation, over gRPC
+    (the second one's slowdown is the run's environment: :func:`run_arm`)."""
     return {
         "name": name,
         "seed": 0,
@@ -46,7 +48,7 @@ def run_config(name: str, rounds: int, slowdown: float, staleness: int, window: 
         "task": {"name": "arithmetic", "params": {"difficulty": 2}, "eval_size": 16},
         "orgs": [
             {"id": "acme", "model": {"zoo": "qwen-char"}},
-            {"id": "globex", "model": {"zoo": "gpt2-bpe"}, "emulate_slowdown": slowdown},
+            {"id": "globex", "model": {"zoo": "gpt2-bpe"}},
         ],
         "federation": {
             "rounds": rounds,
@@ -60,14 +62,15 @@ def run_config(name: str, rounds: int, slowdown: float, staleness: int, window: 
     }
 
 
-def run_arm(cfg: dict[str, Any], work: Path, timeout_s: float) -> tuple[list[dict[str, Any]], float]:
-    """``hacrl-fed run CONFIG --transport grpc`` in a fresh run dir under ``work``; its metrics records and the
-    command's wall seconds (workers' start-up included)."""
+def run_arm(cfg: dict[str, Any], work: Path, timeout_s: float, slowdown: float) -> tuple[list[dict[str, Any]], float]:
+    """``hacrl-fed run CONFIG --transport grpc`` in a fresh run dir under ``work``, the slow org's worker slowed
+    ``slowdown`` times; its metrics records and the command's wall seconds (workers' start-up included)."""
     config, run_dir = work / f"{cfg['name']}.yaml", work / cfg["name"]
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     argv = [sys.executable, "-m", "hacrl_fed.cli", "run", str(config), "--transport", "grpc"]
     argv += ["--run-dir", str(run_dir), "--no-progress", "--log-level", "WARNING"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env[SLOWDOWN_ENV] = f"{SLOW}={slowdown:g}"  # a benchmark's setting, not the run config's
     t0 = time.monotonic()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode != 0:
@@ -104,7 +107,7 @@ def table(arms: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=16)
-    p.add_argument("--slowdown", type=float, default=4.0, help=f"orgs[{SLOW}].emulate_slowdown")
+    p.add_argument("--slowdown", type=float, default=4.0, help=f"{SLOW}'s slowdown ({SLOWDOWN_ENV})")
     p.add_argument("--work", type=Path, default=None, help="where the configs and run dirs go (default: a temp dir)")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "issue29" / "grpc-check.json")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per run")
@@ -115,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     arms_spec = {"k1": (1, None), "open": (1000, args.rounds + 1)}
     arms, load_before = {}, os.getloadavg()
     for arm, (k, w) in arms_spec.items():
-        cfg = run_config(f"grpc-check-{arm}", args.rounds, args.slowdown, k, w)
-        records, wall_s = run_arm(cfg, work, args.timeout_s)
+        cfg = run_config(f"grpc-check-{arm}", args.rounds, k, w)
+        records, wall_s = run_arm(cfg, work, args.timeout_s, args.slowdown)
         arms[arm] = {
             "config": cfg,
             "command_wall_s": wall_s,

@@ -37,7 +37,7 @@ def main() -> int:
         nargs="*",
         default=[],
         metavar="ORG=RULE",
-        help="this org's trainer.selection.rule (the others keep the method's), e.g. acme=rescue",
+        help="this org's trainer.selection.rule (the others keep the method's), e.g. acme=all",
     )
     p.add_argument("--out", type=Path, help="the JSON the runs are appended to")
     p.add_argument("--table", type=Path, nargs="*", help="print the markdown table of these JSONs and exit")

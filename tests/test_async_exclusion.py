@@ -14,6 +14,7 @@ from helpers_fake_workers import FakeTask, FakeWorker, fake_config
 
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.loop import Coordinator
+from hacrl_fed.coordinator.virtual_clock import VirtualClock
 from hacrl_fed.types import TrainReport, TrainRequest
 
 SKILLS = {"a": 0.25, "b": 0.5, "c": 0.75}
@@ -31,10 +32,10 @@ def _trained_tags(worker: FakeWorker) -> list[tuple[str, int]]:
 @pytest.mark.parametrize("liar_step", [1.0, 4.0])  # the liar the fastest org, or 4x slower than the others
 def test_a_reward_liar_is_excluded_at_its_first_batch_and_the_others_run_every_round(tmp_path, liar_step):
     steps = {"a": 1.0, "b": liar_step, "c": 2.0}
-    cfg = fake_config(tuple(SKILLS), rounds=6, staleness=1, virtual_step_s=steps)
+    cfg = fake_config(tuple(SKILLS), rounds=6, staleness=1)
     workers = {o: FakeWorker(o, s) for o, s in SKILLS.items()}
     workers["b"].lie_rewards = True  # reward 1 on every rollout: half of them contradicted by the verifier
-    co = Coordinator(cfg, InProcessTransport(workers), tmp_path, task=FakeTask())
+    co = Coordinator(cfg, InProcessTransport(workers, clock=VirtualClock(steps)), tmp_path, task=FakeTask())
     summary = co.run()
     assert "b" in co.guard.excluded and "round 1" in co.guard.excluded["b"]
     assert [p.round for p in workers["b"].plans] == [1]  # no plan after the step that published its batch
@@ -68,9 +69,9 @@ def test_a_source_the_receivers_screens_reject_is_excluded_and_its_waiting_batch
     not taken yet is refused ``source_excluded``, so (taken + refused) still covers every batch b published."""
     steps = {"a": 3.0, "b": 1.0, "c": 3.0}
     security = {"max_screen_drop_rate": 0.5, "screen_min_rows": 12}  # one batch of b checked can exclude it
-    cfg = fake_config(tuple(SKILLS), security=security, rounds=8, staleness=2, virtual_step_s=steps)
+    cfg = fake_config(tuple(SKILLS), security=security, rounds=8, staleness=2)
     workers = {o: ScreeningWorker(o, s) for o, s in SKILLS.items()}
-    co = Coordinator(cfg, InProcessTransport(workers), tmp_path, task=FakeTask())
+    co = Coordinator(cfg, InProcessTransport(workers, clock=VirtualClock(steps)), tmp_path, task=FakeTask())
     co.run()
     drv = co.async_driver
     assert "b" in co.guard.excluded and "likelihood screens" in co.guard.excluded["b"]
@@ -95,9 +96,9 @@ def test_the_pool_forgets_the_rows_no_learner_can_take_and_nothing_else_changes(
     steps = {"a": 1.0, "b": 4.0, "c": 1.0}
 
     def run(path, forget):
-        cfg = fake_config(tuple(SKILLS), rounds=30, staleness=2, virtual_step_s=steps)
+        cfg = fake_config(tuple(SKILLS), rounds=30, staleness=2)
         workers = {o: FakeWorker(o, s) for o, s in SKILLS.items()}
-        co = Coordinator(cfg, InProcessTransport(workers), path, task=FakeTask())
+        co = Coordinator(cfg, InProcessTransport(workers, clock=VirtualClock(steps)), path, task=FakeTask())
         co.run()
         return co.async_driver, workers
 

@@ -1,6 +1,7 @@
 """Deaths and rejoins in asynchronous rounds (hacrl_fed/coordinator/async_liveness.py, async_driver.py).
 
-* the virtual clock's fault injection (``federation.virtual_dies`` / ``virtual_rejoins``): the driver's schedule is
+* the virtual clock's fault injection (the in-process ``VirtualClock``'s ``dies`` / ``rejoins``, a benchmark's
+  ``federation.virtual_dies`` / ``virtual_rejoins``): the driver's schedule is
   async_schedule.simulate's for the same deaths and rejoins (steps, lost steps, batches, refusals, idle times);
   the fast org is never held back by the dead one; every (learner, foreign batch) pair is taken or counted;
 * a step whose call fails (unreachable) kills the org; it is probed with Health on the reconnect policy and rejoins
@@ -13,23 +14,25 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers_fake_workers import FakeTask, FakeWorker, fake_config
+
 from hacrl_fed.config import ConfigError
 from hacrl_fed.coordinator.async_liveness import PROBE_S, Liveness, is_death, rejoin_version, reported_version
 from hacrl_fed.coordinator.async_schedule import ScheduleSpec, simulate
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.loop import Coordinator
+from hacrl_fed.coordinator.virtual_clock import VirtualClock
 from hacrl_fed.failures import NoWorker, PartFailed
 from hacrl_fed.metrics import RunLogger, read_metrics
 
 SKILLS = {"a": 0.25, "b": 0.5, "c": 0.75}
 
 
-def _run(tmp_path, steps, *, staleness=1, rounds=8, workers=None, **faults):
-    cfg = fake_config(tuple(SKILLS), rounds=rounds, staleness=staleness, virtual_step_s=steps, **faults)
+def _run(tmp_path, steps, *, staleness=1, rounds=8, workers=None, virtual_dies=None, virtual_rejoins=None):
+    cfg = fake_config(tuple(SKILLS), rounds=rounds, staleness=staleness)
     workers = workers or {o: FakeWorker(o, s) for o, s in SKILLS.items()}
-    co = Coordinator(cfg, InProcessTransport(workers), tmp_path, task=FakeTask())
+    clock = VirtualClock(steps, virtual_dies or {}, virtual_rejoins or {})
+    co = Coordinator(cfg, InProcessTransport(workers, clock=clock), tmp_path, task=FakeTask())
     return co, workers, co.run()
 
 
@@ -167,10 +170,10 @@ def test_a_virtual_rejoin_asks_health_and_takes_the_worker_s_count(tmp_path):
     """b (4 s a step) dies at 5.5 in its second step (it would train round 1: never sent, so the worker's count and
     the coordinator's are 0, the bound 0 + 1) and is back at 11.3: asked Health then, its 0 is adopted."""
     workers = {o: Counting(o, s) for o, s in SKILLS.items()}
-    cfg = fake_config(tuple(SKILLS), rounds=12, staleness=1, virtual_step_s={"a": 1.0, "b": 4.0, "c": 1.0},
-                      virtual_dies={"b": 5.5}, virtual_rejoins={"b": 11.3})  # fmt: skip
+    cfg = fake_config(tuple(SKILLS), rounds=12, staleness=1)
+    clock = VirtualClock({"a": 1.0, "b": 4.0, "c": 1.0}, {"b": 5.5}, {"b": 11.3})
     with RunLogger(tmp_path, tensorboard=False) as log:
-        co = Coordinator(cfg, InProcessTransport(workers), tmp_path, task=FakeTask())
+        co = Coordinator(cfg, InProcessTransport(workers, clock=clock), tmp_path, task=FakeTask())
         co.logger = log
         co.run()
     [rejoin] = [r for r in read_metrics(tmp_path) if "async/b/rejoined_at" in r]
@@ -204,19 +207,27 @@ def test_liveness_probes_on_its_schedule():
 
 
 def test_the_fault_fields_and_their_refusals():
+    """The virtual clock is a benchmark's setting (issue 42): its checks name the field by its benchmark name, and a
+    run config that names one is refused, naming it."""
     refusals = {
-        "virtual_dies names orgs not in the run": {"staleness": 1, "virtual_dies": {"zz": 1.0}},
-        "rejoins only after its virtual_dies": {
-            "staleness": 1, "virtual_dies": {"a": 2.0}, "virtual_rejoins": {"a": 2.0},
-        },
-        "virtual_dies needs federation.staleness": {"virtual_dies": {"a": 1.0}},
-        "finite and >= 0": {"staleness": 1, "virtual_dies": {"a": -1.0}},
+        "virtual_dies names orgs not in the run": (1, {"dies": {"zz": 1.0}}),
+        "rejoins only after its virtual_dies": (1, {"dies": {"a": 2.0}, "rejoins": {"a": 2.0}}),
+        "virtual_dies needs federation.staleness": (0, {"dies": {"a": 1.0}}),
+        "finite and >= 0": (1, {"dies": {"a": -1.0}}),
+        "virtual_step_s: every step duration must be finite and > 0": (1, {"step_s": {"a": 0.0}}),
+        "virtual_step_s names orgs not in the run": (1, {"step_s": {"zz": 1.0}}),
     }
-    for match, fed in refusals.items():
-        with pytest.raises(ConfigError, match=match):
-            fake_config(**fed)
-    with pytest.raises(ConfigError, match="rejoins only after"):
-        fake_config(staleness=1, virtual_rejoins={"a": 2.0})
+    for match, (staleness, fields) in refusals.items():
+        with pytest.raises(ValueError, match=match):
+            VirtualClock(**fields).check(SKILLS, staleness)
+    with pytest.raises(ValueError, match="rejoins only after"):
+        VirtualClock(rejoins={"a": 2.0}).check(SKILLS, 1)
+    VirtualClock({"a": 2.0}, {"b": 1.0}, {"b": 3.0}).check(SKILLS, 1)
+    for name in ("virtual_step_s", "virtual_dies", "virtual_rejoins"):
+        with pytest.raises(ConfigError, match=f"federation: {name} is a benchmark-only setting"):
+            fake_config(staleness=1, **{name: {"a": 2.0}})
+    clock = VirtualClock.from_bench({"federation.virtual_step_s": {"a": 4}, "federation.virtual_dies": {"b": 2}})
+    assert clock == VirtualClock({"a": 4.0}, {"b": 2.0}) and clock.duration("a") == 4.0 and clock.duration("c") == 1.0
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 from hacrl_fed.config import load_config
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.loop import Coordinator
+from hacrl_fed.coordinator.virtual_clock import VirtualClock
 from hacrl_fed.metrics import RunLogger, read_metrics
 from hacrl_fed.worker import build_worker
 from hacrl_fed.worker.shadow import Shadow
@@ -20,7 +21,7 @@ def _cfg(**federation):
         "trainer": {"lr": 1e-2, "minibatch_size": 64, "micro_batch_size": 32, "selection": {"rule": "all"},
                     "likelihood_screen": {"enabled": False},
                     "outcome_guard": {"enabled": True, "every": 1, "val_size": 8, "probation": 2,
-                                      "final_size": 0}},  # the last round's choice on the 8 (stubbed) prompts
+                                      "final_size": 8}},  # the last round's choice on 8 (stubbed) prompts
         "generation": {"num_samples": 4, "max_new_tokens": 12, "eval_max_new_tokens": 12},
         "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
         "federation": {"rounds": 5, "prompts_per_round": 4, "eval_every": 0, "min_orgs": 1, "staleness": 1,
@@ -33,17 +34,19 @@ def test_a_regression_quarantines_the_source_s_late_rows_and_keeps_the_version(t
     round 2 regresses: it rolls back and quarantines globex for 2 rounds, so globex's late batches its next steps
     carry are left out (counted), later ones are trained on again; no batch is refused for its version. (Round 1
     trains no foreign row at acme, K = 1's first step: the regression comes after round 2.)"""
-    cfg = _cfg(virtual_step_s={"globex": 2.0})
+    cfg = _cfg()
     workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
     acme = workers["acme"]
     answers = iter([[True] * 8, [True] * 8, [False] * 8] + [[True] * 8] * 8)  # initial, 1, 2 (regressed), fine
-    monkeypatch.setattr(acme.outcome, "validate", lambda engine, context: next(answers))
+    monkeypatch.setattr(acme.outcome, "validate",  # the final split (the last round's choice): all right
+                        lambda engine, context, prompts=None: next(answers) if prompts is None else [True] * 8)
     # the shadows (the counterfactual, on with the guard) generate and train for real; their validation says all
-    # right: the regression is significant against the shadow too, so it rolls back and strikes (shadow_gate), and
+    # right: the regression is significant against the shadow too, so it rolls back and strikes, and
     # no org is worse than its shadow otherwise, so none adopts it and the rollback above is the only verdict
     monkeypatch.setattr(Shadow, "validate", lambda self, worker, validate: [True] * 8)
     with RunLogger(tmp_path, tensorboard=False) as logger:
-        co = Coordinator(cfg, InProcessTransport(workers), tmp_path, logger=logger)
+        clock = VirtualClock({"globex": 2.0})
+        co = Coordinator(cfg, InProcessTransport(workers, clock=clock), tmp_path, logger=logger)
         summary = co.run()
     records = {int(r["round"]): r for r in read_metrics(tmp_path)}
     assert summary.rounds_completed == 5

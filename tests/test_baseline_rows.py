@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from hacrl_fed.algorithm import group_advantages, hacpo_advantages
-from hacrl_fed.algorithm.capability_rounds import hacpo_advantages_at_rounds
 from hacrl_fed.config import AlgorithmConfig
 from hacrl_fed.scoring import build_scoring_batch_from_ids, token_log_probs
 from hacrl_fed.trainer import LocalTrainer, TrainRow
@@ -63,12 +62,12 @@ def test_every_row_in_the_baseline_is_the_default_bit_for_bit():
     default = hacpo_advantages(rewards, groups, sources, 1, cap)
     full = hacpo_advantages(rewards, groups, sources, 1, cap, baseline_rows=torch.ones(40, dtype=torch.bool))
     assert torch.equal(default, full)
-    at_rounds = hacpo_advantages_at_rounds(rewards, groups, sources, 1, [0.9] * 40, [cap[j] for j in sources.tolist()])
+    at_rounds = hacpo_advantages(rewards, groups, sources, 1, ([0.9] * 40, [cap[j] for j in sources.tolist()]))
     assert torch.equal(default, at_rounds)
 
 
 def test_the_per_round_form_takes_the_mask_too():
-    a = hacpo_advantages_at_rounds(REWARDS, GROUPS, SOURCES, 0, [0.5] * 4, [0.5, 0.5, 1.0, 1.0], baseline_rows=IN_BAND)
+    a = hacpo_advantages(REWARDS, GROUPS, SOURCES, 0, ([0.5] * 4, [0.5, 0.5, 1.0, 1.0]), baseline_rows=IN_BAND)
     assert torch.equal(a, hacpo_advantages(REWARDS, GROUPS, SOURCES, 0, [0.5, 1.0], baseline_rows=IN_BAND))
 
 
@@ -94,19 +93,15 @@ def test_config_field_default_and_refusals():
     assert AlgorithmConfig(baseline_rows="in_band").baseline_rows == "in_band"
     with pytest.raises(ValueError, match="baseline_rows: in_band needs"):
         AlgorithmConfig(name="gspo", baseline_rows="in_band")
-    with pytest.raises(ValueError, match="baseline_rows: in_band with cross_staleness: decoupled"):
-        AlgorithmConfig(baseline_rows="in_band", cross_staleness="decoupled")
-    with pytest.raises(ValueError, match="baseline_rows: in_band_solved needs"):
-        AlgorithmConfig(name="gspo", baseline_rows="in_band_solved")
-    with pytest.raises(ValueError, match="baseline_rows: in_band_solved with cross_staleness: decoupled"):
-        AlgorithmConfig(baseline_rows="in_band_solved", cross_staleness="decoupled")
+    with pytest.raises(ValueError, match="baseline_rows"):  # in_band_solved: measured and removed (issue 42)
+        AlgorithmConfig(baseline_rows="in_band_solved")
 
 
 def test_config_describe_lists_baseline_rows(capsys):
     from hacrl_fed.cli import main
 
     assert main(["config", "--describe"]) == 0
-    assert "algorithm.baseline_rows  (joint | in_band | in_band_solved)  default joint" in capsys.readouterr().out
+    assert "algorithm.baseline_rows  (joint | in_band)  default joint" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------------- the trainer
@@ -137,7 +132,7 @@ def _rows(model, tok):
 def test_a_foreign_row_outside_the_step0_band_leaves_the_baseline():
     model, tok, trainer = _trainer(baseline_rows="in_band")
     rows = _rows(model, tok)
-    assert trainer.baseline_rows(rows).tolist() == [True, True, True, False]
+    assert trainer.prepare(rows).statistics_rows.tolist() == [True, True, True, False]
     m = trainer.update(rows, 0, [1.0, 1.0, 1.0], names=["k", "a", "b"])
     assert m["hacpo/baseline_cross_frac"] == 0.5 and m["hacpo/num_baseline_cross"] == 1.0
     assert m["hacpo/baseline_cross_frac/a"] == 1.0 and m["hacpo/baseline_cross_frac/b"] == 0.0
@@ -151,53 +146,25 @@ def test_a_foreign_row_outside_the_step0_band_leaves_the_baseline():
 def test_joint_and_in_band_without_a_band_keep_every_row():
     model, tok, joint = _trainer()
     rows = _rows(model, tok)
-    assert joint.baseline_rows(rows) is None
+    assert joint.prepare(rows).statistics_rows is None
     m = joint.update(rows, 0, [1.0, 1.0, 1.0], names=["k", "a", "b"])
     assert "hacpo/baseline_cross_frac" not in m and m["hacpo/adv_mean/b"] == pytest.approx(0.5, rel=1e-5)
     model, tok, no_band = _trainer(baseline_rows="in_band", cross_clip=False)
     rows = _rows(model, tok)
-    assert no_band.baseline_rows(rows).all()
-    assert torch.equal(no_band.advantages(rows, 0, [1.0] * 3, baseline_rows=no_band.baseline_rows(rows)),
+    assert no_band.prepare(rows).statistics_rows.all()
+    assert torch.equal(no_band.advantages(rows, 0, [1.0] * 3, no_band.prepare(rows)),
                        joint.advantages(rows, 0, [1.0] * 3))
-
-
-def test_in_band_solved_keeps_every_row_where_the_learner_failed_and_masks_where_it_solved():
-    """Group 0 (own success + failure): in_band's mask. Group 1 (the same rows, both own rows wrong): every row kept,
-    so the out-of-band foreign success still makes the own failures' advantage negative there, as joint does
-    (own rows alone are uniform: GSPO gives them 0)."""
-    model, tok, trainer = _trainer(baseline_rows="in_band_solved")
-    solved = _rows(model, tok)
-    failed = [dataclasses.replace(r, group=1, reward=0.0 if r.is_self else r.reward) for r in _rows(model, tok)]
-    rows = solved + failed
-    assert trainer.baseline_rows(rows).tolist() == [True, True, True, False] + [True] * 4
-    adv = trainer.advantages(rows, 0, [1.0] * 3, baseline_rows=trainer.baseline_rows(rows))
-    up, down = (1 / 3) / R3, -(2 / 3) / R3  # group 0: in_band's hand-computed advantages (the first test)
-    assert adv[:4].tolist() == pytest.approx([up, down, up, up], rel=1e-5)
-    # group 1, joint over {0, 0, 1, 1}: mean 1/2, Bessel std sqrt(1/3): own rows -(1/2)/sqrt(1/3), foreign +
-    half = 0.5 / R3
-    assert adv[4:].tolist() == pytest.approx([-half, -half, half, half], rel=1e-5)
-    _, _, plain = _trainer(baseline_rows="in_band")
-    assert plain.baseline_rows(rows).tolist() == [True, True, True, False] * 2  # in_band drops it in both
-
-
-def test_failed_groups_counts_only_own_successes():
-    from hacrl_fed.trainer import failed_groups
-
-    own = lambda g, r: TrainRow([1], [2], r, g, 0, True, -1.0)  # noqa: E731
-    foreign = lambda g, r: TrainRow([1], [2], r, g, 1, False, -1.0)  # noqa: E731
-    rows = [own(0, 1.0), own(0, 0.0), own(1, 0.0), foreign(1, 1.0), foreign(2, 1.0), own(3, 0.5)]
-    assert failed_groups(rows) == {1, 2}  # group 2 has no own row; a partial reward (0.5) is right
 
 
 def test_a_row_the_screen_scored_is_not_scored_again_and_gets_the_same_mask(monkeypatch):
     model, tok, trainer = _trainer(baseline_rows="in_band")
     rows = _rows(model, tok)
-    expected = trainer.baseline_rows(rows).tolist()  # scores the two foreign rows itself
+    expected = trainer.prepare(rows).statistics_rows.tolist()  # scores the two foreign rows itself
     sums = iter(trainer.log_prob_sums([r for r in rows if not r.is_self]))
-    prescored = [r if r.is_self else dataclasses.replace(r, prox_log_prob_sum=next(sums)) for r in rows]
+    prescored = [r if r.is_self else dataclasses.replace(r, pre_log_prob_sum=next(sums)) for r in rows]
 
     def never(batch):
         raise AssertionError(f"scored {len(batch)} rows again")
 
     monkeypatch.setattr(trainer, "log_prob_sums", never)
-    assert trainer.baseline_rows(prescored).tolist() == expected == [True, True, True, False]
+    assert trainer.prepare(prescored).statistics_rows.tolist() == expected == [True, True, True, False]

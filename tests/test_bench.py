@@ -126,13 +126,17 @@ def test_the_matrix_plans_every_cell():
     assert len(by[("three", "hacpo", 1)].config.orgs) == 3
     assert [a.name for a in by[("state", "hacpo", 0)].agents] == ["qwen-char-b"]
     assert by[("model", "alpha1", 0)].same_as == "hacpo"
-    # every ablation and the per-byte cells have their knobs now: nothing is skipped
-    assert not [c.key for c in cells if c.skip and not c.same_as]
+    # every ablation and the per-byte cells have their knobs now: nothing is skipped but the retired methods
+    assert not [c.key for c in cells if c.skip and not c.same_as and not c.skip.startswith("retired: ")]
     assert by[("model", "hacpo_per_byte", 2)].config.algorithm.logprob_norm == "per_byte"
     assert by[("model", "no_cross_clip", 0)].config.algorithm.cross_clip is False
-    sel = by[("three", "hacpo_per_byte_max_variance", 0)].config
-    assert sel.trainer.selection.rule == "max_variance" and sel.trainer.selection.budget_multiple == 1.0
+    sel = by[("three", "hacpo_per_byte_peer_sample", 0)].config
+    assert sel.trainer.selection.rule == "peer_sample" and sel.trainer.selection.budget_multiple == 1.0
     assert sel.algorithm.logprob_norm == "per_byte"
+    retired = by[("three", "hacpo_per_byte_max_variance", 0)]  # its rule is gone (issue 42): never run
+    assert retired.config is None and retired.skip == (
+        "retired: rule max_variance removed (issue 42); its cells ran at commit a07fdd6 (rerun there)"
+    )
     assert by[("state", "hacpo_successes", 1)].config.trainer.selection.rule == "successes"
     assert by[("state", "hacpo", 0)].config.trainer.selection.rule == "all"
     assert by[("model", "hacpo_screen", 3)].config.trainer.likelihood_screen.enabled
@@ -251,7 +255,7 @@ def test_system_aggregation():
                                                 "overhead_vs_inprocess": {"grpc": 1.2}, "wire": {"grpc": w}}})
     assert "| grpc | 1.500 | 1.20 |" in text and "| grpc | 100 | 200 | 20.0 | 5.0 | 10.0 |" in text
     # a spec states the whole budget whatever the defaults: none, or a multiple pooled unless it names the split
-    assert system.selection_overrides("uniform:1") == ["trainer.selection.rule=uniform",
+    assert system.selection_overrides("successes:1") == ["trainer.selection.rule=successes",
                                                        "trainer.selection.budget_multiple=1.0",
                                                        "trainer.selection.budget_split=pooled"]
     assert system.selection_overrides("successes:0.5:per_source")[1:] == ["trainer.selection.budget_multiple=0.5",
@@ -259,7 +263,7 @@ def test_system_aggregation():
     assert system.selection_overrides("all") == ["trainer.selection.rule=all", "trainer.selection.budget_multiple=null"]
     from hacrl_fed.config import load_config
 
-    for spec in ("all", "successes", "uniform:1", "peer_sample:1", "successes:0.5:per_source"):
+    for spec in ("all", "successes", "successes:1", "peer_sample:1", "successes:0.5:per_source"):
         sel = load_config(TINY, system.selection_overrides(spec)).trainer.selection
         multiple = spec.split(":")[1] if ":" in spec else None
         assert sel.budget_multiple == (float(multiple) if multiple else None)
@@ -270,9 +274,9 @@ def test_system_aggregation():
            "per_org_screen_cpu_s": 0.01, "per_org_update_cpu_s": 0.08, "cpu_train_share": 0.6,
            "coordinator_cpu_s_per_round": 0.2, "loadavg_before": [1.5, 1, 1], "loadavg_after": [2.25, 1, 1],
            "per_org_foreign_selected": 16.0, "coordinator_peak_rss_mb": 500.0, "worker_peak_rss_mb": {"a": None}}
-    runs = [{"transport": "inprocess", "rounds": 4, "variants": {"uniform:1": {"set": [], "orgs": {"32": row}}}}]
+    runs = [{"transport": "inprocess", "rounds": 4, "variants": {"successes:1": {"set": [], "orgs": {"32": row}}}}]
     text = system.format_tables({"scaling": runs})
-    assert "over inprocess, selection uniform:1" in text
+    assert "over inprocess, selection successes:1" in text
     assert ("| 32 | 16 | 2.000 | 0.050 | 0.040 | 0.125 | 0.100 | 0.010 | 0.080 | 0.60 | 0.100 | 0.200 | 500 | – "
             "| 1.5 / 2.2 |") in text
     assert system.format_tables({"scaling": runs[0]}) == text  # an older result: one transport, a dict
@@ -601,37 +605,57 @@ def test_a_cell_from_before_the_outcome_guard_ran_with_it_off_whatever_the_defau
     del older["trainer"]["outcome_guard"]["final_size"]
     older["trainer"]["outcome_guard"]["val_size"] = 64
     assert bench_matrix.same_run_config(older, load_config(raw, off))
-    older["trainer"]["outcome_guard"]["enabled"] = True  # on, it ran without the final split: final_size 0
-    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard.val_size": 64}))
-    assert bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
-        "enabled": True, "val_size": 64, "final_size": 0}}))
-    # struck_bar came in after the guard's first cells, which held a source with strikes to "no worse"
-    del older["trainer"]["outcome_guard"]["struck_bar"]
-    assert load_config(raw).trainer.outcome_guard.struck_bar == "slack"
-    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
-        "enabled": True, "val_size": 64, "final_size": 0}}))
-    assert bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
-        "enabled": True, "val_size": 64, "final_size": 0, "struck_bar": "no_worse"}}))
-    # and shadow_gate after them, which acted on every regression after foreign rows
-    del older["trainer"]["outcome_guard"]["shadow_gate"]
-    assert load_config(raw).trainer.outcome_guard.shadow_gate
-    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
-        "enabled": True, "val_size": 64, "final_size": 0, "struck_bar": "no_worse"}}))
-    assert bench_matrix.same_run_config(older, load_config(raw, {"trainer.outcome_guard": {
-        "enabled": True, "val_size": 64, "final_size": 0, "struck_bar": "no_worse", "shadow_gate": False}}))
+
+
+def test_a_field_measured_and_removed_is_today_s_run_only_at_the_value_that_stayed():
+    # issue 42 removed the guard's older rules, the decoupled loss and teach from the run config: a cell that stored
+    # one of those fields at the value that is today's only behaviour ran today's config; at another value it ran
+    # the removed feature (a retired method's cell, which names its commit)
+    from hacrl_fed.config import load_config
+
+    cfg = load_config(TINY, {"trainer.outcome_guard.enabled": True})  # a guard off is the same whatever its rules
+    stored = json.loads(json.dumps(cfg.model_dump(mode="json")))
+    stored["trainer"]["outcome_guard"].update(struck_bar="slack", shadow_gate=True)
+    stored["algorithm"].update(cross_staleness="band", cross_weight_mode="filter")
+    stored["trainer"]["teach"] = {"enabled": False, "lr": None}
+    assert bench_matrix.same_run_config(stored, cfg)
+    for path, value in (("struck_bar", "no_worse"), ("shadow_gate", False)):
+        other = json.loads(json.dumps(stored))
+        other["trainer"]["outcome_guard"][path] = value
+        assert not bench_matrix.same_run_config(other, cfg)
+    other = json.loads(json.dumps(stored))
+    other["algorithm"]["cross_staleness"] = "decoupled"
+    assert not bench_matrix.same_run_config(other, cfg)
+    other = json.loads(json.dumps(stored))
+    other["trainer"]["teach"]["enabled"] = True
+    assert not bench_matrix.same_run_config(other, cfg)
+    other = json.loads(json.dumps(stored))
+    other["trainer"]["some_field_never_measured"] = 1  # a field no table knows: a difference
+    assert not bench_matrix.same_run_config(other, cfg)
 
 
 def test_every_committed_cell_is_still_done_with_the_config_it_ran():
     # a default change must leave every finished cell done (pin the value it ran with in its setting or method):
-    # each JSON under benchmarks/results/ is planned by the matrix and its stored config is the cell's config
+    # each JSON under benchmarks/results/ is planned by the matrix and its stored config is the cell's config, or is
+    # a cell of a method measured and removed (RETIRED_METHODS), which names the commit its code ran at
     results = Path.cwd() / "benchmarks" / "results"
     files = sorted(results.glob("*/*/seed*.json"))
     assert len(files) >= 238  # the cells committed when this test was written
+    retired = [p for p in files if p.parent.name in bench_matrix.RETIRED_METHODS]
+    assert retired and all(json.loads(p.read_text())["code"]["commit"] for p in retired)
+    assert not {p.parent.name for p in retired} & set(bench_matrix.load_matrix().methods)
+    files = [p for p in files if p not in retired]
     pairs = sorted({f"{p.parent.parent.name}/{p.parent.name}" for p in files})
-    cells = {c.path(results): c for c in bench_matrix.plan_cells(bench_matrix.load_matrix(), only=pairs)}
-    not_done = [str(p.relative_to(results)) for p in files if p not in cells or bench_matrix.cell_status(
-        cells[p], results) != "done"]
-    assert not_done == []
+    matrix = bench_matrix.load_matrix()
+    cells = {c.path(results): c for c in bench_matrix.plan_cells(matrix, only=pairs)}
+    # a retired method's cells (its feature removed, issue 42) are not rerun: each ran at the commit it names
+    retired = {p: matrix.methods[cells[p].method].retired for p in files if p in cells}
+    retired = {p: r["commit"] for p, r in retired.items() if r is not None}
+    assert {json.loads(p.read_text())["code"]["commit"][: len(c)] for p, c in retired.items()} <= set(retired.values())
+    assert all(json.loads(p.read_text())["code"]["commit"].startswith(c) for p, c in retired.items())
+    not_done = [str(p.relative_to(results)) for p in files if p not in retired and (p not in cells or (
+        bench_matrix.cell_status(cells[p], results) != "done"))]  # fmt: skip
+    assert not_done == [] and len(retired) == 50
 
 
 def test_cell_status_compares_configs_and_falls_back_to_the_hash(tmp_path):

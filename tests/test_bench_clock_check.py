@@ -84,8 +84,8 @@ def test_the_script_prints_one_line_per_arm_and_org():
     assert len(lines) == 2 + 2 + 1
     assert lines[2].split()[:2] == ["k1", "a"] and "3.10/   3.00 ( -3.2%)" in lines[2]
     assert "MAE 0.250 s = 3.8% of the 6.5 s run" in lines[4]
-    cfg = script.run_config("x", 16, 4.0, 1000, 17)
-    assert cfg["orgs"][1]["emulate_slowdown"] == 4.0 and cfg["federation"]["transport"] == "grpc"
+    cfg = script.run_config("x", 16, 1000, 17)
+    assert cfg["federation"]["transport"] == "grpc" and script.SLOWDOWN_ENV == "HACRL_FED_BENCH_SLOWDOWN"
     from hacrl_fed.config import load_config
 
     assert load_config(cfg).federation.effective_window == 17  # a valid run config

@@ -21,12 +21,12 @@ def _matrix(tmp_path: Path, orgs: dict) -> bench_matrix.Matrix:
 
 
 def test_a_method_sets_one_orgs_fields_and_the_others_keep_the_methods(tmp_path):
-    m = _matrix(tmp_path, {"acme": {"trainer.selection.rule": "rescue"}})
+    m = _matrix(tmp_path, {"acme": {"trainer.selection.budget_multiple": 1.0}})
     (cell,) = bench_matrix.plan_cells(m, seeds=[0])
-    rules = [org_trainer(cell.config, o).selection.rule for o in ("acme", "globex", "initech")]
-    assert rules == ["rescue", "successes", "successes"]
+    budgets = [org_trainer(cell.config, o).selection.budget_multiple for o in ("acme", "globex", "initech")]
+    assert budgets == [1.0, 0.5, 0.5]
     plain = bench_matrix.plan_cells(_matrix(tmp_path, {}), seeds=[0])[0]
-    assert plain.hash != cell.hash and org_trainer(plain.config, "acme").selection.rule == "successes"
+    assert plain.hash != cell.hash and org_trainer(plain.config, "acme").selection.budget_multiple == 0.5
 
 
 def test_a_method_naming_an_org_the_setting_lacks_skips_the_cell(tmp_path):
@@ -34,11 +34,22 @@ def test_a_method_naming_an_org_the_setting_lacks_skips_the_cell(tmp_path):
     assert cell.config is None and cell.skip == "the setting has no org nobody (method d sets its fields)"
 
 
-def test_the_strongest_group_pairs_the_remedy_with_the_defaults():
+def test_the_strongest_groups_remedy_is_retired_and_its_cells_still_read():
+    """Rule rescue is gone (issue 42): its method no longer runs, names the commit its cells ran at, and the report
+    tools still read those cells (they read the cells' JSON, not the config)."""
+    from hacrl_tools.bench.report import load_results
+
     m = bench_matrix.load_matrix()
     assert m.groups["strongest"]["ref"] == "hacpo_defended"
-    by = {(c.setting, c.method): c.config for c in bench_matrix.plan_cells(m, only=["strongest"], seeds=[0])}
+    assert m.methods["hacpo_defended_rescue"].retired == {"commit": "2995b0d", "why": m.methods[
+        "hacpo_defended_rescue"].retired["why"]}  # fmt: skip
+    by = {(c.setting, c.method): c for c in bench_matrix.plan_cells(m, only=["strongest"], seeds=[0])}
     for setting in ("state", "size", "model", "three"):
         rescue, defended = by[(setting, "hacpo_defended_rescue")], by[(setting, "hacpo_defended")]
-        assert org_trainer(rescue, "acme").selection.rule == "rescue"
-        assert rescue.model_dump(exclude={"orgs", "name"}) == defended.model_dump(exclude={"orgs", "name"})
+        assert rescue.config is None and "its cells ran at commit 2995b0d" in (rescue.skip or "")
+        assert defended.skip is None and org_trainer(defended.config, "acme").selection.rule == "successes"
+    cells = load_results(Path("benchmarks") / "results")
+    for setting in ("state", "size", "model", "three"):
+        runs = cells[(setting, "hacpo_defended_rescue")]
+        assert [c["seed"] for c in runs] == [0, 1, 2, 3, 4]
+        assert {c["code"]["commit"][:7] for c in runs} == {"2995b0d"}

@@ -18,6 +18,7 @@ from test_security_edges import _blind_cfg, _sealed_lie
 from hacrl_fed.config import load_config
 from hacrl_fed.coordinator import Coordinator
 from hacrl_fed.coordinator.inprocess import InProcessTransport
+from hacrl_fed.coordinator.virtual_clock import VirtualClock
 from hacrl_fed.types import TrainReport
 from hacrl_fed.wire import codec
 from hacrl_fed.worker import build_worker
@@ -31,7 +32,7 @@ ACCUSATION_COUNTERS = ("unproven_accusation", "false_accusation", "malformed_acc
 
 def _cfg(encrypt: bool, steps: dict[str, float], rounds: int = 4):
     data = _blind_cfg(ORGS).model_dump()
-    data["federation"].update(rounds=rounds, staleness=1, virtual_step_s=steps)
+    data["federation"].update(rounds=rounds, staleness=1)
     data["security"]["encrypt"] = encrypt
     return load_config(data)
 
@@ -45,7 +46,7 @@ def _run(tmp_path, steps, wrap=None, *, encrypt: bool = True, rounds: int = 4):
         worker = build_worker(cfg, org, run_dir=run_dir)
         workers[org] = wrap(org, worker, run_dir) if wrap is not None else Hostile(worker, lambda b: b)
     results: list = []
-    co = Coordinator(cfg, InProcessTransport(workers), run_dir, on_round=results.append)
+    co = Coordinator(cfg, InProcessTransport(workers, clock=VirtualClock(steps)), run_dir, on_round=results.append)
     co.run()
     return co, results, workers
 

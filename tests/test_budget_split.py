@@ -100,33 +100,6 @@ def test_successes_per_source_gives_the_one_row_source_its_row():
     assert any(5 not in pick("successes", 6, "pooled", seed).selected for seed in range(10))
 
 
-def test_uniform_and_nonzero_advantage_per_source_keep_the_rules_filter():
-    sel = pick("uniform", 9, "per_source")
-    assert per_source_counts(sel) == {"b": 3, "c": 3, "s": 3}  # every row eligible: b 6, c 4, s 8
-    # nonzero_advantage decides eligibility over the whole pool (every source's rows), as pooled does
-    assert pick("nonzero_advantage", None, "per_source").selected == pick("nonzero_advantage", None, "pooled").selected
-    pooled = set(pick("nonzero_advantage", 100, "pooled").selected)
-    assert set(pick("nonzero_advantage", 4, "per_source").selected) <= pooled
-
-
-def test_learner_failed_per_source_takes_each_sources_lowest_own_mean_prompts_first():
-    # eligible prompts: 1 (own mean 1/4), 3 and 4 (own mean 0; s solved 3, b and s solved 4). Budget 3: one row
-    # each, of an own-mean-0 prompt: b's row 6 (prompt 3) or 8 (prompt 4), c's row 7 (prompt 3, not its row 3 of
-    # prompt 1), one of s's rows 13-16; with seed 0 prompt 4 comes before prompt 3
-    sel = pick("learner_failed", 3, "per_source")
-    assert per_source_counts(sel) == {"b": 1, "c": 1, "s": 1}
-    assert all(POOL[i][1] in (3, 4) for i in sel.selected) and 7 in sel.selected
-    assert sel.selected == (7, 8, 16)
-
-
-def test_max_variance_per_source_runs_the_rule_on_each_sources_rows_with_its_share():
-    pool = [(1.0, 1, "b", 0), (1.0, 1, "b", 1), (0.0, 1, "b", 2), (1.0, 1, "c", 0), (0.0, 1, "c", 1)]
-    own = {1: [1.0, 0.0, 0.0, 0.0]}  # mean 1/4: a success spreads the group more than a failure
-    sel = pick("max_variance", 2, "per_source", pool=pool, own=own)
-    assert per_source_counts(sel, pool) == {"b": 1, "c": 1} and 3 in sel.selected and {0, 1} & set(sel.selected)
-    assert sel.eligible == tuple(range(5))
-
-
 @pytest.mark.parametrize("rule", BUDGETED)
 def test_with_one_foreign_source_per_source_is_pooled(rule):
     # the default split (issue 27) changes nothing where one peer sends rows: its share is the whole budget
@@ -203,10 +176,9 @@ def test_no_source_exceeds_its_share_and_each_keeps_its_floor_whatever_the_other
 
 
 def _demand(rule, sel, pool):
-    """Per source, its eligible rows (max_variance: its offered rows)."""
-    rows = range(len(pool)) if rule == "max_variance" else sel.eligible
+    """Per source, its eligible rows."""
     out = {s: 0 for _, _, s, _ in pool}
-    for i in rows:
+    for i in sel.eligible:
         out[pool[i][2]] += 1
     return out
 
@@ -248,11 +220,10 @@ ORGS = [{"id": "a", "model": {"zoo": "micro-qwen-char"}}, {"id": "b", "model": {
     ("given", "budget_multiple", "split"),
     [
         ({}, 0.5, "per_source"),  # the defaults since issue 27
-        ({"rule": "rescue"}, 0.5, "per_source"),
         ({"rule": "all"}, None, "pooled"),  # keeps every row: no budget, nothing to divide
         ({"budget_multiple": None}, None, "pooled"),  # the defaults before issue 27
         ({"budget": None}, None, "pooled"),  # a budget field named: the section chose its budget
-        ({"rule": "uniform", "budget": 3}, None, "per_source"),
+        ({"rule": "successes", "budget": 3}, None, "per_source"),
         ({"rule": "peer_sample"}, 0.5, "pooled"),  # takes whole sources: per_source refused
         ({"budget_multiple": 1.0, "budget_split": "pooled"}, 1.0, "pooled"),  # named: kept as named
         ({"rule": "all", "budget_split": "per_source"}, None, "per_source"),

@@ -5,13 +5,8 @@ import random
 import pytest
 import torch
 
-from hacrl_fed.algorithm import CapabilityTracker, capability_coefficients, hacpo_advantages
-from hacrl_fed.algorithm.capability_rounds import (
-    RoundCapabilities,
-    capability_coefficients_at_rounds,
-    hacpo_advantages_at_rounds,
-    round_capability_ratios,
-)
+from hacrl_fed.algorithm import CapabilityTracker, capability_coefficients, capability_ratios, hacpo_advantages
+from hacrl_fed.algorithm.capability_rounds import RoundCapabilities
 
 ORGS = ["acme", "globex", "initech"]
 
@@ -51,10 +46,10 @@ def test_rows_of_the_current_round_give_the_tracker_s_numbers_bit_for_bit(window
             lc, sc = table.row_figures(name, [(ORGS[j], t) for j in sources.tolist()])
             for calibrate in (True, False):
                 today = hacpo_advantages(rewards, groups, sources, learner, cap, calibrate=calibrate)
-                at_rounds = hacpo_advantages_at_rounds(rewards, groups, sources, learner, lc, sc, calibrate=calibrate)
+                at_rounds = hacpo_advantages(rewards, groups, sources, learner, (lc, sc), calibrate=calibrate)
                 assert torch.equal(today, at_rounds)
             v_today = capability_coefficients(cap, learner, sources)
-            assert torch.equal(v_today, capability_coefficients_at_rounds(lc, sc, sources, learner))
+            assert torch.equal(v_today, capability_coefficients((lc, sc), learner, sources))
 
 
 def test_a_row_uses_the_figures_of_its_own_round():
@@ -69,12 +64,12 @@ def test_a_row_uses_the_figures_of_its_own_round():
     lc, sc = table.row_figures("acme", [("globex", 1), ("globex", 3), ("acme", 3)])
     assert lc == pytest.approx([0.2, 0.5, 0.5]) and sc == pytest.approx([0.8, 0.25, 0.5])
     own = torch.tensor([False, False, True])
-    w = round_capability_ratios(lc, sc, own)
+    w = capability_ratios((lc, sc), 0, torch.tensor([1, 1, 0]))  # own: source 0, the learner
     assert w.tolist() == pytest.approx([0.25, 2.0, 1.0])
-    v = capability_coefficients_at_rounds(lc, sc, torch.tensor([1, 1, 0]), 0)
+    v = capability_coefficients((lc, sc), 0, torch.tensor([1, 1, 0]))
     assert v.tolist() == pytest.approx([4.0, 0.5, 1.0])
     # one joint group: mu = mean(w * R) = (0.25 * 1 + 2.0 * 1 + 1 * 0) / 3 = 0.75; std of (1, 1, 0) = 0.57735
-    adv = hacpo_advantages_at_rounds(torch.tensor([1.0, 1.0, 0.0]), torch.zeros(3), torch.tensor([1, 1, 0]), 0, lc, sc)
+    adv = hacpo_advantages(torch.tensor([1.0, 1.0, 0.0]), torch.zeros(3), torch.tensor([1, 1, 0]), 0, (lc, sc))
     std = (1 / 3) ** 0.5
     assert adv.tolist() == pytest.approx([(1 - 0.75) / (std + 1e-6)] * 2 + [(0 - 0.75) / (std + 1e-6)])
 
@@ -108,7 +103,7 @@ def test_bad_records_are_refused():
     with pytest.raises(ValueError, match="window"):
         RoundCapabilities(window=0)
     with pytest.raises(ValueError, match="finite and > 0"):
-        round_capability_ratios([0.5], [0.0], torch.tensor([False]))
+        capability_ratios(([0.5], [0.0]), 0, torch.tensor([1]))
     assert table.capability("acme", 5) == 0.5 and table.capability("acme", 2) == 0.5
 
 
@@ -126,7 +121,7 @@ def test_both_entry_points_refuse_bad_rows_with_the_same_message(rewards, groups
     """One rule for the row inputs: the per-round entry point refuses what the lock-step one does, in its words."""
     args = (torch.tensor(rewards), torch.tensor(groups), torch.tensor(sources), 0)
     errors = []
-    for call in (lambda: hacpo_advantages(*args, [1.0, 1.0]), lambda: hacpo_advantages_at_rounds(*args, [1.0], [1.0])):
+    for call in (lambda: hacpo_advantages(*args, [1.0, 1.0]), lambda: hacpo_advantages(*args, ([1.0], [1.0]))):
         with pytest.raises(ValueError, match=message) as caught:
             call()
         errors.append(str(caught.value))
@@ -140,9 +135,9 @@ def test_both_entry_points_give_the_same_dtype_and_empty_rows(dtype):
     rows = (torch.tensor([1, 0, 1], dtype=dtype), torch.zeros(3, dtype=torch.long), torch.tensor([0, 1, 1]), 0)
     lc, sc = [1.0, 1.0, 1.0], [1.0, 0.5, 0.5]
     today = hacpo_advantages(*rows, [1.0, 0.5])
-    assert today.dtype == want and torch.equal(today, hacpo_advantages_at_rounds(*rows, lc, sc))
+    assert today.dtype == want and torch.equal(today, hacpo_advantages(*rows, (lc, sc)))
     empty = (torch.tensor([], dtype=dtype), torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long), 0)
-    for got in (hacpo_advantages(*empty, [1.0]), hacpo_advantages_at_rounds(*empty, [], [])):
+    for got in (hacpo_advantages(*empty, [1.0]), hacpo_advantages(*empty, ([], []))):
         assert got.dtype == want and got.shape == (0,)
 
 

@@ -51,7 +51,7 @@ def test_run_inprocess_writes_outputs_and_prints_table(tmp_path, config_path, fa
     out = capsys.readouterr().out
     assert rc == 0
     assert fake_build == [("a", run_dir, False), ("b", run_dir, False)]
-    for name in ("metrics.jsonl", "accuracy.png", "config.yaml", "coordinator_state.json"):
+    for name in ("metrics.jsonl", "accuracy.png", "config.yaml", "coordinator_state.json", "report.html"):
         assert (run_dir / name).is_file(), name
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["federation"]["rounds"] == 3

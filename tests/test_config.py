@@ -312,7 +312,7 @@ def test_ratio_bounds_cross_check_names_the_section():
 @pytest.mark.parametrize("model", [{}, {"zoo": "tiny", "path": "/m"}, {"device": "cpu"}])
 def test_model_needs_exactly_one_of_zoo_or_path(model):
     msg = _error({"orgs": [{"id": "a", "model": model}]})
-    assert "orgs.0.model: set exactly one of 'zoo' or 'path'" in msg
+    assert "orgs.0.model: set exactly one of 'zoo', 'real' or 'path'" in msg
 
 
 def test_org_needs_a_model_and_a_valid_id():

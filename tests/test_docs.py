@@ -111,7 +111,7 @@ def _loss_inputs(all_self: bool) -> PolicyLossInputs:
         token_log_probs=lp, response_mask=torch.ones(b, t), old_seq_log_probs=lp.mean(-1) - 0.05 * torch.rand(b),
         advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
         is_self=torch.tensor([True, True, all_self, all_self]), capability_coefficient=torch.ones(b),
-        old_token_log_probs=lp - 0.05, prox_seq_log_probs=lp.mean(-1))
+        old_token_log_probs=lp - 0.05)
 
 
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))

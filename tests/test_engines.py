@@ -210,18 +210,19 @@ def test_vllm_engine_without_vllm_explains_install(bpe):
 def test_engine_options_from_config_reach_the_factory(bpe):
     gen = GenerationConfig(batch_size=7, gpu_memory_utilization=0.3, max_model_len=512, dtype="float16",
                            enforce_eager=True, sleep_during_train=True, vllm_kwargs={"swap_space": 2})
-    opts = EngineOptions.from_config(gen, seed=99, model_path="/m", tokenizer_path="/t")
+    opts = EngineOptions.from_config(gen, seed=99, model_path="/m", tokenizer_path="/t", extra_stop_ids=[9, 4])
     assert (opts.batch_size, opts.seed, opts.gpu_memory_utilization, opts.max_model_len, opts.dtype) == (
         7, 99, 0.3, 512, "float16")
     assert (opts.enforce_eager, opts.sleep_level, opts.llm_kwargs, opts.model_path, opts.tokenizer_path) == (
         True, 1, {"swap_space": 2}, "/m", "/t")
-    # the hf engine takes only what it knows (batch_size, seed_per_batch); explicit keyword arguments win
-    assert opts.kwargs_for(HFEngine) == {"batch_size": 7, "seed_per_batch": False}
+    # the hf engine takes only what it knows (batch_size, seed_per_batch, extra_stop_ids); explicit keyword
+    # arguments win
+    assert opts.kwargs_for(HFEngine) == {"batch_size": 7, "seed_per_batch": False, "extra_stop_ids": (4, 9)}
     engine = build_engine("hf", tiny_model("gpt2", bpe, seed=0), bpe, opts, logprobs_from_generation=True)
-    assert engine.batch_size == 7 and engine.logprobs_from_generation
+    assert engine.batch_size == 7 and engine.logprobs_from_generation and {4, 9} <= engine.stop_ids
     assert set(opts.kwargs_for(vllm_engine.VLLMEngine)) == {
         "batch_size", "seed", "model_path", "tokenizer_path", "dtype", "gpu_memory_utilization", "max_model_len",
-        "enforce_eager", "sleep_level", "llm_kwargs"}
+        "enforce_eager", "sleep_level", "llm_kwargs", "extra_stop_ids"}
 
 
 # --- vLLM: version range ----------------------------------------------------------------------------------------

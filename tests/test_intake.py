@@ -236,11 +236,11 @@ def test_a_worker_without_cross_rows_writes_trust_counters_and_retokenizes_no_fo
 
 def test_every_foreign_row_the_screen_keeps_carries_its_score_for_the_update(tmp_path):
     """The likelihood screen's score of a kept cross row (the learner's pre-update log-prob sum) travels on the row
-    as ``prox_log_prob_sum``, so the in-band baseline and the decoupled loss use it instead of scoring it again; own
+    as ``pre_log_prob_sum``, so the in-band baseline uses it instead of scoring it again; own
     rows carry none."""
     cfg, tok = make_cfg(), tiny_char_tokenizer()
     assert cfg.trainer.likelihood_screen.enabled
     _, admitted = admit(cfg, tmp_path, tok)
     cross = [r for r in admitted.rows if not r.is_self and r.response_ids]
-    assert cross and all(r.prox_log_prob_sum == -0.5 * len(r.response_ids) for r in cross)  # the test's scorer
-    assert all(r.prox_log_prob_sum is None for r in admitted.rows if r.is_self)
+    assert cross and all(r.pre_log_prob_sum == -0.5 * len(r.response_ids) for r in cross)  # the test's scorer
+    assert all(r.pre_log_prob_sum is None for r in admitted.rows if r.is_self)

@@ -26,7 +26,9 @@ from helpers_fake_workers import SCRIPT_SKILLS, FakeTask, FakeWorker, fake_confi
 from test_flower_transport import APP_DIR, FakeGrid, flower_identity, sim_contexts, write_config  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
-OUTPUTS = ("config.yaml", "run_info.json", "metrics.jsonl", "coordinator_state.json", "accuracy.png", "summary.txt")
+OUTPUTS = (
+    "config.yaml", "run_info.json", "metrics.jsonl", "coordinator_state.json", "accuracy.png", "summary.txt", "report.html"
+)
 
 
 def config_file(tmp_path: Path, **federation) -> Path:

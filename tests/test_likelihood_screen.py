@@ -145,7 +145,7 @@ def _same(a, b):
 
 def test_screen_off_no_foreign_rows_or_nothing_dropped_is_bit_identical_to_today():
     off = LikelihoodScreenConfig(enabled=False)
-    wide = LikelihoodScreenConfig(enabled=True, margin_nats=1e6, claim_margin_nats=1e6)
+    wide = LikelihoodScreenConfig(enabled=True, margin_nats=1e6, claim_z=1e9)  # bound >= 1e9 x 0.05 nats
     w_off, m_off, _ = _update(_rows(), off)
     w_on, m_on, _ = _update(_rows(), wide)
     assert _same(w_off, w_on) and m_on["screen/dropped"] == 0.0 and m_on["screen/globex/checked"] == 6.0
@@ -156,8 +156,9 @@ def test_screen_off_no_foreign_rows_or_nothing_dropped_is_bit_identical_to_today
 
 
 def test_dropped_rows_leave_their_joint_group_and_the_history_is_kept_in_the_trainer_state():
-    # own rows -2.5 per token, the cross rows -6.2 ... -7.7 under the tiny model: 4.5 drops two of six
-    tight = LikelihoodScreenConfig(enabled=True, margin_nats=4.5, norm="per_token")
+    # own rows -2.5 per token, the cross rows -6.2 ... -7.7 under the tiny model: 4.5 drops two of six (the rows'
+    # n_bytes is their token count: per byte is per token here)
+    tight = LikelihoodScreenConfig(enabled=True, margin_nats=4.5)
     w, m, trainer = _update(_rows(), tight)
     n_dropped = int(m["screen/dropped"])
     assert n_dropped == 2 and m["screen/globex/dropped_low_likelihood"] == n_dropped
@@ -190,7 +191,7 @@ def _dropped_indices(rows, cfg):
     res = likelihood_screen(lp, [len(r.response_ids) for r in rows], [r.is_self for r in rows],
                             [r.group for r in rows], [r.source for r in rows],
                             [None if r.is_self else r.claimed_log_prob_sum / r.claimed_token_count for r in rows],
-                            ScreenParams(**cfg.model_dump(exclude={"enabled", "norm"})))
+                            ScreenParams(margin_nats=cfg.margin_nats, claim_z=cfg.claim_z))
     return {i for i, k in enumerate(res.keep) if not k}
 
 

@@ -16,7 +16,7 @@ from hacrl_fed.coordinator import Coordinator
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.worker import build_worker
 
-P = OutcomeParams(every=2, z=2.0, margin=2, probation=4, backoff=2.0, struck_bar="no_worse")
+P = OutcomeParams(every=2, z=2.0, margin=2, probation=4, backoff=2.0)
 
 
 def vec(right: int, n: int = 100) -> list[bool]:
@@ -58,9 +58,9 @@ def test_a_regression_rolls_back_and_quarantines_the_sources_trained_since():
 
 
 def test_a_regression_the_shadow_matches_does_nothing_and_one_below_it_rolls_back_and_strikes():
-    """shadow_gate: a regression after foreign rows acts only when the weights are also significantly worse than the
+    """With a shadow, a regression after foreign rows acts only when the weights are also significantly worse than the
     shadow's (the counterfactual's test); otherwise the reference and the implicated sources stay."""
-    g = OutcomeGuard(P)  # shadow_gate on, the default
+    g = OutcomeGuard(P)
     g.judge(0, vec(60))
     g.trained(["globex", "initech"])
     assert g.needs_shadow(vec(30)) and not g.needs_shadow(vec(58))  # a regression, and one within the slack
@@ -74,18 +74,16 @@ def test_a_regression_the_shadow_matches_does_nothing_and_one_below_it_rolls_bac
     assert g.reference == vec(60) and g.implicated == set() and not g.needs_shadow(vec(30))
 
 
-def test_without_a_shadow_or_with_the_gate_off_every_regression_acts():
-    for params, shadow in ((P, None), (OutcomeParams(**{**P.__dict__, "shadow_gate": False}), vec(30))):
-        g = OutcomeGuard(params)
-        g.judge(0, vec(60))
-        g.trained(["globex"])
-        assert g.needs_shadow(vec(30)) == params.shadow_gate
-        verdict = g.judge(2, vec(30), shadow=shadow)
-        assert verdict.rollback and verdict.quarantined == {"globex": 6} and verdict.spared == ()
+def test_without_a_shadow_every_regression_acts():
+    g = OutcomeGuard(P)
+    g.judge(0, vec(60))
+    g.trained(["globex"])
+    verdict = g.judge(2, vec(30), shadow=None)
+    assert verdict.rollback and verdict.quarantined == {"globex": 6} and verdict.spared == ()
 
 
 def test_a_source_on_trial_spared_by_the_gate_completes_its_trial():
-    g = OutcomeGuard(OutcomeParams(**{**P.__dict__, "struck_bar": "slack"}))  # no_worse would strike it regardless
+    g = OutcomeGuard(P)
     g.judge(0, vec(60))
     g.trained(["globex"])
     g.judge(2, vec(30))  # no shadow: struck, left out through round 6
@@ -156,26 +154,10 @@ def test_an_attacker_that_waits_out_its_trial_is_caught_at_the_next_validation()
     assert g.due(10, 100) and g.judge(10, vec(25)).quarantined == {"globex": 18}  # second strike: 4 * 2 rounds
 
 
-def test_a_source_with_strikes_must_leave_the_weights_no_worse():
-    """An attacker that stays inside the slack after its first strike: it is held to weights no worse, not merely
-    not significantly worse, at every validation after its rows."""
-    g = OutcomeGuard(P)
-    g.judge(0, vec(60))
-    g.trained(["globex"])
-    g.judge(2, vec(20))  # struck: out through round 6
-    assert g.admits("globex", 7)
-    g.trained(["globex"])
-    end = g.judge(7, vec(59))  # one round into its trial: 1 lost, within the slack, but worse
-    assert end.rollback and end.quarantined == {"globex": 15} and g.strikes == {"globex": 2}
-    assert g.trial == {} and g.passed == set() and g.reference == vec(60)
-    g.trained(["hooli"])  # a source without strikes keeps the slack
-    assert not g.judge(16, vec(59)).rollback and g.strikes == {"globex": 2}
-
-
-def test_with_bar_slack_a_source_with_strikes_keeps_the_slack_and_passes_its_trial():
-    """struck_bar "slack": the same within-slack loss on trial is no strike; the trial ends passed, and a significant
+def test_a_source_with_strikes_keeps_the_slack_and_passes_its_trial():
+    """The same within-slack loss on trial is no strike; the trial ends passed, and a significant
     regression still strikes it (twice the quarantine)."""
-    g = OutcomeGuard(OutcomeParams(every=2, z=2.0, margin=2, probation=4, backoff=2.0, struck_bar="slack"))
+    g = OutcomeGuard(P)
     g.judge(0, vec(60))
     g.trained(["globex"])
     g.judge(2, vec(20))  # struck: out through round 6

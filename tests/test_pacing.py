@@ -1,6 +1,7 @@
-"""``orgs[].emulate_slowdown`` (hacrl_fed/worker/pacing.py): a paced worker's step takes F times its compute time,
-every other call goes through untouched, F = 1 is no wrapper; ``hacrl-fed worker`` serves the paced worker; the
-transports that build every worker in one process refuse the field in one line naming it."""
+"""A benchmark's slowdown, ``HACRL_FED_BENCH_SLOWDOWN`` (hacrl_fed/worker/pacing.py; ``orgs[].emulate_slowdown``
+until issue 42): a paced worker's step takes F times its compute time, every other call goes through untouched,
+F = 1 is no wrapper; ``hacrl-fed worker`` serves the paced worker; the transports that build every worker in one
+process refuse it in one line naming it; a run config naming the old field is refused, naming it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from hacrl_fed.config import ConfigError, load_config
-from hacrl_fed.worker.pacing import PacedWorker, paced
+from hacrl_fed.worker.pacing import SLOWDOWN_ENV, PacedWorker, paced, slowdowns
 
 ORGS = [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}, {"id": "globex", "model": {"zoo": "micro-gpt2-bpe"}}]
 
@@ -118,7 +119,8 @@ def test_hacrl_fed_worker_serves_the_paced_worker(tmp_path, monkeypatch):
         return Server()
 
     monkeypatch.setattr(cli_worker, "serve_worker", fake_serve)
-    cfg = _cfg(1.0, 4.0, transport="grpc")
+    monkeypatch.setenv(SLOWDOWN_ENV, "globex=4")
+    cfg = _cfg("grpc")
     p = cli_worker.build_parser()
     args = p.parse_args(["--config", "x.yaml", "--listen", f"unix:{tmp_path}/w.sock"])
     stop = cli_worker.threading.Event()
@@ -132,33 +134,37 @@ def test_hacrl_fed_worker_serves_the_paced_worker(tmp_path, monkeypatch):
             assert isinstance(served[-1], PacedWorker) and served[-1].worker is inner and served[-1].factor == 4.0
 
 
-def _cfg(acme: float, globex: float, transport: str = "inprocess", **fed):
-    orgs = [dict(ORGS[0], emulate_slowdown=acme), dict(ORGS[1], emulate_slowdown=globex)]
-    return load_config({"name": "pace", "orgs": orgs, "federation": {"transport": transport, **fed}})
+def _cfg(transport: str = "inprocess", **fed):
+    return load_config({"name": "pace", "orgs": ORGS, "federation": {"transport": transport, **fed}})
 
 
-def test_the_field_loads_with_any_transport_and_is_at_least_one():
-    """Loading accepts it whatever federation.transport says (``hacrl-fed run --transport grpc`` overrides a
-    config's in-process default); where every worker is built in one process it is refused (the next test)."""
-    assert _cfg(1.0, 1.0).orgs[1].emulate_slowdown == 1.0  # the default is no slowdown
-    for transport in ("inprocess", "grpc", "flower"):
-        assert _cfg(1.0, 4.0, transport).orgs[1].emulate_slowdown == 4.0
-    with pytest.raises(ConfigError, match=r"orgs\.0\.emulate_slowdown: Input should be greater than or equal to 1"):
-        _cfg(0.5, 1.0, "grpc")
+def test_the_slowdown_is_the_benchmarks_environment_and_a_config_naming_the_old_field_is_refused():
+    cfg = _cfg()
+    assert slowdowns(cfg, {}) == {} and slowdowns(cfg, {SLOWDOWN_ENV: ""}) == {}  # the default: no slowdown
+    assert slowdowns(cfg, {SLOWDOWN_ENV: "globex=4"}) == {"globex": 4.0}
+    assert slowdowns(cfg, {SLOWDOWN_ENV: "acme=1.5, globex=4"}) == {"acme": 1.5, "globex": 4.0}
+    for bad in ("globex", "globex=0.5", "nobody=2", "globex=x", "globex=inf"):
+        with pytest.raises(ConfigError, match=f"{SLOWDOWN_ENV}: '{bad}' is not ORG=F"):
+            slowdowns(cfg, {SLOWDOWN_ENV: bad})
+    orgs = [ORGS[0], dict(ORGS[1], emulate_slowdown=4.0)]
+    with pytest.raises(ConfigError, match=r"orgs\.1: emulate_slowdown is a benchmark-only setting, .*"
+                                          + SLOWDOWN_ENV):  # fmt: skip
+        load_config({"name": "pace", "orgs": orgs, "federation": {"transport": "grpc"}})
 
 
-def test_run_with_transport_inprocess_and_the_flower_simulation_refuse_it(tmp_path, capsys):
+def test_run_with_transport_inprocess_and_the_flower_simulation_refuse_it(tmp_path, capsys, monkeypatch):
     from hacrl_fed.cli.run import main as run_main
     from hacrl_fed.flower.simulation import simulate
 
-    data = _cfg(1.0, 4.0, "grpc").model_dump(mode="json")
+    monkeypatch.setenv(SLOWDOWN_ENV, "globex=4")
+    data = _cfg("grpc").model_dump(mode="json")
     config = tmp_path / "pace.yaml"
     config.write_text(yaml.safe_dump(data))
     assert run_main([str(config), "--transport", "inprocess", "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "orgs[1].emulate_slowdown=4" in err[0] and "--transport inprocess" in err[0], err
+    assert len(err) == 1 and f"{SLOWDOWN_ENV} slows ['globex']" in err[0] and "--transport inprocess" in err[0], err
     assert not (tmp_path / "r").exists()
     data["federation"]["transport"] = "flower"
     config.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"orgs\[1\]\.emulate_slowdown=4 .*the Flower simulation"):
+    with pytest.raises(ConfigError, match=SLOWDOWN_ENV + r" slows \['globex'\] .*the Flower simulation"):
         simulate(config, run_dir=tmp_path / "f")

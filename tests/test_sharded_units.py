@@ -10,7 +10,7 @@ from hacrl_fed.engines import FastEngine, HFEngine
 from hacrl_fed.engines.hf import _seeded, sampling_kwargs
 from hacrl_fed.sharded.fsdp import shares
 from hacrl_fed.sharded.worker import check_supported
-from hacrl_fed.trainer import _MetricAccumulator
+from hacrl_fed.update_metrics import MetricAccumulator as _MetricAccumulator
 from tests.helpers_tiny import render, tiny_char_tokenizer, tiny_model
 
 SAMPLING = dict(num_samples=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8)
@@ -63,19 +63,19 @@ def _cfg(ranks: int, **extra):
 
 
 def test_unsupported_sharded_settings_are_refused_naming_the_field():
-    with pytest.raises(ValueError, match=r"orgs\[char\]\.sharding\.ranks=2 with generation\.engine=vllm"):
+    with pytest.raises(ValueError, match=r"orgs\[0\]\.generation\.engine=vllm with orgs\[0\]\.sharding\.ranks=2"):
         check_supported(_cfg(2, generation={"engine": "vllm"}), "char")
-    with pytest.raises(ValueError, match=r"trainer\.precision=bf16-master.*sharding\.mixed_precision"):
+    with pytest.raises(ValueError, match=r"orgs\[0\]\.trainer\.precision=bf16-master.*sharding\.mixed_precision"):
         check_supported(_cfg(2, trainer={"precision": "bf16-master"}), "char")
-    with pytest.raises(ValueError, match=r"orgs\[char\]\.sharding\.ranks=2 with trainer\.outcome_guard"):
+    with pytest.raises(ValueError, match=r"orgs\[0\]\.trainer\.outcome_guard\.enabled=true .*with orgs\[0\]\.sharding\.ranks=2"):
         check_supported(_cfg(2, trainer={"outcome_guard": {"enabled": True}}), "char")
     # the guard is on by default: a sharded org must turn it off itself, and the refusal says how
-    with pytest.raises(ValueError, match=r"set orgs\[char\]\.trainer\.outcome_guard\.enabled: false"):
+    with pytest.raises(ValueError, match=r"set orgs\[0\]\.trainer\.outcome_guard\.enabled: false"):
         check_supported(_cfg(2), "char")
     check_supported(_cfg(1, trainer={"outcome_guard": {"enabled": True}}), "char", world_size=1)
     unguarded = {"outcome_guard": {"enabled": False}}
     check_supported(_cfg(2, trainer=unguarded), "char", world_size=2)
-    with pytest.raises(ValueError, match=r"sharding\.ranks=2 but the worker's process group has 3 ranks"):
+    with pytest.raises(ValueError, match=r"orgs\[0\]\.sharding\.ranks=2 .*but the worker's process group has 3 ranks"):
         check_supported(_cfg(2, trainer=unguarded), "char", world_size=3)
     check_supported(_cfg(1, generation={"engine": "vllm"}), "char", world_size=1)  # one plain process: all engines
     check_supported(_cfg(2, generation={"engine": "fast"}, trainer=unguarded), "char", world_size=2)

@@ -134,7 +134,7 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_update():
         ckpt(torch.tensor([[5, 6, 7]]))
     assert len(calls) == 2
     with pytest.raises(ValueError, match="gradient_checkpointing"):
-        from hacrl_fed.trainer import checkpoint_layers
+        from hacrl_fed.models.training_mode import checkpoint_layers
 
         checkpoint_layers(torch.nn.Linear(2, 2))
 
@@ -270,7 +270,7 @@ def _lora_trainer(dropout, seed=0):
 
 def test_lora_dropout_fires_only_on_the_adapters_during_the_update():
     from hacrl_fed.scoring import build_scoring_batch_from_ids, token_log_probs
-    from hacrl_fed.trainer import adapter_dropout
+    from hacrl_fed.models.training_mode import adapter_dropout
 
     model, trainer = _lora_trainer(0.5)
     assert len(trainer.dropout) == 4  # q_proj and v_proj of 2 layers
@@ -326,7 +326,7 @@ def test_rows_longer_than_the_context_are_left_out_but_count_in_the_baseline():
 
 
 def test_lora_dropout_with_gradient_checkpointing_recomputes_the_same_mask():
-    from hacrl_fed.trainer import checkpoint_layers
+    from hacrl_fed.models.training_mode import checkpoint_layers
 
     results = []
     for ckpt in (False, True):

@@ -66,8 +66,8 @@ def scored(monkeypatch):
 
 @pytest.mark.parametrize(
     ("selection", "expected"),
-    [({"rule": "uniform", "budget": 5}, 5), ({"rule": "successes"}, 6), ({"rule": "uniform", "budget": 0}, 0),
-     ({"rule": "uniform", "budget_multiple": 0.5}, 8)],
+    [({"rule": "peer_sample", "budget": 5}, 5), ({"rule": "successes"}, 6),
+     ({"rule": "peer_sample", "budget_multiple": 0.5}, 8)],
 )
 def test_rows_left_out_are_never_scored(tmp_path, scored, selection, expected):
     # 16 foreign rows, 6 of them successes (rows 0, 3, 6, 9, 12, 15)
@@ -140,7 +140,7 @@ def test_all_run_is_bit_identical_to_the_path_without_selection(tmp_path, monkey
 
 
 def test_budgeted_run_counts_in_metrics_jsonl(tmp_path, scored):
-    cfg = make_cfg({"rule": "uniform", "budget_multiple": 0.5}, **RUN)
+    cfg = make_cfg({"rule": "peer_sample", "budget_multiple": 0.5}, **RUN)
     _, records = run(cfg, tmp_path / "run")
     for rec in records[1:]:
         for org, src in (("char", "bpe"), ("bpe", "char")):

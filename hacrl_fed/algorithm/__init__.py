@@ -9,6 +9,7 @@ round, counted across epochs.
 from hacrl_fed.algorithm.advantages import (
     advantage_metrics,
     capability_coefficients,
+    capability_per_row,
     capability_ratios,
     group_advantages,
     hacpo_advantages,
@@ -20,9 +21,11 @@ from hacrl_fed.algorithm.losses import (
     FRACTION_COUNTS,
     GRPO_AGG_MODES,
     PolicyLossConfig,
+    clamped_log_ratio,
     cross_lower_bound,
     fractions_from_counts,
     grpo_loss,
+    gspo_has_gradient,
     gspo_loss,
     gspo_objective,
     hacpo_cross_band,
@@ -48,7 +51,6 @@ from hacrl_fed.algorithm.registry import (
     register_gradient_rows,
     register_policy_loss,
 )
-from hacrl_fed.algorithm.staleness import hacpo_decoupled_loss, staleness_summary
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -64,7 +66,9 @@ __all__ = [
     "advantage_metrics",
     "capability_coefficients",
     "capability_ratios",
+    "clamped_log_ratio",
     "cross_lower_bound",
+    "gspo_has_gradient",
     "fractions_from_counts",
     "name_sources",
     "get_advantage_estimator",
@@ -77,17 +81,16 @@ __all__ = [
     "gspo_objective",
     "hacpo_advantages",
     "hacpo_cross_band",
-    "hacpo_decoupled_loss",
     "hacpo_loss",
     "kl_k3",
     "masked_mean",
     "minibatch_schedule",
     "naive_loss",
     "order_rows",
+    "capability_per_row",
     "register_advantage_estimator",
     "register_gradient_rows",
     "register_policy_loss",
     "rows_with_gradient",
     "sequence_mean_log_prob",
-    "staleness_summary",
 ]

@@ -7,7 +7,7 @@ the agent index that produced the row, ``capability[n_agents]`` the ``Phat`` val
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import overload
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -78,24 +78,45 @@ class _Groups:
         return torch.sqrt(sq / (n - 1).clamp(min=1))
 
 
+Capability = Tensor | Sequence[float] | tuple[Any, Any]  # one Phat per agent, or per row (learner, source)
+
+
+def capability_per_row(capability: Capability, learner: int, source_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Capability in its one per-row form: ``(Phat_learner(t(y)), Phat_source(t(y)))`` [N] float64 each, the
+    figures of the round each row answers (docs/ALGORITHM.md "Capability per round"). ``capability`` is that pair
+    already (validated: [N] each, finite and > 0), or one ``Phat`` per agent [n_agents] (lock-step rounds: every row
+    is of round ``t``), indexed by ``learner`` and ``source_ids`` [N]."""
+    src = torch.as_tensor(source_ids, dtype=torch.long)
+    if isinstance(capability, tuple):
+        lc = _as_tensor(capability[0], torch.float64, "learner_capability")
+        sc = _as_tensor(capability[1], torch.float64, "source_capability")
+        if lc.shape != sc.shape or src.shape != lc.shape:
+            raise ValueError(f"capabilities and source_ids must all be [N], got {lc.shape}, {sc.shape}, {src.shape}")
+    else:
+        cap = _as_tensor(capability, torch.float64, "capability")
+        if not 0 <= learner < cap.shape[0]:
+            raise ValueError(f"learner index {learner} out of range for {cap.shape[0]} agents")
+        if src.numel() and (src.min() < 0 or src.max() >= cap.shape[0]):
+            raise ValueError(f"source_ids must be agent indices in [0, {cap.shape[0]})")
+        lc, sc = cap[learner].expand(src.shape[0]), cap[src]
+    if not (torch.isfinite(lc).all() and torch.isfinite(sc).all()) or (lc <= 0).any() or (sc <= 0).any():
+        raise ValueError("capability values must be finite and > 0 (floored Phat)")
+    return lc, sc
+
+
 def capability_ratios(
-    capability: Tensor | Sequence[float],
+    capability: Capability,
     learner: int,
     source_ids: Tensor,
     ratio_min: float = DEFAULTS.ratio_min,
     ratio_max: float = DEFAULTS.ratio_max,
 ) -> Tensor:
-    """``w(k, src_i) = clamp(Phat_k / Phat_src_i, ratio_min, ratio_max)``, exactly 1 where ``src_i == k``. → [N]."""
-    cap = _as_tensor(capability, torch.float64, "capability")
-    src = torch.as_tensor(source_ids, dtype=torch.long)
-    if not 0 <= learner < cap.shape[0]:
-        raise ValueError(f"learner index {learner} out of range for {cap.shape[0]} agents")
-    if src.numel() and (src.min() < 0 or src.max() >= cap.shape[0]):
-        raise ValueError(f"source_ids must be agent indices in [0, {cap.shape[0]})")
-    if not torch.isfinite(cap).all() or (cap <= 0).any():
-        raise ValueError("capability values must be finite and > 0 (floored Phat)")
-    w = torch.clamp(cap[learner] / cap[src], ratio_min, ratio_max)  # w(k,j) = clamp(Phat_k / Phat_j)
-    return torch.where(src == learner, torch.ones_like(w), w)  # w(k,k) = 1
+    """``w(k, y) = clamp(Phat_k(t(y)) / Phat_j(t(y)), ratio_min, ratio_max)``, exactly 1 on the learner's own rows
+    (``source_ids == learner``); ``capability``: :func:`capability_per_row`'s forms. → [N] float64."""
+    lc, sc = capability_per_row(capability, learner, source_ids)
+    w = torch.clamp(lc / sc, ratio_min, ratio_max)  # w(k, j) = clamp(Phat_k / Phat_j)
+    own = torch.as_tensor(source_ids, dtype=torch.long) == learner
+    return torch.where(own, torch.ones_like(w), w)  # w(k, k) = 1
 
 
 def hacpo_advantages(
@@ -103,7 +124,7 @@ def hacpo_advantages(
     group_ids: Tensor,
     source_ids: Tensor,
     learner: int,
-    capability: Tensor | Sequence[float],
+    capability: Capability,
     *,
     reward_max: float = DEFAULTS.reward_max,
     ratio_min: float = DEFAULTS.ratio_min,
@@ -120,7 +141,8 @@ def hacpo_advantages(
         ``g`` (the plain group mean if k has none there);
       - ``A(y) = (R(y) - mu_k) / (std_bessel(R over g) + eps)``.
 
-    Args: rewards [N], group_ids [N], source_ids [N] (agent indices), capability [n_agents] (Phat). Returns [N]
+    Args: rewards [N], group_ids [N], source_ids [N] (agent indices), capability: one ``Phat`` per agent, or per
+    row the figures of the row's round (:func:`capability_per_row`; then ``w`` is each row's own). Returns [N]
     in the dtype of ``rewards`` (float32 for integer rewards). ``calibrate=False`` takes ``w = 1`` for every row
     (the ``algorithm.advantage_calibration`` ablation: the baseline is the plain joint-group mean).
     ``baseline_rows`` [N] bool (``algorithm.baseline_rows: in_band``; None: every row): the rows the group's
@@ -202,21 +224,19 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = DEFAULT
 
 
 def capability_coefficients(
-    capability: Tensor | Sequence[float],
+    capability: Capability,
     learner: int,
     source_ids: Tensor,
     ratio_min: float = DEFAULTS.ratio_min,
     ratio_max: float = DEFAULTS.ratio_max,
 ) -> Tensor:
-    """Capability discrepancy coefficient ``v(j,k) = clamp(Phat_j / Phat_k, ratio_min, ratio_max)`` per row. → [N].
-
-    Rows from the learner itself get 1. (``v(j,k)`` is the reciprocal of ``w(k,j)`` before clamping.)
-    """
-    cap = _as_tensor(capability, torch.float64, "capability")
-    src = torch.as_tensor(source_ids, dtype=torch.long)
-    w = capability_ratios(cap, learner, src, ratio_min, ratio_max)  # validates
-    v = torch.clamp(cap[src] / cap[learner], ratio_min, ratio_max)  # v(j,k) = clamp(Phat_j / Phat_k)
-    return torch.where(src == learner, torch.ones_like(w), v).to(torch.float32)
+    """Capability discrepancy coefficient ``v(j, k; y) = clamp(Phat_j(t(y)) / Phat_k(t(y)), ratio_min, ratio_max)``
+    per row, 1 on the learner's own rows; ``capability``: :func:`capability_per_row`'s forms. → [N] float32.
+    (``v(j,k)`` is the reciprocal of ``w(k,j)`` before clamping.)"""
+    lc, sc = capability_per_row(capability, learner, source_ids)
+    v = torch.clamp(sc / lc, ratio_min, ratio_max)  # v(j, k) = clamp(Phat_j / Phat_k)
+    own = torch.as_tensor(source_ids, dtype=torch.long) == learner
+    return torch.where(own, torch.ones_like(v), v).to(torch.float32)
 
 
 def advantage_metrics(advantages: Tensor, source_ids: Tensor, names: Sequence[str], prefix: str = "hacpo") -> dict:

@@ -7,8 +7,7 @@ spends that budget *before* its likelihood screen: a doctoring source's rows can
 dropped by the screen, leaving the learner with fewer foreign rows ("budget squatting", SECURITY.md).
 ``per_source`` gives every source a share of ``B`` that no other source can spend:
 
-- the demand ``e_s`` of source ``s`` is its rows the rule could take (its eligible rows; ``max_variance``, which
-  has no filter: its offered rows);
+- the demand ``e_s`` of source ``s`` is its rows the rule could take (its eligible rows);
 - if ``Σ e_s <= B`` every source gets ``e_s``; otherwise every source gets ``min(e_s, L)`` for the largest level
   ``L`` with ``Σ_s min(e_s, L) <= B`` (max-min fair, "water-filling"), and the ``r = B − Σ_s min(e_s, L)`` slots
   left (``r`` is smaller than the number of sources with ``e_s > L``) go one each to the first ``r`` of those

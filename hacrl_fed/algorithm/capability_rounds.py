@@ -20,10 +20,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-from torch import Tensor
-
-from hacrl_fed.algorithm.advantages import _as_tensor, _rows, baseline_mask, calibrated_advantages
 from hacrl_fed.algorithm.capability import DEFAULTS, CapabilityTracker, _accuracy, _phat
 
 
@@ -108,74 +104,3 @@ class RoundCapabilities:
             for t, p in dict(hist).items():
                 fresh.record(int(t), {str(org): p})
         self.__dict__.update(fresh.__dict__)
-
-
-def round_capability_ratios(
-    learner_capability: Tensor | Sequence[float],
-    source_capability: Tensor | Sequence[float],
-    own: Tensor,
-    ratio_min: float = DEFAULTS.ratio_min,
-    ratio_max: float = DEFAULTS.ratio_max,
-) -> Tensor:
-    """``w(k, y) = clamp(Phat_k(t(y)) / Phat_j(t(y)), ratio_min, ratio_max)``, exactly 1 on own rows. All [N] →
-    [N] float64."""
-    lc = _as_tensor(learner_capability, torch.float64, "learner_capability")
-    sc = _as_tensor(source_capability, torch.float64, "source_capability")
-    if lc.shape != sc.shape or own.shape != lc.shape:
-        raise ValueError(f"capabilities and own must all be [N], got {lc.shape}, {sc.shape}, {own.shape}")
-    if not (torch.isfinite(lc).all() and torch.isfinite(sc).all()) or (lc <= 0).any() or (sc <= 0).any():
-        raise ValueError("capability values must be finite and > 0 (floored Phat)")
-    w = torch.clamp(lc / sc, ratio_min, ratio_max)  # w(k, y) = clamp(Phat_k(t) / Phat_j(t))
-    return torch.where(own, torch.ones_like(w), w)  # w(k, k) = 1
-
-
-def hacpo_advantages_at_rounds(
-    rewards: Tensor,
-    group_ids: Tensor,
-    source_ids: Tensor,
-    learner: int,
-    learner_capability: Tensor | Sequence[float],
-    source_capability: Tensor | Sequence[float],
-    *,
-    reward_max: float = DEFAULTS.reward_max,
-    ratio_min: float = DEFAULTS.ratio_min,
-    ratio_max: float = DEFAULTS.ratio_max,
-    eps: float = DEFAULTS.adv_eps,
-    calibrate: bool = DEFAULTS.advantage_calibration,
-    baseline_rows: Tensor | None = None,
-) -> Tensor:
-    """§2's capability-aware advantage with each row's ``w`` from the figures of its round
-    (:func:`round_capability_ratios`); otherwise :func:`~hacrl_fed.algorithm.advantages.hacpo_advantages`
-    (``baseline_rows`` [N] bool included: the rows the group statistics are taken over). [N]."""
-    r, gid, src, out_dtype = _rows(rewards, group_ids, source_ids)
-    if r.numel() == 0:
-        return torch.zeros(0, dtype=out_dtype)
-    own = src == learner
-    w = round_capability_ratios(learner_capability, source_capability, own, ratio_min, ratio_max)  # validates
-    if not calibrate:
-        w = torch.ones_like(w)
-    base = baseline_mask(baseline_rows, r.shape[0], own)
-    return calibrated_advantages(r, gid, own, w, reward_max=reward_max, eps=eps, baseline_rows=base).to(out_dtype)
-
-
-def capability_coefficients_at_rounds(
-    learner_capability: Tensor | Sequence[float],
-    source_capability: Tensor | Sequence[float],
-    source_ids: Tensor,
-    learner: int,
-    ratio_min: float = DEFAULTS.ratio_min,
-    ratio_max: float = DEFAULTS.ratio_max,
-) -> Tensor:
-    """``v(j, k; y) = clamp(Phat_j(t(y)) / Phat_k(t(y)), ratio_min, ratio_max)`` per row, 1 on own rows. [N] → [N]
-    float32 (as :func:`~hacrl_fed.algorithm.advantages.capability_coefficients`)."""
-    own = torch.as_tensor(source_ids, dtype=torch.long) == learner
-    w = round_capability_ratios(learner_capability, source_capability, own, ratio_min, ratio_max)  # validates
-    lc = _as_tensor(learner_capability, torch.float64, "learner_capability")
-    sc = _as_tensor(source_capability, torch.float64, "source_capability")
-    v = torch.clamp(sc / lc, ratio_min, ratio_max)  # v(j, k) = clamp(Phat_j(t) / Phat_k(t))
-    return torch.where(own, torch.ones_like(w), v).to(torch.float32)
-
-
-# advantage estimator (registry name) -> its form with per-row figures of each row's round; the estimators not
-# listed read no capability (``group``), so their one form serves every round
-ROUND_ADVANTAGE_ESTIMATORS = {"hacpo": hacpo_advantages_at_rounds}

@@ -16,16 +16,17 @@ test (:func:`hacrl_fed.algorithm.outcome_guard.compare`)::
   learner **adopts** the shadow's weights and every foreign source it trained on since it last adopted them (or
   since the start) gets a strike (``strike``);
 * **the last round, worse by more than ``last_z`` standard deviations** (``lost - gained > last_z * sqrt(lost +
-  gained)``; ``last_z = 0``: by the point estimate, ``lost > gained``): the learner adopts the shadow's weights, no
+  gained)``, ``last_z > 0``): the learner adopts the shadow's weights, no
   strike (a final choice between two candidates on a split neither trained on; the worker makes it on the final
   split, ``trainer.outcome_guard.final_size`` prompts apart from the validation split, which chose the learner's
   weights all run: :mod:`hacrl_fed.worker.outcome`). The bar trades the two errors: when
   the federated weights are truly better by ``d`` (``sd`` the standard deviation of ``lost - gained``) the shadow
   is taken with probability about ``Phi(-(d + last_z * sd) / sd)``, the honest cost; harm ``h`` that stayed within
-  the mid-run slack is left with probability about ``Phi(last_z - h / sd)``. With ``last_z = 0`` an honest run whose
-  gain the 400-prompt split cannot resolve loses it about half the time (measured: ``state``, seed 0, globex gave
-  back 4.7 held-out points to a shadow 5 prompts better on the split); ``last_z = 1`` (the default) leaves at most
-  about ``0.5 * sd`` of expected harm and almost no honest cost;
+  the mid-run slack is left with probability about ``Phi(last_z - h / sd)``. By the point estimate (a bar of 0,
+  measured and removed after c30f784) an honest run whose gain the 400-prompt split cannot resolve loses it about
+  half the time (measured: ``state``, seed 0, globex gave back 4.7 held-out points to a shadow 5 prompts better on
+  the split); ``last_z = 1`` (the default) leaves at most about ``0.5 * sd`` of expected harm and almost no honest
+  cost;
 * otherwise nothing changes.
 """
 
@@ -61,5 +62,5 @@ def against_shadow(
     cmp = compare(shadow, current, z, margin)
     if cmp.regressed:
         return CounterfactualVerdict(cmp, True, True)
-    worse = cmp.lost - cmp.gained > last_z * math.sqrt(cmp.lost + cmp.gained)  # last_z = 0: lost > gained
+    worse = cmp.lost - cmp.gained > last_z * math.sqrt(cmp.lost + cmp.gained)
     return CounterfactualVerdict(cmp, last and worse, False)

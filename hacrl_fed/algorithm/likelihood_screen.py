@@ -38,7 +38,9 @@ REASONS = ("low_likelihood", "claim_outlier")
 
 @dataclass(frozen=True)
 class ScreenParams:
-    """The thresholds (config ``trainer.likelihood_screen``; docs/ALGORITHM.md)."""
+    """The thresholds (docs/ALGORITHM.md "Likelihood screen"): ``margin_nats`` and ``claim_z`` are the config's
+    (``trainer.likelihood_screen``); the others are fixed constants (research knobs with no measured use, taken
+    out of the config in issue 42)."""
 
     margin_nats: float = 4.0
     quantile: float = 0.0

@@ -32,8 +32,7 @@ class PolicyLossConfig:
     ``m``; ``alpha``: the exponent of
     ``stopgrad(c)``; ``cross_clip``: False takes ``c = s`` on cross rows (no band at all: an ablation);
     ``max_abs_log_ratio``: clamp of every log-ratio before ``exp``; ``grpo_clip_*``: GRPO's token-level band;
-    ``grpo_loss_agg_mode``: how GRPO averages over tokens (:data:`GRPO_AGG_MODES`); ``cross_weight_*``: the
-    decoupled cross loss's behaviour weight bounds and what happens outside them (:mod:`.staleness`).
+    ``grpo_loss_agg_mode``: how GRPO averages over tokens (:data:`GRPO_AGG_MODES`);
     """
 
     self_clip_low: float = DEFAULTS.self_clip_low
@@ -46,9 +45,6 @@ class PolicyLossConfig:
     grpo_clip_low: float = DEFAULTS.grpo_clip_low
     grpo_clip_high: float = DEFAULTS.grpo_clip_high
     grpo_loss_agg_mode: str = DEFAULTS.grpo_loss_agg_mode
-    cross_weight_mode: str = DEFAULTS.cross_weight_mode
-    cross_weight_min: float = DEFAULTS.cross_weight_min
-    cross_weight_max: float = DEFAULTS.cross_weight_max
 
     @classmethod
     def from_algorithm(cls, algo: Any) -> PolicyLossConfig:
@@ -75,6 +71,18 @@ def sequence_mean_log_prob(token_log_probs: Tensor, mask: Tensor, lengths: Tenso
         lengths = lengths.to(device=n.device, dtype=n.dtype)
         n = torch.where(lengths > 0, lengths, n)
     return (token_log_probs * m).sum(-1) / n.clamp(min=1.0)  # lbar = sum(lp * mask) / n
+
+
+def clamped_log_ratio(log_p: Tensor, log_q: Tensor, max_abs_log_ratio: float) -> Tensor:
+    """``clamp(log_p - log_q, -M, M)`` (``log_q`` cast to ``log_p``'s dtype), the one log-ratio every ratio and the
+    KL term take before ``exp``: outside ``[-M, M]`` it carries no gradient. Same shape as the inputs."""
+    return torch.clamp(log_p - log_q.to(log_p.dtype), -max_abs_log_ratio, max_abs_log_ratio)  # clamp(lp - lq, -M, M)
+
+
+def gspo_has_gradient(ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float) -> Tensor:
+    """Where GSPO's ``min(s A, clamp(s, 1 - low, 1 + high) A)`` takes the unclipped term, so its gradient is nonzero:
+    ``A > 0 and s <= 1 + high`` or ``A < 0 and s >= 1 - low``. ratio, advantages [N] → bool [N]."""
+    return ((advantages > 0) & (ratio <= 1.0 + clip_high)) | ((advantages < 0) & (ratio >= 1.0 - clip_low))
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -172,12 +180,6 @@ def _fraction_table() -> dict[str, tuple[str, str]]:
         ("naive", "num_rows", ("clip_low", "clip_high")),
         ("naive", "num_cross", ("cross_grad",)),
         ("grpo", "num_tokens", ("clip_low", "clip_high")),
-        ("hacpo_decoupled", "num_self", ("self_clip_low", "self_clip_high")),
-        (
-            "hacpo_decoupled",
-            "num_cross",
-            ("cross_in_band", "cross_prox_clip_low", "cross_prox_clip_high", "cross_grad"),
-        ),
     ):
         table.update({f"{prefix}/{n}_frac": (f"{prefix}/num_{n}", f"{prefix}/{den}") for n in names})
     return table
@@ -256,10 +258,7 @@ def hacpo_loss(
     )
     is_self = is_self.to(torch.bool)
     adv = advantages.to(seq_log_probs.dtype)
-    log_ratio = torch.clamp(
-        seq_log_probs - old_seq_log_probs.to(seq_log_probs.dtype), -config.max_abs_log_ratio, config.max_abs_log_ratio
-    )
-    ratio = torch.exp(log_ratio)  # s = exp(lbar_new - lbar_old)
+    ratio = torch.exp(clamped_log_ratio(seq_log_probs, old_seq_log_probs, config.max_abs_log_ratio))  # s
     self_obj = gspo_objective(ratio, adv, config.self_clip_low, config.self_clip_high)
     lower, c, inside = hacpo_cross_band(ratio, step, config)  # hard clamp: no gradient outside [lower_m, 1]
     v = capability_coefficient.to(seq_log_probs.dtype)
@@ -341,8 +340,8 @@ def rows_with_gradient(
     lbar, old = seq_log_probs.detach(), old_seq_log_probs.to(seq_log_probs.dtype)
     adv = advantages.to(lbar.dtype)
     raw = lbar - old
-    s = torch.exp(torch.clamp(raw, -config.max_abs_log_ratio, config.max_abs_log_ratio))  # s = exp(clamp(raw))
-    gspo = ((adv > 0) & (s <= 1.0 + config.self_clip_high)) | ((adv < 0) & (s >= 1.0 - config.self_clip_low))
+    s = torch.exp(clamped_log_ratio(lbar, old, config.max_abs_log_ratio))  # s = exp(clamp(raw))
+    gspo = gspo_has_gradient(s, adv, config.self_clip_low, config.self_clip_high)
     if cross_band:
         cross = hacpo_cross_band(s, step, config)[2] & (adv != 0)
         gspo = torch.where(is_self.to(torch.bool), gspo, cross)
@@ -369,10 +368,7 @@ def gspo_loss(
     (:func:`_per_source`).
     """
     _check_seq_inputs(seq_log_probs=seq_log_probs, old_seq_log_probs=old_seq_log_probs, advantages=advantages)
-    log_ratio = torch.clamp(
-        seq_log_probs - old_seq_log_probs.to(seq_log_probs.dtype), -max_abs_log_ratio, max_abs_log_ratio
-    )
-    ratio = torch.exp(log_ratio)  # s = exp(lbar_new - lbar_old)
+    ratio = torch.exp(clamped_log_ratio(seq_log_probs, old_seq_log_probs, max_abs_log_ratio))  # s
     adv = advantages.to(seq_log_probs.dtype)
     loss = -gspo_objective(ratio, adv, clip_low, clip_high).mean()
     r, a = ratio.detach(), adv.detach()
@@ -381,7 +377,7 @@ def gspo_loss(
     if is_self is not None:
         cross = ~is_self.to(torch.bool)
         # the gradient of min(sA, clip(s)A) is nonzero iff A > 0 and s <= 1 + high, or A < 0 and s >= 1 - low
-        grad = ((a > 0) & (r <= 1.0 + clip_high)) | ((a < 0) & (r >= 1.0 - clip_low))
+        grad = gspo_has_gradient(r, a, clip_low, clip_high)
         metrics[f"{prefix}/num_cross"] = float(cross.sum())
         metrics.update(_stats(prefix, "cross_ratio", r[cross]))
         cross_grad = {"cross_grad": grad[cross]}
@@ -444,10 +440,7 @@ def grpo_loss(
     if advantages.shape != token_log_probs.shape[:1]:
         raise ValueError(f"advantages must be [B]={token_log_probs.shape[0]}, got {tuple(advantages.shape)}")
     mask = response_mask.to(token_log_probs.dtype)
-    log_ratio = torch.clamp(
-        token_log_probs - old_token_log_probs.to(token_log_probs.dtype), -max_abs_log_ratio, max_abs_log_ratio
-    )
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(clamped_log_ratio(token_log_probs, old_token_log_probs, max_abs_log_ratio))  # r_t
     adv = advantages.to(token_log_probs.dtype)[:, None]
     obj = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv)
     if loss_agg_mode == "token-mean":
@@ -470,7 +463,5 @@ def kl_k3(
 
     Non-negative; its gradient w.r.t. ``token_log_probs`` is ``1 - exp(r)``.
     """
-    r = torch.clamp(
-        ref_token_log_probs.to(token_log_probs.dtype) - token_log_probs, -max_abs_log_ratio, max_abs_log_ratio
-    )
+    r = clamped_log_ratio(ref_token_log_probs.to(token_log_probs.dtype), token_log_probs, max_abs_log_ratio)
     return torch.exp(r) - r - 1.0  # k3 = e^r - r - 1

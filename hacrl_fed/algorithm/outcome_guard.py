@@ -12,14 +12,14 @@ weights first) and those weights (in memory). The paired comparison on the same 
 
 * **regressed, and a foreign source was trained on since the reference**: roll back to the reference weights (and
   optimizer state) and quarantine every such source: ``strikes_j`` grows by one and source ``j`` is left out
-  through round ``t + probation * backoff ** (strikes_j - 1)``. With ``shadow_gate`` (the default) and the shadow's
+  through round ``t + probation * backoff ** (strikes_j - 1)``. With the shadow's
   vector ``s`` on the same prompts (:mod:`hacrl_fed.algorithm.counterfactual`), only when the weights are also
   significantly worse than training alone (``compare(s, v).regressed``, the counterfactual's own test); otherwise
   (``spared``) nothing changes: the reference stays, the sources stay implicated. A learning dip that training
   alone matches is not a member's harm (measured: every rollback of an honest run at 4 and 8 orgs had the learner
   within the slack of its shadow or above it; each struck every peer, and the rollback alone, unstruck, still
-  threw away rounds the federated run would have recovered from). Without a shadow (``counterfactual: false``) or
-  with ``shadow_gate = False`` every such regression rolls back and strikes;
+  threw away rounds the federated run would have recovered from). Without a shadow (``counterfactual: false``) every
+  such regression rolls back and strikes;
 * **regressed on the learner's own rows alone** (no foreign row since the reference): that is training alone, not a
   member's harm; the current weights become the reference (``rebased``);
 * **no worse** (``gained >= lost``): the current weights become the reference, the sources are cleared;
@@ -31,20 +31,17 @@ Validation is due after every ``every``-th round's update, after the last round'
 quarantine ended is readmitted one at a time (no two sources with strikes on trial together, so the next regression
 is attributed to it alone) for ``every`` rounds, after which a validation that is not a regression clears it (it
 keeps its strikes). A source with no strike is always admitted. A source **with strikes** is held to the regression
-test like any source (``struck_bar = "slack"``, the default); with ``struck_bar = "no_worse"`` (the rule of issue
-27's first attack matrix) any validation after updates that trained on its rows must find the weights no worse than
-the reference (``gained >= lost``), else it gets another strike and the weights go back to the reference. That bar is
-a coin toss for an honest peer when the learner gains little from it, so one strike by chance became a cascade of
-rollbacks and doubling quarantines (measured: an honest org 6.2 points below its run without the guard at 4 orgs);
-the slack keeps harm bounded the same way (rows that keep costing accuracy reach a regression against the same
-reference, and the counterfactual compares with training alone).
+test like any source (a stricter "no worse than the reference" bar for them, measured in issue 27's first attack
+matrix and removed after c30f784, was a coin toss for an honest peer: an honest org 6.2 points below its run
+without the guard at 4 orgs); the slack keeps harm bounded (rows that keep costing accuracy reach a regression
+against the same reference, and the counterfactual compares with training alone).
 
 Why an adaptive attacker gains little (SECURITY.md): at every validation after foreign rows the weights the learner
-keeps are within the test's slack of its best, or within it of the shadow (``shadow_gate``), or reached by its own
+keeps are within the test's slack of its best, or within it of the shadow, or reached by its own
 rows only (the final round is always validated); harm that accumulates slowly or shows late is measured against the
 same reference and blamed on every source trained since it; a source that alternates honest and doctored windows
 keeps its strikes, and each strike multiplies its next quarantine, so once struck it causes at most
-``1 + log_backoff(rounds / probation)`` rollbacks in a run. Under ``shadow_gate`` a source whose harm keeps the
+``1 + log_backoff(rounds / probation)`` rollbacks in a run. With a shadow, a source whose harm keeps the
 learner within the shadow's slack is never struck nor rolled back: the learner may sit that slack below training
 alone mid-run, and the last round's choice takes the shadow's weights when they are better by more than ``last_z``
 standard deviations. What it cannot see alone: harm that costs no validation accuracy (a trigger that leaves answers
@@ -58,7 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -70,8 +67,6 @@ class OutcomeParams:
     margin: int = 2
     probation: int = 8
     backoff: float = 2.0
-    struck_bar: Literal["slack", "no_worse"] = "slack"  # what a source with strikes is held to (module doc)
-    shadow_gate: bool = True  # a regression acts only when the shadow is significantly better too (module doc)
 
 
 @dataclass(frozen=True)
@@ -153,14 +148,14 @@ class OutcomeGuard:
 
     def needs_shadow(self, current: Sequence[bool]) -> bool:
         """Whether :meth:`judge`'s verdict on ``current`` waits on the shadow's vector: a regression after foreign
-        rows with ``shadow_gate`` on (the worker validates the shadow for it only then)."""
-        if not self.params.shadow_gate or self.reference is None or not self.implicated:
+        rows (the worker validates the shadow for it only then, where it keeps one)."""
+        if self.reference is None or not self.implicated:
             return False
         return compare(self.reference, current, self.params.z, self.params.margin).regressed
 
     def judge(self, round: int, current: Sequence[bool], shadow: Sequence[bool] | None = None) -> Verdict:
         """The verdict on the weights after ``round``'s update (module doc); the first call sets the reference.
-        ``shadow``: the shadow's vector on the same prompts now, which gates a regression (``shadow_gate``); None:
+        ``shadow``: the shadow's vector on the same prompts now, which gates a regression; None:
         no shadow, every regression after foreign rows rolls back and strikes."""
         if self.reference is None:
             self.reference = list(current)
@@ -171,10 +166,6 @@ class OutcomeGuard:
         spared = harmed and self._spares(current, shadow)
         if harmed and not spared:
             return Verdict(cmp, True, False, False, self._strike(sorted(self.implicated), round))
-        if self.params.struck_bar == "no_worse" and not cmp.not_worse:  # not "within the slack"
-            suspects = [s for s in sorted(self.implicated) if self.strikes.get(s, 0) > 0]
-            if suspects:
-                return Verdict(cmp, True, False, False, self._strike(suspects, round))
         self.passed.update(done)
         for src in done:
             del self.trial[src]
@@ -186,9 +177,9 @@ class OutcomeGuard:
         return Verdict(cmp, False, cmp.regressed or cmp.not_worse, cmp.regressed, {})
 
     def _spares(self, current: Sequence[bool], shadow: Sequence[bool] | None) -> bool:
-        """A regression after foreign rows does nothing: the gate is on and the weights are not significantly worse
-        than the shadow's (the counterfactual's test, module doc)."""
-        if not self.params.shadow_gate or shadow is None:
+        """A regression after foreign rows does nothing: there is a shadow and the weights are not significantly
+        worse than its (the counterfactual's test, module doc)."""
+        if shadow is None:
             return False
         return not compare(shadow, current, self.params.z, self.params.margin).regressed
 

@@ -35,7 +35,6 @@ from hacrl_fed.algorithm.losses import (
     sequence_mean_log_prob,
 )
 from hacrl_fed.algorithm.specs import ALGORITHMS, AlgorithmSpec
-from hacrl_fed.algorithm.staleness import decoupled_gradient_rows, hacpo_decoupled_loss
 
 AdvantageFn = Callable[..., Tensor]
 LossFn = Callable[["PolicyLossInputs", int, PolicyLossConfig], tuple[Tensor, dict[str, float]]]
@@ -104,8 +103,6 @@ class PolicyLossInputs:
     old_token_log_probs: Tensor | None = None
     seq_lengths: Tensor | None = None  # [B] divisor of each row's lbar (<= 0: its token count); see below
     source_ids: Tensor | None = None  # [B] each row's source index: per-source metrics of the cross rows
-    prox_seq_log_probs: Tensor | None = None  # [B] lbar_prox: the learner's pre-update lbar (the decoupled loss)
-    ages: Tensor | None = None  # [B] each row's age in rounds (the decoupled loss's metrics; None: all 0)
 
     def seq_log_probs(self) -> Tensor:
         """``lbar`` per row: token mean, or per ``seq_lengths`` unit (UTF-8 bytes under ``logprob_norm: per_byte``)."""
@@ -141,28 +138,6 @@ def _loss_hacpo(inputs: PolicyLossInputs, step: int, config: PolicyLossConfig):
         step,
         config,
         source_ids=inputs.source_ids,
-    )
-
-
-def _proximal(inputs: PolicyLossInputs) -> Tensor:
-    if inputs.prox_seq_log_probs is None:
-        raise ValueError("the decoupled loss needs PolicyLossInputs.prox_seq_log_probs (the pre-update lbar)")
-    return inputs.prox_seq_log_probs
-
-
-@register_policy_loss("hacpo_decoupled")
-def _loss_hacpo_decoupled(inputs: PolicyLossInputs, step: int, config: PolicyLossConfig):
-    """HACPO with ``algorithm.cross_staleness: decoupled`` (:mod:`hacrl_fed.algorithm.staleness`); ``step`` unused."""
-    return hacpo_decoupled_loss(
-        inputs.seq_log_probs(),
-        _proximal(inputs),
-        inputs.old_seq_log_probs,
-        inputs.advantages,
-        inputs.is_self,
-        inputs.capability_coefficient,
-        config,
-        source_ids=inputs.source_ids,
-        ages=inputs.ages,
     )
 
 
@@ -227,14 +202,4 @@ def _grad_rows_naive(seq_log_probs: Tensor, inputs: PolicyLossInputs, step: int,
     """``naive``: GSPO's clip on every row."""
     return rows_with_gradient(
         seq_log_probs, inputs.old_seq_log_probs, inputs.advantages, inputs.is_self, step, config, cross_band=False
-    )
-
-
-@register_gradient_rows("hacpo_decoupled")
-def _grad_rows_hacpo_decoupled(
-    seq_log_probs: Tensor, inputs: PolicyLossInputs, step: int, config: PolicyLossConfig
-) -> Tensor:
-    """The decoupled form: GSPO's clip around ``lbar_prox``, rows with a nonzero behaviour weight."""
-    return decoupled_gradient_rows(
-        seq_log_probs, _proximal(inputs), inputs.old_seq_log_probs, inputs.advantages, config
     )

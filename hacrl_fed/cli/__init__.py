@@ -9,6 +9,7 @@
 - ``hacrl-fed export RUN_DIR --org ORG --out DIR`` (:mod:`~hacrl_fed.cli.export`): an org's trained model as a
   transformers folder; ``hacrl-fed eval MODEL_DIR | --run-dir RUN_DIR --org ORG`` (:mod:`~hacrl_fed.cli.eval`):
   greedy accuracy and pass@k on a task's test split.
+- ``hacrl-fed report RUN_DIR`` (:mod:`~hacrl_fed.cli.report`): the run's self-contained ``report.html``.
 - ``hacrl-fed deploy-local ...`` (:mod:`~hacrl_fed.cli.deploy_local`) and ``hacrl-fed bench ...``
   (:mod:`~hacrl_fed.cli.bench`), ``hacrl-fed gpu-check ...`` (:mod:`~hacrl_fed.cli.gpu_check`): the tools
   (:mod:`hacrl_tools`, loaded only by these commands).
@@ -37,6 +38,7 @@ COMMANDS = {
     "gpu-check": ("gpu_check", "the prepared GPU check (scripts/gpu_check.sh)"),
     "export": ("export", "write an org's trained model as a transformers folder"),
     "eval": ("eval", "greedy accuracy and pass@k of a model on a task's test split"),
+    "report": ("report", "write RUN_DIR/report.html: the run's self-contained report page"),
 }
 
 

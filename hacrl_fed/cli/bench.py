@@ -103,8 +103,8 @@ def system_parser(tool: ModuleType) -> argparse.ArgumentParser:
         default=[],
         metavar="RULE[:MULTIPLE[:SPLIT]]",
         help="run the scaling case once per trainer.selection: the rule, then budget_multiple (none: no budget) "
-        "and budget_split (default pooled) after colons, e.g. all uniform:1 successes:0.5:per_source; no spec: "
-        "the config's own",
+        "and budget_split (default pooled) after colons, e.g. all successes:1 peer_sample:1 "
+        "successes:0.5:per_source; no spec: the config's own",
     )
     p.add_argument("--deploy-rounds", type=int, default=3, help="rounds on the deployment engine (0: skip)")
     p.add_argument(

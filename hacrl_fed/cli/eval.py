@@ -71,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(PROG, lambda: _eval(args))
 
 
+def _style_fields(cfg, org: str) -> dict:
+    """The org's prompt format settings (``model.prompt_format`` / ``model.few_shot``), as its worker renders."""
+    model = cfg.org(org).model
+    return {"prompt_format": model.prompt_format, "few_shot": model.few_shot}
+
+
 def _eval(args: argparse.Namespace) -> int:
     from hacrl_fed.config import org_generation
     from hacrl_fed.evaluate import EvalSettings, evaluate
@@ -88,6 +94,7 @@ def _eval(args: argparse.Namespace) -> int:
         seed=args.seed,
         threshold=args.threshold,
         batch_size=gen.batch_size,
+        **({} if org is None else _style_fields(cfg, org)),
     )
     task = get_task(cfg.task.name, cfg.task.params, seed=cfg.seed)
     metrics = evaluate(model, tokenizer, task, settings)

@@ -159,16 +159,22 @@ def _resolve_run(args: argparse.Namespace):
         raise UsageError("federation.transport=flower: use `hacrl-fed simulate CONFIG` (or flwr run)")
     if args.workers and transport != "grpc":
         raise UsageError("--worker needs --transport grpc")
-    parse_worker_addresses(args.workers, [o.id for o in cfg.orgs])  # bad usage fails before the run dir is used
+    given = parse_worker_addresses(args.workers, [o.id for o in cfg.orgs])  # bad usage: before the run dir is used
     if transport == "inprocess":
-        from hacrl_fed.config import refuse_emulated_slowdown
         from hacrl_fed.sharded.group import check_in_process
+        from hacrl_fed.worker.pacing import refuse_emulated_slowdown
 
         try:
             check_in_process(cfg, "inprocess")
             refuse_emulated_slowdown(cfg, "--transport inprocess")
         except ConfigError as err:  # ShardingError is one
             raise UsageError(str(err)) from None
+    from hacrl_fed.preflight import check_settings
+
+    try:  # what the workers this command builds or starts would refuse: now, before any of them starts
+        check_settings(cfg, [o.id for o in cfg.orgs if o.id not in given])
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
     run_dir = (Path(args.run_dir) if args.run_dir else Path(cfg.run_dir) / cfg.name).absolute()
     try:
         check_run_dir(run_dir, args.resume, CLI_KEYS)

@@ -79,5 +79,5 @@ def _simulate(args: argparse.Namespace) -> int:
     summary = run_path / SUMMARY_FILE
     if summary.is_file():
         print(summary.read_text().rstrip())
-    print(f"{PROG}: done; outputs in {run_path} (metrics.jsonl, tb/, accuracy.png)")
+    print(f"{PROG}: done; outputs in {run_path} (metrics.jsonl, tb/, accuracy.png, report.html)")
     return 0

@@ -14,10 +14,14 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from hacrl_fed.cli.common import USAGE, add_set_flag, parser, run_command, say_line
 from hacrl_fed.wire.grpc_server import ListenError, WorkerTLS, check_listen, describe_worker, serve_worker
+
+if TYPE_CHECKING:
+    from hacrl_fed.worker.api import WorkerAPI
 
 log = logging.getLogger("hacrl_fed.wire.grpc_server")
 PROG = "hacrl-fed worker"
@@ -110,7 +114,7 @@ def _pick_org(cfg: Any, org: str | None) -> str:
     return org
 
 
-def _close(worker: Any) -> None:
+def _close(worker: WorkerAPI) -> None:
     close = getattr(worker, "close", None)
     if callable(close):
         close()
@@ -131,11 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(PROG, lambda: serve(args, p))
 
 
-def serve(args: argparse.Namespace, p: argparse.ArgumentParser, *, rank_worker: Any = None) -> int:
+def serve(
+    args: argparse.Namespace, p: argparse.ArgumentParser, *, rank_worker: Callable[..., WorkerAPI] | None = None
+) -> int:
     """The command's work: check the link and config, build the worker, serve until stopped. Under torchrun (an
     org with ``sharding.ranks > 1``) each rank goes to :func:`hacrl_fed.sharded.endpoint.serve_ranks`, which builds
     its worker with ``rank_worker`` (default :func:`hacrl_fed.sharded.dispatch.rank_worker`)."""
     from hacrl_fed.config import ConfigError, load_config
+    from hacrl_fed.preflight import check_settings
     from hacrl_fed.sharded.group import check_launch, torchrun_env
 
     try:
@@ -145,6 +152,7 @@ def serve(args: argparse.Namespace, p: argparse.ArgumentParser, *, rank_worker: 
         cfg = load_config(args.config, overrides=args.overrides)
         org_id = _pick_org(cfg, args.org)
         sharded = check_launch(cfg, org_id, env, getattr(args, "argv", []))
+        check_settings(cfg, [org_id])  # what building the worker would refuse, before any weights load
     except (ConfigError, ValueError) as err:
         p.exit(USAGE, f"{PROG}: {err}\n")
     if sharded:
@@ -168,7 +176,7 @@ def _serve_rank(
     env: Any,
     *,
     link: tuple[WorkerTLS | None, bool],
-    rank_worker: Any,
+    rank_worker: Callable[..., WorkerAPI] | None,
 ) -> int:
     """One rank of a sharded worker (:func:`hacrl_fed.sharded.endpoint.serve_ranks`); rank 0 serves the endpoint."""
     from hacrl_fed.sharded.dispatch import rank_worker as default_factory
@@ -198,7 +206,7 @@ def serve_endpoint(
     p: argparse.ArgumentParser,
     cfg: Any,
     org_id: str,
-    worker: Any,
+    worker: WorkerAPI,
     *,
     link: tuple[WorkerTLS | None, bool],
     stop: threading.Event,
@@ -206,12 +214,13 @@ def serve_endpoint(
 ) -> int:
     """Serve ``worker`` over gRPC on ``args.listen`` until ``stop`` is set, the launcher is gone or ``halt()`` is
     true; print the ready line once it accepts calls; stop gracefully and close the worker. An org with
-    ``emulate_slowdown > 1`` is served paced (:mod:`hacrl_fed.worker.pacing`; a sharded org: rank 0's dispatcher)."""
+    a benchmark slowdown ``HACRL_FED_BENCH_SLOWDOWN`` is served paced (:mod:`hacrl_fed.worker.pacing`; a sharded
+    org: rank 0's dispatcher)."""
     max_mb = args.max_message_mb or cfg.federation.max_message_mb
     from hacrl_fed.wire.bounds import max_request_bytes, worker_limits
-    from hacrl_fed.worker.pacing import paced
+    from hacrl_fed.worker.pacing import paced, slowdowns
 
-    worker = paced(worker, cfg.org(org_id).emulate_slowdown)
+    worker = paced(worker, slowdowns(cfg).get(org_id, 1.0))
 
     try:
         server = serve_worker(

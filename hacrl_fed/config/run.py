@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +37,27 @@ class WandbConfig(_Section):
     )
 
 
+class SamplesConfig(_Section):
+    """The rollouts each org keeps for the run report (hacrl_fed/worker/samples.py): a seeded sample per round
+    of its own rollouts and, as a learner, of the foreign rows it received with what became of each, in
+    <run dir>/orgs/<org>/samples.jsonl, written by the org itself (coordinator-blind mode: the coordinator never
+    sees the text). The file never exceeds max_bytes; round t may fill it up to t/rounds of it."""
+
+    enabled: bool = Field(True, description="keep samples.jsonl per org (shown by hacrl-fed report)")
+    own_per_round: int = Field(4, ge=0, le=4096, description="own rollouts kept per round (seeded choice)")
+    foreign_per_round: int = Field(
+        2, ge=0, le=4096, description=_d("foreign rows kept per round and source, with their fate (kept / dropped)")
+    )
+    max_text_chars: int = Field(
+        600, ge=16, le=1_000_000, description="prompt and response text longer than this is cut (marked …)"
+    )
+    max_bytes: int = Field(
+        1_000_000,
+        ge=0,
+        description=_d("the most bytes of samples.jsonl per org (the default fits a 150-round, 3-org demo)"),
+    )
+
+
 class RunConfig(_Section):
     """One federated run: its name and seed, the algorithm, the orgs and how rounds run."""
 
@@ -65,6 +85,7 @@ class RunConfig(_Section):
     federation: FederationConfig = Field(default_factory=FederationConfig, description="the round loop")
     security: SecurityConfig = Field(default_factory=SecurityConfig, description="trust between the organizations")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (optional)")
+    samples: SamplesConfig = Field(default_factory=SamplesConfig, description="rollout samples for the run report")
 
     @model_validator(mode="after")
     def _unique_orgs(self) -> RunConfig:
@@ -110,18 +131,12 @@ def _check_asynchronous(cfg: RunConfig) -> None:
     """What asynchronous rounds (``federation.staleness >= 1``) need in this slice of the driver; each
     refusal names its field (docs/ALGORITHM.md "Asynchronous rounds")."""
     fed = cfg.federation
-    for name in ("virtual_step_s", "org_rounds", "virtual_dies", "virtual_rejoins"):
-        unknown = sorted(set(getattr(fed, name)) - {o.id for o in cfg.orgs})
-        if unknown:
-            raise ValueError(f"federation.{name} names orgs not in the run: {unknown}")
-    late = {o: t for o, t in fed.virtual_rejoins.items() if not t > fed.virtual_dies.get(o, math.inf)}
-    if late:
-        raise ValueError(f"federation.virtual_rejoins: an org rejoins only after its virtual_dies second, got {late}")
+    unknown = sorted(set(fed.org_rounds) - {o.id for o in cfg.orgs})
+    if unknown:
+        raise ValueError(f"federation.org_rounds names orgs not in the run: {unknown}")
     if fed.staleness == 0:
         if fed.window is not None and fed.window != 1:
             raise ValueError(f"federation.window={fed.window} needs federation.staleness >= 1 (K = 0: W = 1)")
-        if fed.virtual_dies:
-            raise ValueError("federation.virtual_dies needs federation.staleness >= 1 (the asynchronous driver)")
         if fed.org_rounds:
             raise ValueError("federation.org_rounds needs federation.staleness >= 1 (lock-step orgs run every round)")
         return
@@ -132,20 +147,6 @@ def _check_asynchronous(cfg: RunConfig) -> None:
     for need, ok in needs.items():
         if not ok:
             raise ValueError(f"federation.staleness={fed.staleness} (asynchronous rounds) needs {need}")
-
-
-def refuse_emulated_slowdown(cfg: RunConfig, transport: str) -> None:
-    """ConfigError naming ``orgs[i].emulate_slowdown`` for an org slowed for real (> 1), called where ``transport``
-    (as the caller names it: ``--transport inprocess``, ``the Flower simulation``) builds every worker in one
-    process: the slowdown paces a ``hacrl-fed worker`` process (:mod:`hacrl_fed.worker.pacing`); in process the
-    virtual clock's ``federation.virtual_step_s`` does this."""
-    for i, org in enumerate(cfg.orgs):
-        if org.emulate_slowdown != 1.0:
-            raise ConfigError(
-                f"orgs[{i}].emulate_slowdown={org.emulate_slowdown:g} (org {org.id!r}) slows the org's hacrl-fed "
-                f"worker process, but {transport} builds every worker in this process: use "
-                "federation.virtual_step_s there (or --transport grpc for real worker processes)"
-            )
 
 
 def config_hash(

@@ -4,7 +4,8 @@ description, and the check that a name is in a registry (the registries are the 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import PydanticCustomError
@@ -17,6 +18,15 @@ class _Section(BaseModel):
 def _d(text: str) -> str:
     """A field description: one paragraph, whitespace folded (rendered by ``hacrl-fed config --describe``)."""
     return " ".join(text.split())
+
+
+def _refuse_bench_only(data: Any, fields: Mapping[str, str]) -> Any:
+    """``data`` (a section's input) unchanged, or ValueError naming the first of ``fields`` (name -> where the
+    benchmark tools set it now) that it names: a benchmark-only setting, out of the run config since issue 42."""
+    for name, where in fields.items():
+        if isinstance(data, Mapping) and name in data:
+            raise ValueError(f"{name} is a benchmark-only setting, not a run config field (issue 42): {where}")
+    return data
 
 
 def _registered(name: str, registry: Collection[str]) -> str:

@@ -46,13 +46,8 @@ class SelectionConfig(_Section):
         "successes",
         description=_d(
             "successes (the default: rows with reward > 0; BENCHMARKS.md, SECURITY.md), all (every screened "
-            "foreign row: the paper), uniform (a seeded uniform sample of the budget), nonzero_advantage (rows "
-            "whose reward differs from their joint group's mean), learner_failed (rows of prompts where the "
-            "learner's own mean reward is below the best reward in the pool, lowest own mean first), max_variance "
-            "(per prompt the subset of its share of the budget that maximizes the joint group's reward variance: "
-            "PODS), rescue (rows with reward > 0 on prompts where every own row of the learner has reward 0), "
-            "peer_sample (whole sources in a seeded order until the budget is full; the sources it does not "
-            "reach are not screened)"
+            "foreign row: the paper) or peer_sample (whole sources in a seeded order until the budget is full; the "
+            "sources it does not reach are not screened)"
         ),
     )
     budget: int | None = Field(
@@ -147,39 +142,22 @@ class LikelihoodScreenConfig(_Section):
             "line with the source's other claims), counted as screen/<source>/dropped_<reason>"
         ),
     )
-    norm: Literal["per_byte", "per_token"] = Field(
-        "per_byte",
-        description=_d(
-            "unit of the length-normalised log-probs it compares: per UTF-8 byte of the response (comparable "
-            "across tokenizers) or per token (the learner's tokens; a claim per the source's tokens)"
-        ),
-    )
     margin_nats: float = Field(
         4.0,
         ge=0,
         description=_d(
-            "a foreign row is dropped when its learner log-prob per unit is below the quantile of the learner's own "
-            "rows of the same prompt minus this margin"
+            "a foreign row is dropped when its learner log-prob per UTF-8 byte of the response is below the minimum "
+            "of the learner's own rows of the same prompt minus this margin (nats per byte: comparable across "
+            "tokenizers)"
         ),
-    )
-    quantile: float = Field(
-        0.0, ge=0, le=1, description=_d("which quantile of the own rows' log-probs is the reference (0: the minimum)")
     )
     claim_z: float = Field(
         8.0,
         gt=0,
         description=_d(
             "a foreign row is dropped when its claimed-minus-learner gap per unit is more than claim_z robust "
-            "standard deviations (plus claim_margin_nats) from the source's running center"
+            "standard deviations (plus 0.5 nats/unit of slack) from the source's running center"
         ),
-    )
-    claim_margin_nats: float = Field(0.5, ge=0, description=_d("slack added to the claim-outlier bound, nats/unit"))
-    min_scale: float = Field(0.05, gt=0, description=_d("floor of the gap's robust standard deviation, nats/unit"))
-    history_decay: float = Field(
-        0.8, ge=0, lt=1, description=_d("EMA weight of a source's past rounds in its gap center and scale")
-    )
-    min_rows: int = Field(
-        4, ge=2, description=_d("rows of a source needed before its first round's own gaps serve as the reference")
     )
 
 
@@ -207,25 +185,6 @@ class OutcomeGuardConfig(_Section):
     margin: int = Field(2, ge=0, description=_d("and lost - gained > margin (prompts)"))
     probation: int = Field(8, ge=1, description=_d("rounds a source is left out after its first strike"))
     backoff: float = Field(2.0, ge=1, description=_d("each further strike multiplies the source's quarantine by this"))
-    struck_bar: Literal["no_worse", "slack"] = Field(
-        "slack",
-        description=_d(
-            "what a source with strikes is held to at every validation after updates that trained on its rows: "
-            "slack (the regression test of z and margin, like any source) or no_worse (gained >= lost against "
-            "the reference, else another strike: a coin toss for an honest peer; the rule before this field)"
-        ),
-        json_schema_extra={"absent_means": "no_worse"},  # a stored config from before the field held them to it
-    )
-    shadow_gate: bool = Field(
-        True,
-        description=_d(
-            "a regression after foreign rows rolls back and strikes only when the weights are also significantly "
-            "worse than the shadow's (a learning dip that training alone matches does nothing: "
-            "outcome/<source>/spared); needs counterfactual, without it every such regression acts; false: the rule "
-            "before this field"
-        ),
-        json_schema_extra={"absent_means": False},  # a stored config from before the field acted on every regression
-    )
     counterfactual: bool = Field(
         True,
         description=_d(
@@ -237,52 +196,20 @@ class OutcomeGuardConfig(_Section):
     )
     final_size: int = Field(
         1000,
-        ge=0,
+        ge=1,
         description=_d(
             "prompts of a second private split of the train split (apart from the validation split) on which the last "
             "round's choice between the learner and its shadow is made: no earlier decision selected weights on it, "
-            "and it is larger; 0: the validation split (the rule until issue 27's attack matrix)"
+            "and it is larger"
         ),
-        json_schema_extra={"absent_means": 0},  # a stored config from before the field made the choice on val_size
     )
     last_z: float = Field(
         1.0,
-        ge=0,
-        description=_d(
-            "the counterfactual's bar at the last round: adopt the shadow when lost - gained > last_z * sqrt(lost + "
-            "gained) on the split; 0: by the point estimate (lost > gained)"
-        ),
-    )
-
-
-class TeachConfig(_Section):
-    """Learning from peers' verified successes the learner cannot yet sample (docs/ALGORITHM.md "Teach"; issue 30):
-    after the policy update, a few supervised steps with their own optimizer on the foreign rows with reward > 0 of
-    the prompts where every own row of the learner failed. Off: the paper (a learner learns from a peer only what its
-    own policy already finds likely enough for HACPO's band)."""
-
-    enabled: bool = Field(
-        False,
-        description=_d(
-            "after each round's update, maximise the learner's mean token log-prob of the foreign rows with reward "
-            "> 0 on the prompts where every own row has reward 0 (teach/... metrics). Those rows bypass the "
-            "likelihood screen (a success the learner cannot sample is unlikely under it by definition): SECURITY.md "
-            "says what that opens and what bounds it"
-        ),
-    )
-    lr: float | None = Field(
-        None,
         gt=0,
         description=_d(
-            "the learning rate of the teach steps' own AdamW (null: trainer.lr). Measured on the expertise settings' "
-            "0.7 M-parameter agents: 3x trainer.lr or more wrecks the learner's own skill within 10 rounds "
-            '(BENCHMARKS.md "Teach")'
+            "the counterfactual's bar at the last round: adopt the shadow when lost - gained > last_z * sqrt(lost + "
+            "gained) on the split"
         ),
-    )
-    epochs: int = Field(1, ge=1, description=_d("passes over the round's teach rows"))
-    minibatch_size: int = Field(64, ge=1, description=_d("teach rows per teach step"))
-    max_rows: int | None = Field(
-        None, ge=1, description=_d("at most this many teach rows per round (a seeded sample; null: every one)")
     )
 
 
@@ -347,8 +274,4 @@ class TrainerConfig(_Section):
         default_factory=OutcomeGuardConfig,
         description=_d("bound a member's harm by this learner's own validated accuracy (the learner's own choice)"),
         json_schema_extra={"absent_means": {"enabled": False}},  # a stored config from before the guard ran without it
-    )
-    teach: TeachConfig = Field(
-        default_factory=TeachConfig,
-        description=_d("supervised steps on peers' successes where the learner failed (off: the paper)"),
     )

@@ -10,7 +10,8 @@ on the workers' real replies:
   its tag ``(source, round, version)``, and the capability figures of each of those rounds from
   :class:`~hacrl_fed.algorithm.capability_rounds.RoundCapabilities`), the evaluation and checkpoint of round
   ``t - 1`` when due, and the plan of round ``t``.
-- **Virtual clock**: one step of org ``x`` takes ``federation.virtual_step_s[x]`` virtual seconds (default 1).
+- **Virtual clock**: one step of org ``x`` takes the in-process transport's ``clock.step_s[x]`` virtual seconds
+  (default 1; :mod:`.virtual_clock`, a benchmark's setting).
   In-process calls run one after another, so the driver calls the worker when the step starts and takes its reply
   at ``start + duration``; events at one instant: completions (config order), then the steps that may start
   (config order). The schedule is therefore :func:`~.async_schedule.simulate`'s for the same durations (tested)
@@ -36,10 +37,10 @@ on the workers' real replies:
   one replaces that batch's capability input by the coordinator's own re-verified accuracy.
 - **Deaths and rejoins** (:mod:`.async_liveness`, the rules of :mod:`.async_schedule`): a step whose *call* fails or
   times out (the reply is a ``timeout`` / ``unreachable`` error, :mod:`hacrl_fed.failures`), or on the virtual clock
-  the org's ``federation.virtual_dies`` second, kills the org: its step in flight is lost (no batch, no update
+  the org's ``clock.dies`` second, kills the org: its step in flight is lost (no batch, no update
   known), it stops counting in ``floor``, the others run on with the batches they have. A dead org is asked
   Health again every :data:`~.async_liveness.PROBE_S` seconds, off the round (on the wall clock on a thread of its
-  own, never holding a step), or on the virtual clock comes back at its ``virtual_rejoins`` second; it rejoins at the
+  own, never holding a step), or on the virtual clock comes back at its ``clock.rejoins`` second; it rejoins at the
   current round (it counts as having published ``floor``, plans ``floor + 1`` next, its first step only generates),
   at the version its worker's Health reports when plausible (:func:`~.async_liveness.rejoin_version`: a lost step
   may have trained at the worker, or the worker restarted).
@@ -74,6 +75,7 @@ from hacrl_fed.coordinator.async_liveness import Liveness, is_death, rejoin_vers
 from hacrl_fed.coordinator.async_schedule import HOLD, TAKE, BatchTag, Step, offer_verdict
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.rounds import StepOutcome, split_reply
+from hacrl_fed.coordinator.virtual_clock import VirtualClock
 from hacrl_fed.plan.screening import accepted_accuracy
 from hacrl_fed.results import RoundResult
 from hacrl_fed.security.freshness import parse_challenge
@@ -117,7 +119,6 @@ class Coordinator(Protocol):
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STEP_S = 1.0  # virtual seconds of a step of an org federation.virtual_step_s does not name
 EXCLUDED = "source_excluded"  # the driver's one refusal beyond async_schedule.REASONS
 
 
@@ -176,7 +177,11 @@ class AsyncDriver:
         fed = cfg.federation
         self.last, self.staleness, self.window = fed.last_round, fed.staleness, fed.effective_window
         order = coordinator.org_order
-        self.orgs = {o: _Org(o, float(fed.virtual_step_s.get(o, DEFAULT_STEP_S)), fed.rounds_of(o)) for o in order}
+        # the wall clock on a transport that calls in parallel (gRPC); the virtual clock in process
+        self.wall = not isinstance(coordinator.transport, InProcessTransport)
+        clock = VirtualClock() if self.wall else coordinator.transport.clock  # type: ignore[attr-defined]
+        clock.check(order, self.staleness)
+        self.orgs = {o: _Org(o, clock.duration(o), fed.rounds_of(o)) for o in order}
         self.capabilities = RoundCapabilities.from_algorithm(cfg.algorithm)
         self.issued: dict[tuple[str, int], int] = {}
         self.pool: dict[BatchTag, tuple[Rollout, ...]] = {}  # accepted batches, publish order
@@ -197,10 +202,7 @@ class AsyncDriver:
         self.idle = {o: 0.0 for o in order}
         self.finished: dict[str, float] = {}
         self.rounds_open: dict[int, _Round] = {}
-        # the wall clock on a transport that calls in parallel (gRPC); the virtual clock in process
-        self.wall = not isinstance(coordinator.transport, InProcessTransport)
-        faults = ({}, {}) if self.wall else (fed.virtual_dies, fed.virtual_rejoins)
-        self.liveness = Liveness(coordinator.transport, fed.round_timeout_s, *faults, wall=self.wall)
+        self.liveness = Liveness(coordinator.transport, fed.round_timeout_s, clock.dies, clock.rejoins, wall=self.wall)
         self.logged = 0  # the last round logged
         self.mark = time.perf_counter()  # when the last round was logged (time/round: the wall time since)
 

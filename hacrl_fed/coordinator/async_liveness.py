@@ -6,12 +6,12 @@ comes back rejoins at the current round); this module only says *when*:
 - **Death**: :func:`is_death`, a step whose whole reply is an error caused by the call itself (``timeout`` or
   ``unreachable``, :func:`hacrl_fed.failures.cause_of`): the notion of a failed org of the lock-step loop, for the
   call rather than for one part (a part failing at the worker comes back inside a ``StepReply`` and is no death).
-  On the virtual clock also ``federation.virtual_dies`` (fault injection: ``{org: virtual second}``).
+  On the virtual clock also the clock's ``dies`` (fault injection: ``{org: virtual second}``, :mod:`.virtual_clock`).
 - **Rejoin**: an org dead from a failed call is asked Health (deadline ``round_timeout_s``) :data:`PROBE_S`
   seconds after its death, then after each failed probe: the reconnect policy of the gRPC client, whose channel
   redials a lost worker at least that often. On the wall clock a probe runs on a thread of its own: the driver
   wakes up for it and never waits on it. On the virtual clock a probe is called at the first event at or after its
-  time, and an org killed by ``virtual_dies`` comes back at its ``virtual_rejoins`` second only (and is asked
+  time, and an org killed by ``dies`` comes back at its ``rejoins`` second only (and is asked
   Health then, as a worker that comes back answers it). A reply saying the worker is busy (the gRPC server's
   ``busy``: a call still runs, as the step whose reply was lost may) is no answer yet.
 - **Its version** (:func:`reported_version`): the Health reply of a rejoin carries the worker's own count of its
@@ -130,7 +130,7 @@ class Liveness:
     def probed(self, org: str, now: float) -> bool:
         """Whether ``org``'s probe answered by ``now``; sends the next one when due."""
         if org not in self.probe_at:
-            return False  # a virtual death: back at its virtual_rejoins second only
+            return False  # a virtual death: back at its clock's rejoins second only
         probe = self.probes.get(org)
         if probe is None and self.probe_at[org] <= now:
             if self.pool is None:

@@ -4,7 +4,7 @@ A pure, deterministic event simulation: no I/O, no transport, no model. It state
 round driver (:mod:`.async_driver`, in process and over gRPC) follows and says, for given per-org step durations,
 who steps when, which round each step plans, which batches each train request carries and which are refused, and
 why. The driver's schedule on real replies is this one when every reply is accepted (tested), deaths and rejoins
-included (the driver's ``federation.virtual_dies`` / ``virtual_rejoins``); the lock-step round loop (:mod:`.loop`) is
+included (the virtual clock's ``dies`` / ``rejoins``, :mod:`.virtual_clock`); the lock-step round loop (:mod:`.loop`) is
 this schedule with ``K = 0`` (tested).
 
 The rules (``K`` = ``staleness``, ``W`` = ``window``, default ``K + 1``):

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hacrl_fed.coordinator.transport import Transport
+from hacrl_fed.coordinator.virtual_clock import VirtualClock
 from hacrl_fed.failures import NoWorker
 from hacrl_fed.types import EvalReport, EvalRequest, StepReply, StepRequest
 from hacrl_fed.wire import operations as ops
@@ -24,13 +25,16 @@ class InProcessTransport(Transport):
     """Sequential calls on ``workers`` (``{org_id: WorkerAPI}``).
 
     After each fan-out ``last_call_seconds`` holds ``{org_id: seconds}`` of that call per org (no bytes: nothing
-    is serialized, so there is no ``last_call_bytes``).
+    is serialized, so there is no ``last_call_bytes``). ``clock``: the virtual clock asynchronous rounds order the
+    replies by (:mod:`hacrl_fed.coordinator.virtual_clock`; a benchmark's setting; default: every step 1 virtual
+    second, no faults).
     """
 
-    def __init__(self, workers: Mapping[str, WorkerAPI]):
+    def __init__(self, workers: Mapping[str, WorkerAPI], *, clock: VirtualClock | None = None):
         if not workers:
             raise ValueError("InProcessTransport needs at least one worker")
         self.workers = dict(workers)
+        self.clock = clock if clock is not None else VirtualClock()
         self.last_call_seconds: dict[str, float] = {}
 
     def org_ids(self) -> list[str]:

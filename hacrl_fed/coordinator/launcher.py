@@ -5,7 +5,11 @@ Each worker listens on ``unix:<run_dir>/sock/<org>.sock`` (the directory is made
 started with ``--insecure`` and a fresh link secret, ``<run_dir>/sock/<org>.secret`` (0600), passed as
 ``--secret-file``; :attr:`WorkerProcesses.secrets` gives the secrets to :class:`GrpcTransport`). It logs
 stdout+stderr to ``<run_dir>/logs/<org>.log``, and is ready once it prints
-``hacrl-fed worker <org> listening on <address>``; that printed address is the one to dial. Stopping sends
+``hacrl-fed worker <org> listening on <address>``; that printed address is the one to dial. A worker that exits
+before it is ready is reported with its own first error line (its one-line ``hacrl-fed worker: ...`` report, else
+the last line of its first traceback: :attr:`_Worker.error_line`), not the tail of the log, which under torch's
+launcher is the launcher's own block; a worker that refused its configuration (exit code 2, or a rank's
+``hacrl-fed worker: error: ...``) is a :class:`WorkerBuildError`, so ``hacrl-fed run`` exits 2. Stopping sends
 SIGTERM to each PID, waits ``grace_s`` and SIGKILLs what is left; it runs on ``close()``, on context-manager exit
 and at interpreter exit.
 
@@ -52,6 +56,10 @@ from hacrl_fed.host import available_cpus
 from hacrl_fed.wire.link_secret import create_secret_file
 
 READY = re.compile(r"^hacrl-fed worker (?P<org>\S+) listening on (?P<address>\S+)\s*$")
+# the worker's own one-line report of why it stopped (hacrl_fed.cli.common.run_command, or its usage exit)
+OWN_ERROR = re.compile(r"^hacrl-fed worker: ")
+# else a traceback's last line; torch's launcher's own (ChildFailedError, after its ranks') is never the cause
+EXCEPTION_LINE = re.compile(r"^(?!torch\.distributed\.elastic)[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt): ")
 DEFAULT_WORKER_COMMAND = (sys.executable, "-m", "hacrl_fed.cli", "worker")
 MAX_UNIX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux (104 on macOS); keep a margin
 _TAIL_LINES = 20
@@ -75,16 +83,25 @@ def die_with_parent_argv(argv: list[str]) -> list[str]:
 
 
 class WorkerStartError(RuntimeError):
-    """A worker process exited or stayed silent before it was ready; the message quotes its last log lines."""
+    """A worker process exited or stayed silent before it was ready; the message quotes the worker's own first error
+    line (:attr:`_Worker.error_line`), else its last log lines."""
 
 
 class WorkerBuildError(WorkerStartError, BuildError):
-    """A worker exited with code 2: it refused its configuration (model, task, context...). A BuildError quoting its
-    one error line, so ``hacrl-fed run`` exits 2 too."""
+    """A worker (or a rank of a sharded one) exited with code 2: it refused its configuration (model, task,
+    context...). A BuildError quoting its one error line, so ``hacrl-fed run`` exits 2 too."""
+
+
+def refused(line: str | None) -> bool:
+    """Whether ``line``, the worker's own report (:data:`OWN_ERROR`), says it refused to start (exit code 2: a usage,
+    configuration or build-time error) rather than failed (``hacrl-fed worker: failed: ...``, exit code 1)."""
+    if line is None or OWN_ERROR.match(line) is None:
+        return False
+    return not line.startswith(("hacrl-fed worker: failed:", "hacrl-fed worker: interrupted"))
 
 
 def _build_error(w: _Worker) -> WorkerBuildError:
-    line = next((t for t in reversed(w.tail) if t.strip()), "(no output)")
+    line = w.error_line or next((t for t in reversed(w.tail) if t.strip()), "(no output)")
     return WorkerBuildError(f"worker {w.org_id!r} refused to start: {line.strip()}")
 
 
@@ -143,6 +160,9 @@ class _Worker:
         self.address: str | None = None
         self.ready = threading.Event()
         self.tail: deque[str] = deque(maxlen=_TAIL_LINES)
+        self.own_error: str | None = None  # its first OWN_ERROR line
+        self.exception: str | None = None  # its first EXCEPTION_LINE
+        self.log_path = log_path
         self.log_file = log_path.open("a", buffering=1)
         self.proc = subprocess.Popen(
             argv,
@@ -161,13 +181,28 @@ class _Worker:
         for line in self.proc.stdout:
             self.log_file.write(line)
             self.tail.append(line.rstrip("\n"))
+            if self.own_error is None and OWN_ERROR.match(line):
+                self.own_error = line.strip()
+            elif self.exception is None and EXCEPTION_LINE.match(line):
+                self.exception = line.strip()
             m = READY.match(line)
             if m and m["org"] == self.org_id and not self.ready.is_set():
                 self.address = m["address"]
                 self.ready.set()
         self.log_file.close()
 
-    def describe_failure(self, why: str) -> str:
+    @property
+    def error_line(self) -> str | None:
+        """The worker's own first error line: its one-line report, else the first exception a traceback of it
+        ended on (under torch's launcher: a rank's, never the launcher's closing block); None when it printed
+        neither."""
+        return self.own_error or self.exception
+
+    def describe_failure(self, why: str, *, quote_error: bool = True) -> str:
+        """``why`` with the worker's own error line (:attr:`error_line`, unless not ``quote_error``), else its last
+        log lines."""
+        if quote_error and self.error_line is not None:
+            return f"worker {self.org_id!r} (pid {self.proc.pid}) {why}: {self.error_line} (log: {self.log_path})"
         tail = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
         return f"worker {self.org_id!r} (pid {self.proc.pid}) {why}; last log lines:\n{tail}"
 
@@ -286,14 +321,15 @@ class WorkerProcesses:
                     del pending[org]
                 elif w.proc.poll() is not None:
                     w.reader.join(timeout=1.0)  # collect its last words
-                    if w.proc.returncode == 2:  # a configuration or build-time error (one line)
-                        raise _build_error(w)
+                    if w.proc.returncode == 2 or refused(w.error_line):  # a configuration or build-time error
+                        raise _build_error(w)  # (torch's launcher exits 1 when a rank exits 2: its line says so)
                     raise WorkerStartError(
                         w.describe_failure(f"exited with code {w.proc.returncode} before it was ready")
                     )
             if pending and time.monotonic() > deadline:
                 org, w = next(iter(pending.items()))
-                raise WorkerStartError(w.describe_failure(f"was not ready after {self.ready_timeout_s:.0f} s"))
+                why = f"was not ready after {self.ready_timeout_s:.0f} s"  # still running: what it is doing now
+                raise WorkerStartError(w.describe_failure(why, quote_error=False))
             if pending:
                 time.sleep(0.05)
 

@@ -3,9 +3,8 @@
 Every message of a round is a step (:class:`~hacrl_fed.types.StepRequest`), sent to the orgs together and
 awaited at one place, :meth:`Coordinator.round_barrier`. Per round ``t`` (1-based):
 
-1. ``B = federation.prompts_per_round`` train ids from :class:`PromptSampler` (a function of (seed, t)) become
-   one :class:`RoundPlan` per live org (sampling from the org's generation settings, seed
-   ``stable_seed("sampling", cfg.seed, t)``), the ``plan`` part of a step.
+1. ``B = federation.prompts_per_round`` train ids from :class:`PromptSampler` (a function of (seed, t)) become one
+   :class:`RoundPlan` per live org (:mod:`.run_plans`), the ``plan`` part of a step.
 2. Every batch is verified and screened by :class:`~hacrl_fed.coordinator.trust.PoolGuard` (signature against
    the pinned roster, plan bounds, exactly G samples per prompt, rewards re-verified; an org caught lying is
    excluded for the rest of the run); an org *replied* when at least one rollout was accepted. Its ``P_k(t)``
@@ -33,7 +32,6 @@ Orgs that fail a part are skipped for it and receive the next round's plan. Ever
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -44,6 +42,7 @@ from hacrl_fed.config import BuildError, RunConfig, config_hash, org_generation
 from hacrl_fed.coordinator import round_metrics as rm
 from hacrl_fed.coordinator.bookkeeping import RoundKeeper, RunBook
 from hacrl_fed.coordinator.rounds import RoundState, StepOutcome, split_reply
+from hacrl_fed.coordinator.run_plans import make_run_id, sampling_params
 from hacrl_fed.coordinator.state_file import read_state, write_state
 from hacrl_fed.coordinator.transport import Transport
 from hacrl_fed.coordinator.trust import PoolGuard
@@ -51,12 +50,10 @@ from hacrl_fed.metrics import RunLogger, drop_rows_after, format_eval, format_ro
 from hacrl_fed.plan.sampler import PromptSampler, eval_ids
 from hacrl_fed.results import OrgSummary, RoundResult, RunSummary
 from hacrl_fed.run_files import STATE_FILE
-from hacrl_fed.seeding import stable_seed
 from hacrl_fed.types import (
     EvalRequest,
     Prompt,
     RoundPlan,
-    SamplingParams,
     StepRequest,
 )
 from hacrl_fed.wire.operations import STEP
@@ -66,20 +63,6 @@ log = logging.getLogger(__name__)
 
 class FederationError(RuntimeError):
     """The federation cannot make progress (too many consecutive rounds below ``min_orgs``)."""
-
-
-def make_run_id(cfg: RunConfig) -> str:
-    """A new run's id, ``<name>-<config hash>-<6 random hex digits>``: every new run gets its own, even with an
-    identical config (a resumed run keeps the id saved in ``coordinator_state.json``)."""
-    return f"{cfg.name}-{config_hash(cfg)}-{secrets.token_hex(3)}"
-
-
-def sampling_params(cfg: RunConfig, org_id: str, round: int) -> SamplingParams:
-    """The org's generation settings as SamplingParams, seed derived from (cfg.seed, round) (same for every org;
-    workers mix in their own id)."""
-    gen = org_generation(cfg, org_id)
-    seed = stable_seed("sampling", cfg.seed, round) % 2**31
-    return SamplingParams(gen.temperature, gen.top_p, gen.top_k, gen.max_new_tokens, gen.num_samples, seed)
 
 
 class Coordinator:

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from hacrl_fed.types import EvalReport, Rollout, RolloutBatch
+from hacrl_fed.types import FINISH_STOP, EvalReport, Rollout, RolloutBatch
 
 
 def numeric(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:
@@ -61,6 +61,9 @@ def batch_metrics(
         f"round/{org}/failed": 0.0 if ok else 1.0,
     }
     out.update({f"round/{org}/rejected/{reason}": float(n) for reason, n in rejected.items()})
+    rollouts = getattr(batch, "rollouts", ()) or ()
+    if rollouts:  # ended on one of the org's stop ids (finish_reason "stop") before max_new_tokens
+        out[f"round/{org}/stopped_frac"] = sum(r.finish_reason == FINISH_STOP for r in rollouts) / len(rollouts)
     if accuracy is not None:
         out[f"round/{org}/accuracy"] = accuracy
         reported = getattr(batch, "accuracy", None)

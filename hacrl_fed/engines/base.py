@@ -102,17 +102,18 @@ def greedy_prompts(tokenizer, prompt_texts: Sequence[str], *, max_new_tokens: in
     return encode_prompts(tokenizer, prompt_texts)
 
 
-def stop_token_ids(tokenizer, model=None) -> frozenset[int]:
-    """Ids that end a response: the tokenizer's EOS plus the model's ``generation_config.eos_token_id`` (if any).
+def stop_token_ids(tokenizer, model=None, extra: Iterable[int] = ()) -> frozenset[int]:
+    """Ids that end a response: the tokenizer's EOS plus every id of the model's ``generation_config.eos_token_id``
+    (if any), plus ``extra`` (the org's prompt format's own stop ids, :mod:`hacrl_fed.models.prompting`).
 
     Chat models often end a turn with a token listed only in ``generation_config`` (e.g. Llama 3's ``<|eot_id|>``).
     """
-    ids: set[int] = set()
+    ids: set[int] = {int(x) for x in extra}
     for source in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
         if source is None:
             continue
         ids.update(int(x) for x in (source if isinstance(source, (list, tuple)) else [source]))
-    if not ids:
+    if not ids - {int(x) for x in extra}:
         raise ValueError("no EOS token: the tokenizer has no eos_token_id and the model sets none")
     return frozenset(ids)
 
@@ -189,13 +190,20 @@ class EngineOptions:
     enforce_eager: bool = False  # vllm: no CUDA graphs
     sleep_level: int = 0  # vllm: 1 = sleep(level=1) while the trainer updates (see GenerationEngine.released)
     llm_kwargs: dict[str, Any] = field(default_factory=dict)  # vllm: extra vllm.LLM(...) arguments
+    extra_stop_ids: tuple[int, ...] = ()  # every engine: stop ids of the org's prompt format besides the EOS ids
 
     @classmethod
     def from_config(
-        cls, gen, *, seed: int, model_path: str | None = None, tokenizer_path: str | None = None
+        cls,
+        gen,
+        *,
+        seed: int,
+        model_path: str | None = None,
+        tokenizer_path: str | None = None,
+        extra_stop_ids: Iterable[int] = (),
     ) -> EngineOptions:
-        """Options for an org from its (merged) :class:`hacrl_fed.config.GenerationConfig` ``gen``, its seed
-        and the local sources of its model and tokenizer."""
+        """Options for an org from its (merged) :class:`hacrl_fed.config.GenerationConfig` ``gen``, its seed,
+        the local sources of its model and tokenizer and its prompt format's stop ids."""
         return cls(
             batch_size=gen.batch_size,
             seed_per_batch=gen.seed_per_batch,
@@ -208,6 +216,7 @@ class EngineOptions:
             enforce_eager=gen.enforce_eager,
             sleep_level=1 if gen.sleep_during_train else 0,
             llm_kwargs=dict(gen.vllm_kwargs),
+            extra_stop_ids=tuple(sorted(int(x) for x in extra_stop_ids)),
         )
 
     def kwargs_for(self, factory: Callable[..., Any]) -> dict[str, Any]:

@@ -114,6 +114,7 @@ class HFEngine(GenerationEngine):
         score_batch_size: int | None = None,
         logprobs_from_generation: bool = False,
         seed_per_batch: bool = False,
+        extra_stop_ids: Sequence[int] = (),
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -125,7 +126,7 @@ class HFEngine(GenerationEngine):
         self.score_batch_size = score_batch_size or batch_size
         self.logprobs_from_generation = logprobs_from_generation
         self.seed_per_batch = seed_per_batch
-        self.stop_ids = stop_token_ids(tokenizer, model)
+        self.stop_ids = stop_token_ids(tokenizer, model, extra_stop_ids)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else min(self.stop_ids)
 

@@ -35,7 +35,7 @@ import functools
 import hashlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from hacrl_fed.engines.base import (
@@ -119,16 +119,43 @@ def engine_dtype(requested: str | None, model_dtype) -> str:
     return _HALF_DTYPES.get(name, "bfloat16")
 
 
-def _with_extra_kwargs(kwargs: dict, extra: dict) -> dict:
-    """The engine's ``vllm.LLM`` arguments ``kwargs`` plus ``extra`` (``generation.vllm_kwargs``), which may not
-    repeat any of them."""
-    clash = sorted(set(extra) & set(kwargs))
-    if clash:
-        raise ValueError(
-            f"generation.vllm_kwargs may not set {clash}: the engine sets them (use the matching "
-            "generation.* field where there is one)"
-        )
-    return {**kwargs, **extra}
+def llm_arguments(
+    *,
+    model: str,
+    tokenizer: str,
+    dtype: str,
+    gpu_memory_utilization: float,
+    seed: int,
+    enforce_eager: bool,
+    max_model_len: int | None,
+    batch_size: int | None,
+    sleep_level: int,
+    extra: dict | None = None,
+    extra_field: str = "generation.vllm_kwargs",
+) -> dict:
+    """The engine's ``vllm.LLM`` arguments, then ``extra`` (``generation.vllm_kwargs``), which may not repeat any of
+    them (:func:`hacrl_fed.refusals.check_vllm_kwargs`, naming ``extra_field``; the preflight calls this with the org's
+    settings)."""
+    from hacrl_fed.refusals import check_vllm_kwargs
+
+    kwargs: dict = dict(
+        model=str(model),
+        tokenizer=str(tokenizer),
+        dtype=dtype,
+        gpu_memory_utilization=float(gpu_memory_utilization),
+        seed=int(seed),
+        enforce_eager=bool(enforce_eager),
+        logprobs_mode="raw_logprobs",  # sampled-token log-probs of the raw temperature-1 distribution
+        generation_config="vllm",  # no sampling defaults or extra EOS ids from the folder's generation_config
+    )
+    if max_model_len is not None:
+        kwargs["max_model_len"] = int(max_model_len)
+    if batch_size is not None:
+        kwargs["max_num_seqs"] = int(batch_size)
+    if sleep_level:
+        kwargs["enable_sleep_mode"] = True
+    check_vllm_kwargs(extra or {}, kwargs, extra_field)
+    return {**kwargs, **(extra or {})}
 
 
 def _request_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -191,6 +218,7 @@ class VLLMEngine(GenerationEngine):
         sleep_level: int = 0,
         sync_on_init: bool = True,
         llm_kwargs: dict | None = None,
+        extra_stop_ids: Sequence[int] = (),
     ) -> None:
         if sleep_level not in (0, 1):
             raise ValueError(
@@ -207,26 +235,21 @@ class VLLMEngine(GenerationEngine):
         if not path:
             raise ValueError("vllm engine: model_path is required (the model has no name_or_path to load from)")
         self.tokenizer = tokenizer
-        self.stop_ids = stop_token_ids(tokenizer, base)
+        self.stop_ids = stop_token_ids(tokenizer, base, extra_stop_ids)
         self.sleep_level = sleep_level
         self.dtype = engine_dtype(dtype, getattr(base, "dtype", None))
-        kwargs = dict(
+        self.llm_kwargs = llm_arguments(
             model=str(path),
             tokenizer=str(tokenizer_path or getattr(tokenizer, "name_or_path", "") or path),
             dtype=self.dtype,
-            gpu_memory_utilization=float(gpu_memory_utilization),
-            seed=int(seed),
-            enforce_eager=bool(enforce_eager),
-            logprobs_mode="raw_logprobs",  # sampled-token log-probs of the raw temperature-1 distribution
-            generation_config="vllm",  # no sampling defaults or extra EOS ids from the folder's generation_config
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            batch_size=batch_size,
+            sleep_level=sleep_level,
+            extra=llm_kwargs,
         )
-        if max_model_len is not None:
-            kwargs["max_model_len"] = int(max_model_len)
-        if batch_size is not None:
-            kwargs["max_num_seqs"] = int(batch_size)
-        if sleep_level:
-            kwargs["enable_sleep_mode"] = True
-        self.llm_kwargs = _with_extra_kwargs(kwargs, llm_kwargs or {})
         self.llm = vllm.LLM(**self.llm_kwargs)
         self._vllm = vllm
         if sync_on_init:

@@ -44,8 +44,11 @@ from hacrl_fed.limits import MAX_MESSAGE_MB
 from hacrl_fed.wire import operations as ops
 from hacrl_fed.wire.operations import Operation
 
-if TYPE_CHECKING:  # deployment mode never needs the run config: keep it out of the per-message ClientApp process
+if TYPE_CHECKING:
     from hacrl_fed.config import RunConfig
+    from hacrl_fed.worker.api import (
+        WorkerAPI,  # deployment mode never needs the run config: keep it out of the per-message ClientApp process
+    )
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +138,8 @@ def simulation_worker(context: Context, app_dir: Path) -> tuple[str, Any]:
     """``(org, worker)`` of a simulated node, building and caching the worker on first use."""
     settings, cfg = _simulation_config(context, app_dir)
     org = simulation_org(context, cfg)
-    from hacrl_fed.config import refuse_emulated_slowdown
     from hacrl_fed.sharded.group import check_in_process
+    from hacrl_fed.worker.pacing import refuse_emulated_slowdown
 
     check_in_process(cfg, "Flower simulation")  # flwr run without hacrl-fed simulate: the same refusals
     refuse_emulated_slowdown(cfg, "the Flower simulation")
@@ -222,7 +225,7 @@ def _deployment_worker(node_config: Mapping[str, Any], deadline_s: float | None)
     return org, client
 
 
-def _call(op: Operation, worker: Any, request: Any, org: str, mode: str) -> Any:
+def _call(op: Operation, worker: WorkerAPI, request: Any, org: str, mode: str) -> Any:
     """Run ``op`` on ``worker``; returns its reply as a protobuf message. A reply naming another org fails."""
     reply = op.call(worker, request)
     if op is ops.HEALTH:
@@ -237,7 +240,7 @@ def _call(op: Operation, worker: Any, request: Any, org: str, mode: str) -> Any:
     return op.encode_reply(reply)
 
 
-def _serve(op: Operation, content: RecordDict, org: str, mode: str, worker: Any) -> RecordDict:
+def _serve(op: Operation, content: RecordDict, org: str, mode: str, worker: WorkerAPI) -> RecordDict:
     return records.pack(_call(op, worker, records.unpack(content, op.request_kind), org, mode))
 
 

@@ -40,7 +40,7 @@ from hacrl_fed.lifecycle import FLOWER_ENV, apply_env
 
 apply_env(FLOWER_ENV)  # before anything imports flwr (see the module docstring)
 
-from hacrl_fed.config import load_config, parse_overrides, refuse_emulated_slowdown  # noqa: E402
+from hacrl_fed.config import load_config, parse_overrides  # noqa: E402
 from hacrl_fed.flower.federation import PROGRESS_ENV  # noqa: E402
 from hacrl_fed.flower.settings import (  # noqa: E402
     ENV_VAR,
@@ -50,6 +50,7 @@ from hacrl_fed.flower.settings import (  # noqa: E402
     to_run_config,
 )
 from hacrl_fed.sharded.group import check_in_process  # noqa: E402
+from hacrl_fed.worker.pacing import refuse_emulated_slowdown  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,8 @@
 run's ``name``), tags and mode, the resolved run config as its W&B config, and its files under
 ``<run dir>/wandb``. Every round's metrics go to it with exactly the keys of ``metrics.jsonl`` (non-finite values,
 written there as ``null``, are left out) and ``step = round``. The W&B run id is kept in
-``<run dir>/wandb/hacrl_wandb_id``, so a resumed hacrl run continues the same W&B run.
+``<run dir>/wandb/hacrl_wandb_id``, so a resumed hacrl run continues the same W&B run. At the end of a run the
+orgs' rollout samples (``samples.jsonl``, the run report's viewer) go to it as the table ``samples``.
 
 ``mode: offline`` needs no network or account (upload later with ``wandb sync <run dir>/wandb/offline-run-*``).
 A W&B failure while logging is warned about once and never stops the run; one while starting is a
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,10 @@ from hacrl_fed.config import BuildError
 
 log = logging.getLogger(__name__)
 ID_FILE = "hacrl_wandb_id"
+SAMPLE_COLUMNS = (
+    "org", "kind", "round", "source", "learner", "fate", "stage", "reason", "reward", "stop_reason", "length", "prompt",
+    "response",
+)  # fmt: skip
 
 
 class WandbSink:
@@ -45,6 +50,19 @@ class WandbSink:
                     type(err).__name__,
                     err,
                 )
+
+    def log_samples(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """The orgs' samples (``samples.jsonl`` rows, :mod:`hacrl_fed.worker.samples`) as the W&B table
+        ``samples``, one row each with :data:`SAMPLE_COLUMNS`."""
+        if self.run is None or not rows:
+            return
+        try:
+            import wandb
+
+            table = wandb.Table(columns=list(SAMPLE_COLUMNS), data=[[r.get(c) for c in SAMPLE_COLUMNS] for r in rows])
+            self.run.log({"samples": table})
+        except Exception as err:  # a logging backend never stops a run
+            log.warning("wandb: logging the samples table failed: %s: %s", type(err).__name__, err)
 
     def close(self) -> None:
         if self.run is not None:

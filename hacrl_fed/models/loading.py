@@ -22,6 +22,7 @@ import torch
 
 from hacrl_fed.config import BuildError, ModelConfig
 from hacrl_fed.models.catalog import resolve_zoo
+from hacrl_fed.models.real import gguf_source, real_source
 
 _DTYPES = {
     "float32": torch.float32,
@@ -89,15 +90,25 @@ def _check_source(source: str, field: str) -> str:
     return source
 
 
+def model_field(model_cfg: ModelConfig) -> str:
+    """The field that names the model: ``model.zoo``, ``model.real`` or ``model.path``."""
+    return "model.zoo" if model_cfg.zoo is not None else "model.real" if model_cfg.real is not None else "model.path"
+
+
 def model_sources(model_cfg: ModelConfig) -> tuple[str, str]:
     """``(model_source, tokenizer_source)``; a zoo agent (``zoo: NAME`` or ``path: "zoo:NAME"``) resolves to a
     local dir: the shipped copy, or a cached build of the current recipe (never built here: a stale or missing
-    agent is a :class:`BuildError` naming the command that builds it)."""
+    agent is a :class:`BuildError` naming the command that builds it). A packaged checkpoint (``real: NAME``) or a
+    ``.gguf`` path resolves to its converted HF folder, converted on first use (:mod:`hacrl_fed.models.real`)."""
     zoo_name = model_cfg.zoo
     if zoo_name is None and str(model_cfg.path).startswith("zoo:"):
         zoo_name = str(model_cfg.path)
     if zoo_name is not None:
         model_src = str(resolve_zoo(zoo_name))
+    elif model_cfg.real is not None:
+        model_src = str(real_source(model_cfg.real, model_cfg.cache_dir))
+    elif str(model_cfg.path).lower().endswith(".gguf"):
+        model_src = str(gguf_source(str(model_cfg.path), model_cfg.cache_dir))
     else:
         model_src = _check_source(str(model_cfg.path), "model.path")
     if model_cfg.tokenizer is not None:
@@ -158,6 +169,7 @@ def load_model_and_tokenizer(model_cfg: ModelConfig, *, for_training: bool = Tru
     float32 on CPU). Raises :class:`BuildError` (a ``ValueError``) for a missing local path, a bad device/dtype
     string, a source transformers cannot load, or a tokenizer that does not belong to the model.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -166,11 +178,11 @@ def load_model_and_tokenizer(model_cfg: ModelConfig, *, for_training: bool = Tru
     device = resolve_device(model_cfg.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
     model_src, tok_src = model_sources(model_cfg)
-    model_field = "model.zoo" if model_cfg.zoo is not None else "model.path"
+    field = model_field(model_cfg)
     try:
         tokenizer = load_tokenizer(tok_src, trust_remote_code=model_cfg.trust_remote_code)
     except BuildError as err:
-        raise BuildError(f"{'model.tokenizer' if model_cfg.tokenizer is not None else model_field}: {err}") from err
+        raise BuildError(f"{'model.tokenizer' if model_cfg.tokenizer is not None else field}: {err}") from err
     try:
         model = AutoModelForCausalLM.from_pretrained(
             model_src,
@@ -178,14 +190,14 @@ def load_model_and_tokenizer(model_cfg: ModelConfig, *, for_training: bool = Tru
             trust_remote_code=model_cfg.trust_remote_code,
             local_files_only=hub_offline(),
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:  # SafetensorError: a weights file that is not one
         raise BuildError(
-            f"{model_field}: could not load model from {model_src!r} (offline={hub_offline()}): {_first_line(err)}"
+            f"{field}: could not load model from {model_src!r} (offline={hub_offline()}): {_first_line(err)}"
         ) from err
     _fit_embeddings(model, tokenizer, model_src)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    if tokenizer.eos_token_id is not None:
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    if model.generation_config.eos_token_id is None and tokenizer.eos_token_id is not None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id  # never replaces the model's own stop ids
     model.to(device)  # type: ignore[arg-type]  # transformers types .to() through a decorator mypy misreads
     model.eval()
     if not for_training:

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hacrl_fed.sharded.watchdog import (
     ACK_WAIT_S,
@@ -42,6 +42,9 @@ from hacrl_fed.sharded.watchdog import (
 from hacrl_fed.wire import codec
 from hacrl_fed.wire import operations as ops
 from hacrl_fed.wire.operations import BY_RPC, Operation
+
+if TYPE_CHECKING:
+    from hacrl_fed.worker.api import WorkerAPI
 
 log = logging.getLogger(__name__)
 SHUTDOWN = b"shutdown"
@@ -87,13 +90,13 @@ def read_message(data: bytes, limits: codec.WireLimits) -> tuple[Operation, Any]
 class _Share:
     """Rank 0's share of one request, run in its own thread so that the watchdog can fail the reply meanwhile."""
 
-    def __init__(self, op: Operation, worker: Any, request: Any) -> None:
+    def __init__(self, op: Operation, worker: WorkerAPI, request: Any) -> None:
         self.op, self.result = op, None
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(worker, request), name="rank0-request", daemon=True)
 
-    def _run(self, worker: Any, request: Any) -> None:
+    def _run(self, worker: WorkerAPI, request: Any) -> None:
         try:
             self.result = self.op.call(worker, request)
         except BaseException as err:  # the request's own failure, re-raised by value()
@@ -113,7 +116,7 @@ class _Share:
 class RankDispatcher:
     """Rank 0's :class:`~hacrl_fed.worker.api.WorkerAPI` over the whole group (module docstring)."""
 
-    def __init__(self, group: Any, worker: Any, heartbeat: Heartbeat) -> None:
+    def __init__(self, group: Any, worker: WorkerAPI, heartbeat: Heartbeat) -> None:
         self.group, self.worker, self.heartbeat = group, worker, heartbeat
         self.org_id = worker.org_id
         self.failed = threading.Event()
@@ -180,7 +183,7 @@ class RankDispatcher:
         self.group.close()
 
 
-def close_worker(worker: Any) -> None:
+def close_worker(worker: WorkerAPI) -> None:
     close = getattr(worker, "close", None)
     if callable(close):
         close()
@@ -203,7 +206,7 @@ def wait_ack(store: Any, rank: int) -> None:
 
 
 def rank_loop(
-    group: Any, worker: Any, heartbeat: Heartbeat, limits: codec.WireLimits, alive: Callable[[], bool]
+    group: Any, worker: WorkerAPI, heartbeat: Heartbeat, limits: codec.WireLimits, alive: Callable[[], bool]
 ) -> int:
     """A rank other than 0: serve the requests rank 0 hands on until ``shutdown`` (0), a fault of this rank (1,
     after rank 0's acknowledgement or :data:`~hacrl_fed.sharded.watchdog.ACK_WAIT_S`) or ``alive()`` false (1:

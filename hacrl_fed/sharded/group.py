@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from hacrl_fed.config import ConfigError
+from hacrl_fed.refusals import check_sharded_org, org_field
 
 COLLECTIVE_MARGIN_S = 30.0  # a collective waits this much longer than the watchdog's hang_timeout_s
 STORE_CONNECT_S = 120.0  # how long a rank waits for the store (a slow node of a multi-node rendezvous)
@@ -63,8 +64,7 @@ def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None
 
 def ranks_field(cfg: Any, org_id: str) -> str:
     """``orgs[<index>].sharding.ranks``: the field that sets how many ranks ``org_id`` runs on."""
-    index = [o.id for o in cfg.orgs].index(org_id)
-    return f"orgs[{index}].sharding.ranks"
+    return org_field(cfg, org_id, "sharding.ranks")
 
 
 def torchrun_command(ranks: int, worker_argv: Sequence[str]) -> str:
@@ -75,15 +75,12 @@ def torchrun_command(ranks: int, worker_argv: Sequence[str]) -> str:
 def check_launch(cfg: Any, org_id: str, env: TorchrunEnv | None, worker_argv: Sequence[str]) -> bool:
     """Whether this process is one rank of a sharded worker (True) or a plain worker (False, ``ranks = 1`` and no
     torchrun, or torchrun with one process); ShardingError when the launch and the org's ``sharding.ranks``
-    disagree, or the org's settings cannot run sharded (:func:`hacrl_fed.sharded.worker.check_supported`)."""
+    disagree, or the org's settings cannot run sharded (:func:`hacrl_fed.refusals.check_sharded_org`)."""
     ranks, field = cfg.org(org_id).sharding.ranks, ranks_field(cfg, org_id)
-    if ranks > 1:
-        from hacrl_fed.sharded.worker import check_supported  # lazy: FSDP2 and the engines
-
-        try:
-            check_supported(cfg, org_id)
-        except ValueError as err:
-            raise ShardingError(str(err)) from err
+    try:
+        check_sharded_org(cfg, org_id)  # the rule the coordinator's preflight checks too (hacrl_fed.refusals)
+    except ConfigError as err:
+        raise ShardingError(str(err)) from err
     if env is None:
         if ranks > 1:
             raise ShardingError(

@@ -31,9 +31,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from hacrl_fed.algorithm.advantages import Capability
+from hacrl_fed.algorithm.pre_update import PreUpdate
 from hacrl_fed.config import AlgorithmConfig, ShardingConfig, TrainerConfig
 from hacrl_fed.sharded.fsdp import copy_full_weights, full_tensor, gather, shard_model, shares, world
-from hacrl_fed.trainer import LocalTrainer, RowCapability, TrainRow, _MetricAccumulator
+from hacrl_fed.trainer import LocalTrainer, TrainRow
+from hacrl_fed.update_metrics import MetricAccumulator
 
 
 def rows_digest(rows: Sequence[TrainRow]) -> str:
@@ -76,14 +79,14 @@ class ShardedTrainer(LocalTrainer):
         return shares(micro_batches, self.rank, self.size)
 
     def _across_ranks(
-        self, acc: _MetricAccumulator, loss_total: float, kl_total: float, lbar: Tensor | None
+        self, acc: MetricAccumulator, loss_total: float, kl_total: float, lbar: Tensor | None
     ) -> tuple[float, float, Tensor | None]:
         """Sum the ranks' loss and KL shares, merge their metrics into ``acc``, and fill ``lbar`` [N] with the
         entries each rank scored (NaN elsewhere on each rank)."""
         parts = gather((acc.sums, acc.counts, loss_total, kl_total, None if lbar is None else lbar.cpu()))
         acc.sums, acc.counts = {}, {}
         for sums, counts, _, _, _ in parts:
-            other = _MetricAccumulator()
+            other = MetricAccumulator()
             other.sums, other.counts = sums, counts
             acc.merge(other)
         if lbar is not None:
@@ -100,9 +103,9 @@ class ShardedTrainer(LocalTrainer):
         self,
         rows: Sequence[TrainRow],
         learner: int,
-        capability: Sequence[float],
+        capability: Capability,
         names: Sequence[str] | None = None,
-        row_capability: RowCapability | None = None,
+        prepared: PreUpdate | None = None,
     ) -> dict[str, float]:
         """:meth:`LocalTrainer.update` on the shards, then the replica refreshed from them (collective). The ranks
         first check they admitted the same rows (:func:`rows_digest`): a rank that took another decision would
@@ -110,7 +113,7 @@ class ShardedTrainer(LocalTrainer):
         digests = gather(rows_digest(rows))
         if len(set(digests)) > 1:
             raise RuntimeError(f"the ranks admitted different rows for this update (digests by rank: {digests})")
-        out = super().update(rows, learner, capability, names, row_capability)
+        out = super().update(rows, learner, capability, names, prepared)
         if out.get("train/steps", 0.0):
             copy_full_weights(self.model, self.replica)
         return out

@@ -18,7 +18,7 @@ process group, or a group of one) it *is* a :class:`PolicyWorker`: the same trai
 
 Supported: the ``hf`` and ``fast`` engines (each rank generates with a plain replica of the whole weights). The
 ``vllm`` engine with ``sharding.ranks > 1`` (vLLM tensor parallelism over the org's GPUs) is not implemented and
-is refused (:func:`check_supported`).
+is refused (:func:`check_supported`, before any worker starts: :mod:`hacrl_fed.refusals`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hacrl_fed.config import RunConfig, org_generation, org_trainer
+from hacrl_fed.config import ConfigError, RunConfig
+from hacrl_fed.refusals import check_sharded_org, org_field
 from hacrl_fed.security.freshness import ChallengeBook
 from hacrl_fed.sharded.checkpoint import load_sharded, save_sharded
 from hacrl_fed.sharded.fsdp import broadcast, copy_full_weights, world
@@ -38,34 +39,16 @@ from hacrl_fed.worker.policy_worker import PolicyWorker
 
 
 def check_supported(cfg: RunConfig, org_id: str, world_size: int | None = None) -> None:
-    """ValueError naming the field when org ``org_id``'s worker cannot run sharded as configured: the ``vllm``
-    engine, ``trainer.precision: bf16-master`` or ``trainer.outcome_guard`` with ``sharding.ranks > 1``, or a
-    process group whose size is not ``sharding.ranks``."""
-    org = cfg.org(org_id)
-    ranks = org.sharding.ranks
-    if ranks > 1 and org_generation(cfg, org_id).engine == "vllm":
-        raise ValueError(
-            f"orgs[{org_id}].sharding.ranks={ranks} with generation.engine=vllm is not supported (vLLM tensor "
-            "parallelism over the org's ranks is not implemented): use generation.engine hf or fast, or ranks: 1"
-        )
-    if ranks > 1 and org_trainer(cfg, org_id).precision == "bf16-master":
-        raise ValueError(
-            f"orgs[{org_id}].sharding.ranks={ranks} with trainer.precision=bf16-master is not supported: the "
-            "shards are the float32 masters; use trainer.precision: model with sharding.mixed_precision: bf16"
-        )
-    if ranks > 1 and org_trainer(cfg, org_id).outcome_guard.enabled:
-        raise ValueError(
-            f"orgs[{org_id}].sharding.ranks={ranks} with trainer.outcome_guard.enabled (on by default) is not "
-            "supported: the guard's validation, rollback and shadow work on one process's weights; use ranks: 1 or "
-            f"set orgs[{org_id}].trainer.outcome_guard.enabled: false (SECURITY.md: what that org then lacks)"
-        )
-    if ranks > 1 and org_trainer(cfg, org_id).teach.enabled:
-        raise ValueError(
-            f"orgs[{org_id}].sharding.ranks={ranks} with trainer.teach.enabled is not supported: the teach steps "
-            f"run on one process's weights; use ranks: 1 or set orgs[{org_id}].trainer.teach.enabled: false"
-        )
+    """ConfigError naming the field when org ``org_id``'s worker cannot run sharded as configured
+    (:func:`hacrl_fed.refusals.check_sharded_org`, the rule the coordinator's preflight checks too), or a process
+    group whose size is not ``sharding.ranks``."""
+    check_sharded_org(cfg, org_id)
+    ranks = cfg.org(org_id).sharding.ranks
     if world_size is not None and world_size != ranks:
-        raise ValueError(f"orgs[{org_id}].sharding.ranks={ranks} but the worker's process group has {world_size} ranks")
+        raise ConfigError(
+            f"{org_field(cfg, org_id, 'sharding.ranks')}={ranks} (org {org_id!r}) but the worker's process group has "
+            f"{world_size} ranks"
+        )
 
 
 class RankChallengeBook(ChallengeBook):
@@ -85,6 +68,7 @@ class ShardedPolicyWorker(PolicyWorker):
         check_supported(cfg, org_id, self.world_size)
         self.sharding = cfg.org(org_id).sharding
         super().__init__(cfg, org_id, run_dir=run_dir, resume=resume)
+        self.samples.enabled = self.samples.enabled and self.rank == 0  # one writer of samples.jsonl per org
         if self.world_size > 1:
             self.engine = RankEngine(self.engine)
             self._challenges = RankChallengeBook()

@@ -57,7 +57,7 @@ from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -66,6 +66,9 @@ from hacrl_fed.cancel import CallCancelled, cancel_scope, cancelled
 from hacrl_fed.limits import MAX_MESSAGE_MB
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.operations import BUSY_KEY, BY_RPC, HEALTH, SERVICE
+
+if TYPE_CHECKING:
+    from hacrl_fed.worker.api import WorkerAPI
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +264,7 @@ class PolicyWorkerServicer:
     """Delegates each RPC (raw request bytes in, reply bytes out) to a WorkerAPI object, one model call at a time."""
 
     def __init__(
-        self, worker: Any, *, limits: codec.WireLimits = codec.DEFAULT_LIMITS, client_names: tuple[str, ...] = ()
+        self, worker: WorkerAPI, *, limits: codec.WireLimits = codec.DEFAULT_LIMITS, client_names: tuple[str, ...] = ()
     ) -> None:
         self._worker = worker
         self._limits = limits
@@ -441,7 +444,7 @@ def _bind(server: grpc.Server, address: str, credentials: grpc.ServerCredentials
 
 
 def serve_worker(
-    worker: Any,
+    worker: WorkerAPI,
     address: str,
     *,
     tls: WorkerTLS | None = None,
@@ -492,7 +495,7 @@ def serve_worker(
     return WorkerServer(server, bound)
 
 
-def describe_worker(worker: Any) -> str:
+def describe_worker(worker: WorkerAPI) -> str:
     """What a worker serves, for its start-up line: org, model (zoo name or path), parameter count, device, dtype,
     engine and where its checkpoints go."""
     org = getattr(worker, "org_id", "?")
@@ -515,6 +518,7 @@ def describe_worker(worker: Any) -> str:
     gen = getattr(worker, "gen_cfg", None)
     if gen is not None:
         parts.append(f"engine {gen.engine}")
-    if getattr(worker, "ckpt_base", None) is not None:
-        parts.append(f"checkpoints in {worker.ckpt_base}")
+    ckpt = getattr(worker, "ckpt_base", None)
+    if ckpt is not None:
+        parts.append(f"checkpoints in {ckpt}")
     return ", ".join(parts)

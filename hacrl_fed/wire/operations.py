@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import Message
 
@@ -42,6 +42,9 @@ from hacrl_fed import failures
 from hacrl_fed.types import StepRequest
 from hacrl_fed.v1 import worker_pb2 as pb
 from hacrl_fed.wire import codec
+
+if TYPE_CHECKING:
+    from hacrl_fed.worker.api import WorkerAPI
 
 SERVICE_DESCRIPTOR = pb.DESCRIPTOR.services_by_name["PolicyWorker"]
 SERVICE = SERVICE_DESCRIPTOR.full_name  # "hacrl_fed.v1.PolicyWorker"
@@ -77,7 +80,7 @@ class Operation:
         """The protobuf message name of the reply, from the service descriptor."""
         return str(SERVICE_DESCRIPTOR.methods_by_name[self.rpc].output_type.name)
 
-    def call(self, worker: Any, request: Any) -> Any:
+    def call(self, worker: WorkerAPI, request: Any) -> Any:
         """Run this operation on ``worker`` (a WorkerAPI object) with the decoded ``request``."""
         if self.part:
             return serve_half(worker, self.part, request)
@@ -89,7 +92,7 @@ class Operation:
 _HALVES = {"plan": ("batch", "generate", "generate_error"), "train": ("report", "train", "train_error")}
 
 
-def serve_half(worker: Any, part: str, request: Any) -> Any:
+def serve_half(worker: WorkerAPI, part: str, request: Any) -> Any:
     """Serve a deprecated ``Generate`` / ``Train``: ``worker.step`` with ``request`` as its only ``part``; returns
     that part's reply or raises its failure (the worker's own exception in one process, else
     :class:`~hacrl_fed.failures.PartFailed` with its text)."""

@@ -23,9 +23,6 @@
 8. **fit the context**: rows longer than the learner's context are not trained on (they still count in their
    joint group's advantage statistics, as rows without tokens do).
 
-With ``trainer.teach`` on, the teach rows (peers' successes on prompts the learner failed) are taken from the rows
-of stage 6, before stage 7 (:mod:`hacrl_fed.worker.teach_rows`).
-
 An algorithm that uses no foreign rows (its registry spec's ``uses_cross``: gspo, grpo) still runs stages 1-4,
 so its trust counters are written, and skips 5-7. One :class:`~hacrl_fed.worker.ledger.Ledger` records what each
 stage dropped and why and writes the metrics. The update (:meth:`hacrl_fed.trainer.LocalTrainer.update`) then
@@ -47,14 +44,13 @@ from typing import Any, Protocol
 
 from hacrl_fed.algorithm.likelihood_screen import REASONS, GapHistory, ScreenParams, likelihood_screen
 from hacrl_fed.algorithm.selection import resolve_budget, select_rollouts, source_order, source_ordered
-from hacrl_fed.config import LikelihoodScreenConfig, RunConfig, SelectionConfig, TeachConfig, org_generation
+from hacrl_fed.config import LikelihoodScreenConfig, RunConfig, SelectionConfig, org_generation
 from hacrl_fed.models.context import fits
 from hacrl_fed.plan.screening import screen_batch
 from hacrl_fed.scoring import response_token_ids
 from hacrl_fed.trainer import TrainRow
 from hacrl_fed.types import Prompt, Rollout, RolloutBatch, RoundPlan, SamplingParams, TrainRequest
 from hacrl_fed.worker.ledger import UNSIGNED, Ledger
-from hacrl_fed.worker.teach_rows import take_teach_rows
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +124,12 @@ class Admitted:
     scored_tokens: int
     times: dict[str, float]
     outcome: dict[str, float] = dataclasses.field(default_factory=dict)  # the outcome guard's quarantine counts
+    staleness: dict[str, float] = dataclasses.field(default_factory=dict)  # async: hacrl_fed.worker.row_ages
     # asynchronous rounds: per row, (Phat_learner, Phat_source) of the row's round (None: one figure per agent)
     row_capability: tuple[list[float], list[float]] | None = None
-    teach_rows: list[TrainRow] = dataclasses.field(default_factory=list)  # trainer.teach (hacrl_fed.worker.teach_rows)
-    teach_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the foreign rows that passed stages 1-4 and those stage 5 selected (the sample book's fates, worker.samples)
+    offered: list[Rollout] = dataclasses.field(default_factory=list)
+    selected: list[Rollout] = dataclasses.field(default_factory=list)
 
     def update_metrics(self, update: dict[str, float]) -> dict[str, float]:
         """The update's metrics with the last two stages' counts (:func:`update_metrics`)."""
@@ -142,10 +140,11 @@ class Admitted:
         received = len(request.foreign) + request.unread_foreign + sum(len(b.rollouts) for b in request.source_batches)
         return {
             **self.ledger.trust_metrics(),
+            **self.ledger.row_metrics(),
             **self.ledger.select_metrics,
             **self.times,
+            **self.staleness,
             **self.outcome,
-            **self.teach_metrics,
             "train/foreign_received": float(received),
             "train/foreign_unscored": float(self.ledger.unscored()),
         }
@@ -207,10 +206,8 @@ class Intake:
         task: Any,
         tokenizer: Any,
         eos_id: int | None,
-        teach: TeachConfig | None = None,
     ) -> None:
         self.cfg, self.org_id, self.selection, self.screen_cfg = cfg, org_id, selection, screen
-        self.teach = teach if teach is not None and teach.enabled and uses_cross else None  # trainer.teach
         self.uses_cross, self.task, self.tokenizer, self.eos_id = uses_cross, task, tokenizer, eos_id
 
     def admit(
@@ -236,6 +233,7 @@ class Intake:
         t0, c0 = time.perf_counter(), time.process_time()
         ledger = Ledger()
         foreign, outcome = rounds.gather(ledger)  # stages 1-4
+        offered, selected = list(foreign), []
         t1, c1 = time.perf_counter(), time.process_time()
         agents, learner, capability = self.agents(request, foreign)
         for row in own.rows:
@@ -243,20 +241,17 @@ class Intake:
         rows: list[TrainRow] = list(own.rows)
         if self.uses_cross:
             view, baseline = rounds.offer(agents, learner)
-            foreign = self.select(foreign, own.rows, ledger, seed, baseline)
+            foreign = selected = self.select(foreign, own.rows, ledger, seed, baseline)
             rows += self.retokenize(foreign, view, agents, ledger)
         else:
             for r in foreign:
                 ledger.drop(str(r.org_id), "unused", "no_cross_rows")
         scored = sum(len(r.response_ids) for r in rows if not r.is_self)
         t2 = time.perf_counter()
-        before_screen, rows = rows, admit_rows(rows, agents, scoring, self.screen_cfg, ledger)  # stages 7-8
+        rows = admit_rows(rows, agents, scoring, self.screen_cfg, ledger)  # stages 7-8
         times = {"time/trust": t1 - t0, "time/score": t2 - t1, "cpu/trust": c1 - c0}
         admitted = Admitted(rows, agents, learner, capability, ledger, scored, times, outcome)
-        if self.teach is not None:  # trainer.teach: taken before the screen (hacrl_fed.worker.teach_rows)
-            admitted.teach_rows, admitted.teach_metrics = take_teach_rows(
-                before_screen, rows, agents, self.teach, scoring.context, seed
-            )
+        admitted.offered, admitted.selected = offered, list(selected)
         rounds.finish(admitted)
         return admitted
 
@@ -408,7 +403,7 @@ def screen_likelihood(
     ]
     cross = [i for i in cand if not rows[i].is_self]
     learner_sum = dict(zip(cross, scoring.score([rows[i] for i in cross]))) if cross else {}
-    lp, lengths, claimed = _screen_inputs(rows, cand, learner_sum, per_byte=cfg.norm == "per_byte")
+    lp, lengths, claimed = _screen_inputs(rows, cand, learner_sum)
     history = {s: h for s in {r.source for r in rows} if (h := scoring.history.get(agents[s])) is not None}
     res = likelihood_screen(
         lp,
@@ -417,7 +412,7 @@ def screen_likelihood(
         [rows[i].group for i in cand],
         [rows[i].source for i in cand],
         claimed,
-        ScreenParams(**cfg.model_dump(exclude={"enabled", "norm"})),
+        ScreenParams(margin_nats=cfg.margin_nats, claim_z=cfg.claim_z),  # the other thresholds: ScreenParams
         history,
     )
     scoring.history.update({agents[s]: h for s, h in res.history.items()})
@@ -437,16 +432,15 @@ def screen_likelihood(
     out["time/screen"] = time.perf_counter() - t0
     ledger.screen_metrics = out
     # each kept cross row carries its score as the pre-update log-prob sum (the weights do not change before the
-    # update), so the in-band baseline and the decoupled loss do not score it again (LocalTrainer.baseline_rows,
-    # with_proximal)
+    # update), so the in-band baseline does not score it again (hacrl_fed.algorithm.pre_update)
     return [_scored_row(r, learner_sum.get(i)) for i, r in enumerate(rows) if i not in drop]
 
 
 def _scored_row(row: TrainRow, log_prob_sum: float | None) -> TrainRow:
-    """``row`` with ``prox_log_prob_sum`` set to the screen's score of it (unchanged without one)."""
-    if log_prob_sum is None or row.prox_log_prob_sum is not None:
+    """``row`` with ``pre_log_prob_sum`` set to the screen's score of it (unchanged without one)."""
+    if log_prob_sum is None or row.pre_log_prob_sum is not None:
         return row
-    return dataclasses.replace(row, prox_log_prob_sum=float(log_prob_sum))
+    return dataclasses.replace(row, pre_log_prob_sum=float(log_prob_sum))
 
 
 def fit_context(rows: list[TrainRow], context: int | None, agents: list[str], ledger: Ledger) -> list[TrainRow]:
@@ -465,23 +459,24 @@ def fit_context(rows: list[TrainRow], context: int | None, agents: list[str], le
 
 
 def _screen_inputs(
-    rows: Sequence[TrainRow], cand: Sequence[int], learner_sum: dict[int, float], *, per_byte: bool
+    rows: Sequence[TrainRow], cand: Sequence[int], learner_sum: dict[int, float]
 ) -> tuple[list[float], list[float], list[float | None]]:
     """Per candidate row: its learner log-prob sum (own rows: their published one), its length in the screen's
-    unit (tokens or UTF-8 bytes) and the source's claimed per-unit log-prob (None for own rows)."""
+    unit (UTF-8 bytes of the response: comparable across tokenizers) and the source's claimed per-byte log-prob
+    (None for own rows)."""
     lp: list[float] = []
     lengths: list[float] = []
     claimed: list[float | None] = []
     for i in cand:
         r = rows[i]
-        n = float(max(r.n_bytes, 1)) if per_byte else float(len(r.response_ids))
+        n = float(max(r.n_bytes, 1))
         if r.is_self:
             lp.append(sum(r.old_token_log_probs) if r.old_token_log_probs else r.old_seq_log_prob * n)
             claimed.append(None)
         else:
             lp.append(learner_sum[i])
             c = r.claimed_log_prob_sum
-            claimed.append(None if c is None else c / (n if per_byte else max(r.claimed_token_count, 1)))
+            claimed.append(None if c is None else c / n)
         lengths.append(n)
     return lp, lengths, claimed
 

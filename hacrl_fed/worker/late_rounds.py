@@ -43,6 +43,7 @@ from hacrl_fed.worker.recent_rounds import (  # noqa: F401  (re-exported: the la
     late_group,
     round_refusal,
 )
+from hacrl_fed.worker.row_ages import trained_row_ages
 
 
 def split_rounds(
@@ -198,9 +199,11 @@ class LateRounds:
         return dataclasses.replace(self.own, tokens_by_prompt=tokens), [r for r in offered if r.is_self]
 
     def finish(self, admitted: Admitted) -> None:
-        """Rounds and ages, the kept late groups' baseline rows, the admitted rows noted, per-row figures."""
+        """Rounds and ages (and their histogram), the kept late groups' baseline rows, the admitted rows noted,
+        per-row figures."""
         rows, agents, own_round = admitted.rows, admitted.agents, self.own.round
         set_rounds(rows, self.request, own_round, agents)
+        admitted.staleness = trained_row_ages(rows, agents)  # the foreign rows' ages (docs/METRICS.md "Staleness")
         baseline = baseline_rows({r.group for r in rows if r.group < 0}, self.recent, admitted.learner, agents)
         self.recent.note_admitted(rows, agents, own_round)  # after: this step's rows are not their own baseline
         rows += baseline

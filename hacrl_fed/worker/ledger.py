@@ -11,6 +11,8 @@ The ledger writes the same metric keys as before it existed (docs/METRICS.md), u
 * ``train/foreign_unscored`` (re-tokenization: unknown prompt, no tokens or over-long text) and
   ``train/num_too_long`` (rows that do not fit the learner's context; own rows included);
 * ``screen/<source>/...``: the likelihood screen;
+* ``intake/<source>/...`` (:meth:`Ledger.row_metrics`): the ledger itself, per source: rows received, kept and
+  dropped per ``(stage, reason)`` (the learner × source matrix of ``hacrl-fed report``);
 * asynchronous rounds in coordinator-blind mode only (:attr:`Ledger.by_round`): ``trust/<source>/round/<round>/
   {checked,mismatches}``, the screen's counts per batch, so an accusation names the batch it is about
   (:mod:`hacrl_fed.wire.accusations`).
@@ -134,6 +136,16 @@ class Ledger:
     def balance(self) -> dict[str, tuple[int, int, int]]:
         """Per source ``(received, kept, dropped)``: the ledger holds when ``received == kept + dropped``."""
         return {src: (e.received, e.kept, sum(e.dropped.values())) for src, e in self.sources.items()}
+
+    def row_metrics(self) -> dict[str, float]:
+        """Per source ``intake/<source>/received``, ``intake/<source>/kept`` and ``intake/<source>/dropped/<stage>/
+        <reason>`` (rows; reasons that dropped none left out): ``received == kept + sum(dropped)``."""
+        out: dict[str, float] = {}
+        for src, e in self.sources.items():
+            out[f"intake/{src}/received"] = float(e.received)
+            out[f"intake/{src}/kept"] = float(e.kept)
+            out.update({f"intake/{src}/dropped/{stage}/{why}": float(n) for (stage, why), n in e.dropped.items() if n})
+        return out
 
     def trust_metrics(self) -> dict[str, float]:
         """``trust/<source>/...`` per source (and per (source, round) when :attr:`by_round`) and the two totals

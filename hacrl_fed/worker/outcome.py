@@ -32,14 +32,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from hacrl_fed.algorithm import counterfactual
+from hacrl_fed.algorithm.advantages import Capability
 from hacrl_fed.algorithm.outcome_guard import OutcomeGuard, OutcomeParams, Verdict
 from hacrl_fed.config import OutcomeGuardConfig
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.trainer import TrainRow
-from hacrl_fed.types import Rollout
+from hacrl_fed.types import Rollout, RoundPlan
+from hacrl_fed.worker.intake import Admitted, LeaveOut
+from hacrl_fed.worker.learner import Learner
 from hacrl_fed.worker.ledger import Ledger
 from hacrl_fed.worker.shadow import Shadow
-from hacrl_fed.worker.weights import Saved, restore, snapshot
+from hacrl_fed.worker.weights import Saved
 
 
 class OutcomeMonitor:
@@ -52,26 +55,19 @@ class OutcomeMonitor:
         self.prompts = task.prompts("train", ids)
         final = _final_ids(seed, task.size("train"), cfg.final_size, set(ids)) if cfg.counterfactual else []
         self.final = task.prompts("train", final)  # the last round's choice with the shadow: none without it
-        self.params = OutcomeParams(
-            cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff, cfg.struck_bar, cfg.shadow_gate
-        )
+        self.params = OutcomeParams(cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff)
         self.run_id: str | None = None
         self.guard = OutcomeGuard(self.params)
         self.saved: Saved | None = None
         self.shadow: Shadow | None = None  # the counterfactual learner (None: off, or before the run's start)
 
     @classmethod
-    def of(cls, cfg: OutcomeGuardConfig, worker: Any) -> OutcomeMonitor | None:
-        """A worker's monitor (its private seed, task, prompt book and evaluation budget); None when off."""
-        if not cfg.enabled:
-            return None
-        return cls(
-            cfg,
-            seed=worker.seed,
-            task=worker.task,
-            prompts=worker.prompts,
-            max_new_tokens=worker.gen_cfg.eval_max_new_tokens,
-        )
+    def of(
+        cls, cfg: OutcomeGuardConfig, *, seed: int, task: Any, prompts: Any, max_new_tokens: int
+    ) -> list[OutcomeMonitor]:
+        """A learner's after-update extensions for the guard: its monitor (its private seed, task, prompt book and
+        evaluation budget), or none when off."""
+        return [cls(cfg, seed=seed, task=task, prompts=prompts, max_new_tokens=max_new_tokens)] if cfg.enabled else []
 
     def validate(self, engine: Any, context: int | None, prompts: Sequence[Any] | None = None) -> list[bool]:
         """Greedy correctness of the current weights on the validation split, or on ``prompts`` (the final split);
@@ -89,16 +85,16 @@ class OutcomeMonitor:
         """:meth:`validate` on the final split (the last round's choice)."""
         return self.validate(engine, context, self.final)
 
-    def start(self, run_id: str, worker: Any) -> dict[str, float]:
+    def start(self, run_id: str, learner: Learner) -> dict[str, float]:
         """Before an update: a run this monitor has no reference of starts with the current weights validated and
         kept as the reference."""
         if run_id == self.run_id and self.saved is not None:
             return {}
         t0 = time.perf_counter()
         self.run_id, self.guard = run_id, OutcomeGuard(self.params)
-        right = self.validate(worker.engine, worker.context)
+        right = self.validate(learner.engine, learner.context)
         self.guard.judge(0, right)
-        self.saved = snapshot(worker)
+        self.saved = learner.weights()
         self.shadow = Shadow(self.saved) if self.cfg.counterfactual else None
         return {"outcome/reference_accuracy": _acc(right), "time/outcome_reference": time.perf_counter() - t0}
 
@@ -138,64 +134,64 @@ class OutcomeMonitor:
             out[f"outcome/{src}/strikes"] = float(self.guard.strikes.get(src, 0))
         return [r for r in foreign if admitted[str(r.org_id)]], out
 
-    def shadow_generate(self, worker: Any, plan: Any) -> dict[str, float]:
+    def shadow_generate(self, learner: Learner, plan: RoundPlan) -> dict[str, float]:
         """The shadow's own samples of this round's plan, when it exists (from the run's second round)."""
         if self.shadow is None or plan.run_id != self.run_id:
             return {}
-        return self.shadow.generate(worker, plan)
+        return self.shadow.generate(learner, plan)
 
     def train_shadow(
-        self, worker: Any, round: int, rows: Sequence[TrainRow], learner: int, capability: Sequence[float]
+        self, learner: Learner, round: int, rows: Sequence[TrainRow], index: int, capability: Capability
     ) -> dict[str, float]:
         """The shadow's update on its own rows of this round (nothing with the counterfactual off)."""
-        return self.shadow.train(worker, round, rows, learner, capability) if self.shadow is not None else {}
+        return self.shadow.train(learner, round, rows, index, capability) if self.shadow is not None else {}
 
-    def after_update(self, round: int, last_round: int, trained: Sequence[str], worker: Any) -> dict[str, float]:
+    def after_update(self, round: int, last_round: int, trained: Sequence[str], learner: Learner) -> dict[str, float]:
         """Record the sources the update trained on; when due, validate, judge and apply the verdict, then check the
         counterfactual when it is due."""
         self.guard.trained(trained)
         if not self.guard.due(round, last_round):
             return {"outcome/validated": 0.0}
         t0 = time.perf_counter()
-        right = self.validate(worker.engine, worker.context)
-        shadow = self._shadow_for_gate(right, worker)
+        right = self.validate(learner.engine, learner.context)
+        shadow = self._shadow_for_gate(right, learner)
         verdict = self.guard.judge(round, right, shadow)
         out = _verdict_metrics(verdict, right)
         if shadow is not None:
             out["outcome/shadow_accuracy"] = _acc(shadow)
         if verdict.rollback and self.saved is not None:
-            restore(worker, self.saved)
+            learner.load_weights(self.saved)
             right = list(self.guard.reference or right)  # the weights now on the model: the reference's vector
         elif verdict.new_reference:
-            self.saved = snapshot(worker)
+            self.saved = learner.weights()
         out["time/outcome"] = time.perf_counter() - t0
         if self.shadow is not None and counterfactual.due(round, last_round, self.params.every):
-            out.update(self._counterfactual(round, last_round, right, worker, shadow))
+            out.update(self._counterfactual(round, last_round, right, learner, shadow))
         return out
 
-    def _shadow_for_gate(self, right: list[bool], worker: Any) -> list[bool] | None:
+    def _shadow_for_gate(self, right: list[bool], learner: Learner) -> list[bool] | None:
         """The shadow's vector on the validation split when the verdict on ``right`` waits on it
         (:meth:`OutcomeGuard.needs_shadow`, a shadow kept), else None. The shadow's weights do not change before this
         round's counterfactual check, which reuses it."""
         if self.shadow is None or not self.guard.needs_shadow(right):
             return None
-        return self.shadow.validate(worker, self.validate)
+        return self.shadow.validate(learner, self.validate)
 
     def _counterfactual(
-        self, round: int, last_round: int, right: list[bool], worker: Any, shadow: list[bool] | None = None
+        self, round: int, last_round: int, right: list[bool], learner: Learner, shadow: list[bool] | None = None
     ) -> dict[str, float]:
         """Validate the shadow (``shadow``: its vector, already validated this round) and compare; on a verdict to
         adopt, the learner takes the shadow's weights. At the last round, with a final split, the two are compared on
         it instead (module doc)."""
         assert self.shadow is not None
         t0 = time.perf_counter()
-        shadow = self.shadow.validate(worker, self.validate) if shadow is None else shadow
+        shadow = self.shadow.validate(learner, self.validate) if shadow is None else shadow
         last = round >= last_round
         final: dict[str, float] = {}
         against = shadow  # the shadow's vector the learner's is compared with
         if last and self.final:
-            right = self.validate_final(worker.engine, worker.context)
-            against = self.shadow.validate(worker, self.validate_final)
+            right = self.validate_final(learner.engine, learner.context)
+            against = self.shadow.validate(learner, self.validate_final)
             final = {"outcome/final_accuracy": _acc(right), "outcome/shadow_final_accuracy": _acc(against)}
         cf = counterfactual.against_shadow(
             against,
@@ -207,7 +203,7 @@ class OutcomeMonitor:
         )
         quarantined: dict[str, int] = {}
         if cf.adopt:
-            self.saved = self.shadow.adopted_by(worker)
+            self.saved = self.shadow.adopted_by(learner)
             quarantined = self.guard.adopt(round, shadow, cf.strike)
         out = {
             "outcome/shadow_accuracy": _acc(shadow),
@@ -255,3 +251,29 @@ def _final_ids(seed: int, size: int, n: int, validation: set[int]) -> list[int]:
 
 def _acc(right: Sequence[bool]) -> float:
     return sum(right) / max(len(right), 1)
+
+
+class GuardExtension:
+    """The outcome guard as the learner round's extension (:mod:`hacrl_fed.worker.learner_round`): its reference
+    and quarantine before admission, the shadow's update beside the learner's, the verdict after it."""
+
+    def __init__(self, monitor: OutcomeMonitor, last_round: int):
+        self.monitor, self.last_round = monitor, last_round
+
+    def begin(self, run_id: str, round: int, learner: Learner) -> tuple[dict[str, float], LeaveOut]:
+        """Before admission: the reference (validated before a run's first update) and this round's quarantine."""
+        monitor = self.monitor
+        return monitor.start(run_id, learner), lambda foreign, ledger: monitor.leave_out(foreign, round, ledger)
+
+    def after_generate(self, learner: Learner, plan: RoundPlan) -> dict[str, float]:
+        """After the learner generated: the shadow's own samples of the same plan (from the run's second round)."""
+        return self.monitor.shadow_generate(learner, plan)
+
+    def beside(self, learner: Learner, round: int, admitted: Admitted) -> dict[str, float]:
+        """During the update (engine released): the shadow's update on its own rows, no foreign one."""
+        return self.monitor.train_shadow(learner, round, admitted.rows, admitted.learner, admitted.capability)
+
+    def after(self, learner: Learner, round: int, admitted: Admitted) -> dict[str, float]:
+        """After the update (engine synced): validate when due; a regression rolls the weights back."""
+        trained = sorted({admitted.agents[r.source] for r in admitted.rows if not r.is_self})
+        return self.monitor.after_update(round, self.last_round, trained, learner)

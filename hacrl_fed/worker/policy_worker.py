@@ -28,19 +28,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from hacrl_fed.algorithm import get_algorithm
+from hacrl_fed.algorithm.advantages import Capability
 from hacrl_fed.cancel import raise_if_cancelled
 from hacrl_fed.config import RunConfig, org_generation, org_trainer
 from hacrl_fed.engines import EngineOptions, build_engine
-from hacrl_fed.models.chat import eos_token_id
 from hacrl_fed.models.context import context_length
 from hacrl_fed.models.loading import load_model_and_tokenizer, model_sources
+from hacrl_fed.models.lora import wrap_lora
+from hacrl_fed.models.prompting import style_of
 from hacrl_fed.perf import PhaseMeter
 from hacrl_fed.plan.sampler import eval_ids
 from hacrl_fed.security.freshness import HEALTH_KEY, ChallengeBook, fresh_digest, plan_digest, recent_keep
@@ -51,8 +53,6 @@ from hacrl_fed.trainer import LocalTrainer, TrainRow
 from hacrl_fed.types import (
     EvalReport,
     EvalRequest,
-    Prompt,
-    Rollout,
     RolloutBatch,
     RoundPlan,
     StepReply,
@@ -63,11 +63,15 @@ from hacrl_fed.types import (
 from hacrl_fed.worker.api import VERSION_KEY, run_step
 from hacrl_fed.worker.guard import check_capability, check_eval, check_plan, check_step, check_train
 from hacrl_fed.worker.identity_border import IdentityBorder
-from hacrl_fed.worker.intake import Intake, OwnRound, Scoring
-from hacrl_fed.worker.late_rounds import LateRounds, RecentRounds
-from hacrl_fed.worker.outcome import OutcomeMonitor
+from hacrl_fed.worker.intake import Intake, OwnRound
+from hacrl_fed.worker.late_rounds import RecentRounds
+from hacrl_fed.worker.learner_round import Extension, LearnerRound
+from hacrl_fed.worker.outcome import GuardExtension, OutcomeMonitor
+from hacrl_fed.worker.own_rows import sample_plan, verify_samples
 from hacrl_fed.worker.prompts import PromptBook
 from hacrl_fed.worker.routing import RunRouting
+from hacrl_fed.worker.samples import SampleBook
+from hacrl_fed.worker.weights import Saved, load_params, restore, snapshot, trainable_params
 
 log = logging.getLogger(__name__)
 
@@ -83,43 +87,27 @@ class PolicyWorker(RunRouting):
         torch.manual_seed(self.seed)
         self.model, self.tokenizer = load_model_and_tokenizer(org.model)
         if self.trainer_cfg.lora.enabled:
-            self.model = _wrap_lora(self.model, self.trainer_cfg)
+            self.model = wrap_lora(self.model, self.trainer_cfg)
         self.task = get_task(cfg.task.name, cfg.task.params, seed=cfg.seed)
         # prompts + token budget must fit the context: checked here where known, guarded per call (models.context)
         self.context, context_source = context_length(
             self.model, self.gen_cfg.max_model_len if self.gen_cfg.engine == "vllm" else None
         )
-        self.prompts = PromptBook(org_id, self.task, self.tokenizer)
+        self.style = style_of(org.model, self.tokenizer, self.task)  # chat or completion, BOS, stop ids
+        self.prompts = PromptBook(org_id, self.task, self.tokenizer, self.style)
         self.prompts.check_fits(
             self.context, context_source, self.gen_cfg, eval_ids(self.task.size("test"), cfg.task.eval_size)
         )
-        model_path, tokenizer_path = model_sources(org.model)
-        self.engine = build_engine(
-            self.gen_cfg.engine,
-            self.model,
-            self.tokenizer,
-            EngineOptions.from_config(
-                self.gen_cfg, seed=self.seed, model_path=model_path, tokenizer_path=tokenizer_path
-            ),
-        )
-        self.eos_id = eos_token_id(self.tokenizer)
+        self.engine = self._build_engine()
+        self.eos_id = self.style.end_id
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_id
         self.trainer = self._new_trainer()
         self.ckpt_base = Path(run_dir) / "orgs" / org_id / "checkpoints"  # one folder per run below it
         self.border = IdentityBorder(cfg, org_id, run_dir)
-        self.intake = Intake(
-            cfg,
-            org_id,
-            selection=self.trainer_cfg.selection,
-            screen=self.trainer_cfg.likelihood_screen,
-            uses_cross=get_algorithm(cfg.algorithm.name).uses_cross,
-            task=self.task,
-            tokenizer=self.tokenizer,
-            eos_id=self.eos_id,
-            teach=self.trainer_cfg.teach,
-        )
-        self.outcome = OutcomeMonitor.of(self.trainer_cfg.outcome_guard, self)  # None: off
+        self.intake = self._build_intake()
+        self.outcome, self.extensions = self._extensions()  # the outcome guard (None: off); the learner round's
+        self.samples = SampleBook(cfg, org_id, run_dir)  # samples.jsonl for the run report (worker.samples)
         self.run_id: str | None = None  # the run this worker serves (None: it has served none yet)
         self.last_round = 0  # the last round of run_id it trained (0: none)
         self._trained: dict[str, int] = {}  # run id -> last round this process trained in that run
@@ -134,6 +122,40 @@ class PolicyWorker(RunRouting):
         self._initial = self._snapshot()
         if resume:
             self.restore()
+
+    def _build_engine(self):
+        """The org's generation engine (``generation.engine``), stopping on the prompt style's stop ids."""
+        model_path, tokenizer_path = model_sources(self.cfg.org(self.org_id).model)
+        options = EngineOptions.from_config(
+            self.gen_cfg,
+            seed=self.seed,
+            model_path=model_path,
+            tokenizer_path=tokenizer_path,
+            extra_stop_ids=self.style.stop_ids,
+        )
+        return build_engine(self.gen_cfg.engine, self.model, self.tokenizer, options)
+
+    def _build_intake(self) -> Intake:
+        """The one door for foreign rows (:mod:`hacrl_fed.worker.intake`)."""
+        return Intake(
+            self.cfg,
+            self.org_id,
+            selection=self.trainer_cfg.selection,
+            screen=self.trainer_cfg.likelihood_screen,
+            uses_cross=get_algorithm(self.cfg.algorithm.name).uses_cross,
+            task=self.task,
+            tokenizer=self.tokenizer,
+            eos_id=self.eos_id,
+        )
+
+    def _extensions(self) -> tuple[OutcomeMonitor | None, list[Extension]]:
+        """The outcome guard's monitor (None: off) and the learner round's extensions (the guard's, when on)."""
+        g = self.trainer_cfg.outcome_guard
+        mons = OutcomeMonitor.of(
+            g, seed=self.seed, task=self.task, prompts=self.prompts, max_new_tokens=self.gen_cfg.eval_max_new_tokens
+        )
+        last = self.cfg.federation.rounds_of(self.org_id)  # its own last round (federation.org_rounds)
+        return (mons[0] if mons else None), [GuardExtension(m, last) for m in mons]
 
     def _new_trainer(self) -> LocalTrainer:
         return LocalTrainer(self.model, self.cfg.algorithm, self.trainer_cfg, self.pad_id)
@@ -153,14 +175,14 @@ class PolicyWorker(RunRouting):
         self._enter(plan.run_id, how, path, last)  # only now: a refused plan changes nothing
         raise_if_cancelled("before generating")
         t0, c0 = time.perf_counter(), time.process_time()
-        perf = PhaseMeter(self._device())
+        perf = PhaseMeter(self.device())
         sp = plan.sampling
-        tokens_by_prompt, keep, gens = self._sample(plan)
+        tokens_by_prompt, keep, gens = sample_plan(self, plan)
         raise_if_cancelled("after generating")
         t1 = time.perf_counter()
         gen_perf = perf.lap("generate", sum(g.token_count for row in gens for g in row))
-        rollouts, rows = self._verify(plan, tokens_by_prompt, [plan.prompts[i] for i in keep], gens)
-        shadow = self.outcome.shadow_generate(self, plan) if self.outcome is not None else {}  # counterfactual
+        rollouts, rows = verify_samples(self, plan, tokens_by_prompt, [plan.prompts[i] for i in keep], gens)
+        shadow = {k: v for ext in self.extensions for k, v in ext.after_generate(self, plan).items()}  # the shadow
         fresh = fresh_digest(plan, self.org_id, self._challenges.expect())
         self._own = OwnRound(
             plan.run_id, plan.round, plan.task, plan.prompts, sp.max_new_tokens, tokens_by_prompt, rows, fresh
@@ -179,6 +201,7 @@ class PolicyWorker(RunRouting):
             "trust/plan_fresh": float(fresh is not None),
             **shadow,
         }
+        self.samples.record_generate(plan, rollouts)
         acc = sum(r.reward for r in rollouts) / n
         batch = RolloutBatch(
             plan.run_id, plan.round, self.org_id, tuple(rollouts), acc, metrics, plan_digest=plan_digest(plan)
@@ -187,128 +210,52 @@ class PolicyWorker(RunRouting):
             batch = replace(batch, version=self._version, plan_challenges=dict(plan.challenges))
         return self.border.publish(batch, sp.max_new_tokens * self.cfg.security.max_bytes_per_token)
 
-    def _sample(self, plan: RoundPlan) -> tuple[dict[int, list[int]], list[int], list]:
-        """The plan's prompts in this learner's tokens, the indices of those that fit the context, and ``G``
-        samples of each of those (the engine's generations)."""
-        sp = plan.sampling
-        texts, tokens_by_prompt = self.prompts.tokens(plan.prompts)
-        keep = self.prompts.fitting(
-            plan.prompts, tokens_by_prompt, sp.max_new_tokens, "generation.max_new_tokens", self.context
-        )
-        if not keep:
-            return tokens_by_prompt, keep, []
-        gens = self.engine.generate(
-            [texts[i] for i in keep],
-            num_samples=sp.num_samples,
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            top_k=sp.top_k,
-            max_new_tokens=sp.max_new_tokens,
-            seed=stable_seed(sp.seed, self.seed) % (2**31),
-        )
-        return tokens_by_prompt, keep, gens
-
-    def _verify(
-        self, plan: RoundPlan, tokens_by_prompt: dict[int, list[int]], prompts: list[Prompt], gens: list
-    ) -> tuple[list[Rollout], list[TrainRow]]:
-        """Score every sample with this org's own verifier: the published rollouts and this learner's own rows."""
-        rollouts, rows = [], []
-        for prompt, samples in zip(prompts, gens):
-            for j, g in enumerate(samples):
-                reward = float(self.task.verify(g.text, prompt.reference))
-                rollouts.append(
-                    Rollout(
-                        self.org_id,
-                        plan.round,
-                        prompt.prompt_id,
-                        j,
-                        g.text,
-                        g.finish_reason,
-                        reward,
-                        g.logprob_sum,
-                        g.token_count,
-                    )
-                )
-                rows.append(
-                    TrainRow(
-                        list(tokens_by_prompt[prompt.prompt_id]),
-                        list(g.token_ids),
-                        reward,
-                        prompt.prompt_id,
-                        0,
-                        True,
-                        g.logprob_sum / max(g.token_count, 1),
-                        list(g.token_log_probs),
-                        n_bytes=len(g.text.encode("utf-8")),
-                    )
-                )
-        return rollouts, rows
-
     def train(self, request: TrainRequest) -> TrainReport:
-        """Admit the foreign rows through the intake and run this round's update on exactly the rows it admits."""
+        """Admit the foreign rows through the intake and run this round's update on exactly the rows it admits: the
+        learner round's phases (:mod:`hacrl_fed.worker.learner_round`)."""
         own = check_train(self.org_id, request, self._own)
         check_capability(self.cfg, request.capability)
         for table in request.round_capability.values():
             check_capability(self.cfg, table)
         raise_if_cancelled("before training")
-        c0, perf = time.process_time(), PhaseMeter(self._device())
-        opener: Any
-        if self._recent is not None:  # asynchronous rounds: each source batch against the plan of its own round
-            opener = self.border.late_opener(own.run_id, self._recent, self._challenges.recent)
-        else:
-            opener = self.border.opener(own.run_id, own.round, own.fresh_digest)
-        seed = stable_seed(self.seed, "select", own.round)
-        outcome, leave_out = self._outcome_start(request.run_id, own.round)
-        admitted = self.intake.admit(
-            request,
-            own,
-            seed=seed,
-            opener=opener,
-            scoring=Scoring.of(self.trainer),
-            leave_out=leave_out,
-            late=None
-            if self._recent is None
-            else LateRounds(self.intake, request, own, self._recent, opener=opener, leave_out=leave_out),
-        )
-        score_perf = perf.lap("score", admitted.scored_tokens)
-        raise_if_cancelled("before the update")
-        t1, c1 = time.perf_counter(), time.process_time()
-        with self.engine.released():  # a vLLM engine may sleep during the update (generation.sleep_during_train)
-            update = self.trainer.update(
-                admitted.rows,
-                admitted.learner,
-                admitted.capability,
-                names=admitted.agents,
-                row_capability=admitted.row_capability,
-            )
-            if admitted.teach_rows:  # trainer.teach: supervised steps on peers' successes where it failed
-                update.update(self.trainer.teach(admitted.teach_rows, self.trainer_cfg.teach))
-            if self.outcome is not None:  # the counterfactual's shadow: its own rows, no foreign one
-                rows, learner, capability = admitted.rows, admitted.learner, admitted.capability
-                outcome.update(self.outcome.train_shadow(self, own.round, rows, learner, capability))
-        self.engine.sync_weights(self.model)
-        if self.outcome is not None:  # validate when due; a regression rolls the weights back
-            foreign = [r for r in [*admitted.rows, *admitted.teach_rows] if not r.is_self]  # teach rows train it too
-            trained = sorted({admitted.agents[r.source] for r in foreign})
-            last = self.cfg.federation.rounds_of(self.org_id)  # its own last round (federation.org_rounds)
-            outcome.update(self.outcome.after_update(own.round, last, trained, self))
-        metrics = {**admitted.update_metrics(update), **score_perf, **outcome}
-        metrics.update(perf.lap("train", update.get("train/num_tokens", 0.0)))
-        c2 = time.process_time()  # cpu/...: this process's CPU seconds (all its threads), split as time/...
-        metrics.update(admitted.metrics(request), **{"time/train": time.perf_counter() - t1})
-        metrics.update({"cpu/update": c2 - c1, "cpu/train": c2 - c0})
+        metrics = LearnerRound(self, request, own).run()
         self._own = None
         self.last_round, self._trained[request.run_id], self._pristine = request.round, request.round, False
         self._version += 1
         return self._report(request, metrics)
 
-    def _outcome_start(self, run_id: str, round: int):
-        """The outcome guard's metrics so far (its reference, validated before a run's first update) and its
-        quarantine for the intake; ``({}, None)`` with the guard off."""
-        if self.outcome is None:
-            return {}, None
-        monitor = self.outcome
-        return monitor.start(run_id, self), lambda foreign, ledger: monitor.leave_out(foreign, round, ledger)
+    # -- Learner (hacrl_fed.worker.learner): what the learner round's extensions use ---------------------------
+    def sample(self, plan: RoundPlan) -> list[TrainRow]:
+        """``plan``'s own rows, sampled with the weights on the engine and verified."""
+        tokens_by_prompt, keep, gens = sample_plan(self, plan)
+        return verify_samples(self, plan, tokens_by_prompt, [plan.prompts[i] for i in keep], gens)[1]
+
+    def score(self, rows: Sequence[TrainRow]) -> list[list[float]]:
+        return self.trainer.token_log_prob_lists(rows)
+
+    def update(self, rows: Sequence[TrainRow], learner: int, capability: Capability) -> dict[str, float]:
+        return self.trainer.update(rows, learner, capability)
+
+    def weights(self) -> Saved:
+        return snapshot(self.model, self.trainer)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return trainable_params(self.model)
+
+    def load_weights(self, saved: Saved, *, sync: bool = True) -> None:
+        restore(self.model, self.trainer, self.engine, saved, sync=sync)
+
+    def load_params(self, params: dict[str, torch.Tensor], *, sync: bool) -> None:
+        load_params(self.model, self.engine, params, sync=sync)
+
+    @property
+    def recent_rounds(self) -> RecentRounds | None:
+        """Asynchronous rounds: its last W rounds (None: lock-step)."""
+        return self._recent
+
+    @property
+    def challenges(self) -> ChallengeBook:
+        return self._challenges
 
     def _report(self, request: TrainRequest, metrics: dict[str, float]) -> TrainReport:
         """The signed TrainReport with a fresh challenge and, in blind mode, the evidence of lying sources."""
@@ -372,7 +319,7 @@ class PolicyWorker(RunRouting):
             },
         )
 
-    def _device(self) -> torch.device:
+    def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def health(self) -> dict[str, str]:
@@ -387,21 +334,3 @@ class PolicyWorker(RunRouting):
             HEALTH_KEY: self._challenges.for_health().hex(),  # for the first plan of a run (freshness)
             **identity_health(self.border.roster, self.border.identity),
         }
-
-
-def _wrap_lora(model, trainer_cfg):
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as err:  # pragma: no cover - peft is optional
-        raise ImportError("trainer.lora.enabled needs peft: pip install 'hacrl-fed[lora]'") from err
-    lc = trainer_cfg.lora
-    return get_peft_model(
-        model,
-        LoraConfig(
-            r=lc.r,
-            lora_alpha=lc.alpha,
-            lora_dropout=lc.dropout,
-            target_modules=lc.target_modules,
-            task_type="CAUSAL_LM",
-        ),
-    )

@@ -1,4 +1,5 @@
-"""A policy worker's prompts: rendered with its own chat template, checked against its own copy of the task, and
+"""A policy worker's prompts: rendered in its own style (chat template or completion format,
+:mod:`hacrl_fed.models.prompting`), checked against its own copy of the task, and
 fitted to its model's context (:mod:`hacrl_fed.models.context`)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 
 from hacrl_fed.models.chat import render_prompt
 from hacrl_fed.models.context import check_task_fits, fits
+from hacrl_fed.models.prompting import PromptStyle
 from hacrl_fed.types import Prompt
 from hacrl_fed.worker.guard import RequestRefused
 
@@ -16,10 +18,11 @@ log = logging.getLogger(__name__)
 
 
 class PromptBook:
-    """Renders (cached), checks and fits one org's prompts (``context``: its model's context, None: unbounded)."""
+    """Renders (cached), checks and fits one org's prompts (``context``: its model's context, None: unbounded);
+    ``style``: the org's :class:`PromptStyle` (None: the chat template as it renders)."""
 
-    def __init__(self, org_id: str, task: Any, tokenizer: Any) -> None:
-        self.org_id, self.task, self.tokenizer = org_id, task, tokenizer
+    def __init__(self, org_id: str, task: Any, tokenizer: Any, style: PromptStyle | None = None) -> None:
+        self.org_id, self.task, self.tokenizer, self.style = org_id, task, tokenizer, style
         self._cache: dict[tuple[int, tuple], str] = {}
 
     def check_fits(self, context: int | None, source: str, gen: Any, eval_ids: Sequence[int]) -> None:
@@ -29,7 +32,7 @@ class PromptBook:
             self.org_id,
             self.task,
             self.tokenizer,
-            lambda p: render_prompt(self.tokenizer, p.messages),
+            self.render,
             context,
             source,
             max_new_tokens=gen.max_new_tokens,
@@ -42,7 +45,13 @@ class PromptBook:
         if key not in self._cache:
             if len(self._cache) > 100_000:
                 self._cache.clear()
-            self._cache[key] = render_prompt(self.tokenizer, prompt.messages)
+            style = self.style
+            text = (
+                style.render(self.tokenizer, prompt.messages)
+                if style
+                else render_prompt(self.tokenizer, prompt.messages)
+            )
+            self._cache[key] = text
         return self._cache[key]
 
     def tokens(self, prompts: Sequence[Prompt]) -> tuple[list[str], dict[int, list[int]]]:

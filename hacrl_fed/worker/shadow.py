@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
-import torch
-
+from hacrl_fed.algorithm.advantages import Capability
+from hacrl_fed.engines.base import GenerationEngine
 from hacrl_fed.trainer import TrainRow
-from hacrl_fed.worker.weights import Saved, load_params, restore, snapshot
+from hacrl_fed.types import RoundPlan
+from hacrl_fed.worker.learner import Learner
+from hacrl_fed.worker.weights import Saved
+
+Validate = Callable[[GenerationEngine, "int | None"], list[bool]]  # greedy correctness on a split (the guard's)
 
 
 class Shadow:
@@ -39,63 +42,58 @@ class Shadow:
         self.saved = saved
         self.rows: dict[int, list[TrainRow]] = {}  # round -> the shadow's own rows of that round's plan
 
-    def generate(self, worker: Any, plan: Any) -> dict[str, float]:
+    def generate(self, learner: Learner, plan: RoundPlan) -> dict[str, float]:
         """Sample and verify ``plan`` with the shadow's parameters (the learner's put back); kept for the update."""
         t0 = time.perf_counter()
-        mine = _params(worker)
-        load_params(worker, self.saved[0], sync=True)
+        mine = learner.params()
+        learner.load_params(self.saved[0], sync=True)
         try:
-            tokens_by_prompt, keep, gens = worker._sample(plan)
-            _, rows = worker._verify(plan, tokens_by_prompt, [plan.prompts[i] for i in keep], gens)
+            rows = learner.sample(plan)
         finally:
-            load_params(worker, mine, sync=True)
+            learner.load_params(mine, sync=True)
         self.rows = {plan.round: rows}
         n = max(len(rows), 1)
         reward = sum(r.reward for r in rows) / n
         return {"outcome/shadow_reward": reward, "time/outcome_shadow_gen": time.perf_counter() - t0}
 
     def train(
-        self, worker: Any, round: int, rows: Sequence[TrainRow], learner: int, capability: Sequence[float]
+        self, learner: Learner, round: int, rows: Sequence[TrainRow], index: int, capability: Capability
     ) -> dict[str, float]:
         """One update of the shadow on its own rows of ``round`` (without them, round 1: the learner's own
         ``rows``, re-scored under the shadow's weights; foreign rows are never used)."""
         t0 = time.perf_counter()
-        mine = snapshot(worker)
-        restore(worker, self.saved, sync=False)
+        mine = learner.weights()
+        learner.load_weights(self.saved, sync=False)
         try:  # whatever happens, the learner gets its own weights and state back
             own = self.rows.pop(round, None)
             if own is None:
                 own = [r for r in rows if r.is_self]
-                toks = worker.trainer.token_log_prob_lists(own)
+                toks = learner.score(own)
                 own = [
                     dataclasses.replace(r, old_seq_log_prob=sum(t) / max(len(t), 1), old_token_log_probs=t)
                     for r, t in zip(own, toks)
                 ]
-            own = [dataclasses.replace(r, source=learner) for r in own]
+            own = [dataclasses.replace(r, source=index) for r in own]
             if own:
-                worker.trainer.update(own, learner, capability)
-            self.saved = snapshot(worker)
+                learner.update(own, index, capability)
+            self.saved = learner.weights()
         finally:
-            restore(worker, mine, sync=False)
+            learner.load_weights(mine, sync=False)
         return {"outcome/shadow_rows": float(len(own)), "time/outcome_shadow": time.perf_counter() - t0}
 
-    def validate(self, worker: Any, validate: Any) -> list[bool]:
+    def validate(self, learner: Learner, validate: Validate) -> list[bool]:
         """``validate(engine, context)`` with the shadow's parameters on the engine; the learner's put back."""
-        mine = _params(worker)
-        load_params(worker, self.saved[0], sync=True)
+        mine = learner.params()
+        learner.load_params(self.saved[0], sync=True)
         try:
-            return validate(worker.engine, worker.context)
+            return validate(learner.engine, learner.context)
         finally:
-            load_params(worker, mine, sync=True)
+            learner.load_params(mine, sync=True)
 
-    def adopted_by(self, worker: Any) -> Saved:
+    def adopted_by(self, learner: Learner) -> Saved:
         """Put the shadow's weights and optimizer on the learner (its own screen history kept); the new state."""
         params, state = self.saved
         state = {k: v for k, v in state.items() if k != "likelihood_screen"}
-        screen = worker.trainer.state_dict().get("likelihood_screen")
-        restore(worker, (params, {**state, **({"likelihood_screen": screen} if screen else {})}), sync=True)
-        return snapshot(worker)
-
-
-def _params(worker: Any) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in worker.model.named_parameters() if p.requires_grad}
+        screen = learner.weights()[1].get("likelihood_screen")
+        learner.load_weights((params, {**state, **({"likelihood_screen": screen} if screen else {})}), sync=True)
+        return learner.weights()

@@ -3,7 +3,7 @@
 An asynchronous cell (``federation.staleness >= 1`` on the virtual clock) carries each org's ``clock_curve``:
 ``[round, clock, accuracy]``, the clock being when the org's weights after that round existed
 (``async/<org>/trained_at_s``). A lock-step cell has none; its clock follows from the step durations it would run
-under, ``d_x`` = ``federation.virtual_step_s[x]`` (default 1):
+under, ``d_x`` = ``federation.virtual_step_s[x]`` of the cell's stored config (the benchmark layer: default 1):
 
 - synchronous HACPO: every round lasts the slowest org's step, and the weights after round ``t`` exist when the
   step that trained it (the one planning ``t + 1``, the fused protocol) ends: ``clock(t) = (t + 1) * max_x d_x``;

@@ -275,7 +275,9 @@ def run_cell(cell: Cell, results: Path, *, keep_runs: Path | None = None, allow_
     started = time.time()
     try:
         t0 = time.perf_counter()
-        transport = InProcessTransport({o.id: build_worker(cfg, o.id, run_dir=run_dir) for o in cfg.orgs})
+        transport = InProcessTransport(
+            {o.id: build_worker(cfg, o.id, run_dir=run_dir) for o in cfg.orgs}, clock=cell.clock()
+        )
         setup_s = time.perf_counter() - t0
         try:
             with RunLogger(run_dir, tensorboard=False) as logger:
@@ -299,7 +301,7 @@ def run_cell(cell: Cell, results: Path, *, keep_runs: Path | None = None, allow_
         "group": cell.group,
         "config_hash": cell.hash,
         "overrides": cell.overrides,
-        "config": cfg.model_dump(mode="json"),
+        "config": cell.stored_config(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
         "wall_time_s": round(time.time() - started, 2),
         "setup_s": round(setup_s, 2),

@@ -9,6 +9,7 @@ against the working directory too.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel
+
+from hacrl_fed.coordinator.virtual_clock import BENCH_FIELDS
 
 # relative to the working directory (the repository root when run from a checkout)
 MATRIX = Path("configs") / "bench" / "matrix.yaml"
@@ -37,6 +40,10 @@ class Method:
     # org id -> dotted fields of that org's entry in the setting's ``orgs`` list (``trainer.selection.rule``): one
     # org's own settings (every org keeps its own rule); a setting without that org skips the cell
     orgs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # a method whose feature the code no longer has: ``{"commit": the commit its committed cells ran at, "why": what
+    # was removed}``. It is never run (its cells are skipped, naming the commit to rerun them at); its cells stay
+    # readable by the report tools, which read the cells' JSON, not the config
+    retired: dict[str, str] | None = None
 
 
 @dataclass
@@ -71,12 +78,18 @@ def load_matrix(path: str | Path = MATRIX) -> Matrix:
     methods = {}
     for name, m in (data.get("methods") or {}).items():
         m = m or {}
-        unknown = set(m) - {"set", "scale", "same_as", "about", "orgs"}
+        unknown = set(m) - {"set", "scale", "same_as", "about", "orgs", "retired"}
         if unknown:
             raise MatrixError(f"{path}: methods.{name}: unknown keys {sorted(unknown)}")
         orgs = {str(o): dict(v or {}) for o, v in (m.get("orgs") or {}).items()}
         methods[name] = Method(
-            name, dict(m.get("set") or {}), dict(m.get("scale") or {}), m.get("same_as"), m.get("about", ""), orgs
+            name,
+            dict(m.get("set") or {}),
+            dict(m.get("scale") or {}),
+            m.get("same_as"),
+            m.get("about", ""),
+            orgs,
+            _retired(path, name, m.get("retired")),
         )
     for m in methods.values():
         if m.same_as is not None and m.same_as not in methods:
@@ -105,6 +118,16 @@ def load_matrix(path: str | Path = MATRIX) -> Matrix:
     return Matrix(path, settings, methods, groups, seeds, dict(data.get("quick") or {}))
 
 
+def _retired(path: Path, name: str, value: Any) -> dict[str, str] | None:
+    """A method's ``retired`` entry checked: ``{commit: <7-40 hex digits>, why: <text>}``, or None."""
+    if value is None:
+        return None
+    commit = str(value.get("commit", "")) if isinstance(value, dict) else ""
+    if not (7 <= len(commit) <= 40 and all(c in "0123456789abcdef" for c in commit)) or not value.get("why"):
+        raise MatrixError(f"{path}: methods.{name}.retired needs a commit (hex) and a why, got {value!r}")
+    return {"commit": commit, "why": str(value["why"])}
+
+
 # ------------------------------------------------------------------------------------------------ cells
 
 
@@ -121,6 +144,21 @@ class Cell:
     skip: str | None = None  # why it does not run
     same_as: str | None = None
     hash: str | None = None
+    # the benchmark layer: the in-process virtual clock's fields of the method's ``set`` (``federation.virtual_step_s``
+    # and the others of hacrl_fed.coordinator.virtual_clock.BENCH_FIELDS), out of the run config since issue 42
+    bench: dict[str, Any] = field(default_factory=dict)
+
+    def clock(self) -> Any:
+        """The cell's :class:`~hacrl_fed.coordinator.virtual_clock.VirtualClock`."""
+        from hacrl_fed.coordinator.virtual_clock import VirtualClock
+
+        return VirtualClock.from_bench(self.bench)
+
+    def stored_config(self) -> dict[str, Any]:
+        """The config a cell's JSON records: the run config with the benchmark layer in the ``federation`` section,
+        where the run config held those fields until issue 42 (so older cells and the readers of ``config`` agree:
+        :func:`same_run_config`, ``scripts/async_bench.py``)."""
+        return with_bench(self.config.model_dump(mode="json"), self.bench)
 
     @property
     def key(self) -> str:
@@ -194,6 +232,9 @@ def build_cell(
 
     cell = Cell(setting, method, seed, group)
     m = matrix.methods[method]
+    if m.retired is not None:
+        cell.skip = f"retired: {m.retired['why']}; its cells ran at commit {m.retired['commit']} (rerun there)"
+        return cell
     if m.same_as is not None:
         cell.same_as = m.same_as
         cell.skip = f"same config as {m.same_as} (reported from its cells)"
@@ -205,6 +246,7 @@ def build_cell(
         return cell
     cell.config_dict = raw
     overrides: dict[str, Any] = dict(m.set)
+    cell.bench = {k: overrides.pop(k) for k in list(overrides) if k in BENCH_FIELDS}
     missing = [k for k in overrides if not field_exists(k)]
     if missing:
         cell.overrides = overrides
@@ -220,22 +262,43 @@ def build_cell(
         for key, factor in m.scale.items():
             value = _get_dotted(base, key) * factor
             overrides[key] = int(round(value)) if isinstance(_get_dotted(base, key), int) else value
-        cell.config = load_config(raw, overrides)
-    except ConfigError as err:
+        config = load_config(raw, overrides)
+        cell.clock().check([o.id for o in config.orgs], config.federation.staleness)
+        cell.config = config
+    except (ConfigError, ValueError) as err:
         cell.overrides = overrides
         cell.skip = f"config refused: {err}"
         return cell
     except AttributeError as err:
         cell.skip = f"bad scale field: {err}"
         return cell
-    cell.overrides = overrides
+    cell.overrides = {**overrides, **cell.bench}
     # the cell's label in listings and JSON: only the fields set away from their defaults. Whether a finished cell
     # is this cell compares the resolved configs (cell_status); a change of what the code does with the same
     # config is tracked by each cell's commit (the report lists the training-code files that differ)
     cell.hash = config_hash(
         cell.config, exclude=("run_dir", "name"), relative_to=Path.cwd(), digits=12, exclude_defaults=True
     )
+    if cell.bench:  # the benchmark layer is part of what the cell runs
+        layer = json.dumps(cell.bench, sort_keys=True)
+        cell.hash = hashlib.sha256(f"{cell.hash}|{layer}".encode()).hexdigest()[:12]
     return cell
+
+
+def with_bench(dumped: dict[str, Any], bench: dict[str, Any], *, defaults: bool = True) -> dict[str, Any]:
+    """A dumped run config with the benchmark layer ``bench`` (``{"federation.virtual_step_s": {...}}``) put back
+    where the run config held it until issue 42: ``federation.virtual_*``, and each org's ``emulate_slowdown`` 1.0
+    (never set in process). ``defaults``: also the fields ``bench`` leaves out, at their old defaults."""
+    out = json.loads(json.dumps(dumped))
+    fed = out.setdefault("federation", {})
+    for key in BENCH_FIELDS:
+        name = key.split(".", 1)[1]
+        if key in bench or defaults:
+            fed[name] = dict(bench.get(key) or {})
+    if defaults:
+        for org in out.get("orgs") or []:
+            org.setdefault("emulate_slowdown", 1.0)
+    return out
 
 
 def _set_orgs(raw: dict[str, Any], orgs: dict[str, dict[str, Any]]) -> str | None:
@@ -325,7 +388,7 @@ def cell_status(cell: Cell, results: Path) -> str:
     except (OSError, json.JSONDecodeError):
         return "stale"
     if isinstance(old.get("config"), dict) and cell.config is not None:
-        return "done" if same_run_config(old["config"], cell.config) else "stale"
+        return "done" if same_run_config(old["config"], cell.config, cell.bench) else "stale"
     return "done" if old.get("config_hash") == cell.hash else "stale"
 
 
@@ -343,16 +406,52 @@ def _comparable(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def same_run_config(stored: dict[str, Any], cfg: Any) -> bool:
+# methods measured and removed from the matrix, with the commit their cells' code ran at last (each cell's JSON names
+# its own commit, ``code.commit``); their cells stay under benchmarks/results/ and in BENCHMARKS.md's tables
+RETIRED_METHODS: dict[str, str] = {
+    **dict.fromkeys(
+        [
+            "hacpo_defended_split_inband_solved",  # algorithm.baseline_rows: in_band_solved
+            "hacpo_defended_split_teach",  # trainer.teach
+            "hacpo_defended_split_guard",  # the outcome guard's older rules (final_size 0, struck_bar no_worse)
+            "hacpo_defended_split_guard_final",  # struck_bar no_worse, shadow_gate false
+            "hacpo_defended_split_guard_slack",  # shadow_gate false
+        ],
+        "c30f784",
+    ),
+    **dict.fromkeys(
+        [
+            f"{m}_dec"
+            for m in (
+                "async1",
+                "async4_k1",
+                "async4_k2",
+                "async4_k4",
+                "async4_free",
+                "async4_open",
+                "async2_k1",
+                "async2_k2",
+                "async2_k4",
+                "async2_open",
+            )
+        ],
+        "c30f784",
+    ),  # algorithm.cross_staleness: decoupled
+}
+
+
+def same_run_config(stored: dict[str, Any], cfg: Any, bench: dict[str, Any] | None = None) -> bool:
     """Whether a cell that ran with the resolved config ``stored`` (its JSON's ``config``) ran ``cfg``: every field
     of ``cfg`` equal to the stored one, or, where ``stored`` lacks the field (the cell predates it), ``cfg`` at the
     value that field's absence stands for: its ``absent_means`` where the schema records one (a field whose default
     changed after it was added: ``trainer.selection.budget_split``; for a section, the fields its absence fixes:
     ``trainer.outcome_guard`` off), else the schema's default; a section switched off (``enabled: false``) in both
     is the same whatever its other fields; a stored field
-    ``cfg`` no longer has is a difference."""
-    current = _comparable(cfg.model_dump(mode="json"))
-    non_default = _comparable(cfg.model_dump(mode="json", exclude_defaults=True))
+    ``cfg`` no longer has is a difference unless it was measured and removed at the value that is today's only
+    behaviour (:data:`REMOVED_FIELDS`)."""
+    current = _comparable(with_bench(cfg.model_dump(mode="json"), bench or {}))
+    set_fields = cfg.model_dump(mode="json", exclude_defaults=True)
+    non_default = _comparable(with_bench(set_fields, bench or {}, defaults=False))
     return _same(_comparable(stored), current, non_default, cfg)
 
 
@@ -369,19 +468,54 @@ def _absent_ok(model: Any, key: str, value: Any, non_default: dict[str, Any]) ->
     return key not in non_default  # a new field: at its default
 
 
-def _same(stored: Any, current: Any, non_default: Any, model: Any = None) -> bool:
+# Fields the run config no longer has (issue 42), each at the value today's code runs with: a stored cell config that
+# holds one at that value ran what today's code runs (any other value: a difference). Dotted, ``orgs[]`` for an org.
+REMOVED_FIELDS: dict[str, Any] = {
+    "trainer.likelihood_screen.norm": "per_byte",
+    "trainer.likelihood_screen.quantile": 0.0,
+    "trainer.likelihood_screen.claim_margin_nats": 0.5,
+    "trainer.likelihood_screen.min_scale": 0.05,
+    "trainer.likelihood_screen.history_decay": 0.8,
+    "trainer.likelihood_screen.min_rows": 4,
+    "algorithm.cross_staleness": "band",
+    "algorithm.cross_weight_mode": "filter",
+    "algorithm.cross_weight_min": 0.8,
+    "algorithm.cross_weight_max": 1.0,
+    "trainer.teach": {"enabled": False},
+    "trainer.outcome_guard.struck_bar": "slack",
+    "trainer.outcome_guard.shadow_gate": True,
+}
+
+
+def _removed_ok(stored: dict[str, Any], keys: set[str], path: str) -> bool:
+    """Whether every one of ``keys`` (stored fields the config no longer has, under ``path``) is a removed field at
+    the value today's code runs with (:data:`REMOVED_FIELDS`; a removed section's entry is a dict of the fields
+    that must match, e.g. ``{"enabled": False}``)."""
+
+    def ok(key: str) -> bool:
+        expected, value = REMOVED_FIELDS.get(f"{path}{key}", _MISSING), stored[key]
+        if isinstance(expected, dict) and isinstance(value, dict):
+            return all(value.get(k, _MISSING) == v for k, v in expected.items())
+        return bool(expected == value)
+
+    return all(ok(k) for k in keys)
+
+
+_MISSING = object()
+
+
+def _same(stored: Any, current: Any, non_default: Any, model: Any = None, path: str = "") -> bool:
     """``current`` (a dumped config, ``model`` the object it was dumped from where there is one) against
-    ``stored`` (:func:`same_run_config`)."""
+    ``stored`` (:func:`same_run_config`); ``path``: the dotted prefix of this section (``trainer.``)."""
     if isinstance(current, dict):
         if current.get("enabled") is False and isinstance(stored, dict) and stored.get("enabled") is False:
             return True  # a section switched off in both runs: its other fields change nothing
-        if not isinstance(stored, dict) or set(stored) - set(current):
+        if not isinstance(stored, dict) or not _removed_ok(stored, set(stored) - set(current), path):
             return False
         nd = non_default if isinstance(non_default, dict) else {}
+        sub = (lambda k: getattr(model, k, None)) if isinstance(model, BaseModel) else (lambda k: None)
         return all(
-            _same(stored[k], v, nd.get(k), getattr(model, k, None) if isinstance(model, BaseModel) else None)
-            if k in stored
-            else _absent_ok(model, k, v, nd)
+            _same(stored[k], v, nd.get(k), sub(k), f"{path}{k}.") if k in stored else _absent_ok(model, k, v, nd)
             for k, v in current.items()
         )
     if isinstance(current, list):
@@ -391,5 +525,5 @@ def _same(stored: Any, current: Any, non_default: Any, model: Any = None) -> boo
             non_default if isinstance(non_default, list) and len(non_default) == len(current) else [None] * len(current)
         )
         models = list(model) if isinstance(model, list) and len(model) == len(current) else [None] * len(current)
-        return all(_same(a, b, c, m) for a, b, c, m in zip(stored, current, nds, models))
+        return all(_same(a, b, c, m, path.rstrip(".") + "[].") for a, b, c, m in zip(stored, current, nds, models))
     return stored == current

@@ -687,10 +687,15 @@ def _footer(data: dict[tuple[str, str], list[dict[str, Any]]], matrix: Matrix | 
     if matrix is not None:
         skipped = {}
         for cell in plan_cells(matrix):
-            if cell.skip is not None and not cell.same_as:
+            if cell.skip is not None and not cell.same_as and matrix.methods[cell.method].retired is None:
                 skipped[f"{cell.setting}/{cell.method}"] = cell.skip
         if skipped:
             lines += ["## Not run", ""] + [f"- `{k}`: {why}" for k, why in skipped.items()] + [""]
+        retired = {n: m.retired for n, m in matrix.methods.items() if m.retired is not None}
+        if retired:
+            lines += ["## Retired methods", "", "Reported from their committed cells; the code no longer runs them:"]
+            lines += [""]
+            lines += [f"- `{n}`: {r['why']} (cells of commit {r['commit']})" for n, r in retired.items()] + [""]
     return lines + [
         "Notes: every `*_frac` share is over all rows of its kind in the whole run (summed counts over summed "
         "denominators, docs/METRICS.md); ratio means are means over rounds.",

@@ -218,11 +218,12 @@ def _wrap_update(recorders: dict[str, Recorder]):
 
     original = LocalTrainer.update
 
-    def update(self, rows, learner, capability, names=None, row_capability=None):
-        out = original(self, rows, learner, capability, names, row_capability)
+    def update(self, rows, learner, capability, names=None, prepared=None):
+        prepared = self.prepare(rows, names) if prepared is None and rows else prepared
+        out = original(self, rows, learner, capability, names, prepared)
         rec = recorders.get(names[learner]) if names is not None and rows else None
         if rec is not None:  # the update's own (pure) advantages
-            adv = self.advantages(rows, learner, capability, row_capability).tolist()
+            adv = self.advantages(rows, learner, capability, prepared).tolist()
             rec.add(rows, adv, out, self.algo.name)
         return out
 
@@ -332,7 +333,7 @@ def table_rows(runs: Sequence[dict[str, Any]], orgs: Sequence[str] = ()) -> list
 
 
 def method_label(run: dict[str, Any]) -> str:
-    """A run's method with its per-org rules (``hacpo_defended, acme: rescue``)."""
+    """A run's method with its per-org rules (``hacpo_defended, acme: all``)."""
     return run["method"] + "".join(f", {o}: {rule}" for o, rule in run.get("org_rules", {}).items())
 
 

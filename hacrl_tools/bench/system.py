@@ -22,7 +22,7 @@
    scoring, update), wall and CPU (the workers' own ``cpu/...`` seconds), the train phase's share of the round, the
    foreign rows each org trained on, the coordinator's own time and CPU per round, peak RSS per process (the
    coordinator's from its own ``getrusage``, each worker's from the ``perf/*/peak_rss_mb`` it reports) and the
-   machine's load average before and after each run. ``--scale-selection all uniform:1`` repeats it per
+   machine's load average before and after each run. ``--scale-selection all successes:1`` repeats it per
    ``trainer.selection`` (rule, budget multiple, split: :func:`selection_overrides`).
 4. **Flower deployment engine** on loopback (SuperLink + one SuperNode per org + policy workers, insecure, through
    :mod:`hacrl_tools.deploy_local`) with the micro agents of ``configs/smoke.yaml``: its median round time minus
@@ -418,7 +418,7 @@ def scaling_config(n: int, work: Path) -> Path:
 
 
 def selection_overrides(spec: str) -> list[str]:
-    """``RULE`` (no budget), ``RULE:MULTIPLE`` (``uniform:1``: that budget, pooled) or ``RULE:MULTIPLE:SPLIT``
+    """``RULE`` (no budget), ``RULE:MULTIPLE`` (``successes:1``: that budget, pooled) or ``RULE:MULTIPLE:SPLIT``
     (``successes:0.5:per_source``) as config overrides of every org's ``trainer.selection``. A spec states the
     whole budget, whatever the defaults (issue 27 gave them one), so a scaling command measures what it says."""
     rule, _, rest = spec.partition(":")
@@ -497,7 +497,7 @@ def bench_scaling(
     selections: Sequence[str] = (),
     max_orgs: int | None = None,
 ) -> dict[str, Any]:
-    """Each org count (at most ``max_orgs``) once per selection spec (``all``, ``uniform:1``:
+    """Each org count (at most ``max_orgs``) once per selection spec (``all``, ``successes:1``:
     :func:`selection_overrides`; none: the config's own), per-org medians of the warm rounds
     (:func:`scaling_point`), with the machine's load average before and after each run."""
     variants = {spec: selection_overrides(spec) for spec in selections} or {"config": []}
