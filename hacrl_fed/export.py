@@ -38,7 +38,7 @@ from hacrl_fed.worker.checkpoint import (
     checkpoint_round,
     checkpoint_weights,
     checkpointed_runs,
-    latest_checkpoint,
+    good_checkpoint,
     latest_run,
 )
 
@@ -69,7 +69,7 @@ def find_checkpoint(run_dir: Path, org_id: str, round: int | None = None) -> tup
         run_id = found[0]
     root = base / run_id
     if round is None:
-        latest = latest_checkpoint(root)
+        latest = good_checkpoint(root)  # the newest whole one
         assert latest is not None
         return run_id, latest
     path = root / f"round-{int(round):06d}"

@@ -4,8 +4,8 @@
 power cut) sees either the old content or the new one, never a mix or a truncated file: the data goes to a
 uniquely named temporary file in the same folder, is flushed and fsynced, renamed over the target with
 ``os.replace`` (atomic on POSIX and Windows), and the folder is fsynced so the rename itself is durable.
-Used for the coordinator's state, ``run_info.json``, a worker's ``LATEST`` checkpoint pointer, and key files
-rewritten with ``overwrite``.
+Used for the coordinator's state, ``run_info.json``, a worker's ``LATEST`` checkpoint pointer and checkpoint
+``manifest.json``, and key files rewritten with ``overwrite``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """fsync a folder, so the renames and new entries in it are durable (a no-op where folders cannot be opened)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:  # e.g. Windows: folders cannot be opened; the rename is as durable as the OS makes it
@@ -54,7 +55,7 @@ def write_atomic(path: str | Path, data: str | bytes, *, mode: int | None = None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 

@@ -82,7 +82,7 @@ class RunDirError(ValueError):
 def check_run_dir(run_dir: str | Path, resume: bool, keys: EntryKeys = CLI_KEYS) -> None:
     """A resume needs a run in ``run_dir``, a new run needs none; :class:`RunDirError` naming ``keys`` otherwise."""
     run_dir = Path(run_dir)
-    has_state = (run_dir / STATE_FILE).exists()
+    has_state = (run_dir / STATE_FILE).exists() or (run_dir / f"{STATE_FILE}.prev").exists()  # .prev: state_file
     if resume and not has_state:
         raise RunDirError(f"{keys.resume}: no run to resume in {run_dir} ({STATE_FILE} missing)")
     if not resume and has_state:

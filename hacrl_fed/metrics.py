@@ -96,6 +96,30 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def drop_rows_after(run_dir: str | Path, round: int) -> int:
+    """Rewrite ``run_dir/metrics.jsonl`` (atomically) without the rows of rounds after ``round`` and any line that
+    does not parse (a kill mid-append); returns how many lines went. A resume from the state after ``round`` runs
+    the later rounds again: a kill between a round's metrics line and its state write would log it twice."""
+    from hacrl_fed.fsio import write_atomic
+
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [line for line in lines if line.strip() and _row_round(line) <= round]
+    if len(keep) < len(lines):
+        write_atomic(path, "".join(line if line.endswith("\n") else line + "\n" for line in keep))
+    return len(lines) - len(keep)
+
+
+def _row_round(line: str) -> float:
+    """The ``round`` of a metrics line; infinity for a line that does not parse."""
+    try:
+        return int(json.loads(line)["round"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 def eval_curves(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     """``{org: [(round, accuracy), ...]}`` from ``eval/<org>/accuracy`` entries, sorted by round.
 

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from helpers_fake_workers import FakeTask, FakeWorker, fake_config
@@ -505,7 +506,7 @@ def uninterrupted(tmp_path_factory):
     log: dict = {}
     coord, _ = run_micro(micro_cfg(tmp), tmp / "run", log)
     return {"log": log, "state": json.loads((tmp / "run" / STATE_FILE).read_text()),
-            "metrics": learning_metrics(tmp / "run")}
+            "metrics": learning_metrics(tmp / "run"), "run_dir": tmp / "run"}
 
 
 @pytest.mark.timeout(120)
@@ -547,6 +548,28 @@ def test_killed_after_train_before_checkpoint_redoes_the_round_exactly(tmp_path,
 
 
 @pytest.mark.timeout(120)
+def test_damaged_newest_checkpoints_resume_from_the_ones_before_and_redo_the_round_exactly(tmp_path, uninterrupted,
+                                                                                         caplog):
+    """Killed after the workers checkpointed round 3 and before the coordinator's state; then a's round-3 weights
+    are truncated and b's trainer state corrupted: both resume from round 2 (one warning line each) and redo
+    round 3, so the run is the uninterrupted one."""
+    cfg, log = micro_cfg(tmp_path), {}
+    run_micro(cfg, tmp_path / "run", log, crash=(3, "after"))
+    assert json.loads((tmp_path / "run" / STATE_FILE).read_text())["round"] == 2
+    for org, name in (("a", "model.safetensors"), ("b", "trainer.pt")):
+        (path,) = (tmp_path / "run" / "orgs" / org / "checkpoints").glob("*/round-000003")
+        data = path.joinpath(name).read_bytes()
+        path.joinpath(name).write_bytes(data[: len(data) // 2] if org == "a" else data[:-9] + b"corrupted")
+    with caplog.at_level("WARNING", logger="hacrl_fed.worker.checkpoint"):
+        run_micro(cfg, tmp_path / "run", log, resume=True)
+    lines = [r.getMessage() for r in caplog.records if r.name == "hacrl_fed.worker.checkpoint"]
+    assert len(lines) == 2 and all("resuming from round-000002" in line for line in lines)
+    assert log["trained"].count((3, "a")) == 2 and log["trained"].count((3, "b")) == 2
+    assert log["rollouts"] == uninterrupted["log"]["rollouts"]
+    assert learning_metrics(tmp_path / "run") == uninterrupted["metrics"]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers_survive", [True, False], ids=["workers-kept-running", "workers-from-checkpoint"])
 def test_workers_ahead_of_the_coordinator_refuse_the_round_they_already_trained(tmp_path, uninterrupted,
                                                                                 workers_survive):
@@ -564,6 +587,72 @@ def test_workers_ahead_of_the_coordinator_refuse_the_round_they_already_trained(
     assert rec[3]["round/a/failure/stale_round"] == 1.0 and rec[3]["round/b/failure/stale_round"] == 1.0
     assert rec[4]["round/skipped"] == 0.0 and rec[4]["round/orgs_trained"] == 2.0
     assert coord.round == 4 and coord.skipped_rounds == 1
+
+
+# ------------------------------------------------------------------------------------------- forks (--fork)
+
+
+def forkable(run_dir: Path) -> Path:
+    """``run_dir`` with the resolved config the entry points write (run_micro drives the coordinator alone)."""
+    if not (run_dir / "config.yaml").exists():
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(micro_cfg(run_dir.parent).model_dump(mode="json")))
+    return run_dir
+
+
+@pytest.mark.timeout(120)
+def test_a_fork_with_no_change_replays_the_source_runs_rounds_after_r(tmp_path, uninterrupted):
+    from hacrl_fed.fork import prepare_fork
+
+    cfg, log, fork_dir = micro_cfg(tmp_path), {}, tmp_path / "fork"
+    prepare_fork(cfg, forkable(uninterrupted["run_dir"]), 3, fork_dir, "faults-fork-1")
+    coord, _ = run_micro(cfg, fork_dir, log, resume=True)
+    assert coord.run_id == "faults-fork-1" and coord.round == 4
+    assert sorted(log["prompts"]) == [4] and log["trained"] == [(4, "a"), (4, "b")]
+    assert log["rollouts"] == {k: v for k, v in uninterrupted["log"]["rollouts"].items() if k[0] == 4}
+    got, want = learning_metrics(fork_dir)[4], uninterrupted["metrics"][4]
+    assert {k: (got.get(k), want.get(k)) for k in got.keys() | want.keys() if got.get(k) != want.get(k)} == {}
+    assert learning_metrics(fork_dir) == uninterrupted["metrics"]  # rows 0-3 copied, row 4 trained again
+    state = json.loads((fork_dir / STATE_FILE).read_text())
+    assert state["tracker"] == uninterrupted["state"]["tracker"] and state["run_id"] == "faults-fork-1"
+    assert (fork_dir / "orgs" / "a" / "checkpoints" / "faults-fork-1" / "LATEST").read_text() == "round-000004"
+
+
+@pytest.mark.timeout(120)
+def test_a_fork_with_a_new_learning_rate_and_more_rounds_runs_with_them(tmp_path, uninterrupted):
+    from safetensors.torch import load_file
+
+    from hacrl_fed.fork import prepare_fork
+
+    cfg = load_config(micro_config(tmp_path, orgs=("a", "b"), min_orgs=1, rounds=5), overrides={"trainer.lr": 3e-3})
+    fork_dir, source = tmp_path / "fork", forkable(uninterrupted["run_dir"])
+    prepare_fork(cfg, source, 3, fork_dir, "faults-fork-2")
+    for org in ("a", "b"):
+        blob = torch.load(fork_dir / "orgs" / org / "checkpoints" / "faults-fork-2" / "round-000003" / "trainer.pt",
+                          weights_only=True)
+        assert {g["lr"] for g in blob["trainer"]["optimizer"]["param_groups"]} == {3e-3}
+    coord, _ = run_micro(cfg, fork_dir, {}, resume=True)
+    assert coord.round == 5 and sorted(by_round(fork_dir)) == [0, 1, 2, 3, 4, 5]
+    for org in ("a", "b"):  # round 4 from the same weights and rollouts, a larger step: other weights
+        (mine,) = (fork_dir / "orgs" / org / "checkpoints").glob("*/round-000004/model.safetensors")
+        (theirs,) = (source / "orgs" / org / "checkpoints").glob("*/round-000004/model.safetensors")
+        a, b = load_file(str(mine)), load_file(str(theirs))
+        assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_fork_refuses_a_config_change_that_is_not_fork_safe_with_one_line(tmp_path, uninterrupted, capsys):
+    from hacrl_fed.cli.run import main as main_run
+
+    source = forkable(uninterrupted["run_dir"])
+    config = micro_config(tmp_path, orgs=("a", "b"), min_orgs=1, prompts_per_round=2)
+    rc = main_run([str(config), "--fork", f"{source}@3", "--run-dir", str(tmp_path / "fork"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "federation.prompts_per_round differs from the forked run's (4 -> 2)" in err[0]
+    assert not (tmp_path / "fork" / STATE_FILE).exists()
+    rc = main_run([str(config), "--fork", f"{source}@1", "--run-dir", str(tmp_path / "fork"), "--no-progress",
+                   "--set", "federation.prompts_per_round=4"])  # round 1: its checkpoints are pruned
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "has no whole checkpoint of round 1" in err[0], err
 
 
 class CrashingGrpcTransport(GrpcTransport):
@@ -662,7 +751,9 @@ def test_cli_killed_mid_run_leaves_no_orphan_workers_and_resumes_consistently(tm
         stop_by_pid(pids)
     assert resumed.returncode == 0, err
     rec = by_round(run_dir)
-    assert sorted(rec) == list(range(7)) and json.loads((run_dir / STATE_FILE).read_text())["round"] == 6
+    rounds = [row["round"] for row in read_metrics(run_dir)]
+    assert sorted(rounds) == list(range(7)), rounds  # every round logged once: none lost, none twice
+    assert json.loads((run_dir / STATE_FILE).read_text())["round"] == 6
     first = stopped_at + 1  # the first round of the resumed coordinator
     for org in ("a", "b"):
         restored = [int(m) for m in re.findall(r"resumed from .* \(round (\d+)\)", (run_dir / "logs" / f"{org}.log")

@@ -10,6 +10,7 @@ from hacrl_fed.config import load_config
 from hacrl_fed.trainer import LocalTrainer, TrainRow
 from hacrl_fed.types import EvalRequest, RoundPlan, SamplingParams, TrainRequest
 from hacrl_fed.worker import WorkerAPI, build_worker
+from hacrl_fed.worker.checkpoint_manifest import write_manifest
 from hacrl_fed.worker.guard import RequestRefused
 from tests.helpers_tiny import PAPER_TRAINER
 
@@ -120,6 +121,7 @@ def test_checkpoint_resume_gives_identical_next_round(cfg, tmp_path):
     without = {k: v for k, v in saved.items() if k != "version"}
     for recorded, reported in ((0, "0"), (None, "1"), ("0", "1"), (-1, "1")):  # not a count >= 0: its round
         state.write_text(json.dumps(without if recorded is None else {**without, "version": recorded}))
+        write_manifest(Path(path))  # as that worker wrote it: a whole checkpoint
         assert build_worker(cfg, "char", run_dir=tmp_path, resume=True).health()["version"] == reported
 
 

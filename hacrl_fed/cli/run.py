@@ -1,5 +1,6 @@
 """``hacrl-fed run CONFIG [--transport inprocess|grpc] [--set key=value ...] [--worker ORG=ADDRESS ...]
-  [--run-dir DIR] [--resume] [--no-progress]``: a federated run driven by the coordinator in this process.
+  [--run-dir DIR] [--resume | --fork RUN_DIR@ROUND] [--no-progress]``: a federated run driven by the coordinator in
+  this process (``--fork``: a new run from a round of an earlier one, :mod:`hacrl_fed.fork`).
   ``inprocess`` builds every org's worker here; ``grpc`` starts one ``hacrl-fed worker`` subprocess per org (or
   dials the already-running workers given with ``--worker``). Writes what every entry point writes
   (:mod:`hacrl_fed.lifecycle`: ``config.yaml``, ``run_info.json``, ``metrics.jsonl``, ``tb/``,
@@ -54,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--run-dir", default=None, help="default: <config run_dir>/<config name>")
     run.add_argument("--resume", action="store_true", help="continue the run in --run-dir after its last round")
+    run.add_argument(
+        "--fork",
+        default=None,
+        metavar="RUN_DIR@ROUND",
+        help="start a new run (own run id and run dir) from round ROUND of the run in RUN_DIR; only the learning "
+        "rate, rounds, evaluation and logging may differ from its config",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--ready-timeout-s", type=float, default=600.0, help="how long workers may take to start")
     run.add_argument("--log-level", default="INFO")
@@ -172,7 +180,26 @@ def _resolve_run(args: argparse.Namespace):
         check_run_dir(run_dir, args.resume, CLI_KEYS)
     except RunDirError as err:
         raise UsageError(str(err)) from None
+    if args.fork is not None:
+        _fork(args, cfg, run_dir)
     return cfg, transport, run_dir
+
+
+def _fork(args: argparse.Namespace, cfg, run_dir: Path) -> None:
+    """``--fork RUN_DIR@ROUND``: write the new run's starting point into ``run_dir`` (:mod:`hacrl_fed.fork`); the
+    run then goes on as a resume of it."""
+    from hacrl_fed.config import ConfigError
+    from hacrl_fed.coordinator.loop import make_run_id
+    from hacrl_fed.fork import parse_fork, prepare_fork
+
+    if args.resume:
+        raise UsageError("--fork starts a new run: it cannot be combined with --resume")
+    try:
+        source, round = parse_fork(args.fork)
+        prepare_fork(cfg, source, round, run_dir, make_run_id(cfg))
+    except (ValueError, ConfigError) as err:  # ConfigError is a ValueError too
+        raise UsageError(str(err)) from None
+    args.resume = True
 
 
 def cmd_run(args: argparse.Namespace) -> int:

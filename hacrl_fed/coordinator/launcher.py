@@ -13,12 +13,13 @@ launcher is the launcher's own block; a worker that refused its configuration (e
 SIGTERM to each PID, waits ``grace_s`` and SIGKILLs what is left; it runs on ``close()``, on context-manager exit
 and at interpreter exit.
 
-A launcher that is killed (SIGKILL, OOM killer) runs none of that. On Linux each worker is therefore started
-through a tiny shim that asks the kernel to SIGTERM it when the launching thread dies (``PR_SET_PDEATHSIG``)
-and then execs the worker command, so a killed coordinator leaves no orphan workers holding models or GPU memory
-(a restart with ``--resume`` starts fresh ones on the same sockets). The signal follows the *thread* that
-called :meth:`WorkerProcesses.start`: start workers from a thread that lives as long as they should, or pass
-``die_with_parent=False``.
+A launcher that is killed (SIGKILL, OOM killer) runs none of that. On Linux each worker is therefore started through
+a tiny shim that asks the kernel to SIGTERM it when the launching thread dies (``PR_SET_PDEATHSIG``) and then execs
+the worker command, so a killed coordinator leaves no orphan workers holding models or GPU memory (a restart with
+``--resume`` starts fresh ones on the same sockets). A launched worker, once stopped, exits without the
+interpreter's teardown (:func:`hacrl_fed.cli.worker._exit_launched`), so it is gone within about a second. The
+signal follows the *thread* that called :meth:`WorkerProcesses.start`: start workers from a thread that lives as
+long as they should, or pass ``die_with_parent=False``.
 
 The workers on one machine share its cores: each gets ``OMP_NUM_THREADS = max(1, cores // workers)`` (torch's
 intra-op threads) unless the environment sets ``OMP_NUM_THREADS`` already (:func:`worker_threads`); a rank of a

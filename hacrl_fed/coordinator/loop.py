@@ -46,7 +46,7 @@ from hacrl_fed.coordinator.run_plans import make_run_id, sampling_params
 from hacrl_fed.coordinator.state_file import read_state, write_state
 from hacrl_fed.coordinator.transport import Transport
 from hacrl_fed.coordinator.trust import PoolGuard
-from hacrl_fed.metrics import RunLogger, format_eval, format_round
+from hacrl_fed.metrics import RunLogger, drop_rows_after, format_eval, format_round
 from hacrl_fed.plan.sampler import PromptSampler, eval_ids
 from hacrl_fed.results import OrgSummary, RoundResult, RunSummary
 from hacrl_fed.run_files import STATE_FILE
@@ -113,6 +113,8 @@ class Coordinator:
             self.tracker.load_state_dict(state["tracker"])
             self.guard.load_state_dict(state.get("trust") or {})
             self.book.load_state_dict(state)
+            if drop_rows_after(self.run_dir, self.round):  # logged after the state's round: run again (#45)
+                log.warning("resume: dropped the metric rows after round %d (they are run again)", self.round)
         elif self.state_path.exists():
             raise FileExistsError(
                 f"{self.run_dir} already holds a run ({STATE_FILE}); resume it or use another run directory"

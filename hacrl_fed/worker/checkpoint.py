@@ -5,7 +5,11 @@ Layout: ``<ckpt_root>/round-000012/{model.safetensors, trainer.pt, state.json}``
 (a sharded worker writes ``dcp/``, its ``torch.distributed.checkpoint`` of weights and optimizer state, in place of
 ``model.safetensors``; :mod:`hacrl_fed.sharded.checkpoint`)
 (the directory name, replaced atomically; it never moves back to an older round). The last ``keep`` checkpoints
-are kept, and pruning removes only checkpoints older than the one just written, never a newer one. A policy worker
+(at least two) are kept, and pruning removes only checkpoints older than the one just written, never a newer one.
+A checkpoint is staged in ``.tmp-round-NNNNNN``, every file fsynced and listed with its size and SHA-256 in
+``manifest.json`` (:mod:`.checkpoint_manifest`), then renamed into place: a kill mid-write leaves only the staging
+directory. A resume takes :func:`good_checkpoint`, the newest checkpoint whose manifest verifies: a truncated or
+corrupt newest one falls back to the one before, with one warning line. A policy worker
 keeps each run's checkpoints apart: ``ckpt_root`` is ``<run dir>/orgs/<org>/checkpoints/<run id>``
 (:func:`run_checkpoint_root`), so one run never prunes, overwrites or resumes from another run's checkpoints.
 """
@@ -13,6 +17,7 @@ keeps each run's checkpoints apart: ``ckpt_root`` is ``<run dir>/orgs/<org>/chec
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -23,8 +28,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from hacrl_fed.fsio import write_atomic
+from hacrl_fed.fsio import fsync_dir, write_atomic
 from hacrl_fed.sharded.dcp_files import SHARDED_DIR
+from hacrl_fed.worker.checkpoint_manifest import MANIFEST, checkpoint_problem, write_manifest
+
+log = logging.getLogger(__name__)
 
 # a run id that is a safe directory name; "+" as in run names (RunConfig.name, e.g. qwen3-1.7b+qwen3-4b)
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,199}$")
@@ -49,12 +57,15 @@ def checkpointed_runs(base: Path) -> dict[str, Path]:
 
 
 def latest_run(base: Path) -> tuple[str, Path] | None:
-    """``(run id, latest checkpoint)`` of the run whose ``LATEST`` was written last, or None."""
+    """``(run id, newest whole checkpoint)`` (:func:`good_checkpoint`) of the run whose ``LATEST`` was written
+    last, or None."""
     runs = checkpointed_runs(base)
     if not runs:
         return None
     run_id = max(runs, key=lambda r: ((base / r / "LATEST").stat().st_mtime_ns, r))
-    return run_id, runs[run_id]
+    good = good_checkpoint(base / run_id)
+    assert good is not None  # the run has a marker naming a checkpoint directory: good_checkpoint raises otherwise
+    return run_id, good
 
 
 def checkpoint_round(path: Path) -> int:
@@ -96,8 +107,10 @@ def commit_checkpoint(root: Path, round: int, trainer_state: dict, extra: dict[s
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     torch.save({"trainer": trainer_state, "rng": rng}, tmp / "trainer.pt")
     (tmp / "state.json").write_text(json.dumps({"round": round, **extra}, indent=2, sort_keys=True))
+    write_manifest(tmp)  # every file fsynced and hashed: the directory renamed next is whole on disk
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
+    fsync_dir(root)
     try:
         latest = latest_checkpoint(root)
     except CheckpointRefused:  # a marker pointing out of the root is replaced, never followed
@@ -105,7 +118,9 @@ def commit_checkpoint(root: Path, round: int, trainer_state: dict, extra: dict[s
     if latest is None or _round_of(latest) <= round:  # LATEST only moves forward
         write_atomic(root / "LATEST", out.name)
     older = sorted(p for p in root.glob("round-*") if _round_of(p) < round)
-    for old in older[: max(0, len(older) - (keep - 1))]:  # prune only what is older than this checkpoint
+    for old in older[
+        : max(0, len(older) - (max(keep, 2) - 1))
+    ]:  # two at least: one to fall back to  # prune only what is older than this checkpoint
         shutil.rmtree(old, ignore_errors=True)
     return out
 
@@ -149,6 +164,43 @@ def latest_checkpoint(root: Path) -> Path | None:
     if path.is_symlink() or (path.exists() and path.resolve().parent != root.resolve()):
         raise CheckpointRefused(f"{marker}: {name} is a link out of {root}; refusing to resume from it")
     return path if path.is_dir() else None
+
+
+def good_checkpoint(root: Path) -> Path | None:
+    """The newest whole checkpoint of ``root`` (its manifest verifies, :mod:`.checkpoint_manifest`): the one
+    ``LATEST`` names, else (one warning line saying what was wrong) the newest older ``round-NNNNNN`` directory
+    that is whole; None when ``root`` holds no checkpoint at all. :class:`CheckpointRefused` for a marker that
+    points out of ``root`` (:func:`latest_checkpoint`), or when checkpoints are there and none is whole. A run whose
+    checkpoints all predate manifests resumes from them unverified (one warning line), as before manifests."""
+    marker, why = root / "LATEST", ""
+    try:
+        named = latest_checkpoint(root)
+    except CheckpointRefused:
+        text = marker.read_text(errors="replace").strip()
+        if "/" in text or "\\" in text or text.startswith("."):  # names a path: refused, never followed
+            raise
+        named, why = None, f"LATEST names {text[:40]!r}"
+    dirs = [p for p in root.glob("round-*") if CHECKPOINT_NAME.match(p.name) and p.is_dir() and not p.is_symlink()]
+    if named is None and not dirs:
+        return None
+    if named is None and marker.is_file() and not why:
+        why = f"LATEST names {marker.read_text(errors='replace').strip()[:40]!r}, which is gone"
+    limit = _round_of(named) if named is not None else None
+    legacy = not any((p / MANIFEST).is_file() for p in dirs)  # written before manifests: taken, unverified
+    if named is None and not why:
+        why = "no LATEST"
+    for path in ([named] if named is not None else []) + sorted(
+        (p for p in dirs if limit is None or _round_of(p) < limit), key=_round_of, reverse=True
+    ):
+        problem = checkpoint_problem(path) if not legacy else None if (path / "state.json").is_file() else "no state"
+        if problem is None:
+            if why:
+                log.warning("checkpoint of %s unusable (%s); resuming from %s", root, why, path.name)
+            elif legacy:
+                log.warning("checkpoints of %s predate manifests: resuming from %s unverified", root, path.name)
+            return path
+        why = why or f"{path.name}: {problem}"
+    raise CheckpointRefused(f"no whole checkpoint under {root}: {why}")
 
 
 def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:

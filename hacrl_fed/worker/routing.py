@@ -33,7 +33,7 @@ import torch
 from hacrl_fed.worker.checkpoint import (
     checkpoint_round,
     checkpoint_version,
-    latest_checkpoint,
+    good_checkpoint,
     latest_run,
     load_checkpoint,
     run_checkpoint_root,
@@ -98,7 +98,7 @@ class RunRouting:
             root = run_checkpoint_root(self.ckpt_base, run_id)
         except ValueError as err:
             raise RequestRefused("bad_run_id", str(err)) from None
-        latest = latest_checkpoint(root)
+        latest = good_checkpoint(root)  # a truncated or corrupt newest one: the one before (a warning line)
         if latest is not None:
             return "resume", latest, max(checkpoint_round(latest), self._trained.get(run_id, 0))
         if run_id in self._trained:
