@@ -15,6 +15,7 @@ each evaluation) and :func:`format_table` (the final table).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import time
@@ -24,6 +25,8 @@ from typing import Any
 
 from hacrl_fed.results import RoundResult, RunSummary
 from hacrl_fed.run_files import METRICS_FILE
+
+log = logging.getLogger(__name__)
 
 EVAL_KEY = re.compile(r"^eval/(?P<org>[^/]+)/accuracy$")
 
@@ -109,6 +112,7 @@ def drop_rows_after(run_dir: str | Path, round: int) -> int:
     keep = [line for line in lines if line.strip() and _row_round(line) <= round]
     if len(keep) < len(lines):
         write_atomic(path, "".join(line if line.endswith("\n") else line + "\n" for line in keep))
+        log.warning("resume: dropped the metric rows after round %d (they are run again)", round)
     return len(lines) - len(keep)
 
 

@@ -253,7 +253,7 @@ def serve_endpoint(
     return 0
 
 
-def _exit_launched(stopped: threading.Event, worker: Any, grace_s: float) -> NoReturn:
+def _exit_launched(stopped: threading.Event, worker: WorkerAPI, grace_s: float) -> NoReturn:
     """A worker the launcher started (:mod:`hacrl_fed.coordinator.launcher`) stops when the launcher SIGTERMs it
     (its ``close()``, or the parent-death signal of a killed launcher) or is gone: it closes the worker once its
     calls returned (gRPC cancels them after ``grace_s``), then exits with ``os._exit``, skipping the interpreter's

@@ -104,17 +104,14 @@ class Coordinator:
         self.keeper = RoundKeeper(cfg, self.guard, self.tracker, self.book)
         self.challenges = self.keeper.challenges  # each org's latest, for its next plan (replay protection)
         if resume and cfg.federation.staleness >= 1:
-            raise BuildError(
-                f"federation.staleness={cfg.federation.staleness}: resuming asynchronous rounds is not built yet"
-            )
+            raise BuildError(f"federation.staleness={cfg.federation.staleness}: resuming asynchronous rounds: not yet")
         if resume:
             state = read_state(self.state_path, config_hash(cfg))
             self.run_id = state["run_id"]
             self.tracker.load_state_dict(state["tracker"])
             self.guard.load_state_dict(state.get("trust") or {})
             self.book.load_state_dict(state)
-            if drop_rows_after(self.run_dir, self.round):  # logged after the state's round: run again (#45)
-                log.warning("resume: dropped the metric rows after round %d (they are run again)", self.round)
+            drop_rows_after(self.run_dir, self.round)  # logged after the state's round: they run again
         elif self.state_path.exists():
             raise FileExistsError(
                 f"{self.run_dir} already holds a run ({STATE_FILE}); resume it or use another run directory"
