@@ -43,9 +43,9 @@ def demo_cfg():
     return load_config({
         "name": "report", "seed": 0, "orgs": ORGS, "algorithm": {"name": "hacpo"},
         "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32,
-                    # uniform under a budget: some foreign rows kept, some dropped (failures too: micro agents
+                    # peer_sample under a budget: some foreign rows kept, some dropped (failures too: micro agents
                     # rarely succeed)
-                    "selection": {"rule": "uniform", "budget_multiple": 0.5},
+                    "selection": {"rule": "peer_sample", "budget_multiple": 0.5},
                     "outcome_guard": {"every": 1, "val_size": 8, "final_size": 8}},
         "generation": {"num_samples": 4, "max_new_tokens": 12, "eval_max_new_tokens": 12},
         "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},

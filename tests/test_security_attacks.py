@@ -74,6 +74,7 @@ def spy_on_work(monkeypatch, worker) -> list[tuple[str, object]]:
     """Record the work ``worker`` does on a request, in order: ``("render", messages)`` for each prompt rendered,
     ``("generate", n)`` per engine call, ``("verify", text)`` per reward check and ``("tokenize", texts)`` per
     re-tokenization of foreign text. A refusal "before any work" leaves it empty."""
+    import hacrl_fed.models.prompting as prompting
     import hacrl_fed.worker.intake as intake
     import hacrl_fed.worker.prompts as prompts
 
@@ -98,6 +99,7 @@ def spy_on_work(monkeypatch, worker) -> list[tuple[str, object]]:
         return verify(text, reference)
 
     monkeypatch.setattr(prompts, "render_prompt", spy_render)
+    monkeypatch.setattr(prompting, "render_prompt", spy_render)  # the org's prompt style renders chat prompts
     monkeypatch.setattr(intake, "response_token_ids", spy_tokenize)
     monkeypatch.setattr(worker.engine, "generate", spy_generate)
     monkeypatch.setattr(worker.task, "verify", spy_verify)

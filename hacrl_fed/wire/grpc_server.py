@@ -57,7 +57,7 @@ from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
@@ -67,8 +67,8 @@ from hacrl_fed.limits import MAX_MESSAGE_MB
 from hacrl_fed.wire import codec
 from hacrl_fed.wire.operations import BUSY_KEY, BY_RPC, HEALTH, SERVICE
 
-if TYPE_CHECKING:
-    from hacrl_fed.worker.api import WorkerAPI
+# a WorkerAPI object (hacrl_fed.worker.api): the wire never imports the worker (tests/test_layers.py)
+WorkerAPI = Any
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from google.protobuf.message import Message
 
@@ -43,8 +43,8 @@ from hacrl_fed.types import StepRequest
 from hacrl_fed.v1 import worker_pb2 as pb
 from hacrl_fed.wire import codec
 
-if TYPE_CHECKING:
-    from hacrl_fed.worker.api import WorkerAPI
+# a WorkerAPI object (hacrl_fed.worker.api): the wire never imports the worker (tests/test_layers.py)
+WorkerAPI = Any
 
 SERVICE_DESCRIPTOR = pb.DESCRIPTOR.services_by_name["PolicyWorker"]
 SERVICE = SERVICE_DESCRIPTOR.full_name  # "hacrl_fed.v1.PolicyWorker"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from hacrl_fed.cancel import raise_if_cancelled
 from hacrl_fed.perf import PhaseMeter
@@ -30,8 +30,8 @@ from hacrl_fed.worker.late_rounds import LateRounds
 from hacrl_fed.worker.learner import Learner
 from hacrl_fed.worker.ledger import Ledger
 
-if TYPE_CHECKING:
-    from hacrl_fed.worker.policy_worker import PolicyWorker
+# the PolicyWorker (hacrl_fed.worker.policy_worker), not imported: it imports this module (tests/test_layers.py)
+PolicyWorker = Any
 
 
 class Extension(Protocol):

@@ -4,14 +4,14 @@ published rollouts and the learner's own train rows."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.trainer import TrainRow
 from hacrl_fed.types import Prompt, Rollout, RoundPlan
 
-if TYPE_CHECKING:
-    from hacrl_fed.worker.policy_worker import PolicyWorker
+# the PolicyWorker (hacrl_fed.worker.policy_worker), not imported: it imports this module (tests/test_layers.py)
+PolicyWorker = Any
 
 
 def sample_plan(worker: PolicyWorker, plan: RoundPlan) -> tuple[dict[int, list[int]], list[int], list]:
