@@ -130,5 +130,6 @@ def test_the_ratios_are_paired_by_repeat_with_their_standard_error():
     assert "ours / TRL (like for like): throughput x3.00 ± 1.00 (n=2: 2.00, 4.00)" in text
     assert "the defaults' cost: defaults / ours throughput x0.25 ± 0.00" in text
     assert "| defaults | 32.0 | 4.000 | 4.000 |" in text
+    assert trl_compare.rate(21.03) == "21.0" and trl_compare.rate(0.03473) == "0.0347"  # a real model under load
     one = trl_compare.compare(runs[:3])
     assert one["paired_ours_over_trl"]["se"] is None and "no SE (one repeat)" in trl_compare.format_summary(one)

@@ -292,7 +292,7 @@ def run_trl(args: TrlOptions) -> int:
                 log(f"  trl: run {rep + 1}/{args.repeats}, {side} ...")
                 runs.append(run_side(side, rep, side_command(side, spec_path, out, trl_py), out, child_env()))
                 s = summarize_run(runs[-1])
-                log(f"    {s['completions_per_s']:.1f} completions/s, peak RSS {s['peak_rss_mb']:.0f} MiB")
+                log(f"    {rate(s['completions_per_s'])} completions/s, peak RSS {s['peak_rss_mb']:.0f} MiB")
                 path = write_result(args, spec, runs)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -329,6 +329,11 @@ def print_result(args: TrlOptions, spec: dict[str, Any], summary: dict[str, Any]
     print(f"\n{path.name}: {path}")
 
 
+def rate(x: float) -> str:
+    """A throughput: one decimal, or three significant digits below 1 (a real model on a loaded machine)."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
+
+
 def format_ratio(r: dict[str, Any] | None) -> str:
     """``1.80 ± 0.05 (n=3)``: a :func:`paired_ratio`; ``–`` for none."""
     if not r:
@@ -354,7 +359,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         s = summary.get(side)
         if s:
             lines.append(
-                f"| {side} | {s['completions_per_s']:.1f} | {s['median_batch_s']:.3f} | {f(s.get('mean_batch_s'), 3)} "
+                f"| {side} | {rate(s['completions_per_s'])} | {s['median_batch_s']:.3f} "
+                f"| {f(s.get('mean_batch_s'), 3)} "
                 f"| {f(s.get('generate_s'), 3)} | {f(s.get('update_s'), 3)} | {s['peak_rss_mb']:.0f} "
                 f"| {f(s.get('mean_reward'), 3)} | {s['runs']} |"
             )
