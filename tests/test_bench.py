@@ -559,10 +559,10 @@ def test_a_cell_is_done_when_its_stored_config_holds_what_the_cell_runs(tmp_path
     assert bench_matrix.same_run_config(stored, cfg)
     # a field the cell's JSON predates, at its default here: the same run
     older = json.loads(json.dumps(stored))
-    del older["trainer"]["skip_no_gradient_rows"], older["wandb"]
+    del older["trainer"]["gradient_checkpointing"], older["wandb"]
     assert bench_matrix.same_run_config(older, cfg)
     # ... but not once that field is set away from its default (e.g. a default changed under the cell)
-    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.skip_no_gradient_rows": False}))
+    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.gradient_checkpointing": True}))
     # pinning a field at the value the cell ran with is the same run, a different value is not
     assert bench_matrix.same_run_config(stored, load_config(raw, {"trainer.selection": {"rule": "all"}}))
     assert not bench_matrix.same_run_config(stored, load_config(raw, {"algorithm.alpha": 3.0}))
@@ -632,6 +632,17 @@ def test_a_field_measured_and_removed_is_today_s_run_only_at_the_value_that_stay
     other = json.loads(json.dumps(stored))
     other["trainer"]["some_field_never_measured"] = 1  # a field no table knows: a difference
     assert not bench_matrix.same_run_config(other, cfg)
+
+
+def test_every_field_removed_from_the_run_config_is_known_at_the_value_that_stayed():
+    # a config section's removed_fields (issue 42's field count) are the bench's REMOVED_FIELDS too: a committed cell
+    # that stored one at today's fixed value ran today's code
+    from test_config import _removed_fields
+
+    removed = {f"{section}.{name}".lstrip(".") for section, name in _removed_fields()}
+    assert removed and removed <= set(bench_matrix.REMOVED_FIELDS)
+    assert bench_matrix.REMOVED_FIELDS["algorithm.adv_eps"] == 1e-6  # the old defaults, now module constants
+    assert bench_matrix.REMOVED_FIELDS["samples.own_per_round"] == 4
 
 
 def test_every_committed_cell_is_still_done_with_the_config_it_ran():

@@ -19,7 +19,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from hacrl_fed.algorithm.advantages import ADV_EPS
+from hacrl_fed.algorithm.capability import CAPABILITY_FLOOR
 from hacrl_fed.coordinator.virtual_clock import BENCH_FIELDS
+from hacrl_fed.worker import samples
+from hacrl_fed.worker.guard import MAX_ROUND_STEP
 
 # relative to the working directory (the repository root when run from a checkout)
 MATRIX = Path("configs") / "bench" / "matrix.yaml"
@@ -484,6 +488,20 @@ REMOVED_FIELDS: dict[str, Any] = {
     "trainer.teach": {"enabled": False},
     "trainer.outcome_guard.struck_bar": "slack",
     "trainer.outcome_guard.shadow_gate": True,
+    # fixed behaviour or module constants since issue 42's field count (hacrl_fed/config: each section's
+    # removed_fields says what replaced them)
+    "algorithm.grpo_loss_agg_mode": "token-mean",
+    "algorithm.capability_floor": CAPABILITY_FLOOR,
+    "algorithm.adv_eps": ADV_EPS,
+    "trainer.skip_no_gradient_rows": True,
+    "trainer.forward": "auto",
+    "samples.own_per_round": samples.OWN_PER_ROUND,
+    "samples.foreign_per_round": samples.FOREIGN_PER_ROUND,
+    "samples.max_text_chars": samples.MAX_TEXT_CHARS,
+    "samples.max_bytes": samples.MAX_BYTES,
+    "orgs[].model.cache_dir": None,
+    "generation.enforce_eager": False,
+    "security.max_round_step": MAX_ROUND_STEP,
 }
 
 
