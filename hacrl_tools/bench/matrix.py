@@ -44,9 +44,11 @@ class Method:
     # org id -> dotted fields of that org's entry in the setting's ``orgs`` list (``trainer.selection.rule``): one
     # org's own settings (every org keeps its own rule); a setting without that org skips the cell
     orgs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # a method whose feature the code no longer has: ``{"commit": the commit its committed cells ran at, "why": what
-    # was removed}``. It is never run (its cells are skipped, naming the commit to rerun them at); its cells stay
-    # readable by the report tools, which read the cells' JSON, not the config
+    # a method whose feature the code no longer has: ``{"commit": the last commit with its code, where its committed
+    # cells ran (a method still in a group) or before which they ran (one in no group; each cell's JSON names its
+    # commit), "why": what was removed}``. It is never run (its cells are skipped, naming the commit to rerun them
+    # at); its cells stay readable by the report tools, which read the cells' JSON, not the config. The matrix YAML
+    # is the one list of retired methods (:func:`retired_methods`)
     retired: dict[str, str] | None = None
 
 
@@ -120,6 +122,11 @@ def load_matrix(path: str | Path = MATRIX) -> Matrix:
         groups[name] = g
     seeds = [int(s) for s in data.get("seeds") or [0, 1, 2]]
     return Matrix(path, settings, methods, groups, seeds, dict(data.get("quick") or {}))
+
+
+def retired_methods(matrix: Matrix) -> dict[str, str]:
+    """Every retired method of ``matrix`` (its YAML's ``retired:`` entries) -> the last commit with its code."""
+    return {name: m.retired["commit"] for name, m in matrix.methods.items() if m.retired is not None}
 
 
 def _retired(path: Path, name: str, value: Any) -> dict[str, str] | None:
@@ -408,40 +415,6 @@ def _comparable(data: dict[str, Any]) -> dict[str, Any]:
             if isinstance(model.get(key), str) and (name := agent_name(Path(model[key]))) is not None:
                 model[key] = f"bench-agent:{name}"
     return data
-
-
-# methods measured and removed from the matrix, with the commit their cells' code ran at last (each cell's JSON names
-# its own commit, ``code.commit``); their cells stay under benchmarks/results/ and in BENCHMARKS.md's tables
-RETIRED_METHODS: dict[str, str] = {
-    **dict.fromkeys(
-        [
-            "hacpo_defended_split_inband_solved",  # algorithm.baseline_rows: in_band_solved
-            "hacpo_defended_split_teach",  # trainer.teach
-            "hacpo_defended_split_guard",  # the outcome guard's older rules (final_size 0, struck_bar no_worse)
-            "hacpo_defended_split_guard_final",  # struck_bar no_worse, shadow_gate false
-            "hacpo_defended_split_guard_slack",  # shadow_gate false
-        ],
-        "c30f784",
-    ),
-    **dict.fromkeys(
-        [
-            f"{m}_dec"
-            for m in (
-                "async1",
-                "async4_k1",
-                "async4_k2",
-                "async4_k4",
-                "async4_free",
-                "async4_open",
-                "async2_k1",
-                "async2_k2",
-                "async2_k4",
-                "async2_open",
-            )
-        ],
-        "c30f784",
-    ),  # algorithm.cross_staleness: decoupled
-}
 
 
 def same_run_config(stored: dict[str, Any], cfg: Any, bench: dict[str, Any] | None = None) -> bool:
