@@ -39,9 +39,10 @@ class WandbConfig(_Section):
 
 class SamplesConfig(_Section):
     """The rollouts each org keeps for the run report (hacrl_fed/worker/samples.py): a seeded sample per round
-    of 4 of its own rollouts and, as a learner, of 2 foreign rows per source it received with what became of each, in
+    of its own rollouts and, as a learner, of the foreign rows it received with what became of each, in
     <run dir>/orgs/<org>/samples.jsonl, written by the org itself (coordinator-blind mode: the coordinator never
-    sees the text). The file never exceeds 1 MB; round t may fill it up to t/rounds of it."""
+    sees the text). How many, the text cut and the file's cap are that module's constants; round t may fill the
+    file up to t/rounds of its cap."""
 
     removed_fields = {
         name: f"a fixed number now, {name.upper()} in hacrl_fed/worker/samples.py"
