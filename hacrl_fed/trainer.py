@@ -389,7 +389,9 @@ class LocalTrainer:
         gradient for. → ``lbar`` [N] float32: the no-grad ``lbar`` of the foreign rows without a gradient, NaN for
         the rows that go through forward and backward (every self row and the foreign rows with a gradient); None
         when skipping does not apply (no gradient-rows function, token weighting, LoRA dropout, no foreign rows):
-        then every row runs forward and backward."""
+        then every row runs forward and backward. At step 0 the weights are the likelihood screen's, but its scores
+        (``pre_log_prob_sum``) are not taken instead: float64 sums over other micro-batches, they differ from this
+        float32 ``lbar`` in the last bits on some rows, which the rows' loss and metrics would carry (issue 42)."""
         if self.gradient_rows is None or self.by_tokens or self.dropout or bool(is_self.all()):
             return None
         lbar = torch.full((len(rows),), float("nan"), device=device)
