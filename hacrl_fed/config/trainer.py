@@ -216,6 +216,13 @@ class OutcomeGuardConfig(_Section):
 class TrainerConfig(_Section):
     """The local update of each org (hacrl_fed/trainer.py); an org may override any field under orgs[].trainer."""
 
+    removed_fields = {
+        "skip_no_gradient_rows": "only the rows the loss has a gradient for run forward and backward, always "
+        "(docs/ALGORITHM.md 'Loss and update schedule')",
+        "forward": "the update takes the hand-written forward wherever it applies, else the model's own "
+        "(hacrl_fed/models/native.py)",
+    }
+
     lr: float = Field(2e-5, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2)")
@@ -226,23 +233,6 @@ class TrainerConfig(_Section):
         32,
         ge=1,
         description=_d("rows per forward/backward pass (memory bound); the gradient equals the whole mini-batch's"),
-    )
-    skip_no_gradient_rows: bool = Field(
-        True,
-        description=_d(
-            "score each mini-batch's foreign rows without gradient first and run forward/backward only over those "
-            "the loss has a gradient for (HACPO's cross band, naive's clip): the same update up to float round-off, "
-            "at a fraction of the cost when most foreign rows fall outside the band (hacpo, naive; not with LoRA "
-            "dropout)"
-        ),
-    )
-    forward: Literal["auto", "model"] = Field(
-        "auto",
-        description=_d(
-            "the update's forward pass. auto: the hand-written forward of the zoo's architectures (Qwen3, Llama, "
-            "GPT-2; hacrl_fed/models/native.py) where it applies (float32, trainer.precision: model, no LoRA, no "
-            "gradient checkpointing), else the model's own; model: always the model's own forward"
-        ),
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters instead of full fine-tuning")
     precision: Literal["model", "bf16-autocast", "bf16-master"] = Field(

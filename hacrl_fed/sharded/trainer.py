@@ -9,7 +9,7 @@ collectives stay in step, and FSDP2 sums the gradients over the ranks (:func:`~h
 the summed gradient is the single-process mini-batch gradient up to float round-off (the order of the sum). The
 gradient clip uses the global norm (``clip_grad_norm_`` over DTensor gradients), AdamW steps on each rank's
 shards, and the KL term's token mean is over the whole mini-batch's self tokens. No-gradient scoring (the intake's
-likelihood screen, the rows without a gradient under ``trainer.skip_no_gradient_rows``, the step-0 ratios of
+likelihood screen, the rows without a gradient (which skip forward and backward), the step-0 ratios of
 ``algorithm.baseline_rows: in_band``) runs whole on every rank, so every rank takes the same decisions.
 
 Two copies of the weights per rank: the FSDP2 shards (what trains, with the optimizer state) and a plain replica

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hacrl_fed.algorithm.advantages import group_advantages
+from hacrl_fed.algorithm.advantages import ADV_EPS, group_advantages
 
 CATEGORIES = ("fail", "partial", "solved")
 SHIFT_COUNTS = (
@@ -268,7 +268,7 @@ def run_decomposition(
         cell = build_cell(matrix, setting, method, seed, "decomposition", rounds=rounds, extra=overrides)
     if cell.config is None:
         raise ValueError(f"{cell.key} does not run: {cell.skip}")
-    eps = cell.config.algorithm.adv_eps
+    eps = ADV_EPS
     recorders = {o.id: Recorder(o.id, ref_size, eps) for o in cell.config.orgs}
     restore = _wrap_update(recorders)
     try:
