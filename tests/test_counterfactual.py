@@ -27,12 +27,16 @@ def vec(right: int, n: int = 100) -> list[bool]:
 
 
 def test_significantly_worse_than_the_shadow_adopts_it_and_strikes():
-    v = against_shadow(vec(60), vec(40), z=2.0, margin=2, last=False, last_z=1.0)  # 20 lost, 0 gained: 20 > 2 * sqrt(20)
+    v = against_shadow(
+        vec(60), vec(40), z=2.0, margin=2, last=False, last_z=1.0
+    )  # 20 lost, 0 gained: 20 > 2 * sqrt(20)
     assert (v.comparison.lost, v.comparison.gained, v.adopt, v.strike) == (20, 0, True, True)
 
 
 def test_within_the_slack_changes_nothing_before_the_last_round_and_adopts_without_strike_at_it():
-    before = against_shadow(vec(60), vec(57), z=2.0, margin=2, last=False, last_z=1.0)  # 3 lost: 3 <= max(2 * sqrt(3), 2)
+    before = against_shadow(
+        vec(60), vec(57), z=2.0, margin=2, last=False, last_z=1.0
+    )  # 3 lost: 3 <= max(2 * sqrt(3), 2)
     assert (before.comparison.lost, before.adopt, before.strike) == (3, False, False)
     last = against_shadow(vec(60), vec(57), z=2.0, margin=2, last=True, last_z=1.0)  # 3 > 1 * sqrt(3): the shadow
     assert (last.adopt, last.strike) == (True, False)
@@ -124,15 +128,25 @@ ORGS = [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}, {"id": "globex", "m
 
 
 def _cfg(**guard):
-    return load_config({
-        "name": "shadow", "seed": 0, "orgs": ORGS, "algorithm": {"name": "hacpo"},
-        "trainer": {"lr": 1e-2, "minibatch_size": 64, "micro_batch_size": 32, "selection": {"rule": "all"},
-                    "likelihood_screen": {"enabled": False},
-                    "outcome_guard": {"enabled": True, "every": 1, "val_size": 8, "probation": 2, **guard}},
-        "generation": {"num_samples": 4, "max_new_tokens": 12, "eval_max_new_tokens": 12},
-        "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
-        "federation": {"rounds": 2, "prompts_per_round": 4, "eval_every": 0, "min_orgs": 1},
-    })
+    return load_config(
+        {
+            "name": "shadow",
+            "seed": 0,
+            "orgs": ORGS,
+            "algorithm": {"name": "hacpo"},
+            "trainer": {
+                "lr": 1e-2,
+                "minibatch_size": 64,
+                "micro_batch_size": 32,
+                "selection": {"rule": "all"},
+                "likelihood_screen": {"enabled": False},
+                "outcome_guard": {"enabled": True, "every": 1, "val_size": 8, "probation": 2, **guard},
+            },
+            "generation": {"num_samples": 4, "max_new_tokens": 12, "eval_max_new_tokens": 12},
+            "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
+            "federation": {"rounds": 2, "prompts_per_round": 4, "eval_every": 0, "min_orgs": 1},
+        }
+    )
 
 
 def _first(params) -> torch.Tensor:
@@ -170,9 +184,10 @@ def test_the_shadow_trains_on_own_rows_and_is_adopted_when_the_learner_falls_beh
     assert m1["acme/outcome/globex/blamed_counterfactual"] == 1.0
     assert m1["acme/outcome/globex/quarantined_until"] == 3.0  # round 1 + probation 2
     assert torch.equal(next(acme.model.parameters()), _first(shadow))  # the learner took the shadow's weights
+    assert m1["acme/outcome/shadow_importance_mean"] == pytest.approx(1.0, abs=1e-4)  # the same weights then
     m2 = coord.run_round(2).metrics
-    assert "acme/outcome/shadow_reward" not in m1  # round 1: the learner's own rows (the same weights then)
-    assert m2["acme/outcome/shadow_rows"] == 16.0 and 0.0 <= m2["acme/outcome/shadow_reward"] <= 1.0  # its own
+    assert m2["acme/outcome/shadow_rows"] == 16.0  # the learner's own rows, importance weighted
+    assert 0.0 < m2["acme/outcome/shadow_importance_mean"] <= 2.0  # truncated at importance_clip
     assert m2["acme/outcome/globex/quarantined"] == 1.0 and m2.get("acme/train/num_cross", 0.0) == 0.0
     assert m2["acme/outcome/adopted"] == 0.0 and m2["acme/outcome/globex/strikes"] == 1.0
 
@@ -250,5 +265,6 @@ def test_every_key_the_guard_and_its_shadow_log_is_documented(tmp_path):
     with RunLogger(tmp_path, tensorboard=False) as logger:
         Coordinator(cfg, InProcessTransport(workers), tmp_path, logger=logger).run()
     keys = {k for rec in read_metrics(tmp_path) for k in rec}
-    assert {"acme/outcome/adopted", "acme/outcome/shadow_reward", "acme/time/outcome_shadow_gen"} <= keys
+    assert {"acme/outcome/adopted", "acme/outcome/shadow_importance_mean", "acme/time/outcome_shadow"} <= keys
+    assert not any(k.endswith(("/outcome/shadow_reward", "/time/outcome_shadow_gen")) for k in keys)  # no sampling
     assert undocumented(keys, [key_pattern(k) for k in documented_keys()]) == []

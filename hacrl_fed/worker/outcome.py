@@ -1,5 +1,5 @@
 """The worker side of the outcome guard (``trainer.outcome_guard``; the decisions are
-:mod:`hacrl_fed.algorithm.outcome_guard`'s): the private validation split, the reference weights kept in memory,
+:mod:`hacrl_fed.algorithm.outcome_guard`'s): the private validation split, the reference weights kept in a file,
 the quarantine of foreign rows and the rollback.
 
 * the split: ``val_size`` prompts of the task's **train** split, ids drawn with the org's private seed (the
@@ -8,16 +8,18 @@ the quarantine of foreign rows and the rollback.
   learner and its shadow is made (the validation split selected the learner's weights all run, so a second look
   at it would favour them);
 * before the first update of a run the initial weights are validated and kept as the reference; after an update
-  when validation is due the updated weights are validated and judged: a new reference replaces the copy in
-  memory, and a rollback copies the reference's parameters and trainer state (optimizer, likelihood-screen history)
-  back and syncs the engine;
+  when validation is due the updated weights are validated and judged: a new reference replaces the file
+  ``<run_dir>/orgs/<org>/guard/reference.pt`` (:class:`~hacrl_fed.worker.stash.Stash`: memory-mapped when read,
+  so neither the reference nor the shadow stays in the learner's memory), and a rollback copies the reference's
+  parameters and trainer state (optimizer, likelihood-screen history) back and syncs the engine;
 * :meth:`OutcomeMonitor.leave_out` drops a quarantined source's rows before selection (ledger stage ``outcome``);
-* with ``counterfactual`` on, a shadow of the learner trains on its own rows alone (:mod:`hacrl_fed.worker.shadow`)
-  and is validated on the same split every ``every``-th round and the last; the learner adopts its weights when
+* with ``counterfactual`` on, a shadow of the learner trains on the learner's own rows alone
+  (:mod:`hacrl_fed.worker.shadow`) and is validated on the same split every ``every``-th round and the last; the
+  learner adopts its weights when
   :func:`hacrl_fed.algorithm.counterfactual.against_shadow` says so (``outcome/adopted``,
   ``outcome/<source>/blamed_counterfactual``).
 
-The state lives in memory for the worker's current run and rides in the worker's checkpoints
+The state lives in the org's ``guard/`` folder for the worker's current run and rides in the worker's checkpoints
 (:meth:`OutcomeMonitor.state_dict`: the guard's verdict state, the reference weights and trainer state, the
 shadow's), so a worker resumed from a checkpoint continues the guard of the run it left, shadow included; a
 checkpoint written without it (the guard off then) starts the guard afresh from the restored weights.
@@ -29,6 +31,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hacrl_fed.algorithm import counterfactual
@@ -37,19 +40,21 @@ from hacrl_fed.algorithm.outcome_guard import OutcomeGuard, OutcomeParams, Verdi
 from hacrl_fed.config import OutcomeGuardConfig
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.trainer import TrainRow
-from hacrl_fed.types import Rollout, RoundPlan
+from hacrl_fed.types import Rollout
 from hacrl_fed.worker.intake import Admitted, LeaveOut
 from hacrl_fed.worker.learner import Learner
 from hacrl_fed.worker.ledger import Ledger
 from hacrl_fed.worker.shadow import Shadow
-from hacrl_fed.worker.weights import Saved
+from hacrl_fed.worker.stash import Stash
 
 
 class OutcomeMonitor:
     """One learner's outcome guard with its validation split and reference weights (module doc)."""
 
-    def __init__(self, cfg: OutcomeGuardConfig, *, seed: int, task: Any, prompts: Any, max_new_tokens: int):
-        self.cfg, self.task, self.book, self.max_new_tokens = cfg, task, prompts, max_new_tokens
+    def __init__(
+        self, cfg: OutcomeGuardConfig, *, seed: int, task: Any, prompts: Any, max_new_tokens: int, store: Path
+    ):
+        self.cfg, self.task, self.book, self.max_new_tokens, self.store = cfg, task, prompts, max_new_tokens, store
         rng = random.Random(stable_seed(seed, "outcome-validation"))
         ids = sorted(rng.sample(range(task.size("train")), min(cfg.val_size, task.size("train"))))
         self.prompts = task.prompts("train", ids)
@@ -58,16 +63,19 @@ class OutcomeMonitor:
         self.params = OutcomeParams(cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff)
         self.run_id: str | None = None
         self.guard = OutcomeGuard(self.params)
-        self.saved: Saved | None = None
+        self.reference = Stash(store / "reference.pt")
+        self.saved = False  # a reference is stashed for run_id
         self.shadow: Shadow | None = None  # the counterfactual learner (None: off, or before the run's start)
 
     @classmethod
     def of(
-        cls, cfg: OutcomeGuardConfig, *, seed: int, task: Any, prompts: Any, max_new_tokens: int
+        cls, cfg: OutcomeGuardConfig, *, seed: int, task: Any, prompts: Any, max_new_tokens: int, store: Path
     ) -> list[OutcomeMonitor]:
-        """A learner's after-update extensions for the guard: its monitor (its private seed, task, prompt book and
-        evaluation budget), or none when off."""
-        return [cls(cfg, seed=seed, task=task, prompts=prompts, max_new_tokens=max_new_tokens)] if cfg.enabled else []
+        """A learner's after-update extensions for the guard: its monitor (its private seed, task, prompt book,
+        evaluation budget and folder for its files), or none when off."""
+        if not cfg.enabled:
+            return []
+        return [cls(cfg, seed=seed, task=task, prompts=prompts, max_new_tokens=max_new_tokens, store=store)]
 
     def validate(self, engine: Any, context: int | None, prompts: Sequence[Any] | None = None) -> list[bool]:
         """Greedy correctness of the current weights on the validation split, or on ``prompts`` (the final split);
@@ -88,26 +96,29 @@ class OutcomeMonitor:
     def start(self, run_id: str, learner: Learner) -> dict[str, float]:
         """Before an update: a run this monitor has no reference of starts with the current weights validated and
         kept as the reference."""
-        if run_id == self.run_id and self.saved is not None:
+        if run_id == self.run_id and self.saved:
             return {}
         t0 = time.perf_counter()
         self.run_id, self.guard = run_id, OutcomeGuard(self.params)
         right = self.validate(learner.engine, learner.context)
         self.guard.judge(0, right)
-        self.saved = learner.weights()
-        self.shadow = Shadow(self.saved) if self.cfg.counterfactual else None
+        self.reference.put(learner.live())
+        self.saved = True
+        self.shadow = self._shadow_from(learner.live()) if self.cfg.counterfactual else None
         return {"outcome/reference_accuracy": _acc(right), "time/outcome_reference": time.perf_counter() - t0}
 
     def state_dict(self) -> dict[str, Any] | None:
         """What a checkpoint keeps of this monitor (plain data and tensors: ``torch.load(weights_only=True)``
         reads it back); None before the run's reference exists."""
-        if self.run_id is None or self.saved is None:
+        if self.run_id is None or not self.saved:
             return None
+        params, state = self.reference.get()
+        shadow = None if self.shadow is None else self.shadow.saved
         return {
             "run_id": self.run_id,
             "guard": self.guard.state(),
-            "reference": {"params": self.saved[0], "state": self.saved[1]},
-            "shadow": None if self.shadow is None else {"params": self.shadow.saved[0], "state": self.shadow.saved[1]},
+            "reference": {"params": params, "state": state},
+            "shadow": None if shadow is None else {"params": shadow[0], "state": shadow[1]},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -115,12 +126,17 @@ class OutcomeMonitor:
         and shadow; a shadow the checkpoint lacks (counterfactual off then) starts from the reference."""
         self.run_id = str(state["run_id"])
         self.guard = OutcomeGuard.from_state(self.params, state["guard"])
-        self.saved = (state["reference"]["params"], state["reference"]["state"])
+        saved = (state["reference"]["params"], state["reference"]["state"])
+        self.reference.put(saved)
+        self.saved = True
         shadow = state.get("shadow")
         if not self.cfg.counterfactual:
             self.shadow = None
         else:
-            self.shadow = Shadow((shadow["params"], shadow["state"]) if shadow else self.saved)
+            self.shadow = self._shadow_from((shadow["params"], shadow["state"]) if shadow else saved)
+
+    def _shadow_from(self, saved: Any) -> Shadow:
+        return Shadow(self.store, saved, self.cfg.importance_clip)
 
     def leave_out(self, foreign: list[Rollout], round: int, ledger: Ledger) -> tuple[list[Rollout], dict[str, float]]:
         """The rows of sources the guard admits this round; ``outcome/<source>/...`` for every source offered."""
@@ -134,17 +150,11 @@ class OutcomeMonitor:
             out[f"outcome/{src}/strikes"] = float(self.guard.strikes.get(src, 0))
         return [r for r in foreign if admitted[str(r.org_id)]], out
 
-    def shadow_generate(self, learner: Learner, plan: RoundPlan) -> dict[str, float]:
-        """The shadow's own samples of this round's plan, when it exists (from the run's second round)."""
-        if self.shadow is None or plan.run_id != self.run_id:
-            return {}
-        return self.shadow.generate(learner, plan)
-
     def train_shadow(
-        self, learner: Learner, round: int, rows: Sequence[TrainRow], index: int, capability: Capability
+        self, learner: Learner, rows: Sequence[TrainRow], index: int, capability: Capability
     ) -> dict[str, float]:
-        """The shadow's update on its own rows of this round (nothing with the counterfactual off)."""
-        return self.shadow.train(learner, round, rows, index, capability) if self.shadow is not None else {}
+        """The shadow's update on the learner's own rows of this round (nothing with the counterfactual off)."""
+        return self.shadow.train(learner, rows, index, capability) if self.shadow is not None else {}
 
     def after_update(self, round: int, last_round: int, trained: Sequence[str], learner: Learner) -> dict[str, float]:
         """Record the sources the update trained on; when due, validate, judge and apply the verdict, then check the
@@ -159,11 +169,11 @@ class OutcomeMonitor:
         out = _verdict_metrics(verdict, right)
         if shadow is not None:
             out["outcome/shadow_accuracy"] = _acc(shadow)
-        if verdict.rollback and self.saved is not None:
-            learner.load_weights(self.saved)
+        if verdict.rollback and self.saved:
+            learner.load_weights(self.reference.get())
             right = list(self.guard.reference or right)  # the weights now on the model: the reference's vector
         elif verdict.new_reference:
-            self.saved = learner.weights()
+            self.reference.put(learner.live())
         out["time/outcome"] = time.perf_counter() - t0
         if self.shadow is not None and counterfactual.due(round, last_round, self.params.every):
             out.update(self._counterfactual(round, last_round, right, learner, shadow))
@@ -203,7 +213,8 @@ class OutcomeMonitor:
         )
         quarantined: dict[str, int] = {}
         if cf.adopt:
-            self.saved = self.shadow.adopted_by(learner)
+            self.shadow.adopted_by(learner)
+            self.reference.put(learner.live())
             quarantined = self.guard.adopt(round, shadow, cf.strike)
         out = {
             "outcome/shadow_accuracy": _acc(shadow),
@@ -265,13 +276,9 @@ class GuardExtension:
         monitor = self.monitor
         return monitor.start(run_id, learner), lambda foreign, ledger: monitor.leave_out(foreign, round, ledger)
 
-    def after_generate(self, learner: Learner, plan: RoundPlan) -> dict[str, float]:
-        """After the learner generated: the shadow's own samples of the same plan (from the run's second round)."""
-        return self.monitor.shadow_generate(learner, plan)
-
     def beside(self, learner: Learner, round: int, admitted: Admitted) -> dict[str, float]:
-        """During the update (engine released): the shadow's update on its own rows, no foreign one."""
-        return self.monitor.train_shadow(learner, round, admitted.rows, admitted.learner, admitted.capability)
+        """During the update (engine released): the shadow's update on the learner's own rows, no foreign one."""
+        return self.monitor.train_shadow(learner, admitted.rows, admitted.learner, admitted.capability)
 
     def after(self, learner: Learner, round: int, admitted: Admitted) -> dict[str, float]:
         """After the update (engine synced): validate when due; a regression rolls the weights back."""
