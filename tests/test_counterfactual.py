@@ -27,16 +27,12 @@ def vec(right: int, n: int = 100) -> list[bool]:
 
 
 def test_significantly_worse_than_the_shadow_adopts_it_and_strikes():
-    v = against_shadow(
-        vec(60), vec(40), z=2.0, margin=2, last=False, last_z=1.0
-    )  # 20 lost, 0 gained: 20 > 2 * sqrt(20)
+    v = against_shadow(vec(60), vec(40), z=2.0, margin=2, last=False, last_z=1.0)  # 20 lost, 0 gained: 20 > 2 * sqrt(20)
     assert (v.comparison.lost, v.comparison.gained, v.adopt, v.strike) == (20, 0, True, True)
 
 
 def test_within_the_slack_changes_nothing_before_the_last_round_and_adopts_without_strike_at_it():
-    before = against_shadow(
-        vec(60), vec(57), z=2.0, margin=2, last=False, last_z=1.0
-    )  # 3 lost: 3 <= max(2 * sqrt(3), 2)
+    before = against_shadow(vec(60), vec(57), z=2.0, margin=2, last=False, last_z=1.0)  # 3 lost: 3 <= max(2 * sqrt(3), 2)
     assert (before.comparison.lost, before.adopt, before.strike) == (3, False, False)
     last = against_shadow(vec(60), vec(57), z=2.0, margin=2, last=True, last_z=1.0)  # 3 > 1 * sqrt(3): the shadow
     assert (last.adopt, last.strike) == (True, False)
@@ -128,25 +124,15 @@ ORGS = [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}, {"id": "globex", "m
 
 
 def _cfg(**guard):
-    return load_config(
-        {
-            "name": "shadow",
-            "seed": 0,
-            "orgs": ORGS,
-            "algorithm": {"name": "hacpo"},
-            "trainer": {
-                "lr": 1e-2,
-                "minibatch_size": 64,
-                "micro_batch_size": 32,
-                "selection": {"rule": "all"},
-                "likelihood_screen": {"enabled": False},
-                "outcome_guard": {"enabled": True, "every": 1, "val_size": 8, "probation": 2, **guard},
-            },
-            "generation": {"num_samples": 4, "max_new_tokens": 12, "eval_max_new_tokens": 12},
-            "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
-            "federation": {"rounds": 2, "prompts_per_round": 4, "eval_every": 0, "min_orgs": 1},
-        }
-    )
+    return load_config({
+        "name": "shadow", "seed": 0, "orgs": ORGS, "algorithm": {"name": "hacpo"},
+        "trainer": {"lr": 1e-2, "minibatch_size": 64, "micro_batch_size": 32, "selection": {"rule": "all"},
+                    "likelihood_screen": {"enabled": False},
+                    "outcome_guard": {"enabled": True, "every": 1, "val_size": 8, "probation": 2, **guard}},
+        "generation": {"num_samples": 4, "max_new_tokens": 12, "eval_max_new_tokens": 12},
+        "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
+        "federation": {"rounds": 2, "prompts_per_round": 4, "eval_every": 0, "min_orgs": 1},
+    })
 
 
 def _first(params) -> torch.Tensor:
@@ -244,7 +230,8 @@ def test_the_last_round_chooses_on_the_final_split(tmp_path, monkeypatch):
     monkeypatch.setattr(acme, "validate", validate)
     coord = Coordinator(cfg, InProcessTransport(workers), tmp_path)
     m1, m2 = coord.run_round(1).metrics, coord.run_round(2).metrics
-    assert "acme/outcome/final_accuracy" not in m1 and m2["acme/outcome/shadow_accuracy"] == 1.0
+    assert "acme/outcome/final_accuracy" not in m1
+    assert "acme/outcome/shadow_accuracy" not in m2  # the last round's choice reads the final split alone
     assert m2["acme/outcome/final_accuracy"] == 0.5 and m2["acme/outcome/shadow_final_accuracy"] == 1.0
     assert m2["acme/outcome/cf_lost"] == 4.0 and m2["acme/outcome/adopted"] == 1.0
     assert not any(k.endswith("blamed_counterfactual") for k in m2)  # the last round's choice: no strike

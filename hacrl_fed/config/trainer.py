@@ -179,7 +179,24 @@ class OutcomeGuardConfig(_Section):
     val_size: int = Field(
         400,
         ge=8,
-        description=_d("prompts of the private validation split, drawn with the org's seed from the train split"),
+        description=_d(
+            "prompts of the private validation split, drawn with the org's seed from the train split: the most a "
+            "check reads (the sequential test stops earlier when the answer is clear; look, futility)"
+        ),
+    )
+    look: int = Field(
+        50,
+        ge=1,
+        description=_d("prompts the guard's sequential test reads between two looks (docs/ALGORITHM.md)"),
+    )
+    futility: float = Field(
+        0.01,
+        ge=0,
+        lt=1,
+        description=_d(
+            "a check stops reading when the chance that its test's bar is passed at the budget, on the trend of the "
+            "prompts read, is below this (0: always read the whole split)"
+        ),
     )
     z: float = Field(2.5, gt=0, description=_d("a regression: lost - gained > z * sqrt(lost + gained) (McNemar)"))
     margin: int = Field(2, ge=0, description=_d("and lost - gained > margin (prompts)"))

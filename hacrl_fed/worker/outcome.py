@@ -37,10 +37,12 @@ from typing import Any
 from hacrl_fed.algorithm import counterfactual
 from hacrl_fed.algorithm.advantages import Capability
 from hacrl_fed.algorithm.outcome_guard import OutcomeGuard, OutcomeParams, Verdict
+from hacrl_fed.algorithm.sequential import prompts_read
 from hacrl_fed.config import OutcomeGuardConfig
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.trainer import TrainRow
 from hacrl_fed.types import Rollout
+from hacrl_fed.worker.answers import Answers, Read, chunk, on_engine
 from hacrl_fed.worker.intake import Admitted, LeaveOut
 from hacrl_fed.worker.learner import Learner
 from hacrl_fed.worker.ledger import Ledger
@@ -56,7 +58,8 @@ class OutcomeMonitor:
     ):
         self.cfg, self.task, self.book, self.max_new_tokens, self.store = cfg, task, prompts, max_new_tokens, store
         rng = random.Random(stable_seed(seed, "outcome-validation"))
-        ids = sorted(rng.sample(range(task.size("train")), min(cfg.val_size, task.size("train"))))
+        # in the draw's order: a prefix is a random sample (the sequential test reads prefixes)
+        ids = rng.sample(range(task.size("train")), min(cfg.val_size, task.size("train")))
         self.prompts = task.prompts("train", ids)
         final = _final_ids(seed, task.size("train"), cfg.final_size, set(ids)) if cfg.counterfactual else []
         self.final = task.prompts("train", final)  # the last round's choice with the shadow: none without it
@@ -89,10 +92,6 @@ class OutcomeMonitor:
             right[i] = float(self.task.verify(g.text, prompts[i].reference)) >= 1.0
         return right
 
-    def validate_final(self, engine: Any, context: int | None) -> list[bool]:
-        """:meth:`validate` on the final split (the last round's choice)."""
-        return self.validate(engine, context, self.final)
-
     def start(self, run_id: str, learner: Learner) -> dict[str, float]:
         """Before an update: a run this monitor has no reference of starts with the current weights validated and
         kept as the reference."""
@@ -100,8 +99,8 @@ class OutcomeMonitor:
             return {}
         t0 = time.perf_counter()
         self.run_id, self.guard = run_id, OutcomeGuard(self.params)
-        right = self.validate(learner.engine, learner.context)
-        self.guard.judge(0, right)
+        right = Answers(self._live(learner, self.prompts)).upto(min(self.cfg.look, len(self.prompts)))
+        self.guard.judge(0, right)  # its first look; the checks read further from the reference's file
         self.reference.put(learner.live())
         self.saved = True
         self.shadow = self._shadow_from(learner.live()) if self.cfg.counterfactual else None
@@ -157,69 +156,101 @@ class OutcomeMonitor:
         return self.shadow.train(learner, rows, index, capability) if self.shadow is not None else {}
 
     def after_update(self, round: int, last_round: int, trained: Sequence[str], learner: Learner) -> dict[str, float]:
-        """Record the sources the update trained on; when due, validate, judge and apply the verdict, then check the
-        counterfactual when it is due."""
+        """Record the sources the update trained on; when due, validate (as many prompts as the sequential test
+        reads), judge and apply the verdict, then check the counterfactual when it is due."""
         self.guard.trained(trained)
         if not self.guard.due(round, last_round):
             return {"outcome/validated": 0.0}
         t0 = time.perf_counter()
-        right = self.validate(learner.engine, learner.context)
-        shadow = self._shadow_for_gate(right, learner)
-        verdict = self.guard.judge(round, right, shadow)
-        out = _verdict_metrics(verdict, right)
-        if shadow is not None:
-            out["outcome/shadow_accuracy"] = _acc(shadow)
+        current = Answers(self._live(learner, self.prompts))
+        reference = Answers(self._stashed(learner, self.prompts, self.reference), self.guard.reference or ())
+        n = self._read(reference, current, len(self.prompts), self.params.z, self.params.margin)
+        self.guard.reference = list(reference.known)  # the reference's weights answered further: kept
+        right = current.upto(n)
+        shadow = Answers(self._shadowed(learner, self.prompts)) if self.shadow is not None else None
+        gate = shadow.upto(n) if shadow is not None and self.guard.needs_shadow(right) else None
+        verdict = self.guard.judge(round, right, gate)
+        out = {**_verdict_metrics(verdict, right), "outcome/val_read": float(n)}
+        if gate is not None:
+            out["outcome/shadow_accuracy"] = _acc(gate)
         if verdict.rollback and self.saved:
             learner.load_weights(self.reference.get())
-            right = list(self.guard.reference or right)  # the weights now on the model: the reference's vector
+            current = Answers(current.read, self.guard.reference or ())  # the weights now on the model
         elif verdict.new_reference:
             self.reference.put(learner.live())
         out["time/outcome"] = time.perf_counter() - t0
-        if self.shadow is not None and counterfactual.due(round, last_round, self.params.every):
-            out.update(self._counterfactual(round, last_round, right, learner, shadow))
+        if shadow is not None and counterfactual.due(round, last_round, self.params.every):
+            out.update(self._counterfactual(round, last_round, current, shadow, learner))
         return out
 
-    def _shadow_for_gate(self, right: list[bool], learner: Learner) -> list[bool] | None:
-        """The shadow's vector on the validation split when the verdict on ``right`` waits on it
-        (:meth:`OutcomeGuard.needs_shadow`, a shadow kept), else None. The shadow's weights do not change before this
-        round's counterfactual check, which reuses it."""
-        if self.shadow is None or not self.guard.needs_shadow(right):
-            return None
-        return self.shadow.validate(learner, self.validate)
+    def _read(self, reference: Answers, current: Answers, budget: int, z: float, margin: int) -> int:
+        """Prompts the sequential test reads of ``budget`` (:func:`hacrl_fed.algorithm.sequential.prompts_read`)."""
+
+        def pairs(n: int) -> tuple[list[bool], list[bool]]:
+            mine = current.upto(n)  # the weights on the model first, then the other ones
+            return reference.upto(n), mine
+
+        return prompts_read(
+            pairs,
+            budget=budget,
+            look=self.cfg.look,
+            z=z,
+            margin=margin,
+            futility=self.cfg.futility,
+        )
+
+    def _live(self, learner: Learner, prompts: Sequence[Any]) -> Read:
+        """Read ``prompts[a:b]`` with the weights on the engine."""
+        return lambda a, b: self._answer(learner, prompts, a, b)
+
+    def _stashed(self, learner: Learner, prompts: Sequence[Any], stash: Stash) -> Read:
+        """Read ``prompts[a:b]`` with a stash's parameters on the engine (the learner's put back)."""
+        return lambda a, b: on_engine(learner, stash.params(), lambda: self._answer(learner, prompts, a, b))
+
+    def _shadowed(self, learner: Learner, prompts: Sequence[Any]) -> Read:
+        """Read ``prompts[a:b]`` with the shadow's parameters on the engine."""
+        assert self.shadow is not None
+        return self._stashed(learner, prompts, self.shadow.stash)
+
+    def _answer(self, learner: Learner, prompts: Sequence[Any], a: int, b: int) -> list[bool]:
+        """:meth:`validate` on ``prompts[a:b]`` (the whole validation split as :meth:`validate`'s default)."""
+        part = chunk(prompts, a, b)
+        if part is self.prompts:
+            return self.validate(learner.engine, learner.context)
+        return self.validate(learner.engine, learner.context, part)
 
     def _counterfactual(
-        self, round: int, last_round: int, right: list[bool], learner: Learner, shadow: list[bool] | None = None
+        self, round: int, last_round: int, learner_answers: Answers, shadow: Answers, learner: Learner
     ) -> dict[str, float]:
-        """Validate the shadow (``shadow``: its vector, already validated this round) and compare; on a verdict to
-        adopt, the learner takes the shadow's weights. At the last round, with a final split, the two are compared on
-        it instead (module doc)."""
+        """Compare the learner (``learner_answers``: the weights on the model) with its shadow, as far as the
+        sequential test reads; on a verdict to adopt, the learner takes the shadow's weights. At the last round,
+        with a final split, the two are compared on it instead (module doc)."""
         assert self.shadow is not None
         t0 = time.perf_counter()
-        shadow = self.shadow.validate(learner, self.validate) if shadow is None else shadow
         last = round >= last_round
         final: dict[str, float] = {}
-        against = shadow  # the shadow's vector the learner's is compared with
+        mine, against, budget = learner_answers, shadow, len(self.prompts)
         if last and self.final:
-            right = self.validate_final(learner.engine, learner.context)
-            against = self.shadow.validate(learner, self.validate_final)
-            final = {"outcome/final_accuracy": _acc(right), "outcome/shadow_final_accuracy": _acc(against)}
+            mine, against = Answers(self._live(learner, self.final)), Answers(self._shadowed(learner, self.final))
+            budget = len(self.final)
+        z, margin = (self.cfg.last_z, 0) if last else (self.params.z, self.params.margin)
+        n = self._read(against, mine, budget, z, margin)
+        right, theirs = mine.upto(n), against.upto(n)
+        if last and self.final:
+            final = {"outcome/final_accuracy": _acc(right), "outcome/shadow_final_accuracy": _acc(theirs)}
         cf = counterfactual.against_shadow(
-            against,
-            right,
-            z=self.params.z,
-            margin=self.params.margin,
-            last=last,
-            last_z=self.cfg.last_z,
+            theirs, right, z=self.params.z, margin=self.params.margin, last=last, last_z=self.cfg.last_z
         )
         quarantined: dict[str, int] = {}
         if cf.adopt:
             self.shadow.adopted_by(learner)
             self.reference.put(learner.live())
-            quarantined = self.guard.adopt(round, shadow, cf.strike)
+            quarantined = self.guard.adopt(round, list(shadow.known), cf.strike)  # its answers read on the split
         out = {
-            "outcome/shadow_accuracy": _acc(shadow),
+            **({"outcome/shadow_accuracy": _acc(shadow.known)} if shadow.known else {}),
             "outcome/cf_lost": float(cf.comparison.lost),
             "outcome/cf_gained": float(cf.comparison.gained),
+            "outcome/cf_read": float(n),
             "outcome/adopted": float(cf.adopt),
             "time/outcome_counterfactual": time.perf_counter() - t0,
             **final,
@@ -247,17 +278,19 @@ def _verdict_metrics(verdict: Verdict, right: Sequence[bool]) -> dict[str, float
 
 def _final_ids(seed: int, size: int, n: int, validation: set[int]) -> list[int]:
     """``n`` ids of the train split for the final split, drawn with the org's seed, apart from the validation ids
-    (all the others when the split has fewer)."""
+    (all the others when the split has fewer), in the draw's order."""
     rng = random.Random(stable_seed(seed, "outcome-final"))
     free = size - len(validation)
     if n >= free:
-        return [i for i in range(size) if i not in validation]
-    ids: set[int] = set()
-    while len(ids) < n:
+        ids = [i for i in range(size) if i not in validation]
+        rng.shuffle(ids)
+        return ids
+    drawn: dict[int, None] = {}  # in the draw's order: a prefix is a random sample
+    while len(drawn) < n:
         i = rng.randrange(size)
         if i not in validation:
-            ids.add(i)
-    return sorted(ids)
+            drawn[i] = None
+    return list(drawn)
 
 
 def _acc(right: Sequence[bool]) -> float:

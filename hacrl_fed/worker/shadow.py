@@ -30,6 +30,7 @@ from hacrl_fed.algorithm.advantages import Capability
 from hacrl_fed.algorithm.shadow_importance import importance_weights
 from hacrl_fed.engines.base import GenerationEngine
 from hacrl_fed.trainer import TrainRow
+from hacrl_fed.worker.answers import on_engine
 from hacrl_fed.worker.learner import Learner
 from hacrl_fed.worker.stash import Stash
 from hacrl_fed.worker.weights import Saved
@@ -73,12 +74,7 @@ class Shadow:
 
     def validate(self, learner: Learner, validate: Validate) -> list[bool]:
         """``validate(engine, context)`` with the shadow's parameters on the engine; the learner's put back."""
-        mine = learner.params()
-        learner.load_params(self.stash.params(), sync=True)
-        try:
-            return validate(learner.engine, learner.context)
-        finally:
-            learner.load_params(mine, sync=True)
+        return on_engine(learner, self.stash.params(), lambda: validate(learner.engine, learner.context))
 
     def adopted_by(self, learner: Learner) -> None:
         """Put the shadow's weights and optimizer on the learner (its own screen history kept)."""
