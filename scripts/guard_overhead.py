@@ -14,6 +14,13 @@ wall seconds), the same in wall seconds (``time/generate + time/verify + time/tr
 standard error (delta method over the rounds of each run), then the median ratio over the orgs. The guard's own
 phases (wall seconds per round of the defended run): ``time/outcome_reference``, ``time/outcome_shadow``,
 ``time/outcome``, ``time/outcome_counterfactual``.
+
+A short run validates in most of its rounds (each of the first ``every``, and the last with its final split), a
+long one in few, so ``--project R`` also states each org's ratio projected to an ``R``-round run of the same
+schedule (``--every``, the guard's): each defended round's CPU seconds minus the guard-off mean per round is its
+extra, averaged per kind of round (``plain``: no validation; ``first``: the reference and a validation; ``val``: a
+validation; ``val_cf``: a validation and the comparison with the shadow; ``last``: a validation and the last
+round's choice), and the ``R`` rounds' kinds are counted from the schedule (docs/ALGORITHM.md "Outcome guard").
 """
 
 from __future__ import annotations
@@ -51,6 +58,44 @@ def per_round(run_dir: Path) -> dict[str, dict[str, list[float]]]:
             **{g: [get(r, f"time/{g}") for r in rounds] for g in GUARD},
         }
     return out
+
+
+def kind(r: dict[str, Any], org: str) -> str:
+    """The kind of a defended round (module doc) from its metrics."""
+    if f"{org}/time/outcome_reference" in r:
+        return "first"
+    if f"{org}/outcome/final_accuracy" in r:
+        return "last"
+    if not r.get(f"{org}/outcome/validated"):
+        return "plain"
+    return "val_cf" if f"{org}/outcome/cf_lost" in r else "val"
+
+
+def schedule(rounds: int, every: int) -> dict[str, int]:
+    """How many rounds of each kind an ``rounds``-round run has (the guard's ``due`` and the counterfactual's)."""
+    count = dict.fromkeys(("first", "val", "val_cf", "last", "plain"), 0)
+    for t in range(1, rounds + 1):
+        cf = t % every == 0
+        due = cf or t <= every
+        k = "first" if t == 1 else "last" if t == rounds else ("val_cf" if cf else "val") if due else "plain"
+        count[k] += 1
+    return count
+
+
+def projected(run_dir: Path, org: str, off_mean: float, rounds: int, every: int) -> float:
+    """The org's on / off ratio over an ``rounds``-round run (module doc)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    extra: dict[str, list[float]] = {}
+    for r in rows:
+        if f"{org}/cpu/train" in r:
+            cpu = float(r.get(f"{org}/cpu/generate", 0.0)) + float(r[f"{org}/cpu/train"])
+            extra.setdefault(kind(r, org), []).append(cpu - off_mean)
+    count = schedule(rounds, every)
+    missing = [k for k, n in count.items() if n and k not in extra]
+    if missing:
+        raise SystemExit(f"{run_dir}: no defended round of kind {missing} to project from")
+    total = sum(n * statistics.fmean(extra[k]) for k, n in count.items() if n)
+    return 1.0 + total / (rounds * off_mean)
 
 
 def ratio(on: list[float], off: list[float]) -> tuple[float, float]:
@@ -94,6 +139,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", action="append", required=True, metavar="LABEL=DIR", help="on=DIR and off=DIR")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--project", type=int, default=0, help="also the ratio projected to a run of this many rounds")
+    p.add_argument("--every", type=int, default=4, help="the guard's trainer.outcome_guard.every (default 4)")
     args = p.parse_args()
     dirs = dict(spec.partition("=")[::2] for spec in args.run)
     rows = table(per_round(Path(dirs["on"])), per_round(Path(dirs["off"])))
@@ -107,6 +154,13 @@ def main() -> None:
         )
     for key in ("cpu_ratio", "wall_ratio", "rss_ratio"):
         print(f"median {key} over {len(rows)} orgs: {statistics.median(r[key] for r in rows):.2f}")
+    for r in rows if args.project else []:
+        r["projected_cpu_ratio"] = projected(Path(dirs["on"]), r["org"], r["cpu_off"], args.project, args.every)
+        print(f"{r['org']}: CPU ratio projected to {args.project} rounds: {r['projected_cpu_ratio']:.2f}")
+    if args.project:
+        print(
+            f"median projected over {len(rows)} orgs: {statistics.median(r['projected_cpu_ratio'] for r in rows):.2f}"
+        )
     for r in rows:
         print(f"{r['org']} guard phases (wall s/round, defended run): {r['guard_wall_s']}")
     if args.json is not None:
