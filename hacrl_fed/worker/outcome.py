@@ -209,8 +209,9 @@ class OutcomeMonitor:
 
     def _shadowed(self, learner: Learner, prompts: Sequence[Any]) -> Read:
         """Read ``prompts[a:b]`` with the shadow's parameters on the engine."""
-        assert self.shadow is not None
-        return self._stashed(learner, prompts, self.shadow.stash)
+        shadow = self.shadow
+        assert shadow is not None
+        return lambda a, b: shadow.validate(learner, lambda engine, context: self._answer(learner, prompts, a, b))
 
     def _answer(self, learner: Learner, prompts: Sequence[Any], a: int, b: int) -> list[bool]:
         """:meth:`validate` on ``prompts[a:b]`` (the whole validation split as :meth:`validate`'s default)."""
