@@ -156,17 +156,22 @@ class LocalTrainer:
         capability: Capability,
         names: Sequence[str] | None = None,
         prepared: PreUpdate | None = None,
+        importance: Sequence[float] | None = None,
     ) -> dict[str, float]:
         """One round's update. ``learner``: this agent's index among the agents; ``capability``: one ``Phat`` per
         agent, or per row of ``rows`` the figures of its round (asynchronous rounds; docs/ALGORITHM.md "Capability
         per round"); ``names``: agent names for the per-source metrics (``hacpo/adv_mean/<name>``); ``prepared``: the
-        pre-update pass over ``rows`` (None: :meth:`prepare` runs it now)."""
+        pre-update pass over ``rows`` (None: :meth:`prepare` runs it now); ``importance``: a weight ``w_i >= 0`` per
+        row that multiplies its advantage, ``A_i <- w_i * A_i`` (the outcome guard's shadow learning from rows another
+        policy sampled, :mod:`hacrl_fed.worker.shadow`; for ``w >= 0``, ``min(s w A, clip(s) w A) = w min(s A,
+        clip(s) A)``: the row's loss term times ``w``; None: ones)."""
         start = time.perf_counter()
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
         # every response counts in its joint group's statistics, even one with no tokens to train on
         prepared = self.prepare(rows, names) if prepared is None else prepared
         adv_all = self.advantages(rows, learner, capability, prepared)
+        adv_all = adv_all if importance is None else adv_all * torch.tensor(importance, dtype=adv_all.dtype)
         scorable = [i for i, r in enumerate(rows) if r.response_ids]
         train_rows, adv = [rows[i] for i in scorable], adv_all[scorable]
         if not train_rows:

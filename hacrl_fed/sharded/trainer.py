@@ -106,6 +106,7 @@ class ShardedTrainer(LocalTrainer):
         capability: Capability,
         names: Sequence[str] | None = None,
         prepared: PreUpdate | None = None,
+        importance: Sequence[float] | None = None,
     ) -> dict[str, float]:
         """:meth:`LocalTrainer.update` on the shards, then the replica refreshed from them (collective). The ranks
         first check they admitted the same rows (:func:`rows_digest`): a rank that took another decision would
@@ -113,7 +114,7 @@ class ShardedTrainer(LocalTrainer):
         digests = gather(rows_digest(rows))
         if len(set(digests)) > 1:
             raise RuntimeError(f"the ranks admitted different rows for this update (digests by rank: {digests})")
-        out = super().update(rows, learner, capability, names, prepared)
+        out = super().update(rows, learner, capability, names, prepared, importance)
         if out.get("train/steps", 0.0):
             copy_full_weights(self.model, self.replica)
         return out
