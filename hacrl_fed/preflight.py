@@ -108,7 +108,6 @@ def _check_vllm_settings(cfg: RunConfig, org_id: str) -> None:
         dtype=gen.dtype or "bfloat16",
         gpu_memory_utilization=gen.gpu_memory_utilization,
         seed=0,
-        enforce_eager=gen.enforce_eager,
         max_model_len=gen.max_model_len,
         batch_size=gen.batch_size,
         sleep_level=1 if gen.sleep_during_train else 0,

@@ -74,12 +74,12 @@ class LocalTrainer:
         self.model, self.algo, self.cfg, self.pad_id = model, algo, trainer, int(pad_id)
         self.spec = get_algorithm(algo.name)
         self.loss_fn = get_policy_loss(self.spec.loss)
-        self.gradient_rows = get_gradient_rows(self.spec.loss)  # trainer.skip_no_gradient_rows
+        self.gradient_rows = get_gradient_rows(self.spec.loss)  # only the rows with a gradient run backward
         self.loss_cfg = PolicyLossConfig.from_algorithm(algo)
-        self.by_tokens = self.spec.weights_by_tokens(self.loss_cfg)  # micro-batch weights: tokens or rows
+        self.by_tokens = self.spec.token_level  # micro-batch weights: tokens (GRPO's token mean) or rows
         self.context = context_length(model)[0]  # rows longer than this cannot be scored (the intake's last stage)
         self.dropout = adapter_dropout_modules(model)  # trainer.lora.dropout: on during the update's forwards
-        self.native = self._native_forward(model, trainer, self.dropout)  # trainer.forward: auto
+        self.native = self._native_forward(model, trainer, self.dropout)  # the hand-written forward where it applies
         params = [p for p in model.parameters() if p.requires_grad]
         self.model_params = params
         self.master = self._master_weights(params, trainer.precision)  # fp32 copies (bf16-master) or None
@@ -100,10 +100,10 @@ class LocalTrainer:
 
     @staticmethod
     def _native_forward(model: torch.nn.Module, cfg: TrainerConfig, dropout: Sequence[torch.nn.Module]) -> bool:
-        """Whether the update scores with the hand-written forward (``trainer.forward: auto``, module doc)."""
+        """Whether the update scores with the hand-written forward (:mod:`hacrl_fed.models.native`): float32
+        weights, ``trainer.precision: model``, no gradient checkpointing, no adapter dropout, a supported model."""
         return (
-            cfg.forward == "auto"
-            and cfg.precision == "model"
+            cfg.precision == "model"
             and not cfg.gradient_checkpointing
             and not dropout
             and all(p.dtype == torch.float32 for p in model.parameters())
@@ -144,9 +144,7 @@ class LocalTrainer:
         rewards = torch.tensor([r.reward for r in rows], dtype=torch.float64)
         groups, sources = torch.tensor([r.group for r in rows]), torch.tensor([r.source for r in rows])
         a = self.algo
-        opts: dict[str, Any] = dict(
-            reward_max=a.reward_max, ratio_min=a.ratio_min, ratio_max=a.ratio_max, eps=a.adv_eps
-        )
+        opts: dict[str, Any] = dict(reward_max=a.reward_max, ratio_min=a.ratio_min, ratio_max=a.ratio_max)
         opts.update(prepared.advantage_options() if prepared is not None else {})
         fn = get_advantage_estimator(self.spec.advantage)
         return fn(rewards, groups, sources, learner, capability, **opts, calibrate=a.advantage_calibration).float()
@@ -158,17 +156,22 @@ class LocalTrainer:
         capability: Capability,
         names: Sequence[str] | None = None,
         prepared: PreUpdate | None = None,
+        importance: Sequence[float] | None = None,
     ) -> dict[str, float]:
         """One round's update. ``learner``: this agent's index among the agents; ``capability``: one ``Phat`` per
         agent, or per row of ``rows`` the figures of its round (asynchronous rounds; docs/ALGORITHM.md "Capability
         per round"); ``names``: agent names for the per-source metrics (``hacpo/adv_mean/<name>``); ``prepared``: the
-        pre-update pass over ``rows`` (None: :meth:`prepare` runs it now)."""
+        pre-update pass over ``rows`` (None: :meth:`prepare` runs it now); ``importance``: a weight ``w_i >= 0`` per
+        row that multiplies its advantage, ``A_i <- w_i * A_i`` (the outcome guard's shadow learning from rows another
+        policy sampled, :mod:`hacrl_fed.worker.shadow`; for ``w >= 0``, ``min(s w A, clip(s) w A) = w min(s A,
+        clip(s) A)``: the row's loss term times ``w``; None: ones)."""
         start = time.perf_counter()
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
         # every response counts in its joint group's statistics, even one with no tokens to train on
         prepared = self.prepare(rows, names) if prepared is None else prepared
         adv_all = self.advantages(rows, learner, capability, prepared)
+        adv_all = adv_all if importance is None else adv_all * torch.tensor(importance, dtype=adv_all.dtype)
         scorable = [i for i, r in enumerate(rows) if r.response_ids]
         train_rows, adv = [rows[i] for i in scorable], adv_all[scorable]
         if not train_rows:
@@ -252,7 +255,7 @@ class LocalTrainer:
         """Optimizer step ``step`` of the round (counted across epochs) over one mini-batch, accumulated over
         micro-batches.
 
-        With a gradient-rows function for the loss (``trainer.skip_no_gradient_rows``; :meth:`_gradient_rows`), the
+        With a gradient-rows function for the loss (:meth:`_gradient_rows`), the
         foreign rows are scored without gradient first and only the rows the loss has a gradient for (every self
         row, the foreign rows inside the band) run forward and backward; each micro-batch's loss is weighted by its
         share of the whole mini-batch's rows, so the gradient is the mini-batch's. The loss value and the metrics
@@ -390,15 +393,11 @@ class LocalTrainer:
         """Score the mini-batch's foreign rows without gradient (current weights) and mark those the loss has no
         gradient for. → ``lbar`` [N] float32: the no-grad ``lbar`` of the foreign rows without a gradient, NaN for
         the rows that go through forward and backward (every self row and the foreign rows with a gradient); None
-        when skipping does not apply (no gradient-rows function, token weighting, LoRA dropout, no foreign rows,
-        or ``trainer.skip_no_gradient_rows: false``): then every row runs forward and backward."""
-        if (
-            self.gradient_rows is None
-            or not self.cfg.skip_no_gradient_rows
-            or self.by_tokens
-            or self.dropout
-            or bool(is_self.all())
-        ):
+        when skipping does not apply (no gradient-rows function, token weighting, LoRA dropout, no foreign rows):
+        then every row runs forward and backward. At step 0 the weights are the likelihood screen's, but its scores
+        (``pre_log_prob_sum``) are not taken instead: float64 sums over other micro-batches, they differ from this
+        float32 ``lbar`` in the last bits on some rows, which the rows' loss and metrics would carry (issue 42)."""
+        if self.gradient_rows is None or self.by_tokens or self.dropout or bool(is_self.all()):
             return None
         lbar = torch.full((len(rows),), float("nan"), device=device)
         cross = [i for i in range(len(rows)) if not rows[i].is_self]

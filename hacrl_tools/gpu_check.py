@@ -184,8 +184,8 @@ def run_config(model_dir: Path, s: Settings, engine: str) -> dict[str, Any]:
             "dtype": "bfloat16",
             "gpu_memory_utilization": 0.3,
             "max_model_len": 1024,
-            "enforce_eager": True,
             "sleep_during_train": True,
+            "vllm_kwargs": {"enforce_eager": True},
         }
     return {
         "name": f"gpu-check-{engine}",

@@ -44,7 +44,7 @@ from hacrl_fed.worker import build_worker
 
 DIAGNOSTICS = ("gap_median", "deficit_max")  # per-round maxima, not counts
 TRUST_COUNTERS = ("rejected", "excluded", "mismatches", "accepted")
-TIMES = ("outcome", "outcome_reference", "outcome_shadow", "outcome_shadow_gen", "outcome_counterfactual")
+TIMES = ("outcome", "outcome_reference", "outcome_shadow", "outcome_counterfactual")
 TIMES += ("train", "generate", "screen")
 # recorded per round
 OUTCOME_GAUGES = ("val_accuracy", "reference_accuracy", "shadow_accuracy", "strikes", "quarantined_until")

@@ -166,10 +166,6 @@ def test_grpo_token_level_hand_computed():
     loss.backward()
     assert lp.grad.flatten().tolist() == pytest.approx([-1 / 3, 0.0, 0.0, 0.0])
     assert metrics["grpo/clip_high_frac"] == pytest.approx(1 / 3)
-    seq, _ = grpo_loss(lp.detach(), old, adv, mask, loss_agg_mode="seq-mean-token-mean")
-    assert seq.item() == pytest.approx(-((1.0 + 1.28) / 2 - 0.8) / 2)
-    with pytest.raises(ValueError, match="loss_agg_mode"):
-        grpo_loss(lp, old, adv, mask, loss_agg_mode="sum")
 
 
 def test_kl_k3():
@@ -239,7 +235,7 @@ def test_loss_config_is_built_from_the_algorithm_config_and_shares_its_defaults(
     names = [f.name for f in dataclasses.fields(PolicyLossConfig)]
     assert set(names) <= set(AlgorithmConfig.model_fields)  # named as in the config
     assert PolicyLossConfig() == PolicyLossConfig.from_algorithm(AlgorithmConfig())
-    algo = AlgorithmConfig(self_clip_low=0.01, alpha=3.0, cross_clip_step=0.05, grpo_loss_agg_mode="seq-mean-token-mean")
+    algo = AlgorithmConfig(self_clip_low=0.01, alpha=3.0, cross_clip_step=0.05, grpo_clip_high=0.3)
     cfg = PolicyLossConfig.from_algorithm(algo)
     assert all(getattr(cfg, n) == getattr(algo, n) for n in names)
     assert all(AlgorithmConfig(name=name).name == name for name in ALGORITHMS)  # the config takes the registry's
@@ -253,6 +249,8 @@ def test_pure_functions_default_to_the_config_defaults():
     from hacrl_fed.algorithm import (
         CapabilityTracker, capability_ratios, capability_coefficients, group_advantages, hacpo_advantages, kl_k3, naive_loss,
     )
+    from hacrl_fed.algorithm.advantages import ADV_EPS
+    from hacrl_fed.algorithm.capability import CAPABILITY_FLOOR
     from hacrl_fed.config import AlgorithmConfig
 
     d = AlgorithmConfig()
@@ -267,17 +265,18 @@ def test_pure_functions_default_to_the_config_defaults():
         assert {k: v for k, v in defaults(fn).items() if k not in ("prefix", "is_self", "source_ids")} == {
             "clip_low": d.self_clip_low, "clip_high": d.self_clip_high, "max_abs_log_ratio": d.max_abs_log_ratio}
     assert defaults(grpo_loss) == {"clip_low": d.grpo_clip_low, "clip_high": d.grpo_clip_high,
-                                   "max_abs_log_ratio": d.max_abs_log_ratio, "loss_agg_mode": d.grpo_loss_agg_mode}
+                                   "max_abs_log_ratio": d.max_abs_log_ratio}
     assert defaults(hacpo_advantages) == {"reward_max": d.reward_max, "ratio_min": d.ratio_min,
-                                          "ratio_max": d.ratio_max, "eps": d.adv_eps,
+                                          "ratio_max": d.ratio_max, "eps": ADV_EPS,
                                           "calibrate": d.advantage_calibration,
                                           "baseline_rows": None}  # a per-call mask (None: every row), no config value
-    assert defaults(group_advantages) == {"eps": d.adv_eps}
+    assert defaults(group_advantages) == {"eps": ADV_EPS} and ADV_EPS == 1e-6  # fixed since issue 42
     for fn in (capability_ratios, capability_coefficients):
         assert defaults(fn) == {"ratio_min": d.ratio_min, "ratio_max": d.ratio_max}
     tracker = CapabilityTracker()
     assert (tracker.window, tracker.floor, tracker.ratio_min, tracker.ratio_max, tracker.warmup_rounds) == (
-        d.capability_window, d.capability_floor, d.ratio_min, d.ratio_max, d.warmup_rounds)
+        d.capability_window, CAPABILITY_FLOOR, d.ratio_min, d.ratio_max, d.warmup_rounds)
+    assert CAPABILITY_FLOOR == 1e-8  # fixed since issue 42
     algo = AlgorithmConfig(capability_window=3, warmup_rounds=2, ratio_max=4.0)
     t = CapabilityTracker.from_algorithm(algo)
     assert (t.window, t.warmup_rounds, t.ratio_max) == (3, 2, 4.0)

@@ -559,10 +559,10 @@ def test_a_cell_is_done_when_its_stored_config_holds_what_the_cell_runs(tmp_path
     assert bench_matrix.same_run_config(stored, cfg)
     # a field the cell's JSON predates, at its default here: the same run
     older = json.loads(json.dumps(stored))
-    del older["trainer"]["skip_no_gradient_rows"], older["wandb"]
+    del older["trainer"]["gradient_checkpointing"], older["wandb"]
     assert bench_matrix.same_run_config(older, cfg)
     # ... but not once that field is set away from its default (e.g. a default changed under the cell)
-    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.skip_no_gradient_rows": False}))
+    assert not bench_matrix.same_run_config(older, load_config(raw, {"trainer.gradient_checkpointing": True}))
     # pinning a field at the value the cell ran with is the same run, a different value is not
     assert bench_matrix.same_run_config(stored, load_config(raw, {"trainer.selection": {"rule": "all"}}))
     assert not bench_matrix.same_run_config(stored, load_config(raw, {"algorithm.alpha": 3.0}))
@@ -634,28 +634,39 @@ def test_a_field_measured_and_removed_is_today_s_run_only_at_the_value_that_stay
     assert not bench_matrix.same_run_config(other, cfg)
 
 
+def test_every_field_removed_from_the_run_config_is_known_at_the_value_that_stayed():
+    # a config section's removed_fields (issue 42's field count) are the bench's REMOVED_FIELDS too: a committed cell
+    # that stored one at today's fixed value ran today's code
+    from test_config import _removed_fields
+
+    removed = {f"{section}.{name}".lstrip(".") for section, name in _removed_fields()}
+    assert removed and removed <= set(bench_matrix.REMOVED_FIELDS)
+    assert bench_matrix.REMOVED_FIELDS["algorithm.adv_eps"] == 1e-6  # the old defaults, now module constants
+    assert bench_matrix.REMOVED_FIELDS["samples.own_per_round"] == 4
+
+
 def test_every_committed_cell_is_still_done_with_the_config_it_ran():
     # a default change must leave every finished cell done (pin the value it ran with in its setting or method):
     # each JSON under benchmarks/results/ is planned by the matrix and its stored config is the cell's config, or is
-    # a cell of a method measured and removed (RETIRED_METHODS), which names the commit its code ran at
+    # a cell of a retired method (its feature removed, issue 42: the matrix's `retired:` entries, the one list of
+    # them), never rerun, which ran at the last commit with its code or before it
     results = Path.cwd() / "benchmarks" / "results"
     files = sorted(results.glob("*/*/seed*.json"))
     assert len(files) >= 238  # the cells committed when this test was written
-    retired = [p for p in files if p.parent.name in bench_matrix.RETIRED_METHODS]
-    assert retired and all(json.loads(p.read_text())["code"]["commit"] for p in retired)
-    assert not {p.parent.name for p in retired} & set(bench_matrix.load_matrix().methods)
-    files = [p for p in files if p not in retired]
-    pairs = sorted({f"{p.parent.parent.name}/{p.parent.name}" for p in files})
     matrix = bench_matrix.load_matrix()
-    cells = {c.path(results): c for c in bench_matrix.plan_cells(matrix, only=pairs)}
-    # a retired method's cells (its feature removed, issue 42) are not rerun: each ran at the commit it names
-    retired = {p: matrix.methods[cells[p].method].retired for p in files if p in cells}
-    retired = {p: r["commit"] for p, r in retired.items() if r is not None}
-    assert {json.loads(p.read_text())["code"]["commit"][: len(c)] for p, c in retired.items()} <= set(retired.values())
-    assert all(json.loads(p.read_text())["code"]["commit"].startswith(c) for p, c in retired.items())
-    not_done = [str(p.relative_to(results)) for p in files if p not in retired and (p not in cells or (
-        bench_matrix.cell_status(cells[p], results) != "done"))]  # fmt: skip
-    assert not_done == [] and len(retired) == 50
+    retired = bench_matrix.retired_methods(matrix)
+    old = {p: retired[p.parent.name] for p in files if p.parent.name in retired}
+    ran_at = {p: json.loads(p.read_text())["code"]["commit"] for p in old}
+    assert len(old) == 170 and all(len(c) == 40 for c in ran_at.values())  # 50 of methods still in a group
+    assert {c[:7] for c in ran_at.values()} >= {"a07fdd6", "2995b0d", "674c870", "3787974"}
+    for commit in {(ran_at[p], c) for p, c in old.items()}:  # the commit it ran at has the method's code
+        assert _git(Path.cwd(), "merge-base", "--is-ancestor", *commit) == "", commit
+    files = [p for p in files if p not in old]
+    cells = {c.path(results): c for c in bench_matrix.plan_cells(matrix, only=sorted({
+        f"{p.parent.parent.name}/{p.parent.name}" for p in files}))}  # fmt: skip
+    not_done = [str(p.relative_to(results)) for p in files if p not in cells or (
+        bench_matrix.cell_status(cells[p], results) != "done")]  # fmt: skip
+    assert not_done == []
 
 
 def test_cell_status_compares_configs_and_falls_back_to_the_hash(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 from test_security_attacks import B, G, Hostile
 from test_security_edges import _blind_cfg, _sealed_lie
 
+from hacrl_fed.algorithm.capability import CAPABILITY_FLOOR
 from hacrl_fed.config import load_config
 from hacrl_fed.coordinator import Coordinator
 from hacrl_fed.coordinator.inprocess import InProcessTransport
@@ -93,7 +94,7 @@ def test_a_reward_liar_is_out_in_the_step_after_the_first_proven_accusation(tmp_
     assert [s.start for s in drv.steps if s.org == "globex" and s.start >= proven] == []  # no step after it
     proof = next(r.metrics for r in results if "round/globex/reverified_by_coordinator" in r.metrics)
     assert proof["round/globex/reverified_by_coordinator"] == ROWS and proof["round/globex/mismatch_rate"] == 1.0
-    assert drv.capabilities.capability("globex", 1) == co.cfg.algorithm.capability_floor  # verified 0, not 1
+    assert drv.capabilities.capability("globex", 1) == CAPABILITY_FLOOR  # verified 0, not 1
     assert not [o for o in ORGS if _flagged(results, o)]  # the honest accusers are never counted
     published = [t for _, t in drv.published if t.source == "globex"]
     for org in ("acme", "initech"):
@@ -154,7 +155,7 @@ def test_a_false_accuser_is_excluded_and_the_framed_org_stays(tmp_path):
     flagged = next(r.metrics for r in results if "round/acme/false_accusation" in r.metrics)
     assert flagged["round/globex/reverified_by_coordinator"] == ROWS and flagged["round/globex/mismatch_rate"] == 0
     assert _flagged(results, "acme") == ["round/acme/false_accusation"]
-    floor, verified = co.cfg.algorithm.capability_floor, results[0].metrics["round/globex/accuracy"]  # honest: alike
+    floor, verified = CAPABILITY_FLOOR, results[0].metrics["round/globex/accuracy"]  # honest: alike
     assert co.async_driver.capabilities.capability("globex", 1) == max(floor, verified)
 
 

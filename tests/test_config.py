@@ -446,7 +446,7 @@ def test_every_config_field_has_a_description():
     from hacrl_fed.config_describe import iter_fields
 
     names = [name for name, _, _ in iter_fields()]
-    assert {"algorithm.grpo_loss_agg_mode", "trainer.lora.dropout", "orgs[].model.zoo", "security.roster"} <= set(
+    assert {"algorithm.logprob_norm", "trainer.lora.dropout", "orgs[].model.zoo", "security.roster"} <= set(
         names)
     missing = [name for name, info, _ in iter_fields() if not (info.description or "").strip()]
     assert not missing, f"config fields without a description: {missing}"
@@ -463,7 +463,7 @@ def test_config_describe_lists_every_field_with_type_default_and_description(cap
     for name, info, is_section in iter_fields():
         assert (f"{name}:" if is_section else f"{name}  (") in out, name
         assert " ".join(info.description.split()[:4]) in " ".join(out.split()), name
-    assert "algorithm.grpo_loss_agg_mode  (token-mean | seq-mean-token-mean)  default token-mean" in out
+    assert "algorithm.logprob_norm  (per_token | per_byte)  default per_byte" in out
     assert "trainer.lr  (float, > 0)  default 2e-05" in out
 
 
@@ -496,12 +496,58 @@ def test_config_command_bad_config_is_one_line_and_exit_2(tmp_path, capsys):
     log_path.unlink()
 
 
-def test_grpo_loss_agg_mode_is_a_validated_field():
-    assert AlgorithmConfig().grpo_loss_agg_mode == "token-mean"
-    cfg = load_config(_minimal(), overrides=["algorithm.grpo_loss_agg_mode=seq-mean-token-mean"])
-    assert cfg.algorithm.grpo_loss_agg_mode == "seq-mean-token-mean"
-    with pytest.raises(ConfigError, match="algorithm.grpo_loss_agg_mode"):
-        load_config(_minimal(), overrides=["algorithm.grpo_loss_agg_mode=sum"])
+# --- the run config's size (issue 42) ------------------------------------------------------------------------------
+
+MAX_RUN_CONFIG_FIELDS = 125  # issue 42: every field used by a default path, the paper's form or a measured win
+
+
+def test_the_run_config_has_at_most_125_fields(capsys):
+    """The count `hacrl-fed config --describe` shows: every leaf field of the run config, found by recursing through
+    the pydantic models' ``model_fields`` (a section, e.g. ``trainer.lora``, is not a field; each org's fields count
+    once, as ``orgs[].model.zoo``; a free-form mapping such as ``task.params`` or ``orgs[].trainer`` counts as one)."""
+    from hacrl_fed.cli import main
+    from hacrl_fed.config_describe import iter_fields
+
+    leaves = [name for name, _, is_section in iter_fields() if not is_section]
+    assert len(leaves) == len(set(leaves)) and "orgs[].sharding.ranks" in leaves and "trainer.lora" not in leaves
+    assert main(["config", "--describe"]) == 0
+    described = [line for line in capsys.readouterr().out.splitlines() if line.strip().split("  (")[0] in leaves]
+    assert len(described) == len(leaves)  # one line per field: the count the describe command shows
+    assert len(leaves) <= MAX_RUN_CONFIG_FIELDS, f"{len(leaves)} run config fields (at most {MAX_RUN_CONFIG_FIELDS})"
+
+
+def _removed_fields() -> list[tuple[str, str]]:
+    """``(dotted section, field)`` of every field a section lists as removed (``removed_fields``)."""
+    from hacrl_fed.config_describe import _section_model, iter_fields
+
+    out = [("", name) for name in RunConfig.removed_fields]
+    for dotted, info, is_section in iter_fields():
+        model = _section_model(info) if is_section else None
+        if model is not None:
+            prefix = f"{dotted}[]" if dotted == "orgs" else dotted
+            out += [(prefix, name) for name in model.removed_fields]
+    return out
+
+
+def test_removed_fields_are_listed():
+    assert {("algorithm", "adv_eps"), ("trainer", "forward"), ("samples", "own_per_round"),
+            ("orgs[].model", "cache_dir")} <= set(_removed_fields())  # fmt: skip
+
+
+@pytest.mark.parametrize(("section", "field"), _removed_fields())
+def test_a_removed_field_fails_with_one_line_naming_it(section, field):
+    data = _minimal()
+    node: dict[str, Any] = data["orgs"][1] if section.startswith("orgs[]") else data
+    for part in section.removeprefix("orgs[]").strip(".").split("."):
+        if part:
+            node = node.setdefault(part, {})
+    node[field] = node.get(field, 1)
+    msg = _error(data)
+    where = section.replace("orgs[]", "orgs.1")
+    assert f"{where}: {field} was removed from the run config (issue 42): " in msg and "\n" not in msg
+    if section == "trainer":  # an org's trainer overrides too
+        msg = _error({"orgs": [{"id": "a", "model": {"zoo": "tiny"}, "trainer": {field: 1}}]})
+        assert f"{field} was removed from the run config (issue 42)" in msg and "orgs[a].trainer" in msg
 
 
 def test_report_error_keeps_the_traceback_in_the_run_dir_or_a_temp_file(tmp_path, capsys):
@@ -526,8 +572,8 @@ def test_config_hash_without_defaults_sees_only_fields_set_away_from_them():
     from hacrl_fed.config import config_hash, load_config
 
     base = load_config("configs/smoke.yaml")
-    same = load_config("configs/smoke.yaml", ["trainer.skip_no_gradient_rows=true"])  # the default, set explicitly
-    other = load_config("configs/smoke.yaml", ["trainer.skip_no_gradient_rows=false"])
+    same = load_config("configs/smoke.yaml", ["trainer.gradient_checkpointing=false"])  # the default, set explicitly
+    other = load_config("configs/smoke.yaml", ["trainer.gradient_checkpointing=true"])
     assert config_hash(base, exclude_defaults=True) == config_hash(same, exclude_defaults=True)
     assert config_hash(base, exclude_defaults=True) != config_hash(other, exclude_defaults=True)
     assert config_hash(base) != config_hash(base, exclude_defaults=True)  # the full dump is another digest

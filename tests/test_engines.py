@@ -209,12 +209,12 @@ def test_vllm_engine_without_vllm_explains_install(bpe):
 
 def test_engine_options_from_config_reach_the_factory(bpe):
     gen = GenerationConfig(batch_size=7, gpu_memory_utilization=0.3, max_model_len=512, dtype="float16",
-                           enforce_eager=True, sleep_during_train=True, vllm_kwargs={"swap_space": 2})
+                           sleep_during_train=True, vllm_kwargs={"swap_space": 2, "enforce_eager": True})
     opts = EngineOptions.from_config(gen, seed=99, model_path="/m", tokenizer_path="/t", extra_stop_ids=[9, 4])
     assert (opts.batch_size, opts.seed, opts.gpu_memory_utilization, opts.max_model_len, opts.dtype) == (
         7, 99, 0.3, 512, "float16")
-    assert (opts.enforce_eager, opts.sleep_level, opts.llm_kwargs, opts.model_path, opts.tokenizer_path) == (
-        True, 1, {"swap_space": 2}, "/m", "/t")
+    assert (opts.sleep_level, opts.llm_kwargs, opts.model_path, opts.tokenizer_path) == (
+        1, {"swap_space": 2, "enforce_eager": True}, "/m", "/t")
     # the hf engine takes only what it knows (batch_size, seed_per_batch, extra_stop_ids); explicit keyword
     # arguments win
     assert opts.kwargs_for(HFEngine) == {"batch_size": 7, "seed_per_batch": False, "extra_stop_ids": (4, 9)}
@@ -222,7 +222,7 @@ def test_engine_options_from_config_reach_the_factory(bpe):
     assert engine.batch_size == 7 and engine.logprobs_from_generation and {4, 9} <= engine.stop_ids
     assert set(opts.kwargs_for(vllm_engine.VLLMEngine)) == {
         "batch_size", "seed", "model_path", "tokenizer_path", "dtype", "gpu_memory_utilization", "max_model_len",
-        "enforce_eager", "sleep_level", "llm_kwargs", "extra_stop_ids"}
+        "sleep_level", "llm_kwargs", "extra_stop_ids"}
 
 
 # --- vLLM: version range ----------------------------------------------------------------------------------------
@@ -292,8 +292,8 @@ def test_vllm_forwards_every_option_and_sets_raw_logprobs(fake_vllm, tmp_path, b
     model = tiny_model("qwen3", bpe, seed=0)
     path = _saved(tmp_path, model, bpe)
     opts = EngineOptions(batch_size=12, seed=4321, model_path=path, tokenizer_path=path, dtype="float16",
-                         gpu_memory_utilization=0.35, max_model_len=300, enforce_eager=True, sleep_level=1,
-                         llm_kwargs={"swap_space": 1})
+                         gpu_memory_utilization=0.35, max_model_len=300, sleep_level=1,
+                         llm_kwargs={"swap_space": 1, "enforce_eager": True})
     engine = build_engine("vllm", model, bpe, opts)
     (llm,) = fake_vllm.LLM.instances
     assert llm.kwargs == dict(model=path, tokenizer=path, dtype="float16", gpu_memory_utilization=0.35, seed=4321,
@@ -456,8 +456,8 @@ def test_vllm_engine_matches_hf_scoring(tmp_path, bpe):
     model = _vllm_shaped_model(bpe)
     path = _saved(tmp_path, model, bpe)
     engine = build_engine("vllm", model, bpe, EngineOptions(model_path=path, dtype="bfloat16", max_model_len=256,
-                                                            gpu_memory_utilization=0.3, enforce_eager=True,
-                                                            sleep_level=1))
+                                                            gpu_memory_utilization=0.3, sleep_level=1,
+                                                            llm_kwargs={"enforce_eager": True}))
     prompts = [render(bpe, q) for q in QUESTIONS]
     gens = engine.generate(prompts, **SAMPLING, seed=1)
     again = engine.generate(prompts, **SAMPLING, seed=1)

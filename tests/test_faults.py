@@ -477,7 +477,8 @@ def run_micro(cfg, run_dir: Path, log: dict, *, resume=False, workers=None, cras
     return coord, workers
 
 
-LAST_CHECK = ("adopted", "shadow_accuracy", "cf_lost", "cf_gained", "final_accuracy", "shadow_final_accuracy")
+LAST_CHECK = ("adopted", "shadow_accuracy", "cf_lost", "cf_gained", "cf_read", "final_accuracy",
+              "shadow_final_accuracy")
 
 
 def without_last_check(metrics: dict[int, dict], last: int) -> dict[int, dict]:

@@ -44,7 +44,6 @@ def test_the_trainer_takes_the_native_forward_only_where_it_applies():
     tok = tiny_char_tokenizer()
     algo = AlgorithmConfig(name="hacpo")
     assert LocalTrainer(tiny_model("qwen3", tok), algo, TrainerConfig(), tok.pad_token_id).native
-    assert not LocalTrainer(tiny_model("qwen3", tok), algo, TrainerConfig(forward="model"), tok.pad_token_id).native
     ckpt = TrainerConfig(gradient_checkpointing=True)
     assert not LocalTrainer(tiny_model("llama", tok), algo, ckpt, tok.pad_token_id).native
     bf16 = tiny_model("gpt2", tok).to(torch.bfloat16)

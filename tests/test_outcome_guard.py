@@ -275,3 +275,29 @@ def test_a_resumed_worker_continues_the_guard_of_its_checkpoint(tmp_path):
     for part in ("reference", "shadow"):
         assert after[part]["params"].keys() == before[part]["params"].keys()
         assert all(torch.equal(after[part]["params"][k], v) for k, v in before[part]["params"].items())
+
+
+@pytest.mark.parametrize("futility", [0.01, 0.0])
+def test_a_check_reads_as_far_as_its_sequential_test_and_the_reference_answers_further(tmp_path, monkeypatch, futility):
+    # 16 validation prompts in looks of 4, every answer right: the first look is futile (CP 0.0019 < 0.01); with
+    # futility 0 the check reads all 16, and the reference (validated on its first look before round 1) answers the
+    # other 12 from its file, one look at a time
+    cfg = _cfg(counterfactual=False, val_size=16, look=4, futility=futility)
+    workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
+    acme = workers["acme"]
+    reads = []
+
+    def validate(engine, context, prompts=None):
+        prompts = acme.outcome.prompts if prompts is None else prompts
+        reads.append(len(prompts))
+        return [True] * len(prompts)
+
+    monkeypatch.setattr(acme.outcome, "validate", validate)
+    m1 = Coordinator(cfg, InProcessTransport(workers), tmp_path).run_round(1).metrics
+    assert m1["acme/outcome/validated"] == 1.0 and m1["acme/outcome/new_reference"] == 1.0
+    if futility:
+        assert m1["acme/outcome/val_read"] == 4 and reads == [4, 4]  # the reference's look, the learner's
+        assert len(acme.outcome.guard.reference) == 4
+    else:
+        assert m1["acme/outcome/val_read"] == 16 and reads == [4] + [4] * 7  # 4 looks + the reference's 3 more
+        assert len(acme.outcome.guard.reference) == 16

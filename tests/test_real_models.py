@@ -47,21 +47,23 @@ def test_install_lists_agree():
 
 
 def test_a_missing_package_or_file_names_the_field_and_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("HACRL_FED_CACHE", str(tmp_path))
     monkeypatch.setitem(real.REAL, "smollm2-135m", real.RealEntry("smollm2-135m", "no_such_pkg_x", "x.gguf"))
     with pytest.raises(BuildError, match=r"^model\.real='smollm2-135m': .*no_such_pkg_x.*`make real-models`$"):
-        model_sources(ModelConfig(real="smollm2-135m", cache_dir=str(tmp_path)))
+        model_sources(ModelConfig(real="smollm2-135m"))
     monkeypatch.setattr(real.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(BuildError, match=r"^model\.real: the 'gguf' package is not installed; .*`make real-models`$"):
-        model_sources(ModelConfig(real="gemma3-270m", cache_dir=str(tmp_path)))
+        model_sources(ModelConfig(real="gemma3-270m"))
     with pytest.raises(BuildError, match="is not a packaged checkpoint"):
         real.gguf_file("llama-70b", tmp_path)
 
 
-def test_a_bad_gguf_file_is_one_line_naming_model_path(tmp_path):
+def test_a_bad_gguf_file_is_one_line_naming_model_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("HACRL_FED_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(BuildError) as err:
-        model_sources(ModelConfig(path=str(bad), cache_dir=str(tmp_path / "cache")))
+        model_sources(ModelConfig(path=str(bad)))
     assert str(err.value).startswith("model.path: cannot read GGUF file") and "\n" not in str(err.value)
     with pytest.raises(BuildError, match="no such file"):
         model_sources(ModelConfig(path=str(tmp_path / "absent.gguf")))

@@ -31,6 +31,7 @@ from hacrl_fed.report.data import intake_matrix, report_data
 from hacrl_fed.report.page import embed_json
 from hacrl_fed.types import Prompt, Rollout, RoundPlan, SamplingParams
 from hacrl_fed.worker import build_worker
+from hacrl_fed.worker import samples
 from hacrl_fed.worker.samples import SampleBook, samples_path
 
 ORGS = [{"id": "acme", "model": {"zoo": "micro-qwen-char"}}, {"id": "globex", "model": {"zoo": "micro-gpt2-bpe"}}]
@@ -50,17 +51,24 @@ def demo_cfg():
         "generation": {"num_samples": 4, "max_new_tokens": 12, "eval_max_new_tokens": 12},
         "task": {"name": "arithmetic", "params": {"difficulty": 1}, "eval_size": 4},
         "federation": {"rounds": 2, "prompts_per_round": 4, "eval_every": 1, "min_orgs": 1},
-        "samples": {"own_per_round": 64, "foreign_per_round": 64},  # every row: the fates can be counted
     })  # fmt: skip
+
+
+def _every_row_sampled(mp: pytest.MonkeyPatch, rows: int = 64) -> None:
+    """Every row of a small run in samples.jsonl (the fixed sample sizes raised): the fates can be counted."""
+    mp.setattr(samples, "OWN_PER_ROUND", rows)
+    mp.setattr(samples, "FOREIGN_PER_ROUND", rows)
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     cfg = demo_cfg()
     run_dir = tmp_path_factory.mktemp("report-run")
-    workers = {o.id: build_worker(cfg, o.id, run_dir=run_dir) for o in cfg.orgs}
-    with RunLogger(run_dir, tensorboard=False) as logger:
-        Coordinator(cfg, InProcessTransport(workers), run_dir, logger=logger).run()
+    with pytest.MonkeyPatch.context() as mp:
+        _every_row_sampled(mp)
+        workers = {o.id: build_worker(cfg, o.id, run_dir=run_dir) for o in cfg.orgs}
+        with RunLogger(run_dir, tensorboard=False) as logger:
+            Coordinator(cfg, InProcessTransport(workers), run_dir, logger=logger).run()
     return run_dir
 
 
@@ -124,20 +132,20 @@ def test_own_samples_carry_what_the_issue_asks_for(run_dir):
         assert isinstance(r["prompt"], str) and r["prompt"] and r["length"] >= 1
 
 
-def test_samples_respect_their_cap_over_150_rounds_and_the_report_stays_under_5mb(tmp_path):
+def test_samples_respect_their_cap_over_150_rounds_and_the_report_stays_under_5mb(tmp_path, monkeypatch):
     cfg = load_config({
         "name": "big", "orgs": [{"id": o, "model": {"zoo": "micro-qwen-char"}} for o in ("acme", "globex", "initech")],
         "federation": {"rounds": 150, "prompts_per_round": 16},
-        "samples": {"own_per_round": 4096},  # far more rows than fit: the cap decides
     })  # fmt: skip
-    cap = cfg.samples.max_bytes
+    _every_row_sampled(monkeypatch, 4096)  # far more rows than fit: the cap decides
+    cap = samples.MAX_BYTES
     prompts = tuple(Prompt(i, (), str(i)) for i in range(16))
     records = []
     for org in ("acme", "globex", "initech"):
         book = SampleBook(cfg, org, tmp_path)
         for t in range(1, 151):
             plan = RoundPlan("run", t, "arithmetic", prompts, SamplingParams())
-            text = "7+5=12 " * 200  # cut at max_text_chars
+            text = "7+5=12 " * 200  # cut at MAX_TEXT_CHARS
             rollouts = [Rollout(org, t, i % 16, i // 16, text, "length", 0.5, -3.0, 64) for i in range(128)]
             book.record_generate(plan, rollouts)
             assert samples_path(tmp_path, org).stat().st_size <= book.allowance(t) <= cap
@@ -270,13 +278,13 @@ def test_the_samples_go_to_a_wandb_table(run_dir):
 
 
 @pytest.mark.slow  # a second run, in coordinator-blind mode
-def test_blind_mode_samples_are_written_by_each_org_with_the_text_it_opened(tmp_path):
+def test_blind_mode_samples_are_written_by_each_org_with_the_text_it_opened(tmp_path, monkeypatch):
     from test_security_edges import _blind_cfg
 
     base, run_dir = _blind_cfg(("acme", "globex")), tmp_path / "run"
     fed = {**base.federation.model_dump(), "rounds": 1}
-    cfg = load_config({**base.model_dump(), "federation": fed, "samples": {"own_per_round": 999,
-                                                                          "foreign_per_round": 999}})  # fmt: skip
+    cfg = load_config({**base.model_dump(), "federation": fed})
+    _every_row_sampled(monkeypatch, 999)
     assert cfg.security.encrypt
     workers = {o.id: build_worker(cfg, o.id, run_dir=run_dir) for o in cfg.orgs}
     with RunLogger(run_dir, tensorboard=False) as logger:

@@ -99,8 +99,17 @@ def _trainer(precision="model", dtype=torch.float32, checkpointing=False, kl_bet
     tok = tiny_char_tokenizer()
     model = tiny_model("qwen3", tok, seed=1).to(dtype)
     cfg = _tcfg(lr=lr, minibatch_size=6, micro_batch_size=4, precision=precision,
-                        gradient_checkpointing=checkpointing, skip_no_gradient_rows=skip)
-    return model, LocalTrainer(model, _algo(name="hacpo", kl_beta=kl_beta), cfg, tok.pad_token_id)
+                        gradient_checkpointing=checkpointing)
+    return model, _every_row_backward(LocalTrainer(model, _algo(name="hacpo", kl_beta=kl_beta), cfg, tok.pad_token_id),
+                                      not skip)
+
+
+def _every_row_backward(trainer, every_row=True):
+    """``trainer`` with every row through forward and backward (no gradient-rows prefilter; the reference the skip
+    is checked against) when ``every_row``."""
+    if every_row:
+        trainer.gradient_rows = None
+    return trainer
 
 
 def test_update_reports_tokens_trained():
@@ -197,7 +206,7 @@ def test_precision_needs_matching_model_dtype(precision, dtype, needs):
         _trainer(precision, dtype=dtype)
 
 
-# --- the config means what it says: grpo_loss_agg_mode, LoRA dropout, the registry spec, the context ----------------
+# --- the config means what it says: GRPO's token mean, LoRA dropout, the registry spec, the context ----------------
 
 
 def _grpo_rows(n=8, seed=3):
@@ -209,23 +218,23 @@ def _grpo_rows(n=8, seed=3):
     return rows
 
 
-def _train_grpo(mode, micro):
+def _train_grpo(micro):
     tok = tiny_char_tokenizer()
     model = tiny_model("qwen3", tok, seed=1)
-    trainer = LocalTrainer(model, _algo(name="grpo", grpo_loss_agg_mode=mode),
+    trainer = LocalTrainer(model, _algo(name="grpo"),
                            _tcfg(lr=1.0, minibatch_size=8, micro_batch_size=micro), tok.pad_token_id)
     trainer.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     return model, trainer, trainer.update(_grpo_rows(), 0, [1.0])
 
 
-def test_grpo_loss_agg_mode_takes_effect_and_micro_batching_stays_exact():
-    token, t_token, _ = _train_grpo("token-mean", 8)
-    seq, t_seq, _ = _train_grpo("seq-mean-token-mean", 8)
-    assert t_token.by_tokens and not t_seq.by_tokens  # micro-batches weighted by tokens / by rows
-    assert t_seq.loss_cfg.grpo_loss_agg_mode == "seq-mean-token-mean"
-    assert any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(token.parameters(), seq.parameters()))
-    seq_micro, _, _ = _train_grpo("seq-mean-token-mean", 1)
-    for a, b in zip(seq.parameters(), seq_micro.parameters()):
+def test_grpo_token_mean_micro_batching_stays_exact():
+    # responses of 1 and 6 tokens: weighting micro-batches by rows instead of tokens would change the update
+    whole, t_whole, _ = _train_grpo(8)
+    micro, t_micro, _ = _train_grpo(1)
+    assert t_whole.by_tokens and t_micro.by_tokens  # micro-batches weighted by their share of the tokens
+    start = tiny_model("qwen3", tiny_char_tokenizer(), seed=1)
+    assert any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(whole.parameters(), start.parameters()))
+    for a, b in zip(whole.parameters(), micro.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
 
 
@@ -439,7 +448,7 @@ def test_cross_shares_per_source_pair_add_up_to_the_whole_update():
     assert not any("@" in k for k in m)
 
 
-# --- trainer.skip_no_gradient_rows: forward/backward only over the rows with a gradient ---------------------------
+# --- forward/backward only over the rows with a gradient ------------------------------------------------------------
 
 
 def _banded_rows(model, tok, seed=0):
@@ -468,8 +477,8 @@ def test_skipping_rows_without_gradient_gives_the_same_update(algorithm, optimiz
         model = tiny_model("qwen3", tok, seed=1)
         rows = _banded_rows(model, tok)
         # mini-batches of 8: step 0 holds the 8 self rows, steps 1-2 the cross rows; micro-batches of 3
-        cfg = _tcfg(lr=1e-2, minibatch_size=8, micro_batch_size=3, skip_no_gradient_rows=skip)
-        trainer = LocalTrainer(model, _algo(name=algorithm), cfg, tok.pad_token_id)
+        cfg = _tcfg(lr=1e-2, minibatch_size=8, micro_batch_size=3)
+        trainer = _every_row_backward(LocalTrainer(model, _algo(name=algorithm), cfg, tok.pad_token_id), not skip)
         if optimizer == "sgd":
             trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         met = trainer.update(rows, 0, [0.5, 0.25, 1.0])
@@ -495,8 +504,8 @@ def test_a_mini_batch_without_gradient_rows_still_steps_adamw():
         for r in rows:
             if not r.is_self:
                 r.old_seq_log_prob += 5.0  # far below the band: no gradient
-        cfg = _tcfg(lr=1e-2, minibatch_size=8, micro_batch_size=4, skip_no_gradient_rows=skip)
-        trainer = LocalTrainer(model, _algo(name="hacpo"), cfg, tok.pad_token_id)
+        cfg = _tcfg(lr=1e-2, minibatch_size=8, micro_batch_size=4)
+        trainer = _every_row_backward(LocalTrainer(model, _algo(name="hacpo"), cfg, tok.pad_token_id), not skip)
         met = trainer.update(rows, 0, [0.5, 0.25, 1.0])
         out.append((model, met))
     assert out[1][1]["train/num_backward"] == 8  # only the self rows of step 0

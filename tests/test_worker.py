@@ -213,8 +213,8 @@ def test_vllm_engine_gets_the_generation_section_and_sleeps_during_train(tmp_pat
     fake = helpers_fake_vllm.install(monkeypatch)
     orgs = [{"id": "char", "model": {"zoo": "micro-qwen-char"}, "seed": 1234,
              "generation": {"engine": "vllm", "gpu_memory_utilization": 0.25, "max_model_len": 200,
-                            "dtype": "float16", "enforce_eager": True, "sleep_during_train": True,
-                            "vllm_kwargs": {"swap_space": 1}}},
+                            "dtype": "float16", "sleep_during_train": True,
+                            "vllm_kwargs": {"swap_space": 1, "enforce_eager": True}}},
             {"id": "bpe", "model": {"zoo": "micro-gpt2-bpe"}}]
     cfg = make_cfg("hacpo", orgs=orgs)
     a, b = build_worker(cfg, "char", run_dir=tmp_path), build_worker(cfg, "bpe", run_dir=tmp_path)

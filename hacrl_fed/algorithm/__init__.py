@@ -19,7 +19,6 @@ from hacrl_fed.algorithm.capability import CapabilityTracker
 from hacrl_fed.algorithm.capability_rounds import RoundCapabilities
 from hacrl_fed.algorithm.losses import (
     FRACTION_COUNTS,
-    GRPO_AGG_MODES,
     PolicyLossConfig,
     clamped_log_ratio,
     cross_lower_bound,
@@ -56,7 +55,6 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ALGORITHMS",
     "FRACTION_COUNTS",
-    "GRPO_AGG_MODES",
     "POLICY_LOSSES",
     "AlgorithmSpec",
     "CapabilityTracker",

@@ -15,6 +15,7 @@ from torch import Tensor
 from hacrl_fed.config import AlgorithmConfig
 
 DEFAULTS = AlgorithmConfig()  # the documented defaults: the run config's (docs/ALGORITHM.md "Parameters")
+ADV_EPS = 1e-6  # epsilon added to the group's reward std in every advantage (a fixed guard, not a setting: issue 42)
 
 
 def _as_tensor(x: Tensor | Sequence[float], dtype: torch.dtype, name: str) -> Tensor:
@@ -129,7 +130,7 @@ def hacpo_advantages(
     reward_max: float = DEFAULTS.reward_max,
     ratio_min: float = DEFAULTS.ratio_min,
     ratio_max: float = DEFAULTS.ratio_max,
-    eps: float = DEFAULTS.adv_eps,
+    eps: float = ADV_EPS,
     calibrate: bool = DEFAULTS.advantage_calibration,
     baseline_rows: Tensor | None = None,
 ) -> Tensor:
@@ -207,7 +208,7 @@ def calibrated_advantages(
     return torch.where(uniform[g.idx], torch.zeros_like(adv), adv)  # uniform over B_g → 0
 
 
-def group_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = DEFAULTS.adv_eps) -> Tensor:
+def group_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = ADV_EPS) -> Tensor:
     """Plain group-normalised advantage (GRPO/GSPO; ``naive`` on the joint group). → [N].
 
     ``A = (R - mean_g(R)) / (std_bessel_g(R) + eps)``; 0 for groups whose rewards are all equal (incl. size 1).

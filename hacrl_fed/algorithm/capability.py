@@ -9,6 +9,7 @@ from typing import Any
 from hacrl_fed.config import AlgorithmConfig
 
 DEFAULTS = AlgorithmConfig()  # the documented defaults: the run config's (docs/ALGORITHM.md "Parameters")
+CAPABILITY_FLOOR = 1e-8  # lower bound of every Phat, no division by 0 (a fixed guard, not a setting: issue 42)
 
 
 def _accuracy(agent: object, acc: float) -> float:
@@ -38,7 +39,7 @@ class CapabilityTracker:
     def __init__(
         self,
         window: int = DEFAULTS.capability_window,
-        floor: float = DEFAULTS.capability_floor,
+        floor: float = CAPABILITY_FLOOR,
         ratio_min: float = DEFAULTS.ratio_min,
         ratio_max: float = DEFAULTS.ratio_max,
         warmup_rounds: int = DEFAULTS.warmup_rounds,
@@ -60,7 +61,9 @@ class CapabilityTracker:
     @classmethod
     def from_algorithm(cls, algo: Any) -> CapabilityTracker:
         """The tracker an ``algorithm`` config section (:class:`~hacrl_fed.config.AlgorithmConfig`) asks for."""
-        return cls(algo.capability_window, algo.capability_floor, algo.ratio_min, algo.ratio_max, algo.warmup_rounds)
+        return cls(
+            algo.capability_window, ratio_min=algo.ratio_min, ratio_max=algo.ratio_max, warmup_rounds=algo.warmup_rounds
+        )
 
     def update(self, accuracies: Mapping[str, float]) -> None:
         """Record one round: ``{agent: P_k(t)}``. Agents absent this round keep their history unchanged."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hacrl_fed.algorithm.capability import DEFAULTS, CapabilityTracker, _accuracy, _phat
+from hacrl_fed.algorithm.capability import CAPABILITY_FLOOR, DEFAULTS, CapabilityTracker, _accuracy, _phat
 
 
 class RoundCapabilities:
@@ -29,7 +29,7 @@ class RoundCapabilities:
     def __init__(
         self,
         window: int = DEFAULTS.capability_window,
-        floor: float = DEFAULTS.capability_floor,
+        floor: float = CAPABILITY_FLOOR,
         ratio_min: float = DEFAULTS.ratio_min,
         ratio_max: float = DEFAULTS.ratio_max,
         warmup_rounds: int = DEFAULTS.warmup_rounds,
@@ -44,7 +44,9 @@ class RoundCapabilities:
     @classmethod
     def from_algorithm(cls, algo: Any) -> RoundCapabilities:
         """The table an ``algorithm`` config section (:class:`~hacrl_fed.config.AlgorithmConfig`) asks for."""
-        return cls(algo.capability_window, algo.capability_floor, algo.ratio_min, algo.ratio_max, algo.warmup_rounds)
+        return cls(
+            algo.capability_window, ratio_min=algo.ratio_min, ratio_max=algo.ratio_max, warmup_rounds=algo.warmup_rounds
+        )
 
     def record(self, round: int, accuracies: Mapping[str, float]) -> None:
         """Record round ``round`` (>= 1): ``{org: P_org(round)}``. An (org, round) already recorded is refused."""

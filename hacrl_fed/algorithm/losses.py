@@ -20,7 +20,6 @@ from torch import Tensor
 from hacrl_fed.config import AlgorithmConfig
 
 DEFAULTS = AlgorithmConfig()  # the documented defaults (docs/ALGORITHM.md "Parameters")
-GRPO_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 
 @dataclass(frozen=True)
@@ -31,8 +30,7 @@ class PolicyLossConfig:
     ``cross_clip_step``: the stepwise cross band ``[min(1, 1 - delta + m * cross_clip_step), 1]`` at optimizer step
     ``m``; ``alpha``: the exponent of
     ``stopgrad(c)``; ``cross_clip``: False takes ``c = s`` on cross rows (no band at all: an ablation);
-    ``max_abs_log_ratio``: clamp of every log-ratio before ``exp``; ``grpo_clip_*``: GRPO's token-level band;
-    ``grpo_loss_agg_mode``: how GRPO averages over tokens (:data:`GRPO_AGG_MODES`);
+    ``max_abs_log_ratio``: clamp of every log-ratio before ``exp``; ``grpo_clip_*``: GRPO's token-level band.
     """
 
     self_clip_low: float = DEFAULTS.self_clip_low
@@ -44,7 +42,6 @@ class PolicyLossConfig:
     max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio
     grpo_clip_low: float = DEFAULTS.grpo_clip_low
     grpo_clip_high: float = DEFAULTS.grpo_clip_high
-    grpo_loss_agg_mode: str = DEFAULTS.grpo_loss_agg_mode
 
     @classmethod
     def from_algorithm(cls, algo: Any) -> PolicyLossConfig:
@@ -423,13 +420,12 @@ def grpo_loss(
     clip_low: float = DEFAULTS.grpo_clip_low,
     clip_high: float = DEFAULTS.grpo_clip_high,
     max_abs_log_ratio: float = DEFAULTS.max_abs_log_ratio,
-    loss_agg_mode: str = DEFAULTS.grpo_loss_agg_mode,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO token-level PPO-clip loss. token_log_probs, old_token_log_probs, response_mask [B,T]; advantages [B].
 
     r_t = exp(clamp(lp_t - old_lp_t, -M, M));  obj_t = min(r_t A, clamp(r_t, 1 - low, 1 + high) A)
-    loss = -token-mean over all masked tokens (``"token-mean"``) or -mean over sequences of the per-sequence
-    token mean (``"seq-mean-token-mean"``).
+    loss = -token-mean over all masked tokens of the mini-batch (every response token weighs the same; the
+    trainer weights micro-batches by their tokens, so the mean is the mini-batch's).
     """
     if (
         token_log_probs.dim() != 2
@@ -443,12 +439,7 @@ def grpo_loss(
     ratio = torch.exp(clamped_log_ratio(token_log_probs, old_token_log_probs, max_abs_log_ratio))  # r_t
     adv = advantages.to(token_log_probs.dtype)[:, None]
     obj = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv)
-    if loss_agg_mode == "token-mean":
-        loss = -masked_mean(obj, mask)
-    elif loss_agg_mode == "seq-mean-token-mean":
-        loss = -sequence_mean_log_prob(obj, mask).mean()
-    else:
-        raise ValueError(f"loss_agg_mode must be one of {GRPO_AGG_MODES}, got {loss_agg_mode!r}")
+    loss = -masked_mean(obj, mask)  # -token-mean
     sel = mask.bool()
     r = ratio.detach()[sel]
     metrics = {"grpo/num_tokens": float(r.numel()), **_stats("grpo", "ratio", r)}

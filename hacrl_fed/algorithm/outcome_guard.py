@@ -151,16 +151,18 @@ class OutcomeGuard:
         rows (the worker validates the shadow for it only then, where it keeps one)."""
         if self.reference is None or not self.implicated:
             return False
-        return compare(self.reference, current, self.params.z, self.params.margin).regressed
+        return compare(self.reference[: len(current)], current, self.params.z, self.params.margin).regressed
 
     def judge(self, round: int, current: Sequence[bool], shadow: Sequence[bool] | None = None) -> Verdict:
         """The verdict on the weights after ``round``'s update (module doc); the first call sets the reference.
         ``shadow``: the shadow's vector on the same prompts now, which gates a regression; None:
-        no shadow, every regression after foreign rows rolls back and strikes."""
+        no shadow, every regression after foreign rows rolls back and strikes. ``current`` may cover a prefix of the
+        split (the sequential test, :mod:`hacrl_fed.algorithm.sequential`): the reference's vector on the same
+        prefix is compared (the worker reads the reference's answers that far first)."""
         if self.reference is None:
             self.reference = list(current)
             return Verdict(Comparison(0, 0, False), False, True, False, {})
-        cmp = compare(self.reference, current, self.params.z, self.params.margin)
+        cmp = compare(self.reference[: len(current)], current, self.params.z, self.params.margin)
         done = [s for s, start in self.trial.items() if round >= start + self.params.every - 1]
         harmed = cmp.regressed and bool(self.implicated)  # a regression after foreign rows
         spared = harmed and self._spares(current, shadow)

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from hacrl_fed.algorithm.advantages import group_advantages, hacpo_advantages
+from hacrl_fed.algorithm.advantages import ADV_EPS, group_advantages, hacpo_advantages
 from hacrl_fed.algorithm.losses import (
-    DEFAULTS,
     PolicyLossConfig,
     grpo_loss,
     gspo_loss,
@@ -120,9 +119,7 @@ def _adv_hacpo(rewards, group_ids, source_ids, learner, capability, **kw) -> Ten
 
 
 @register_advantage_estimator("group")
-def _adv_group(
-    rewards, group_ids, source_ids, learner, capability, *, eps: float = DEFAULTS.adv_eps, **_: object
-) -> Tensor:
+def _adv_group(rewards, group_ids, source_ids, learner, capability, *, eps: float = ADV_EPS, **_: object) -> Tensor:
     """Plain (joint-)group mean/std: GRPO and GSPO on own rows, ``naive`` on the joint group."""
     return group_advantages(rewards, group_ids, eps=eps)
 
@@ -185,7 +182,6 @@ def _loss_grpo(inputs: PolicyLossInputs, step: int, config: PolicyLossConfig):
         clip_low=config.grpo_clip_low,
         clip_high=config.grpo_clip_high,
         max_abs_log_ratio=config.max_abs_log_ratio,
-        loss_agg_mode=config.grpo_loss_agg_mode,
     )
 
 

@@ -8,7 +8,6 @@ refer to.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -17,8 +16,8 @@ class AlgorithmSpec:
 
     ``advantage`` / ``loss``: registry names; ``uses_cross``: foreign rollouts enter the learner's batch;
     ``uses_capability_coefficient``: foreign rows carry the capability discrepancy coefficient ``v(j, k)`` (else 1);
-    ``token_level``: the loss works per token and needs each self row's old per-token log-probs; its
-    micro-batches are then weighted by tokens when the loss averages over tokens (``token-mean``);
+    ``token_level``: the loss works per token (GRPO's token mean) and needs each self row's old per-token
+    log-probs; its micro-batches are weighted by their share of the mini-batch's response tokens (else of its rows).
     """
 
     advantage: str
@@ -26,10 +25,6 @@ class AlgorithmSpec:
     uses_cross: bool
     uses_capability_coefficient: bool = False
     token_level: bool = False
-
-    def weights_by_tokens(self, config: Any) -> bool:
-        """Whether micro-batch losses combine by their share of response tokens (else by their share of rows)."""
-        return self.token_level and config.grpo_loss_agg_mode == "token-mean"
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {

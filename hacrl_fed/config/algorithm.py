@@ -17,6 +17,13 @@ class AlgorithmConfig(_Section):
     parameter table all follow them (tests check the table).
     """
 
+    removed_fields = {
+        "grpo_loss_agg_mode": "grpo always averages over the mini-batch's response tokens (token-mean)",
+        "capability_floor": "every capability P-hat is at least CAPABILITY_FLOOR = 1e-8 "
+        "(hacrl_fed/algorithm/capability.py)",
+        "adv_eps": "every advantage adds ADV_EPS = 1e-6 to the group's reward std (hacrl_fed/algorithm/advantages.py)",
+    }
+
     name: str = Field(
         "hacpo",
         description=_d(
@@ -98,14 +105,6 @@ class AlgorithmConfig(_Section):
     )
     grpo_clip_low: float = Field(0.2, ge=0, lt=1, description="grpo's token-level PPO clip band: 1 - low")
     grpo_clip_high: float = Field(0.28, ge=0, description="grpo's token-level PPO clip band: 1 + high")
-    grpo_loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = Field(
-        "token-mean",
-        description=_d(
-            "how grpo averages its per-token objective over a mini-batch: token-mean (every response token of the "
-            "mini-batch weighs the same) or seq-mean-token-mean (the mean over sequences of each sequence's token "
-            "mean)"
-        ),
-    )
     reward_max: float = Field(
         1.0,
         gt=0,
@@ -117,7 +116,6 @@ class AlgorithmConfig(_Section):
     capability_window: int = Field(
         5, ge=1, description=_d("K: capability P-hat of an org is the mean of its last K per-round accuracies")
     )
-    capability_floor: float = Field(1e-8, gt=0, description="lower bound of every capability P-hat (no division by 0)")
     ratio_min: float = Field(0.1, gt=0, description="lower clamp of the capability ratios w and v (hacpo)")
     ratio_max: float = Field(10.0, gt=0, description="upper clamp of the capability ratios w and v (hacpo)")
     warmup_rounds: int = Field(
@@ -133,7 +131,6 @@ class AlgorithmConfig(_Section):
             "reference copy of the model (the paper uses 0.001)"
         ),
     )
-    adv_eps: float = Field(1e-6, gt=0, description="epsilon added to the group's reward std in every advantage")
 
     @model_validator(mode="after")
     def _ratio_bounds(self) -> AlgorithmConfig:

@@ -13,6 +13,10 @@ class GenerationConfig(_Section):
     """How each org samples its rollouts and answers evaluations; an org may override any field under
     orgs[].generation."""
 
+    removed_fields = {
+        "enforce_eager": "set it in generation.vllm_kwargs (enforce_eager: true), like any vllm.LLM argument"
+    }
+
     engine: Literal["hf", "fast", "vllm"] = Field(
         "hf",
         description=_d(
@@ -60,10 +64,10 @@ class GenerationConfig(_Section):
     dtype: Literal["bfloat16", "float16"] | None = Field(
         None, description=_d("vllm only: the engine's weight dtype; null = the model's (float32 runs as bfloat16)")
     )
-    enforce_eager: bool = Field(
-        False, description=_d("vllm only: no CUDA graphs (faster start, less memory, slower decoding)")
-    )
     sleep_during_train: bool = Field(
         False, description=_d("vllm only: sleep(level=1) during each update (weights to CPU, KV cache freed)")
     )
-    vllm_kwargs: dict[str, Any] = Field(default_factory=dict, description="vllm only: extra vllm.LLM(...) arguments")
+    vllm_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description=_d("vllm only: extra vllm.LLM(...) arguments (e.g. enforce_eager: true, no CUDA graphs)"),
+    )

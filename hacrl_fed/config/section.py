@@ -5,14 +5,22 @@ description, and the check that a name is in a registry (the registries are the 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no inf/nan anywhere
+    # fields this section no longer has -> what replaced each (the fixed behaviour, or where the knob lives now): a
+    # config that still sets one fails with one line naming it (:func:`_refuse_removed`)
+    removed_fields: ClassVar[Mapping[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data: Any) -> Any:
+        return _refuse_removed(data, cls.removed_fields)
 
 
 def _d(text: str) -> str:
@@ -26,6 +34,16 @@ def _refuse_bench_only(data: Any, fields: Mapping[str, str]) -> Any:
     for name, where in fields.items():
         if isinstance(data, Mapping) and name in data:
             raise ValueError(f"{name} is a benchmark-only setting, not a run config field (issue 42): {where}")
+    return data
+
+
+def _refuse_removed(data: Any, fields: Mapping[str, str]) -> Any:
+    """``data`` (a section's input) unchanged, or ValueError naming the first of ``fields`` (name -> what replaced
+    it) that it sets: a field removed from the run config (issue 42: no default path, no paper form and no measured
+    win used it)."""
+    for name, now in fields.items():
+        if isinstance(data, Mapping) and name in data:
+            raise ValueError(f"{name} was removed from the run config (issue 42): {now}")
     return data
 
 

@@ -20,6 +20,11 @@ class SecurityConfig(_Section):
     ``encrypt``: coordinator-blind mode; rollout text is sealed end to end for the other orgs.
     """
 
+    removed_fields = {
+        "max_round_step": "a worker accepts a plan at most MAX_ROUND_STEP = 1000 rounds ahead of its last trained "
+        "round (hacrl_fed/worker/guard.py)"
+    }
+
     signing: bool = Field(
         True,
         description=_d(
@@ -77,9 +82,6 @@ class SecurityConfig(_Section):
         64,
         ge=1,
         description=_d("rows a receiver must have screened of an org before its screen drop rate can exclude it"),
-    )
-    max_round_step: int = Field(
-        1000, ge=1, description=_d("how far ahead of its last trained round a worker accepts a plan")
     )
     pad_sealed: bool = Field(
         False,

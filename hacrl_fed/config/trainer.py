@@ -171,15 +171,32 @@ class OutcomeGuardConfig(_Section):
             "validate this learner's greedy accuracy on a private split of its task on a schedule; on a significant "
             "regression against its best validated weights, roll back to them and quarantine the sources trained on "
             "since, counted as outcome/<source>/... (on by default: the defence that bounds a member's harm where "
-            "peers share a tokenizer, at about twice the learner's time with the counterfactual; off: trusted peers, "
-            "or an org sharded over ranks > 1)"
+            "peers share a tokenizer; its time and memory: BENCHMARKS.md, the guard at a fraction of its cost; off: "
+            "trusted peers, or an org sharded over ranks > 1)"
         ),
     )
     every: int = Field(4, ge=1, description=_d("validate after every this many rounds' updates (and the last round's)"))
     val_size: int = Field(
         400,
         ge=8,
-        description=_d("prompts of the private validation split, drawn with the org's seed from the train split"),
+        description=_d(
+            "prompts of the private validation split, drawn with the org's seed from the train split: the most a "
+            "check reads (the sequential test stops earlier when the answer is clear; look, futility)"
+        ),
+    )
+    look: int = Field(
+        50,
+        ge=1,
+        description=_d("prompts the guard's sequential test reads between two looks (docs/ALGORITHM.md)"),
+    )
+    futility: float = Field(
+        0.01,
+        ge=0,
+        lt=1,
+        description=_d(
+            "a check stops reading when the chance that its test's bar is passed at the budget, on the trend of the "
+            "prompts read, is below this (0: always read the whole split)"
+        ),
     )
     z: float = Field(2.5, gt=0, description=_d("a regression: lost - gained > z * sqrt(lost + gained) (McNemar)"))
     margin: int = Field(2, ge=0, description=_d("and lost - gained > margin (prompts)"))
@@ -188,10 +205,18 @@ class OutcomeGuardConfig(_Section):
     counterfactual: bool = Field(
         True,
         description=_d(
-            "also train a shadow of this learner on its own rows alone and validate it every `every` rounds and the "
-            "last: significantly worse than the shadow, the learner takes the shadow's weights and strikes the "
-            "sources trained since; worse by more than last_z standard deviations at the last round, it takes them "
-            "without a strike"
+            "also train a shadow of this learner on its own rows alone (the learner's own samples, importance "
+            "weighted) and validate it every `every` rounds and the last: significantly worse than the shadow, the "
+            "learner takes the shadow's weights and strikes the sources trained since; worse by more than last_z "
+            "standard deviations at the last round, it takes them without a strike"
+        ),
+    )
+    importance_clip: float = Field(
+        2.0,
+        gt=0,
+        description=_d(
+            "the shadow's weight of a learner's own row, exp(lbar_shadow - lbar_learner) (GSPO's sequence ratio), is "
+            "truncated at this value"
         ),
     )
     final_size: int = Field(
@@ -216,6 +241,13 @@ class OutcomeGuardConfig(_Section):
 class TrainerConfig(_Section):
     """The local update of each org (hacrl_fed/trainer.py); an org may override any field under orgs[].trainer."""
 
+    removed_fields = {
+        "skip_no_gradient_rows": "only the rows the loss has a gradient for run forward and backward, always "
+        "(docs/ALGORITHM.md 'Loss and update schedule')",
+        "forward": "the update takes the hand-written forward wherever it applies, else the model's own "
+        "(hacrl_fed/models/native.py)",
+    }
+
     lr: float = Field(2e-5, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (beta1, beta2)")
@@ -226,23 +258,6 @@ class TrainerConfig(_Section):
         32,
         ge=1,
         description=_d("rows per forward/backward pass (memory bound); the gradient equals the whole mini-batch's"),
-    )
-    skip_no_gradient_rows: bool = Field(
-        True,
-        description=_d(
-            "score each mini-batch's foreign rows without gradient first and run forward/backward only over those "
-            "the loss has a gradient for (HACPO's cross band, naive's clip): the same update up to float round-off, "
-            "at a fraction of the cost when most foreign rows fall outside the band (hacpo, naive; not with LoRA "
-            "dropout)"
-        ),
-    )
-    forward: Literal["auto", "model"] = Field(
-        "auto",
-        description=_d(
-            "the update's forward pass. auto: the hand-written forward of the zoo's architectures (Qwen3, Llama, "
-            "GPT-2; hacrl_fed/models/native.py) where it applies (float32, trainer.precision: model, no LoRA, no "
-            "gradient checkpointing), else the model's own; model: always the model's own forward"
-        ),
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters instead of full fine-tuning")
     precision: Literal["model", "bf16-autocast", "bf16-master"] = Field(

@@ -187,7 +187,6 @@ class EngineOptions:
     dtype: str | None = None  # engine weight dtype (vllm); default: the model's, bfloat16 when that is float32
     gpu_memory_utilization: float = 0.5  # vllm: fraction of the GPU the engine may reserve (weights + KV cache)
     max_model_len: int | None = None  # vllm: prompt + response tokens the KV cache is sized for; default: model's
-    enforce_eager: bool = False  # vllm: no CUDA graphs
     sleep_level: int = 0  # vllm: 1 = sleep(level=1) while the trainer updates (see GenerationEngine.released)
     llm_kwargs: dict[str, Any] = field(default_factory=dict)  # vllm: extra vllm.LLM(...) arguments
     extra_stop_ids: tuple[int, ...] = ()  # every engine: stop ids of the org's prompt format besides the EOS ids
@@ -213,7 +212,6 @@ class EngineOptions:
             dtype=gen.dtype,
             gpu_memory_utilization=gen.gpu_memory_utilization,
             max_model_len=gen.max_model_len,
-            enforce_eager=gen.enforce_eager,
             sleep_level=1 if gen.sleep_during_train else 0,
             llm_kwargs=dict(gen.vllm_kwargs),
             extra_stop_ids=tuple(sorted(int(x) for x in extra_stop_ids)),

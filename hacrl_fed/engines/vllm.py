@@ -4,7 +4,8 @@
   :data:`SUPPORTED_VLLM`, the range of the ``vllm`` extra) a clear ``ImportError`` says what to install.
 - Every option of the org's ``generation`` section reaches ``vllm.LLM`` (via
   :class:`~hacrl_fed.engines.base.EngineOptions`): the org's seed, ``gpu_memory_utilization``, ``max_model_len``,
-  ``dtype``, ``enforce_eager``, ``batch_size`` (as ``max_num_seqs``), sleep mode, and any extra ``vllm_kwargs``.
+  ``dtype``, ``batch_size`` (as ``max_num_seqs``), sleep mode, and any extra ``vllm_kwargs`` (e.g.
+  ``enforce_eager``).
 - Log-probs: ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob, and the engine is built with
   ``logprobs_mode="raw_logprobs"`` (explicitly, not relying on a default): the temperature-1 distribution of the
   raw logits, before penalties, temperature and top-k/top-p — what the algorithm asks the source to publish. The
@@ -126,7 +127,6 @@ def llm_arguments(
     dtype: str,
     gpu_memory_utilization: float,
     seed: int,
-    enforce_eager: bool,
     max_model_len: int | None,
     batch_size: int | None,
     sleep_level: int,
@@ -144,7 +144,6 @@ def llm_arguments(
         dtype=dtype,
         gpu_memory_utilization=float(gpu_memory_utilization),
         seed=int(seed),
-        enforce_eager=bool(enforce_eager),
         logprobs_mode="raw_logprobs",  # sampled-token log-probs of the raw temperature-1 distribution
         generation_config="vllm",  # no sampling defaults or extra EOS ids from the folder's generation_config
     )
@@ -214,7 +213,6 @@ class VLLMEngine(GenerationEngine):
         max_model_len: int | None = None,
         batch_size: int | None = None,
         seed: int = 0,
-        enforce_eager: bool = False,
         sleep_level: int = 0,
         sync_on_init: bool = True,
         llm_kwargs: dict | None = None,
@@ -244,7 +242,6 @@ class VLLMEngine(GenerationEngine):
             dtype=self.dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
-            enforce_eager=enforce_eager,
             max_model_len=max_model_len,
             batch_size=batch_size,
             sleep_level=sleep_level,

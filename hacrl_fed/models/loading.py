@@ -106,9 +106,9 @@ def model_sources(model_cfg: ModelConfig) -> tuple[str, str]:
     if zoo_name is not None:
         model_src = str(resolve_zoo(zoo_name))
     elif model_cfg.real is not None:
-        model_src = str(real_source(model_cfg.real, model_cfg.cache_dir))
+        model_src = str(real_source(model_cfg.real))
     elif str(model_cfg.path).lower().endswith(".gguf"):
-        model_src = str(gguf_source(str(model_cfg.path), model_cfg.cache_dir))
+        model_src = str(gguf_source(str(model_cfg.path)))
     else:
         model_src = _check_source(str(model_cfg.path), "model.path")
     if model_cfg.tokenizer is not None:

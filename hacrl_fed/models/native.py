@@ -6,7 +6,7 @@ over the model's own parameter tensors (read at each call: the trainer's in-plac
 copied), with the model's rotary-embedding module for the cos/sin tables. Two users:
 
 - the ``fast`` generation engine (:mod:`hacrl_fed.engines.fast`): a preallocated KV cache, one column a step;
-- the trainer's scoring forward (:func:`shared_prompt_logits`, ``trainer.forward: auto``): each distinct prompt
+- the trainer's scoring forward (:func:`shared_prompt_logits`, wherever it applies): each distinct prompt
   runs once, then every row's response attends to its prompt's keys and values; differentiable (autograd runs
   through the functional ops), logits of the response columns only.
 

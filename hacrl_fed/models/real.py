@@ -2,8 +2,8 @@
 
 ``model: {real: smollm2-135m}`` / ``{real: gemma3-270m}`` names one of :data:`REAL`; ``model.path: x.gguf`` names
 any GGUF file. Either is converted **once** to a full-precision (float32) HF folder under
-``<cache>/real/<name>-<sha256[:16] of the GGUF>/`` (``<cache>``: ``model.cache_dir``, else ``$HACRL_FED_CACHE``,
-else ``~/.cache/hacrl_fed``); afterwards the folder is an ordinary ``model.path`` source that saves, checkpoints
+``<cache>/real/<name>-<sha256[:16] of the GGUF>/`` (``<cache>``: ``$HACRL_FED_CACHE``, else
+``~/.cache/hacrl_fed``); afterwards the folder is an ordinary ``model.path`` source that saves, checkpoints
 and exports like any other. Nothing is downloaded: the files come from the packages ``make real-models`` installs.
 
 Conversion (:func:`convert_gguf`): transformers dequantizes the GGUF weights to float32 but keeps its GGUF
@@ -108,7 +108,7 @@ def file_digest(path: Path) -> str:
 
 
 def cache_base(cache_dir: str | None) -> Path:
-    """``cache_dir`` (``model.cache_dir``) if set, else the project's cache root (:func:`catalog.cache_root`)."""
+    """``cache_dir`` if given, else the project's cache root (:func:`catalog.cache_root`: ``$HACRL_FED_CACHE``)."""
     return Path(cache_dir).expanduser() if cache_dir else cache_root()
 
 

@@ -21,7 +21,7 @@ from hacrl_fed.worker.samples import SAMPLES_FILE
 METRICS_FILE = "metrics.jsonl"
 SAMPLE_BUDGET_BYTES = 3_600_000  # the most sample bytes one report embeds (all orgs; rows thinned evenly beyond)
 MAX_EVENTS = 4000  # trust events listed (the earliest; the count of the rest is shown)
-PHASES = ("generate", "verify", "seal_sign", "trust", "score", "train", "outcome_shadow_gen")  # <org>/time/<phase>
+PHASES = ("generate", "verify", "seal_sign", "trust", "score", "train", "outcome_shadow")  # <org>/time/<phase>
 
 INTAKE = re.compile(r"^(?P<learner>[^/]+)/intake/(?P<source>[^/]+)/(?P<what>received|kept|dropped/[^/]+/[^/]+)$")
 

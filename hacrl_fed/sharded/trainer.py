@@ -9,7 +9,7 @@ collectives stay in step, and FSDP2 sums the gradients over the ranks (:func:`~h
 the summed gradient is the single-process mini-batch gradient up to float round-off (the order of the sum). The
 gradient clip uses the global norm (``clip_grad_norm_`` over DTensor gradients), AdamW steps on each rank's
 shards, and the KL term's token mean is over the whole mini-batch's self tokens. No-gradient scoring (the intake's
-likelihood screen, the rows without a gradient under ``trainer.skip_no_gradient_rows``, the step-0 ratios of
+likelihood screen, the rows without a gradient (which skip forward and backward), the step-0 ratios of
 ``algorithm.baseline_rows: in_band``) runs whole on every rank, so every rank takes the same decisions.
 
 Two copies of the weights per rank: the FSDP2 shards (what trains, with the optimizer state) and a plain replica
@@ -106,6 +106,7 @@ class ShardedTrainer(LocalTrainer):
         capability: Capability,
         names: Sequence[str] | None = None,
         prepared: PreUpdate | None = None,
+        importance: Sequence[float] | None = None,
     ) -> dict[str, float]:
         """:meth:`LocalTrainer.update` on the shards, then the replica refreshed from them (collective). The ranks
         first check they admitted the same rows (:func:`rows_digest`): a rank that took another decision would
@@ -113,7 +114,7 @@ class ShardedTrainer(LocalTrainer):
         digests = gather(rows_digest(rows))
         if len(set(digests)) > 1:
             raise RuntimeError(f"the ranks admitted different rows for this update (digests by rank: {digests})")
-        out = super().update(rows, learner, capability, names, prepared)
+        out = super().update(rows, learner, capability, names, prepared, importance)
         if out.get("train/steps", 0.0):
             copy_full_weights(self.model, self.replica)
         return out

@@ -7,7 +7,7 @@ does not fit its own state and configured limits:
   only to resume it from its own checkpoint of that run, or to start a run it never trained at that run's first
   request, from its configured initial weights (:mod:`hacrl_fed.worker.policy_worker`); anything else is
   ``wrong_run``, and so is a train request for another run than the round it generated;
-* rounds only forward: a plan's round is after the last trained one and at most ``security.max_round_step``
+* rounds only forward: a plan's round is after the last trained one and at most :data:`MAX_ROUND_STEP`
   ahead of it; a plan at most ``security.max_stale_rounds`` rounds behind is a coordinator restart
   (``stale_round``), one further behind means another client drove the worker ahead (``round_ahead``, counted as
   an attack); ``train`` only for the round it generated; ``checkpoint`` only for the round it last trained;
@@ -31,6 +31,8 @@ from typing import Any
 
 from hacrl_fed.config import RunConfig, org_generation
 from hacrl_fed.types import EvalRequest, Prompt, RoundPlan, StepRequest, TrainRequest
+
+MAX_ROUND_STEP = 1000  # how far ahead of its last trained round a worker accepts a plan (fixed since issue 42)
 
 
 class RequestRefused(ValueError):
@@ -84,12 +86,10 @@ def check_plan(cfg: RunConfig, org_id: str, plan: RoundPlan, *, last_round: int,
         )
     if not plan.prompts:
         raise RequestRefused("empty_plan", "the plan lists no prompts")
-    step = cfg.security.max_round_step
-    if plan.round > last_round + step:
+    if plan.round > last_round + MAX_ROUND_STEP:
         raise RequestRefused(
             "round_too_far",
-            f"round {plan.round} is more than security.max_round_step={step} "
-            f"rounds after the last trained round {last_round}",
+            f"round {plan.round} is more than {MAX_ROUND_STEP} rounds after the last trained round {last_round}",
         )
     gen, sp = org_generation(cfg, org_id), plan.sampling
     _at_most("num_samples", sp.num_samples, gen.num_samples, "generation.num_samples")

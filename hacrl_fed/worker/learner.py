@@ -1,6 +1,6 @@
 """The learner as its after-update extensions see it (:class:`Learner`): the outcome guard and its shadow
-(:mod:`hacrl_fed.worker.outcome`, :mod:`hacrl_fed.worker.shadow`) sample, score, update and swap weights only
-through these methods, and the policy worker (:mod:`hacrl_fed.worker.policy_worker`) implements them."""
+(:mod:`hacrl_fed.worker.outcome`, :mod:`hacrl_fed.worker.shadow`) score, update and swap weights only through these
+methods, and the policy worker (:mod:`hacrl_fed.worker.policy_worker`) implements them."""
 
 from __future__ import annotations
 
@@ -12,30 +12,32 @@ import torch
 from hacrl_fed.algorithm.advantages import Capability
 from hacrl_fed.engines.base import GenerationEngine
 from hacrl_fed.train_rows import TrainRow
-from hacrl_fed.types import RoundPlan
 from hacrl_fed.worker.weights import Saved
 
 
 class Learner(Protocol):
-    """A learner's model, engine and trainer behind four verbs: sample, score, update, weights."""
+    """A learner's model, engine and trainer behind three verbs: score, update, weights."""
 
     engine: GenerationEngine  # greedy validation runs on it, with whatever weights are loaded
     context: int | None  # the model's context length (None: unbounded)
-
-    def sample(self, plan: RoundPlan) -> list[TrainRow]:
-        """``plan``'s own rows: sampled with the weights on the engine and verified with the learner's verifier."""
-        ...
 
     def score(self, rows: Sequence[TrainRow]) -> list[list[float]]:
         """Per-token log-probs of each row's response with the model's current weights (no gradient)."""
         ...
 
-    def update(self, rows: Sequence[TrainRow], learner: int, capability: Capability) -> dict[str, float]:
-        """One update of the model's current weights and trainer state on ``rows`` (the trainer's update)."""
+    def update(
+        self, rows: Sequence[TrainRow], learner: int, capability: Capability, importance: Sequence[float] | None = None
+    ) -> dict[str, float]:
+        """One update of the model's current weights and trainer state on ``rows`` (the trainer's update;
+        ``importance``: a weight per row on its advantage, :meth:`hacrl_fed.trainer.LocalTrainer.update`)."""
         ...
 
     def weights(self) -> Saved:
         """A copy of the trainable weights and the trainer's state."""
+        ...
+
+    def live(self) -> Saved:
+        """The trainable weights and the trainer's state themselves, not copies (to write to a file; never kept)."""
         ...
 
     def params(self) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@
 3. **prepare**: the algorithm's pre-update pass over the admitted rows (:meth:`LocalTrainer.prepare`: what it scores
    once per row with the pre-update weights, e.g. the in-band baseline's step-0 ratios);
 4. **update**: the trainer's optimizer steps (:meth:`LocalTrainer.update`), each extension's work beside it (the
-   guard's shadow trains on its own rows) while the engine is released, then the engine synced;
+   guard's shadow trains on the learner's own rows) while the engine is released, then the engine synced;
 5. **after**: each extension after the update (the guard validates when due and may roll the weights back).
 
 Extensions (:class:`Extension`) see the learner only through :class:`~hacrl_fed.worker.learner.Learner`.
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from hacrl_fed.cancel import raise_if_cancelled
 from hacrl_fed.perf import PhaseMeter
 from hacrl_fed.seeding import stable_seed
-from hacrl_fed.types import Rollout, RoundPlan, TrainRequest
+from hacrl_fed.types import Rollout, TrainRequest
 from hacrl_fed.worker.intake import Admitted, LeaveOut, OwnRound, Scoring
 from hacrl_fed.worker.late_rounds import LateRounds
 from hacrl_fed.worker.learner import Learner
@@ -36,8 +36,6 @@ PolicyWorker = Any
 
 class Extension(Protocol):
     """Work a learner does around its update (the outcome guard: :class:`hacrl_fed.worker.outcome.GuardExtension`)."""
-
-    def after_generate(self, learner: Learner, plan: RoundPlan) -> dict[str, float]: ...
 
     def begin(self, run_id: str, round: int, learner: Learner) -> tuple[dict[str, float], LeaveOut]: ...
 

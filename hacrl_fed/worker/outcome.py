@@ -1,5 +1,5 @@
 """The worker side of the outcome guard (``trainer.outcome_guard``; the decisions are
-:mod:`hacrl_fed.algorithm.outcome_guard`'s): the private validation split, the reference weights kept in memory,
+:mod:`hacrl_fed.algorithm.outcome_guard`'s): the private validation split, the reference weights kept in a file,
 the quarantine of foreign rows and the rollback.
 
 * the split: ``val_size`` prompts of the task's **train** split, ids drawn with the org's private seed (the
@@ -8,16 +8,18 @@ the quarantine of foreign rows and the rollback.
   learner and its shadow is made (the validation split selected the learner's weights all run, so a second look
   at it would favour them);
 * before the first update of a run the initial weights are validated and kept as the reference; after an update
-  when validation is due the updated weights are validated and judged: a new reference replaces the copy in
-  memory, and a rollback copies the reference's parameters and trainer state (optimizer, likelihood-screen history)
-  back and syncs the engine;
+  when validation is due the updated weights are validated and judged: a new reference replaces the file
+  ``<run_dir>/orgs/<org>/guard/reference.pt`` (:class:`~hacrl_fed.worker.stash.Stash`: memory-mapped when read,
+  so neither the reference nor the shadow stays in the learner's memory), and a rollback copies the reference's
+  parameters and trainer state (optimizer, likelihood-screen history) back and syncs the engine;
 * :meth:`OutcomeMonitor.leave_out` drops a quarantined source's rows before selection (ledger stage ``outcome``);
-* with ``counterfactual`` on, a shadow of the learner trains on its own rows alone (:mod:`hacrl_fed.worker.shadow`)
-  and is validated on the same split every ``every``-th round and the last; the learner adopts its weights when
+* with ``counterfactual`` on, a shadow of the learner trains on the learner's own rows alone
+  (:mod:`hacrl_fed.worker.shadow`) and is validated on the same split every ``every``-th round and the last; the
+  learner adopts its weights when
   :func:`hacrl_fed.algorithm.counterfactual.against_shadow` says so (``outcome/adopted``,
   ``outcome/<source>/blamed_counterfactual``).
 
-The state lives in memory for the worker's current run and rides in the worker's checkpoints
+The state lives in the org's ``guard/`` folder for the worker's current run and rides in the worker's checkpoints
 (:meth:`OutcomeMonitor.state_dict`: the guard's verdict state, the reference weights and trainer state, the
 shadow's), so a worker resumed from a checkpoint continues the guard of the run it left, shadow included; a
 checkpoint written without it (the guard off then) starts the guard afresh from the restored weights.
@@ -29,45 +31,54 @@ import random
 import time
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hacrl_fed.algorithm import counterfactual
 from hacrl_fed.algorithm.advantages import Capability
 from hacrl_fed.algorithm.outcome_guard import OutcomeGuard, OutcomeParams, Verdict
+from hacrl_fed.algorithm.sequential import prompts_read
 from hacrl_fed.config import OutcomeGuardConfig
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.trainer import TrainRow
-from hacrl_fed.types import Rollout, RoundPlan
+from hacrl_fed.types import Rollout
+from hacrl_fed.worker.answers import Answers, Read, chunk, on_engine
 from hacrl_fed.worker.intake import Admitted, LeaveOut
 from hacrl_fed.worker.learner import Learner
 from hacrl_fed.worker.ledger import Ledger
 from hacrl_fed.worker.shadow import Shadow
-from hacrl_fed.worker.weights import Saved
+from hacrl_fed.worker.stash import Stash
 
 
 class OutcomeMonitor:
     """One learner's outcome guard with its validation split and reference weights (module doc)."""
 
-    def __init__(self, cfg: OutcomeGuardConfig, *, seed: int, task: Any, prompts: Any, max_new_tokens: int):
-        self.cfg, self.task, self.book, self.max_new_tokens = cfg, task, prompts, max_new_tokens
+    def __init__(
+        self, cfg: OutcomeGuardConfig, *, seed: int, task: Any, prompts: Any, max_new_tokens: int, store: Path
+    ):
+        self.cfg, self.task, self.book, self.max_new_tokens, self.store = cfg, task, prompts, max_new_tokens, store
         rng = random.Random(stable_seed(seed, "outcome-validation"))
-        ids = sorted(rng.sample(range(task.size("train")), min(cfg.val_size, task.size("train"))))
+        # in the draw's order: a prefix is a random sample (the sequential test reads prefixes)
+        ids = rng.sample(range(task.size("train")), min(cfg.val_size, task.size("train")))
         self.prompts = task.prompts("train", ids)
         final = _final_ids(seed, task.size("train"), cfg.final_size, set(ids)) if cfg.counterfactual else []
         self.final = task.prompts("train", final)  # the last round's choice with the shadow: none without it
         self.params = OutcomeParams(cfg.every, cfg.z, cfg.margin, cfg.probation, cfg.backoff)
         self.run_id: str | None = None
         self.guard = OutcomeGuard(self.params)
-        self.saved: Saved | None = None
+        self.reference = Stash(store / "reference.pt")
+        self.saved = False  # a reference is stashed for run_id
         self.shadow: Shadow | None = None  # the counterfactual learner (None: off, or before the run's start)
 
     @classmethod
     def of(
-        cls, cfg: OutcomeGuardConfig, *, seed: int, task: Any, prompts: Any, max_new_tokens: int
+        cls, cfg: OutcomeGuardConfig, *, seed: int, task: Any, prompts: Any, max_new_tokens: int, store: Path
     ) -> list[OutcomeMonitor]:
-        """A learner's after-update extensions for the guard: its monitor (its private seed, task, prompt book and
-        evaluation budget), or none when off."""
-        return [cls(cfg, seed=seed, task=task, prompts=prompts, max_new_tokens=max_new_tokens)] if cfg.enabled else []
+        """A learner's after-update extensions for the guard: its monitor (its private seed, task, prompt book,
+        evaluation budget and folder for its files), or none when off."""
+        if not cfg.enabled:
+            return []
+        return [cls(cfg, seed=seed, task=task, prompts=prompts, max_new_tokens=max_new_tokens, store=store)]
 
     def validate(self, engine: Any, context: int | None, prompts: Sequence[Any] | None = None) -> list[bool]:
         """Greedy correctness of the current weights on the validation split, or on ``prompts`` (the final split);
@@ -81,33 +92,32 @@ class OutcomeMonitor:
             right[i] = float(self.task.verify(g.text, prompts[i].reference)) >= 1.0
         return right
 
-    def validate_final(self, engine: Any, context: int | None) -> list[bool]:
-        """:meth:`validate` on the final split (the last round's choice)."""
-        return self.validate(engine, context, self.final)
-
     def start(self, run_id: str, learner: Learner) -> dict[str, float]:
         """Before an update: a run this monitor has no reference of starts with the current weights validated and
         kept as the reference."""
-        if run_id == self.run_id and self.saved is not None:
+        if run_id == self.run_id and self.saved:
             return {}
         t0 = time.perf_counter()
         self.run_id, self.guard = run_id, OutcomeGuard(self.params)
-        right = self.validate(learner.engine, learner.context)
-        self.guard.judge(0, right)
-        self.saved = learner.weights()
-        self.shadow = Shadow(self.saved) if self.cfg.counterfactual else None
+        right = Answers(self._live(learner, self.prompts)).upto(min(self.cfg.look, len(self.prompts)))
+        self.guard.judge(0, right)  # its first look; the checks read further from the reference's file
+        self.reference.put(learner.live())
+        self.saved = True
+        self.shadow = self._shadow_from(learner.live()) if self.cfg.counterfactual else None
         return {"outcome/reference_accuracy": _acc(right), "time/outcome_reference": time.perf_counter() - t0}
 
     def state_dict(self) -> dict[str, Any] | None:
         """What a checkpoint keeps of this monitor (plain data and tensors: ``torch.load(weights_only=True)``
         reads it back); None before the run's reference exists."""
-        if self.run_id is None or self.saved is None:
+        if self.run_id is None or not self.saved:
             return None
+        params, state = self.reference.get()
+        shadow = None if self.shadow is None else self.shadow.saved
         return {
             "run_id": self.run_id,
             "guard": self.guard.state(),
-            "reference": {"params": self.saved[0], "state": self.saved[1]},
-            "shadow": None if self.shadow is None else {"params": self.shadow.saved[0], "state": self.shadow.saved[1]},
+            "reference": {"params": params, "state": state},
+            "shadow": None if shadow is None else {"params": shadow[0], "state": shadow[1]},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -115,12 +125,17 @@ class OutcomeMonitor:
         and shadow; a shadow the checkpoint lacks (counterfactual off then) starts from the reference."""
         self.run_id = str(state["run_id"])
         self.guard = OutcomeGuard.from_state(self.params, state["guard"])
-        self.saved = (state["reference"]["params"], state["reference"]["state"])
+        saved = (state["reference"]["params"], state["reference"]["state"])
+        self.reference.put(saved)
+        self.saved = True
         shadow = state.get("shadow")
         if not self.cfg.counterfactual:
             self.shadow = None
         else:
-            self.shadow = Shadow((shadow["params"], shadow["state"]) if shadow else self.saved)
+            self.shadow = self._shadow_from((shadow["params"], shadow["state"]) if shadow else saved)
+
+    def _shadow_from(self, saved: Any) -> Shadow:
+        return Shadow(self.store, saved, self.cfg.importance_clip)
 
     def leave_out(self, foreign: list[Rollout], round: int, ledger: Ledger) -> tuple[list[Rollout], dict[str, float]]:
         """The rows of sources the guard admits this round; ``outcome/<source>/...`` for every source offered."""
@@ -134,81 +149,109 @@ class OutcomeMonitor:
             out[f"outcome/{src}/strikes"] = float(self.guard.strikes.get(src, 0))
         return [r for r in foreign if admitted[str(r.org_id)]], out
 
-    def shadow_generate(self, learner: Learner, plan: RoundPlan) -> dict[str, float]:
-        """The shadow's own samples of this round's plan, when it exists (from the run's second round)."""
-        if self.shadow is None or plan.run_id != self.run_id:
-            return {}
-        return self.shadow.generate(learner, plan)
-
     def train_shadow(
-        self, learner: Learner, round: int, rows: Sequence[TrainRow], index: int, capability: Capability
+        self, learner: Learner, rows: Sequence[TrainRow], index: int, capability: Capability
     ) -> dict[str, float]:
-        """The shadow's update on its own rows of this round (nothing with the counterfactual off)."""
-        return self.shadow.train(learner, round, rows, index, capability) if self.shadow is not None else {}
+        """The shadow's update on the learner's own rows of this round (nothing with the counterfactual off)."""
+        return self.shadow.train(learner, rows, index, capability) if self.shadow is not None else {}
 
     def after_update(self, round: int, last_round: int, trained: Sequence[str], learner: Learner) -> dict[str, float]:
-        """Record the sources the update trained on; when due, validate, judge and apply the verdict, then check the
-        counterfactual when it is due."""
+        """Record the sources the update trained on; when due, validate (as many prompts as the sequential test
+        reads), judge and apply the verdict, then check the counterfactual when it is due."""
         self.guard.trained(trained)
         if not self.guard.due(round, last_round):
             return {"outcome/validated": 0.0}
         t0 = time.perf_counter()
-        right = self.validate(learner.engine, learner.context)
-        shadow = self._shadow_for_gate(right, learner)
-        verdict = self.guard.judge(round, right, shadow)
-        out = _verdict_metrics(verdict, right)
-        if shadow is not None:
-            out["outcome/shadow_accuracy"] = _acc(shadow)
-        if verdict.rollback and self.saved is not None:
-            learner.load_weights(self.saved)
-            right = list(self.guard.reference or right)  # the weights now on the model: the reference's vector
+        current = Answers(self._live(learner, self.prompts))
+        reference = Answers(self._stashed(learner, self.prompts, self.reference), self.guard.reference or ())
+        n = self._read(reference, current, len(self.prompts), self.params.z, self.params.margin)
+        self.guard.reference = list(reference.known)  # the reference's weights answered further: kept
+        right = current.upto(n)
+        shadow = Answers(self._shadowed(learner, self.prompts)) if self.shadow is not None else None
+        gate = shadow.upto(n) if shadow is not None and self.guard.needs_shadow(right) else None
+        verdict = self.guard.judge(round, right, gate)
+        out = {**_verdict_metrics(verdict, right), "outcome/val_read": float(n)}
+        if gate is not None:
+            out["outcome/shadow_accuracy"] = _acc(gate)
+        if verdict.rollback and self.saved:
+            learner.load_weights(self.reference.get())
+            current = Answers(current.read, self.guard.reference or ())  # the weights now on the model
         elif verdict.new_reference:
-            self.saved = learner.weights()
+            self.reference.put(learner.live())
         out["time/outcome"] = time.perf_counter() - t0
-        if self.shadow is not None and counterfactual.due(round, last_round, self.params.every):
-            out.update(self._counterfactual(round, last_round, right, learner, shadow))
+        if shadow is not None and counterfactual.due(round, last_round, self.params.every):
+            out.update(self._counterfactual(round, last_round, current, shadow, learner))
         return out
 
-    def _shadow_for_gate(self, right: list[bool], learner: Learner) -> list[bool] | None:
-        """The shadow's vector on the validation split when the verdict on ``right`` waits on it
-        (:meth:`OutcomeGuard.needs_shadow`, a shadow kept), else None. The shadow's weights do not change before this
-        round's counterfactual check, which reuses it."""
-        if self.shadow is None or not self.guard.needs_shadow(right):
-            return None
-        return self.shadow.validate(learner, self.validate)
+    def _read(self, reference: Answers, current: Answers, budget: int, z: float, margin: int) -> int:
+        """Prompts the sequential test reads of ``budget`` (:func:`hacrl_fed.algorithm.sequential.prompts_read`)."""
+
+        def pairs(n: int) -> tuple[list[bool], list[bool]]:
+            mine = current.upto(n)  # the weights on the model first, then the other ones
+            return reference.upto(n), mine
+
+        return prompts_read(
+            pairs,
+            budget=budget,
+            look=self.cfg.look,
+            z=z,
+            margin=margin,
+            futility=self.cfg.futility,
+        )
+
+    def _live(self, learner: Learner, prompts: Sequence[Any]) -> Read:
+        """Read ``prompts[a:b]`` with the weights on the engine."""
+        return lambda a, b: self._answer(learner, prompts, a, b)
+
+    def _stashed(self, learner: Learner, prompts: Sequence[Any], stash: Stash) -> Read:
+        """Read ``prompts[a:b]`` with a stash's parameters on the engine (the learner's put back)."""
+        return lambda a, b: on_engine(learner, stash.params(), lambda: self._answer(learner, prompts, a, b))
+
+    def _shadowed(self, learner: Learner, prompts: Sequence[Any]) -> Read:
+        """Read ``prompts[a:b]`` with the shadow's parameters on the engine."""
+        shadow = self.shadow
+        assert shadow is not None
+        return lambda a, b: shadow.validate(learner, lambda engine, context: self._answer(learner, prompts, a, b))
+
+    def _answer(self, learner: Learner, prompts: Sequence[Any], a: int, b: int) -> list[bool]:
+        """:meth:`validate` on ``prompts[a:b]`` (the whole validation split as :meth:`validate`'s default)."""
+        part = chunk(prompts, a, b)
+        if part is self.prompts:
+            return self.validate(learner.engine, learner.context)
+        return self.validate(learner.engine, learner.context, part)
 
     def _counterfactual(
-        self, round: int, last_round: int, right: list[bool], learner: Learner, shadow: list[bool] | None = None
+        self, round: int, last_round: int, learner_answers: Answers, shadow: Answers, learner: Learner
     ) -> dict[str, float]:
-        """Validate the shadow (``shadow``: its vector, already validated this round) and compare; on a verdict to
-        adopt, the learner takes the shadow's weights. At the last round, with a final split, the two are compared on
-        it instead (module doc)."""
+        """Compare the learner (``learner_answers``: the weights on the model) with its shadow, as far as the
+        sequential test reads; on a verdict to adopt, the learner takes the shadow's weights. At the last round,
+        with a final split, the two are compared on it instead (module doc)."""
         assert self.shadow is not None
         t0 = time.perf_counter()
-        shadow = self.shadow.validate(learner, self.validate) if shadow is None else shadow
         last = round >= last_round
         final: dict[str, float] = {}
-        against = shadow  # the shadow's vector the learner's is compared with
+        mine, against, budget = learner_answers, shadow, len(self.prompts)
         if last and self.final:
-            right = self.validate_final(learner.engine, learner.context)
-            against = self.shadow.validate(learner, self.validate_final)
-            final = {"outcome/final_accuracy": _acc(right), "outcome/shadow_final_accuracy": _acc(against)}
+            mine, against = Answers(self._live(learner, self.final)), Answers(self._shadowed(learner, self.final))
+            budget = len(self.final)
+        z, margin = (self.cfg.last_z, 0) if last else (self.params.z, self.params.margin)
+        n = self._read(against, mine, budget, z, margin)
+        right, theirs = mine.upto(n), against.upto(n)
+        if last and self.final:
+            final = {"outcome/final_accuracy": _acc(right), "outcome/shadow_final_accuracy": _acc(theirs)}
         cf = counterfactual.against_shadow(
-            against,
-            right,
-            z=self.params.z,
-            margin=self.params.margin,
-            last=last,
-            last_z=self.cfg.last_z,
+            theirs, right, z=self.params.z, margin=self.params.margin, last=last, last_z=self.cfg.last_z
         )
         quarantined: dict[str, int] = {}
         if cf.adopt:
-            self.saved = self.shadow.adopted_by(learner)
-            quarantined = self.guard.adopt(round, shadow, cf.strike)
+            self.shadow.adopted_by(learner)
+            self.reference.put(learner.live())
+            quarantined = self.guard.adopt(round, list(shadow.known), cf.strike)  # its answers read on the split
         out = {
-            "outcome/shadow_accuracy": _acc(shadow),
+            **({"outcome/shadow_accuracy": _acc(shadow.known)} if shadow.known else {}),
             "outcome/cf_lost": float(cf.comparison.lost),
             "outcome/cf_gained": float(cf.comparison.gained),
+            "outcome/cf_read": float(n),
             "outcome/adopted": float(cf.adopt),
             "time/outcome_counterfactual": time.perf_counter() - t0,
             **final,
@@ -236,17 +279,19 @@ def _verdict_metrics(verdict: Verdict, right: Sequence[bool]) -> dict[str, float
 
 def _final_ids(seed: int, size: int, n: int, validation: set[int]) -> list[int]:
     """``n`` ids of the train split for the final split, drawn with the org's seed, apart from the validation ids
-    (all the others when the split has fewer)."""
+    (all the others when the split has fewer), in the draw's order."""
     rng = random.Random(stable_seed(seed, "outcome-final"))
     free = size - len(validation)
     if n >= free:
-        return [i for i in range(size) if i not in validation]
-    ids: set[int] = set()
-    while len(ids) < n:
+        ids = [i for i in range(size) if i not in validation]
+        rng.shuffle(ids)
+        return ids
+    drawn: dict[int, None] = {}  # in the draw's order: a prefix is a random sample
+    while len(drawn) < n:
         i = rng.randrange(size)
         if i not in validation:
-            ids.add(i)
-    return sorted(ids)
+            drawn[i] = None
+    return list(drawn)
 
 
 def _acc(right: Sequence[bool]) -> float:
@@ -265,13 +310,9 @@ class GuardExtension:
         monitor = self.monitor
         return monitor.start(run_id, learner), lambda foreign, ledger: monitor.leave_out(foreign, round, ledger)
 
-    def after_generate(self, learner: Learner, plan: RoundPlan) -> dict[str, float]:
-        """After the learner generated: the shadow's own samples of the same plan (from the run's second round)."""
-        return self.monitor.shadow_generate(learner, plan)
-
     def beside(self, learner: Learner, round: int, admitted: Admitted) -> dict[str, float]:
-        """During the update (engine released): the shadow's update on its own rows, no foreign one."""
-        return self.monitor.train_shadow(learner, round, admitted.rows, admitted.learner, admitted.capability)
+        """During the update (engine released): the shadow's update on the learner's own rows, no foreign one."""
+        return self.monitor.train_shadow(learner, admitted.rows, admitted.learner, admitted.capability)
 
     def after(self, learner: Learner, round: int, admitted: Admitted) -> dict[str, float]:
         """After the update (engine synced): validate when due; a regression rolls the weights back."""

@@ -152,7 +152,12 @@ class PolicyWorker(RunRouting):
         """The outcome guard's monitor (None: off) and the learner round's extensions (the guard's, when on)."""
         g = self.trainer_cfg.outcome_guard
         mons = OutcomeMonitor.of(
-            g, seed=self.seed, task=self.task, prompts=self.prompts, max_new_tokens=self.gen_cfg.eval_max_new_tokens
+            g,
+            seed=self.seed,
+            task=self.task,
+            prompts=self.prompts,
+            max_new_tokens=self.gen_cfg.eval_max_new_tokens,
+            store=self.ckpt_base.parent / "guard",
         )
         last = self.cfg.federation.rounds_of(self.org_id)  # its own last round (federation.org_rounds)
         return (mons[0] if mons else None), [GuardExtension(m, last) for m in mons]
@@ -182,7 +187,6 @@ class PolicyWorker(RunRouting):
         t1 = time.perf_counter()
         gen_perf = perf.lap("generate", sum(g.token_count for row in gens for g in row))
         rollouts, rows = verify_samples(self, plan, tokens_by_prompt, [plan.prompts[i] for i in keep], gens)
-        shadow = {k: v for ext in self.extensions for k, v in ext.after_generate(self, plan).items()}  # the shadow
         fresh = fresh_digest(plan, self.org_id, self._challenges.expect())
         self._own = OwnRound(
             plan.run_id, plan.round, plan.task, plan.prompts, sp.max_new_tokens, tokens_by_prompt, rows, fresh
@@ -199,7 +203,6 @@ class PolicyWorker(RunRouting):
             "cpu/generate": time.process_time() - c0,  # this process's CPU seconds (all its threads)
             **gen_perf,
             "trust/plan_fresh": float(fresh is not None),
-            **shadow,
         }
         self.samples.record_generate(plan, rollouts)
         acc = sum(r.reward for r in rollouts) / n
@@ -225,16 +228,17 @@ class PolicyWorker(RunRouting):
         return self._report(request, metrics)
 
     # -- Learner (hacrl_fed.worker.learner): what the learner round's extensions use ---------------------------
-    def sample(self, plan: RoundPlan) -> list[TrainRow]:
-        """``plan``'s own rows, sampled with the weights on the engine and verified."""
-        tokens_by_prompt, keep, gens = sample_plan(self, plan)
-        return verify_samples(self, plan, tokens_by_prompt, [plan.prompts[i] for i in keep], gens)[1]
-
     def score(self, rows: Sequence[TrainRow]) -> list[list[float]]:
         return self.trainer.token_log_prob_lists(rows)
 
-    def update(self, rows: Sequence[TrainRow], learner: int, capability: Capability) -> dict[str, float]:
-        return self.trainer.update(rows, learner, capability)
+    def update(
+        self, rows: Sequence[TrainRow], learner: int, capability: Capability, importance: Sequence[float] | None = None
+    ) -> dict[str, float]:
+        return self.trainer.update(rows, learner, capability, importance=importance)
+
+    def live(self) -> Saved:
+        trainable = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+        return trainable, self.trainer.state_dict()
 
     def weights(self) -> Saved:
         return snapshot(self.model, self.trainer)

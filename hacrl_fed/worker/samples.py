@@ -3,15 +3,15 @@
 Each round the org's worker appends to ``<run dir>/orgs/<org>/samples.jsonl`` (one JSON object a line), written
 by the org itself, so in coordinator-blind mode the coordinator never sees the text:
 
-* ``kind: "own"``: a seeded choice of ``samples.own_per_round`` of its own rollouts of the round (prompt,
+* ``kind: "own"``: a seeded choice of :data:`OWN_PER_ROUND` of its own rollouts of the round (prompt,
   response, reward, stop reason, length in its own tokens);
-* ``kind: "foreign"``: as a learner, up to ``samples.foreign_per_round`` rows per source of the foreign rows it
+* ``kind: "foreign"``: as a learner, up to :data:`FOREIGN_PER_ROUND` rows per source of the foreign rows it
   received (those it can read: a sealed batch it could not open has no text), each with its ``fate``: ``kept``
   (the update trained on it) or ``dropped`` with the intake ledger's ``stage`` and ``reason``
   (:mod:`hacrl_fed.worker.ledger`; where the ledger counts several reasons of one stage for a source, the row
   names them all, ``a|b``, since the ledger counts rows, not which row).
 
-Bounded: text is cut at ``samples.max_text_chars``; the file never exceeds ``samples.max_bytes``, and round ``t``
+Bounded: text is cut at :data:`MAX_TEXT_CHARS` characters; the file never exceeds :data:`MAX_BYTES`, and round ``t``
 of ``R`` may fill it only to ``t / R`` of that (later rounds keep their share; a row that does not fit is not
 written, counted in :attr:`SampleBook.skipped`). Everything here is best effort: an I/O error is logged once and
 never fails the round.
@@ -34,6 +34,11 @@ from hacrl_fed.types import Prompt, Rollout, RoundPlan, TrainRequest
 log = logging.getLogger(__name__)
 
 SAMPLES_FILE = "samples.jsonl"
+# fixed since issue 42 (no default path, paper form or measured win set them): read when a round is recorded
+OWN_PER_ROUND = 4  # own rollouts kept per round (a seeded choice)
+FOREIGN_PER_ROUND = 2  # foreign rows kept per round and source, with their fate (kept / dropped)
+MAX_TEXT_CHARS = 600  # prompt and response text longer than this is cut (marked …)
+MAX_BYTES = 1_000_000  # the most bytes of samples.jsonl per org (fits a 150-round, 3-org demo)
 # the ledger's stages in intake order, grouped by where a row leaves the intake (the fate a row can be given)
 BEFORE_SCREEN_ACCEPT = "trust"  # bound, open, screen_batch (every trust reason but source_excluded)
 AFTER_SCREEN = {("trust", "source_excluded"), ("outcome", "quarantined")}
@@ -68,7 +73,7 @@ class SampleBook:
     """One org's ``samples.jsonl`` (module docstring)."""
 
     def __init__(self, cfg: RunConfig, org_id: str, run_dir: str | Path) -> None:
-        self.cfg, self.org_id, self.sc = cfg, org_id, cfg.samples
+        self.cfg, self.org_id = cfg, org_id
         self.path = samples_path(run_dir, org_id)
         self.rounds = max(cfg.federation.rounds_of(org_id), 1)
         self.seed = stable_seed(cfg.seed, "samples", org_id)
@@ -83,12 +88,12 @@ class SampleBook:
             return
         prompts = {p.prompt_id: p for p in plan.prompts}
         rng = random.Random(stable_seed(self.seed, "own", plan.run_id, plan.round))
-        chosen = sorted(rng.sample(range(len(rollouts)), min(self.sc.own_per_round, len(rollouts))))
+        chosen = sorted(rng.sample(range(len(rollouts)), min(OWN_PER_ROUND, len(rollouts))))
         rows = [self._row("own", rollouts[i], prompts.get(rollouts[i].prompt_id), plan.run_id) for i in chosen]
         self._write(plan.round, rows)
 
     def record_train(self, request: TrainRequest, prompts: Sequence[Prompt], admitted: Any) -> None:
-        """Up to ``foreign_per_round`` readable foreign rows per source, each with its fate (module docstring);
+        """Up to :data:`FOREIGN_PER_ROUND` readable foreign rows per source, each with its fate (module docstring);
         ``admitted``: the intake's :class:`~hacrl_fed.worker.intake.Admitted`."""
         if not self.enabled:
             return
@@ -97,7 +102,7 @@ class SampleBook:
         fates = RowFates(admitted)
         rows = []
         for src, received in sorted(_by_source(readable_foreign(request, admitted.offered)).items()):
-            take = sorted(rng.sample(range(len(received)), min(self.sc.foreign_per_round, len(received))))
+            take = sorted(rng.sample(range(len(received)), min(FOREIGN_PER_ROUND, len(received))))
             for i in take:
                 r = received[i]
                 row = self._row("foreign", r, by_id.get(r.prompt_id), request.run_id)
@@ -106,7 +111,7 @@ class SampleBook:
         self._write(request.round, rows)
 
     def _row(self, kind: str, r: Rollout, prompt: Prompt | None, run_id: str) -> dict[str, Any]:
-        limit = self.sc.max_text_chars
+        limit = MAX_TEXT_CHARS
         return {
             "kind": kind,
             "org": self.org_id,
@@ -124,8 +129,8 @@ class SampleBook:
 
     # -- the bounded file ------------------------------------------------------------------------------------
     def allowance(self, round: int) -> int:
-        """The most bytes the file may hold once round ``round`` is written: ``max_bytes × min(t / R, 1)``."""
-        return int(self.sc.max_bytes * min(max(round, 1) / self.rounds, 1.0))
+        """The most bytes the file may hold once round ``round`` is written: ``MAX_BYTES × min(t / R, 1)``."""
+        return int(MAX_BYTES * min(max(round, 1) / self.rounds, 1.0))
 
     def _write(self, round: int, rows: Iterable[dict[str, Any]]) -> None:
         if self._failed or not self.enabled:

@@ -1,22 +1,22 @@
 """The outcome guard's shadow (``trainer.outcome_guard.counterfactual``; the decisions are
-:mod:`hacrl_fed.algorithm.counterfactual`'s): a copy of the learner that trains on its own rows alone, the
-counterfactual of training alone on the same prompts and samples.
+:mod:`hacrl_fed.algorithm.counterfactual`'s): a copy of the learner that trains on the learner's own rows alone, the
+counterfactual of training alone.
 
 * it starts from the weights and trainer state the learner validated before its run's first update;
-* it **samples its own rows**: each round, right after the learner generated, the shadow's parameters are put on the
-  engine and the same plan is sampled again (the same prompts, sampling parameters and seed: common random numbers)
-  and verified with the learner's own verifier; the learner's parameters are put back. Round 1's rows are the
-  learner's own (the two still have the same weights then);
-* each round, after the learner's update, its weights and optimizer are swapped onto the model, the trainer's update
-  runs on the shadow's rows of that round (never a foreign one), and the learner's weights and state are swapped back
-  (the engine is not touched);
-* when the counterfactual is due, its parameters are put on the engine for one greedy pass over the guard's
-  validation split, then the learner's are put back; the learner **adopts** the shadow by taking its weights and
-  optimizer (keeping its own likelihood-screen history).
+* it **learns from the learner's own samples**: each round, after the learner's update (engine released), the
+  learner's weights and optimizer go to a file, the shadow's are put on the model, the learner's own rows of the
+  round (never a foreign one) are scored under the shadow's weights (its ``lbar_old``) and GSPO's update runs on
+  them with each row's advantage weighted by the clipped sequence importance ratio shadow / learner
+  (:mod:`hacrl_fed.algorithm.shadow_importance`, ``trainer.outcome_guard.importance_clip``), and the learner's
+  weights and state come back from the file (the engine is not touched). It samples nothing of its own: the
+  shadow issue 27 measured sampled the round's plan again, which cost about what the learner's generation costs;
+* when the counterfactual is due, its parameters are put on the engine for the guard's validation, then the
+  learner's are put back; the learner **adopts** the shadow by taking its weights and optimizer (keeping its own
+  likelihood-screen history).
 
-Cost: one more copy of the trainable weights and optimizer state in memory, one more sampling of the round's plan
-and an update over as many rows as the learner's own each round (about half of a two-org update's rows), six weight
-copies and four engine syncs per round, and one greedy validation per check: what training alone costs, plus copies.
+Its weights and trainer state live in a file (:class:`~hacrl_fed.worker.stash.Stash`, under the org's run dir), read
+memory-mapped only for its update, its validation and an adoption. Cost per round: one scoring pass and one update
+over the learner's own rows (about half of a two-org update's rows), two stash writes and two reads.
 """
 
 from __future__ import annotations
@@ -24,76 +24,75 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from hacrl_fed.algorithm.advantages import Capability
+from hacrl_fed.algorithm.shadow_importance import importance_weights
 from hacrl_fed.engines.base import GenerationEngine
 from hacrl_fed.trainer import TrainRow
-from hacrl_fed.types import RoundPlan
+from hacrl_fed.worker.answers import on_engine
 from hacrl_fed.worker.learner import Learner
+from hacrl_fed.worker.stash import Stash
 from hacrl_fed.worker.weights import Saved
 
 Validate = Callable[[GenerationEngine, "int | None"], list[bool]]  # greedy correctness on a split (the guard's)
 
 
 class Shadow:
-    """One learner's shadow (module doc): its weights and trainer state, in memory."""
+    """One learner's shadow (module doc): its weights and trainer state in ``store``/shadow.pt."""
 
-    def __init__(self, saved: Saved):
-        self.saved = saved
-        self.rows: dict[int, list[TrainRow]] = {}  # round -> the shadow's own rows of that round's plan
+    def __init__(self, store: Path, saved: Saved, clip: float):
+        self.stash, self.swap, self.clip = Stash(store / "shadow.pt"), Stash(store / "learner.pt"), clip
+        self.stash.put(saved)
 
-    def generate(self, learner: Learner, plan: RoundPlan) -> dict[str, float]:
-        """Sample and verify ``plan`` with the shadow's parameters (the learner's put back); kept for the update."""
+    @property
+    def saved(self) -> Saved:
+        """The shadow's weights and trainer state (memory-mapped from its file)."""
+        return self.stash.get()
+
+    def train(self, learner: Learner, rows: Sequence[TrainRow], index: int, capability: Capability) -> dict[str, float]:
+        """One importance-weighted GSPO update of the shadow on the learner's own rows of ``rows`` (module doc)."""
         t0 = time.perf_counter()
-        mine = learner.params()
-        learner.load_params(self.saved[0], sync=True)
-        try:
-            rows = learner.sample(plan)
-        finally:
-            learner.load_params(mine, sync=True)
-        self.rows = {plan.round: rows}
-        n = max(len(rows), 1)
-        reward = sum(r.reward for r in rows) / n
-        return {"outcome/shadow_reward": reward, "time/outcome_shadow_gen": time.perf_counter() - t0}
-
-    def train(
-        self, learner: Learner, round: int, rows: Sequence[TrainRow], index: int, capability: Capability
-    ) -> dict[str, float]:
-        """One update of the shadow on its own rows of ``round`` (without them, round 1: the learner's own
-        ``rows``, re-scored under the shadow's weights; foreign rows are never used)."""
-        t0 = time.perf_counter()
-        mine = learner.weights()
-        learner.load_weights(self.saved, sync=False)
+        own = [r for r in rows if r.is_self and r.prompt_token_ids]  # not an earlier round's baseline rows
+        if not own:
+            return {"outcome/shadow_rows": 0.0, "time/outcome_shadow": time.perf_counter() - t0}
+        self.swap.put(learner.live())
         try:  # whatever happens, the learner gets its own weights and state back
-            own = self.rows.pop(round, None)
-            if own is None:
-                own = [r for r in rows if r.is_self]
-                toks = learner.score(own)
-                own = [
-                    dataclasses.replace(r, old_seq_log_prob=sum(t) / max(len(t), 1), old_token_log_probs=t)
-                    for r, t in zip(own, toks)
-                ]
-            own = [dataclasses.replace(r, source=index) for r in own]
-            if own:
-                learner.update(own, index, capability)
-            self.saved = learner.weights()
+            learner.load_weights(self.stash.get(), sync=False)
+            mine, weights = rescored(own, learner.score(own), index, self.clip)
+            learner.update(mine, index, capability, importance=weights)
+            self.stash.put(learner.live())
         finally:
-            learner.load_weights(mine, sync=False)
-        return {"outcome/shadow_rows": float(len(own)), "time/outcome_shadow": time.perf_counter() - t0}
+            learner.load_weights(self.swap.get(), sync=False)
+        n = len(weights)
+        return {
+            "outcome/shadow_rows": float(n),
+            "outcome/shadow_importance_mean": sum(weights) / n,
+            "outcome/shadow_importance_clipped": sum(w >= self.clip for w in weights) / n,
+            "time/outcome_shadow": time.perf_counter() - t0,
+        }
 
     def validate(self, learner: Learner, validate: Validate) -> list[bool]:
         """``validate(engine, context)`` with the shadow's parameters on the engine; the learner's put back."""
-        mine = learner.params()
-        learner.load_params(self.saved[0], sync=True)
-        try:
-            return validate(learner.engine, learner.context)
-        finally:
-            learner.load_params(mine, sync=True)
+        return on_engine(learner, self.stash.params(), lambda: validate(learner.engine, learner.context))
 
-    def adopted_by(self, learner: Learner) -> Saved:
-        """Put the shadow's weights and optimizer on the learner (its own screen history kept); the new state."""
-        params, state = self.saved
+    def adopted_by(self, learner: Learner) -> None:
+        """Put the shadow's weights and optimizer on the learner (its own screen history kept)."""
+        params, state = self.stash.get()
         state = {k: v for k, v in state.items() if k != "likelihood_screen"}
-        screen = learner.weights()[1].get("likelihood_screen")
+        screen = learner.live()[1].get("likelihood_screen")
         learner.load_weights((params, {**state, **({"likelihood_screen": screen} if screen else {})}), sync=True)
-        return learner.weights()
+
+
+def rescored(
+    own: Sequence[TrainRow], tokens: Sequence[Sequence[float]], index: int, clip: float
+) -> tuple[list[TrainRow], list[float]]:
+    """The learner's own rows with the shadow's per-token scores ``tokens`` as their ``old`` log-probs (GSPO's
+    ratio starts at 1 for the shadow), and their importance weights shadow / learner (module doc). ``lbar`` divides
+    by the row's ``norm_length`` where it has one, else its token count, as the trainer does."""
+    rows, shadow_lbar = [], []
+    for r, t in zip(own, tokens):
+        lbar = sum(t) / max(r.norm_length if r.norm_length > 0 else len(t), 1)
+        shadow_lbar.append(lbar)
+        rows.append(dataclasses.replace(r, old_seq_log_prob=lbar, old_token_log_probs=list(t), source=index))
+    return rows, importance_weights(shadow_lbar, [r.old_seq_log_prob for r in own], clip)

@@ -19,7 +19,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from hacrl_fed.algorithm.advantages import ADV_EPS
+from hacrl_fed.algorithm.capability import CAPABILITY_FLOOR
 from hacrl_fed.coordinator.virtual_clock import BENCH_FIELDS
+from hacrl_fed.worker import samples
+from hacrl_fed.worker.guard import MAX_ROUND_STEP
 
 # relative to the working directory (the repository root when run from a checkout)
 MATRIX = Path("configs") / "bench" / "matrix.yaml"
@@ -40,9 +44,11 @@ class Method:
     # org id -> dotted fields of that org's entry in the setting's ``orgs`` list (``trainer.selection.rule``): one
     # org's own settings (every org keeps its own rule); a setting without that org skips the cell
     orgs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # a method whose feature the code no longer has: ``{"commit": the commit its committed cells ran at, "why": what
-    # was removed}``. It is never run (its cells are skipped, naming the commit to rerun them at); its cells stay
-    # readable by the report tools, which read the cells' JSON, not the config
+    # a method whose feature the code no longer has: ``{"commit": the last commit with its code, where its committed
+    # cells ran (a method still in a group) or before which they ran (one in no group; each cell's JSON names its
+    # commit), "why": what was removed}``. It is never run (its cells are skipped, naming the commit to rerun them
+    # at); its cells stay readable by the report tools, which read the cells' JSON, not the config. The matrix YAML
+    # is the one list of retired methods (:func:`retired_methods`)
     retired: dict[str, str] | None = None
 
 
@@ -116,6 +122,11 @@ def load_matrix(path: str | Path = MATRIX) -> Matrix:
         groups[name] = g
     seeds = [int(s) for s in data.get("seeds") or [0, 1, 2]]
     return Matrix(path, settings, methods, groups, seeds, dict(data.get("quick") or {}))
+
+
+def retired_methods(matrix: Matrix) -> dict[str, str]:
+    """Every retired method of ``matrix`` (its YAML's ``retired:`` entries) -> the last commit with its code."""
+    return {name: m.retired["commit"] for name, m in matrix.methods.items() if m.retired is not None}
 
 
 def _retired(path: Path, name: str, value: Any) -> dict[str, str] | None:
@@ -406,40 +417,6 @@ def _comparable(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-# methods measured and removed from the matrix, with the commit their cells' code ran at last (each cell's JSON names
-# its own commit, ``code.commit``); their cells stay under benchmarks/results/ and in BENCHMARKS.md's tables
-RETIRED_METHODS: dict[str, str] = {
-    **dict.fromkeys(
-        [
-            "hacpo_defended_split_inband_solved",  # algorithm.baseline_rows: in_band_solved
-            "hacpo_defended_split_teach",  # trainer.teach
-            "hacpo_defended_split_guard",  # the outcome guard's older rules (final_size 0, struck_bar no_worse)
-            "hacpo_defended_split_guard_final",  # struck_bar no_worse, shadow_gate false
-            "hacpo_defended_split_guard_slack",  # shadow_gate false
-        ],
-        "c30f784",
-    ),
-    **dict.fromkeys(
-        [
-            f"{m}_dec"
-            for m in (
-                "async1",
-                "async4_k1",
-                "async4_k2",
-                "async4_k4",
-                "async4_free",
-                "async4_open",
-                "async2_k1",
-                "async2_k2",
-                "async2_k4",
-                "async2_open",
-            )
-        ],
-        "c30f784",
-    ),  # algorithm.cross_staleness: decoupled
-}
-
-
 def same_run_config(stored: dict[str, Any], cfg: Any, bench: dict[str, Any] | None = None) -> bool:
     """Whether a cell that ran with the resolved config ``stored`` (its JSON's ``config``) ran ``cfg``: every field
     of ``cfg`` equal to the stored one, or, where ``stored`` lacks the field (the cell predates it), ``cfg`` at the
@@ -484,6 +461,20 @@ REMOVED_FIELDS: dict[str, Any] = {
     "trainer.teach": {"enabled": False},
     "trainer.outcome_guard.struck_bar": "slack",
     "trainer.outcome_guard.shadow_gate": True,
+    # fixed behaviour or module constants since issue 42's field count (hacrl_fed/config: each section's
+    # removed_fields says what replaced them)
+    "algorithm.grpo_loss_agg_mode": "token-mean",
+    "algorithm.capability_floor": CAPABILITY_FLOOR,
+    "algorithm.adv_eps": ADV_EPS,
+    "trainer.skip_no_gradient_rows": True,
+    "trainer.forward": "auto",
+    "samples.own_per_round": samples.OWN_PER_ROUND,
+    "samples.foreign_per_round": samples.FOREIGN_PER_ROUND,
+    "samples.max_text_chars": samples.MAX_TEXT_CHARS,
+    "samples.max_bytes": samples.MAX_BYTES,
+    "orgs[].model.cache_dir": None,
+    "generation.enforce_eager": False,
+    "security.max_round_step": MAX_ROUND_STEP,
 }
 
 

@@ -695,7 +695,7 @@ def _footer(data: dict[tuple[str, str], list[dict[str, Any]]], matrix: Matrix | 
         if retired:
             lines += ["## Retired methods", "", "Reported from their committed cells; the code no longer runs them:"]
             lines += [""]
-            lines += [f"- `{n}`: {r['why']} (cells of commit {r['commit']})" for n, r in retired.items()] + [""]
+            lines += [f"- `{n}`: {r['why']} (its code last at commit {r['commit']})" for n, r in retired.items()] + [""]
     return lines + [
         "Notes: every `*_frac` share is over all rows of its kind in the whole run (summed counts over summed "
         "denominators, docs/METRICS.md); ratio means are means over rounds.",

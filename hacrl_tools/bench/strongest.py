@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hacrl_fed.algorithm.advantages import group_advantages
+from hacrl_fed.algorithm.advantages import ADV_EPS, group_advantages
 
 CATEGORIES = ("fail", "partial", "solved")
 SHIFT_COUNTS = (
@@ -218,9 +218,9 @@ def _wrap_update(recorders: dict[str, Recorder]):
 
     original = LocalTrainer.update
 
-    def update(self, rows, learner, capability, names=None, prepared=None):
+    def update(self, rows, learner, capability, names=None, prepared=None, importance=None):
         prepared = self.prepare(rows, names) if prepared is None and rows else prepared
-        out = original(self, rows, learner, capability, names, prepared)
+        out = original(self, rows, learner, capability, names, prepared, importance)
         rec = recorders.get(names[learner]) if names is not None and rows else None
         if rec is not None:  # the update's own (pure) advantages
             adv = self.advantages(rows, learner, capability, prepared).tolist()
@@ -268,7 +268,7 @@ def run_decomposition(
         cell = build_cell(matrix, setting, method, seed, "decomposition", rounds=rounds, extra=overrides)
     if cell.config is None:
         raise ValueError(f"{cell.key} does not run: {cell.skip}")
-    eps = cell.config.algorithm.adv_eps
+    eps = ADV_EPS
     recorders = {o.id: Recorder(o.id, ref_size, eps) for o in cell.config.orgs}
     restore = _wrap_update(recorders)
     try:
