@@ -34,7 +34,6 @@ LIKE_FOR_LIKE: dict[str, tuple[Any, str]] = {
     "trainer.outcome_guard.enabled": (False, "TRL has no guard (a shadow learner trained and sampled beside, checks)"),
     "trainer.outcome_guard.counterfactual": (False, "the guard's shadow (off with the guard)"),
     "trainer.likelihood_screen.enabled": (False, "TRL has no peers' rows to screen"),
-    "trainer.skip_no_gradient_rows": (False, "peers' rows only; every row runs forward and backward, as in TRL"),
     "trainer.lora.enabled": (False, "TRL runs without peft: every weight trains"),
     "trainer.gradient_checkpointing": (False, "TRL: gradient_checkpointing=False"),
     "trainer.precision": ("model", "float32 on both sides (TRL: bf16=False, fp16=False)"),
