@@ -31,7 +31,7 @@ SIDES = ("ours", "defaults")  # our two sides: like for like, and the project's 
 
 # option (dotted) -> (the like-for-like value, why): what TRL's GRPOTrainer lacks or sets otherwise
 LIKE_FOR_LIKE: dict[str, tuple[Any, str]] = {
-    "trainer.outcome_guard.enabled": (False, "TRL has no guard (a shadow learner trained and sampled beside, checks)"),
+    "trainer.outcome_guard.enabled": (False, "TRL has no guard (a shadow learner trained beside, held-out checks)"),
     "trainer.outcome_guard.counterfactual": (False, "the guard's shadow (off with the guard)"),
     "trainer.likelihood_screen.enabled": (False, "TRL has no peers' rows to screen"),
     "trainer.lora.enabled": (False, "TRL runs without peft: every weight trains"),
