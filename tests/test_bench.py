@@ -318,8 +318,8 @@ def test_trl_summary():
     runs[0]["phases"] = {"generate": [5.0, 0.25, 0.25, 0.5], "update": [4.0, 0.75, 0.75, 1.5]}
     s = trl_compare.compare(runs)
     assert s["ours"]["generate_s"] == 0.25 and s["ours"]["update_s"] == 0.75 and "generate_s" not in s["trl"]
-    assert "| ours | 128.0 | 1.000 | 0.250 | 0.750 |" in trl_compare.format_summary(s)
-    assert "| trl | 64.0 | 2.000 | – | – |" in trl_compare.format_summary(s)
+    assert "| ours | 128.0 | 1.000 | 1.333 | 0.250 | 0.750 |" in trl_compare.format_summary(s)
+    assert "| trl | 64.0 | 2.000 | 2.000 | – | – |" in trl_compare.format_summary(s)
 
 
 STAND_IN_TRL = """

@@ -124,7 +124,11 @@ def system_parser(tool: ModuleType) -> argparse.ArgumentParser:
 
 def trl_parser(tool: ModuleType) -> argparse.ArgumentParser:
     p = parser("bench trl", "Our GSPO update against TRL's GRPOTrainer on the same work, side by side.")
-    p.add_argument("--model", default="qwen-char", help="zoo agent name or a model dir (default qwen-char)")
+    p.add_argument(
+        "--model",
+        default="qwen-char",
+        help="zoo agent, packaged real checkpoint (smollm2-135m, gemma3-270m) or model dir (default qwen-char)",
+    )
     p.add_argument("--prompts", type=int, default=16, help="prompts per batch (B)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per batch")
@@ -142,8 +146,14 @@ def trl_parser(tool: ModuleType) -> argparse.ArgumentParser:
         help="the TRL venv (default ~/.cache/hacrl_fed/peer-trl-venv; created when missing)",
     )
     p.add_argument("--trl", default=tool.TRL_PIN, help=f"TRL requirement (default {tool.TRL_PIN})")
-    p.add_argument("--sides", nargs="+", choices=("ours", "trl"), default=["ours", "trl"])
-    p.add_argument("--out", type=Path, default=tool.OUT, help=f"where trl.json goes (default {tool.OUT})")
+    p.add_argument(
+        "--sides",
+        nargs="+",
+        choices=("ours", "trl", "defaults"),
+        default=["ours", "trl", "defaults"],
+        help="ours: like for like with TRL; defaults: ours with the project's defaults (their cost, beside)",
+    )
+    p.add_argument("--out", type=Path, default=tool.OUT, help=f"where the JSON goes (default {tool.OUT})")
     return p
 
 

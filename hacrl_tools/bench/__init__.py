@@ -10,7 +10,7 @@
   overhead vs in-process, wire bytes, scaling with the number of orgs, the Flower deployment engine's fixed cost per
   round.
 - ``trl`` (:func:`hacrl_tools.bench.trl_compare.run_trl`): our GSPO update against TRL's ``GRPOTrainer`` on the same
-  work.
+  work, like for like (:mod:`hacrl_tools.bench.trl_ours`), with the project defaults' cost beside.
 - ``agents`` (:mod:`hacrl_tools.bench.agents`): the extra tiny agents some settings need (built on first use).
 
 Paths default to the working directory (``configs/bench/``, ``benchmarks/...``): run from the repository root, or

@@ -1,32 +1,41 @@
 """``hacrl-fed bench trl``: our GSPO update against TRL's ``GRPOTrainer`` on the same work, side by side.
 
-    hacrl-fed bench trl [--batches 6] [--repeats 3] [--model qwen-char] [--engine fast] [--out benchmarks/trl]
+    hacrl-fed bench trl [--batches 6] [--repeats 3] [--model qwen-char|smollm2-135m|DIR] [--engine fast]
+                        [--sides ours trl defaults] [--out benchmarks/trl]
 
-The same tiny model (zoo ``qwen-char`` by default), the same prompts (arithmetic train ids 0.., rendered with the
-model's own chat template), the same batch (16 prompts x 8 samples, 32 new tokens at temperature 1, 2 optimizer
-steps of 64 sequences per batch, AdamW at a constant learning rate, grad-norm clip 1) and the same GSPO objective
-(sequence-level ratio of token-mean log-probs, clip ``[1 - 3e-4, 1 + 4e-4]``, group-normalised rewards, no KL):
+The same model (zoo ``qwen-char`` by default; ``smollm2-135m`` / ``gemma3-270m``: a packaged real checkpoint,
+converted once as ``model.real`` does), the same prompts (arithmetic train ids 0.., rendered as our worker renders
+them for that model), the same batch (16 prompts x 8 samples, 32 new tokens at temperature 1, 2 optimizer steps of
+64 sequences per batch, AdamW at a constant learning rate, grad-norm clip 1) and the same GSPO objective
+(sequence-level ratio of token-mean log-probs, clip ``[1 - 3e-4, 1 + 4e-4]``, group-normalised rewards, no KL).
+Three sides (:mod:`hacrl_tools.bench.trl_ours` for ours):
 
-- **ours**: one :class:`~hacrl_fed.worker.policy_worker.PolicyWorker` (``algorithm.name=gspo``, signing off since
-  TRL signs nothing, ``generation.engine`` from ``--engine``: ``fast`` by default, ``hf`` for transformers'
-  ``generate()``) driven through ``generate`` (sampling, log-probs, verification) and ``train`` (the update);
+- **ours** (like for like): one :class:`~hacrl_fed.worker.policy_worker.PolicyWorker` (``algorithm.name=gspo``,
+  ``generation.engine`` from ``--engine``: ``fast`` by default, ``hf`` for transformers' ``generate()``) driven
+  through ``generate`` (sampling, log-probs, verification) and ``train`` (the update), with every option TRL lacks
+  set explicitly (:data:`~hacrl_tools.bench.trl_ours.LIKE_FOR_LIKE`: the outcome guard, the likelihood screen,
+  signing, samples.jsonl, ... off; printed with the table);
 - **TRL**: ``GRPOTrainer`` with ``importance_sampling_level="sequence"`` and every relevant option set explicitly
   (:mod:`hacrl_tools.bench.trl_runner`), in its own virtual environment that this command creates on first use
   (``~/.cache/hacrl_fed/peer-trl-venv``: CPU torch pinned first, ``pip install torch==2.13.0``, so that pip never
-  pulls a CUDA build; then
-  ``trl``, the same ``transformers`` as ours, and ``pydantic`` for the shared answer check).
+  pulls a CUDA build; then ``trl``, the same ``transformers`` as ours, and ``pydantic`` for the shared answer
+  check);
+- **defaults**: our worker on the same work with the project's defaults for everything else (guard on, as a user
+  runs it): the defaults' cost, reported beside the comparison, never inside ours / TRL.
 
-Runs alternate (ours, TRL, ours, TRL, ...), each in a fresh process with the same torch thread count. Per run: the
-wall time of each batch (generation + update; the first batch is left out as warm-up), completions per second =
-completions per batch / median batch time, and the process's peak RSS. Reported: medians over the runs of each
-side, and ours / TRL. Writes ``<out>/trl.json``.
+Each repeat runs the sides in turn (ours, TRL, defaults, ours, ...), each in a fresh process with the same torch
+thread count, so that load from other work on the machine falls on every side alike; the 1-minute load average is
+recorded before and after each run. Per run: the wall time of each batch (generation + update; the first batch is
+left out as warm-up), completions per second = completions per batch / median batch time, and the process's peak
+RSS. Reported: medians over the runs of each side, and the ratios ours / TRL and defaults / ours as the mean of the
+per-repeat ratios ± its standard error. Writes ``<out>/trl.json`` (``trl-<model>.json`` for a model other than
+``qwen-char``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -94,24 +103,36 @@ def peer_command(py: Path | str, spec: Path, out: Path) -> list[str]:
     return [str(py), "-I", str(runner), str(spec), str(out), code_path()]
 
 
+def model_dir(model: str) -> Path:
+    """The HF folder of ``--model``: a folder as given, a packaged real checkpoint (converted once, as
+    ``model.real`` does), else a zoo agent."""
+    from hacrl_fed.models.catalog import resolve_zoo
+    from hacrl_fed.models.real import REAL, real_source
+
+    if Path(model).is_dir():
+        return Path(model)
+    return real_source(model) if model in REAL else resolve_zoo(model)
+
+
 def make_spec(args: TrlOptions, path: Path) -> dict[str, Any]:
-    """The shared work: model dir, rendered prompts and references, GSPO and batch settings."""
+    """The shared work: model dir, rendered prompts (as our worker renders them for this model: its
+    :class:`~hacrl_fed.models.prompting.PromptStyle`) and references, GSPO and batch settings."""
     from transformers import AutoTokenizer
 
-    from hacrl_fed.models.catalog import resolve_zoo
-    from hacrl_fed.models.chat import render_prompt
+    from hacrl_fed.models.prompting import prompt_style
     from hacrl_fed.tasks import get_task
 
-    model_dir = resolve_zoo(args.model) if not Path(args.model).is_dir() else Path(args.model)
+    folder = model_dir(args.model)
     task = get_task("arithmetic", {"difficulty": 2}, seed=args.seed)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    style = prompt_style(tok, task)
     ids = list(range(args.prompts * args.batches))
     prompts = [
-        {"id": p.prompt_id, "text": render_prompt(tok, p.messages), "reference": p.reference}
+        {"id": p.prompt_id, "text": style.render(tok, p.messages), "reference": p.reference}
         for p in task.prompts("train", ids)
     ]
     spec = {
-        "model_dir": str(model_dir),
+        "model_dir": str(folder),
         "model": args.model,
         "seed": args.seed,
         "threads": args.threads,
@@ -130,108 +151,16 @@ def make_spec(args: TrlOptions, path: Path) -> dict[str, Any]:
     return spec
 
 
-def ours_config(spec: dict[str, Any]) -> dict[str, Any]:
-    """Our side's run config for the spec's work: one org (``peer``), GSPO with the spec's clip and no KL, the
-    spec's batch shape and engine, signing off (TRL signs nothing)."""
-    B, G, steps = int(spec["prompts_per_batch"]), int(spec["num_samples"]), int(spec["steps_per_batch"])
-    return {
-        "name": "peer",
-        "seed": spec["seed"],
-        "orgs": [{"id": "peer", "model": {"path": spec["model_dir"]}}],
-        "algorithm": {
-            "name": "gspo",
-            "self_clip_low": spec["clip_low"],
-            "self_clip_high": spec["clip_high"],
-            "kl_beta": 0.0,
-        },
-        "trainer": {
-            "lr": spec["lr"],
-            "minibatch_size": B * G // steps,
-            "micro_batch_size": B * G // steps,
-            "grad_clip": 1.0,
-            "weight_decay": 0.0,
-        },
-        "generation": {
-            "engine": spec.get("engine", "fast"),
-            "num_samples": G,
-            "max_new_tokens": spec["max_new_tokens"],
-            "temperature": 1.0,
-            "top_p": 1.0,
-            "top_k": 0,
-            "batch_size": B * G,
-        },
-        "task": {"name": "arithmetic", "params": {"difficulty": 2}},
-        "federation": {"rounds": int(spec["batches"]), "prompts_per_round": B},
-        "security": {"signing": False},
-    }
-
-
-def ours_main(argv: list[str]) -> int:
-    """``_ours SPEC OUT``: the same work through our policy worker (run in a fresh process)."""
-    t_start = time.perf_counter()
-    if len(argv) != 2:
-        raise SystemExit("usage: python -m hacrl_tools.bench.trl_compare _ours SPEC OUT")
-    spec_path, out_path = argv
-    spec = json.loads(Path(spec_path).read_text())
-    import torch
-
-    from hacrl_fed.config import load_config
-    from hacrl_fed.tasks import get_task
-    from hacrl_fed.types import RoundPlan, SamplingParams, TrainRequest
-    from hacrl_fed.worker import build_worker
-
-    torch.set_num_threads(int(spec["threads"]))
-    t_import = time.perf_counter() - t_start
-    B, G = int(spec["prompts_per_batch"]), int(spec["num_samples"])
-    cfg = load_config(ours_config(spec))
-    task = get_task("arithmetic", {"difficulty": 2}, seed=spec["seed"])
-    work = Path(tempfile.mkdtemp(prefix="peer-ours-"))
-    try:
-        worker = build_worker(cfg, "peer", run_dir=work)
-        t_setup = time.perf_counter() - t_start - t_import
-        ids = [p["id"] for p in spec["prompts"]]
-        batch_s, rewards = [], []
-        phases: dict[str, list[float]] = {"generate": [], "update": []}
-        for i in range(int(spec["batches"])):
-            prompts = tuple(task.prompts("train", ids[i * B : (i + 1) * B]))
-            sampling = SamplingParams(1.0, 1.0, 0, int(spec["max_new_tokens"]), G, 1000 + i)
-            plan = RoundPlan("peer-run", i + 1, "arithmetic", prompts, sampling)
-            t0 = time.perf_counter()
-            batch = worker.generate(plan)
-            t1 = time.perf_counter()
-            worker.train(TrainRequest("peer-run", i + 1, "peer", prompts, (), {"peer": 1.0}))
-            t2 = time.perf_counter()
-            batch_s.append(t2 - t0)
-            phases["generate"].append(t1 - t0)  # sampling, the sampled tokens' log-probs, rewards
-            phases["update"].append(t2 - t1)  # the optimizer steps (forward and backward)
-            rewards.append(batch.accuracy)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    Path(out_path).write_text(
-        json.dumps(
-            {
-                "side": "ours",
-                "batch_s": batch_s,
-                "phases": phases,
-                "completions_per_batch": B * G,
-                "import_s": t_import,
-                "setup_s": t_setup,
-                "peak_rss_mb": peak,
-                "mean_reward": statistics.fmean(rewards),
-            }
-        )
-    )
-    return 0
-
-
 def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
-    """Completions/s of one run: completions per batch over the median batch time, first batch left out."""
+    """Completions/s of one run: completions per batch over the median batch time, first batch left out; the
+    mean batch time beside it (a side whose work varies by batch, like the guard's periodic checks, shows there)."""
     times = run["batch_s"][1:] if len(run["batch_s"]) > 1 else run["batch_s"]
     med = statistics.median(times)
     out = {
         "completions_per_s": run["completions_per_batch"] / med,
         "median_batch_s": med,
+        "mean_batch_s": statistics.fmean(times),
+        "first_batch_s": run["batch_s"][0],
         "peak_rss_mb": run["peak_rss_mb"],
         "import_s": run.get("import_s"),
         "setup_s": run.get("setup_s"),
@@ -242,23 +171,58 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians per side over runs, and the ratio ours / TRL."""
+SIDE_KEYS = ("completions_per_s", "median_batch_s", "mean_batch_s", "first_batch_s", "peak_rss_mb")
+
+
+def side_medians(runs: list[dict[str, Any]], side: str) -> dict[str, Any] | None:
+    """Medians over ``side``'s runs of every :func:`summarize_run` figure, and its mean reward; None: no run."""
+    s = [summarize_run(r) for r in runs if r["side"] == side]
+    if not s:
+        return None
     out: dict[str, Any] = {}
-    for side in ("ours", "trl"):
-        s = [summarize_run(r) for r in runs if r["side"] == side]
+    for k in sorted({k for x in s for k in x}):
+        vals = [x[k] for x in s if x.get(k) is not None]
+        out[k] = statistics.median(vals) if vals else None
+    rewards = [r["mean_reward"] for r in runs if r["side"] == side and r.get("mean_reward") is not None]
+    out["mean_reward"] = statistics.fmean(rewards) if rewards else None
+    out["runs"] = len(s)
+    return out
+
+
+def paired_ratio(runs: list[dict[str, Any]], top: str, bottom: str, key: str = "completions_per_s"):
+    """``top`` / ``bottom`` of ``key`` per repeat (runs with the same ``repeat``): mean, standard error (None for
+    one repeat) and the per-repeat ratios; None where no repeat has both sides."""
+    by_rep: dict[int, dict[str, float]] = {}
+    for r in runs:
+        by_rep.setdefault(int(r.get("repeat", 0)), {})[r["side"]] = summarize_run(r)[key]
+    ratios = [sides[top] / sides[bottom] for _, sides in sorted(by_rep.items()) if top in sides and bottom in sides]
+    if not ratios:
+        return None
+    se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None
+    return {"mean": statistics.fmean(ratios), "se": se, "per_repeat": ratios}
+
+
+def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians per side over runs; ours / TRL (ratio of medians, and the per-repeat ratios' mean ± SE); the
+    defaults' cost beside it (defaults / ours, by median and by mean batch time); the load averages."""
+    out: dict[str, Any] = {}
+    for side in ("ours", "trl", "defaults"):
+        s = side_medians(runs, side)
         if s:
-            out[side] = {
-                k: statistics.median([x[k] for x in s if x.get(k) is not None])
-                for k in ("completions_per_s", "median_batch_s", "peak_rss_mb", "import_s", "setup_s")
-            }
-            for k in sorted({k for x in s for k in x if k.endswith("_s") and k not in out[side]}):
-                vals = [x[k] for x in s if x.get(k) is not None]
-                out[side][k] = statistics.median(vals) if vals else None
-            out[side]["runs"] = len(s)
+            out[side] = s
     if "ours" in out and "trl" in out:
         out["throughput_ratio_ours_over_trl"] = out["ours"]["completions_per_s"] / out["trl"]["completions_per_s"]
         out["peak_rss_ratio_ours_over_trl"] = out["ours"]["peak_rss_mb"] / out["trl"]["peak_rss_mb"]
+        out["paired_ours_over_trl"] = paired_ratio(runs, "ours", "trl")
+    if "ours" in out and "defaults" in out:
+        out["paired_defaults_over_ours"] = paired_ratio(runs, "defaults", "ours")
+        out["paired_defaults_over_ours_mean_batch"] = paired_ratio(runs, "ours", "defaults", "mean_batch_s")
+    if "trl" in out and "defaults" in out:
+        out["paired_defaults_over_trl"] = paired_ratio(runs, "defaults", "trl")
+    loads = [x for r in runs for x in (r.get("loadavg_before"), r.get("loadavg_after")) if x]
+    if loads:
+        one = [float(x[0]) for x in loads]
+        out["loadavg_1min"] = {"mean": statistics.fmean(one), "min": min(one), "max": max(one)}
     return out
 
 
@@ -283,82 +247,141 @@ class TrlOptions:
     out: Path
 
 
+def result_name(model: str) -> str:
+    """``trl.json`` for the default model, ``trl-<name>.json`` for another (a folder: its name)."""
+    return "trl.json" if model == "qwen-char" else f"trl-{Path(model).name}.json"
+
+
+def side_command(side: str, spec_path: Path, out: Path, trl_py: Path | None) -> list[str]:
+    """The child process of one run of ``side``."""
+    if side == "trl":
+        if trl_py is None:
+            raise ValueError("the TRL side needs the peer venv's python")
+        return peer_command(trl_py, spec_path, out)
+    return [sys.executable, "-m", "hacrl_tools.bench.trl_ours", str(spec_path), str(out), side]
+
+
+def run_side(side: str, rep: int, cmd: list[str], out: Path, env: dict[str, str]) -> dict[str, Any]:
+    """One run in a fresh process; its JSON with the repeat and the 1-minute load average before and after."""
+    before = list(os.getloadavg())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{side} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    run = json.loads(out.read_text())
+    run.update(repeat=rep, loadavg_before=before, loadavg_after=list(os.getloadavg()))
+    return run
+
+
 def run_trl(args: TrlOptions) -> int:
-    """Both sides on the same work, alternating, ``repeats`` runs each; ``<out>/trl.json`` and a table."""
+    """Every side on the same work, in turn within each repeat, ``repeats`` runs each; the JSON (rewritten after
+    every run, so an interrupted bench keeps the runs it finished) and a table."""
     if args.threads is None:
         args.threads = available_cpus()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="hacrl-peer-"))
-    env = child_env()
     try:
         trl_py = ensure_venv(args.venv or default_venv(), trl_pin=args.trl, log=log) if "trl" in args.sides else None
         spec_path = work / "spec.json"
         spec = make_spec(args, spec_path)
-        runs = []
+        runs: list[dict[str, Any]] = []
+        path = write_result(args, spec, runs)
         for rep in range(args.repeats):
             for side in args.sides:
                 out = work / f"{side}-{rep}.json"
-                if side == "ours":
-                    cmd = [sys.executable, "-m", "hacrl_tools.bench.trl_compare", "_ours", str(spec_path), str(out)]
-                else:
-                    assert trl_py is not None  # made above whenever "trl" is a side
-                    cmd = peer_command(trl_py, spec_path, out)
                 log(f"  trl: run {rep + 1}/{args.repeats}, {side} ...")
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"{side} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-                run = json.loads(out.read_text())
-                run["repeat"] = rep
-                runs.append(run)
-                s = summarize_run(run)
-                log(f"    {s['completions_per_s']:.1f} completions/s, peak RSS {s['peak_rss_mb']:.0f} MiB")
+                runs.append(run_side(side, rep, side_command(side, spec_path, out, trl_py), out, child_env()))
+                s = summarize_run(runs[-1])
+                log(f"    {rate(s['completions_per_s'])} completions/s, peak RSS {s['peak_rss_mb']:.0f} MiB")
+                path = write_result(args, spec, runs)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print_result(args, spec, json.loads(path.read_text())["summary"], path)
+    return 0
+
+
+def write_result(args: TrlOptions, spec: dict[str, Any], runs: list[dict[str, Any]]) -> Path:
+    """``<out>/<result_name>``: machine, code, spec, the like-for-like options, every run so far, the summary."""
     from hacrl_tools.bench.learning import _git_version, machine_info
+    from hacrl_tools.bench.trl_ours import LIKE_FOR_LIKE
 
     result: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": machine_info(),
         "code": _git_version(),
         "spec": {k: v for k, v in spec.items() if k != "prompts"},
+        "like_for_like": {k: {"value": v, "why": why} for k, (v, why) in LIKE_FOR_LIKE.items()},
         "runs": runs,
         "summary": compare(runs),
     }
-    (args.out / "trl.json").write_text(json.dumps(result, indent=1))
-    print(format_summary(result["summary"]))
-    print(f"trl.json: {args.out / 'trl.json'}")
-    return 0
+    path = args.out / result_name(args.model)
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+def print_result(args: TrlOptions, spec: dict[str, Any], summary: dict[str, Any], path: Path) -> None:
+    """The summary table, then the like-for-like options beside the project's defaults."""
+    from hacrl_tools.bench.trl_ours import like_for_like_table, resolved
+
+    print(format_summary(summary))
+    print("\nours (like for like) sets, the defaults side leaves at the project's defaults:\n")
+    print(like_for_like_table(resolved(spec, "defaults")))
+    print(f"\n{path.name}: {path}")
+
+
+def rate(x: float) -> str:
+    """A throughput: one decimal, or three significant digits below 1 (a real model on a loaded machine)."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
+
+
+def format_ratio(r: dict[str, Any] | None) -> str:
+    """``1.80 ± 0.05 (n=3)``: a :func:`paired_ratio`; ``–`` for none."""
+    if not r:
+        return "–"
+    se = "no SE (one repeat)" if r["se"] is None else f"± {r['se']:.2f}"
+    return f"x{r['mean']:.2f} {se} (n={len(r['per_repeat'])}: {', '.join(f'{x:.2f}' for x in r['per_repeat'])})"
 
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The comparison as a Markdown table; ``generate s`` / ``update s``: median seconds per batch of generation
-    (sampling, the sampled tokens' log-probs, rewards) and of the update (the optimizer steps)."""
+    (sampling, the sampled tokens' log-probs, rewards) and of the update (the optimizer steps); then ours / TRL,
+    and the defaults' cost beside it."""
     lines = [
-        "| side | completions/s | median batch s | generate s | update s | peak RSS MiB | import s | setup s | runs |",
+        "| side | completions/s | median batch s | mean batch s | generate s | update s | peak RSS MiB | reward "
+        "| runs |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(x: float | None, digits: int) -> str:
         return "–" if x is None else f"{x:.{digits}f}"
 
-    for side in ("ours", "trl"):
+    for side in ("ours", "trl", "defaults"):
         s = summary.get(side)
         if s:
             lines.append(
-                f"| {side} | {s['completions_per_s']:.1f} | {s['median_batch_s']:.3f} | {f(s.get('generate_s'), 3)} "
-                f"| {f(s.get('update_s'), 3)} | {s['peak_rss_mb']:.0f} | {f(s.get('import_s'), 1)} "
-                f"| {f(s.get('setup_s'), 1)} | {s['runs']} |"
+                f"| {side} | {rate(s['completions_per_s'])} | {s['median_batch_s']:.3f} "
+                f"| {f(s.get('mean_batch_s'), 3)} "
+                f"| {f(s.get('generate_s'), 3)} | {f(s.get('update_s'), 3)} | {s['peak_rss_mb']:.0f} "
+                f"| {f(s.get('mean_reward'), 3)} | {s['runs']} |"
             )
     if "throughput_ratio_ours_over_trl" in summary:
         lines.append(
-            f"\nours / TRL: throughput x{summary['throughput_ratio_ours_over_trl']:.2f}, "
+            f"\nours / TRL (like for like): throughput {format_ratio(summary.get('paired_ours_over_trl'))}; "
+            f"ratio of medians x{summary['throughput_ratio_ours_over_trl']:.2f}, "
             f"peak RSS x{summary['peak_rss_ratio_ours_over_trl']:.2f}"
         )
+    if "paired_defaults_over_ours" in summary:
+        lines.append(
+            "beside it, the defaults' cost: defaults / ours throughput "
+            f"{format_ratio(summary['paired_defaults_over_ours'])}"
+            f" (by mean batch {format_ratio(summary.get('paired_defaults_over_ours_mean_batch'))}); "
+            f"defaults / TRL {format_ratio(summary.get('paired_defaults_over_trl'))}"
+        )
+    if "loadavg_1min" in summary:
+        la = summary["loadavg_1min"]
+        lines.append(f"1-minute load average around the runs: mean {la['mean']:.1f} ({la['min']:.1f}–{la['max']:.1f})")
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # the "ours" side's child process of run_trl (not a command)
-    if len(sys.argv) > 1 and sys.argv[1] == "_ours":
-        raise SystemExit(ours_main(sys.argv[2:]))
-    raise SystemExit("usage: hacrl-fed bench trl (this module's own entry is the _ours child process)")
+if __name__ == "__main__":
+    raise SystemExit("usage: hacrl-fed bench trl (our sides' child is python -m hacrl_tools.bench.trl_ours)")
