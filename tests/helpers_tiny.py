@@ -146,7 +146,7 @@ def assert_stops_and_lengths(gens, stop_ids, max_new_tokens: int, tokenizer) -> 
 # The paper's HACPO (docs/ALGORITHM.md "The defaults and the paper's form"): every foreign row, per-token cross
 # ratios, no likelihood screen. Tests of mechanics that the defaults' row choices would hide (micro-batching, the
 # schedule, bit-identity of paths) run it; the defaults have their own tests.
-PAPER_ALGORITHM: dict = {"logprob_norm": "per_token"}
+PAPER_ALGORITHM: dict = {"logprob_norm": "per_token", "baseline_rows": "joint"}
 PAPER_TRAINER: dict = {
     "selection": {"rule": "all"},
     "likelihood_screen": {"enabled": False},

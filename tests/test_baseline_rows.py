@@ -89,8 +89,11 @@ def test_the_mask_must_keep_the_own_rows_and_fit_the_rows():
 
 
 def test_config_field_default_and_refusals():
-    assert AlgorithmConfig().baseline_rows == "joint"
-    assert AlgorithmConfig(baseline_rows="in_band").baseline_rows == "in_band"
+    assert AlgorithmConfig().baseline_rows == "in_band"  # the default since issue 42 (hacpo)
+    assert AlgorithmConfig(baseline_rows="joint").baseline_rows == "joint"
+    for name in ("gspo", "grpo", "naive"):  # no cross band: every row, and the resolved config says so
+        assert AlgorithmConfig(name=name).baseline_rows == "joint"
+        assert AlgorithmConfig(**AlgorithmConfig(name=name).model_dump()).baseline_rows == "joint"
     with pytest.raises(ValueError, match="baseline_rows: in_band needs"):
         AlgorithmConfig(name="gspo", baseline_rows="in_band")
     with pytest.raises(ValueError, match="baseline_rows"):  # in_band_solved: measured and removed (issue 42)
@@ -101,7 +104,7 @@ def test_config_describe_lists_baseline_rows(capsys):
     from hacrl_fed.cli import main
 
     assert main(["config", "--describe"]) == 0
-    assert "algorithm.baseline_rows  (joint | in_band)  default joint" in capsys.readouterr().out
+    assert "algorithm.baseline_rows  (joint | in_band)  default in_band" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------------- the trainer
@@ -144,7 +147,7 @@ def test_a_foreign_row_outside_the_step0_band_leaves_the_baseline():
 
 
 def test_joint_and_in_band_without_a_band_keep_every_row():
-    model, tok, joint = _trainer()
+    model, tok, joint = _trainer(baseline_rows="joint")
     rows = _rows(model, tok)
     assert joint.prepare(rows).statistics_rows is None
     m = joint.update(rows, 0, [1.0, 1.0, 1.0], names=["k", "a", "b"])

@@ -479,9 +479,12 @@ def test_the_bench_pins_the_papers_hacpo_and_hacpo_defended_split_runs_the_defau
         off = by[(setting, "hacpo_defended_no_screen")]
         split = bench_matrix.build_cell(matrix, setting, "hacpo_defended_split", 0, "budget_split").config
         assert paper.algorithm.logprob_norm == "per_token" and paper.trainer.selection.rule == "all"
+        assert paper.algorithm.baseline_rows == "joint"  # the paper's (the default since issue 42: in_band)
         assert paper.trainer.selection.budget_multiple is None and not paper.trainer.likelihood_screen.enabled
         # the defaults since issue 27: hacpo_defended_split; hacpo_defended: the same without a budget
-        assert split.algorithm == AlgorithmConfig(name="hacpo")
+        assert split.algorithm == AlgorithmConfig(name="hacpo", baseline_rows="joint")
+        today = bench_matrix.build_cell(matrix, setting, "hacpo_defended_split_guard_gate_inband", 0, "inband_guard")
+        assert today.config.algorithm == AlgorithmConfig()  # the defaults since issue 42
         assert split.trainer.selection == TrainerConfig().selection
         assert split.trainer.likelihood_screen == TrainerConfig().likelihood_screen
         assert defended.trainer.selection == SelectionConfig(budget_multiple=None, budget_split="pooled")

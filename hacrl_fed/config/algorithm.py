@@ -92,13 +92,15 @@ class AlgorithmConfig(_Section):
         ),
     )
     baseline_rows: Literal["joint", "in_band"] = Field(
-        "joint",
+        "in_band",
         description=_d(
             "which rows of a joint group its advantage statistics (baseline mu_k, std, 'all rewards equal') are "
-            "taken over: joint (the paper: every row), in_band (the learner's own rows and the foreign rows "
-            "whose ratio s lies in the cross band at the update's first optimizer step; every row still gets "
-            "A = (R - mu_k) / (std + eps) from them); beyond the paper, issue 30; hacpo"
+            "taken over: in_band (the default; beyond the paper, issues 30 and 42: the learner's own rows and the "
+            "foreign rows whose ratio s lies in the cross band at the update's first optimizer step; every row "
+            "still gets A = (R - mu_k) / (std + eps) from them) or joint (the paper: every row); hacpo only (the "
+            "other algorithms have no cross band and take every row; in_band set for them is refused)"
         ),
+        json_schema_extra={"absent_means": "joint"},  # a stored config from before the field took every row
     )
     max_abs_log_ratio: float = Field(
         10.0, gt=0, description=_d("M: every log-ratio is clamped to [-M, M] before exp (all losses and the KL term)")
@@ -131,6 +133,15 @@ class AlgorithmConfig(_Section):
             "reference copy of the model (the paper uses 0.001)"
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _baseline_rows_default(cls, data: object) -> object:
+        """``baseline_rows`` left out: ``in_band`` for hacpo, ``joint`` (every row) for the algorithms without a
+        cross band, so a resolved config names the form that ran."""
+        if isinstance(data, dict) and "baseline_rows" not in data:
+            data = {**data, "baseline_rows": "in_band" if data.get("name", "hacpo") == "hacpo" else "joint"}
+        return data
 
     @model_validator(mode="after")
     def _ratio_bounds(self) -> AlgorithmConfig:
