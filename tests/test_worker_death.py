@@ -126,3 +126,19 @@ def test_an_allocation_failure_names_the_org_and_the_phase(tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match="^shapes differ$"):  # not an allocation: left as it is
         with phase.phase("acme", "generate"):
             raise RuntimeError("shapes differ")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the per-phase peak resets /proc/self/clear_refs")
+def test_peak_rss_is_each_phases_own():
+    """perf/<phase>/peak_rss_mb is the phase's peak: a 400 MB buffer freed in phase one does not count in phase
+    two."""
+    import torch
+
+    from hacrl_fed.perf import PhaseMeter
+
+    meter = PhaseMeter("cpu")
+    big = torch.ones(100 * 2**20)  # 400 MB, touched
+    del big
+    first = meter.lap("one", 0)["perf/one/peak_rss_mb"]
+    second = meter.lap("two", 0)["perf/two/peak_rss_mb"]
+    assert first - second > 300, (first, second)

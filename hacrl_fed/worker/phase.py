@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from hacrl_fed.perf import peak_rss_mb
+
 PHASE_FILE_ENV = "HACRL_FED_PHASE_FILE"
 _ALLOCATION = re.compile(r"can't allocate memory|out of memory|DefaultCPUAllocator|std::bad_alloc", re.IGNORECASE)
 _current: dict[str, str] = {}
@@ -31,28 +33,11 @@ class OutOfMemory(MemoryError):
     """An allocation failed in an org's phase: the message is one line naming both (module doc)."""
 
 
-def _kib(field: str) -> int | None:
-    """``field`` (``VmHWM``: peak RSS, ``VmRSS``) of this process from ``/proc/self/status``, in KiB."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def peak_rss_kib() -> int:
-    """This process's peak resident set size in KiB (``VmHWM``; else ``ru_maxrss``, 0 where neither exists)."""
-    hwm = _kib("VmHWM")
-    if hwm is not None:
-        return hwm
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - Windows
-        return 0
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    """This process's peak resident set size in KiB, since the current phase's start where the peak can be reset
+    (:func:`hacrl_fed.perf.peak_rss_mb`); 0 where unknown."""
+    mb = peak_rss_mb()
+    return int(mb * 1024) if mb is not None else 0
 
 
 def total_memory_kib() -> int | None:
