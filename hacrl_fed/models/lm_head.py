@@ -16,7 +16,8 @@ the zoo agents and on both real checkpoints).
 
 :func:`head_parts` says which models this applies to: an architecture whose logits are exactly ``lm_head`` of the
 decoder's ``last_hidden_state`` (plus Gemma's final soft-capping), :data:`HEAD_ARCHS`. Other architectures (a head
-with a logit scale or bias of its own) keep the model's own forward.
+with a logit scale or bias of its own) and an FSDP2-sharded model (its root gathers the head only in its own
+forward: :mod:`hacrl_fed.sharded`) keep the model's own forward.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def head_parts(model: nn.Module) -> HeadParts | None:
     A PEFT wrapper is looked through (its adapters sit inside the decoder's and the head's modules)."""
     lm: Any = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
     config = getattr(lm, "config", None)
-    if getattr(config, "model_type", None) not in HEAD_ARCHS:
+    if getattr(config, "model_type", None) not in HEAD_ARCHS or _sharded(lm):
         return None
     decoder = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
@@ -63,6 +64,15 @@ def head_parts(model: nn.Module) -> HeadParts | None:
         return None
     cap = getattr(config, "final_logit_softcapping", None)
     return HeadParts(decoder, head, float(cap) if cap else None)
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is FSDP2-sharded: its root holds the head and gathers it only in its own forward."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
 
 
 def _chunk_log_probs(logits_of: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor) -> Tensor:
