@@ -142,3 +142,25 @@ def test_peak_rss_is_each_phases_own():
     first = meter.lap("one", 0)["perf/one/peak_rss_mb"]
     second = meter.lap("two", 0)["perf/two/peak_rss_mb"]
     assert first - second > 300, (first, second)
+
+
+def test_the_death_line_of_each_way_to_die(tmp_path):
+    """A signal, a sharded org's rank killed under torchrun (its agent exits 1, the rank's signal is in its log),
+    and an exit of the worker's own."""
+    from types import SimpleNamespace
+
+    from hacrl_fed.coordinator.worker_deaths import death_line, phase_file_of
+
+    (tmp_path / "logs").mkdir()
+    phase_file_of(tmp_path, "acme").write_text(f"generate {3 * 2**20}\n")
+    w = SimpleNamespace(org_id="acme", proc=SimpleNamespace(pid=7), tail=[], error_line=None, log_path="L")
+    line = death_line(w, -signal.SIGKILL, 2**20, tmp_path)
+    assert re.match(r"^worker 'acme' \(pid 7\) was killed by SIGKILL in phase generate \(likely out of memory: "
+                    r"peak RSS 3\.0 GiB of \d+\.\d GiB\) \(log: L\)$", line), line
+    assert "was killed by SIGTERM in phase generate (peak RSS 3.0 GiB" in death_line(w, -signal.SIGTERM, 0, tmp_path)
+    w.tail = ["  exitcode  : -9 (pid: 1234)", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"]
+    assert "was killed by SIGKILL in phase generate (likely out of memory" in death_line(w, 1, None, tmp_path)
+    w.tail, w.error_line = [], "hacrl-fed worker: failed: ValueError: bad"
+    assert death_line(w, 1, None, tmp_path) == ("worker 'acme' (pid 7) exited with code 1 in phase generate: "
+                                                "hacrl-fed worker: failed: ValueError: bad (log: L)")
+    assert "in phase unknown (it reported none)" in death_line(w, 1, None, tmp_path / "elsewhere")
