@@ -18,8 +18,9 @@ with ``N = generation.batch_size``, ``m = trainer.micro_batch_size``, ``L`` = :d
 transformers, tokenizers). An org's peak is its resident memory plus its largest phase. Orgs in one process
 (``--transport inprocess``) run their phases one after another: the host's peak is one process's overhead, every
 org's resident memory and the largest phase. Orgs in processes of their own (launched gRPC workers, simulation):
-the sum of each org's peak and overhead. The estimate is an order of magnitude (measured on the real pair:
-BENCHMARKS.md "Real models"), so only a plan that exceeds the available memory (``MemAvailable``) is refused;
+the sum of each org's peak and overhead. The estimate is an order of magnitude (each phase's measured peak is the
+metric ``<org>/perf/<phase>/peak_rss_mb``), so only a plan that exceeds the available memory (``MemAvailable``)
+is refused;
 orgs on a CUDA device, sharded orgs and the ``vllm`` engine are not counted in the host's memory.
 """
 
