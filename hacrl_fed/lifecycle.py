@@ -438,7 +438,8 @@ class Run:
         interrupted = issubclass(exc_type, KeyboardInterrupt)
         if not interrupted:
             self.error_log = self.run_dir / ERROR_LOG
-            self.error_log.write_text("".join(traceback.format_exception(exc_type, exc, tb)))
+            with self.error_log.open("a") as f:  # after any line a dying worker left there (worker_deaths)
+                f.write("".join(traceback.format_exception(exc_type, exc, tb)))
         try:
             rounds = self.coordinator.round if self.coordinator is not None else None
             self._write_info(

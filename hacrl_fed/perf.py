@@ -6,8 +6,11 @@ A :class:`PhaseMeter` times consecutive phases and reports for each one
   re-tokenized foreign tokens, prompt + response tokens trained on) and ``perf/<phase>/tokens_per_s``;
 - on CUDA ``perf/<phase>/peak_gpu_mem_mb``: ``torch.cuda.max_memory_allocated`` during the phase (the peak is
   reset when the phase starts);
-- elsewhere ``perf/<phase>/peak_rss_mb``: the process's peak resident set size so far (``resource``'s
-  ``ru_maxrss``; it cannot be reset, so it is a running maximum, not the phase's own peak).
+- elsewhere ``perf/<phase>/peak_rss_mb``: the process's peak resident set size during the phase. On Linux the
+  kernel's peak (``VmHWM``) is reset when the phase starts (``echo 5 > /proc/self/clear_refs``) and read when it
+  ends: one small write and one read of ``/proc/self/status`` per phase. Where it cannot be reset (another OS) it is
+  ``resource``'s ``ru_maxrss``, the running maximum so far. It is the process's: in-process, every org's weights
+  that live in it count.
 """
 
 from __future__ import annotations
@@ -19,13 +22,39 @@ import torch
 
 
 def peak_rss_mb() -> float | None:
-    """Peak resident set size of this process in MiB, or None where ``resource`` is unavailable."""
+    """Peak resident set size of this process in MiB (since :func:`reset_peak_rss` where that worked), or None
+    where neither ``/proc`` nor ``resource`` is available."""
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm / 2**10
     try:
         import resource
     except ImportError:  # pragma: no cover - Windows
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak RSS of this process to its current RSS (Linux ``clear_refs`` 5); False where it
+    cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class PhaseMeter:
@@ -40,6 +69,8 @@ class PhaseMeter:
     def _reset_peak(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            reset_peak_rss()
 
     def lap(self, phase: str, tokens: float) -> dict[str, float]:
         """Metrics of the phase that ends now (``tokens`` processed in it); the next phase starts now."""

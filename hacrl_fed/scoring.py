@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hacrl_fed.models.lm_head import chunked_log_probs, head_parts
 from hacrl_fed.models.native import shared_prompt_logits
 from hacrl_fed.types import FINISH_REASONS, FINISH_STOP
 
@@ -208,9 +209,13 @@ def token_log_probs(
     response token ``j`` (``log p(x_{P+j} | x_{<P+j})``, temperature 1), ``mask`` is 1 where row ``i`` has a
     ``j``-th token and ``token_log_probs`` is exactly 0 elsewhere. Carries gradient when grad is enabled. Runs the
     model in eval mode (no dropout) except for the ``dropout`` modules (the trainer passes its LoRA adapters'
-    dropout), and restores every module's previous mode. Memory: logits only for the ``T + 1`` last
-    columns when the model supports ``logits_to_keep``; the log-softmax over token chunks above
-    :data:`CHUNK_BYTES` (:func:`gathered_log_probs`), one float32 ``[B, T, V]`` copy below it.
+    dropout), and restores every module's previous mode. Memory: a vocabulary above :data:`ONE_PASS_MAX_VOCAB` (every
+    real checkpoint) of an architecture :func:`~hacrl_fed.models.lm_head.head_parts` knows never has a
+    ``[B, T, V]`` logits tensor, in scoring or in the update: the decoder's final hidden states go through the head
+    in chunks of tokens, each chunk checkpointed under gradient (:func:`~hacrl_fed.models.lm_head.chunked_log_probs`).
+    The zoo's vocabularies (100-400) keep the whole-tensor path they always took (the same float rounding): logits
+    only for the ``T + 1`` last columns when the model supports ``logits_to_keep``, log-softmaxed over token chunks
+    above :data:`CHUNK_BYTES` (:func:`gathered_log_probs`).
     ``native``: the hand-written forward of :func:`hacrl_fed.models.native.shared_prompt_logits` instead of the
     model's own, each distinct prompt of the batch run once for all its rows (the caller checks
     :func:`~hacrl_fed.models.native.unsupported_reason`; no dropout there).
@@ -221,14 +226,30 @@ def token_log_probs(
     if t == 0 or b == 0:
         return torch.zeros(b, t, device=device), mask
     batch = batch.to(device)
+    if native and dropout:
+        raise ValueError("the native forward has no dropout: score with the model's own forward")
+    targets = batch.input_ids[:, batch.prompt_width :]
+    parts = head_parts(model) if _vocab(model) > ONE_PASS_MAX_VOCAB else None
+    if parts is not None:  # a real vocabulary: hidden states, then the head in chunks (models/lm_head.py)
+        if native:
+            hidden = _shared_prompt_logits(model, batch, hidden=True)  # [B, T, H]
+        else:
+            hidden = _model_outputs(parts.decoder, batch, dropout, model).last_hidden_state[:, -(t + 1) : -1]
+        return chunked_log_probs(parts, hidden, targets, mask), mask
     if native:
-        if dropout:
-            raise ValueError("the native forward has no dropout: score with the model's own forward")
         logits = _shared_prompt_logits(model, batch).float()  # [B, T, V]
     else:
-        logits = _model_logits(model, batch, t + 1, dropout)[:, -(t + 1) : -1].float()  # predicts columns P..P+T-1
-    lp = gathered_log_probs(logits, batch.input_ids[:, batch.prompt_width :])
+        logits = _model_outputs(model, batch, dropout, model, keep=t + 1).logits[:, -(t + 1) : -1].float()
+    lp = gathered_log_probs(logits, targets)
     return torch.where(mask.bool(), lp, torch.zeros_like(lp)), mask
+
+
+ONE_PASS_MAX_VOCAB = 4096  # vocabularies up to this (every zoo agent: 100-400) keep the whole-tensor log-softmax
+
+
+def _vocab(model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    return int(getattr(config, "vocab_size", 0) or 0)
 
 
 CHUNK_BYTES = 256 << 20  # float32 [B, T, V] logits above this are log-softmaxed over token chunks of this size
@@ -258,28 +279,32 @@ def gathered_log_probs(logits: Tensor, targets: Tensor, chunk_bytes: int = CHUNK
     return torch.cat(parts, dim=1)
 
 
-def _shared_prompt_logits(model, batch: ScoringBatch) -> Tensor:
+def _shared_prompt_logits(model, batch: ScoringBatch, hidden: bool = False) -> Tensor:
     """:func:`~hacrl_fed.models.native.shared_prompt_logits` over a :class:`ScoringBatch`: rows with the same
-    (padded) prompt block share one prompt pass. → ``[B, T, V]``."""
+    (padded) prompt block share one prompt pass. → ``[B, T, V]`` (``hidden``: the final hidden states ``[B, T, H]``)."""
     p = batch.prompt_width
     block = torch.cat((batch.input_ids[:, :p], batch.attention_mask[:, :p]), dim=1)
     _, rows = torch.unique(block, dim=0, return_inverse=True)
     first = torch.full((int(rows.max()) + 1,), batch.batch_size, dtype=torch.long, device=rows.device)
     first = first.scatter_reduce(0, rows, torch.arange(batch.batch_size, device=rows.device), reduce="amin")
     return shared_prompt_logits(
-        model, batch.input_ids[first, :p], batch.attention_mask[first, :p], rows, batch.input_ids[:, p:]
+        model, batch.input_ids[first, :p], batch.attention_mask[first, :p], rows, batch.input_ids[:, p:], hidden=hidden
     )
 
 
-def _model_logits(model, batch: ScoringBatch, keep: int, dropout: Sequence[torch.nn.Module]) -> Tensor:
-    """The model's own forward in eval mode (``dropout`` modules in training mode; every mode restored)."""
-    extra = {"logits_to_keep": keep} if _accepts_logits_to_keep(model) else {}
+def _model_outputs(
+    module: torch.nn.Module, batch: ScoringBatch, dropout: Sequence[torch.nn.Module], model: torch.nn.Module, keep=0
+):
+    """``module``'s forward (the model, or its decoder: :func:`~hacrl_fed.models.lm_head.head_parts`) with
+    ``model`` in eval mode (``dropout`` modules in training mode; every mode restored); ``keep`` > 0: logits of the
+    last ``keep`` columns only where the model supports ``logits_to_keep``."""
+    extra = {"logits_to_keep": keep} if keep and _accepts_logits_to_keep(model) else {}
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     for m in dropout:
         m.train(True)
     try:
-        out = model(
+        out = module(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             position_ids=batch.position_ids,
@@ -289,7 +314,7 @@ def _model_logits(model, batch: ScoringBatch, keep: int, dropout: Sequence[torch
     finally:
         for m, mode in modes:
             m.training = mode
-    return out.logits
+    return out
 
 
 def _micro_batches(model, batch: ScoringBatch, micro_batch_size: int) -> Iterator[tuple[int, Tensor, Tensor]]:

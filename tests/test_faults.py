@@ -406,7 +406,9 @@ def test_killed_worker_below_min_orgs_stops_the_cli_with_one_clear_line(tmp_path
         stop_by_pid(pids)
     assert proc.returncode == 1, err
     assert "Traceback" not in err
-    message = [line for line in err.splitlines() if line.startswith("hacrl-fed run:")]
+    died = f"hacrl-fed run: worker 'c' (pid {victim}) was killed by SIGKILL in phase "  # the death's own line
+    assert sum(line.startswith(died) for line in err.splitlines()) == 1, err
+    message = [line for line in err.splitlines() if line.startswith("hacrl-fed run:") and not line.startswith(died)]
     assert len(message) == 1 and f"{MAX_FAILED_ROUNDS} consecutive rounds" in message[0]
     assert "federation.min_orgs=3" in message[0]
     rec = by_round(run_dir)

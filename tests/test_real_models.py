@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hacrl_fed import scoring
 from hacrl_fed.config import BuildError, ModelConfig
 from hacrl_fed.engines import build_engine
 from hacrl_fed.engines import fast as fast_engine
 from hacrl_fed.engines.base import stop_token_ids
-from hacrl_fed.models import real
+from hacrl_fed.models import lm_head, real
 from hacrl_fed.models.loading import load_model_and_tokenizer, model_sources
 from hacrl_fed.models.native import unsupported_reason
 from hacrl_fed.models.prompting import completion_render, prompt_style
@@ -114,7 +115,9 @@ def test_stop_ids_keep_the_models_own_eos_list(smol, gemma):
 def test_chat_and_completion_rendering(smol, gemma):
     task = get_task("arithmetic", {}, seed=0)
     s = prompt_style(smol[1], task)
-    assert s.format == "chat" and s.render(smol[1], QUESTION).endswith("<|im_start|>user\n2+3<|im_end|>\n<|im_start|>assistant\n")
+    assert s.format == "chat" and s.render(smol[1], QUESTION).endswith(
+        "<|im_start|>user\n2+3<|im_end|>\n<|im_start|>assistant\n"
+    )
     g = prompt_style(gemma[1], task, few_shot=2)
     shots = task.prompts("train", [task.size("train") - 2, task.size("train") - 1])
     assert g.format == "completion" and g.shots == tuple((p.messages[0].content, p.reference) for p in shots)
@@ -181,3 +184,25 @@ def test_chunked_log_probs_equal_the_whole_log_softmax():
     x = logits.clone().requires_grad_(True)
     gathered_log_probs(x, targets, chunk_bytes=2 * 262_144 * 4).sum().backward()
     assert x.grad is not None and torch.allclose(x.grad.sum(-1), torch.zeros(2, 7), atol=1e-4)
+
+
+@pytest.mark.parametrize("which", ["smol", "gemma"])
+def test_the_chunked_head_equals_the_whole_log_softmax(which, request, monkeypatch):
+    """A real vocabulary scores through the chunked head (no [rows, tokens, vocab] logits): within 1e-6 of the
+    model's own forward's whole log-softmax, several chunks per batch, own and hand-written forward."""
+    model, tok = request.getfixturevalue(which)
+    assert lm_head.head_parts(model) is not None and model.config.vocab_size > scoring.ONE_PASS_MAX_VOCAB
+    prompts = tok(["Question: 2+3\nAnswer:", "What is 7*6?"], add_special_tokens=False)["input_ids"]
+    responses = [tok(" 5, because two and three make five.", add_special_tokens=False)["input_ids"], [tok.eos_token_id]]
+    batch = build_scoring_batch_from_ids(prompts, responses, tok.pad_token_id or tok.eos_token_id)
+    with torch.no_grad():
+        monkeypatch.setattr(lm_head, "HEAD_CHUNK_BYTES", 3 * 4 * model.config.vocab_size)  # 3 tokens a chunk
+        for native in [False] + ([True] if unsupported_reason(model) is None else []):
+            chunked, mask = token_log_probs(model, batch, native=native)
+            with monkeypatch.context() as m:
+                m.setattr(scoring, "ONE_PASS_MAX_VOCAB", 10**9)
+                whole, _ = token_log_probs(model, batch, native=native)
+            assert int(mask.sum()) > 6 and (chunked - whole).abs().max() <= 1e-6, (
+                native,
+                (chunked - whole).abs().max(),
+            )

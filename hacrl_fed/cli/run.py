@@ -169,10 +169,13 @@ def _resolve_run(args: argparse.Namespace):
             refuse_emulated_slowdown(cfg, "--transport inprocess")
         except ConfigError as err:  # ShardingError is one
             raise UsageError(str(err)) from None
+    from hacrl_fed.memory_estimate import check_memory
     from hacrl_fed.preflight import check_settings
 
     try:  # what the workers this command builds or starts would refuse: now, before any of them starts
-        check_settings(cfg, [o.id for o in cfg.orgs if o.id not in given])
+        here = [o.id for o in cfg.orgs if o.id not in given]
+        check_settings(cfg, here)
+        check_memory(cfg, here, one_process=transport == "inprocess")  # a plan that cannot fit this host
     except ConfigError as err:
         raise UsageError(str(err)) from None
     run_dir = (Path(args.run_dir) if args.run_dir else Path(cfg.run_dir) / cfg.name).absolute()

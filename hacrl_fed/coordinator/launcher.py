@@ -33,6 +33,12 @@ gone.
 
 The workers get no ``--set``: with overrides the launcher writes the resolved config to
 ``<run_dir>/worker_config.yaml`` and starts the workers from it.
+
+A worker that dies once ready is never silent (:mod:`hacrl_fed.coordinator.worker_deaths`): each worker writes
+its phase to ``<run_dir>/logs/<org>.phase`` (:mod:`hacrl_fed.worker.phase`), a watcher thread reaps a worker that
+exits while the run goes on, and one line naming the org, the phase it was in and, for a signal, the signal and
+its peak RSS against the machine's memory ("killed by SIGKILL ... (likely out of memory: peak RSS X of Y)") is
+appended to ``<run_dir>/error.log`` and printed to stderr.
 """
 
 from __future__ import annotations
@@ -52,8 +58,10 @@ from typing import Any
 import yaml
 
 from hacrl_fed.config import BuildError
+from hacrl_fed.coordinator.worker_deaths import DeathWatch, phase_file_of
 from hacrl_fed.host import available_cpus
 from hacrl_fed.wire.link_secret import create_secret_file
+from hacrl_fed.worker.phase import PHASE_FILE_ENV
 
 READY = re.compile(r"^hacrl-fed worker (?P<org>\S+) listening on (?P<address>\S+)\s*$")
 # the worker's own one-line report of why it stopped (hacrl_fed.cli.common.run_command, or its usage exit)
@@ -261,10 +269,12 @@ class WorkerProcesses:
         self.addresses: dict[str, str] = {}
         self.secrets: dict[str, str] = {}  # org -> link secret of a loopback TCP worker (pass to GrpcTransport)
         self.exit_codes: dict[str, int | None] = {}  # filled by close()
+        self.deaths: DeathWatch | None = None  # watches the workers once all are ready (module doc)
 
     def _env(self, processes: int | None = None) -> dict[str, str]:
         """The workers' environment; ``processes``: how many share this machine (default: one per org)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop(PHASE_FILE_ENV, None)  # each worker gets its own (start)
         env.update(worker_thread_env(len(self.org_ids) if processes is None else processes))
         if self.die_with_parent:  # the worker also polls for its parent (PDEATHSIG alone proved unreliable)
             env[PARENT_PID_ENV] = str(os.getpid())
@@ -304,8 +314,12 @@ class WorkerProcesses:
                 ]
                 if self.die_with_parent:
                     argv = die_with_parent_argv(argv)
-                self.workers[org] = _Worker(org, argv, self.run_dir / "logs" / f"{org}.log", env)
+                phase_file = phase_file_of(self.run_dir, org)
+                phase_file.unlink(missing_ok=True)
+                worker_env = dict(env, **{PHASE_FILE_ENV: str(phase_file)})
+                self.workers[org] = _Worker(org, argv, self.run_dir / "logs" / f"{org}.log", worker_env)
             self._wait_ready()
+            self.deaths = DeathWatch(self.run_dir, self.workers)
         except BaseException:
             self.close()
             raise
@@ -336,6 +350,8 @@ class WorkerProcesses:
     def close(self) -> None:
         """SIGTERM every live worker, SIGKILL those still alive after ``grace_s``; idempotent."""
         atexit.unregister(self.close)
+        if self.deaths is not None:
+            self.deaths.stop()  # stopping them is no death to report
         live = [w for w in self.workers.values() if w.proc.poll() is None]
         for w in live:
             w.proc.terminate()

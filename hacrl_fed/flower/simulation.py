@@ -169,9 +169,11 @@ def simulate(
     run_path = run_dir_of(settings, cfg).resolve()  # Ray workers need absolute paths: their cwd differs
     check_run_dir(run_path, resume)
     if not worker_factory:  # what the ClientApp's workers would refuse (models, task, context): before Ray starts
+        from hacrl_fed.memory_estimate import check_memory
         from hacrl_fed.preflight import preflight
 
         preflight(cfg)
+        check_memory(cfg, [o.id for o in cfg.orgs], one_process=False)  # a plan that cannot fit this host
     settings = AppSettings(**{**settings.__dict__, "run_dir": str(run_path)})
     apps = load_apps(find_app_dir(app_dir))
     backend = backend_config(num_cpus or available_cpus(), detect_gpus() if num_gpus is None else num_gpus)

@@ -99,6 +99,7 @@ class NativeDecoder:
         self.prefix: list[tuple[Tensor, Tensor]] | None = None
         self.prefix_rows: Tensor | None = None
         self.record: list[tuple[Tensor, Tensor]] | None = None
+        self.head = True  # False: return the final normed hidden states [N, keep, H] instead of logits
 
     def __call__(self, ids: Tensor, pos: Tensor, bias: Tensor, start: int, keep: int = 0) -> Tensor:
         """Logits ``[N, V]`` of the last column of ``ids`` ``[N, S]`` at positions ``pos`` (``keep`` > 0: of the
@@ -167,8 +168,8 @@ class NativeDecoder:
             gate = mlp.act_fn(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
             up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
             x = x + F.linear(gate * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        head = self.model.lm_head
-        return F.linear(_rms(x[:, -keep:], base.norm), head.weight, head.bias)
+        head, h = self.model.lm_head, _rms(x[:, -keep:], base.norm)
+        return F.linear(h, head.weight, head.bias) if self.head else h
 
     def _gpt2(self, ids: Tensor, pos: Tensor, bias: Tensor, start: int, keep: int) -> Tensor:
         base = self.model.transformer
@@ -186,13 +187,15 @@ class NativeDecoder:
             h = mlp.act(torch.addmm(mlp.c_fc.bias, h.reshape(n * s, e), mlp.c_fc.weight))
             x = x + torch.addmm(mlp.c_proj.bias, h, mlp.c_proj.weight).view(n, s, e)
         ln, head = base.ln_f, self.model.lm_head
-        return F.linear(F.layer_norm(x[:, -keep:], (e,), ln.weight, ln.bias, ln.eps), head.weight, head.bias)
+        h = F.layer_norm(x[:, -keep:], (e,), ln.weight, ln.bias, ln.eps)
+        return F.linear(h, head.weight, head.bias) if self.head else h
 
 
 def shared_prompt_logits(
-    model, prompt_ids: Tensor, prompt_mask: Tensor, prompt_rows: Tensor, response_ids: Tensor
+    model, prompt_ids: Tensor, prompt_mask: Tensor, prompt_rows: Tensor, response_ids: Tensor, *, hidden: bool = False
 ) -> Tensor:
-    """Logits ``[N, T, V]`` predicting each response token, with each distinct prompt run once.
+    """Logits ``[N, T, V]`` predicting each response token, with each distinct prompt run once (``hidden``: the
+    final normed hidden states ``[N, T, H]`` the ``lm_head`` would read instead, for a chunked head).
 
     ``prompt_ids`` / ``prompt_mask`` ``[U, P]``: the distinct prompts, left-padded (mask 0/1); ``prompt_rows``
     ``[N]``: row ``r``'s prompt; ``response_ids`` ``[N, T]``, right-padded. Column ``j`` of the result is the
@@ -208,6 +211,7 @@ def shared_prompt_logits(
     device = prompt_ids.device
     dtype = next(model.parameters()).dtype
     decoder = NativeDecoder(model, n, p + t, device, cache=False)
+    decoder.head = not hidden
     allowed = torch.ones(p, p, dtype=torch.bool, device=device).tril()[None] & prompt_mask[:, None].bool()
     allowed |= torch.eye(p, dtype=torch.bool, device=device)  # a pad query attends to itself: no empty softmax row
     prompt_bias = torch.zeros(allowed.shape, device=device, dtype=dtype).masked_fill(~allowed, -math.inf)[:, None]

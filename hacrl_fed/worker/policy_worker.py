@@ -68,6 +68,7 @@ from hacrl_fed.worker.late_rounds import RecentRounds
 from hacrl_fed.worker.learner_round import Extension, LearnerRound
 from hacrl_fed.worker.outcome import GuardExtension, OutcomeMonitor
 from hacrl_fed.worker.own_rows import sample_plan, verify_samples
+from hacrl_fed.worker.phase import in_phase, phase
 from hacrl_fed.worker.prompts import PromptBook
 from hacrl_fed.worker.routing import RunRouting
 from hacrl_fed.worker.samples import SampleBook
@@ -85,7 +86,8 @@ class PolicyWorker(RunRouting):
         self.gen_cfg, self.trainer_cfg = org_generation(cfg, org_id), org_trainer(cfg, org_id)
         self.seed = org.seed if org.seed is not None else stable_seed(cfg.seed, "org", org_id) % (2**31)
         torch.manual_seed(self.seed)
-        self.model, self.tokenizer = load_model_and_tokenizer(org.model)
+        with phase(org_id, "load"):
+            self.model, self.tokenizer = load_model_and_tokenizer(org.model)
         if self.trainer_cfg.lora.enabled:
             self.model = wrap_lora(self.model, self.trainer_cfg)
         self.task = get_task(cfg.task.name, cfg.task.params, seed=cfg.seed)
@@ -171,6 +173,7 @@ class PolicyWorker(RunRouting):
         return self.border.roster
 
     # -- WorkerAPI -------------------------------------------------------------------------------------------
+    @in_phase("generate")
     def generate(self, plan: RoundPlan) -> RolloutBatch:
         """Sample ``G`` responses per prompt with the pre-update weights, verify, and publish them."""
         self.prompts.check_task(plan.task)
@@ -213,6 +216,7 @@ class PolicyWorker(RunRouting):
             batch = replace(batch, version=self._version, plan_challenges=dict(plan.challenges))
         return self.border.publish(batch, sp.max_new_tokens * self.cfg.security.max_bytes_per_token)
 
+    @in_phase("train")
     def train(self, request: TrainRequest) -> TrainReport:
         """Admit the foreign rows through the intake and run this round's update on exactly the rows it admits: the
         learner round's phases (:mod:`hacrl_fed.worker.learner_round`)."""
@@ -292,6 +296,7 @@ class PolicyWorker(RunRouting):
         finally:
             self._challenges.release()
 
+    @in_phase("evaluate")
     def evaluate(self, request: EvalRequest) -> EvalReport:
         """Greedy accuracy on held-out prompts."""
         self.prompts.check_task(request.task)

@@ -40,6 +40,7 @@ from hacrl_fed.worker.checkpoint import (
     save_checkpoint,
 )
 from hacrl_fed.worker.guard import RequestRefused, check_checkpoint
+from hacrl_fed.worker.phase import in_phase
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class RunRouting:
         saved = checkpoint_version(checkpoint) if checkpoint is not None else None
         self._version = last_round if saved is None else saved
 
+    @in_phase("checkpoint")
     def checkpoint(self, round: int) -> str:
         """Checkpoint the round just trained into this run's folder, ``<run dir>/orgs/<org>/checkpoints/<run id>``."""
         check_checkpoint(self.org_id, round, last_round=self.last_round)
