@@ -1,8 +1,8 @@
 """One federation of the two packaged real checkpoints end to end (issue 43): ``configs/real.yaml`` (SmolLM2-135M
 and Gemma 3 270M base, each in the few-shot completion format) made tiny (2 rounds, 2 prompts x 2 samples, 4
-held-out prompts, the guard validating 8), the outcome guard on as by default. It checks that both orgs' responses
-stop, the round, intake and evaluation metrics are there, checkpoints are saved, and ``hacrl-fed export`` +
-``hacrl-fed eval`` give back the coordinator's last held-out accuracy for each org.
+held-out prompts, the outcome guard off: see ``TINY``), every other setting the default. It checks that both orgs'
+responses stop, the round, intake and evaluation metrics are there, checkpoints are saved, and ``hacrl-fed
+export`` + ``hacrl-fed eval`` give back the coordinator's last held-out accuracy for each org.
 
 Needs ``make real-models`` (``make test`` runs it first); skipped, with the reason, only when those packages are
 missing. The checkpoints' conversions are cached in ``~/.cache/hacrl_fed/real`` between runs.
@@ -35,7 +35,9 @@ TINY = {  # configs/real.yaml, smaller: what the test needs to see, not learning
     ("generation", "max_new_tokens"): 12,
     ("generation", "eval_max_new_tokens"): 12,
     ("task", "eval_size"): 4,
-    ("trainer", "outcome_guard"): {"every": 2, "val_size": 8, "final_size": 8},  # val_size >= 8
+    # the guard off: with it on this plan passed 12.5 GB of RSS in round 1 (its shadow doubles weights and optimizer),
+    # more than a test may take beside the suite on a 24 GB machine; on again with the cheaper guard (issue 44)
+    ("trainer", "outcome_guard"): {"enabled": False},
 }
 
 
