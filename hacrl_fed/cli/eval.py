@@ -55,14 +55,16 @@ def _source(args: argparse.Namespace):
         _, checkpoint = find_checkpoint(Path(args.run_dir), args.org, args.round)
         model, tokenizer = load_trained(cfg, args.org, checkpoint)
         return model, tokenizer, cfg, args.org
-    config = args.config
+    config, org = args.config, None
     info = Path(args.model) / EXPORT_INFO
-    if config is None and info.is_file():
-        config = json.loads(info.read_text())["config"]
+    if info.is_file():  # an export: its run's config and org (the org's prompt format, as its worker rendered)
+        meta = json.loads(info.read_text())
+        config, org = config or meta["config"], meta.get("org")
     if config is None:
         raise BuildError(f"--config: {args.model} is not a hacrl-fed export; name the run config with the task")
     model, tokenizer = load_exported(args.model, args.device)
-    return model, tokenizer, load_config(config, overrides=overrides), None
+    cfg = load_config(config, overrides=overrides)
+    return model, tokenizer, cfg, org if org in {o.id for o in cfg.orgs} else None
 
 
 def main(argv: list[str] | None = None) -> int:
