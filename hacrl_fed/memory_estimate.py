@@ -38,13 +38,12 @@ PROMPT_TOKENS = 128  # assumed prompt length (chat template included) for the pl
 
 
 def guard_copies(guard: Any) -> float:
-    """Copies of the trained weights + optimizer state the outcome guard keeps beside the learner's: its validated
-    reference, and with ``counterfactual`` the shadow's own (hacrl_fed/worker/outcome.py, shadow.py). 0 when the
-    guard is off. The one place the estimate reads the guard's
-    footprint from: change it with the guard."""
-    if not guard.enabled:
-        return 0.0
-    return 2.0 if guard.counterfactual else 1.0
+    """Copies of the trained weights + optimizer state the outcome guard keeps in memory beside the learner's. 0
+    since issue 44: its validated reference and its shadow live in files (hacrl_fed/worker/stash.py), read
+    memory-mapped (page cache, reclaimable) only while one is copied onto the model. The one place the estimate
+    reads the guard's footprint from: change it with the guard."""
+    del guard  # on or off, nothing resident
+    return 0.0
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """One federation of the two packaged real checkpoints end to end (issue 43): ``configs/real.yaml`` (SmolLM2-135M
 and Gemma 3 270M base, each in the few-shot completion format) made tiny (2 rounds, 2 prompts x 2 samples, 4
-held-out prompts, the outcome guard off: see ``TINY``), every other setting the default. It checks that both orgs'
+held-out prompts: see ``TINY``), every other setting the default, the outcome guard on. It checks that both orgs'
 responses stop, the round, intake and evaluation metrics are there, checkpoints are saved, and ``hacrl-fed
 export`` + ``hacrl-fed eval`` give back the coordinator's last held-out accuracy for each org.
 
@@ -35,9 +35,6 @@ TINY = {  # configs/real.yaml, smaller: what the test needs to see, not learning
     ("generation", "max_new_tokens"): 12,
     ("generation", "eval_max_new_tokens"): 12,
     ("task", "eval_size"): 4,
-    # the guard off: with it on this plan passed 12.5 GB of RSS in round 1 (its shadow doubles weights and optimizer),
-    # more than a test may take beside the suite on a 24 GB machine; on again with the cheaper guard (issue 44)
-    ("trainer", "outcome_guard"): {"enabled": False},
 }
 
 
