@@ -1,0 +1,112 @@
+"""Resuming an asynchronous run (``federation.staleness >= 1``; hacrl_fed/coordinator/async_state.py,
+hacrl_fed/worker/async_checkpoint.py, docs/ALGORITHM.md "Resuming").
+
+Two micro orgs in process on the virtual clock, ``b`` twice as slow as ``a`` (so ``a`` trains on ``b``'s batches one
+round late), ``K = 1``, checkpoints every round. The coordinator process is "killed" (KeyboardInterrupt out of the
+transport, as in tests/test_faults.py) after a number of steps, between a step's start and the next quiescent
+state; the workers went on past that state (newer checkpoints). The resume (workers' checkpoints aligned to the
+state, then rebuilt from them, and a new coordinator) must finish with the uninterrupted run's metrics, every key
+but timings and sizes, and log every round once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_faults import by_round, learning_metrics, micro_cfg
+
+from hacrl_fed.coordinator.async_state import ASYNC_KEY, align_checkpoints
+from hacrl_fed.coordinator.inprocess import InProcessTransport
+from hacrl_fed.coordinator.loop import Coordinator
+from hacrl_fed.coordinator.virtual_clock import VirtualClock
+from hacrl_fed.metrics import RunLogger, read_metrics
+from hacrl_fed.run_files import STATE_FILE
+
+pytestmark = pytest.mark.slow
+
+STEPS = {"a": 1.0, "b": 2.0}
+
+
+class Killed(InProcessTransport):
+    """In-process transport on the virtual clock that raises KeyboardInterrupt (a killed coordinator) when step call
+    number ``kill_at`` (1-based) comes back; the worker did that step (and its checkpoint)."""
+
+    def __init__(self, workers, kill_at=None):
+        super().__init__(workers, clock=VirtualClock(STEPS))
+        self.kill_at, self.calls = kill_at, 0
+
+    def step(self, requests, timeout_s):
+        out = super().step(requests, timeout_s)
+        self.calls += 1
+        if self.calls == self.kill_at:
+            raise KeyboardInterrupt(f"coordinator killed after step call {self.calls}")
+        return out
+
+
+def run_async(cfg, run_dir: Path, *, resume=False, kill_at=None):
+    from hacrl_fed.worker import build_worker
+
+    if resume:
+        align_checkpoints(run_dir)  # before the workers are built: back to the state's checkpoints
+    workers = {o.id: build_worker(cfg, o.id, run_dir=run_dir, resume=resume) for o in cfg.orgs}
+    with RunLogger(run_dir, tensorboard=False) as logger:
+        co = Coordinator(cfg, Killed(workers, kill_at), run_dir, logger=logger, resume=resume)
+        try:
+            co.run()
+        except KeyboardInterrupt:
+            pass
+    return co
+
+
+def comparable(run_dir: Path) -> dict[int, dict]:
+    """:func:`learning_metrics` less the wall seconds of each step call (``async/<org>/step_s``)."""
+    return {
+        t: {k: v for k, v in rec.items() if not k.endswith("/step_s")} for t, rec in learning_metrics(run_dir).items()
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("async_ref")
+    co = run_async(async_cfg(tmp), tmp / "run")
+    return {"metrics": comparable(tmp / "run"), "steps": co.async_driver.steps, "records": read_metrics(tmp / "run")}
+
+
+def async_cfg(tmp: Path):
+    return micro_cfg(tmp, rounds=4, staleness=1, checkpoint_every=1)
+
+
+def test_the_reference_trains_on_late_batches(reference):
+    """The uninterrupted run is a real asynchronous one: a trains on b's batches one round late."""
+    late = [s for s in reference["steps"] if s.org == "a" and s.foreign and s.ages() != (0,) * len(s.foreign)]
+    assert late, reference["steps"]
+    assert sorted(reference["metrics"]) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("kill_at", "saved_at"), [(3, 0.0), (7, 4.0), (9, 6.0)])
+def test_an_async_run_killed_mid_way_resumes_to_the_uninterrupted_metrics(tmp_path, reference, kill_at, saved_at):
+    """Killed at step call ``kill_at``: the last quiescent state is that of virtual second ``saved_at`` (0: before
+    any step; 4 and 6: both orgs trained and checkpointed, a's step started after it wrote a newer checkpoint)."""
+    cfg, run_dir = async_cfg(tmp_path), tmp_path / "run"
+    first = run_async(cfg, run_dir, kill_at=kill_at)
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    assert state[ASYNC_KEY]["now"] == saved_at
+    assert first.async_driver.steps != reference["steps"]  # it did stop mid-way
+    co = run_async(cfg, run_dir, resume=True)
+    assert co.async_driver.steps == reference["steps"]  # the same schedule, every step once
+    rounds = [rec["round"] for rec in read_metrics(run_dir)]
+    assert rounds == [0, 1, 2, 3, 4]  # every round logged once: none lost, none twice
+    got = comparable(run_dir)
+    diff = {
+        (t, k): (got[t].get(k), reference["metrics"][t].get(k))
+        for t in got
+        for k in set(got[t]) | set(reference["metrics"][t])
+        if got[t].get(k) != reference["metrics"][t].get(k)
+    }
+    assert not diff, "\n".join(f"{k}: {v}" for k, v in sorted(diff.items()))
+    assert ASYNC_KEY not in json.loads((run_dir / STATE_FILE).read_text())  # finished: nothing left to resume
+    assert by_round(run_dir)[4]["round"] == 4
+
