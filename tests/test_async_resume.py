@@ -110,3 +110,65 @@ def test_an_async_run_killed_mid_way_resumes_to_the_uninterrupted_metrics(tmp_pa
     assert ASYNC_KEY not in json.loads((run_dir / STATE_FILE).read_text())  # finished: nothing left to resume
     assert by_round(run_dir)[4]["round"] == 4
 
+
+# -- coordinator-blind mode: an accusation about a batch published before the resume is proven after it ----------
+
+BLIND_ORGS = ("acme", "globex", "initech")
+SLOW_GLOBEX = {"acme": 1.0, "globex": 4.0, "initech": 1.0}
+
+
+def blind_cfg():
+    from test_security_edges import _blind_cfg
+
+    from hacrl_fed.config import load_config
+
+    data = _blind_cfg(BLIND_ORGS).model_dump()
+    data["federation"].update(rounds=4, staleness=1, checkpoint_every=1)
+    return load_config(data)
+
+
+def run_blind(run_dir: Path, *, resume=False, kill_at=None):
+    """globex (4x slower) claims reward 1 on every sealed rollout from its round-2 batch on; K = 1."""
+    from test_security_attacks import Hostile
+    from test_security_edges import _sealed_lie
+
+    from hacrl_fed.worker import build_worker
+
+    cfg = blind_cfg()
+    if resume:
+        align_checkpoints(run_dir)
+    workers = {}
+    for org in BLIND_ORGS:
+        worker = build_worker(cfg, org, run_dir=run_dir, resume=resume)
+        lie = (lambda b: _sealed_lie(b, run_dir, BLIND_ORGS) if b.round >= 2 else b) if org == "globex" else None
+        workers[org] = Hostile(worker, lie or (lambda b: b))
+    transport = Killed(workers, kill_at)
+    transport.clock = VirtualClock(SLOW_GLOBEX)
+    with RunLogger(run_dir, tensorboard=False) as logger:
+        co = Coordinator(cfg, transport, run_dir, logger=logger, resume=resume)
+        try:
+            co.run()
+        except KeyboardInterrupt:
+            pass
+    return co
+
+
+@pytest.mark.timeout(300)
+def test_a_blind_async_resume_proves_the_accusation_about_a_batch_kept_across_it(tmp_path):
+    """globex's lying round-2 batch is published at virtual second 8 (a quiescent state: every org trained and
+    checkpointed); the coordinator is killed right after the steps that carry it to acme and initech went out, so
+    their accusations arrive after the resume: the kept envelope and plan (in the state) prove them, and the run
+    is the uninterrupted one, globex excluded in the same round for the same reason."""
+    ref = run_blind(tmp_path / "ref")
+    why = f"reward mismatch {16}/{16} in round 2, re-verified by the coordinator"
+    assert ref.guard.excluded == {"globex": why}
+    run_dir = tmp_path / "run"
+    run_blind(run_dir, kill_at=9)
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    assert state[ASYNC_KEY]["now"] == 8.0 and "globex" not in state["trust"]["excluded"]
+    assert [t for t, _ in state[ASYNC_KEY]["envelopes"] if t[:2] == ["globex", 2]]  # the lying batch, kept
+    co = run_blind(run_dir, resume=True)
+    assert co.guard.excluded == {"globex": why}
+    assert co.async_driver.steps == ref.async_driver.steps
+    assert [rec["round"] for rec in read_metrics(run_dir)] == [0, 1, 2, 3, 4]
+    assert comparable(run_dir) == comparable(tmp_path / "ref")
