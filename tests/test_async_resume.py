@@ -24,8 +24,6 @@ from hacrl_fed.coordinator.virtual_clock import VirtualClock
 from hacrl_fed.metrics import RunLogger, read_metrics
 from hacrl_fed.run_files import STATE_FILE
 
-pytestmark = pytest.mark.slow
-
 STEPS = {"a": 1.0, "b": 2.0}
 
 
@@ -78,6 +76,7 @@ def async_cfg(tmp: Path):
     return micro_cfg(tmp, rounds=4, staleness=1, checkpoint_every=1)
 
 
+@pytest.mark.slow
 def test_the_reference_trains_on_late_batches(reference):
     """The uninterrupted run is a real asynchronous one: a trains on b's batches one round late."""
     late = [s for s in reference["steps"] if s.org == "a" and s.foreign and s.ages() != (0,) * len(s.foreign)]
@@ -85,6 +84,7 @@ def test_the_reference_trains_on_late_batches(reference):
     assert sorted(reference["metrics"]) == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("kill_at", "saved_at"), [(3, 0.0), (7, 4.0), (9, 6.0)])
 def test_an_async_run_killed_mid_way_resumes_to_the_uninterrupted_metrics(tmp_path, reference, kill_at, saved_at):
@@ -153,6 +153,7 @@ def run_blind(run_dir: Path, *, resume=False, kill_at=None):
     return co
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_blind_async_resume_proves_the_accusation_about_a_batch_kept_across_it(tmp_path):
     """globex's lying round-2 batch is published at virtual second 8 (a quiescent state: every org trained and
@@ -172,3 +173,27 @@ def test_a_blind_async_resume_proves_the_accusation_about_a_batch_kept_across_it
     assert co.async_driver.steps == ref.async_driver.steps
     assert [rec["round"] for rec in read_metrics(run_dir)] == [0, 1, 2, 3, 4]
     assert comparable(run_dir) == comparable(tmp_path / "ref")
+
+
+def test_the_trust_guards_kept_batches_survive_its_state_in_blind_mode_only():
+    """Lock-step rounds: the batches kept to judge accusations (each accepted batch verbatim and its plan) are in
+    the guard's state in blind mode, so a resume keeps them; with the text readable they are not kept there."""
+    from helpers_fake_workers import fake_config
+
+    from hacrl_fed.coordinator.trust import PoolGuard
+    from hacrl_fed.types import ChatMessage, Prompt, Rollout, RolloutBatch, RoundPlan, SamplingParams
+
+    prompt = Prompt(3, (ChatMessage("user", "1+1?"),), "2")
+    plan = RoundPlan("run", 2, "fake", (prompt,), SamplingParams(num_samples=1), {"a": b"\x01" * 16})
+    rollout = Rollout("b", 2, 3, 0, "", "stop", 1.0, -3.5, 4, sealed_response=b"\x07" * 40)
+    batch = RolloutBatch("run", 2, "b", (rollout,), 1.0, signature=b"s" * 64, plan_digest=b"d" * 32)
+    for encrypt in (True, False):
+        cfg = fake_config(("a", "b"), security={"encrypt": encrypt, "signing": encrypt})
+        guard = PoolGuard(cfg, None, lambda text, ref: 0.0)
+        guard.signed, guard.plans = {2: {"b": batch}}, {2: {"b": plan}}
+        back = PoolGuard(cfg, None, lambda text, ref: 0.0)
+        back.load_state_dict(json.loads(json.dumps(guard.state_dict())))
+        if encrypt:
+            assert (back.signed, back.plans) == ({2: {"b": batch}}, {2: {"b": plan}})
+        else:
+            assert (back.signed, back.plans) == ({}, {})
