@@ -197,3 +197,19 @@ def test_the_trust_guards_kept_batches_survive_its_state_in_blind_mode_only():
             assert (back.signed, back.plans) == ({2: {"b": batch}}, {2: {"b": plan}})
         else:
             assert (back.signed, back.plans) == ({}, {})
+
+
+def test_a_fork_of_an_asynchronous_run_is_refused_with_one_line(tmp_path):
+    import yaml
+    from helpers_fake_workers import fake_config
+
+    from hacrl_fed.config import ConfigError
+    from hacrl_fed.fork import prepare_fork
+    from hacrl_fed.run_files import CONFIG_FILE
+
+    cfg = fake_config(("a", "b"), staleness=1)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    with pytest.raises(ConfigError, match="federation.staleness=1: an asynchronous run resumes, it is not forked"):
+        prepare_fork(cfg, tmp_path / "src", 2, tmp_path / "new", "fork-id")
+    assert not (tmp_path / "new").exists()
