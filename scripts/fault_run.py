@@ -308,6 +308,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--faults", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start", type=int, default=0, help="the first fault's index (a later batch in the same --out)")
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     p.add_argument("--out", type=Path, default=None, help="work folder (default: a new temporary one)")
     p.add_argument("--json", type=Path, default=None)
@@ -328,7 +329,7 @@ def main() -> int:
         refs[setting] = learning(folder / f"reference-{setting}")
         print(f"reference {setting}: {len(refs[setting])} rows", flush=True)
     records = []
-    for i in range(args.faults):
+    for i in range(args.start, args.start + args.faults):
         records.append(inject(i, rng, targets, folder, refs))
         print(json.dumps(records[-1]), flush=True)
     print(table(records))
