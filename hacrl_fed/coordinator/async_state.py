@@ -22,6 +22,7 @@ import base64
 import dataclasses
 import json
 import logging
+import math
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -91,7 +92,8 @@ def driver_state(driver: AsyncDriver, now: float) -> dict[str, Any]:
     pool = [[_tag(tag), [_b64(r) for r in rows]] for tag, rows in driver.pool.items()]
     rounds = {
         str(r): {
-            **{k: getattr(rd, k) for k in ("metrics", "accepted", "accuracy", "failed", "trained")},
+            **{k: getattr(rd, k) for k in ("accepted", "accuracy", "failed", "trained")},
+            "metrics": {k: v if math.isfinite(v) else str(v) for k, v in rd.metrics.items()},  # JSON: no nan/inf
             "evals": {org: _b64(e) for org, e in rd.evals.items()},
             "refused": {k: dict(v) for k, v in rd.refused.items()},
         }
@@ -164,7 +166,8 @@ def load_driver_state(driver: AsyncDriver, state: dict[str, Any]) -> float:
 def _round(raw: dict[str, Any]) -> Any:
     from hacrl_fed.coordinator.async_driver import _Round
 
-    rd = _Round(**{k: raw[k] for k in ("metrics", "accepted", "accuracy", "failed", "trained")})
+    rd = _Round(**{k: raw[k] for k in ("accepted", "accuracy", "failed", "trained")})
+    rd.metrics = {k: float(v) for k, v in raw["metrics"].items()}  # "nan" / "inf" back to floats
     rd.evals = {org: _obj(EvalReport, e) for org, e in raw["evals"].items()}
     rd.refused = {k: Counter(v) for k, v in raw["refused"].items()}
     return rd
