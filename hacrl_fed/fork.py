@@ -94,6 +94,11 @@ def prepare_fork(cfg: RunConfig, source_dir: Path, round: int, run_dir: Path, ru
     (module docstring); ConfigError naming what is missing or changed."""
     source = source_config(source_dir)
     check_fork_config(source, cfg)
+    if source.federation.staleness >= 1:  # its state is an instant's, not a round's (docs/ALGORITHM.md "Resuming")
+        raise ConfigError(
+            f"--fork: federation.staleness={source.federation.staleness}: an asynchronous run resumes, "
+            "it is not forked yet"
+        )
     try:
         state = read_snapshot(source_dir, round)
     except ValueError as err:

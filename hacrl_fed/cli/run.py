@@ -225,6 +225,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             if transport_name == "grpc":
                 transport = _grpc_transport(args, cfg, run_dir, stack)
             else:
+                if args.resume and args.fork is None and cfg.federation.staleness >= 1:
+                    from hacrl_fed.coordinator.async_state import align_checkpoints
+
+                    align_checkpoints(run_dir)  # the workers back to the last quiescent state, before they are built
                 transport = _inprocess_transport(cfg, run_dir, args.resume, stack)
             run.execute(transport)
     except FederationError as err:

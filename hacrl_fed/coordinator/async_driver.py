@@ -73,8 +73,10 @@ from hacrl_fed.coordinator import round_metrics as rm
 from hacrl_fed.coordinator.async_accusations import LateAccusations
 from hacrl_fed.coordinator.async_liveness import Liveness, is_death, rejoin_version
 from hacrl_fed.coordinator.async_schedule import HOLD, TAKE, BatchTag, Step, offer_verdict
+from hacrl_fed.coordinator.async_state import ASYNC_KEY, driver_state, load_driver_state, quiescent
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.rounds import StepOutcome, split_reply
+from hacrl_fed.coordinator.state_file import write_state
 from hacrl_fed.coordinator.virtual_clock import VirtualClock
 from hacrl_fed.plan.screening import accepted_accuracy
 from hacrl_fed.results import RoundResult
@@ -82,6 +84,8 @@ from hacrl_fed.security.freshness import parse_challenge
 from hacrl_fed.types import EvalReport, Rollout, RolloutBatch, RoundPlan, StepRequest, TrainReport, TrainRequest
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from hacrl_fed.config import RunConfig
     from hacrl_fed.coordinator.bookkeeping import RoundKeeper, RunBook
     from hacrl_fed.coordinator.transport import Transport
@@ -101,6 +105,10 @@ class Coordinator(Protocol):
     keeper: RoundKeeper
     challenges: dict[str, bytes]
     run_id: str
+    state_path: Path
+    async_snapshot: dict[str, Any] | None
+
+    def state_dict(self) -> dict[str, Any]: ...
 
     def live_orgs(self) -> list[str]: ...
 
@@ -205,22 +213,30 @@ class AsyncDriver:
         self.liveness = Liveness(coordinator.transport, fed.round_timeout_s, clock.dies, clock.rejoins, wall=self.wall)
         self.logged = 0  # the last round logged
         self.mark = time.perf_counter()  # when the last round was logged (time/round: the wall time since)
+        self.checkpointed: dict[str, bool] = {}  # org -> whether its last completed step checkpointed its worker
+        self.worker_round: dict[str, int] = {}  # org -> the round of its worker's newest checkpoint
+        saved = getattr(coordinator, "resume_async", None)  # a resume: the state of a quiescent instant
+        self.start_at = load_driver_state(self, saved) if saved else 0.0
 
     # -- the clock ---------------------------------------------------------------------------------------------
 
     def run(self) -> None:
         """Step every org until each has trained the last round (or stopped); log every round."""
+        if self.co.book.round >= self.last:  # a resume of a run that finished
+            return
         self.co.keeper.refresh_challenges(self.co.live_orgs(), self.co.transport)
         try:
             self.run_wall() if self.wall else self.run_virtual()
         finally:
             self.liveness.close()
         self.close()
-        self.flush(final=True)
+        self.flush(final=True)  # each round's state is the last quiescent one's until every round is in
+        self.co.async_snapshot = None
+        write_state(self.co.state_path, self.co.state_dict())  # the finished run: nothing left to resume
 
     def run_virtual(self) -> None:
         """Events at one instant: completions (config order), deaths and rejoins, then the steps that may start."""
-        now: float | None = 0.0
+        now: float | None = self.start_at
         while now is not None:
             for org in self.orgs.values():  # completions at this instant, config order
                 if org.busy is not None and not org.busy.lost and org.busy.step.end <= now:
@@ -228,6 +244,8 @@ class AsyncDriver:
             self.faults(now)
             self.forget_spent()
             self.flush(final=False)
+            if quiescent(self):  # what a resume continues from (.async_state)
+                self.save(now)
             self.start_ready(now)
             ends = [o.busy.step.end for o in self.orgs.values() if o.busy is not None and not o.busy.lost]
             now = min(ends + self.liveness.next_fault(now), default=None)
@@ -249,6 +267,13 @@ class AsyncDriver:
             self.forget_spent()
             self.flush(final=False)
             self.start_ready(now)
+
+    def save(self, now: float) -> None:
+        """Write the coordinator's state with the driver's (:func:`~.async_state.driver_state`) at ``now``."""
+        co = self.co
+        co.async_snapshot = None  # the coordinator's own parts as they are now
+        co.async_snapshot = {**co.state_dict(), ASYNC_KEY: driver_state(self, now)}
+        write_state(co.state_path, co.async_snapshot)
 
     def faults(self, now: float) -> None:
         """The deaths and rejoins at ``now`` (:class:`~.async_liveness.Liveness`): the virtual faults in time order,
@@ -455,6 +480,10 @@ class AsyncDriver:
                 rd.evals[org] = out.evaluation
             else:
                 log.warning("round %d: org %s failed to evaluate: %s", round, org, out.evaluation)
+        saved = request.checkpoint is not None and isinstance(out.checkpoint, str)
+        self.checkpointed[org] = saved  # the worker's state after this step is on disk (.async_state.quiescent)
+        if saved:
+            self.worker_round[org] = round
         if request.checkpoint is not None and rd is not None:
             failed = [] if isinstance(out.checkpoint, str) else [org]
             rd.metrics["checkpoint/failed_orgs"] = rd.metrics.get("checkpoint/failed_orgs", 0.0) + len(failed)

@@ -40,6 +40,7 @@ from typing import Any
 from hacrl_fed.algorithm import CapabilityTracker
 from hacrl_fed.config import BuildError, RunConfig, config_hash, org_generation
 from hacrl_fed.coordinator import round_metrics as rm
+from hacrl_fed.coordinator.async_state import ASYNC_KEY
 from hacrl_fed.coordinator.bookkeeping import RoundKeeper, RunBook
 from hacrl_fed.coordinator.rounds import RoundState, StepOutcome, split_reply
 from hacrl_fed.coordinator.run_plans import make_run_id, sampling_params
@@ -103,11 +104,10 @@ class Coordinator:
         self.guard = PoolGuard(cfg, load_run_roster(cfg, self.run_dir), task.verify)
         self.keeper = RoundKeeper(cfg, self.guard, self.tracker, self.book)
         self.challenges = self.keeper.challenges  # each org's latest, for its next plan (replay protection)
-        if resume and cfg.federation.staleness >= 1:
-            raise BuildError(f"federation.staleness={cfg.federation.staleness}: resuming asynchronous rounds: not yet")
+        self.async_snapshot: dict[str, Any] | None = None  # asynchronous rounds: the last quiescent state
         if resume:
             state = read_state(self.state_path, config_hash(cfg))
-            self.run_id = state["run_id"]
+            self.run_id, self.resume_async = state["run_id"], state.get(ASYNC_KEY)  # .async_state
             self.tracker.load_state_dict(state["tracker"])
             self.guard.load_state_dict(state.get("trust") or {})
             self.book.load_state_dict(state)
@@ -123,7 +123,9 @@ class Coordinator:
     consecutive_failures = property(lambda self: self.book.consecutive_failures)
 
     def state_dict(self) -> dict[str, Any]:
-        """What ``coordinator_state.json`` holds (:mod:`.state_file`)."""
+        """What ``coordinator_state.json`` holds (:mod:`.state_file`; asynchronous rounds: the last quiescent one)."""
+        if self.async_snapshot is not None:
+            return self.async_snapshot
         ids = {"run_id": self.run_id, "config_hash": config_hash(self.cfg), "tracker": self.tracker.state_dict()}
         return {**ids, **self.book.state_dict(), "trust": self.guard.state_dict()}
 
@@ -228,21 +230,20 @@ class Coordinator:
         return self.summary()
 
     def _run_async(self) -> RunSummary:
-        """``federation.staleness >= 1``: :class:`~hacrl_fed.coordinator.async_driver.AsyncDriver` on the
-        in-process transport (virtual clock), or on a transport that sends a step without waiting for it (wall
-        clock: gRPC, Flower)."""
+        """``federation.staleness >= 1``: :class:`~hacrl_fed.coordinator.async_driver.AsyncDriver` in process (virtual
+        clock), or on a transport that sends a step without waiting for it (wall clock: gRPC, Flower)."""
         from hacrl_fed.coordinator.async_driver import AsyncDriver
         from hacrl_fed.coordinator.grpc_transport import GrpcTransport
         from hacrl_fed.coordinator.inprocess import InProcessTransport
         from hacrl_fed.flower.transport import FlowerTransport
 
+        k, name = self.cfg.federation.staleness, type(self.transport).__name__
         if not isinstance(self.transport, (InProcessTransport, GrpcTransport, FlowerTransport)):
-            raise BuildError(
-                f"federation.staleness={self.cfg.federation.staleness}: asynchronous rounds run on the in-process, "
-                f"gRPC and Flower transports only, not on {type(self.transport).__name__}"
-            )
-        self.async_driver = AsyncDriver(self)
-        self.async_driver.run()  # the wall time goes into the run book round by round, as in lock-step rounds
+            raise BuildError(f"federation.staleness={k}: asynchronous rounds run in process, on gRPC or Flower: {name}")
+        if self.round and not isinstance(self.transport, InProcessTransport):  # docs/ALGORITHM.md "Resuming"
+            raise BuildError(f"federation.staleness={k}: an asynchronous run resumes in process only, not on {name}")
+        self.async_driver = AsyncDriver(self)  # the wall time goes into the run book round by round
+        self.async_driver.run()
         return self.summary()
 
     def run_round(self, round: int) -> RoundResult:

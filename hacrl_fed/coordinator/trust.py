@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from base64 import b64decode, b64encode
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -51,6 +52,13 @@ from hacrl_fed.types import Rollout, RolloutBatch, RoundPlan, TrainReport
 from hacrl_fed.wire.accusations import source_counter
 
 log = logging.getLogger(__name__)
+
+
+def _b64(obj: Any) -> str:
+    """``obj`` (a protocol dataclass) through the wire codec, as base64 text (the state file is JSON)."""
+    from hacrl_fed.wire.codec import encode
+
+    return b64encode(encode(obj)).decode()
 
 
 def accusation(report: TrainReport, src: str) -> float:
@@ -313,10 +321,27 @@ class PoolGuard:
     # -- state -------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"excluded": dict(self.excluded), "screened": {k: dict(v) for k, v in self.screened.items()}}
+        """The excluded orgs, the receivers' screen tallies, and in blind mode the batches kept to judge
+        accusations (each accepted batch verbatim and its plan, through the wire codec), so a resume between a
+        step's reports and the next step still proves an accusation about the round before."""
+        kept = {  # blind mode only: with the text readable the coordinator re-verified every batch on arrival
+            str(r): {org: [_b64(batch), _b64(self.plans[r][org])] for org, batch in per.items()}
+            for r, per in (self.signed.items() if self.blind else ())
+        }
+        screened = {k: dict(v) for k, v in self.screened.items()}
+        return {"excluded": dict(self.excluded), "screened": screened, "kept": kept}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        from hacrl_fed.wire.codec import decode
+
         self.excluded = {str(k): str(v) for k, v in (state.get("excluded") or {}).items()}
+        kept = state.get("kept") or {}
+        self.signed = {
+            int(r): {o: decode(RolloutBatch, b64decode(b)) for o, (b, _) in per.items()} for r, per in kept.items()
+        }
+        self.plans = {
+            int(r): {o: decode(RoundPlan, b64decode(p)) for o, (_, p) in per.items()} for r, per in kept.items()
+        }
         self.screened = {
             str(src): {str(rx): [float(t[0]), float(t[1])] for rx, t in per.items()}
             for src, per in (state.get("screened") or {}).items()

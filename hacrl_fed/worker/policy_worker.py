@@ -279,8 +279,8 @@ class PolicyWorker(RunRouting):
         return self.border.sign_report(report)
 
     def step(self, request: StepRequest) -> StepReply:
-        """One message of a round: :meth:`train` on round ``r - 1``'s request, :meth:`evaluate` and
-        :meth:`checkpoint` when asked, then :meth:`generate` on round ``r``'s plan with the updated weights
+        """One message of a round: :meth:`train` on round ``r - 1``'s request, :meth:`evaluate` when asked,
+        :meth:`generate` on round ``r``'s plan with the updated weights, then :meth:`checkpoint` when asked
         (:func:`hacrl_fed.worker.step.run_step`). The request is refused whole, before any work, when its halves do
         not belong together or the plan is outside this org's limits."""
         if request.train is not None or request.plan is not None:  # evaluate / checkpoint alone: checked by each

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from hacrl_fed.worker.async_checkpoint import ASYNC_KEY, restore_async_state, worker_async_state
 from hacrl_fed.worker.checkpoint import (
     checkpoint_round,
     checkpoint_version,
@@ -135,6 +136,8 @@ class RunRouting:
                 )
             self._start_fresh()
         self.run_id, self.last_round, self._own = run_id, last_round, None
+        if checkpoint is not None and getattr(self, "recent_rounds", None) is not None:  # asynchronous rounds
+            restore_async_state(self, checkpoint)
         # updates done in this run: the checkpoint's (a rejoin after a restart adopts it), else one per round trained
         saved = checkpoint_version(checkpoint) if checkpoint is not None else None
         self._version = last_round if saved is None else saved
@@ -144,16 +147,20 @@ class RunRouting:
         """Checkpoint the round just trained into this run's folder, ``<run dir>/orgs/<org>/checkpoints/<run id>``."""
         check_checkpoint(self.org_id, round, last_round=self.last_round)
         assert self.run_id is not None  # last_round > 0: a run was trained
-        path = self._save(
-            run_checkpoint_root(self.ckpt_base, self.run_id),
-            round,
-            {"org_id": self.org_id, "last_round": self.last_round, "run_id": self.run_id, "version": self._version},
-        )
-        return str(path)
+        extra = {"org_id": self.org_id, "last_round": self.last_round, "run_id": self.run_id, "version": self._version}
+        if getattr(self, "recent_rounds", None) is not None:  # asynchronous rounds: what a resume needs besides
+            extra[ASYNC_KEY] = worker_async_state(self)
+        return str(self._save(run_checkpoint_root(self.ckpt_base, self.run_id), round, extra))
 
     def _save(self, root: Path, round: int, extra: dict[str, Any]) -> Path:
         """Write the checkpoint of ``round`` under ``root`` (the sharded worker writes its shards instead)."""
-        return save_checkpoint(root, round, self.model, self._trainer_state(), extra)
+        return save_checkpoint(root, round, self.model, self._trainer_state(), extra, keep=self._keep())
+
+    def _keep(self) -> int:
+        """Checkpoints kept: two, and in asynchronous rounds ``K + 3``: a resume may go back to the one its
+        coordinator's last quiescent state counts on (:func:`hacrl_fed.coordinator.async_state.align_checkpoints`)."""
+        staleness = getattr(getattr(self, "cfg", None), "federation", None)
+        return 2 if staleness is None or staleness.staleness < 1 else staleness.staleness + 3
 
     def _trainer_state(self) -> dict[str, Any]:
         """The trainer's state and, with the outcome guard on, the guard's (``OUTCOME_KEY``), for a checkpoint."""

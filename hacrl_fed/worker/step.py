@@ -1,9 +1,12 @@
 """Serving one step, the message every round is made of (docs/ARCHITECTURE.md "One round").
 
 :func:`run_step` does the parts of a :class:`~hacrl_fed.types.StepRequest` in the order that keeps every number
-what separate messages gave: train round ``r - 1``, evaluate it, checkpoint it, then generate round ``r`` with
-the updated weights. Evaluation and checkpoint read the state after the train half; generation leaves weights,
-optimizer and the global RNG untouched, so it may come last. Each part fails alone, as separate calls did.
+what separate messages gave: train round ``r - 1``, evaluate it, generate round ``r`` with the updated weights,
+then checkpoint round ``r - 1``. Evaluation reads the state after the train half; generation leaves weights,
+optimizer and the global RNG untouched, so the checkpoint holds the same weights as before it, and also what the
+generation kept for the next train (its own round; in asynchronous rounds its recent rounds,
+:mod:`hacrl_fed.worker.async_checkpoint`): the worker's whole state after the step. Each part fails alone, as
+separate calls did.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def _part(org: str, what: str, round: int, call: Callable[[], Any], raised: dict
 
 
 def run_step(worker: StepWorker, request: StepRequest) -> StepReply:
-    """Serve ``request`` with ``worker``'s own ``train``, ``evaluate``, ``checkpoint`` and ``generate``, in that
+    """Serve ``request`` with ``worker``'s own ``train``, ``evaluate``, ``generate`` and ``checkpoint``, in that
     order (module docstring). A failed train half (its error text in ``train_error``) still lets the evaluation,
     the checkpoint and the plan run, with the weights the worker has, and so on for each part."""
     if not request.parts():
@@ -70,8 +73,8 @@ def run_step(worker: StepWorker, request: StepRequest) -> StepReply:
     evaluation, eval_error = (
         _part(org, "evaluate", evaluate.round, lambda: worker.evaluate(evaluate), raised) if evaluate else none
     )
+    batch, generate_error = _part(org, "generate", plan.round, lambda: worker.generate(plan), raised) if plan else none
     path, ckpt_error = (
         _part(org, "checkpoint", ckpt, lambda: worker.checkpoint(ckpt), raised) if ckpt is not None else none
     )
-    batch, generate_error = _part(org, "generate", plan.round, lambda: worker.generate(plan), raised) if plan else none
     return StepReply(report, batch, train_error, generate_error, evaluation, eval_error, path, ckpt_error, raised)
