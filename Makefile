@@ -3,6 +3,9 @@
 
 PYTHON ?= python3
 PYTEST_ARGS ?=
+# test processes (pytest-xdist): every core by default; each test file runs whole in one process (its module
+# fixtures, e.g. the real-model federation, are built once); PYTEST_WORKERS=0 runs in this process
+PYTEST_WORKERS ?= auto
 DEMO_CONFIG ?= configs/demo.yaml
 DEMO_ARGS ?=
 
@@ -70,10 +73,10 @@ lint: .venv
 	$(VPY) -m mypy
 
 test: .venv lint real-models
-	@$(call hermetic,$(VPY) -m pytest $(PYTEST_ARGS))
+	@$(call hermetic,$(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS))
 
 test-quick: .venv real-models
-	@$(call hermetic,$(VPY) -m pytest -m "not slow" $(PYTEST_ARGS))
+	@$(call hermetic,$(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS))
 
 # each demo gets a fresh run dir (runs/demo-YYYYmmdd-HHMMSS), so `make demo` can be repeated
 DEMO_RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)

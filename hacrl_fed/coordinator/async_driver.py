@@ -73,7 +73,7 @@ from hacrl_fed.coordinator import round_metrics as rm
 from hacrl_fed.coordinator.async_accusations import LateAccusations
 from hacrl_fed.coordinator.async_liveness import Liveness, is_death, rejoin_version
 from hacrl_fed.coordinator.async_schedule import HOLD, TAKE, BatchTag, Step, offer_verdict
-from hacrl_fed.coordinator.async_state import ASYNC_KEY, driver_state, load_driver_state, quiescent
+from hacrl_fed.coordinator.async_state import ASYNC_KEY, OpenRound, driver_state, load_driver_state, quiescent
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.coordinator.rounds import StepOutcome, split_reply
 from hacrl_fed.coordinator.state_file import write_state
@@ -81,7 +81,7 @@ from hacrl_fed.coordinator.virtual_clock import VirtualClock
 from hacrl_fed.plan.screening import accepted_accuracy
 from hacrl_fed.results import RoundResult
 from hacrl_fed.security.freshness import parse_challenge
-from hacrl_fed.types import EvalReport, Rollout, RolloutBatch, RoundPlan, StepRequest, TrainReport, TrainRequest
+from hacrl_fed.types import Rollout, RolloutBatch, RoundPlan, StepRequest, TrainReport, TrainRequest
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -162,19 +162,6 @@ class _Org:
     seen: set[tuple[str, int]] = field(default_factory=set)
 
 
-@dataclass
-class _Round:
-    """What round ``r`` collected until it is logged."""
-
-    metrics: dict[str, float] = field(default_factory=dict)
-    accepted: dict[str, int] = field(default_factory=dict)  # org -> rollouts accepted
-    accuracy: dict[str, float] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
-    trained: list[str] = field(default_factory=list)
-    evals: dict[str, EvalReport] = field(default_factory=dict)
-    refused: dict[str, Counter[str]] = field(default_factory=dict)
-
-
 class AsyncDriver:
     """Runs ``coordinator``'s rounds asynchronously (module docstring); the coordinator keeps the trust guard, the
     run book, the logger and the state file. ``steps`` / ``published`` / ``refused`` / ``idle`` / ``finished``
@@ -209,7 +196,7 @@ class AsyncDriver:
         self.refused: dict[str, Counter[str]] = {o: Counter() for o in order}
         self.idle = {o: 0.0 for o in order}
         self.finished: dict[str, float] = {}
-        self.rounds_open: dict[int, _Round] = {}
+        self.rounds_open: dict[int, OpenRound] = {}
         self.liveness = Liveness(coordinator.transport, fed.round_timeout_s, clock.dies, clock.rejoins, wall=self.wall)
         self.logged = 0  # the last round logged
         self.mark = time.perf_counter()  # when the last round was logged (time/round: the wall time since)
@@ -550,8 +537,8 @@ class AsyncDriver:
                     why = "learner_finished" if org.done else "learner_dead"
                     self.refuse(org.name, self.last, why)
 
-    def bucket(self, round: int) -> _Round:
-        return self.rounds_open.setdefault(round, _Round())
+    def bucket(self, round: int) -> OpenRound:
+        return self.rounds_open.setdefault(round, OpenRound())
 
     def trained_through(self) -> int:
         """The last round every live org still stepping (not finished) has trained (its step planning the next one
@@ -568,7 +555,7 @@ class AsyncDriver:
             self.log_round(self.logged)
 
     def log_round(self, r: int) -> None:
-        co, rd = self.co, self.rounds_open.pop(r, _Round())
+        co, rd = self.co, self.rounds_open.pop(r, OpenRound())
         co.guard.new_round(r + 1)  # every report on round r is in: the guard forgets the batches before it
         if rd.evals:
             co.book.eval_history[r] = rm.eval_metrics(rd.evals, rd.metrics)

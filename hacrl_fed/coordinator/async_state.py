@@ -25,8 +25,9 @@ import logging
 import math
 import shutil
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from hacrl_fed.coordinator.async_schedule import BatchTag, Step
 from hacrl_fed.fsio import fsync_dir, write_atomic
@@ -34,14 +35,50 @@ from hacrl_fed.plan.screening import Screened
 from hacrl_fed.types import EvalReport, Rollout, RolloutBatch, RoundPlan
 from hacrl_fed.wire.codec import decode, encode
 
-if TYPE_CHECKING:
-    from hacrl_fed.coordinator.async_driver import AsyncDriver
-
 log = logging.getLogger(__name__)
 
 ASYNC_KEY = "async"  # the driver's state inside coordinator_state.json
 ORG_FIELDS = ("planned", "level", "version", "unsure", "done", "alive", "idle_since")
 VERDICT_FIELDS = ("checked", "mismatches", "verified_reward_sum", "shortfall")  # what a judgement reads of one
+
+
+@dataclass
+class OpenRound:
+    """What round ``r`` collected until it is logged."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)  # org -> rollouts accepted
+    accuracy: dict[str, float] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    trained: list[str] = field(default_factory=list)
+    evals: dict[str, EvalReport] = field(default_factory=dict)
+    refused: dict[str, Counter[str]] = field(default_factory=dict)
+
+
+class DriverView(Protocol):
+    """What this module reads and puts back of the asynchronous driver (:class:`~.async_driver.AsyncDriver`,
+    which imports this module)."""
+
+    accusations: Any
+    capabilities: Any
+    checkpointed: dict[str, bool]
+    co: Any
+    envelopes: dict[BatchTag, RolloutBatch]
+    finished: dict[str, float]
+    held: set[BatchTag]
+    idle: dict[str, float]
+    issued: dict[tuple[str, int], int]
+    liveness: Any
+    logged: int
+    lost: list[Step]
+    orgs: Any
+    plans: dict[BatchTag, RoundPlan]
+    pool: dict[BatchTag, tuple[Rollout, ...]]
+    published: list[tuple[float, BatchTag]]
+    refused: dict[str, Counter[str]]
+    rounds_open: Any
+    steps: list[Step]
+    worker_round: dict[str, int]
 
 
 def _b64(obj: Any) -> str:
@@ -69,7 +106,7 @@ def _unstep(raw: dict[str, Any]) -> Step:
     return Step(raw["org"], raw["start"], raw["end"], raw["round"], raw["version"], own, foreign)  # type: ignore[arg-type]
 
 
-def quiescent(driver: AsyncDriver) -> bool:
+def quiescent(driver: DriverView) -> bool:
     """Whether the driver may be saved now: no step in flight, and every org that completed a step had that step
     checkpoint its worker (module docstring)."""
     excluded = driver.co.guard.excluded  # never steps again: its worker's state no longer matters
@@ -78,7 +115,7 @@ def quiescent(driver: AsyncDriver) -> bool:
     )
 
 
-def driver_state(driver: AsyncDriver, now: float) -> dict[str, Any]:
+def driver_state(driver: DriverView, now: float) -> dict[str, Any]:
     """The driver's whole state at the quiescent instant ``now`` (JSON)."""
     orgs = {
         o.name: {
@@ -123,13 +160,13 @@ def driver_state(driver: AsyncDriver, now: float) -> dict[str, Any]:
     }
 
 
-def _verdicts(driver: AsyncDriver) -> list[list[Any]]:
+def _verdicts(driver: DriverView) -> list[list[Any]]:
     """Blind mode: the coordinator's own count of every batch it opened to judge an accusation (none: [])."""
     verdicts = driver.accusations.verdicts if driver.accusations is not None else {}
     return [[src, rnd, {k: getattr(v, k) for k in VERDICT_FIELDS}] for (src, rnd), v in verdicts.items()]
 
 
-def load_driver_state(driver: AsyncDriver, state: dict[str, Any]) -> float:
+def load_driver_state(driver: DriverView, state: dict[str, Any]) -> float:
     """Put ``state`` (:func:`driver_state`) back into ``driver``; returns the instant it was taken."""
     for name, raw in state["orgs"].items():
         org = driver.orgs[name]
@@ -163,10 +200,8 @@ def load_driver_state(driver: AsyncDriver, state: dict[str, Any]) -> float:
     return now
 
 
-def _round(raw: dict[str, Any]) -> Any:
-    from hacrl_fed.coordinator.async_driver import _Round
-
-    rd = _Round(**{k: raw[k] for k in ("accepted", "accuracy", "failed", "trained")})
+def _round(raw: dict[str, Any]) -> OpenRound:
+    rd = OpenRound(**{k: raw[k] for k in ("accepted", "accuracy", "failed", "trained")})
     rd.metrics = {k: float(v) for k, v in raw["metrics"].items()}  # "nan" / "inf" back to floats
     rd.evals = {org: _obj(EvalReport, e) for org, e in raw["evals"].items()}
     rd.refused = {k: Counter(v) for k, v in raw["refused"].items()}

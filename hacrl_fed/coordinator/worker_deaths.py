@@ -20,10 +20,12 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hacrl_fed.run_files import ERROR_LOG
 from hacrl_fed.worker.phase import memory_note, read_phase_file
@@ -44,7 +46,19 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def death_line(worker: Any, code: int, peak_kib: int | None, run_dir: Path) -> str:
+class LaunchedWorker(Protocol):
+    """What a death line reads of a launched worker (the launcher's ``_Worker``)."""
+
+    org_id: str
+    proc: subprocess.Popen[Any]
+    tail: Iterable[str]
+    log_path: Path
+
+    @property
+    def error_line(self) -> str | None: ...
+
+
+def death_line(worker: LaunchedWorker, code: int, peak_kib: int | None, run_dir: Path) -> str:
     """The one line for ``worker`` (a launcher ``_Worker``) that exited with ``code`` (``-N``: signal ``N``)."""
     phase, phase_peak = read_phase_file(phase_file_of(run_dir, worker.org_id))
     peak = max(peak_kib or 0, phase_peak or 0) or None

@@ -16,6 +16,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from hacrl_fed.security.freshness import ChallengeBook
 from hacrl_fed.train_rows import TrainRow
 from hacrl_fed.types import Prompt
 from hacrl_fed.wire.codec import decode, encode
@@ -52,16 +53,14 @@ def _load_own(raw: dict[str, Any] | None) -> OwnRound | None:
     )
 
 
-def worker_async_state(worker: Any) -> dict[str, Any]:
-    """``worker``'s own round, recent rounds and challenges as JSON (module docstring)."""
-    recent: RecentRounds = worker.recent_rounds
-    book = worker.challenges
+def worker_async_state(own: OwnRound | None, recent: RecentRounds, book: ChallengeBook) -> dict[str, Any]:
+    """A worker's own round ``own``, recent rounds ``recent`` and challenges ``book`` as JSON (module docstring)."""
     rounds = {
         str(r): {"own": _own(kept.own), "taken": [[src, dataclasses.asdict(row)] for src, row in kept.taken]}
         for r, kept in recent.rounds.items()
     }
     return {
-        "own": _own(worker._own),
+        "own": _own(own),
         "recent": {"run_id": recent.run_id, "rounds": rounds, "used": sorted(map(list, recent.used))},
         "challenges": {
             "latest": None if book.latest is None else book.latest.hex(),
@@ -70,19 +69,20 @@ def worker_async_state(worker: Any) -> dict[str, Any]:
     }
 
 
-def restore_async_state(worker: Any, checkpoint: Path) -> None:
-    """Put back what :func:`worker_async_state` wrote into ``checkpoint`` (a checkpoint without it: nothing)."""
+def restore_async_state(checkpoint: Path, recent: RecentRounds, book: ChallengeBook) -> OwnRound | None:
+    """Put back into ``recent`` and ``book`` what :func:`worker_async_state` wrote into ``checkpoint``; → the own
+    round it held (a checkpoint without it: nothing put back, None)."""
     raw = json.loads((checkpoint / "state.json").read_text()).get(ASYNC_KEY)
-    recent: RecentRounds | None = worker.recent_rounds
-    if not isinstance(raw, dict) or recent is None:
-        return
-    worker._own = _load_own(raw["own"])
+    if not isinstance(raw, dict):
+        return None
+    own = _load_own(raw["own"])
     recent.run_id = raw["recent"]["run_id"]
     recent.rounds = {
         int(r): KeptRound(_load_own(kept["own"]), [(src, TrainRow(**row)) for src, row in kept["taken"]])  # type: ignore[arg-type]
         for r, kept in raw["recent"]["rounds"].items()
     }
     recent.used = {(str(s), int(r)) for s, r in raw["recent"]["used"]}
-    book, saved = worker.challenges, raw["challenges"]
+    saved = raw["challenges"]
     book.latest = None if saved["latest"] is None else bytes.fromhex(saved["latest"])
     book.recent = deque((bytes.fromhex(c) for c in saved["recent"]), maxlen=book.recent.maxlen)
+    return own

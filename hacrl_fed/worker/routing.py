@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from hacrl_fed.security.freshness import ChallengeBook
 from hacrl_fed.worker.async_checkpoint import ASYNC_KEY, restore_async_state, worker_async_state
 from hacrl_fed.worker.checkpoint import (
     checkpoint_round,
@@ -42,6 +43,7 @@ from hacrl_fed.worker.checkpoint import (
 )
 from hacrl_fed.worker.guard import RequestRefused, check_checkpoint
 from hacrl_fed.worker.phase import in_phase
+from hacrl_fed.worker.recent_rounds import RecentRounds
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,15 @@ class RunRouting:
     _own: Any
     _version: int
     _initial: tuple
+
+    @property
+    def recent_rounds(self) -> RecentRounds | None:  # pragma: no cover - PolicyWorker defines it
+        """Asynchronous rounds: the worker's last W rounds; None: lock-step."""
+        return None
+
+    @property
+    def challenges(self) -> ChallengeBook:  # pragma: no cover - PolicyWorker defines it
+        raise NotImplementedError
 
     def _new_trainer(self) -> Any:  # pragma: no cover - PolicyWorker defines it
         raise NotImplementedError
@@ -136,8 +147,9 @@ class RunRouting:
                 )
             self._start_fresh()
         self.run_id, self.last_round, self._own = run_id, last_round, None
-        if checkpoint is not None and getattr(self, "recent_rounds", None) is not None:  # asynchronous rounds
-            restore_async_state(self, checkpoint)
+        recent = self.recent_rounds
+        if checkpoint is not None and recent is not None:  # asynchronous rounds
+            self._own = restore_async_state(checkpoint, recent, self.challenges)
         # updates done in this run: the checkpoint's (a rejoin after a restart adopts it), else one per round trained
         saved = checkpoint_version(checkpoint) if checkpoint is not None else None
         self._version = last_round if saved is None else saved
@@ -148,8 +160,9 @@ class RunRouting:
         check_checkpoint(self.org_id, round, last_round=self.last_round)
         assert self.run_id is not None  # last_round > 0: a run was trained
         extra = {"org_id": self.org_id, "last_round": self.last_round, "run_id": self.run_id, "version": self._version}
-        if getattr(self, "recent_rounds", None) is not None:  # asynchronous rounds: what a resume needs besides
-            extra[ASYNC_KEY] = worker_async_state(self)
+        recent = self.recent_rounds
+        if recent is not None:  # asynchronous rounds: what a resume needs besides
+            extra[ASYNC_KEY] = worker_async_state(self._own, recent, self.challenges)
         return str(self._save(run_checkpoint_root(self.ckpt_base, self.run_id), round, extra))
 
     def _save(self, root: Path, round: int, extra: dict[str, Any]) -> Path:
