@@ -149,3 +149,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 reasons[marker] = probe()
             if reasons[marker] is not None:
                 item.add_marker(pytest.mark.skip(reason=f"[{marker}] {reasons[marker]}"))
+
+
+@pytest.fixture(scope="module")
+def real_model_lock():
+    """Held by a test module that loads the real checkpoints, for the whole module: under ``pytest -n`` (``make
+    test``) only one such module runs at a time, so their peaks (up to ~16 GB of RSS) never add up."""
+    import fcntl
+
+    path = Path(tempfile.gettempdir()) / "hacrl-fed-tests-real-models.lock"
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -49,7 +49,7 @@ def _config(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
+def run_dir(tmp_path_factory, real_model_lock) -> Path:
     tmp = tmp_path_factory.mktemp("real")
     out = tmp / "run"
     assert main(["run", str(_config(tmp)), "--run-dir", str(out), "--no-progress"]) == 0

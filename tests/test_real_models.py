@@ -71,13 +71,13 @@ def test_a_bad_gguf_file_is_one_line_naming_model_path(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def smol():
+def smol(real_model_lock):
     model, tok = load_model_and_tokenizer(ModelConfig(real="smollm2-135m"))
     return model, tok
 
 
 @pytest.fixture(scope="module")
-def gemma():
+def gemma(real_model_lock):
     model, tok = load_model_and_tokenizer(ModelConfig(real="gemma3-270m"))
     return model, tok
 
