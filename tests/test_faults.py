@@ -94,6 +94,10 @@ def micro_config(tmp_path: Path, orgs=("a", "b", "c"), **federation) -> Path:
     fed = {"rounds": 4, "prompts_per_round": 4, "eval_every": 2, "min_orgs": 2, "round_timeout_s": 60.0,
            "checkpoint_every": 1, **federation}
     data = {"name": "faults", "seed": 1, "run_dir": str(tmp_path / "runs"),
+            # joint: the micro agents' foreign rows lie far outside the cross band, so under the in-band baseline
+            # (the default) their uniform own groups would leave rounds without gradient; these tests need weights
+            # that move every round
+            "algorithm": {"baseline_rows": "joint"},
             "trainer": {"lr": 1e-3, "minibatch_size": 64, "micro_batch_size": 32},
             "generation": {"num_samples": 4, "max_new_tokens": 8, "eval_max_new_tokens": 8},
             "task": {"name": "arithmetic", "params": {"difficulty": 1, "max_operand": 9}, "eval_size": 4},

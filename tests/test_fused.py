@@ -96,7 +96,7 @@ def test_a_step_does_train_evaluate_checkpoint_then_generate_and_each_part_fails
     train = TrainRequest("r", 1, "a", fake_plan(1).prompts, (), {"a": 1.0})
     request = StepRequest(train, fake_plan(2), EvalRequest("r", 1, "fake", fake_plan(1).prompts, 8), 1)
     reply = worker.step(request)
-    assert order == ["train", "evaluate", "checkpoint", "generate"]
+    assert order == ["train", "evaluate", "generate", "checkpoint"]  # the checkpoint holds the step's generation
     assert reply.report is not None and reply.checkpoint == "/tmp/fake/a/round-1" and reply.batch.round == 2
     assert reply.eval_report is None and "eval set missing" in reply.eval_error  # only that part failed
     assert codec.decode("StepReply", codec.encode(reply)) == reply  # the failure travels as text

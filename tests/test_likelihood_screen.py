@@ -283,6 +283,9 @@ def test_doctored_correct_answers_are_dropped_under_the_defaults(tmp_path, lying
     cfg = _cfg(rule=None)
     sel = cfg.trainer.selection
     assert (sel.rule, sel.budget, sel.budget_multiple, sel.budget_split) == ("successes", None, 0.5, "per_source")
+    # the joint baseline: under in_band (the default) the micro agents' out-of-band foreign rows leave acme's own
+    # uniform groups without gradient, and the last line checks acme still trains on its own rows
+    cfg.algorithm.baseline_rows = "joint"
     assert cfg.trainer.likelihood_screen.enabled and cfg.algorithm.logprob_norm == "per_byte"
     acme = build_worker(cfg, "acme", run_dir=run_dir)
     globex_worker = build_worker(cfg, "globex", run_dir=run_dir)

@@ -202,7 +202,8 @@ def test_the_chunked_head_equals_the_whole_log_softmax(which, request, monkeypat
             with monkeypatch.context() as m:
                 m.setattr(scoring, "ONE_PASS_MAX_VOCAB", 10**9)
                 whole, _ = token_log_probs(model, batch, native=native)
-            assert int(mask.sum()) > 6 and (chunked - whole).abs().max() <= 1e-6, (
+            # float32 over a 49k / 262k-token log-sum-exp in another order: 1.1e-5 measured; the engines' bound 1e-4
+            assert int(mask.sum()) > 6 and (chunked - whole).abs().max() <= 1e-4, (
                 native,
                 (chunked - whole).abs().max(),
             )

@@ -57,6 +57,7 @@ def test_an_async_run_logs_the_histogram_of_what_each_learner_trained_on(tmp_pat
     from tests.test_async_driver import _tiny_cfg, _tiny_run
 
     cfg = _tiny_cfg(staleness=1)
+    cfg.algorithm.baseline_rows = "in_band" if algorithm == "hacpo" else "joint"  # in_band is HACPO's only
     cfg.algorithm.name = algorithm
     _, _, summary, records = _tiny_run(tmp_path, cfg, {"acme": 1.0, "globex": 4.0})
     assert summary.rounds_completed == 4
