@@ -154,13 +154,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="module")
 def real_model_lock():
     """Held by a test module that loads the real checkpoints, for the whole module: under ``pytest -n`` (``make
-    test``) only one such module runs at a time, so their peaks (up to ~16 GB of RSS) never add up."""
-    import fcntl
+    test``) only one such module runs at a time, so their peaks (up to ~16 GB of RSS) never add up; a script that loads
+    them takes the same lock (`flock /tmp/hacrl-real.lock ...`, scripts/real_task_probe.py)."""
+    from hacrl_fed.models.real import file_lock
 
-    path = Path(tempfile.gettempdir()) / "hacrl-fed-tests-real-models.lock"
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with file_lock(Path(tempfile.gettempdir()) / "hacrl-real.lock"):
+        yield

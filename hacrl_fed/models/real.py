@@ -136,7 +136,7 @@ def converted(gguf: Path, base: Path, name: str, field: str) -> Path:
     if _complete(dest, digest):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(dest.parent / f".{dest.name}.lock"):
+    with file_lock(dest.parent / f".{dest.name}.lock"):
         if not _complete(dest, digest):  # another process may have converted it while this one waited
             convert_gguf(gguf, dest, field=field, digest=digest)
     return dest
@@ -151,7 +151,9 @@ def _complete(dest: Path, digest: str) -> bool:
 
 
 @contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block: one process at a time
+    across the machine (a conversion into the shared cache; the test modules that load the real checkpoints)."""
     with path.open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
