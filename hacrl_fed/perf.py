@@ -92,3 +92,33 @@ class PhaseMeter:
         self._reset_peak()
         self._start = time.perf_counter()
         return out
+
+
+class CpuTally:
+    """CPU seconds of this process (all its threads: ``time.process_time``) summed per named part of a phase, for
+    a cost breakdown: ``with tally("generate"): ...`` adds to ``cpu/<prefix>_generate``; :meth:`take` returns the
+    sums and starts over. Parts must not nest (each second is counted once)."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.sums = prefix, dict[str, float]()
+
+    def __call__(self, part: str) -> _Lap:
+        return _Lap(self, part)
+
+    def take(self) -> dict[str, float]:
+        """``{"cpu/<prefix>_<part>": seconds}`` since the last take."""
+        out = {f"cpu/{self.prefix}_{k}": v for k, v in self.sums.items()}
+        self.sums = {}
+        return out
+
+
+class _Lap:
+    def __init__(self, tally: CpuTally, part: str):
+        self.tally, self.part = tally, part
+
+    def __enter__(self) -> None:
+        self.c0 = time.process_time()
+
+    def __exit__(self, *exc: object) -> None:
+        sums = self.tally.sums
+        sums[self.part] = sums.get(self.part, 0.0) + time.process_time() - self.c0

@@ -51,7 +51,7 @@ from hacrl_fed.algorithm import (
 )
 from hacrl_fed.algorithm.advantages import Capability
 from hacrl_fed.algorithm.likelihood_screen import GapHistory
-from hacrl_fed.algorithm.loss_inputs import loss_inputs, sequence_inputs
+from hacrl_fed.algorithm.loss_inputs import Reweigh, loss_inputs, on_policy, sequence_inputs
 from hacrl_fed.algorithm.pre_update import PreUpdate, pre_update
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.models.context import context_length
@@ -90,6 +90,7 @@ class LocalTrainer:
             weight_decay=trainer.weight_decay,
         )
         self.screen_history: dict[str, GapHistory] = {}  # per source name: its claimed-minus-learner gap so far
+        self._reweigh: Reweigh | None = None  # during an update with ``reweigh`` (update's doc)
         self.ref_model = None
         if algo.kl_beta > 0:
             self.ref_model = self._reference_copy(model)
@@ -157,6 +158,7 @@ class LocalTrainer:
         names: Sequence[str] | None = None,
         prepared: PreUpdate | None = None,
         importance: Sequence[float] | None = None,
+        reweigh: Reweigh | None = None,
     ) -> dict[str, float]:
         """One round's update. ``learner``: this agent's index among the agents; ``capability``: one ``Phat`` per
         agent, or per row of ``rows`` the figures of its round (asynchronous rounds; docs/ALGORITHM.md "Capability
@@ -164,7 +166,34 @@ class LocalTrainer:
         pre-update pass over ``rows`` (None: :meth:`prepare` runs it now); ``importance``: a weight ``w_i >= 0`` per
         row that multiplies its advantage, ``A_i <- w_i * A_i`` (the outcome guard's shadow learning from rows another
         policy sampled, :mod:`hacrl_fed.worker.shadow`; for ``w >= 0``, ``min(s w A, clip(s) w A) = w min(s A,
-        clip(s) A)``: the row's loss term times ``w``; None: ones)."""
+        clip(s) A)``: the row's loss term times ``w``; None: ones); ``reweigh``: the rows are their own old policy
+        and each advantage is reweighed in the forward (:func:`~hacrl_fed.algorithm.loss_inputs.on_policy`: the
+        shadow without its scoring pass), for an update of one optimizer step only (:meth:`one_step`); its rows with
+        ``A = 0`` (a group whose rewards are all equal: every estimator's advantage there) run no forward or backward,
+        as they add exactly nothing to the gradient (the mini-batch's weights still count them; the loss and metrics
+        are then those of the rows with a gradient)."""
+        if reweigh is not None and not self.one_step(len(rows)):
+            raise ValueError(f"reweigh needs one optimizer step; {len(rows)} rows take more (one_step)")
+        self._reweigh = reweigh
+        try:
+            return self._update(rows, learner, capability, names, prepared, importance)
+        finally:
+            self._reweigh = None
+
+    def one_step(self, n_rows: int) -> bool:
+        """Whether an update of ``n_rows`` rows takes a single optimizer step (one epoch, one mini-batch)."""
+        return self.cfg.epochs == 1 and n_rows <= self.cfg.minibatch_size
+
+    def _update(
+        self,
+        rows: Sequence[TrainRow],
+        learner: int,
+        capability: Capability,
+        names: Sequence[str] | None,
+        prepared: PreUpdate | None,
+        importance: Sequence[float] | None,
+    ) -> dict[str, float]:
+        """:meth:`update`'s body."""
         start = time.perf_counter()
         if not rows:
             return {"train/steps": 0.0, "train/num_rows": 0.0}
@@ -268,6 +297,8 @@ class LocalTrainer:
         self_tokens = sum(len(r.response_ids) for r in rows if r.is_self)
         lbar = self._gradient_rows(step, rows, adv, is_self, v, device)  # [N] detached lbar of scored rows, or None
         train = list(range(len(rows))) if lbar is None else torch.isnan(lbar).nonzero().flatten().tolist()
+        if self._reweigh is not None:  # A = 0 (a group of equal rewards): no gradient, no pass (update's doc)
+            train = [i for i in train if float(adv[i]) != 0.0]
         acc = MetricAccumulator()
         loss_total, kl_total = 0.0, 0.0
         for micro_idx, scale in self._rank_share(self._micro_batches(rows, train)):
@@ -294,9 +325,9 @@ class LocalTrainer:
             loss, metrics = self.loss_fn(sequence_inputs(rows, lbar, adv, is_self, v), step, self.loss_cfg)
             loss_total = loss.item()
             acc.add(metrics, weight=len(rows))
-            if not train:  # no row has a gradient: a zero gradient, as the full pass would have given
-                for p in self.model_params:
-                    p.grad = torch.zeros_like(p)
+        if not train:  # no row has a gradient: a zero gradient, as the full pass would have given
+            for p in self.model_params:
+                p.grad = torch.zeros_like(p)
         grad_norm = self._apply_gradient()
         out = acc.result()
         out.update(
@@ -375,7 +406,7 @@ class LocalTrainer:
         inputs = loss_inputs(
             micro, lp, mask, adv[sel], is_self[sel], v[sel], token_level=self.spec.token_level, algorithm=self.algo.name
         )
-        return sel, batch, inputs
+        return sel, batch, (inputs if self._reweigh is None else on_policy(inputs, self._reweigh))
 
     def _forward(self, micro: Sequence[TrainRow]) -> tuple[ScoringBatch, Tensor, Tensor]:
         """``micro``'s responses through the model (with gradient when grad is enabled, the adapters' dropout as

@@ -13,7 +13,10 @@ wall seconds), the same in wall seconds (``time/generate + time/verify + time/tr
 (``<org>/perf/*/peak_rss_mb``, the process's running maximum); the ratio on / off of the per-round means with its
 standard error (delta method over the rounds of each run), then the median ratio over the orgs. The guard's own
 phases (wall seconds per round of the defended run): ``time/outcome_reference``, ``time/outcome_shadow``,
-``time/outcome``, ``time/outcome_counterfactual``.
+``time/outcome``, ``time/outcome_counterfactual``; and where its CPU seconds go (``cpu/outcome_<part>``, per round of
+the defended run: ``generate`` the validations' greedy generation, ``verify`` their tokenizing and judging,
+``swap`` putting a stash's weights on the engine and back, ``stash`` the reference's file, ``shadow_score``,
+``shadow_update`` and ``shadow_stash`` the shadow's scoring pass, update and weight swaps through its files).
 
 A short run validates in most of its rounds (each of the first ``every``, and the last with its final split), a
 long one in few, so ``--project R`` also states each org's ratio projected to an ``R``-round run of the same
@@ -56,6 +59,10 @@ def per_round(run_dir: Path) -> dict[str, dict[str, list[float]]]:
                 for r in rounds
             ],
             **{g: [get(r, f"time/{g}") for r in rounds] for g in GUARD},
+            **{
+                p: [get(r, p) for r in rounds]
+                for p in sorted({k[len(org) + 1 :] for r in rounds for k in r if k.startswith(f"{org}/cpu/outcome_")})
+            },
         }
     return out
 
@@ -116,6 +123,9 @@ def table(on: dict[str, Any], off: dict[str, Any]) -> list[dict[str, Any]]:
         wall, wall_se = ratio(a["wall"], b["wall"])
         peak_on, peak_off = max(a["rss"]), max(b["rss"])
         phases = {g: round(statistics.fmean(a[g]), 3) for g in GUARD}
+        parts = {
+            k.removeprefix("cpu/outcome_"): round(statistics.fmean(v), 3) for k, v in a.items() if k.startswith("cpu/")
+        }
         rows.append(
             {
                 "org": org,
@@ -130,6 +140,7 @@ def table(on: dict[str, Any], off: dict[str, Any]) -> list[dict[str, Any]]:
                 "rss_off_mb": peak_off,
                 "rss_ratio": peak_on / peak_off,
                 "guard_wall_s": phases,
+                "guard_cpu_s": parts,
             }
         )
     return rows
@@ -163,6 +174,8 @@ def main() -> None:
         )
     for r in rows:
         print(f"{r['org']} guard phases (wall s/round, defended run): {r['guard_wall_s']}")
+        if r["guard_cpu_s"]:
+            print(f"{r['org']} guard CPU s/round by part (defended run): {r['guard_cpu_s']}")
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hacrl_fed.algorithm.shadow_importance import importance_weights
+from hacrl_fed.algorithm.shadow_importance import importance_weights, importance_weights_tensor
 from hacrl_fed.config import AlgorithmConfig, TrainerConfig
 from hacrl_fed.engines.base import GenerationEngine
 from hacrl_fed.trainer import LocalTrainer, TrainRow
@@ -26,6 +26,8 @@ def test_importance_weights_by_hand():
         importance_weights([0.0], [0.0], clip=0.0)
     with pytest.raises(ValueError, match="2 shadow scores for 1"):
         importance_weights([0.0, 0.0], [0.0], clip=2.0)
+    t = importance_weights_tensor(torch.tensor([-1.0, -2.0, 0.0, -3.0]), torch.tensor([-1.5, -1.0, -1.0, -3.0]), 2.0)
+    assert t.tolist() == pytest.approx([math.exp(0.5), math.exp(-1.0), 2.0, 1.0])
 
 
 def test_rescored_rows_start_on_policy_for_the_shadow():
@@ -40,11 +42,11 @@ def test_rescored_rows_start_on_policy_for_the_shadow():
 class _Learner:
     """The :class:`~hacrl_fed.worker.learner.Learner` verbs the shadow uses, over a micro model and its trainer."""
 
-    def __init__(self, seed: int = 1):
+    def __init__(self, seed: int = 1, minibatch: int = 8):
         tok = tiny_char_tokenizer()
         self.model = tiny_model("qwen3", tok, seed=seed)
         algo = AlgorithmConfig(**{**PAPER_ALGORITHM, "name": "hacpo"})
-        tcfg = TrainerConfig(**{**PAPER_TRAINER, "lr": 1e-2, "minibatch_size": 8, "micro_batch_size": 8})
+        tcfg = TrainerConfig(**{**PAPER_TRAINER, "lr": 1e-2, "minibatch_size": minibatch, "micro_batch_size": 8})
         self.trainer = LocalTrainer(self.model, algo, tcfg, tok.pad_token_id)
         self.engine: GenerationEngine = _NoEngine()
         self.context = None
@@ -52,8 +54,13 @@ class _Learner:
     def score(self, rows):
         return self.trainer.token_log_prob_lists(rows)
 
-    def update(self, rows, learner, capability, importance=None):
-        return self.trainer.update(rows, learner, capability, importance=importance)
+    def update(self, rows, learner, capability, importance=None, reweigh=None):
+        return self.trainer.update(rows, learner, capability, importance=importance, reweigh=reweigh)
+
+    def one_step(self, n_rows):
+        return self.trainer.one_step(n_rows) and not self.scoring_pass
+
+    scoring_pass = False  # True: the shadow takes its scoring pass even where one step would not need it
 
     def weights(self):
         return snapshot(self.model, self.trainer)
@@ -134,3 +141,41 @@ def test_the_stash_round_trips_and_keeps_a_mapping_valid_across_writes(tmp_path)
     assert not all(torch.equal(stash.params()[n], t) for n, t in kept.items())
     stash.drop()
     assert not stash.path.exists()
+
+
+@pytest.mark.parametrize("per_byte", [False, True])
+def test_the_shadow_scored_in_its_own_forward_takes_the_scoring_passes_update(tmp_path, per_byte):
+    # one optimizer step (8 rows, mini-batch 8): the shadow's scores and importance weights come from the update's
+    # own forward (reweigh), no scoring pass; a shadow that differs from the learner gets the update the scoring
+    # pass gave it (old log-probs = its pre-update scores, weights from them), to float32 rounding
+    learner = _Learner(minibatch=16)  # one step, two micro-batches
+    rows = _own_rows(learner, n=12)  # three groups of 4, the last all right: A = 0, no pass in the folded form
+    rows = [r if r.group < 2 else TrainRow(r.prompt_token_ids, r.response_ids, 1.0, r.group, 0, True,
+                                             r.old_seq_log_prob, r.old_token_log_probs) for r in rows]
+    if per_byte:
+        rows = [TrainRow(r.prompt_token_ids, r.response_ids, r.reward, r.group, 0, True,
+                         r.old_seq_log_prob * len(r.response_ids) / (2 * len(r.response_ids)), r.old_token_log_probs,
+                         norm_length=2.0 * len(r.response_ids)) for r in rows]
+    first = _Learner(seed=2)  # the shadow: other weights, so the importance weights are not all 1, and an optimizer
+    first.update(_own_rows(first), 0, [1.0])  # state (AdamW's first step is sign(g): a near-zero gradient's sign is
+    other = first.weights()  # float noise, so two forms of one update agree only from the second step on)
+    got = {}
+    for fold in (True, False):
+        learner.scoring_pass = not fold
+        shadow = Shadow(tmp_path / str(fold), other, clip=2.0)
+        m = shadow.train(learner, rows, 0, [1.0, 1.0])
+        got[fold] = (shadow.saved[0], {**m, **shadow.cpu.take()})
+    assert learner.trainer.one_step(len(rows)) and not learner.trainer.one_step(17)
+    (fold, m_fold), (scored, m_scored) = got[True], got[False]
+    assert m_fold["outcome/shadow_rows"] == 12 and m_scored["outcome/shadow_rows"] == 12
+    assert m_fold["outcome/shadow_importance_mean"] != pytest.approx(1.0, abs=1e-3)
+    assert "cpu/outcome_shadow_score" not in m_fold and "cpu/outcome_shadow_score" in m_scored  # no scoring pass
+    assert all(torch.allclose(fold[n], p, atol=1e-6) for n, p in scored.items())
+    assert any(not torch.equal(fold[n], p) for n, p in other[0].items())  # it trained
+
+
+def test_reweigh_refuses_an_update_of_more_than_one_step():
+    learner = _Learner()
+    rows = _own_rows(learner, n=9)  # mini-batch 8: two steps, where the forward's scores are no longer the old ones
+    with pytest.raises(ValueError, match="reweigh needs one optimizer step"):
+        learner.update(rows, 0, [1.0], reweigh=lambda lbar, old: torch.ones_like(lbar))

@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from hacrl_fed.algorithm.registry import PolicyLossInputs
 from hacrl_fed.train_rows import TrainRow
+
+Reweigh = Callable[[Tensor, Tensor], Tensor]  # (lbar now [M], the rows' old lbar [M]) -> a weight per row [M]
+
+
+def on_policy(inputs: PolicyLossInputs, reweigh: Reweigh) -> PolicyLossInputs:
+    """A micro-batch as its own old policy: ``lbar_old <- lbar`` (detached; per token too for a token-level loss), so
+    GSPO's ratio ``exp(lbar - lbar_old)`` is exactly 1 in value with ``lbar``'s gradient, as after a no-grad scoring
+    pass with the same weights but without that pass; and ``A_i <- w_i * A_i`` with ``w = reweigh(lbar, lbar_old of
+    the rows as given)`` [M] (the outcome guard's shadow on the learner's rows, :mod:`hacrl_fed.worker.shadow`).
+    Exact for the first optimizer step of an update only (the trainer refuses more)."""
+    lbar = inputs.seq_log_probs().detach()
+    w = reweigh(lbar, inputs.old_seq_log_probs)
+    old_tok = None if inputs.old_token_log_probs is None else inputs.token_log_probs.detach()
+    return dataclasses.replace(
+        inputs, old_seq_log_probs=lbar, old_token_log_probs=old_tok, advantages=inputs.advantages * w
+    )
 
 
 def pad_rows(rows: Sequence[Sequence[float]], width: int) -> Tensor:

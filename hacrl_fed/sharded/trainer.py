@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from hacrl_fed.algorithm.advantages import Capability
+from hacrl_fed.algorithm.loss_inputs import Reweigh
 from hacrl_fed.algorithm.pre_update import PreUpdate
 from hacrl_fed.config import AlgorithmConfig, ShardingConfig, TrainerConfig
 from hacrl_fed.sharded.fsdp import copy_full_weights, full_tensor, gather, shard_model, shares, world
@@ -107,6 +108,7 @@ class ShardedTrainer(LocalTrainer):
         names: Sequence[str] | None = None,
         prepared: PreUpdate | None = None,
         importance: Sequence[float] | None = None,
+        reweigh: Reweigh | None = None,
     ) -> dict[str, float]:
         """:meth:`LocalTrainer.update` on the shards, then the replica refreshed from them (collective). The ranks
         first check they admitted the same rows (:func:`rows_digest`): a rank that took another decision would
@@ -114,7 +116,7 @@ class ShardedTrainer(LocalTrainer):
         digests = gather(rows_digest(rows))
         if len(set(digests)) > 1:
             raise RuntimeError(f"the ranks admitted different rows for this update (digests by rank: {digests})")
-        out = super().update(rows, learner, capability, names, prepared, importance)
+        out = super().update(rows, learner, capability, names, prepared, importance, reweigh)
         if out.get("train/steps", 0.0):
             copy_full_weights(self.model, self.replica)
         return out

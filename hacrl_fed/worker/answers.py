@@ -6,6 +6,7 @@ engine (the guard's reference or shadow) and puts the learner's back."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import torch
@@ -34,11 +35,19 @@ def chunk(prompts: Sequence[Any], start: int, stop: int) -> Sequence[Any]:
     return prompts if start == 0 and stop >= len(prompts) else prompts[start:stop]
 
 
-def on_engine(learner: Learner, params: dict[str, torch.Tensor], run: Callable[[], T]) -> T:
-    """``run()`` with ``params`` on the model and engine; the learner's own parameters put back whatever happens."""
-    mine = learner.params()
-    learner.load_params(params, sync=True)
+def on_engine(
+    learner: Learner,
+    params: Callable[[], dict[str, torch.Tensor]],
+    run: Callable[[], T],
+    swap: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> T:
+    """``run()`` with ``params()`` on the model and engine; the learner's own parameters put back whatever happens
+    (``swap()``: a context around each of the two swaps, e.g. a CPU tally's part)."""
+    with swap():
+        mine = learner.params()
+        learner.load_params(params(), sync=True)
     try:
         return run()
     finally:
-        learner.load_params(mine, sync=True)
+        with swap():
+            learner.load_params(mine, sync=True)

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from hacrl_fed.algorithm.advantages import Capability
+from hacrl_fed.algorithm.loss_inputs import Reweigh
 from hacrl_fed.engines.base import GenerationEngine
 from hacrl_fed.train_rows import TrainRow
 from hacrl_fed.worker.weights import Saved
@@ -26,10 +27,20 @@ class Learner(Protocol):
         ...
 
     def update(
-        self, rows: Sequence[TrainRow], learner: int, capability: Capability, importance: Sequence[float] | None = None
+        self,
+        rows: Sequence[TrainRow],
+        learner: int,
+        capability: Capability,
+        importance: Sequence[float] | None = None,
+        reweigh: Reweigh | None = None,
     ) -> dict[str, float]:
         """One update of the model's current weights and trainer state on ``rows`` (the trainer's update;
-        ``importance``: a weight per row on its advantage, :meth:`hacrl_fed.trainer.LocalTrainer.update`)."""
+        ``importance``: a weight per row on its advantage; ``reweigh``: the rows as their own old policy, each
+        advantage reweighed in the forward; :meth:`hacrl_fed.trainer.LocalTrainer.update`)."""
+        ...
+
+    def one_step(self, n_rows: int) -> bool:
+        """Whether an update of ``n_rows`` rows takes a single optimizer step (``reweigh`` needs it)."""
         ...
 
     def weights(self) -> Saved:

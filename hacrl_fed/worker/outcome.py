@@ -39,6 +39,7 @@ from hacrl_fed.algorithm.advantages import Capability
 from hacrl_fed.algorithm.outcome_guard import OutcomeGuard, OutcomeParams, Verdict
 from hacrl_fed.algorithm.sequential import prompts_read
 from hacrl_fed.config import OutcomeGuardConfig
+from hacrl_fed.perf import CpuTally
 from hacrl_fed.seeding import stable_seed
 from hacrl_fed.trainer import TrainRow
 from hacrl_fed.types import Rollout
@@ -69,6 +70,7 @@ class OutcomeMonitor:
         self.reference = Stash(store / "reference.pt")
         self.saved = False  # a reference is stashed for run_id
         self.shadow: Shadow | None = None  # the counterfactual learner (None: off, or before the run's start)
+        self.cpu = CpuTally("outcome")  # cpu/outcome_<part>: where the guard's CPU seconds go (guard_overhead.py)
 
     @classmethod
     def of(
@@ -84,12 +86,15 @@ class OutcomeMonitor:
         """Greedy correctness of the current weights on the validation split, or on ``prompts`` (the final split);
         a prompt that does not fit counts as wrong."""
         prompts = self.prompts if prompts is None else prompts
-        texts, lengths = self.book.tokens(prompts)
-        keep = self.book.fitting(prompts, lengths, self.max_new_tokens, "generation.eval_max_new_tokens", context)
-        gens = engine.greedy([texts[i] for i in keep], max_new_tokens=self.max_new_tokens) if keep else []
+        with self.cpu("verify"):
+            texts, lengths = self.book.tokens(prompts)
+            keep = self.book.fitting(prompts, lengths, self.max_new_tokens, "generation.eval_max_new_tokens", context)
+        with self.cpu("generate"):
+            gens = engine.greedy([texts[i] for i in keep], max_new_tokens=self.max_new_tokens) if keep else []
         right = [False] * len(prompts)
-        for i, g in zip(keep, gens):
-            right[i] = float(self.task.verify(g.text, prompts[i].reference)) >= 1.0
+        with self.cpu("verify"):
+            for i, g in zip(keep, gens):
+                right[i] = float(self.task.verify(g.text, prompts[i].reference)) >= 1.0
         return right
 
     def start(self, run_id: str, learner: Learner) -> dict[str, float]:
@@ -101,7 +106,8 @@ class OutcomeMonitor:
         self.run_id, self.guard = run_id, OutcomeGuard(self.params)
         right = Answers(self._live(learner, self.prompts)).upto(min(self.cfg.look, len(self.prompts)))
         self.guard.judge(0, right)  # its first look; the checks read further from the reference's file
-        self.reference.put(learner.live())
+        with self.cpu("stash"):
+            self.reference.put(learner.live())
         self.saved = True
         self.shadow = self._shadow_from(learner.live()) if self.cfg.counterfactual else None
         return {"outcome/reference_accuracy": _acc(right), "time/outcome_reference": time.perf_counter() - t0}
@@ -135,7 +141,7 @@ class OutcomeMonitor:
             self.shadow = self._shadow_from((shadow["params"], shadow["state"]) if shadow else saved)
 
     def _shadow_from(self, saved: Any) -> Shadow:
-        return Shadow(self.store, saved, self.cfg.importance_clip)
+        return Shadow(self.store, saved, self.cfg.importance_clip, self.cpu)
 
     def leave_out(self, foreign: list[Rollout], round: int, ledger: Ledger) -> tuple[list[Rollout], dict[str, float]]:
         """The rows of sources the guard admits this round; ``outcome/<source>/...`` for every source offered."""
@@ -160,7 +166,7 @@ class OutcomeMonitor:
         reads), judge and apply the verdict, then check the counterfactual when it is due."""
         self.guard.trained(trained)
         if not self.guard.due(round, last_round):
-            return {"outcome/validated": 0.0}
+            return {"outcome/validated": 0.0, **self.cpu.take()}
         t0 = time.perf_counter()
         current = Answers(self._live(learner, self.prompts))
         reference = Answers(self._stashed(learner, self.prompts, self.reference), self.guard.reference or ())
@@ -174,14 +180,16 @@ class OutcomeMonitor:
         if gate is not None:
             out["outcome/shadow_accuracy"] = _acc(gate)
         if verdict.rollback and self.saved:
-            learner.load_weights(self.reference.get())
+            with self.cpu("stash"):
+                learner.load_weights(self.reference.get())
             current = Answers(current.read, self.guard.reference or ())  # the weights now on the model
         elif verdict.new_reference:
-            self.reference.put(learner.live())
+            with self.cpu("stash"):
+                self.reference.put(learner.live())
         out["time/outcome"] = time.perf_counter() - t0
         if shadow is not None and counterfactual.due(round, last_round, self.params.every):
             out.update(self._counterfactual(round, last_round, current, shadow, learner))
-        return out
+        return {**out, **self.cpu.take()}
 
     def _read(self, reference: Answers, current: Answers, budget: int, z: float, margin: int) -> int:
         """Prompts the sequential test reads of ``budget`` (:func:`hacrl_fed.algorithm.sequential.prompts_read`)."""
@@ -205,7 +213,9 @@ class OutcomeMonitor:
 
     def _stashed(self, learner: Learner, prompts: Sequence[Any], stash: Stash) -> Read:
         """Read ``prompts[a:b]`` with a stash's parameters on the engine (the learner's put back)."""
-        return lambda a, b: on_engine(learner, stash.params(), lambda: self._answer(learner, prompts, a, b))
+        return lambda a, b: on_engine(
+            learner, stash.params, lambda: self._answer(learner, prompts, a, b), lambda: self.cpu("swap")
+        )
 
     def _shadowed(self, learner: Learner, prompts: Sequence[Any]) -> Read:
         """Read ``prompts[a:b]`` with the shadow's parameters on the engine."""
@@ -244,8 +254,9 @@ class OutcomeMonitor:
         )
         quarantined: dict[str, int] = {}
         if cf.adopt:
-            self.shadow.adopted_by(learner)
-            self.reference.put(learner.live())
+            with self.cpu("stash"):
+                self.shadow.adopted_by(learner)
+                self.reference.put(learner.live())
             quarantined = self.guard.adopt(round, list(shadow.known), cf.strike)  # its answers read on the split
         out = {
             **({"outcome/shadow_accuracy": _acc(shadow.known)} if shadow.known else {}),

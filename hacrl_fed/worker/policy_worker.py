@@ -36,6 +36,7 @@ import torch
 
 from hacrl_fed.algorithm import get_algorithm
 from hacrl_fed.algorithm.advantages import Capability
+from hacrl_fed.algorithm.loss_inputs import Reweigh
 from hacrl_fed.cancel import raise_if_cancelled
 from hacrl_fed.config import RunConfig, org_generation, org_trainer
 from hacrl_fed.engines import EngineOptions, build_engine
@@ -236,9 +237,17 @@ class PolicyWorker(RunRouting):
         return self.trainer.token_log_prob_lists(rows)
 
     def update(
-        self, rows: Sequence[TrainRow], learner: int, capability: Capability, importance: Sequence[float] | None = None
+        self,
+        rows: Sequence[TrainRow],
+        learner: int,
+        capability: Capability,
+        importance: Sequence[float] | None = None,
+        reweigh: Reweigh | None = None,
     ) -> dict[str, float]:
-        return self.trainer.update(rows, learner, capability, importance=importance)
+        return self.trainer.update(rows, learner, capability, importance=importance, reweigh=reweigh)
+
+    def one_step(self, n_rows: int) -> bool:
+        return self.trainer.one_step(n_rows)
 
     def live(self) -> Saved:
         trainable = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
