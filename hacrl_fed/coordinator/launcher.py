@@ -61,6 +61,7 @@ from hacrl_fed.config import BuildError
 from hacrl_fed.coordinator.worker_deaths import DeathWatch, phase_file_of
 from hacrl_fed.host import available_cpus
 from hacrl_fed.wire.link_secret import create_secret_file
+from hacrl_fed.worker.orphan_guard import PARENT_PID_ENV  # hacrl-fed worker stops when its parent is gone
 from hacrl_fed.worker.phase import PHASE_FILE_ENV
 
 READY = re.compile(r"^hacrl-fed worker (?P<org>\S+) listening on (?P<address>\S+)\s*$")
@@ -71,7 +72,6 @@ EXCEPTION_LINE = re.compile(r"^(?!torch\.distributed\.elastic)[A-Za-z_][\w.]*(Er
 DEFAULT_WORKER_COMMAND = (sys.executable, "-m", "hacrl_fed.cli", "worker")
 MAX_UNIX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux (104 on macOS); keep a margin
 _TAIL_LINES = 20
-PARENT_PID_ENV = "HACRL_FED_PARENT_PID"  # hacrl-fed worker stops when its parent is no longer this pid
 
 # argv: [python, -c, _DIE_WITH_PARENT, <launcher pid>, worker command...]; prctl option 1 = PR_SET_PDEATHSIG
 _DIE_WITH_PARENT = (
