@@ -332,15 +332,16 @@ def outcome(run_dir: Path, returncode: int, reference: dict[int, dict], logs: li
 
 
 def table(records: list[dict]) -> str:
-    """One line per (target, phase) with a fault injected, and one per target."""
+    """One line per (target, phase) with a fault injected, one per target, and one for all."""
     head = (
         "| target | phase | faults (phase hit) | finished | lost rows | duplicated rows | orphans "
         "| corrupt ckpt (recovered) | staging left | equal to reference | differ, gap explains | differ, unexplained |"
     )
     lines = [head, "|" + "---|" * 12]
-    for target in TARGETS:
-        for phase in (*PHASES, "all"):
-            rs = [r for r in records if r["target"] == target and r["injected"] and phase in (r["phase"], "all")]
+    for target in (*TARGETS, "all"):
+        for phase in (*PHASES, "all") if target != "all" else ("all",):
+            rs = [r for r in records if r["injected"] and target in (r["target"], "all")]
+            rs = [r for r in rs if phase in (r["phase"], "all")]
             if not rs:
                 continue
             eq, gap = sum(r["equal_to_reference"] for r in rs), sum(r["gap_explains_difference"] for r in rs)
@@ -382,7 +383,11 @@ def main() -> int:
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     p.add_argument("--out", type=Path, default=None, help="work folder (default: a new temporary one)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--table", type=Path, nargs="+", default=None, help="print the table of these JSON files, run none")
     args = p.parse_args()
+    if args.table:
+        print(table([r for path in args.table for r in json.loads(path.read_text())["faults"]]))
+        return 0
     targets = [t for t in args.targets.split(",") if t]
     if not targets or any(t not in TARGETS for t in targets):
         sys.exit(f"--targets: choose among {', '.join(TARGETS)}")
