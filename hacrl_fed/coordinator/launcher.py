@@ -18,8 +18,11 @@ a tiny shim that asks the kernel to SIGTERM it when the launching thread dies (`
 the worker command, so a killed coordinator leaves no orphan workers holding models or GPU memory (a restart with
 ``--resume`` starts fresh ones on the same sockets). A launched worker, once stopped, exits without the
 interpreter's teardown (:func:`hacrl_fed.cli.worker._exit_launched`), so it is gone within about a second. The
-signal follows the *thread* that called :meth:`WorkerProcesses.start`: start workers from a thread that lives as
-long as they should, or pass ``die_with_parent=False``.
+signal and the worker's own poll of its parent pid both act on its main thread; a daemon thread
+(:mod:`hacrl_fed.worker.orphan_guard`) ends a worker whose graceful stop has not ended it ``--grace-s`` + 15 s after
+its launcher is gone, and writes its stacks. The signal follows the *thread* that called
+:meth:`WorkerProcesses.start`: start workers from a thread that lives as long as they should, or pass
+``die_with_parent=False``.
 
 The workers on one machine share its cores: each gets ``OMP_NUM_THREADS = max(1, cores // workers)`` (torch's
 intra-op threads) unless the environment sets ``OMP_NUM_THREADS`` already (:func:`worker_threads`); a rank of a
