@@ -28,8 +28,12 @@ worker alive 10 s after its coordinator's kill, or any process of the run alive 
 disk whose manifest does not verify (with the resumes that fell back past one), staging directories left, and
 whether the learning metrics equal the reference's, and if not whether a gap explains it
 (``round/<org>/failure/stale_round``: an org whose checkpoint was ahead of the coordinator's state refused the
-round it had trained, by design; or the killed worker's rounds missing). Prints a table and writes JSON. A Flower
-deployment's SuperNode and SuperLink are not targets yet.
+round it had trained, by design; or the killed worker's rounds missing). Prints a table and writes JSON (after
+every fault, so a batch cut short keeps what it measured).
+
+* ``supernode``, ``superlink``: the same config through a real local Flower deployment (SuperLink, a SuperNode
+  and a ``hacrl-fed worker`` per org); SIGKILL org b's SuperNode (then start it again) or the SuperLink (then start
+  it again on its port and submit the run again with ``resume=true``): :mod:`fault_flower`.
 """
 
 from __future__ import annotations
@@ -44,24 +48,30 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from fault_flower import deployment_run, victim_of  # noqa: E402
 
 from hacrl_fed.worker.checkpoint_manifest import checkpoint_problem  # noqa: E402
 
 ROUNDS = 4
 ORGS = {"a": "micro-qwen-char", "b": "micro-gpt2-bpe"}
-TARGETS = ("coordinator", "worker", "rank", "async")
+TARGETS = ("coordinator", "worker", "rank", "async", "supernode", "superlink")
 PHASES = ("between", "checkpoint", "step")
 SETTING = {"coordinator": "grpc", "worker": "grpc", "rank": "sharded", "async": "async"}  # target -> its run
+SETTING.update(supernode="flower", superlink="flower")  # lock-step, as grpc, through a Flower deployment
 
 
 def write_config(folder: Path, setting: str) -> Path:
-    """The run config of ``setting``: ``grpc`` (lock-step), ``sharded`` (b on two gloo ranks), ``async`` (K = 1)."""
+    """The run config of ``setting``: ``grpc`` and ``flower`` (lock-step), ``sharded`` (b on two gloo ranks),
+    ``async`` (K = 1)."""
     orgs = [{"id": o, "model": {"zoo": z}} for o, z in ORGS.items()]
     if setting == "sharded":  # the outcome guard works on one process's weights: off for the sharded org
         orgs[1].update(sharding={"ranks": 2, "backend": "gloo"}, trainer={"outcome_guard": {"enabled": False}})
@@ -179,20 +189,28 @@ def rank_pid(agent: int, rank: int) -> int | None:
     return None
 
 
+def org_dirs(run_dir: Path) -> list[Path]:
+    """Where the workers of a run keep ``<org>/checkpoints``: the run dir's ``orgs`` (launched by the CLI), or each
+    deployment worker's own ``workers/<org>/orgs`` (beside the run dir ``work/run``)."""
+    deployed = sorted((run_dir.parent / "dep" / "workers").glob("*/orgs"))
+    return deployed or [run_dir / "orgs"]
+
+
 def staging(run_dir: Path) -> list[Path]:
-    return list((run_dir / "orgs").glob("*/checkpoints/*/.tmp-round-*"))
+    return [p for d in org_dirs(run_dir) for p in d.glob("*/checkpoints/*/.tmp-round-*")]
 
 
-def wait_phase(phase: str, delay: float, run_dir: Path, proc: subprocess.Popen) -> bool:
-    """Wait for ``phase`` (module docstring); whether it was hit (``checkpoint`` may fall back to a delay)."""
+def wait_phase(phase: str, delay: float, run_dir: Path, alive: Callable[[], bool]) -> bool:
+    """Wait for ``phase`` (module docstring) while ``alive()``; whether it was hit (``checkpoint`` may fall back to
+    a delay)."""
     if phase == "between":
         seen = len(rows(run_dir))
-        while proc.poll() is None and len(rows(run_dir)) <= seen:
+        while alive() and len(rows(run_dir)) <= seen:
             time.sleep(0.005)
-        return proc.poll() is None
+        return alive()
     if phase == "checkpoint":
         deadline = time.monotonic() + 30
-        while proc.poll() is None and time.monotonic() < deadline:
+        while alive() and time.monotonic() < deadline:
             if staging(run_dir):
                 return True
             time.sleep(0.002)
@@ -222,6 +240,8 @@ def kill(target: str, proc: subprocess.Popen, pids: dict[str, int]) -> tuple[boo
 def inject(i: int, rng: random.Random, targets: list[str], folder: Path, refs: dict[str, dict]) -> dict:
     """Fault ``i`` (module docstring); returns its record."""
     target, phase, delay = targets[i % len(targets)], rng.choice(PHASES), rng.uniform(0, 3)
+    if SETTING[target] == "flower":
+        return inject_flower(i, target, phase, delay, folder, refs["flower"])
     setting, run_dir = SETTING[target], folder / f"run-{i}"
     config = folder / f"faults-{setting}.yaml"
     proc = cli(config, run_dir)
@@ -229,7 +249,7 @@ def inject(i: int, rng: random.Random, targets: list[str], folder: Path, refs: d
     injected = hit = False
     orphans = 0
     if wait_round(run_dir, 1, proc):
-        hit = wait_phase(phase, delay, run_dir, proc)
+        hit = wait_phase(phase, delay, run_dir, lambda: proc.poll() is None)
         stage = [p.name for p in staging(run_dir)]
         everything = descendants(proc.pid)
         injected, orphans = kill(target, proc, pids)
@@ -255,13 +275,43 @@ def inject(i: int, rng: random.Random, targets: list[str], folder: Path, refs: d
     }
 
 
-def outcome(run_dir: Path, returncode: int, reference: dict[int, dict]) -> dict:
-    """What a finished (or failed) run left: rows, checkpoints, whether it equals the reference."""
+def inject_flower(i: int, target: str, phase: str, delay: float, folder: Path, reference: dict[int, dict]) -> dict:
+    """Fault ``i`` on a Flower deployment (:mod:`fault_flower`): after round 1's metrics line and ``phase``, SIGKILL
+    ``target``, restart it as a user would; returns its record."""
+    seen: dict = {"hit": False, "stage": []}
+
+    def fault(dep, run_dir: Path, alive: Callable[[], bool]):
+        deadline = time.monotonic() + 600
+        while alive() and time.monotonic() < deadline and not any(r["round"] == 1 for r in rows(run_dir)):
+            time.sleep(0.05)
+        if not alive():
+            return None
+        seen["hit"] = wait_phase(phase, delay, run_dir, alive)
+        seen["stage"] = [p.name for p in staging(run_dir)]
+        return target, victim_of(dep, target)
+
+    work = folder / f"run-{i}"
+    got = deployment_run(work, folder / "faults-flower.yaml", list(ORGS), fault)
+    head = {"fault": i, "target": target, "phase": phase, "phase_hit": seen["hit"], "delay_s": round(delay, 2)}
+    return {
+        **head,
+        "injected": got["injected"],
+        "staging_at_kill": seen["stage"],
+        "orphans": got["orphans"],
+        "returncode": got["returncode"],
+        **outcome(work / "run", got["returncode"], reference, got["logs"]),
+        "stderr_tail": got["stderr_tail"],
+    }
+
+
+def outcome(run_dir: Path, returncode: int, reference: dict[int, dict], logs: list[Path] | None = None) -> dict:
+    """What a finished (or failed) run left: rows, checkpoints, whether it equals the reference; ``logs``: the
+    workers' logs (default: the run dir's ``logs/*.log``)."""
     state = json.loads((run_dir / "coordinator_state.json").read_text()) if returncode == 0 else {}
     counts = Counter(r["round"] for r in rows(run_dir))
-    checkpoints = list((run_dir / "orgs").glob("*/checkpoints/*/round-*"))
+    checkpoints = [p for d in org_dirs(run_dir) for p in d.glob("*/checkpoints/*/round-*")]
     corrupt = [str(p) for p in checkpoints if checkpoint_problem(p) is not None]
-    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
+    logs = "".join(p.read_text(errors="replace") for p in logs or (run_dir / "logs").glob("*.log"))
     got = learning(run_dir)
     gaps = any(
         v >= 1.0
@@ -282,15 +332,16 @@ def outcome(run_dir: Path, returncode: int, reference: dict[int, dict]) -> dict:
 
 
 def table(records: list[dict]) -> str:
-    """One line per (target, phase) with a fault injected, and one per target."""
+    """One line per (target, phase) with a fault injected, one per target, and one for all."""
     head = (
         "| target | phase | faults (phase hit) | finished | lost rows | duplicated rows | orphans "
         "| corrupt ckpt (recovered) | staging left | equal to reference | differ, gap explains | differ, unexplained |"
     )
     lines = [head, "|" + "---|" * 12]
-    for target in TARGETS:
-        for phase in (*PHASES, "all"):
-            rs = [r for r in records if r["target"] == target and r["injected"] and phase in (r["phase"], "all")]
+    for target in (*TARGETS, "all"):
+        for phase in (*PHASES, "all") if target != "all" else ("all",):
+            rs = [r for r in records if r["injected"] and target in (r["target"], "all")]
+            rs = [r for r in rs if phase in (r["phase"], "all")]
             if not rs:
                 continue
             eq, gap = sum(r["equal_to_reference"] for r in rs), sum(r["gap_explains_difference"] for r in rs)
@@ -304,6 +355,26 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def reference(folder: Path, setting: str) -> dict[int, dict]:
+    """The uninterrupted run of ``setting`` in ``folder`` (reused when a finished one is there: ``--out``): its
+    learning metrics."""
+    config = write_config(folder, setting)
+    run_dir = folder / f"reference-{setting}" / ("run" if setting == "flower" else "")
+    done = run_dir / "coordinator_state.json"
+    if not (done.is_file() and json.loads(done.read_text()).get("round") == ROUNDS):
+        if setting == "flower":
+            got = deployment_run(run_dir.parent, config, list(ORGS))
+            returncode, err = got["returncode"], got["stderr_tail"]
+        else:
+            ref = cli(config, run_dir)
+            _, err = ref.communicate(timeout=900)
+            returncode = ref.returncode
+        if returncode != 0:
+            sys.exit(f"the {setting} reference run failed: {err[-500:]}")
+    print(f"reference {setting}: {len(learning(run_dir))} rows", flush=True)
+    return learning(run_dir)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--faults", type=int, default=12)
@@ -312,30 +383,25 @@ def main() -> int:
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     p.add_argument("--out", type=Path, default=None, help="work folder (default: a new temporary one)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--table", type=Path, nargs="+", default=None, help="print the table of these JSON files, run none")
     args = p.parse_args()
+    if args.table:
+        print(table([r for path in args.table for r in json.loads(path.read_text())["faults"]]))
+        return 0
     targets = [t for t in args.targets.split(",") if t]
     if not targets or any(t not in TARGETS for t in targets):
         sys.exit(f"--targets: choose among {', '.join(TARGETS)}")
     folder = args.out or Path(tempfile.mkdtemp(prefix="fault-run-"))
     folder.mkdir(parents=True, exist_ok=True)
-    rng, refs = random.Random(args.seed), {}
-    for setting in sorted({SETTING[t] for t in targets}):
-        config, done = write_config(folder, setting), folder / f"reference-{setting}" / "coordinator_state.json"
-        if not (done.is_file() and json.loads(done.read_text()).get("round") == ROUNDS):  # else: reused (--out)
-            ref = cli(config, folder / f"reference-{setting}")
-            _, err = ref.communicate(timeout=900)
-            if ref.returncode != 0:
-                sys.exit(f"the {setting} reference run failed: {err[-500:]}")
-        refs[setting] = learning(folder / f"reference-{setting}")
-        print(f"reference {setting}: {len(refs[setting])} rows", flush=True)
+    rng = random.Random(args.seed)
+    refs = {setting: reference(folder, setting) for setting in sorted({SETTING[t] for t in targets})}
     records = []
     for i in range(args.start, args.start + args.faults):
         records.append(inject(i, rng, targets, folder, refs))
         print(json.dumps(records[-1]), flush=True)
+        if args.json:  # after every fault: a batch cut short keeps what it measured
+            args.json.write_text(json.dumps({"seed": args.seed, "targets": targets, "faults": records}, indent=1))
     print(table(records))
-    if args.json:
-        data = {"seed": args.seed, "targets": targets, "faults": records}
-        args.json.write_text(json.dumps(data, indent=1))
     return 0
 
 

@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from hacrl_fed.cli.common import USAGE, add_set_flag, parser, run_command, say_line
 from hacrl_fed.wire.grpc_server import ListenError, WorkerTLS, check_listen, describe_worker, serve_worker
+from hacrl_fed.worker.orphan_guard import PARENT_PID_ENV, guard_against_orphaning
 
 if TYPE_CHECKING:
     from hacrl_fed.worker.api import WorkerAPI
 
 log = logging.getLogger("hacrl_fed.wire.grpc_server")
 PROG = "hacrl-fed worker"
+ORPHAN_MARGIN_S = 15.0  # the orphan guard's bound: --grace-s plus this (the graceful stop's own wait is grace + 5)
 
 
 def add_link_args(p: argparse.ArgumentParser) -> None:
@@ -158,6 +160,9 @@ def serve(
     if sharded:
         return _serve_rank(args, p, cfg, org_id, env, link=(tls, insecure), rank_worker=rank_worker)
     stop = stop_on_signals()
+    parent = os.environ.get(PARENT_PID_ENV)  # set by the launcher: never outlive it by more than a bound
+    if parent:
+        guard_against_orphaning(int(parent), bound_s=args.grace_s + ORPHAN_MARGIN_S)
     from hacrl_fed.worker import build_worker  # heavy (torch, model); only the real entry point needs it
 
     extra = {"run_dir": args.run_dir} if args.run_dir is not None else {}
@@ -194,10 +199,12 @@ def _serve_rank(
 
 
 def stop_on_signals() -> threading.Event:
-    """An event SIGTERM / SIGINT set (the graceful stop of :func:`serve_endpoint`)."""
+    """An event SIGTERM / SIGINT set (the graceful stop of :func:`serve_endpoint`). The handler sets it from a new
+    thread: a handler runs on the main thread between two bytecodes, maybe while that thread holds the event's own
+    lock inside ``stop.wait`` (a plain, non-reentrant lock), and ``stop.set()`` there would wait for it forever."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+        signal.signal(sig, lambda signum, frame: threading.Thread(target=stop.set, daemon=True).start())
     return stop
 
 
@@ -237,7 +244,7 @@ def serve_endpoint(
         _close(worker)
         p.exit(USAGE, f"{PROG}: {err}\n")
     say_line(f"hacrl-fed worker {org_id} listening on {server.address}")  # the one ready line
-    parent = os.environ.get("HACRL_FED_PARENT_PID")  # set by the launcher: stop when it is gone
+    parent = os.environ.get(PARENT_PID_ENV)  # set by the launcher: stop when it is gone
     while not stop.wait(0.5):
         if parent and os.getppid() != int(parent):
             log.warning("launcher (pid %s) is gone: stopping", parent)

@@ -18,8 +18,11 @@ a tiny shim that asks the kernel to SIGTERM it when the launching thread dies (`
 the worker command, so a killed coordinator leaves no orphan workers holding models or GPU memory (a restart with
 ``--resume`` starts fresh ones on the same sockets). A launched worker, once stopped, exits without the
 interpreter's teardown (:func:`hacrl_fed.cli.worker._exit_launched`), so it is gone within about a second. The
-signal follows the *thread* that called :meth:`WorkerProcesses.start`: start workers from a thread that lives as
-long as they should, or pass ``die_with_parent=False``.
+signal and the worker's own poll of its parent pid both act on its main thread; a daemon thread
+(:mod:`hacrl_fed.worker.orphan_guard`) ends a worker whose graceful stop has not ended it ``--grace-s`` + 15 s after
+its launcher is gone, and writes its stacks. The signal follows the *thread* that called
+:meth:`WorkerProcesses.start`: start workers from a thread that lives as long as they should, or pass
+``die_with_parent=False``.
 
 The workers on one machine share its cores: each gets ``OMP_NUM_THREADS = max(1, cores // workers)`` (torch's
 intra-op threads) unless the environment sets ``OMP_NUM_THREADS`` already (:func:`worker_threads`); a rank of a
@@ -61,6 +64,7 @@ from hacrl_fed.config import BuildError
 from hacrl_fed.coordinator.worker_deaths import DeathWatch, phase_file_of
 from hacrl_fed.host import available_cpus
 from hacrl_fed.wire.link_secret import create_secret_file
+from hacrl_fed.worker.orphan_guard import PARENT_PID_ENV  # hacrl-fed worker stops when its parent is gone
 from hacrl_fed.worker.phase import PHASE_FILE_ENV
 
 READY = re.compile(r"^hacrl-fed worker (?P<org>\S+) listening on (?P<address>\S+)\s*$")
@@ -71,7 +75,6 @@ EXCEPTION_LINE = re.compile(r"^(?!torch\.distributed\.elastic)[A-Za-z_][\w.]*(Er
 DEFAULT_WORKER_COMMAND = (sys.executable, "-m", "hacrl_fed.cli", "worker")
 MAX_UNIX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux (104 on macOS); keep a margin
 _TAIL_LINES = 20
-PARENT_PID_ENV = "HACRL_FED_PARENT_PID"  # hacrl-fed worker stops when its parent is no longer this pid
 
 # argv: [python, -c, _DIE_WITH_PARENT, <launcher pid>, worker command...]; prctl option 1 = PR_SET_PDEATHSIG
 _DIE_WITH_PARENT = (

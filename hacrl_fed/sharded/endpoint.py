@@ -31,10 +31,10 @@ from hacrl_fed.sharded.dispatch import RankDispatcher, close_worker, parent_aliv
 from hacrl_fed.sharded.group import RankGroup, TorchrunEnv, init_group
 from hacrl_fed.sharded.watchdog import Heartbeat, RankFault, post_outcome
 from hacrl_fed.wire.bounds import worker_limits
+from hacrl_fed.worker.orphan_guard import PARENT_PID_ENV
 
 log = logging.getLogger("hacrl_fed.wire.grpc_server")
 _BUILD_SEQ = 0
-PARENT_PID_ENV = "HACRL_FED_PARENT_PID"
 
 
 def _ppid_of(pid: int) -> int | None:
