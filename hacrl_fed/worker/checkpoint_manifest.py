@@ -20,6 +20,8 @@ from hacrl_fed.fsio import fsync_dir, write_atomic
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 _CHUNK = 1 << 20
+_KNOWN: dict[tuple[int, int, int, int], str] = {}  # (device, inode, size, mtime ns) -> SHA-256, of files linked in
+_KNOWN_MAX = 64
 
 
 def file_sha256(path: Path) -> str:
@@ -46,11 +48,27 @@ def write_manifest(folder: Path) -> dict[str, dict[str, int | str]]:
             os.fsync(fd)
         finally:
             os.close(fd)
-        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": _linked_sha256(path)}
     write_atomic(folder / MANIFEST, json.dumps({"version": MANIFEST_VERSION, "files": files}, indent=1, sort_keys=True))
     for sub in sorted({p.parent for p in _files(folder)} | {folder}, key=lambda p: len(p.parts), reverse=True):
         fsync_dir(sub)
     return files
+
+
+def _linked_sha256(path: Path) -> str:
+    """:func:`file_sha256`, remembered for a file with other names (a hard link: the outcome guard's reference,
+    which a run's checkpoints share while it stays the reference, :mod:`.checkpoint_files`) by its device, inode,
+    size and modification time, so the next checkpoint linking the same file in does not read it again. Only
+    writing a manifest takes a remembered hash; :func:`checkpoint_problem` always reads the file."""
+    st = path.stat()
+    if st.st_nlink < 2:
+        return file_sha256(path)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _KNOWN:
+        if len(_KNOWN) >= _KNOWN_MAX:
+            _KNOWN.pop(next(iter(_KNOWN)))
+        _KNOWN[key] = file_sha256(path)
+    return _KNOWN[key]
 
 
 def checkpoint_problem(folder: Path) -> str | None:

@@ -31,6 +31,7 @@ from hacrl_fed.algorithm.shadow_importance import importance_weights
 from hacrl_fed.engines.base import GenerationEngine
 from hacrl_fed.trainer import TrainRow
 from hacrl_fed.worker.answers import on_engine
+from hacrl_fed.worker.checkpoint_files import LinkedFile
 from hacrl_fed.worker.learner import Learner
 from hacrl_fed.worker.stash import Stash
 from hacrl_fed.worker.weights import Saved
@@ -41,9 +42,13 @@ Validate = Callable[[GenerationEngine, "int | None"], list[bool]]  # greedy corr
 class Shadow:
     """One learner's shadow (module doc): its weights and trainer state in ``store``/shadow.pt."""
 
-    def __init__(self, store: Path, saved: Saved, clip: float):
+    def __init__(self, store: Path, saved: Saved | LinkedFile, clip: float):
+        """Start from ``saved`` (weights and trainer state, or a checkpoint's file of them)."""
         self.stash, self.swap, self.clip = Stash(store / "shadow.pt"), Stash(store / "learner.pt"), clip
-        self.stash.put(saved)
+        if isinstance(saved, LinkedFile):
+            self.stash.take(saved)
+        else:
+            self.stash.put(saved)
 
     @property
     def saved(self) -> Saved:
@@ -64,6 +69,7 @@ class Shadow:
             self.stash.put(learner.live())
         finally:
             learner.load_weights(self.swap.get(), sync=False)
+            self.swap.drop()  # copied back: its pages need not stay on disk until the next round
         n = len(weights)
         return {
             "outcome/shadow_rows": float(n),
