@@ -21,7 +21,7 @@ from hacrl_fed.worker.checkpoint import (
     save_checkpoint,
 )
 from hacrl_fed.worker.checkpoint_files import LinkedFile, resolve_files
-from hacrl_fed.worker.checkpoint_manifest import MANIFEST, checkpoint_problem
+from hacrl_fed.worker.checkpoint_manifest import MANIFEST, checkpoint_problem, weight_file
 from hacrl_fed.worker.stash import Stash
 
 GUARD_FILE = "files/outcome_guard.reference.pt"
@@ -77,6 +77,10 @@ def test_a_corrupt_guard_file_makes_its_checkpoint_not_whole(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert good_checkpoint(tmp_path) == tmp_path / "round-000001"
     assert any(GUARD_FILE in r.getMessage() and "round-000002" in r.getMessage() for r in caplog.records)
+    # an export reads the weights alone: it checks those (and the round's state.json), not the guard's GBs
+    assert good_checkpoint(tmp_path, weight_file) == two
+    _damage(two / "model.safetensors")
+    assert good_checkpoint(tmp_path, weight_file) == tmp_path / "round-000001"
 
 
 def test_checkpoints_sharing_a_corrupt_guard_file_are_all_refused_naming_it(tmp_path):

@@ -24,6 +24,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,12 +185,14 @@ def latest_checkpoint(root: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def good_checkpoint(root: Path) -> Path | None:
+def good_checkpoint(root: Path, needed: Callable[[str], bool] | None = None) -> Path | None:
     """The newest whole checkpoint of ``root`` (its manifest verifies, :mod:`.checkpoint_manifest`): the one
     ``LATEST`` names, else (one warning line saying what was wrong) the newest older ``round-NNNNNN`` directory
     that is whole; None when ``root`` holds no checkpoint at all. :class:`CheckpointRefused` for a marker that
     points out of ``root`` (:func:`latest_checkpoint`), or when checkpoints are there and none is whole. A run whose
-    checkpoints all predate manifests resumes from them unverified (one warning line), as before manifests."""
+    checkpoints all predate manifests resumes from them unverified (one warning line), as before manifests.
+    ``needed``: whole in the files it accepts (:func:`~.checkpoint_manifest.checkpoint_problem`), for a reader of
+    those alone."""
     marker, why = root / "LATEST", ""
     try:
         named = latest_checkpoint(root)
@@ -210,7 +213,10 @@ def good_checkpoint(root: Path) -> Path | None:
     for path in ([named] if named is not None else []) + sorted(
         (p for p in dirs if limit is None or _round_of(p) < limit), key=_round_of, reverse=True
     ):
-        problem = checkpoint_problem(path) if not legacy else None if (path / "state.json").is_file() else "no state"
+        if legacy:
+            problem = None if (path / "state.json").is_file() else "no state"
+        else:
+            problem = checkpoint_problem(path, needed)
         if problem is None:
             if why:
                 log.warning("checkpoint of %s unusable (%s); resuming from %s", root, why, path.name)

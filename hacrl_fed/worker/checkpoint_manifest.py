@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from hacrl_fed.fsio import fsync_dir, write_atomic
@@ -55,6 +56,12 @@ def write_manifest(folder: Path) -> dict[str, dict[str, int | str]]:
     return files
 
 
+def weight_file(name: str) -> bool:
+    """The files of a checkpoint that hold its weights and round (``hacrl-fed export`` reads only these: not the
+    optimizer state, nor the outcome guard's files, GBs it would hash for nothing)."""
+    return name in ("model.safetensors", "state.json") or name.startswith("dcp/")
+
+
 def _linked_sha256(path: Path) -> str:
     """:func:`file_sha256`, remembered for a file with other names (a hard link: the outcome guard's reference,
     which a run's checkpoints share while it stays the reference, :mod:`.checkpoint_files`) by its device, inode,
@@ -71,9 +78,10 @@ def _linked_sha256(path: Path) -> str:
     return _KNOWN[key]
 
 
-def checkpoint_problem(folder: Path) -> str | None:
+def checkpoint_problem(folder: Path, needed: Callable[[str], bool] | None = None) -> str | None:
     """What makes checkpoint ``folder`` unusable, in a few words, or None when every file its manifest lists is
-    there with its size and hash (the manifest itself is checked for shape: a dict of sizes and hex digests)."""
+    there with its size and hash (the manifest itself is checked for shape: a dict of sizes and hex digests).
+    ``needed``: check only the listed files it accepts (a reader that opens only those: :func:`weight_file`)."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         files = manifest["files"]
@@ -83,6 +91,8 @@ def checkpoint_problem(folder: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
         return f"{MANIFEST} does not parse"
     for name, entry in sorted(files.items()):
+        if needed is not None and not needed(name):
+            continue
         path = folder / name
         if not isinstance(entry, dict) or ".." in Path(name).parts or Path(name).is_absolute():
             return f"{MANIFEST} entry {name[:80]!r} is malformed"

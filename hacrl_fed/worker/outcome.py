@@ -106,7 +106,8 @@ class OutcomeMonitor:
         self.guard.judge(0, right)  # its first look; the checks read further from the reference's file
         self.reference.put(learner.live())
         self.saved = True
-        self.shadow = self._shadow_from(learner.live()) if self.cfg.counterfactual else None
+        # the shadow starts from the same weights and state: a second name of the reference's file, not a rewrite
+        self.shadow = self._shadow_from(self.reference.file()) if self.cfg.counterfactual else None
         return {"outcome/reference_accuracy": _acc(right), "time/outcome_reference": time.perf_counter() - t0}
 
     def state_dict(self) -> dict[str, Any] | None:
