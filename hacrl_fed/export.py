@@ -41,6 +41,7 @@ from hacrl_fed.worker.checkpoint import (
     good_checkpoint,
     latest_run,
 )
+from hacrl_fed.worker.checkpoint_manifest import weight_file
 
 EXPORT_INFO = "hacrl_export.json"
 _ROUND_DIR = re.compile(r"^round-(\d{6})$")
@@ -69,7 +70,7 @@ def find_checkpoint(run_dir: Path, org_id: str, round: int | None = None) -> tup
         run_id = found[0]
     root = base / run_id
     if round is None:
-        latest = good_checkpoint(root)  # the newest whole one
+        latest = good_checkpoint(root, weight_file)  # the newest whose weights are whole (all it reads)
         assert latest is not None
         return run_id, latest
     path = root / f"round-{int(round):06d}"

@@ -35,6 +35,7 @@ from hacrl_fed.fsio import write_atomic
 from hacrl_fed.metrics import read_metrics
 from hacrl_fed.run_files import CONFIG_FILE, METRICS_FILE
 from hacrl_fed.worker.checkpoint import run_checkpoint_root
+from hacrl_fed.worker.checkpoint_files import FILES_DIR, link_or_copy
 from hacrl_fed.worker.checkpoint_manifest import checkpoint_problem, write_manifest
 from hacrl_fed.worker.routing import OUTCOME_KEY
 
@@ -126,13 +127,22 @@ def _copy_checkpoint(org: str, src: Path, run_dir: Path, run_id: str, lr: float 
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{src.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
+    shutil.copytree(src, tmp, copy_function=_link_or_copy)
     info = json.loads((tmp / "state.json").read_text())
     (tmp / "state.json").write_text(json.dumps({**info, "run_id": run_id}, indent=2, sort_keys=True))
     _retarget(tmp / "trainer.pt", run_id, lr, org)
     write_manifest(tmp)
     tmp.replace(root / src.name)
     write_atomic(root / "LATEST", src.name)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A checkpoint's ``files/`` (the outcome guard's, GBs each) are never written in place: linked; every other
+    file is copied (``trainer.pt`` and ``state.json`` are rewritten here, and a link would change the source's)."""
+    if Path(src).parent.name == FILES_DIR:
+        link_or_copy(Path(src), Path(dst))
+    else:
+        shutil.copy2(src, dst)
 
 
 def _retarget(path: Path, run_id: str, lr: float | None, org: str) -> None:

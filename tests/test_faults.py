@@ -612,6 +612,12 @@ def test_a_fork_with_no_change_replays_the_source_runs_rounds_after_r(tmp_path, 
 
     cfg, log, fork_dir = micro_cfg(tmp_path), {}, tmp_path / "fork"
     prepare_fork(cfg, forkable(uninterrupted["run_dir"]), 3, fork_dir, "faults-fork-1")
+    (src,) = (uninterrupted["run_dir"] / "orgs" / "a" / "checkpoints").glob("*/round-000003")
+    dst = fork_dir / "orgs" / "a" / "checkpoints" / "faults-fork-1" / "round-000003"
+    guard_files = sorted(p.name for p in (src / "files").iterdir())  # the outcome guard's (on by default): linked
+    assert guard_files == ["outcome_guard.reference.pt", "outcome_guard.shadow.pt"]
+    assert all(os.path.samefile(src / "files" / f, dst / "files" / f) for f in guard_files)
+    assert not os.path.samefile(src / "trainer.pt", dst / "trainer.pt")  # rewritten for the fork: a copy
     coord, _ = run_micro(cfg, fork_dir, log, resume=True)
     assert coord.run_id == "faults-fork-1" and coord.round == 4
     assert sorted(log["prompts"]) == [4] and log["trained"] == [(4, "a"), (4, "b")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from hacrl_fed.config import load_config
 from hacrl_fed.coordinator import Coordinator
 from hacrl_fed.coordinator.inprocess import InProcessTransport
 from hacrl_fed.worker import build_worker
+from hacrl_fed.worker.stash import Stash
 
 P = OutcomeParams(every=2, z=2.0, margin=2, probation=4, backoff=2.0)
 
@@ -261,20 +263,43 @@ def test_the_guard_state_round_trips_through_plain_data():
 
 
 def test_a_resumed_worker_continues_the_guard_of_its_checkpoint(tmp_path):
-    # the guard's verdict state, reference and shadow ride in the worker's checkpoint (trainer.pt, weights_only)
+    # the guard's verdict state rides in the worker's checkpoint (trainer.pt, weights_only), its reference and
+    # shadow as links to the guard's files (files/): the same bytes, not serialized again in trainer.pt
     cfg = load_config({**_cfg().model_dump(mode="json"), "federation": {
         "rounds": 2, "prompts_per_round": 4, "eval_every": 0, "min_orgs": 1, "checkpoint_every": 1}})
     workers = {o: build_worker(cfg, o, run_dir=tmp_path) for o in ("acme", "globex")}
     Coordinator(cfg, InProcessTransport(workers), tmp_path).run()
     before = workers["acme"].outcome.state_dict()
     assert before is not None and before["guard"]["reference"] is not None and before["shadow"] is not None
+    saved = {part: Stash(before[part].path).get() for part in ("reference", "shadow")}
+    saved = {part: ({k: v.clone() for k, v in p.items()}, s) for part, (p, s) in saved.items()}
+    checkpoint = next((tmp_path / "orgs" / "acme" / "checkpoints").glob("*/round-000002"))
+    for part in ("reference", "shadow"):  # linked in: one file, two names
+        assert os.path.samefile(checkpoint / "files" / f"outcome_guard.{part}.pt", before[part].path)
+    blob = torch.load(checkpoint / "trainer.pt", weights_only=True)["trainer"]["outcome_guard"]
+    assert blob["reference"] == {"checkpoint_file": "files/outcome_guard.reference.pt"}
+    for part in ("reference", "shadow"):  # the guard's files gone: the checkpoint holds its own names of them
+        before[part].path.unlink()
     again = build_worker(cfg, "acme", run_dir=tmp_path)
     assert again.outcome.state_dict() is None and again.restore() == 2
     after = again.outcome.state_dict()
     assert after["run_id"] == before["run_id"] and after["guard"] == before["guard"]
     for part in ("reference", "shadow"):
-        assert after[part]["params"].keys() == before[part]["params"].keys()
-        assert all(torch.equal(after[part]["params"][k], v) for k, v in before[part]["params"].items())
+        params, state = Stash(after[part].path).get()
+        assert params.keys() == saved[part][0].keys()
+        assert all(torch.equal(params[k], v) for k, v in saved[part][0].items())
+        assert _same(state, saved[part][1])
+
+
+def _same(a, b) -> bool:
+    """Nested dicts / lists of tensors and plain values, equal exactly."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
 
 
 @pytest.mark.parametrize("futility", [0.01, 0.0])

@@ -1,14 +1,16 @@
 """Worker checkpoints: weights (safetensors), optimizer, RNG states (torch, python), round. One directory per round,
 one folder of rounds per run.
 
-Layout: ``<ckpt_root>/round-000012/{model.safetensors, trainer.pt, state.json}`` and ``<ckpt_root>/LATEST``
+Layout: ``<ckpt_root>/round-000012/{model.safetensors, trainer.pt, state.json, files/}`` and ``<ckpt_root>/LATEST``
 (a sharded worker writes ``dcp/``, its ``torch.distributed.checkpoint`` of weights and optimizer state, in place of
 ``model.safetensors``; :mod:`hacrl_fed.sharded.checkpoint`)
 (the directory name, replaced atomically; it never moves back to an older round). The last ``keep`` checkpoints
 (at least two) are kept, and pruning removes only checkpoints older than the one just written, never a newer one.
 A checkpoint is staged in ``.tmp-round-NNNNNN``, every file fsynced and listed with its size and SHA-256 in
 ``manifest.json`` (:mod:`.checkpoint_manifest`), then renamed into place: a kill mid-write leaves only the staging
-directory. A resume takes :func:`good_checkpoint`, the newest checkpoint whose manifest verifies: a truncated or
+directory. ``files/`` holds the outcome guard's reference and shadow as links to the guard's own files, not a
+second copy (:mod:`.checkpoint_files`), and a tied tensor (Gemma's embedding and head) is written once
+(:func:`_untie`). A resume takes :func:`good_checkpoint`, the newest checkpoint whose manifest verifies: a truncated or
 corrupt newest one falls back to the one before, with one warning line. A policy worker
 keeps each run's checkpoints apart: ``ckpt_root`` is ``<run dir>/orgs/<org>/checkpoints/<run id>``
 (:func:`run_checkpoint_root`), so one run never prunes, overwrites or resumes from another run's checkpoints.
@@ -22,14 +24,17 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hacrl_fed.fsio import fsync_dir, write_atomic
 from hacrl_fed.sharded.dcp_files import SHARDED_DIR
+from hacrl_fed.worker.checkpoint_files import place_files, resolve_files
 from hacrl_fed.worker.checkpoint_manifest import MANIFEST, checkpoint_problem, write_manifest
 
 log = logging.getLogger(__name__)
@@ -86,7 +91,8 @@ def save_checkpoint(
     """Write a checkpoint for ``round`` and point ``LATEST`` at it; returns its directory."""
     tmp = stage_checkpoint(root, round)
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(_untie(weights), str(tmp / "model.safetensors"))
+    written, tied = _untie(weights)
+    save_file(written, str(tmp / "model.safetensors"), metadata={TIED: json.dumps(tied)} if tied else None)
     return commit_checkpoint(root, round, trainer_state, extra, keep)
 
 
@@ -101,11 +107,12 @@ def stage_checkpoint(root: Path, round: int) -> Path:
 
 def commit_checkpoint(root: Path, round: int, trainer_state: dict, extra: dict[str, Any], keep: int = 2) -> Path:
     """Write the trainer state, RNG states and ``state.json`` beside the staged weights, move the staging
-    directory into place, point ``LATEST`` at it and prune older checkpoints; returns its directory."""
+    directory into place, point ``LATEST`` at it and prune older checkpoints; returns its directory. Files the
+    trainer state names (:class:`~.checkpoint_files.LinkedFile`: the outcome guard's) are linked in, not rewritten."""
     out = root / f"round-{round:06d}"
     tmp = root / f".tmp-{out.name}"
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    torch.save({"trainer": trainer_state, "rng": rng}, tmp / "trainer.pt")
+    torch.save({"trainer": place_files(trainer_state, tmp), "rng": rng}, tmp / "trainer.pt")
     (tmp / "state.json").write_text(json.dumps({"round": round, **extra}, indent=2, sort_keys=True))
     write_manifest(tmp)  # every file fsynced and hashed: the directory renamed next is whole on disk
     shutil.rmtree(out, ignore_errors=True)
@@ -133,15 +140,27 @@ def _round_of(path: Path) -> int:
         return -1
 
 
-def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses shared storage (tied embeddings): give every tensor its own copy."""
+TIED = "tied"  # model.safetensors metadata: {name: the name its tensor is written under} (tied embeddings)
+
+
+def _untie(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(tensors to write, tied)``: safetensors refuses shared storage, so a tensor that *is* an earlier one (tied
+    embeddings: the same data, shape, strides and dtype) is written once and named in ``tied`` (``{its name: the
+    name written}``, restored by :func:`checkpoint_weights`; Gemma 3's 168M-parameter embedding is not written
+    twice); a tensor sharing storage any other way gets its own copy."""
     seen: set[int] = set()
-    out = {}
+    first: dict[tuple, str] = {}
+    out, tied = {}, {}
     for k, v in weights.items():
+        view = (v.data_ptr(), tuple(v.shape), v.stride(), v.dtype)
+        if view in first and v.numel():
+            tied[k] = first[view]
+            continue
         ptr = v.untyped_storage().data_ptr()
         out[k] = v.clone() if ptr in seen else v
         seen.add(ptr)
-    return out
+        first[view] = k
+    return out, tied
 
 
 CHECKPOINT_NAME = re.compile(r"^round-[0-9]{6,}$")
@@ -166,12 +185,14 @@ def latest_checkpoint(root: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def good_checkpoint(root: Path) -> Path | None:
+def good_checkpoint(root: Path, needed: Callable[[str], bool] | None = None) -> Path | None:
     """The newest whole checkpoint of ``root`` (its manifest verifies, :mod:`.checkpoint_manifest`): the one
     ``LATEST`` names, else (one warning line saying what was wrong) the newest older ``round-NNNNNN`` directory
     that is whole; None when ``root`` holds no checkpoint at all. :class:`CheckpointRefused` for a marker that
     points out of ``root`` (:func:`latest_checkpoint`), or when checkpoints are there and none is whole. A run whose
-    checkpoints all predate manifests resumes from them unverified (one warning line), as before manifests."""
+    checkpoints all predate manifests resumes from them unverified (one warning line), as before manifests.
+    ``needed``: whole in the files it accepts (:func:`~.checkpoint_manifest.checkpoint_problem`), for a reader of
+    those alone."""
     marker, why = root / "LATEST", ""
     try:
         named = latest_checkpoint(root)
@@ -192,7 +213,10 @@ def good_checkpoint(root: Path) -> Path | None:
     for path in ([named] if named is not None else []) + sorted(
         (p for p in dirs if limit is None or _round_of(p) < limit), key=_round_of, reverse=True
     ):
-        problem = checkpoint_problem(path) if not legacy else None if (path / "state.json").is_file() else "no state"
+        if legacy:
+            problem = None if (path / "state.json").is_file() else "no state"
+        else:
+            problem = checkpoint_problem(path, needed)
         if problem is None:
             if why:
                 log.warning("checkpoint of %s unusable (%s); resuming from %s", root, why, path.name)
@@ -207,7 +231,10 @@ def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
     """The whole weights of checkpoint ``path`` by parameter name: its ``model.safetensors``, or for a sharded
     worker's checkpoint (``dcp/``, :mod:`hacrl_fed.sharded.checkpoint`) the shards read back whole."""
     if (path / "model.safetensors").is_file() or not (path / SHARDED_DIR).is_dir():
-        return load_file(str(path / "model.safetensors"))
+        weights = load_file(str(path / "model.safetensors"))
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            tied = json.loads((f.metadata() or {}).get(TIED, "{}"))
+        return {**weights, **{name: weights[src] for name, src in tied.items()}}  # a tied tensor is its source
     from hacrl_fed.sharded.dcp_files import read_whole
 
     return read_whole(path, "model")
@@ -232,9 +259,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> tuple[dict, dict[str,
 
 
 def load_trainer_state(path: Path) -> dict:
-    """Restore the RNG states of checkpoint ``path`` and return its trainer state (``trainer.pt``)."""
+    """Restore the RNG states of checkpoint ``path`` and return its trainer state (``trainer.pt``), the files it
+    keeps beside (``files/``) as :class:`~.checkpoint_files.LinkedFile` values naming them."""
     blob = torch.load(path / "trainer.pt", weights_only=True)  # never unpickle arbitrary objects
     rng = blob["rng"]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    return blob["trainer"]
+    return resolve_files(blob["trainer"], path)

@@ -20,9 +20,10 @@ the quarantine of foreign rows and the rollback.
   ``outcome/<source>/blamed_counterfactual``).
 
 The state lives in the org's ``guard/`` folder for the worker's current run and rides in the worker's checkpoints
-(:meth:`OutcomeMonitor.state_dict`: the guard's verdict state, the reference weights and trainer state, the
-shadow's), so a worker resumed from a checkpoint continues the guard of the run it left, shadow included; a
-checkpoint written without it (the guard off then) starts the guard afresh from the restored weights.
+(:meth:`OutcomeMonitor.state_dict`: the guard's verdict state in ``trainer.pt``, the reference's and the shadow's
+files linked into the checkpoint's ``files/``, :mod:`hacrl_fed.worker.checkpoint_files`), so a worker resumed from
+a checkpoint continues the guard of the run it left, shadow included; a checkpoint written without it (the guard off
+then) starts the guard afresh from the restored weights.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ from hacrl_fed.seeding import stable_seed
 from hacrl_fed.trainer import TrainRow
 from hacrl_fed.types import Rollout
 from hacrl_fed.worker.answers import Answers, Read, chunk, on_engine
+from hacrl_fed.worker.checkpoint_files import LinkedFile
 from hacrl_fed.worker.intake import Admitted, LeaveOut
 from hacrl_fed.worker.learner import Learner
 from hacrl_fed.worker.ledger import Ledger
 from hacrl_fed.worker.shadow import Shadow
 from hacrl_fed.worker.stash import Stash
+from hacrl_fed.worker.weights import Saved
 
 
 class OutcomeMonitor:
@@ -109,38 +112,42 @@ class OutcomeMonitor:
         with self.cpu("stash"):
             self.reference.put(learner.live())
         self.saved = True
-        self.shadow = self._shadow_from(learner.live()) if self.cfg.counterfactual else None
+        # the shadow starts from the same weights and state: a second name of the reference's file, not a rewrite
+        self.shadow = self._shadow_from(self.reference.file()) if self.cfg.counterfactual else None
         return {"outcome/reference_accuracy": _acc(right), "time/outcome_reference": time.perf_counter() - t0}
 
     def state_dict(self) -> dict[str, Any] | None:
-        """What a checkpoint keeps of this monitor (plain data and tensors: ``torch.load(weights_only=True)``
-        reads it back); None before the run's reference exists."""
+        """What a checkpoint keeps of this monitor: the run, the verdict state (plain data) and the reference's and
+        shadow's files (:class:`~hacrl_fed.worker.checkpoint_files.LinkedFile`: a checkpoint links them in, it does
+        not serialize their weights and optimizer state again); None before the run's reference exists."""
         if self.run_id is None or not self.saved:
             return None
-        params, state = self.reference.get()
-        shadow = None if self.shadow is None else self.shadow.saved
         return {
             "run_id": self.run_id,
             "guard": self.guard.state(),
-            "reference": {"params": params, "state": state},
-            "shadow": None if shadow is None else {"params": shadow[0], "state": shadow[1]},
+            "reference": self.reference.file(),
+            "shadow": None if self.shadow is None else self.shadow.stash.file(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the guard :meth:`state_dict` described (a resumed worker): its run, verdict state, reference
-        and shadow; a shadow the checkpoint lacks (counterfactual off then) starts from the reference."""
+        and shadow (a checkpoint's files, taken by link; a checkpoint written before ``files/`` holds them inline,
+        ``{"params", "state"}``); a shadow the checkpoint lacks (counterfactual off then) starts from the reference."""
         self.run_id = str(state["run_id"])
         self.guard = OutcomeGuard.from_state(self.params, state["guard"])
-        saved = (state["reference"]["params"], state["reference"]["state"])
-        self.reference.put(saved)
+        reference = _saved(state["reference"])
+        if isinstance(reference, LinkedFile):
+            self.reference.take(reference)
+        else:
+            self.reference.put(reference)
         self.saved = True
         shadow = state.get("shadow")
         if not self.cfg.counterfactual:
             self.shadow = None
         else:
-            self.shadow = self._shadow_from((shadow["params"], shadow["state"]) if shadow else saved)
+            self.shadow = self._shadow_from(_saved(shadow) if shadow else reference)
 
-    def _shadow_from(self, saved: Any) -> Shadow:
+    def _shadow_from(self, saved: Saved | LinkedFile) -> Shadow:
         return Shadow(self.store, saved, self.cfg.importance_clip, self.cpu)
 
     def leave_out(self, foreign: list[Rollout], round: int, ledger: Ledger) -> tuple[list[Rollout], dict[str, float]]:
@@ -303,6 +310,11 @@ def _final_ids(seed: int, size: int, n: int, validation: set[int]) -> list[int]:
         if i not in validation:
             drawn[i] = None
     return list(drawn)
+
+
+def _saved(part: LinkedFile | dict[str, Any]) -> Saved | LinkedFile:
+    """A checkpoint's reference or shadow: its file, or (written before ``files/``) its weights and state inline."""
+    return part if isinstance(part, LinkedFile) else (part["params"], part["state"])
 
 
 def _acc(right: Sequence[bool]) -> float:

@@ -37,6 +37,7 @@ from hacrl_fed.engines.base import GenerationEngine
 from hacrl_fed.perf import CpuTally
 from hacrl_fed.trainer import TrainRow
 from hacrl_fed.worker.answers import on_engine
+from hacrl_fed.worker.checkpoint_files import LinkedFile
 from hacrl_fed.worker.learner import Learner
 from hacrl_fed.worker.stash import Stash
 from hacrl_fed.worker.weights import Saved
@@ -47,11 +48,15 @@ Validate = Callable[[GenerationEngine, "int | None"], list[bool]]  # greedy corr
 class Shadow:
     """One learner's shadow (module doc): its weights and trainer state in ``store``/shadow.pt."""
 
-    def __init__(self, store: Path, saved: Saved, clip: float, cpu: CpuTally | None = None):
+    def __init__(self, store: Path, saved: Saved | LinkedFile, clip: float, cpu: CpuTally | None = None):
+        """Start from ``saved`` (weights and trainer state, or a checkpoint's file of them)."""
         self.stash, self.swap, self.clip = Stash(store / "shadow.pt"), Stash(store / "learner.pt"), clip
         self.cpu = cpu or CpuTally("outcome")  # parts shadow_stash, shadow_score, shadow_update, swap
         with self.cpu("stash"):
-            self.stash.put(saved)
+            if isinstance(saved, LinkedFile):
+                self.stash.take(saved)
+            else:
+                self.stash.put(saved)
 
     @property
     def saved(self) -> Saved:
@@ -76,6 +81,7 @@ class Shadow:
         finally:
             with cpu("shadow_stash"):
                 learner.load_weights(self.swap.get(), sync=False)
+                self.swap.drop()  # copied back: its pages need not stay on disk until the next round
         n = max(len(weights), 1)  # the rows with a gradient where the update took its scores in its forward
         return {
             "outcome/shadow_rows": float(len(own)),

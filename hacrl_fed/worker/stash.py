@@ -7,6 +7,9 @@ to a temporary file renamed over the stash (a reader's mapping of the old file s
 memory-mapped (``torch.load(mmap=True, weights_only=True)``): the pages are read from disk as they are copied onto
 the model and are the page cache's, not the process's, once the mapping is dropped. So the guard adds to a
 learner's live memory at most one more copy of the weights and trainer state, and only while one is being copied.
+Because a stash is only ever replaced by a rename, a worker checkpoint keeps its file as a hard link
+(:meth:`Stash.file`, :mod:`hacrl_fed.worker.checkpoint_files`) and a resume takes it back the same way
+(:meth:`Stash.take`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from hacrl_fed.worker.checkpoint_files import LinkedFile, link_or_copy
 from hacrl_fed.worker.weights import Saved
 
 
@@ -30,6 +34,19 @@ class Stash:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         torch.save({"params": saved[0], "state": saved[1]}, tmp)
+        os.replace(tmp, self.path)
+
+    def file(self) -> LinkedFile:
+        """This stash's file, for a checkpoint to keep by link (:mod:`hacrl_fed.worker.checkpoint_files`): it is
+        never written in place, a new version is renamed over it."""
+        return LinkedFile(self.path)
+
+    def take(self, source: LinkedFile) -> None:
+        """Make ``source``'s file (a checkpoint's) this stash, by link where the file system allows: the same
+        bytes, none rewritten."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        link_or_copy(source.path, tmp)
         os.replace(tmp, self.path)
 
     def get(self) -> Saved:
