@@ -218,9 +218,9 @@ def _wrap_update(recorders: dict[str, Recorder]):
 
     original = LocalTrainer.update
 
-    def update(self, rows, learner, capability, names=None, prepared=None, importance=None):
+    def update(self, rows, learner, capability, names=None, prepared=None, importance=None, reweigh=None):
         prepared = self.prepare(rows, names) if prepared is None and rows else prepared
-        out = original(self, rows, learner, capability, names, prepared, importance)
+        out = original(self, rows, learner, capability, names, prepared, importance, reweigh)
         rec = recorders.get(names[learner]) if names is not None and rows else None
         if rec is not None:  # the update's own (pure) advantages
             adv = self.advantages(rows, learner, capability, prepared).tolist()
